@@ -1,0 +1,238 @@
+"""One typed config tree: frozen dataclasses validated in ``__post_init__``.
+
+Hydra is only the front door (``megainfer.launch``): it composes YAML and turns it into
+these objects. Nothing under ``megainfer/`` imports Hydra. Every validation failure is a
+``ConfigError`` (a ``ValueError``) whose message names the offending field and value.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, fields
+from typing import Optional
+
+SUPPORTED_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")
+
+
+class ConfigError(ValueError):
+    """A config field has a bad value; the message names the field."""
+
+
+def _require(ok: bool, name: str, value, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name}={value!r}: {why}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture of one MoE checkpoint, read from its HF ``config.json``."""
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    intermediate_size: int = 0  # dense MLP width (dense layers only)
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    norm_topk_prob: bool = True
+    qk_norm: bool = False
+    attention_bias: bool = False
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    mlp_only_layers: tuple[int, ...] = ()
+    decoder_sparse_step: int = 1
+    bos_token_id: Optional[int] = None
+    eos_token_id: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        _require(self.family in SUPPORTED_FAMILIES, "model.family", self.family,
+                 f"unsupported; supported families: {', '.join(SUPPORTED_FAMILIES)}")
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "num_experts", "top_k", "moe_intermediate_size",
+                     "max_position_embeddings", "decoder_sparse_step"):
+            v = getattr(self, name)
+            _require(isinstance(v, int) and v > 0, f"model.{name}", v, "must be a positive integer")
+        _require(self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads", self.num_kv_heads,
+                 f"must divide num_heads={self.num_heads}")
+        _require(self.top_k <= self.num_experts, "model.top_k", self.top_k,
+                 f"must be <= num_experts={self.num_experts}")
+        _require(self.rms_norm_eps > 0, "model.rms_norm_eps", self.rms_norm_eps, "must be > 0")
+        if self.dense_layers():
+            _require(self.intermediate_size > 0, "model.intermediate_size", self.intermediate_size,
+                     "dense layers need a positive intermediate_size")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """HF Qwen rule: sparse unless listed in mlp_only_layers or off the sparse step."""
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.num_layers) if self.is_moe_layer(i)]
+
+    def dense_layers(self) -> list[int]:
+        return [i for i in range(self.num_layers) if not self.is_moe_layer(i)]
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict) -> "ModelConfig":
+        family = cfg.get("model_type", "")
+        _require(family in SUPPORTED_FAMILIES, "config.json model_type", family,
+                 f"unsupported; supported families: {', '.join(SUPPORTED_FAMILIES)}")
+        if cfg.get("sliding_window") and cfg.get("use_sliding_window", family == "mixtral"):
+            raise ConfigError(f"config.json sliding_window={cfg['sliding_window']!r}: "
+                              "sliding-window attention is not supported")
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        _require(rope_type == "default", "config.json rope_type", rope_type,
+                 "only default RoPE is supported")
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+        eos = cfg.get("eos_token_id")
+        eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+        if family == "mixtral":
+            moe_inter, inter, shared, norm_topk = cfg["intermediate_size"], 0, 0, True
+        else:
+            moe_inter, inter = cfg["moe_intermediate_size"], cfg.get("intermediate_size", 0)
+            shared = cfg.get("shared_expert_intermediate_size", 0) if family == "qwen2_moe" else 0
+            norm_topk = bool(cfg.get("norm_topk_prob", False))
+        return cls(
+            family=family, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            num_layers=cfg["num_hidden_layers"], num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads, head_dim=head_dim,
+            num_experts=experts, top_k=cfg["num_experts_per_tok"],
+            moe_intermediate_size=moe_inter, intermediate_size=inter or 0,
+            shared_expert_intermediate_size=shared or 0, norm_topk_prob=norm_topk,
+            qk_norm=family == "qwen3_moe",
+            attention_bias=bool(cfg.get("attention_bias", family == "qwen2_moe")),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
+            decoder_sparse_step=cfg.get("decoder_sparse_step", 1) or 1,
+            bos_token_id=cfg.get("bos_token_id"), eos_token_id=eos,
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str) -> "ModelConfig":
+        cfg_path = os.path.join(path, "config.json")
+        if not os.path.isfile(cfg_path):
+            raise ConfigError(f"model.path={path!r}: no config.json in that directory")
+        with open(cfg_path) as f:
+            return cls.from_hf_dict(json.load(f))
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """Where weights come from. ``load_format='dummy'`` draws seeded random weights."""
+
+    path: Optional[str] = None
+    load_format: str = "safetensors"  # safetensors | dummy
+    dtype: str = "float32"
+    seed: int = 0
+
+    def __post_init__(self):
+        _require(self.load_format in ("safetensors", "dummy"), "model.load_format",
+                 self.load_format, "must be 'safetensors' or 'dummy'")
+        _require(self.dtype in ("float32", "bfloat16", "float16"), "model.dtype", self.dtype,
+                 "must be float32, bfloat16 or float16")
+        if self.load_format == "safetensors":
+            _require(self.path is not None and os.path.isdir(self.path), "model.path", self.path,
+                     "must be an existing checkpoint directory (or use load_format=dummy)")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: ``num_blocks`` blocks of ``block_size`` tokens per layer."""
+
+    block_size: int = 16
+    num_blocks: int = 512
+
+    def __post_init__(self):
+        _require(self.block_size > 0, "cache.block_size", self.block_size, "must be > 0")
+        _require(self.num_blocks > 0, "cache.num_blocks", self.num_blocks, "must be > 0")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Token budget per step (vLLM v1 style): decode tokens and prefill chunks share it."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            v = getattr(self, name)
+            _require(isinstance(v, int) and v > 0, f"scheduler.{name}", v, "must be a positive integer")
+        if not self.enable_chunked_prefill:
+            _require(self.max_num_batched_tokens >= self.max_model_len,
+                     "scheduler.max_num_batched_tokens", self.max_num_batched_tokens,
+                     f"must be >= max_model_len={self.max_model_len} without chunked prefill")
+
+
+DEPLOY_MODES = ("single", "colocated", "disaggregated")
+
+
+@dataclass(frozen=True)
+class DeployPlan:
+    """How ranks are split: attention replicas x TP, then expert ranks (DESIGN §6 rank order)."""
+
+    mode: str = "single"
+    attention_replicas: int = 1
+    attention_tp: int = 1
+    expert_ranks: int = 0
+    micro_batches: int = 1
+
+    def __post_init__(self):
+        _require(self.mode in DEPLOY_MODES, "deploy.mode", self.mode,
+                 f"must be one of {', '.join(DEPLOY_MODES)}")
+        for name in ("attention_replicas", "attention_tp", "micro_batches"):
+            v = getattr(self, name)
+            _require(isinstance(v, int) and v >= 1, f"deploy.{name}", v, "must be an integer >= 1")
+        _require(isinstance(self.expert_ranks, int) and self.expert_ranks >= 0,
+                 "deploy.expert_ranks", self.expert_ranks, "must be an integer >= 0")
+        if self.mode == "disaggregated":
+            _require(self.expert_ranks >= 1, "deploy.expert_ranks", self.expert_ranks,
+                     "disaggregated mode needs at least one expert rank")
+        if self.mode == "single":
+            _require(self.world_size == 1, "deploy.mode", self.mode,
+                     "single mode runs one process: attention_replicas=1, attention_tp=1, expert_ranks=0")
+
+    @property
+    def attention_ranks(self) -> int:
+        return self.attention_replicas * self.attention_tp
+
+    @property
+    def world_size(self) -> int:
+        if self.mode == "colocated":
+            return self.attention_ranks
+        return self.attention_ranks + self.expert_ranks
+
+    def check_world_size(self, world: int) -> None:
+        if world != self.world_size:
+            raise ConfigError(
+                f"world size {world} does not match deploy plan {self}: it needs "
+                f"{self.world_size} ranks ({self.attention_replicas} attention replicas x tp "
+                f"{self.attention_tp}" + (f" + {self.expert_ranks} expert ranks" if self.mode ==
+                                          "disaggregated" else "") + ")")
+
+
+def replace_fields(obj, **changes):
+    """``dataclasses.replace`` that names unknown keys in a ConfigError."""
+    from dataclasses import replace
+    known = {f.name for f in fields(obj)}
+    for k in changes:
+        _require(k in known, f"{type(obj).__name__}.{k}", changes[k], "unknown config key")
+    return replace(obj, **changes)
+
+
+__all__ = ["ConfigError", "ModelConfig", "LoadConfig", "CacheConfig", "SchedulerConfig",
+           "DeployPlan", "replace_fields", "field"]
