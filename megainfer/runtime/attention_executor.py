@@ -14,6 +14,7 @@ the exchange and broadcasts the routed output to its TP peers.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -48,10 +49,12 @@ class DisaggregatedExecutor:
         self.to_physical = to_physical  # logical top-k ids -> physical slot ids (EPLB), or None
         self.tracer = tracer or Tracer(enabled=False)
         self.iteration = 0
+        self.step_log: list[tuple[int, int, float]] = []  # (sequences, tokens, seconds) per step
 
     @torch.inference_mode()
     def execute(self, step) -> torch.Tensor:
         """StepInput -> logits [len(step.sample_rows), V] float32 (same on every TP rank)."""
+        t0 = time.perf_counter()
         groups = split_by_tokens(step.query_lens, self.m)
         mbs = [self._start(part) for part in step.split(groups)]
         for l, layer in enumerate(self.model.layers):
@@ -65,8 +68,10 @@ class DisaggregatedExecutor:
         for i, mb in enumerate(mbs):
             self._finish(mb, i)
         hidden = torch.cat([mb.hidden for mb in mbs]) if mbs else None  # [T, H] in batch order
+        logits = self._logits(step, groups, mbs, hidden)
         self.iteration += 1
-        return self._logits(step, groups, mbs, hidden)
+        self.step_log.append((step.num_seqs, step.num_tokens, time.perf_counter() - t0))
+        return logits
 
     # ------------------------------------------------------------------ pieces
     def _start(self, part) -> _MicroBatch:

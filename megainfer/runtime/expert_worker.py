@@ -14,11 +14,14 @@ log = logging.getLogger("megainfer.runtime")
 
 class ExpertWorker:
     def __init__(self, model, micro_batches: int, exchange, tag: str, tracer: Tracer | None = None,
-                 load_stats=None):
+                 load_stats=None, trace_comm: bool = True):
         self.model, self.m, self.exchange, self.tag = model, micro_batches, exchange, tag
         self.moe_layers = [i for i, layer in enumerate(model.layers) if layer.is_moe]
         self.tracer = tracer or Tracer(enabled=False)
         self.load_stats = load_stats  # optional callable(layer, topk_ids) for EPLB statistics
+        # expert ranks trace their receive waits (A2E) and replies (E2A); colocated ranks don't,
+        # those lanes already hold their attention side's dispatch and combine
+        self.trace_comm = trace_comm
         self.iteration = 0
 
     def run(self) -> int:
@@ -38,9 +41,14 @@ class ExpertWorker:
     def serve_one(self, iteration: int, l: int, i: int) -> bool:
         """Receive every replica's tokens for (layer l, micro-batch i), compute, reply.
         False when the message was a stop."""
+        t0 = self.tracer.now_us()
         batch = self.exchange.receive(iteration, l, i)  # one entry per replica
         if batch is None:
             return False
+        if self.trace_comm:
+            n = sum(b[0].shape[0] for b in batch)
+            self.tracer.add("A2E", f"A2E wait L{l} mb{i}", t0, self.tracer.now_us() - t0,
+                            iteration, l, i, n)
         self._compute_and_reply(iteration, l, i, batch)
         return True
 
@@ -58,4 +66,8 @@ class ExpertWorker:
                 out = experts(x, w.to(x.dtype), ids)  # [n, H] partial sums over local slots
             else:
                 out = torch.empty(0, experts.down_proj.shape[1])
-        self.exchange.reply(iteration, l, i, list(torch.split(out, counts)))
+        if self.trace_comm:
+            with self.tracer.span("E2A", f"E2A L{l} mb{i}", iteration, l, i, n):
+                self.exchange.reply(iteration, l, i, list(torch.split(out, counts)))
+        else:
+            self.exchange.reply(iteration, l, i, list(torch.split(out, counts)))

@@ -89,6 +89,7 @@ def build_rank(job: JobSpec, comm=MPI.COMM_WORLD) -> Rank:
     plan, cfg = job.plan, job.model
     role = assign_role(plan, rank, world)
     policy = WaitPolicy(mode=job.rt.wait_mode, timeout_s=job.rt.timeout_s)
+    comm.Barrier()  # one clock: every rank's trace epoch is taken right after this barrier
     tracer = Tracer(enabled=job.rt.trace, rank=rank, name=role.tag, mode=plan.mode)
     colocated = plan.mode == "colocated"
     leaders = leader_ranks(plan)
@@ -144,7 +145,8 @@ def _build_colocated(job, out, m2n, slots, control, tracer):
     model = build_model(cfg, job.load, role="full", expert_slots=[mine] * cfg.num_layers)
     exchange = AttentionExchange(m2n, _slot_owner(cfg.num_experts, slots), tracer,
                                  lanes=("dispatch", "combine"))
-    worker = ExpertWorker(model, plan.micro_batches, ExpertExchange(m2n), role.tag, tracer)
+    worker = ExpertWorker(model, plan.micro_batches, ExpertExchange(m2n), role.tag, tracer,
+                          trace_comm=False)
     engine = _engine(job, role, model, lambda kv: ColocatedExecutor(
         model, kv, job.cache.block_size, plan.micro_batches, exchange, worker, tracer=tracer))
     out.loop = ReplicaLoop(engine, role, plan, control, None, cfg.moe_layers()[0])
