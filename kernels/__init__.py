@@ -1,6 +1,12 @@
-"""MoE kernels (installed as ``megainfer.kernels``): each fast path has a pure-torch reference."""
-from .reference import fused_moe_ref
+"""MoE kernels (installed as ``megainfer.kernels``): each fast path has a pure-torch reference.
 
-fused_moe = fused_moe_ref  # until the fast paths land
+Dispatch: CUDA tensors go to the Triton kernels, CPU tensors to the vectorised torch path.
+``backend="triton"`` forces Triton (on CPU only under ``TRITON_INTERPRET=1``, for tests).
+Triton modules are imported lazily, so importing this package never needs a GPU.
+"""
+from .dispatch import fused_moe, moe_align, select_experts
+from .reference import RoutingError, fused_moe_ref, moe_align_ref, select_experts_ref
+from .torch_moe import fused_moe_torch
 
-__all__ = ["fused_moe", "fused_moe_ref"]
+__all__ = ["fused_moe", "select_experts", "moe_align", "fused_moe_ref", "select_experts_ref",
+           "moe_align_ref", "fused_moe_torch", "RoutingError"]

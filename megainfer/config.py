@@ -202,6 +202,9 @@ class DeployPlan:
         if self.mode == "disaggregated":
             _require(self.expert_ranks >= 1, "deploy.expert_ranks", self.expert_ranks,
                      "disaggregated mode needs at least one expert rank")
+        if self.mode == "colocated":
+            _require(self.attention_tp == 1, "deploy.attention_tp", self.attention_tp,
+                     "colocated mode runs data parallel attention only (attention_tp=1)")
         if self.mode == "single":
             _require(self.world_size == 1, "deploy.mode", self.mode,
                      "single mode runs one process: attention_replicas=1, attention_tp=1, expert_ranks=0")
