@@ -118,12 +118,12 @@ def _decode_batch(q, kv_cache, meta, seqs, rows, scale, out):
     idx = torch.tensor(seqs, dtype=torch.long, device=q.device)
     blocks = meta.block_tables[idx, : math.ceil(L / BS)]  # [S_d, nb]
     keys, vals = _gather_context(kv_cache, blocks, L)  # [S_d, L, Hkv, D]
-    group = q.shape[1] // keys.shape[2]
-    keys, vals = keys.repeat_interleave(group, 2), vals.repeat_interleave(group, 2)
     qd = q[torch.tensor(rows, dtype=torch.long, device=q.device)]  # [S_d, Hq, D]
     mask = torch.arange(L, device=q.device)[None, :] < meta.seq_lens[idx][:, None]  # [S_d, L]
+    # enable_gqa: query head h reads kv head h // group, without materialising repeated K/V
     o = F.scaled_dot_product_attention(qd[:, :, None, :], keys.transpose(1, 2), vals.transpose(1, 2),
-                                       attn_mask=mask[:, None, None, :], scale=scale)  # [S_d,Hq,1,D]
+                                       attn_mask=mask[:, None, None, :], scale=scale,
+                                       enable_gqa=True)  # [S_d, Hq, 1, D]
     out[torch.tensor(rows, dtype=torch.long, device=q.device)] = o[:, :, 0, :]
 
 
@@ -133,10 +133,9 @@ def _prefill_one(q, kv_cache, meta, i, start, n, scale, out):
     ctx = L - n
     blocks = meta.block_tables[i, : math.ceil(L / meta.block_size)]
     keys, vals = _gather_context(kv_cache, blocks, L)  # [L, Hkv, D]
-    group = q.shape[1] // keys.shape[1]
-    keys, vals = keys.repeat_interleave(group, 1), vals.repeat_interleave(group, 1)
     qpos = torch.arange(ctx, L, device=q.device)[:, None]
     mask = torch.arange(L, device=q.device)[None, :] <= qpos  # [n, L]
     o = F.scaled_dot_product_attention(q[start:start + n].transpose(0, 1), keys.transpose(0, 1),
-                                       vals.transpose(0, 1), attn_mask=mask, scale=scale)
+                                       vals.transpose(0, 1), attn_mask=mask, scale=scale,
+                                       enable_gqa=True)  # [Hq, n, D]
     out[start:start + n] = o.transpose(0, 1)
