@@ -1,0 +1,169 @@
+"""Offline throughput: ``megainfer.LLM.generate`` vs Hugging Face ``generate``, side by side.
+
+    python perf/bench_offline.py [--batch 32 --input-len 64 --output-len 64 --repeats 3]
+
+Same checkpoint (a ~49M-parameter Mixtral-shaped model, random weights, saved with
+``save_pretrained``), same prompts (random token ids, all the same length so HF needs no
+padding), greedy, eos ignored. Each side runs ``--repeats`` times, alternating; the table shows
+medians. Also measured in the same run: this machine's fp32 matmul rate (the roofline), and
+the fraction of it each side reaches, counting 2 x active parameters FLOPs per token processed
+(prompt + generated) plus attention. Writes ``perf/results/bench_offline.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def build_checkpoint(path: str, a) -> None:
+    import transformers
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(
+        vocab_size=a.vocab, hidden_size=a.hidden, num_hidden_layers=a.layers,
+        num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, num_local_experts=a.experts,
+        num_experts_per_tok=a.top_k, intermediate_size=a.inter, max_position_embeddings=2048,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    transformers.MixtralForCausalLM(cfg).float().eval().save_pretrained(path)
+
+
+def active_flops_per_token(a, ctx: float) -> float:
+    """2 x (parameters a token touches) + attention (QK^T and PV over ``ctx`` keys)."""
+    D = a.hidden // a.heads
+    attn = a.hidden * D * (2 * a.heads + 2 * a.kv_heads)
+    experts = a.top_k * 3 * a.hidden * a.inter
+    router = a.hidden * a.experts
+    per_layer = 2 * (attn + experts + router) + 4 * a.heads * D * ctx
+    return a.layers * per_layer + 2 * a.hidden * a.vocab  # + lm_head
+
+
+def job_flops(a) -> float:
+    """Every prompt token once (prefill, mean context L/2), every generated token once."""
+    P, O = a.input_len, a.output_len
+    prefill = P * active_flops_per_token(a, P / 2)
+    decode = O * active_flops_per_token(a, P + O / 2)
+    return a.batch * (prefill + decode)
+
+
+def matmul_roofline(n: int = 1024, reps: int = 10) -> float:
+    """Median fp32 GFLOP/s of an n x n x n matmul on this process's threads."""
+    x, y = torch.randn(n, n), torch.randn(n, n)
+    for _ in range(3):
+        x @ y
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        x @ y
+        times.append(time.perf_counter() - t)
+    return 2 * n ** 3 / statistics.median(times) / 1e9
+
+
+def run_hf(hf, prompts, n_out):
+    import copy
+    gc = copy.deepcopy(hf.generation_config)
+    gc.eos_token_id, gc.pad_token_id, gc.do_sample, gc.max_new_tokens = 10**6, 0, False, n_out
+    ids = torch.tensor(prompts)
+    t = time.perf_counter()
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc)
+    dt = time.perf_counter() - t
+    return dt, out[:, ids.shape[1]:].tolist()
+
+
+def run_ours(llm, prompts, n_out):
+    from megainfer import SamplingParams
+    sp = SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    dt = time.perf_counter() - t
+    return dt, [o.outputs[0].token_ids for o in outs]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--input-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--inter", type=int, default=768)
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "bench_offline.json"))
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    import transformers
+    from megainfer import LLM
+
+    with tempfile.TemporaryDirectory() as d:
+        build_checkpoint(d, a)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(d).eval()
+        n_params = sum(p.numel() for p in hf.parameters())
+        llm = LLM(d, max_num_seqs=a.batch, max_num_batched_tokens=max(2048, a.batch * a.input_len),
+                  max_model_len=a.input_len + a.output_len, block_size=16)
+        g = torch.Generator().manual_seed(0)
+        prompts = torch.randint(3, a.vocab, (a.batch, a.input_len), generator=g).tolist()
+        run_ours(llm, prompts[:2], 4)  # warm-up both sides
+        run_hf(hf, prompts[:2], 4)
+        roof = [matmul_roofline()]
+        hf_t, our_t, agree = [], [], None
+        for r in range(a.repeats):
+            dt, hf_tok = run_hf(hf, prompts, a.output_len)
+            hf_t.append(dt)
+            dt, our_tok = run_ours(llm, prompts, a.output_len)
+            our_t.append(dt)
+            agree = sum(x == y for h, o in zip(hf_tok, our_tok) for x, y in zip(h, o)) / \
+                (a.batch * a.output_len)
+            print(f"  repeat {r}: hf {hf_t[-1]:.2f}s  megainfer {our_t[-1]:.2f}s", flush=True)
+        roof.append(matmul_roofline())
+    tokens = a.batch * a.output_len
+    flops = job_flops(a)
+    peak = statistics.median(roof)
+    rows = {}
+    for name, ts in (("transformers generate", hf_t), ("megainfer LLM.generate", our_t)):
+        med = statistics.median(ts)
+        rows[name] = dict(seconds_median=med, seconds=ts, output_tokens_per_s=tokens / med,
+                          gflops=flops / med / 1e9, roofline_fraction=flops / med / 1e9 / peak)
+    speedup = rows["megainfer LLM.generate"]["output_tokens_per_s"] / \
+        rows["transformers generate"]["output_tokens_per_s"]
+    load = os.getloadavg()
+    print(f"\nbatch {a.batch}, {a.input_len} in / {a.output_len} out, {n_params / 1e6:.1f}M params "
+          f"({a.experts} experts top-{a.top_k}), {a.threads} threads, fp32 roofline "
+          f"{peak:.1f} GFLOP/s, load average {load[0]:.1f}")
+    print(f"{'':<24}{'median s':>10}{'out tok/s':>12}{'GFLOP/s':>10}{'of roofline':>13}")
+    for name, r in rows.items():
+        print(f"{name:<24}{r['seconds_median']:>10.2f}{r['output_tokens_per_s']:>12.1f}"
+              f"{r['gflops']:>10.2f}{100 * r['roofline_fraction']:>12.1f}%")
+    print(f"speedup over transformers: {speedup:.2f}x (target >= 4x); greedy tokens equal to "
+          f"transformers': {100 * agree:.1f}%")
+    result = dict(
+        name="bench_offline", date=datetime.datetime.now().isoformat(timespec="seconds"),
+        machine=dict(platform=platform.platform(), processor=platform.processor(),
+                     cpu_count=os.cpu_count(), python=sys.version.split()[0],
+                     torch=torch.__version__, load_average=load),
+        args=vars(a), params=n_params, output_tokens=tokens, job_flops=flops,
+        roofline_gflops=peak, roofline_samples=roof, results=rows, speedup=speedup,
+        greedy_token_agreement=agree, baseline="transformers generate (same checkpoint, prompts)")
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
