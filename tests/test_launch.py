@@ -203,3 +203,21 @@ def test_console_errors_and_help(tmp_path):
     assert r.returncode == 2 and "scheduler.bogus=3: unknown config key" in r.stderr
     r = _run(["--help"], tmp_path, timeout=120)
     assert r.returncode == 0 and "megainfer-launch" in r.stdout and "deploy:" in r.stdout
+
+
+def test_console_mpi_default_job_equals_single(tmp_path):
+    """mpiexec -n 3: the default job on 1 attention + 2 expert ranks writes single mode's tokens."""
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if not os.path.exists(mpiexec):
+        pytest.skip(f"no mpiexec next to {sys.executable} (the mpich wheel provides it)")
+    args = ["io.progress=false", "sampling.max_tokens=6"]
+    single = _run(args + [f"hydra.run.dir={tmp_path}/single"], tmp_path)
+    assert single.returncode == 0, single.stderr[-3000:]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run([mpiexec, "-n", "3"] + LAUNCH + args + [f"hydra.run.dir={tmp_path}/mpi"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "summary (disaggregated)" in r.stdout
+    want = {k: v["token_ids"] for k, v in _lines(tmp_path / "single" / "generations.jsonl").items()}
+    got = {k: v["token_ids"] for k, v in _lines(tmp_path / "mpi" / "generations.jsonl").items()}
+    assert got == want and len(got) == 8
