@@ -203,6 +203,8 @@ def test_console_errors_and_help(tmp_path):
     assert r.returncode == 2 and "scheduler.bogus=3: unknown config key" in r.stderr
     r = _run(["--help"], tmp_path, timeout=120)
     assert r.returncode == 0 and "megainfer-launch" in r.stdout and "deploy:" in r.stdout
+    r = _run(["--cfg", "job", "model=bench50m"], tmp_path, timeout=120)
+    assert r.returncode == 0 and "hidden_size: 512" in r.stdout and "max_num_batched_tokens" in r.stdout
 
 
 def test_console_mpi_default_job_equals_single(tmp_path):
