@@ -136,21 +136,28 @@ def main(argv=None):
     peak = statistics.median(roof)
     rows = {}
     for name, ts in (("transformers generate", hf_t), ("megainfer LLM.generate", our_t)):
-        med = statistics.median(ts)
-        rows[name] = dict(seconds_median=med, seconds=ts, output_tokens_per_s=tokens / med,
-                          gflops=flops / med / 1e9, roofline_fraction=flops / med / 1e9 / peak)
-    speedup = rows["megainfer LLM.generate"]["output_tokens_per_s"] / \
-        rows["transformers generate"]["output_tokens_per_s"]
+        med, best = statistics.median(ts), min(ts)
+        rows[name] = dict(seconds_median=med, seconds_min=best, seconds=ts,
+                          output_tokens_per_s=tokens / med, output_tokens_per_s_best=tokens / best,
+                          gflops=flops / med / 1e9, roofline_fraction=flops / med / 1e9 / peak,
+                          roofline_fraction_best=flops / best / 1e9 / peak)
+    ours, base = rows["megainfer LLM.generate"], rows["transformers generate"]
+    speedup = ours["output_tokens_per_s"] / base["output_tokens_per_s"]
+    speedup_best = ours["output_tokens_per_s_best"] / base["output_tokens_per_s_best"]
     load = os.getloadavg()
     print(f"\nbatch {a.batch}, {a.input_len} in / {a.output_len} out, {n_params / 1e6:.1f}M params "
           f"({a.experts} experts top-{a.top_k}), {a.threads} threads, fp32 roofline "
           f"{peak:.1f} GFLOP/s, load average {load[0]:.1f}")
-    print(f"{'':<24}{'median s':>10}{'out tok/s':>12}{'GFLOP/s':>10}{'of roofline':>13}")
+    print(f"{'':<24}{'median s':>10}{'min s':>8}{'out tok/s':>12}{'GFLOP/s':>10}"
+          f"{'of roofline':>13}{'(best run)':>12}")
     for name, r in rows.items():
-        print(f"{name:<24}{r['seconds_median']:>10.2f}{r['output_tokens_per_s']:>12.1f}"
-              f"{r['gflops']:>10.2f}{100 * r['roofline_fraction']:>12.1f}%")
-    print(f"speedup over transformers: {speedup:.2f}x (target >= 4x); greedy tokens equal to "
-          f"transformers': {100 * agree:.1f}%")
+        print(f"{name:<24}{r['seconds_median']:>10.2f}{r['seconds_min']:>8.2f}"
+              f"{r['output_tokens_per_s']:>12.1f}{r['gflops']:>10.2f}"
+              f"{100 * r['roofline_fraction']:>12.1f}%{100 * r['roofline_fraction_best']:>11.1f}%")
+    print(f"speedup over transformers: {speedup:.2f}x on medians, {speedup_best:.2f}x on best runs "
+          f"(target >= 4x); greedy tokens equal to transformers': {100 * agree:.1f}%")
+    print("note: on a shared machine, medians swing with other load; best runs are the steadier "
+          "ratio")
     result = dict(
         name="bench_offline", date=datetime.datetime.now().isoformat(timespec="seconds"),
         machine=dict(platform=platform.platform(), processor=platform.processor(),
@@ -158,6 +165,7 @@ def main(argv=None):
                      torch=torch.__version__, load_average=load),
         args=vars(a), params=n_params, output_tokens=tokens, job_flops=flops,
         roofline_gflops=peak, roofline_samples=roof, results=rows, speedup=speedup,
+        speedup_best=speedup_best,
         greedy_token_agreement=agree, baseline="transformers generate (same checkpoint, prompts)")
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
