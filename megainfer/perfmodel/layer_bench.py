@@ -1,0 +1,101 @@
+"""Per-layer attention and expert timings at given batch sizes (the calibration's raw data).
+
+A bench is a pair of builders, each returning a zero-argument callable that runs one layer once:
+  make_attention(shape, b, ctx, dtype) -> fn   # one decode micro-batch of b tokens, KV length ctx
+  make_experts(shape, b, experts, dtype) -> fn # `experts` local experts with b tokens each
+"torch_ops" times plain-torch ops at the model's shapes (q/k/v/o projections + SDPA over the KV
+cache + router; gate_up / SiLU*mul / down per expert). When megainfer.models lands, register a
+bench that builds the real modules under another name and pass bench=<name>: nothing else changes.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from megainfer.config import ConfigError
+from megainfer.perfmodel.shapes import ModelShape
+
+_DT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_attention(shape: ModelShape, b: int, ctx: int, dtype: str = "float32") -> Callable[[], None]:
+    dt, h, nh, nkv, d = _DT[dtype], shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim
+    g = torch.Generator().manual_seed(0)
+    w = lambda i, o: torch.randn(i, o, generator=g, dtype=dt) * i ** -0.5  # noqa: E731
+    wq, wk, wv, wo, wr = w(h, nh * d), w(h, nkv * d), w(h, nkv * d), w(nh * d, h), w(h, shape.num_experts)
+    norm = torch.ones(h, dtype=dt)
+    x = torch.randn(b, h, generator=g, dtype=dt)  # [b, H]
+    kc = torch.randn(b, nkv, ctx, d, generator=g, dtype=dt)  # [b, kv, ctx, d]
+    vc = torch.randn(b, nkv, ctx, d, generator=g, dtype=dt)
+
+    def run():
+        y = F.rms_norm(x, (h,), norm)  # [b, H]
+        q = (y @ wq).view(b, nh, 1, d)  # [b, nh, 1, d]
+        k = (y @ wk).view(b, nkv, 1, d)
+        v = (y @ wv).view(b, nkv, 1, d)
+        kc[:, :, -1:].copy_(k)  # write this step's KV
+        vc[:, :, -1:].copy_(v)
+        o = F.scaled_dot_product_attention(q, kc, vc, enable_gqa=True)  # [b, nh, 1, d]
+        x2 = x + o.reshape(b, nh * d) @ wo  # [b, H]
+        y2 = F.rms_norm(x2, (h,), norm)
+        torch.topk(torch.softmax(y2 @ wr, -1), shape.top_k, -1)  # router [b, E] -> top-k
+    return run
+
+
+def torch_experts(shape: ModelShape, b: int, experts: int, dtype: str = "float32") -> Callable[[], None]:
+    dt, h, i = _DT[dtype], shape.hidden_size, shape.moe_intermediate_size
+    g = torch.Generator().manual_seed(1)
+    w13 = torch.randn(experts, h, 2 * i, generator=g, dtype=dt) * h ** -0.5  # [e, H, 2I]
+    w2 = torch.randn(experts, i, h, generator=g, dtype=dt) * i ** -0.5  # [e, I, H]
+    x = torch.randn(experts * b, h, generator=g, dtype=dt)  # tokens sorted by expert [e*b, H]
+    wts = torch.rand(experts * b, 1, generator=g, dtype=dt)
+    out = torch.zeros_like(x)
+
+    def run():
+        for e in range(experts):
+            xs = x[e * b:(e + 1) * b]  # [b, H]
+            gu = xs @ w13[e]  # [b, 2I]
+            act = F.silu(gu[:, :i]) * gu[:, i:]  # [b, I]
+            out[e * b:(e + 1) * b] = (act @ w2[e]) * wts[e * b:(e + 1) * b]  # [b, H]
+    return run
+
+
+BENCHES = {"torch_ops": (torch_attention, torch_experts)}
+
+
+def register_bench(name: str, make_attention, make_experts) -> None:
+    BENCHES[name] = (make_attention, make_experts)
+
+
+def time_fn(fn: Callable[[], None], repeats: int = 7, warmup: int = 2, min_time_s: float = 0.0) -> float:
+    """Median seconds of one call; each sample loops until min_time_s to beat timer noise."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        n, t0 = 0, time.perf_counter()
+        while True:
+            fn()
+            n += 1
+            el = time.perf_counter() - t0
+            if el >= min_time_s:
+                break
+        samples.append(el / n)
+    return statistics.median(samples)
+
+
+def measure_layers(shape: ModelShape, batches, ctxs, experts: int, bench: str = "torch_ops",
+                   dtype: str = "float32", repeats: int = 7) -> dict:
+    """{'attention': [(b, ctx, s)], 'expert': [(b, s_per_expert)]} with median times."""
+    if bench not in BENCHES:
+        raise ConfigError(f"calibrate.bench={bench!r}: unknown; known: {', '.join(BENCHES)}")
+    make_a, make_e = BENCHES[bench]
+    att = [(b, c, time_fn(make_a(shape, b, c, dtype), repeats, min_time_s=0.002))
+           for c in ctxs for b in batches]
+    exp = [(b, time_fn(make_e(shape, b, experts, dtype), repeats, min_time_s=0.002) / experts)
+           for b in batches]
+    return {"attention": att, "expert": exp}
