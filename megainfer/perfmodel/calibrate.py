@@ -20,13 +20,13 @@ import yaml
 
 from megainfer.config import ConfigError
 from megainfer.perfmodel.fit import fit_attention, fit_line
-from megainfer.perfmodel.layer_bench import measure_layers, time_fn
+from megainfer.perfmodel.layer_bench import WORKING_SET_BYTES, measure_layers, time_fn
 from megainfer.perfmodel.shapes import ModelShape
 
 
 def matmul_flops(n: int = 512, dtype=torch.float32) -> float:
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    t = time_fn(lambda: a @ b, repeats=5, min_time_s=0.05)
+    t = time_fn(lambda: a @ b, repeats=5, min_time_s=0.05, clock="thread")
     return 2 * n ** 3 / t
 
 
@@ -34,7 +34,7 @@ def memcpy_bandwidth(nbytes: int = 64 << 20) -> float:
     """Bytes moved (read + write) per second by a large tensor copy."""
     src = torch.ones(nbytes // 4)
     dst = torch.empty_like(src)
-    t = time_fn(lambda: dst.copy_(src), repeats=5, min_time_s=0.05)
+    t = time_fn(lambda: dst.copy_(src), repeats=5, min_time_s=0.05, clock="thread")
     return 2 * nbytes / t
 
 
@@ -74,15 +74,17 @@ def fit_link(points: list[dict]) -> dict:
 
 
 def calibrate(shape: ModelShape, threads: int = 1, smoke: bool = False, bench: str = "torch_ops",
-              experts: int = 0, price_per_hour: float = 0.10, mpi: bool = True) -> dict:
+              experts: int = 0, price_per_hour: float = 0.10, mpi: bool = True,
+              clock: str = "thread") -> dict:
     """Returns the profile as a dict (profile_from_dict reads it; write_profile saves it)."""
     torch.set_num_threads(threads)
     batches = (1, 2, 4) if smoke else (1, 2, 4, 8, 16, 32, 64)
     ctxs = (16, 32) if smoke else (128, 512)
     experts = experts or max(1, shape.num_experts // 2)
-    layers = measure_layers(shape, batches, ctxs, experts, bench, repeats=2 if smoke else 7)
-    k1, k1c, k2 = fit_attention(*zip(*layers["attention"]))
-    k3, k4 = fit_line(*zip(*layers["expert"]))
+    layers = measure_layers(shape, batches, ctxs, experts, bench, repeats=2 if smoke else 7,
+                            working_set=(1 << 20) if smoke else WORKING_SET_BYTES, clock=clock)
+    k1, k1c, k2 = fit_attention(*zip(*layers["attention"]), relative=True)
+    k3, k4 = fit_line(*zip(*layers["expert"]), relative=True)
     link = fit_link(mpi_pingpong(1 << 16 if smoke else 1 << 24, 3 if smoke else 20)) if mpi else \
         {"latency_s": 5e-6, "bandwidth_Bps": 5e9}
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -90,7 +92,8 @@ def calibrate(shape: ModelShape, threads: int = 1, smoke: bool = False, bench: s
         "name": f"cpu_{platform.node() or 'node'}",
         "source": (f"measured by megainfer-plan calibrate on {datetime.date.today()}, "
                    f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-                   f"torch threads={threads}, bench={bench}"),
+                   f"torch threads={threads}, bench={bench}, clock={clock}; the machine was "
+                   f"shared (load average {os.getloadavg()[0]:.1f})"),
         "matmul_flops": {"float32": matmul_flops(256 if smoke else 512)},
         "mem_bw_Bps": memcpy_bandwidth(8 << 20 if smoke else 64 << 20),
         "mem_bytes": float(mem),

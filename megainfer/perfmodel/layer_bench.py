@@ -1,8 +1,11 @@
 """Per-layer attention and expert timings at given batch sizes (the calibration's raw data).
 
 A bench is a pair of builders, each returning a zero-argument callable that runs one layer once:
-  make_attention(shape, b, ctx, dtype) -> fn   # one decode micro-batch of b tokens, KV length ctx
-  make_experts(shape, b, experts, dtype) -> fn # `experts` local experts with b tokens each
+  make_attention(shape, b, ctx, dtype, working_set) -> fn  # one decode micro-batch, b tokens, KV ctx
+  make_experts(shape, b, experts, dtype, working_set) -> fn # `experts` local experts, b tokens each
+Each builder rotates over enough copies of its weights / KV cache that the working set
+(WORKING_SET_BYTES) exceeds the CPU caches, as in the runtime, where every layer and expert has
+its own weights: timing one hot copy would measure the cache, not memory.
 "torch_ops" times plain-torch ops at the model's shapes (q/k/v/o projections + SDPA over the KV
 cache + router; gate_up / SiLU*mul / down per expert). When megainfer.models lands, register a
 bench that builds the real modules under another name and pass bench=<name>: nothing else changes.
@@ -20,11 +23,33 @@ from megainfer.config import ConfigError
 from megainfer.perfmodel.shapes import ModelShape
 
 _DT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+WORKING_SET_BYTES = 256 << 20
 
 
-def torch_attention(shape: ModelShape, b: int, ctx: int, dtype: str = "float32") -> Callable[[], None]:
+def _copies(nbytes: int, working_set: int) -> int:
+    return max(1, min(64, -(-working_set // max(1, nbytes))))
+
+
+def _rotating(runs):
+    """One callable that runs the next copy each call."""
+    state = [0]
+
+    def run():
+        runs[state[0] % len(runs)]()
+        state[0] += 1
+    return run
+
+
+def torch_attention(shape: ModelShape, b: int, ctx: int, dtype: str = "float32",
+                    working_set: int = WORKING_SET_BYTES) -> Callable[[], None]:
     dt, h, nh, nkv, d = _DT[dtype], shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim
-    g = torch.Generator().manual_seed(0)
+    per = (h * (2 * nh * d + 2 * nkv * d + shape.num_experts) + 2 * b * nkv * ctx * d) * dt.itemsize
+    return _rotating([_attention_copy(shape, b, ctx, dt, seed) for seed in range(_copies(per, working_set))])
+
+
+def _attention_copy(shape: ModelShape, b: int, ctx: int, dt, seed: int) -> Callable[[], None]:
+    h, nh, nkv, d = shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim
+    g = torch.Generator().manual_seed(seed)
     w = lambda i, o: torch.randn(i, o, generator=g, dtype=dt) * i ** -0.5  # noqa: E731
     wq, wk, wv, wo, wr = w(h, nh * d), w(h, nkv * d), w(h, nkv * d), w(nh * d, h), w(h, shape.num_experts)
     norm = torch.ones(h, dtype=dt)
@@ -46,9 +71,16 @@ def torch_attention(shape: ModelShape, b: int, ctx: int, dtype: str = "float32")
     return run
 
 
-def torch_experts(shape: ModelShape, b: int, experts: int, dtype: str = "float32") -> Callable[[], None]:
+def torch_experts(shape: ModelShape, b: int, experts: int, dtype: str = "float32",
+                  working_set: int = WORKING_SET_BYTES) -> Callable[[], None]:
     dt, h, i = _DT[dtype], shape.hidden_size, shape.moe_intermediate_size
-    g = torch.Generator().manual_seed(1)
+    per = experts * 3 * h * i * dt.itemsize
+    return _rotating([_experts_copy(shape, b, experts, dt, seed) for seed in range(_copies(per, working_set))])
+
+
+def _experts_copy(shape: ModelShape, b: int, experts: int, dt, seed: int) -> Callable[[], None]:
+    h, i = shape.hidden_size, shape.moe_intermediate_size
+    g = torch.Generator().manual_seed(seed)
     w13 = torch.randn(experts, h, 2 * i, generator=g, dtype=dt) * h ** -0.5  # [e, H, 2I]
     w2 = torch.randn(experts, i, h, generator=g, dtype=dt) * i ** -0.5  # [e, I, H]
     x = torch.randn(experts * b, h, generator=g, dtype=dt)  # tokens sorted by expert [e*b, H]
@@ -71,17 +103,25 @@ def register_bench(name: str, make_attention, make_experts) -> None:
     BENCHES[name] = (make_attention, make_experts)
 
 
-def time_fn(fn: Callable[[], None], repeats: int = 7, warmup: int = 2, min_time_s: float = 0.0) -> float:
-    """Median seconds of one call; each sample loops until min_time_s to beat timer noise."""
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
+
+
+def time_fn(fn: Callable[[], None], repeats: int = 7, warmup: int = 2, min_time_s: float = 0.0,
+            clock: str = "wall") -> float:
+    """Median seconds of one call; each sample loops until min_time_s to beat timer noise.
+
+    clock="thread" counts this thread's CPU time only: with torch on one thread it is the op's
+    own cost, unaffected by other processes taking the core (the machine is shared)."""
+    now = CLOCKS[clock]
     for _ in range(warmup):
         fn()
     samples = []
     for _ in range(repeats):
-        n, t0 = 0, time.perf_counter()
+        n, t0 = 0, now()
         while True:
             fn()
             n += 1
-            el = time.perf_counter() - t0
+            el = now() - t0
             if el >= min_time_s:
                 break
         samples.append(el / n)
@@ -89,13 +129,14 @@ def time_fn(fn: Callable[[], None], repeats: int = 7, warmup: int = 2, min_time_
 
 
 def measure_layers(shape: ModelShape, batches, ctxs, experts: int, bench: str = "torch_ops",
-                   dtype: str = "float32", repeats: int = 7) -> dict:
+                   dtype: str = "float32", repeats: int = 7,
+                   working_set: int = WORKING_SET_BYTES, clock: str = "thread") -> dict:
     """{'attention': [(b, ctx, s)], 'expert': [(b, s_per_expert)]} with median times."""
     if bench not in BENCHES:
         raise ConfigError(f"calibrate.bench={bench!r}: unknown; known: {', '.join(BENCHES)}")
     make_a, make_e = BENCHES[bench]
-    att = [(b, c, time_fn(make_a(shape, b, c, dtype), repeats, min_time_s=0.002))
-           for c in ctxs for b in batches]
-    exp = [(b, time_fn(make_e(shape, b, experts, dtype), repeats, min_time_s=0.002) / experts)
-           for b in batches]
+    att = [(b, c, time_fn(make_a(shape, b, c, dtype, working_set), repeats, min_time_s=0.002,
+                          clock=clock)) for c in ctxs for b in batches]
+    exp = [(b, time_fn(make_e(shape, b, experts, dtype, working_set), repeats, min_time_s=0.002,
+                       clock=clock) / experts) for b in batches]
     return {"attention": att, "expert": exp}
