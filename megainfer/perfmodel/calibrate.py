@@ -20,7 +20,7 @@ import yaml
 
 from megainfer.config import ConfigError
 from megainfer.perfmodel.fit import fit_attention, fit_line
-from megainfer.perfmodel.layer_bench import WORKING_SET_BYTES, measure_layers, time_fn
+from megainfer.perfmodel.layer_bench import measure_layers, time_fn
 from megainfer.perfmodel.shapes import ModelShape
 
 
@@ -81,8 +81,8 @@ def calibrate(shape: ModelShape, threads: int = 1, smoke: bool = False, bench: s
     batches = (1, 2, 4) if smoke else (1, 2, 4, 8, 16, 32, 64)
     ctxs = (16, 32) if smoke else (128, 512)
     experts = experts or max(1, shape.num_experts // 2)
-    layers = measure_layers(shape, batches, ctxs, experts, bench, repeats=2 if smoke else 7,
-                            working_set=(1 << 20) if smoke else WORKING_SET_BYTES, clock=clock)
+    layers = measure_layers(shape, batches, ctxs, experts, bench, rounds=1 if smoke else 5,
+                            repeats=1 if smoke else 3, clock=clock)
     k1, k1c, k2 = fit_attention(*zip(*layers["attention"]), relative=True)
     k3, k4 = fit_line(*zip(*layers["expert"]), relative=True)
     link = fit_link(mpi_pingpong(1 << 16 if smoke else 1 << 24, 3 if smoke else 20)) if mpi else \

@@ -1,17 +1,17 @@
 """Per-layer attention and expert timings at given batch sizes (the calibration's raw data).
 
 A bench is a pair of builders, each returning a zero-argument callable that runs one layer once:
-  make_attention(shape, b, ctx, dtype, working_set) -> fn  # one decode micro-batch, b tokens, KV ctx
-  make_experts(shape, b, experts, dtype, working_set) -> fn # `experts` local experts, b tokens each
-Each builder rotates over enough copies of its weights / KV cache that the working set
-(WORKING_SET_BYTES) exceeds the CPU caches, as in the runtime, where every layer and expert has
-its own weights: timing one hot copy would measure the cache, not memory.
+  make_attention(shape, b, ctx, dtype, copies) -> fn  # one decode micro-batch, b tokens, KV ctx
+  make_experts(shape, b, experts, dtype, copies) -> fn # `experts` local experts, b tokens each
+Each builder rotates over `copies` distinct layers (weights, KV cache), by default the model's
+layer count, so the working set is a real rank's: timing one hot copy would measure the cache.
 "torch_ops" times plain-torch ops at the model's shapes (q/k/v/o projections + SDPA over the KV
 cache + router; gate_up / SiLU*mul / down per expert). When megainfer.models lands, register a
 bench that builds the real modules under another name and pass bench=<name>: nothing else changes.
 """
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from typing import Callable
@@ -23,11 +23,6 @@ from megainfer.config import ConfigError
 from megainfer.perfmodel.shapes import ModelShape
 
 _DT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-WORKING_SET_BYTES = 256 << 20
-
-
-def _copies(nbytes: int, working_set: int) -> int:
-    return max(1, min(64, -(-working_set // max(1, nbytes))))
 
 
 def _rotating(runs):
@@ -40,22 +35,25 @@ def _rotating(runs):
     return run
 
 
+def _rand(g, *shape, dt, scale=1.0):
+    return torch.rand(*shape, generator=g, dtype=dt).sub_(0.5).mul_(2 * scale)
+
+
 def torch_attention(shape: ModelShape, b: int, ctx: int, dtype: str = "float32",
-                    working_set: int = WORKING_SET_BYTES) -> Callable[[], None]:
-    dt, h, nh, nkv, d = _DT[dtype], shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim
-    per = (h * (2 * nh * d + 2 * nkv * d + shape.num_experts) + 2 * b * nkv * ctx * d) * dt.itemsize
-    return _rotating([_attention_copy(shape, b, ctx, dt, seed) for seed in range(_copies(per, working_set))])
+                    copies: int = 1) -> Callable[[], None]:
+    """One decode micro-batch through one layer's attention half; rotates over `copies` layers."""
+    return _rotating([_attention_copy(shape, b, ctx, _DT[dtype], s) for s in range(copies)])
 
 
 def _attention_copy(shape: ModelShape, b: int, ctx: int, dt, seed: int) -> Callable[[], None]:
     h, nh, nkv, d = shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim
     g = torch.Generator().manual_seed(seed)
-    w = lambda i, o: torch.randn(i, o, generator=g, dtype=dt) * i ** -0.5  # noqa: E731
+    w = lambda i, o: _rand(g, i, o, dt=dt, scale=i ** -0.5)  # noqa: E731
     wq, wk, wv, wo, wr = w(h, nh * d), w(h, nkv * d), w(h, nkv * d), w(nh * d, h), w(h, shape.num_experts)
     norm = torch.ones(h, dtype=dt)
-    x = torch.randn(b, h, generator=g, dtype=dt)  # [b, H]
-    kc = torch.randn(b, nkv, ctx, d, generator=g, dtype=dt)  # [b, kv, ctx, d]
-    vc = torch.randn(b, nkv, ctx, d, generator=g, dtype=dt)
+    x = _rand(g, b, h, dt=dt)  # [b, H]
+    kc = _rand(g, b, nkv, ctx, d, dt=dt)  # [b, kv, ctx, d]
+    vc = _rand(g, b, nkv, ctx, d, dt=dt)
 
     def run():
         y = F.rms_norm(x, (h,), norm)  # [b, H]
@@ -72,18 +70,17 @@ def _attention_copy(shape: ModelShape, b: int, ctx: int, dt, seed: int) -> Calla
 
 
 def torch_experts(shape: ModelShape, b: int, experts: int, dtype: str = "float32",
-                  working_set: int = WORKING_SET_BYTES) -> Callable[[], None]:
-    dt, h, i = _DT[dtype], shape.hidden_size, shape.moe_intermediate_size
-    per = experts * 3 * h * i * dt.itemsize
-    return _rotating([_experts_copy(shape, b, experts, dt, seed) for seed in range(_copies(per, working_set))])
+                  copies: int = 1) -> Callable[[], None]:
+    """`experts` local experts with b tokens each through one layer; rotates over `copies` layers."""
+    return _rotating([_experts_copy(shape, b, experts, _DT[dtype], s) for s in range(copies)])
 
 
 def _experts_copy(shape: ModelShape, b: int, experts: int, dt, seed: int) -> Callable[[], None]:
     h, i = shape.hidden_size, shape.moe_intermediate_size
     g = torch.Generator().manual_seed(seed)
-    w13 = torch.randn(experts, h, 2 * i, generator=g, dtype=dt) * h ** -0.5  # [e, H, 2I]
-    w2 = torch.randn(experts, i, h, generator=g, dtype=dt) * i ** -0.5  # [e, I, H]
-    x = torch.randn(experts * b, h, generator=g, dtype=dt)  # tokens sorted by expert [e*b, H]
+    w13 = _rand(g, experts, h, 2 * i, dt=dt, scale=h ** -0.5)  # [e, H, 2I]
+    w2 = _rand(g, experts, i, h, dt=dt, scale=i ** -0.5)  # [e, I, H]
+    x = _rand(g, experts * b, h, dt=dt)  # tokens sorted by expert [e*b, H]
     wts = torch.rand(experts * b, 1, generator=g, dtype=dt)
     out = torch.zeros_like(x)
 
@@ -129,14 +126,31 @@ def time_fn(fn: Callable[[], None], repeats: int = 7, warmup: int = 2, min_time_
 
 
 def measure_layers(shape: ModelShape, batches, ctxs, experts: int, bench: str = "torch_ops",
-                   dtype: str = "float32", repeats: int = 7,
-                   working_set: int = WORKING_SET_BYTES, clock: str = "thread") -> dict:
-    """{'attention': [(b, ctx, s)], 'expert': [(b, s_per_expert)]} with median times."""
+                   dtype: str = "float32", rounds: int = 3, repeats: int = 3,
+                   copies: int = 0, clock: str = "thread", seed: int = 0) -> dict:
+    """{'attention': [(b, ctx, s)], 'expert': [(b, s_per_expert)]}: medians over `rounds`.
+
+    Each round visits every point once in a shuffled order (rebuilding its tensors), so slow
+    drift of a shared machine spreads over all points instead of biasing some. `copies`
+    (default: the model's layer count) is the number of distinct layers rotated through, so the
+    working set matches a rank that holds every layer, as the runtime does.
+    """
     if bench not in BENCHES:
         raise ConfigError(f"calibrate.bench={bench!r}: unknown; known: {', '.join(BENCHES)}")
     make_a, make_e = BENCHES[bench]
-    att = [(b, c, time_fn(make_a(shape, b, c, dtype, working_set), repeats, min_time_s=0.002,
-                          clock=clock)) for c in ctxs for b in batches]
-    exp = [(b, time_fn(make_e(shape, b, experts, dtype, working_set), repeats, min_time_s=0.002,
-                       clock=clock) / experts) for b in batches]
-    return {"attention": att, "expert": exp}
+    copies = copies or shape.num_layers
+    points = [("attention", b, c) for c in ctxs for b in batches] + [("expert", b, 0) for b in batches]
+    samples = {p: [] for p in points}
+    rng = random.Random(seed)
+    for _ in range(rounds):
+        order = points[:]
+        rng.shuffle(order)
+        for kind, b, c in order:
+            fn = make_a(shape, b, c, dtype, copies) if kind == "attention" else \
+                make_e(shape, b, experts, dtype, copies)
+            t = time_fn(fn, repeats, warmup=copies, min_time_s=0.002, clock=clock)
+            samples[(kind, b, c)].append(t if kind == "attention" else t / experts)
+            del fn
+    med = {p: statistics.median(v) for p, v in samples.items()}
+    return {"attention": [(b, c, med[("attention", b, c)]) for c in ctxs for b in batches],
+            "expert": [(b, med[("expert", b, 0)]) for b in batches]}

@@ -115,7 +115,7 @@ def search_disaggregated(model: DisaggModel, space: SearchSpace, fails: _Failure
             fails.note("expert_memory", need_e, cap_e, base.label())
             continue
         w = model.mem_attention(base)
-        per_seq = (model.mem_attention(replace(base, batch=n_a)) - w) / n_a
+        per_seq = model.mem_attention(replace(base, batch=n_a)) - w  # one more sequence per replica
         seqs = int((cap_a - w) // per_seq) if cap_a > w else 0
         k_mem, k_cap = seqs // m, space.max_batch // (m * n_a)
         if k_mem < 1:
@@ -171,7 +171,8 @@ def _raise_for(fails: _Failures, space: SearchSpace, what: str) -> None:
         raise SloUnreachableError(
             f"slo.tpot_ms={space.tpot_slo_s * 1e3:g}: unreachable for {what}; the fastest plan "
             f"({label}) needs {t * 1e3:.3g} ms per token even at the smallest batch")
-    for kind, part in (("expert_memory", "expert weights"), ("attn_memory", "attention weights + KV")):
+    # attention memory is only checked on plans whose experts fit, so it is the binding one if set
+    for kind, part in (("attn_memory", "attention weights + KV"), ("expert_memory", "expert weights")):
         f = getattr(fails, kind)
         if f is not None:
             need, cap, label = f
