@@ -30,6 +30,7 @@ def _run(cfg: DictConfig) -> None:
         from megainfer.perfmodel.calibrate import calibrate, write_profile
         c = cfg.calibrate
         prof = calibrate(shape, c.threads, c.smoke, c.bench, price_per_hour=c.price_per_hour, mpi=c.mpi)
+        prof["name"] = os.path.basename(str(c.out)).rsplit(".", 1)[0]  # hardware=<this name> finds it
         write_profile(prof, c.out)
         f = prof["fits"][shape.name]
         print(f"[calibrate] matmul {prof['matmul_flops']['float32'] / 1e9:.1f} GFLOP/s, memcpy "
