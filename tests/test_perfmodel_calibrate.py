@@ -65,3 +65,25 @@ def test_shipped_cpu_profile_has_a_fit_for_cpu_small():
                        head_dim=64, num_experts=8, top_k=2, moe_intermediate_size=1024, vocab_size=4096)
     t = layer_times_for(hw, shape, "float32")
     assert t.kind == "fitted" and t.t_expert([8]) > t.t_expert([1]) > 0
+
+
+def test_validate_runtime_reads_run_json(tmp_path):
+    import json
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "perf"))
+    from validate_perfmodel import validate_runtime
+    from megainfer.perfmodel.model import DisaggModel, Plan, Workload
+    hw = load_hardware("cpu_node")
+    shape = ModelShape(name="cpu_small", hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4,
+                       head_dim=64, num_experts=8, top_k=2, moe_intermediate_size=1024, vocab_size=4096)
+    t = layer_times_for(hw, shape, "float32")
+    pred = DisaggModel(shape, t, t, Workload(32, 16), "float32").predict(Plan(1, 2, 1, 2, 2, 8)).t_iter
+    run = {"model": "cpu_small", "batch": 8, "input_len": 32, "output_len": 16,
+           "deploy": {"attention_replicas": 2, "attention_tp": 1, "expert_ranks": 2, "micro_batches": 2},
+           "decode_iteration_s": pred * 1.25}
+    p = tmp_path / "run.json"
+    p.write_text(json.dumps(run))
+    out = validate_runtime([str(p)])
+    assert out["rows"][0]["err"] == pytest.approx(1 / 1.25 - 1)
+    assert out["summary"]["target_met"] is False
