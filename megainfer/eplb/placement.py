@@ -66,6 +66,7 @@ class Placement:
         self.num_ranks = num_ranks
         self.num_layers, self.num_replicas, self.num_experts = L, R, N
         self.slots_per_rank = R // num_ranks
+        self._on_device: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
     def identity(cls, num_layers: int, num_experts: int, num_ranks: int) -> "Placement":
@@ -120,8 +121,8 @@ class Placement:
         _require(0 <= layer < self.num_layers, "layer", layer, f"must be in [0, {self.num_layers})")
         dev = topk_ids.device
         flat = topk_ids.reshape(-1).long()                                  # [M*k]
-        l2p = self.log2phy[layer].to(dev)                                   # [N, X]
-        cnt = self.logcnt[layer].to(dev)                                    # [N]
+        log2phy, logcnt = self._tables(dev)
+        l2p, cnt = log2phy[layer], logcnt[layer]                            # [N, X], [N]
         n = flat.numel()
         expert, order = torch.sort(flat, stable=True)                       # [M*k] each
         per_expert = torch.zeros(self.num_experts, dtype=torch.int64, device=dev)
@@ -131,6 +132,13 @@ class Placement:
         nth[order] = torch.arange(n, device=dev) - first[expert]            # occurrence index
         replica = (nth + offset) % cnt[flat]                                # [M*k]
         return l2p[flat, replica].view(topk_ids.shape)
+
+    def _tables(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """log2phy and logcnt on ``device``, copied once (no copy per call on the GPU path)."""
+        key = str(device)
+        if key not in self._on_device:
+            self._on_device[key] = (self.log2phy.to(device), self.logcnt.to(device))
+        return self._on_device[key]
 
     def __eq__(self, other) -> bool:
         return (isinstance(other, Placement) and self.num_ranks == other.num_ranks

@@ -118,9 +118,9 @@ class ExpertLoadWindow:
         save_heatmap(self.load(), path, title or f"expert load, last {self.filled} iterations")
 
 
-def save_heatmap(load: torch.Tensor, path: str, title: str = "expert load") -> None:
-    """PNG heat map of load [L, N]: one row per layer, each row as a share of its layer's
-    tokens relative to a uniform split (1.0 = average expert)."""
+def save_heatmap(load: torch.Tensor, path: str, title: str = "expert load", log: bool = True) -> None:
+    """PNG heat map of load [L, N]: one row per layer, each cell the expert's tokens over
+    the layer's mean tokens per expert (1.0 = average expert); log colour scale by default."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -130,7 +130,13 @@ def save_heatmap(load: torch.Tensor, path: str, title: str = "expert load") -> N
     fig = Figure(figsize=(min(2 + N / 8, 24), min(1.5 + L / 4, 16)))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    im = ax.imshow(rel.numpy(), aspect="auto", cmap="viridis", interpolation="nearest")
+    norm = None
+    if log and bool((rel > 0).any()):  # hot experts would wash out a linear scale
+        from matplotlib.colors import LogNorm
+        lo = max(float(rel[rel > 0].min()), 1e-2)
+        norm = LogNorm(vmin=lo, vmax=max(float(rel.max()), lo * 1.01))
+        rel = rel.clamp(min=lo)
+    im = ax.imshow(rel.numpy(), aspect="auto", cmap="viridis", interpolation="nearest", norm=norm)
     ax.set_xlabel("logical expert")
     ax.set_ylabel("layer")
     ax.set_title(title)
