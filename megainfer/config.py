@@ -228,6 +228,33 @@ class DeployPlan:
                                           "disaggregated" else "") + ")")
 
 
+@dataclass(frozen=True)
+class EplbConfig:
+    """Expert-parallel load balancing (``eplb.*``). ``redundant_experts`` extra physical slots
+    hold replicas of hot experts; with ``enabled`` the expert ranks count tokens per expert
+    over the last ``window`` iterations and every ``interval`` iterations move weights to a
+    new placement. ``initial``: ``identity`` (or balanced for uniform load when redundant) or
+    ``shuffled`` (a seeded random placement, for testing that placements change nothing)."""
+
+    enabled: bool = False
+    redundant_experts: int = 0
+    window: int = 32
+    interval: int = 64
+    num_groups: int = 1
+    num_nodes: int = 1
+    initial: str = "identity"
+    seed: int = 0
+
+    def __post_init__(self):
+        _require(isinstance(self.redundant_experts, int) and self.redundant_experts >= 0,
+                 "eplb.redundant_experts", self.redundant_experts, "must be an integer >= 0")
+        for name in ("window", "interval", "num_groups", "num_nodes"):
+            v = getattr(self, name)
+            _require(isinstance(v, int) and v >= 1, f"eplb.{name}", v, "must be an integer >= 1")
+        _require(self.initial in ("identity", "shuffled"), "eplb.initial", self.initial,
+                 "must be identity or shuffled")
+
+
 def replace_fields(obj, **changes):
     """``dataclasses.replace`` that names unknown keys in a ConfigError."""
     from dataclasses import replace
@@ -238,4 +265,4 @@ def replace_fields(obj, **changes):
 
 
 __all__ = ["ConfigError", "ModelConfig", "LoadConfig", "CacheConfig", "SchedulerConfig",
-           "DeployPlan", "replace_fields", "field"]
+           "DeployPlan", "EplbConfig", "replace_fields", "field"]
