@@ -47,7 +47,8 @@ class LLM:
 
     @classmethod
     def from_configs(cls, model_config: ModelConfig, load: LoadConfig, scheduler: SchedulerConfig,
-                     cache: CacheConfig, tokenizer: Optional[Tokenizer] = None) -> "LLM":
+                     cache: CacheConfig, tokenizer: Optional[Tokenizer] = None,
+                     seed: int = 0) -> "LLM":
         """From already-resolved config objects (the Hydra launcher's path)."""
         self = cls.__new__(cls)
         self.model_config, self.load_config = model_config, load
@@ -56,7 +57,7 @@ class LLM:
         self.engine = LLMEngine.from_model(self.model, scheduler, cache,
                                            tokenizer or load_tokenizer(load.path,
                                                                        model_config.eos_token_id),
-                                           seed=load.seed)
+                                           seed=seed)
         self._counter = 0
         return self
 

@@ -1,0 +1,151 @@
+"""The offline job: requests in, one jsonl line per finished request out, a summary at the end.
+
+``run_offline_job`` works with any generator that has ``generate_stream(requests) ->
+Iterator[RequestOutput]`` (single mode: ``megainfer.LLM``; the distributed runtime plugs in its
+own). Each line is written and flushed the moment its request finishes, so a killed job leaves
+every finished result on disk; a rerun with the same output skips the ids already there.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Iterable, Iterator, Optional, Protocol
+
+import numpy as np
+
+from megainfer.engine import PromptInput, RequestOutput
+
+log = logging.getLogger("megainfer.launch")
+
+
+class Generator(Protocol):
+    def generate_stream(self, requests: Iterable[PromptInput]) -> Iterator[RequestOutput]: ...
+
+
+@dataclass
+class JobSummary:
+    requests: int  # finished this run (errors excluded)
+    errors: int
+    skipped: int  # already in the output (resume)
+    prompt_tokens: int
+    output_tokens: int
+    elapsed_s: float
+    requests_per_s: float
+    output_tokens_per_s: float
+    ttft_p50_ms: Optional[float]
+    ttft_p99_ms: Optional[float]
+    tpot_p50_ms: Optional[float]
+    tpot_p99_ms: Optional[float]
+    output: str = ""
+
+    def table(self) -> str:
+        def ms(v):
+            return "-" if v is None else f"{v:.2f}"
+        rows = [("requests", f"{self.requests}"), ("errors", f"{self.errors}"),
+                ("skipped (already done)", f"{self.skipped}"),
+                ("prompt / output tokens", f"{self.prompt_tokens} / {self.output_tokens}"),
+                ("elapsed (s)", f"{self.elapsed_s:.2f}"),
+                ("requests/s", f"{self.requests_per_s:.2f}"),
+                ("output tokens/s", f"{self.output_tokens_per_s:.1f}"),
+                ("TTFT p50 / p99 (ms)", f"{ms(self.ttft_p50_ms)} / {ms(self.ttft_p99_ms)}"),
+                ("TPOT p50 / p99 (ms)", f"{ms(self.tpot_p50_ms)} / {ms(self.tpot_p99_ms)}"),
+                ("output", self.output)]
+        w = max(len(k) for k, _ in rows)
+        return "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)
+
+
+def output_record(out: RequestOutput) -> dict:
+    if out.error is not None:
+        return {"id": out.request_id, "token_ids": [], "text": "", "finish_reason": "error",
+                "error": out.error}
+    c, m = out.outputs[0], out.metrics
+    rec = {"id": out.request_id, "token_ids": c.token_ids, "text": c.text,
+           "finish_reason": c.finish_reason, "prompt_tokens": len(out.prompt_token_ids),
+           "output_tokens": len(c.token_ids)}
+    if m is not None:
+        rec.update(ttft_s=m.ttft, tpot_s=m.tpot(len(c.token_ids)), latency_s=m.latency,
+                   num_preemptions=m.num_preemptions)
+    return rec
+
+
+def done_ids(path: str) -> set[str]:
+    """Ids already written (json-encoded). A torn last line (a killed job) is cut off."""
+    if not os.path.exists(path):
+        return set()
+    ids, good = set(), 0
+    with open(path, "rb") as f:
+        data = f.read()
+    for raw in data.splitlines(keepends=True):
+        try:
+            if not raw.endswith(b"\n"):
+                raise ValueError("torn line")
+            ids.add(json.dumps(json.loads(raw)["id"]))
+        except (ValueError, KeyError, TypeError):
+            break
+        good += len(raw)
+    if good < len(data):
+        log.warning("[launch] %s: dropping %d bytes after the last complete line", path,
+                    len(data) - good)
+        with open(path, "r+b") as f:
+            f.truncate(good)
+    return ids
+
+
+def _pct(xs: list[float], q: float) -> Optional[float]:
+    return float(np.percentile(xs, q) * 1e3) if xs else None
+
+
+def run_offline_job(requests: list[PromptInput], generator: Generator, output_path: str,
+                    resume: bool = True, progress: bool = True) -> JobSummary:
+    """Stream every request through ``generator``, appending each result to ``output_path``."""
+    os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)
+    done = done_ids(output_path) if resume else set()
+    todo = [r for r in requests if json.dumps(r.request_id) not in done]
+    skipped = len(requests) - len(todo)
+    if skipped:
+        log.info("[launch] resume: %d of %d requests already in %s", skipped, len(requests),
+                 output_path)
+    bar = _bar(len(todo), progress)
+    n_ok = n_err = p_tok = o_tok = 0
+    ttft, tpot = [], []
+    t0 = time.perf_counter()
+    with open(output_path, "a" if resume else "w", encoding="utf-8") as f:
+        for out in generator.generate_stream(todo):
+            rec = output_record(out)
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            f.flush()
+            if out.error is not None:
+                n_err += 1
+            else:
+                n_ok += 1
+                p_tok += rec["prompt_tokens"]
+                o_tok += rec["output_tokens"]
+                if rec.get("ttft_s") is not None:
+                    ttft.append(rec["ttft_s"])
+                if rec.get("tpot_s") is not None:
+                    tpot.append(rec["tpot_s"])
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix_str(f"output {o_tok / max(time.perf_counter() - t0, 1e-9):.1f} "
+                                    "tok/s", refresh=False)
+    if bar is not None:
+        bar.close()
+    dt = max(time.perf_counter() - t0, 1e-9)
+    return JobSummary(n_ok, n_err, skipped, p_tok, o_tok, dt, n_ok / dt, o_tok / dt,
+                      _pct(ttft, 50), _pct(ttft, 99), _pct(tpot, 50), _pct(tpot, 99),
+                      output=output_path)
+
+
+def _bar(total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+    return tqdm(total=total, desc="Processed prompts", unit="req", dynamic_ncols=True)
+
+
+def write_summary(summary: JobSummary, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(asdict(summary), f, indent=2)

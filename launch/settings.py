@@ -1,0 +1,183 @@
+"""Composed Hydra config -> frozen, validated settings objects (no Hydra beyond this door).
+
+Every group is checked key by key: an unknown key is a ``ConfigError`` naming it (Hydra's
+struct mode already refuses ``group.key=value`` overrides of missing keys; this also catches
+``+group.key=...`` and hand-written YAML).
+"""
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, fields
+import os
+from typing import Any, Mapping, Optional
+
+from megainfer.config import (CacheConfig, ConfigError, DeployPlan, LoadConfig, ModelConfig,
+                              SchedulerConfig)
+from megainfer.engine import SamplingParams, check_cache_fits
+from megainfer.engine.errors import SamplingParamsError
+from megainfer.engine.sizing import derive_num_blocks, resolve_max_model_len
+from megainfer.models.loader import DTYPES
+
+GROUPS = ("model", "deploy", "scheduler", "cache", "sampling", "io", "workload")
+
+
+@dataclass(frozen=True)
+class IOSettings:
+    input: Optional[str] = None
+    output: Optional[str] = None
+    resume: bool = True
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class WorkloadSettings:
+    kind: str = "prompts"  # prompts | random
+    prompts: tuple[str, ...] = ()
+    num_prompts: int = 0
+    input_len: int = 0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.kind not in ("prompts", "random"):
+            raise ConfigError(f"workload.kind={self.kind!r}: must be 'prompts' or 'random'")
+        if self.kind == "random" and (self.num_prompts < 1 or self.input_len < 1):
+            raise ConfigError(f"workload.num_prompts={self.num_prompts}, workload.input_len="
+                              f"{self.input_len}: a random workload needs both >= 1")
+
+
+@dataclass(frozen=True)
+class JobSettings:
+    model: ModelConfig
+    load: LoadConfig
+    deploy: DeployPlan
+    scheduler: SchedulerConfig
+    cache: CacheConfig
+    sampling: SamplingParams  # the job's defaults; requests get their own seeds from seed
+    seed: int
+    io: IOSettings
+    workload: WorkloadSettings
+    cpu_threads: int  # torch intra-op threads of this process
+
+
+def auto_cpu_threads(model: ModelConfig, local_ranks: int) -> int:
+    """This process's share of the cores; one thread for a model too small to split
+    (hidden_size < 512: per-op threading overhead exceeds the work, badly so on a busy host)."""
+    if model.hidden_size < 512:
+        return 1
+    return max(1, (os.cpu_count() or 1) // max(1, local_ranks))
+
+
+def _plain(cfg) -> dict:
+    try:
+        from omegaconf import OmegaConf
+        if OmegaConf.is_config(cfg):
+            return OmegaConf.to_container(cfg, resolve=True)
+    except ImportError:  # pragma: no cover
+        pass
+    return dict(cfg)
+
+
+def _take(group: str, d: Mapping, known: set) -> dict:
+    d = dict(d or {})
+    for k in d:
+        if k not in known:
+            raise ConfigError(f"{group}.{k}={d[k]!r}: unknown config key (known: "
+                              f"{', '.join(sorted(known))})")
+    return d
+
+
+def _names(cls) -> set:
+    return {f.name for f in fields(cls)}
+
+
+def model_config_from_arch(arch: Mapping[str, Any]) -> ModelConfig:
+    """``model.arch`` (ModelConfig field names) -> ModelConfig; lists become tuples."""
+    d = _take("model.arch", arch, _names(ModelConfig))
+    for k in ("mlp_only_layers", "eos_token_id"):
+        if k in d:
+            v = d[k]
+            d[k] = tuple(v) if isinstance(v, (list, tuple)) else (() if v is None else (v,))
+    missing = [f.name for f in fields(ModelConfig) if f.name not in d and f.default is MISSING]
+    if missing:
+        raise ConfigError(f"model.arch: missing {', '.join(missing)}")
+    return ModelConfig(**d)
+
+
+def _model(d: dict) -> tuple[ModelConfig, LoadConfig]:
+    d = _take("model", d, {"path", "load_format", "dtype", "seed", "arch"})
+    path, fmt = d.get("path"), d.get("load_format", "auto")
+    if path:
+        path = os.path.expanduser(str(path))
+        cfg = ModelConfig.from_pretrained(path)
+    elif d.get("arch"):
+        cfg = model_config_from_arch(d["arch"])
+    else:
+        raise ConfigError("model.path=None: give a checkpoint directory or a preset with model.arch")
+    if fmt == "auto":
+        fmt = "safetensors" if path else "dummy"
+    load = LoadConfig(path=path, load_format=fmt, dtype=d.get("dtype", "float32"),
+                      seed=int(d.get("seed", 0)))
+    return cfg, load
+
+
+def resolve_deploy(d: dict, world_size: int) -> DeployPlan:
+    d = _take("deploy", d, _names(DeployPlan) | {"cpu_threads"})
+    d.pop("cpu_threads", None)
+    if d.get("mode", "auto") == "auto":
+        if world_size == 1:
+            d = dict(mode="single", attention_replicas=1, attention_tp=1, expert_ranks=0,
+                     micro_batches=1)
+        else:
+            d = dict(d, mode="disaggregated", attention_replicas=1, attention_tp=1,
+                     expert_ranks=world_size - 1)
+    plan = DeployPlan(**d)
+    plan.check_world_size(world_size)
+    return plan
+
+
+def _sampling(d: dict) -> tuple[SamplingParams, int]:
+    d = _take("sampling", d, _names(SamplingParams))
+    seed = d.pop("seed", 0)
+    seed = 0 if seed is None else seed
+    try:
+        return SamplingParams(**d), seed
+    except SamplingParamsError as e:
+        raise ConfigError(f"sampling.{e}") from e
+
+
+def settings_from_config(cfg, world_size: int = 1, local_ranks: int = 1) -> JobSettings:
+    """The composed config (DictConfig or dict) -> JobSettings, validated. ``local_ranks``:
+    processes of this launch on this host (they share its cores)."""
+    c = _plain(cfg)
+    c.pop("hydra", None)
+    _take("config", c, set(GROUPS))
+    model, load = _model(c.get("model", {}))
+    deploy = resolve_deploy(c.get("deploy", {}), world_size)
+    s = _take("scheduler", c.get("scheduler", {}), _names(SchedulerConfig))
+    s["max_model_len"] = resolve_max_model_len(model, s.get("max_model_len"))
+    scheduler = SchedulerConfig(**s)
+    k = _take("cache", c.get("cache", {}), {"block_size", "num_blocks", "memory_gib"})
+    block_size = k.get("block_size", 16)
+    num_blocks = k.get("num_blocks")
+    if num_blocks is None:
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ConfigError(f"cache.block_size={block_size!r}: must be a positive integer")
+        kv_heads = max(1, model.num_kv_heads // deploy.attention_tp)
+        num_blocks = derive_num_blocks(model, scheduler.max_model_len, scheduler.max_num_seqs,
+                                       block_size, float(k.get("memory_gib", 4.0)),
+                                       DTYPES[load.dtype], kv_heads)
+    cache = CacheConfig(block_size=block_size, num_blocks=num_blocks)
+    check_cache_fits(cache, scheduler.max_model_len)
+    sampling, seed = _sampling(c.get("sampling", {}))
+    io = IOSettings(**_take("io", c.get("io", {}), _names(IOSettings)))
+    w = _take("workload", c.get("workload", {}), _names(WorkloadSettings))
+    if "prompts" in w:
+        w["prompts"] = tuple(w["prompts"] or ())
+    workload = WorkloadSettings(**w)
+    threads = c.get("deploy", {}).get("cpu_threads")
+    if threads is None:
+        threads = auto_cpu_threads(model, local_ranks)
+    elif not isinstance(threads, int) or threads < 1:
+        raise ConfigError(f"deploy.cpu_threads={threads!r}: must be a positive integer or null")
+    return JobSettings(model, load, deploy, scheduler, cache, sampling, seed, io, workload,
+                       threads)
+
