@@ -1,7 +1,8 @@
 """``megainfer-launch``: the Hydra front door of the offline job (DESIGN §6).
 
-World size 1 (no mpirun) runs ``deploy.mode=single`` in this process. Other modes go through
-``run_distributed`` (the runtime's entry; not part of this build yet).
+World size 1 (no mpirun) runs ``deploy.mode=single`` in this process. Under mpirun every rank
+runs this too: ``launch/distributed.py`` builds the rank's part of the job. Only rank 0 keeps a
+Hydra run directory and logs at INFO; the other ranks log warnings and errors only.
 """
 from __future__ import annotations
 
@@ -28,11 +29,6 @@ def single_generator(s: JobSettings):
     return LLM.from_configs(s.model, s.load, s.scheduler, s.cache, seed=s.seed)
 
 
-def run_distributed(s: JobSettings, requests, output_path: str):
-    raise ConfigError(f"deploy.mode={s.deploy.mode!r}: the distributed runtime is not part of "
-                      "this build yet; run without mpirun (deploy.mode=single)")
-
-
 def run_job(cfg, run_dir: str) -> int:
     s = settings_from_config(cfg, world_size(), local_ranks())
     import torch
@@ -42,7 +38,8 @@ def run_job(cfg, run_dir: str) -> int:
     log.info("[launch] %s: %d requests, model %s (%s weights), %d cpu threads, output %s",
              s.deploy.mode, len(requests), s.model.family, s.load.load_format, s.cpu_threads, out)
     if s.deploy.mode != "single":
-        return run_distributed(s, requests, out)
+        from .distributed import run_distributed
+        return run_distributed(s, requests, out, run_dir)
     summary = run_offline_job(requests, single_generator(s), out, resume=s.io.resume,
                               progress=s.io.progress)
     print(f"[launch] summary ({s.deploy.mode})\n{summary.table()}", flush=True)
@@ -63,7 +60,15 @@ def _hydra_main(cfg: DictConfig) -> None:
         sys.exit(code)
 
 
+# ranks other than 0 share rank 0's run directory: no directory, .hydra or log file of their own
+_FOLLOWER_OVERRIDES = ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=none",
+                       "hydra/hydra_logging=none"]
+
+
 def main() -> None:
+    if world_size() > 1 and world_rank() != 0 and not any(a.startswith("-") for a in sys.argv[1:]):
+        sys.argv += _FOLLOWER_OVERRIDES
+        logging.basicConfig(level=logging.WARNING, format="%(message)s")
     _hydra_main()
 
 

@@ -255,6 +255,30 @@ class EplbConfig:
                  "must be identity or shuffled")
 
 
+@dataclass(frozen=True)
+class CommConfig:
+    """The M2N/N2M layer and the control plane (``comm.*``)."""
+
+    timeout_s: float = 30.0  # a peer silent for longer is declared failed; the job aborts
+    wait_mode: str = "backoff"  # spin | yield | backoff (megainfer.comm.wait)
+    transport: str = "mpi"  # mpi (CPU) | nccl (GPU)
+
+    def __post_init__(self):
+        _require(isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0, "comm.timeout_s",
+                 self.timeout_s, "must be > 0")
+        _require(self.wait_mode in ("spin", "yield", "backoff"), "comm.wait_mode", self.wait_mode,
+                 "must be spin, yield or backoff")
+        _require(self.transport in ("mpi", "nccl"), "comm.transport", self.transport,
+                 "must be mpi or nccl")
+
+
+@dataclass(frozen=True)
+class TraceConfig:
+    """Per-rank Chrome/Perfetto pipeline traces (``trace.*``), merged by rank 0."""
+
+    enabled: bool = False
+
+
 def replace_fields(obj, **changes):
     """``dataclasses.replace`` that names unknown keys in a ConfigError."""
     from dataclasses import replace
@@ -265,4 +289,4 @@ def replace_fields(obj, **changes):
 
 
 __all__ = ["ConfigError", "ModelConfig", "LoadConfig", "CacheConfig", "SchedulerConfig",
-           "DeployPlan", "EplbConfig", "replace_fields", "field"]
+           "DeployPlan", "EplbConfig", "CommConfig", "TraceConfig", "replace_fields", "field"]

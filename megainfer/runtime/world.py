@@ -20,8 +20,8 @@ import torch
 from mpi4py import MPI
 
 from megainfer.comm.wait import WaitPolicy
-from megainfer.config import (CacheConfig, ConfigError, DeployPlan, EplbConfig, LoadConfig,
-                              ModelConfig, SchedulerConfig)
+from megainfer.config import (CacheConfig, CommConfig, ConfigError, DeployPlan, EplbConfig,
+                              LoadConfig, ModelConfig, SchedulerConfig, TraceConfig)
 from megainfer.models import ParallelContext, build_model
 
 from .attention_executor import DisaggregatedExecutor
@@ -40,23 +40,6 @@ log = logging.getLogger("megainfer.runtime")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-@dataclass(frozen=True)
-class RuntimeConfig:
-    """Knobs of the distributed runtime (``comm.*`` / ``trace.*`` in the launcher)."""
-
-    timeout_s: float = 30.0  # a peer silent for longer is declared failed
-    wait_mode: str = "backoff"  # spin | yield | backoff (see megainfer.comm.wait)
-    transport: str = "mpi"  # mpi | nccl
-    trace: bool = False
-
-    def __post_init__(self):
-        if not self.timeout_s > 0:
-            raise ValueError(f"comm.timeout_s={self.timeout_s!r}: must be > 0")
-        if self.transport not in ("mpi", "nccl"):
-            raise ValueError(f"comm.transport={self.transport!r}: must be mpi or nccl")
-        WaitPolicy(mode=self.wait_mode)  # validates the mode
-
-
 @dataclass
 class JobSpec:
     """Everything a rank needs to build its part."""
@@ -66,8 +49,9 @@ class JobSpec:
     sched: SchedulerConfig
     cache: CacheConfig
     plan: DeployPlan
-    rt: RuntimeConfig = RuntimeConfig()
+    comm: CommConfig = CommConfig()
     eplb: EplbConfig = EplbConfig()
+    trace: TraceConfig = TraceConfig()
     tokenizer: object = None
     seed: int = 0
 
@@ -91,15 +75,15 @@ def build_rank(job: JobSpec, comm=MPI.COMM_WORLD) -> Rank:
     rank, world = comm.Get_rank(), comm.Get_size()
     plan, cfg = job.plan, job.model
     role = assign_role(plan, rank, world)
-    policy = WaitPolicy(mode=job.rt.wait_mode, timeout_s=job.rt.timeout_s)
+    policy = WaitPolicy(mode=job.comm.wait_mode, timeout_s=job.comm.timeout_s)
     comm.Barrier()  # one clock: every rank's trace epoch is taken right after this barrier
-    tracer = Tracer(enabled=job.rt.trace, rank=rank, name=role.tag, mode=plan.mode)
+    tracer = Tracer(enabled=job.trace.enabled, rank=rank, name=role.tag, mode=plan.mode)
     colocated = plan.mode == "colocated"
     leaders = leader_ranks(plan)
     experts = leaders if colocated else expert_rank_ids(plan)
     m2n = make_m2n(comm, leaders, experts, cfg.hidden_size, cfg.top_k,
                    job.sched.max_num_batched_tokens, plan.micro_batches, DTYPES[job.load.dtype],
-                   policy, job.rt.transport)
+                   policy, job.comm.transport)
     if colocated and job.eplb.enabled:
         raise ConfigError("eplb.enabled=true: live rebalancing runs in disaggregated mode only "
                           "(colocated mode takes static placements: eplb.redundant_experts, "

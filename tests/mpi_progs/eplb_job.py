@@ -18,9 +18,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from mpi4py import MPI  # noqa: E402
 from runtime_job import CACHE, SCHED, inputs  # noqa: E402
 
-from megainfer.config import DeployPlan, EplbConfig, LoadConfig, ModelConfig  # noqa: E402
+from megainfer.config import CommConfig, DeployPlan, EplbConfig, LoadConfig, ModelConfig  # noqa: E402
 from megainfer.models import build_model  # noqa: E402
-from megainfer.runtime.world import JobSpec, RuntimeConfig, build_rank, run_rank  # noqa: E402
+from megainfer.runtime.world import JobSpec, build_rank, run_rank  # noqa: E402
 
 RUNS = {
     "static_shuffled": EplbConfig(redundant_experts=2, initial="shuffled", seed=5),
@@ -46,7 +46,7 @@ def main():
     plan = DeployPlan(mode="disaggregated", expert_ranks=2, micro_batches=2)
     result = {}
     for name, eplb in RUNS.items():
-        r = build_rank(JobSpec(cfg, load, SCHED, CACHE, plan, RuntimeConfig(timeout_s=120), eplb))
+        r = build_rank(JobSpec(cfg, load, SCHED, CACHE, plan, CommConfig(timeout_s=120), eplb))
         stream = run_rank(r, inputs(cfg.vocab_size, 12))
         tokens = {o.request_id: o.outputs[0].token_ids for o in stream} if stream else None
         stats = None
