@@ -53,7 +53,8 @@ def _moe_gemm1(x_ptr, w1_ptr, act_ptr, sorted_ptr, bexp_ptr, npad_ptr, EM, S, N,
         return
     slot = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
     row_ok = slot < S
-    token = slot // top_k
+    token = (slot // top_k).to(tl.int64)  # int64: row * stride can pass 2**31
+    slot = slot.to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     n_ok = offs_n < N
     out_ptrs = act_ptr + slot[:, None] * s_am + offs_n[None, :] * s_an
@@ -91,6 +92,7 @@ def _moe_gemm2(a_ptr, w2_ptr, y_ptr, tw_ptr, sorted_ptr, bexp_ptr, npad_ptr, EM,
         return
     slot = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
     row_ok = slot < S
+    slot = slot.to(tl.int64)
     offs_o = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output (hidden) columns
     o_ok = offs_o < KOUT
     out_ptrs = y_ptr + slot[:, None] * s_ym + offs_o[None, :] * s_yk
@@ -116,7 +118,7 @@ def _moe_gemm2(a_ptr, w2_ptr, y_ptr, tw_ptr, sorted_ptr, bexp_ptr, npad_ptr, EM,
 @triton.jit
 def _moe_sum(y_ptr, out_ptr, M, KOUT, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
     """out[m, :] = sum_j y[m*TOP_K + j, :], j ascending (deterministic)."""
-    m = tl.program_id(0)
+    m = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < KOUT
     acc = tl.load(y_ptr + (m * TOP_K) * KOUT + offs, mask=ok, other=0.0)
@@ -149,13 +151,13 @@ def fused_moe_triton(hidden: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     ieee = hidden.dtype == torch.float32
     up = not ieee and interpreting()
     grid1 = (triton.cdiv(EM, BM) * triton.cdiv(N, BN),)
+    blocks = dict(BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=GM, IEEE=ieee, UPCAST=up)
     _moe_gemm1[grid1](hidden, w1, act, sorted_ids, bexp, npad, EM, S, N, K, k,
                       hidden.stride(0), hidden.stride(1), *w1.stride(), *act.stride(),
-                      BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=GM, IEEE=ieee, UPCAST=up, **launch)
+                      **blocks, **launch)
     grid2 = (triton.cdiv(EM, BM) * triton.cdiv(K, BN),)
     _moe_gemm2[grid2](act, w2, y, tw, sorted_ids, bexp, npad, EM, S, K, N,
-                      *act.stride(), *w2.stride(), *y.stride(),
-                      BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=GM, IEEE=ieee, UPCAST=up, **launch)
+                      *act.stride(), *w2.stride(), *y.stride(), **blocks, **launch)
     SB = min(1024, triton.next_power_of_2(K))
     _moe_sum[(M, triton.cdiv(K, SB))](y, out, M, K, TOP_K=k, BLOCK=SB)
     return out

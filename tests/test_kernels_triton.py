@@ -127,3 +127,24 @@ def test_select_experts_triton_group_limited(groups, topk_groups):
     w_ref, ids_ref = canon(*select_experts_ref(logits, 4, **kw))
     assert torch.equal(ids, ids_ref)
     torch.testing.assert_close(w, w_ref, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_moe_triton_config_override_grouped_order():
+    """A non-default tile config (BLOCK_M 16, GROUP_M 4): the tuned-config path gives the same
+    numbers, with several row blocks per expert swept in grouped launch order."""
+    from megainfer.kernels.triton_moe import fused_moe_triton
+    hidden, w1, w2, w, ids, emap = case(40, 4, 2, True)
+    cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=2)
+    out = fused_moe_triton(hidden, w1, w2, w, ids, emap, config=cfg)
+    torch.testing.assert_close(out, fused_moe_ref(hidden, w1, w2, w, ids, emap),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_tile_config_table_lookup(tmp_path):
+    from megainfer.kernels import tile_configs as tc
+    key = tc.table_key(8, 64, 32, 100, torch.bfloat16, "NVIDIA_H200")
+    assert key == "E=8,N=64,K=32,M=128,dtype=bfloat16,device=NVIDIA_H200"
+    assert tc.m_bucket(0) == 1 and tc.m_bucket(10 ** 6) == tc.M_BUCKETS[-1]
+    assert tc.default_config(8, 4, 2)["BLOCK_M"] == 16  # decode: 1 slot per expert
+    assert tc.default_config(8, 4096, 2)["BLOCK_M"] == 128  # prefill
+    assert set(tc.CONFIG_KEYS) <= set(tc.default_config(8, 4096, 2))
