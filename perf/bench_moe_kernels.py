@@ -7,8 +7,10 @@ this machine's dense fp32 matmul rate (torch.mm, square) and memory copy bandwid
 measured in the same run.
 GPU: Triton vs the torch path in bf16, against the measured dense bf16 matmul rate.
 
-  python perf/bench_moe_kernels.py [--device cpu|cuda] [--repeats 5] [--quick]
-Writes perf/results/bench_moe_kernels_<device>.json.
+  python perf/bench_moe_kernels.py [--device cpu|cuda] [--repeats 7] [--threads 1] [--quick]
+Writes perf/results/bench_moe_kernels_<device>[_t<threads>].json. On CPU the default is one torch
+thread: on a machine shared with other jobs, multi-threaded MKL/OpenMP stragglers swamp the
+signal (see docs/kernels.md); the matmul and copy references run with the same threads.
 """
 from __future__ import annotations
 
@@ -215,13 +217,21 @@ def print_table(rows, gpu):
               f"{r['pct_matmul']:>6.0f}{r['weight_gbps']:>8.1f}{r['pct_copy_bw']:>7.0f}")
 
 
+def gpu_requested(device: str) -> bool:
+    return device.startswith("cuda")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--quick", action="store_true", help="small shapes (smoke test)")
     ap.add_argument("--no-deepspeed", action="store_true")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads (0: torch default); 1 keeps a shared machine fair")
     args = ap.parse_args(argv)
+    if args.threads and not gpu_requested(args.device):
+        torch.set_num_threads(args.threads)
     gpu = args.device == "cuda"
     sync = torch.cuda.synchronize if gpu else (lambda: None)
     rates = machine_rates(args.device, torch.bfloat16 if gpu else torch.float32,
@@ -250,7 +260,8 @@ def main(argv=None):
             rows += cpu_rows(w1, w2, k, pe, args.repeats, ds_layer, ds_why)
     print_table(rows, gpu)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"bench_moe_kernels_{args.device}{'_quick' if args.quick else ''}.json"
+    tag = ("_quick" if args.quick else "") + (f"_t{args.threads}" if not gpu else "")
+    out = RESULTS / f"bench_moe_kernels_{args.device}{tag}.json"
     out.write_text(json.dumps(dict(
         date=datetime.datetime.now().isoformat(timespec="seconds"),
         machine=dict(platform=platform.platform(), processor=platform.processor(),
