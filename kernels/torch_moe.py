@@ -64,7 +64,8 @@ def fused_moe_torch(hidden: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
             torch.mm(act, w2[e].t(), out=y[start:start + n])
         start += n
     w = topk_weights.reshape(-1).float().index_select(0, slots)  # [n_here]
-    per_slot = torch.zeros(M * k, K, dtype=torch.float32, device=hidden.device)  # [S, K]
+    alloc = torch.empty if n_here == M * k else torch.zeros  # absent slots must read 0
+    per_slot = alloc(M * k, K, dtype=torch.float32, device=hidden.device)  # [S, K]
     per_slot.index_copy_(0, slots, y.float().mul_(w[:, None]))
     per_slot = per_slot.view(M, k, K)
     out = per_slot[:, 0].clone()  # [M, K]

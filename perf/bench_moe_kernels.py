@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from megainfer.kernels import fused_moe, fused_moe_ref
+from megainfer.kernels import fused_moe, select_experts
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -82,7 +82,8 @@ def naive_loop(hidden, w1, w2, w, ids):
 
 
 def deepspeed_layer(w1, w2, k):
-    """DeepSpeed's MoE layer with our expert weights, on one gloo rank. Returns (fn, why)."""
+    """DeepSpeed's MoE layer with our expert weights, on one gloo rank. Returns (layer, why).
+    Top-2 gating without DeepSpeed's default random 2nd-expert sampling, no token dropping."""
     try:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if "MASTER_PORT" not in os.environ:
@@ -112,7 +113,7 @@ def deepspeed_layer(w1, w2, k):
 
     layer = MoE(hidden_size=K, expert=Expert(), num_experts=E, ep_size=1, k=k,
                 capacity_factor=1.0, eval_capacity_factor=1.0, min_capacity=0,
-                drop_tokens=False).eval()
+                drop_tokens=False, top2_2nd_expert_sampling=False).eval()
     with torch.no_grad():
         for e, ex in enumerate(layer.deepspeed_moe.experts.deepspeed_experts):
             ex.gate_up.weight.copy_(w1[e])
@@ -133,6 +134,18 @@ def interleaved(variants: dict, repeats: int, sync) -> dict:
             sync()
             samples[name].append(time.perf_counter() - t)
     return samples
+
+
+@torch.no_grad()
+def deepspeed_check(layer, hidden, w1, w2, k) -> dict:
+    """DeepSpeed routes with its own gate: redo its routing with select_experts and our kernel
+    to show it computes the same function, and record how unbalanced its routing is."""
+    M, K = hidden.shape
+    y = layer(hidden.view(1, M, K))[0].view(M, K)
+    w, ids = select_experts(layer.deepspeed_moe.gate.wg(hidden), k, renormalize=True)
+    counts = torch.bincount(ids.flatten(), minlength=w1.shape[0])
+    return dict(max_abs_diff_vs_torch_path=(y - fused_moe(hidden, w1, w2, w, ids)).abs().max().item(),
+                ds_routing_max_per_expert=int(counts.max()), ds_routing_experts_hit=int((counts > 0).sum()))
 
 
 def cpu_rows(w1, w2, k, per_expert, repeats, ds_layer, ds_why):
@@ -157,6 +170,7 @@ def cpu_rows(w1, w2, k, per_expert, repeats, ds_layer, ds_why):
     if ds_layer is not None:
         x = hidden.view(1, M, K)
         variants["deepspeed MoE"] = lambda: ds_layer(x)[0]
+        ds_check = deepspeed_check(ds_layer, hidden, w1, w2, k)
     with torch.no_grad():
         samples = interleaved(variants, repeats, lambda: None)
     mm_rate = 2 * 2048 ** 3 / statistics.median(samples.pop("_mm"))
@@ -169,7 +183,8 @@ def cpu_rows(w1, w2, k, per_expert, repeats, ds_layer, ds_why):
                          pct_matmul=100 * flops / t / mm_rate, weight_gbps=weight_bytes / t / 1e9,
                          pct_copy_bw=100 * weight_bytes / t / copy_bw, samples=smp,
                          group_matmul_flops=mm_rate, group_copy_bw=copy_bw,
-                         **(check if name == "torch path" else {})))
+                         **(check if name == "torch path" else {}),
+                         **(ds_check if name == "deepspeed MoE" else {})))
     if ds_layer is None:
         rows.append(dict(impl="deepspeed MoE", E=E, k=k, K=K, N=N, M=M, per_expert=per_expert,
                          unavailable=ds_why))
