@@ -110,7 +110,7 @@ class ModelConfig:
             moe_intermediate_size=moe_inter, intermediate_size=inter or 0,
             shared_expert_intermediate_size=shared or 0, norm_topk_prob=norm_topk,
             qk_norm=family == "qwen3_moe",
-            attention_bias=bool(cfg.get("attention_bias", family == "qwen2_moe")),
+            attention_bias=bool(cfg.get("qkv_bias", cfg.get("attention_bias", family == "qwen2_moe"))),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -202,6 +202,9 @@ class DeployPlan:
         if self.mode == "disaggregated":
             _require(self.expert_ranks >= 1, "deploy.expert_ranks", self.expert_ranks,
                      "disaggregated mode needs at least one expert rank")
+        if self.mode == "colocated":
+            _require(self.attention_tp == 1, "deploy.attention_tp", self.attention_tp,
+                     "colocated mode runs data parallel attention only (attention_tp=1)")
         if self.mode == "single":
             _require(self.world_size == 1, "deploy.mode", self.mode,
                      "single mode runs one process: attention_replicas=1, attention_tp=1, expert_ranks=0")

@@ -1,3 +1,46 @@
+"""Test session set-up. TRITON_INTERPRET must be set before any @triton.jit is defined."""
 import os
+
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")
+# Two shapes per family: a regular one, and an odd one (6 experts, top-3, one KV head; Qwen
+# families also get a dense layer through mlp_only_layers).
+SHAPES = {
+    "base": dict(layers=2, experts=4, top_k=2, kv_heads=2),
+    "odd": dict(layers=3, experts=6, top_k=3, kv_heads=1, heads=4, hidden=48, inter=40),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpts(tmp_path_factory):
+    """{(family, shape): checkpoint dir}, built once per test session."""
+    from megainfer.tools.make_tiny import make_tiny
+    root = tmp_path_factory.mktemp("ckpts")
+    out = {}
+    for fam in FAMILIES:
+        for shape, kw in SHAPES.items():
+            kw = dict(kw)
+            if shape == "odd" and fam != "mixtral":
+                kw["mlp_only_layers"] = (1,)
+            if shape == "odd" and fam == "qwen3_moe":
+                kw["norm_topk_prob"] = False
+            out[(fam, shape)] = make_tiny(fam, str(root / f"{fam}_{shape}"), seed=1, **kw)
+    return out
+
+
+@pytest.fixture(scope="session")
+def hf_models(tiny_ckpts):
+    """Hugging Face transformers models (the oracle) for each tiny checkpoint, loaded lazily."""
+    cache = {}
+
+    def get(key):
+        if key not in cache:
+            import transformers
+            cache[key] = transformers.AutoModelForCausalLM.from_pretrained(tiny_ckpts[key]).eval()
+        return cache[key]
+    return get

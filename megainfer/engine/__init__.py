@@ -1,0 +1,12 @@
+"""The engine every attention replica runs: requests, scheduler, paged KV cache, sampler."""
+from .engine import LLMEngine, check_cache_fits
+from .errors import (CacheTooSmallError, DuplicateRequestError, EmptyPromptError,
+                     PromptTooLongError, RequestError, SamplingParamsError, TokenIdError)
+from .outputs import CompletionOutput, PromptInput, RequestMetrics, RequestOutput
+from .sampling_params import SamplingParams
+from .step import LocalExecutor, ModelExecutor, StepInput
+
+__all__ = ["LLMEngine", "check_cache_fits", "CacheTooSmallError", "DuplicateRequestError",
+           "EmptyPromptError", "PromptTooLongError", "RequestError", "SamplingParamsError",
+           "TokenIdError", "CompletionOutput", "PromptInput", "RequestMetrics", "RequestOutput",
+           "SamplingParams", "LocalExecutor", "ModelExecutor", "StepInput"]

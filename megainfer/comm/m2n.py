@@ -1,0 +1,93 @@
+"""Both directions between attention ranks (M) and expert ranks (N).
+
+``dispatch``: attention -> experts, one message per (attention rank, expert rank, layer,
+micro-batch), empty when no token goes there. ``combine``: experts -> attention, the partial
+sums. Control messages (stop, rebalance) go down the dispatch channel on the stream the
+receiver would read next, so an expert loop ``recv -> kind?`` sees them in order.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megainfer.comm import spec as S
+from megainfer.comm.channel import Channel, Message, RecvHandle, SendHandle
+from megainfer.comm.transport import Transport
+from megainfer.comm.wait import WaitPolicy
+
+
+def dispatch_spec(capacity: int, hidden: int, top_k: int, dtype: torch.dtype) -> S.MessageSpec:
+    """Tokens for one expert rank: hidden [n, H], topk ids [n, k] int32, weights [n, k] f32."""
+    return S.MessageSpec.of(capacity, hidden=((hidden,), dtype), topk_ids=((top_k,), torch.int32),
+                            topk_weights=((top_k,), torch.float32))
+
+
+def combine_spec(capacity: int, hidden: int, dtype: torch.dtype) -> S.MessageSpec:
+    """Partial sums back to one attention rank: out [n, H]."""
+    return S.MessageSpec.of(capacity, out=((hidden,), dtype))
+
+
+def make_transports(kind: str, comm=None, fabric=None, rank: int = 0) -> tuple[Transport, Transport]:
+    """(dispatch transport, combine transport) for ``kind`` in mpi | nccl | loopback."""
+    if kind == "mpi":
+        from megainfer.comm.mpi import MpiTransport
+        t = MpiTransport(comm)
+        return t, t
+    if kind == "nccl":  # one communicator and stream per direction (see nccl.py)
+        from megainfer.comm.nccl import NcclTransport
+        return NcclTransport(comm), NcclTransport(comm)
+    if kind == "loopback":
+        t = fabric.endpoint(rank)
+        return t, t
+    raise ValueError(f"comm transport={kind!r}: must be one of mpi, nccl, loopback")
+
+
+class M2N:
+    def __init__(self, transports: tuple[Transport, Transport], attn_ranks: list[int],
+                 expert_ranks: list[int], dispatch: S.MessageSpec, combine: S.MessageSpec, *,
+                 micro_batches: int = 1, streams: Optional[int] = None, depth: int = 2,
+                 wait: WaitPolicy = WaitPolicy()):
+        """``streams`` tags per direction (default: one per micro-batch); ``depth`` messages
+        in flight per (peer, stream) before a sender waits for its oldest to leave."""
+        td, tc = transports
+        streams = streams or micro_batches
+        self.attn_ranks, self.expert_ranks = list(attn_ranks), list(expert_ranks)
+        self.a2e = Channel(td, attn_ranks, expert_ranks, dispatch, streams=streams,
+                           depth=depth, wait=wait, name="a2e")
+        self.e2a = Channel(tc, expert_ranks, attn_ranks, combine, streams=streams,
+                           depth=depth, wait=wait, name="e2a")
+
+    # attention side
+    def dispatch(self, peer: int, *, iteration: int, layer: int, micro_batch: int,
+                 **fields: torch.Tensor) -> SendHandle:
+        return self.a2e.send(peer, iteration=iteration, layer=layer, micro_batch=micro_batch,
+                             **fields)
+
+    def recv_combine(self, peer: int, *, layer: int, micro_batch: int,
+                     iteration: Optional[int] = None) -> RecvHandle:
+        return self.e2a.recv(peer, layer=layer, micro_batch=micro_batch, iteration=iteration)
+
+    def stop(self, *, iteration: int, layer: int, micro_batch: int) -> list[SendHandle]:
+        """Tell every expert rank to leave its loop (a STOP on the next stream it reads)."""
+        return [self.a2e.send_control(p, S.KIND_STOP, iteration=iteration, layer=layer,
+                                      micro_batch=micro_batch) for p in self.expert_ranks]
+
+    # expert side
+    def recv_dispatch(self, peer: int, *, layer: int, micro_batch: int,
+                      iteration: Optional[int] = None) -> RecvHandle:
+        return self.a2e.recv(peer, layer=layer, micro_batch=micro_batch, iteration=iteration)
+
+    def combine(self, peer: int, *, iteration: int, layer: int, micro_batch: int,
+                out: torch.Tensor) -> SendHandle:
+        return self.e2a.send(peer, iteration=iteration, layer=layer, micro_batch=micro_batch,
+                             out=out)
+
+    def close(self) -> None:
+        self.a2e.close()
+        self.e2a.close()
+
+
+def wait_all(handles: list) -> list[Optional[Message]]:
+    """Wait on every handle, in order; receive handles give their Message, sends None."""
+    return [h.wait() for h in handles]

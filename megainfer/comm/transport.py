@@ -1,0 +1,86 @@
+"""The interface every transport implements, and the buffer it moves.
+
+A transport moves the bytes of one pre-allocated ``Buffer`` to a peer: ``isend``/``irecv``
+return a request with ``test()``; ``Channel`` does the waiting, the headers and the rings.
+Three implementations: ``MpiTransport`` (mpi4py, CPU), ``NcclTransport`` (GPU, ctypes) and
+``LoopbackTransport`` (in-process, for unit tests).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import numpy as np
+import torch
+
+
+class Buffer:
+    """One message slot: ``data`` [nbytes] uint8 on the transport's device, and ``header``,
+    int32[8] on the host (the first 32 bytes of ``data`` on CPU; a pinned mirror on GPU)."""
+
+    __slots__ = ("data", "header", "extra")
+
+    def __init__(self, data: torch.Tensor, header: np.ndarray, extra=None):
+        self.data, self.header, self.extra = data, header, extra
+
+
+class Request:
+    """An operation in flight. ``test()`` is True once it completed (and stays True)."""
+
+    def test(self) -> bool:
+        raise NotImplementedError
+
+    def received_nbytes(self) -> int:
+        """Bytes a completed receive got; -1 when the transport cannot tell."""
+        return -1
+
+    def cancel(self) -> None:
+        """Give up a pending receive (at close). Best effort."""
+
+
+class Transport:
+    """Byte mover between the ranks of one communicator."""
+
+    rank: int
+    size: int
+    device: torch.device
+    # True when receives match sends by per-pair post order and ignore tags (NCCL): the channel
+    # then posts receives only when asked, in the caller's order, never ahead on its own.
+    ordered_posts: bool = False
+
+    def __init__(self):
+        self._channels = 0
+
+    def next_channel_id(self) -> int:
+        """Channels built in the same order on every rank get the same id (their tag base)."""
+        cid = self._channels
+        self._channels += 1
+        return cid
+
+    def alloc(self, nbytes: int) -> Buffer:
+        raise NotImplementedError
+
+    def isend(self, buf: Buffer, nbytes: int, peer: int, tag: int) -> Request:
+        raise NotImplementedError
+
+    def irecv(self, buf: Buffer, nbytes: int, peer: int, tag: int) -> Request:
+        raise NotImplementedError
+
+    def group(self):
+        """Context in which sends/receives are issued together (NCCL group); a no-op here."""
+        return contextlib.nullcontext()
+
+    def progress(self) -> None:
+        """Let the library move bytes while the caller computes (MPI needs polls to progress)."""
+
+    def close(self) -> None:
+        pass
+
+
+def host_buffer(nbytes: int, pin: bool = False, extra: Optional[object] = None) -> Buffer:
+    """A CPU buffer whose header aliases its first 32 bytes."""
+    data = torch.zeros(nbytes, dtype=torch.uint8)
+    if pin:
+        data = data.pin_memory()
+    header = data.numpy()[:32].view(np.int32)
+    return Buffer(data, header, extra)

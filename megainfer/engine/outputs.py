@@ -1,0 +1,68 @@
+"""What goes in (``PromptInput``) and what comes out (``RequestOutput``), vLLM-shaped."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from .sampling_params import SamplingParams
+
+
+@dataclass
+class PromptInput:
+    """One request for ``generate_stream``: text or token ids (exactly one of them)."""
+
+    request_id: Any
+    prompt: Optional[str] = None
+    prompt_token_ids: Optional[list[int]] = None
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: Optional[str]  # "stop" | "length" | "abort" | "error"
+
+
+@dataclass
+class RequestMetrics:
+    """Seconds on the engine's ``time.perf_counter`` clock."""
+
+    arrival_time: float
+    first_token_time: Optional[float]
+    finished_time: Optional[float]
+    num_preemptions: int = 0
+
+    @property
+    def ttft(self) -> Optional[float]:
+        """Time to first token, from arrival (queueing included)."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    def tpot(self, num_output_tokens: int) -> Optional[float]:
+        """Mean time per output token after the first."""
+        if self.first_token_time is None or self.finished_time is None or num_output_tokens < 2:
+            return None
+        return (self.finished_time - self.first_token_time) / (num_output_tokens - 1)
+
+    @property
+    def latency(self) -> Optional[float]:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    request_id: Any
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: Optional[RequestMetrics] = None
+    error: Optional[str] = None  # set when the request was refused (finish_reason "error")
+
+    @classmethod
+    def failed(cls, request_id, prompt, prompt_token_ids, error: Exception) -> "RequestOutput":
+        msg = f"{type(error).__name__}: {error}"
+        return cls(request_id, prompt if isinstance(prompt, str) else None,
+                   list(prompt_token_ids or []), [CompletionOutput(0, "", [], "error")], True,
+                   None, msg)

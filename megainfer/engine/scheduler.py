@@ -1,0 +1,114 @@
+"""Continuous batching with chunked prefill and preemption by recompute (vLLM v1 style).
+
+Every step has a token budget (``max_num_batched_tokens``). Running requests come first, in
+the order they started running: a decode takes one token, an unfinished prefill takes the
+next chunk of its prompt. Then waiting requests are admitted first-come-first-served while
+budget, ``max_num_seqs`` and free blocks allow; the last one admitted may get a partial
+chunk (chunked prefill). When a running request needs a block and none is free, the most
+recently started running request is preempted: its blocks are freed, its progress reset to
+zero, and it goes back to the front of the waiting queue; it recomputes prompt + generated
+tokens later, so its output does not change. Nothing here depends on time or hashing: the
+same calls give the same schedule on every rank.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from megainfer.config import SchedulerConfig
+
+from .block_manager import BlockManager
+from .request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """What one step computes: ``num_new_tokens[i]`` tokens of ``requests[i]``."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager):
+        self.config, self.blocks = config, blocks
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0  # total, for tests and stats
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(batch, budget)
+        if not batch.preempted:  # blocks are short: admit nobody new this step
+            self._schedule_waiting(batch, budget)
+        return batch
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            need = req.num_tokens - req.num_computed_tokens
+            n = min(need, budget)
+            if n < need and not self.config.enable_chunked_prefill:
+                i += 1
+                continue
+            while not self.blocks.allocate(req, req.num_computed_tokens + n):
+                victim = self.running.pop()  # the most recently started request
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:  # preempted itself: nothing else fits
+                break
+            batch.requests.append(req)
+            batch.num_new_tokens.append(n)
+            budget -= n
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            need = req.num_tokens - req.num_computed_tokens
+            n = min(need, budget)
+            if n < need and not self.config.enable_chunked_prefill:
+                break
+            if not self.blocks.allocate(req, req.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            batch.requests.append(req)
+            batch.num_new_tokens.append(n)
+            budget -= n
+
+    def _preempt(self, req: Request) -> None:
+        self.blocks.free_request(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request) -> None:
+        """Remove a finished (or aborted) request and free its blocks."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.blocks.free_request(req)

@@ -1,0 +1,42 @@
+"""Derived sizes: max_model_len from the model, KV block count from a memory budget."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megainfer.config import ConfigError, ModelConfig
+
+from .errors import CacheTooSmallError
+
+
+def resolve_max_model_len(model: ModelConfig, requested: Optional[int]) -> int:
+    """The requested length, or the model's max_position_embeddings; never beyond the latter."""
+    if requested is None:
+        return model.max_position_embeddings
+    if not isinstance(requested, int) or requested < 1:
+        raise ConfigError(f"scheduler.max_model_len={requested!r}: must be a positive integer")
+    if requested > model.max_position_embeddings:
+        raise ConfigError(f"scheduler.max_model_len={requested}: exceeds the model's "
+                          f"max_position_embeddings={model.max_position_embeddings}")
+    return requested
+
+
+def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype,
+                       kv_heads: Optional[int] = None) -> int:
+    elt = torch.empty(0, dtype=dtype).element_size()
+    return model.num_layers * 2 * block_size * (kv_heads or model.num_kv_heads) * model.head_dim * elt
+
+
+def derive_num_blocks(model: ModelConfig, max_model_len: int, max_num_seqs: int, block_size: int,
+                      memory_gib: float, dtype: torch.dtype = torch.float32,
+                      kv_heads: Optional[int] = None) -> int:
+    """Enough blocks for max_num_seqs requests of max_model_len, capped by memory_gib."""
+    per_seq = -(-max_model_len // block_size)
+    cap = int(memory_gib * 2**30 // kv_bytes_per_block(model, block_size, dtype, kv_heads))
+    if cap < per_seq:
+        raise CacheTooSmallError(
+            f"cache.memory_gib={memory_gib}: holds {cap} KV blocks of {block_size} tokens, but one "
+            f"request of max_model_len={max_model_len} needs {per_seq}; raise cache.memory_gib "
+            "or lower scheduler.max_model_len")
+    return min(per_seq * max_num_seqs, cap)

@@ -1,0 +1,105 @@
+"""The seam between the engine and whatever computes a step.
+
+The engine turns the scheduler's batch into a ``StepInput``; a ``ModelExecutor`` turns it into
+logits for the sequences that need a next token. ``LocalExecutor`` runs the whole model in this
+process (single mode); the disaggregated runtime supplies its own executor (attention here,
+experts on other ranks, micro-batches via ``StepInput.split``). An empty step (no sequences)
+is legal: an idle replica still calls its executor so every replica advances in lockstep.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Protocol, runtime_checkable
+
+import torch
+
+from megainfer.models.attention import AttentionMetadata
+
+
+@dataclass
+class StepInput:
+    """One step's batch, flat: T tokens from S sequences, sequence after sequence."""
+
+    seq_ids: list[int]  # request ids in batch order
+    query_lens: list[int]  # new tokens per sequence (a prefill chunk, or 1 for a decode)
+    context_lens: list[int]  # tokens already in the KV cache per sequence
+    block_tables: list[list[int]]
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    sample_rows: list[int]  # sequence indices that need a next token this step, ascending
+
+    @classmethod
+    def empty(cls, device: str | torch.device = "cpu") -> "StepInput":
+        z = torch.zeros(0, dtype=torch.long, device=device)
+        return cls([], [], [], [], z, z.clone(), [])
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def is_empty(self) -> bool:
+        return not self.seq_ids
+
+    def token_offsets(self) -> list[int]:
+        """[S+1] start of each sequence's tokens in the flat batch."""
+        out = [0]
+        for n in self.query_lens:
+            out.append(out[-1] + n)
+        return out
+
+    def sample_token_indices(self) -> torch.Tensor:
+        """[len(sample_rows)] flat index of the last token of each sampled sequence."""
+        ends = self.token_offsets()[1:]
+        return torch.tensor([ends[i] - 1 for i in self.sample_rows], dtype=torch.long,
+                            device=self.input_ids.device)
+
+    def split(self, groups: list[list[int]]) -> list["StepInput"]:
+        """Micro-batches: ``groups[g]`` lists sequence indices (ascending). ``sample_rows`` of each
+        part index its own sequences; logits of the parts, concatenated in group order, are the
+        whole step's logits when the groups are contiguous and in order."""
+        offs = self.token_offsets()
+        want = set(self.sample_rows)
+        parts = []
+        for g in groups:
+            idx = torch.cat([torch.arange(offs[i], offs[i + 1]) for i in g]) if g else \
+                torch.zeros(0, dtype=torch.long)
+            idx = idx.to(self.input_ids.device)
+            parts.append(StepInput(
+                seq_ids=[self.seq_ids[i] for i in g], query_lens=[self.query_lens[i] for i in g],
+                context_lens=[self.context_lens[i] for i in g],
+                block_tables=[self.block_tables[i] for i in g],
+                input_ids=self.input_ids[idx], positions=self.positions[idx],
+                sample_rows=[j for j, i in enumerate(g) if i in want]))
+        return parts
+
+    def attention_metadata(self, block_size: int,
+                           device: Optional[str | torch.device] = None) -> AttentionMetadata:
+        return AttentionMetadata.build(self.query_lens, self.context_lens, self.block_tables,
+                                       block_size, device or self.input_ids.device)
+
+
+@runtime_checkable
+class ModelExecutor(Protocol):
+    def execute(self, step: StepInput) -> torch.Tensor:
+        """-> logits [len(step.sample_rows), V] float32, rows in ``sample_rows`` order."""
+        ...
+
+
+class LocalExecutor:
+    """Single mode: the whole model over the engine's paged KV cache, logits of sampled rows."""
+
+    def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int):
+        self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
+        self.vocab_size = model.config.vocab_size
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> torch.Tensor:
+        if step.is_empty():
+            return torch.zeros(0, self.vocab_size, dtype=torch.float32)
+        meta = step.attention_metadata(self.block_size)
+        hidden = self.model(step.input_ids, step.positions, meta, self.kv_caches)  # [T, H]
+        return self.model.compute_logits(hidden[step.sample_token_indices()])  # [R, V]

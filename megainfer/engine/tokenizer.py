@@ -1,0 +1,58 @@
+"""Text <-> token ids: the checkpoint's own tokenizer when it has one, else raw UTF-8 bytes.
+
+``tokenizer.json`` loads with the ``tokenizers`` library (no code from the checkpoint runs);
+without it every byte of the UTF-8 encoding is one token id (0..255), which round-trips any
+text for a model whose vocabulary has at least 256 entries.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional, Protocol, Sequence
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids. Ids >= 256 (not bytes) and eos ids decode to nothing."""
+
+    name = "bytes"
+
+    def __init__(self, special_ids: Sequence[int] = ()):
+        self.special = frozenset(special_ids)
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(i for i in ids if 0 <= i < 256 and i not in self.special).decode(
+            "utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A ``tokenizer.json`` (Hugging Face tokenizers). Adds the special tokens its
+    post-processor defines (e.g. BOS) on encode; skips special tokens on decode."""
+
+    name = "tokenizer.json"
+
+    def __init__(self, path: str):
+        from tokenizers import Tokenizer as _Tok
+        self.tok = _Tok.from_file(path)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=True).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=True)
+
+
+def load_tokenizer(path: Optional[str], eos_token_ids: Sequence[int] = ()) -> Tokenizer:
+    """The checkpoint directory's ``tokenizer.json``, or the byte-level fallback."""
+    if path:
+        tj = os.path.join(path, "tokenizer.json")
+        if os.path.isfile(tj):
+            return HFTokenizer(tj)
+    return ByteTokenizer(eos_token_ids)

@@ -1,0 +1,147 @@
+"""The offline Python API (vLLM-shaped): ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
+from __future__ import annotations
+
+from typing import Iterable, Iterator, Optional, Sequence, Union
+
+import torch
+
+from megainfer.config import CacheConfig, LoadConfig, ModelConfig, SchedulerConfig
+from megainfer.engine import (LLMEngine, PromptInput, RequestError, RequestOutput, SamplingParams)
+from megainfer.engine.sizing import derive_num_blocks, resolve_max_model_len
+from megainfer.engine.tokenizer import Tokenizer, load_tokenizer
+from megainfer.models.loader import DTYPES, build_model
+
+Prompt = Union[str, Sequence[int], dict]
+
+
+class LLM:
+    """Single mode: one process, the whole model local.
+
+    ``model``: an HF checkpoint directory, or a ``ModelConfig`` (then ``load_format`` is dummy:
+    seeded random weights). ``seed`` seeds the sampling of requests without their own seed.
+    """
+
+    def __init__(self, model: Union[str, ModelConfig], *, load_format: str = "auto",
+                 dtype: str = "float32", seed: int = 0, max_model_len: Optional[int] = None,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
+                 enable_chunked_prefill: bool = True, block_size: int = 16,
+                 num_blocks: Optional[int] = None, kv_cache_memory_gib: float = 4.0,
+                 tokenizer: Optional[Tokenizer] = None):
+        path = model if isinstance(model, str) else None
+        self.model_config = ModelConfig.from_pretrained(path) if path else model
+        if load_format == "auto":
+            load_format = "safetensors" if path else "dummy"
+        self.load_config = LoadConfig(path=path, load_format=load_format, dtype=dtype, seed=seed)
+        mml = resolve_max_model_len(self.model_config, max_model_len)
+        self.scheduler_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, mml,
+                                                enable_chunked_prefill)
+        if num_blocks is None:
+            num_blocks = derive_num_blocks(self.model_config, mml, max_num_seqs, block_size,
+                                           kv_cache_memory_gib, DTYPES[dtype])
+        self.cache_config = CacheConfig(block_size, num_blocks)
+        self.model = build_model(self.model_config, self.load_config)
+        self.engine = LLMEngine.from_model(
+            self.model, self.scheduler_config, self.cache_config,
+            tokenizer or load_tokenizer(path, self.model_config.eos_token_id), seed=seed)
+        self._counter = 0
+
+    @classmethod
+    def from_configs(cls, model_config: ModelConfig, load: LoadConfig, scheduler: SchedulerConfig,
+                     cache: CacheConfig, tokenizer: Optional[Tokenizer] = None) -> "LLM":
+        """From already-resolved config objects (the Hydra launcher's path)."""
+        self = cls.__new__(cls)
+        self.model_config, self.load_config = model_config, load
+        self.scheduler_config, self.cache_config = scheduler, cache
+        self.model = build_model(model_config, load)
+        self.engine = LLMEngine.from_model(self.model, scheduler, cache,
+                                           tokenizer or load_tokenizer(load.path,
+                                                                       model_config.eos_token_id),
+                                           seed=load.seed)
+        self._counter = 0
+        return self
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
+                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Outputs in input order. Every prompt is validated before any work starts: a bad one
+        raises its ``RequestError`` and nothing runs."""
+        inputs = self._inputs(prompts, sampling_params)
+        added = []
+        try:
+            for inp in inputs:
+                self.engine.add_request(inp.request_id, inp.prompt, inp.params,
+                                        prompt_token_ids=inp.prompt_token_ids)
+                added.append(inp.request_id)
+        except RequestError:
+            for rid in added:
+                self.engine.abort_request(rid)
+            raise
+        done = {}
+        with _Progress(len(inputs), use_tqdm, self.engine) as bar:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    done[out.request_id] = out
+                    bar.update(out)
+        return [done[inp.request_id] for inp in inputs]
+
+    def generate_stream(self, requests: Iterable[PromptInput],
+                        use_tqdm: bool = False, total: Optional[int] = None) -> Iterator[RequestOutput]:
+        """Each output as soon as its request finishes (invalid ones at once, as errors)."""
+        with _Progress(total, use_tqdm, self.engine) as bar:
+            for out in self.engine.generate_stream(requests):
+                bar.update(out)
+                yield out
+
+    def _inputs(self, prompts, params) -> list[PromptInput]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                                 and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        params = list(params)
+        if len(params) != len(prompts):
+            raise RequestError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+        out = []
+        for p, sp in zip(prompts, params):
+            rid = f"{self._counter}"
+            self._counter += 1
+            if isinstance(p, dict):
+                out.append(PromptInput(rid, p.get("prompt"), p.get("prompt_token_ids"), sp))
+            elif isinstance(p, str):
+                out.append(PromptInput(rid, p, None, sp))
+            else:
+                out.append(PromptInput(rid, None, p, sp))
+        return out
+
+
+class _Progress:
+    """A tqdm bar over finished requests showing output tokens/s (no-op when disabled)."""
+
+    def __init__(self, total: Optional[int], enabled: bool, engine: LLMEngine):
+        self.bar, self.engine = None, engine
+        if enabled:
+            from tqdm.auto import tqdm
+            self.bar = tqdm(total=total, desc="Processed prompts", unit="req", dynamic_ncols=True)
+        self.tokens0 = engine.num_generated_tokens
+
+    def update(self, out: RequestOutput) -> None:
+        if self.bar is None:
+            return
+        self.bar.update(1)
+        elapsed = self.bar.format_dict["elapsed"] or 1e-9
+        tok = self.engine.num_generated_tokens - self.tokens0
+        self.bar.set_postfix_str(f"output {tok / elapsed:.1f} tok/s", refresh=False)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.close()
+
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "PromptInput"]

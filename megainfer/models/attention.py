@@ -1,0 +1,142 @@
+"""Attention over a paged KV cache, in plain torch (the seam where a GPU kernel plugs in).
+
+KV cache of one layer: ``kv[2, num_blocks, block_size, kv_heads, head_dim]`` (0 = keys, 1 = values).
+A step's batch is flat: ``T`` new tokens from ``S`` sequences, sequence after sequence.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Where a step's T new tokens come from and where their keys/values go.
+
+    query_start_loc  [S+1] int64  token offsets of each sequence in the flat batch
+    context_lens     [S]   int64  tokens already in the cache before this step
+    seq_lens         [S]   int64  context_lens + new tokens
+    block_tables     [S, max_blocks] int64  physical block ids (padding: 0, never read)
+    slot_mapping     [T]   int64  block * block_size + offset for each new token
+    """
+
+    query_start_loc: torch.Tensor
+    context_lens: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_size: int
+    # host-side copies so the attention loop never syncs on a device tensor
+    query_lens_list: list[int]
+    seq_lens_list: list[int]
+
+    @classmethod
+    def build(cls, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
+              block_size: int, device: str | torch.device = "cpu") -> "AttentionMetadata":
+        """From per-sequence lists: new-token counts, cached-token counts, block ids."""
+        seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
+        width = max((len(b) for b in block_tables), default=0)
+        table = torch.zeros(len(block_tables), max(width, 1), dtype=torch.long)
+        for i, blocks in enumerate(block_tables):
+            table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+        slots = []
+        for blocks, c, q in zip(block_tables, context_lens, query_lens):
+            pos = torch.arange(c, c + q)
+            slots.append(torch.tensor(blocks, dtype=torch.long)[pos // block_size] * block_size
+                         + pos % block_size)
+        starts = torch.zeros(len(query_lens) + 1, dtype=torch.long)
+        starts[1:] = torch.cumsum(torch.tensor(query_lens, dtype=torch.long), 0)
+        return cls(
+            query_start_loc=starts.to(device),
+            context_lens=torch.tensor(context_lens, dtype=torch.long, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=device),
+            block_tables=table.to(device),
+            slot_mapping=(torch.cat(slots) if slots else torch.zeros(0, dtype=torch.long)).to(device),
+            block_size=block_size, query_lens_list=list(query_lens), seq_lens_list=seq_lens,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(self.query_lens_list))
+
+
+def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, kv_heads: int,
+                      head_dim: int, dtype=torch.float32, device="cpu") -> list[torch.Tensor]:
+    """One ``[2, num_blocks, block_size, kv_heads, head_dim]`` tensor per layer, zeroed."""
+    return [torch.zeros(2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device)
+            for _ in range(num_layers)]
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """No cache: one sequence. q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                         is_causal=True, scale=scale)  # [Hq, T, D]
+    return out.transpose(0, 1)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Write k/v of the new tokens into the cache, then attend over each sequence's context.
+
+    q [T, Hq, D], k/v [T, Hkv, D], kv_cache [2, NB, BS, Hkv, D] -> out [T, Hq, D].
+    Decode sequences (one new token) run as one padded batch; prefill chunks one by one.
+    """
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    flat = kv_cache.view(2, -1, Hkv, D)  # [2, NB*BS, Hkv, D]
+    flat[0, meta.slot_mapping] = k
+    flat[1, meta.slot_mapping] = v
+    out = torch.empty_like(q)
+    qlens, starts = meta.query_lens_list, meta.query_start_loc.tolist()
+    decode = [i for i, n in enumerate(qlens) if n == 1]
+    if decode:
+        _decode_batch(q, kv_cache, meta, decode, [starts[i] for i in decode], scale, out)
+    for i, n in enumerate(qlens):
+        if n > 1:
+            _prefill_one(q, kv_cache, meta, i, starts[i], n, scale, out)
+    return out
+
+
+def _gather_context(kv_cache: torch.Tensor, blocks: torch.Tensor, length: int):
+    """blocks [..., nb] -> keys, values [..., nb*BS, Hkv, D] cut to ``length``."""
+    kc = kv_cache[0][blocks]  # [..., nb, BS, Hkv, D]
+    vc = kv_cache[1][blocks]
+    shape = (*blocks.shape[:-1], -1, *kc.shape[-2:])
+    return kc.reshape(shape)[..., :length, :, :], vc.reshape(shape)[..., :length, :, :]
+
+
+def _decode_batch(q, kv_cache, meta, seqs, rows, scale, out):
+    """S_d sequences with one query each, padded to the longest context."""
+    BS = meta.block_size
+    lens = [meta.seq_lens_list[i] for i in seqs]
+    L = max(lens)
+    idx = torch.tensor(seqs, dtype=torch.long, device=q.device)
+    blocks = meta.block_tables[idx, : math.ceil(L / BS)]  # [S_d, nb]
+    keys, vals = _gather_context(kv_cache, blocks, L)  # [S_d, L, Hkv, D]
+    group = q.shape[1] // keys.shape[2]
+    keys, vals = keys.repeat_interleave(group, 2), vals.repeat_interleave(group, 2)
+    qd = q[torch.tensor(rows, dtype=torch.long, device=q.device)]  # [S_d, Hq, D]
+    mask = torch.arange(L, device=q.device)[None, :] < meta.seq_lens[idx][:, None]  # [S_d, L]
+    o = F.scaled_dot_product_attention(qd[:, :, None, :], keys.transpose(1, 2), vals.transpose(1, 2),
+                                       attn_mask=mask[:, None, None, :], scale=scale)  # [S_d,Hq,1,D]
+    out[torch.tensor(rows, dtype=torch.long, device=q.device)] = o[:, :, 0, :]
+
+
+def _prefill_one(q, kv_cache, meta, i, start, n, scale, out):
+    """One sequence's chunk of n queries at positions [ctx, ctx+n) over its first ctx+n keys."""
+    L = meta.seq_lens_list[i]
+    ctx = L - n
+    blocks = meta.block_tables[i, : math.ceil(L / meta.block_size)]
+    keys, vals = _gather_context(kv_cache, blocks, L)  # [L, Hkv, D]
+    group = q.shape[1] // keys.shape[1]
+    keys, vals = keys.repeat_interleave(group, 1), vals.repeat_interleave(group, 1)
+    qpos = torch.arange(ctx, L, device=q.device)[:, None]
+    mask = torch.arange(L, device=q.device)[None, :] <= qpos  # [n, L]
+    o = F.scaled_dot_product_attention(q[start:start + n].transpose(0, 1), keys.transpose(0, 1),
+                                       vals.transpose(0, 1), attn_mask=mask, scale=scale)
+    out[start:start + n] = o.transpose(0, 1)

@@ -1,0 +1,134 @@
+"""Building blocks shared by every family: norm, rotary embedding, gated MLP, self-attention.
+
+Parameter names follow Hugging Face so checkpoints load by name. Tensor-parallel attention
+splits heads across ``ParallelContext.tp_size`` ranks: q/k/v column-parallel, o_proj
+row-parallel followed by an all-reduce. Every other weight is replicated.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import AttentionMetadata, causal_attention, paged_attention
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """This rank's place in its attention replica's tensor-parallel group."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    all_reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # sum over TP ranks
+
+    def __post_init__(self):
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank={self.tp_rank}: must be in [0, tp_size={self.tp_size})")
+        if self.tp_size > 1 and self.all_reduce is None:
+            raise ValueError(f"tp_size={self.tp_size}: tensor parallel needs an all_reduce")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Default (unscaled) RoPE, computed from positions each step in fp32."""
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        self.register_buffer("inv_freq", inv, persistent=False)  # [D/2]
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+        """q [T, Hq, D], k [T, Hkv, D], positions [T] -> rotated q, k."""
+        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+        cos, sin = emb.cos().to(q.dtype)[:, None, :], emb.sin().to(q.dtype)[:, None, :]
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)): dense layers and shared experts."""
+
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SelfAttention(nn.Module):
+    """GQA self-attention with optional q/k RMSNorm (Qwen3) and q/k/v bias (Qwen2)."""
+
+    def __init__(self, cfg, par: ParallelContext):
+        super().__init__()
+        tp, r = par.tp_size, par.tp_rank
+        if cfg.num_heads % tp:
+            raise ValueError(f"deploy.attention_tp={tp}: must divide num_heads={cfg.num_heads}")
+        if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
+            raise ValueError(f"deploy.attention_tp={tp}: must divide or be a multiple of "
+                             f"num_kv_heads={cfg.num_kv_heads}")
+        D = cfg.head_dim
+        self.head_dim, self.scale, self.par = D, D ** -0.5, par
+        self.q_heads = cfg.num_heads // tp
+        self.kv_heads = max(1, cfg.num_kv_heads // tp)
+        kv_first = r * cfg.num_kv_heads // tp  # first kv head of this rank (replicated when tp > Hkv)
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.q_heads * D, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * D, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * D, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_heads * D // tp, cfg.hidden_size, bias=False)
+        # which rows (q/k/v) or columns (o) of the full checkpoint tensor this rank holds
+        q_rows = slice(r * self.q_heads * D, (r + 1) * self.q_heads * D)
+        kv_rows = slice(kv_first * D, (kv_first + self.kv_heads) * D)
+        q_full, kv_full = cfg.num_heads * D, cfg.num_kv_heads * D
+        shards = [(self.q_proj.weight, 0, q_rows, q_full), (self.k_proj.weight, 0, kv_rows, kv_full),
+                  (self.v_proj.weight, 0, kv_rows, kv_full), (self.o_proj.weight, 1, q_rows, q_full)]
+        if bias:
+            shards += [(self.q_proj.bias, 0, q_rows, q_full), (self.k_proj.bias, 0, kv_rows, kv_full),
+                       (self.v_proj.bias, 0, kv_rows, kv_full)]
+        for p, dim, sl, full in shards:
+            p.tp_shard = (dim, sl, full)  # loader copies full.narrow(dim, sl) into p
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(D, cfg.rope_theta)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: Optional[AttentionMetadata],
+                kv_cache: Optional[torch.Tensor]) -> torch.Tensor:
+        """x [T, H] -> [T, H]; without meta the T tokens are one sequence and nothing is cached."""
+        T, D = x.shape[0], self.head_dim
+        q = self.q_proj(x).view(T, self.q_heads, D)
+        k = self.k_proj(x).view(T, self.kv_heads, D)
+        v = self.v_proj(x).view(T, self.kv_heads, D)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(q, k, positions)
+        if meta is None:
+            o = causal_attention(q, k, v, self.scale)
+        else:
+            o = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        out = self.o_proj(o.reshape(T, self.q_heads * D))  # [T, H], partial sum under TP
+        if self.par.tp_size > 1:
+            out = self.par.all_reduce(out)
+        return out

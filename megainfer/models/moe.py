@@ -1,0 +1,83 @@
+"""The MoE block, split the way the runtime drives it.
+
+* ``Router`` (attention side): logits -> top-k expert ids and weights, exactly as HF does it.
+* ``RoutedExperts`` (expert side, "the expert half"): the grouped FFN over the expert slots
+  this process holds, ``gate_up_proj [E_local, 2N, H]`` and ``down_proj [E_local, H, N]``
+  (HF transformers 5 fused layout), with ``expert_map`` from physical slot id to local index.
+* shared expert (Qwen2-MoE, sigmoid-gated): its own piece, placed on the attention side.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megainfer.kernels import fused_moe
+
+from .layers import GatedMLP
+
+
+class Router(nn.Module):
+    """gate.weight [E, H]. softmax (fp32) -> top-k -> optional renormalisation (HF semantics)."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, renormalize: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.top_k, self.renormalize = top_k, renormalize
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> topk_weights [T, k] (x's dtype), topk_ids [T, k] int64."""
+        logits = F.linear(x, self.weight)  # [T, E]
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        w, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            w = w / w.sum(dim=-1, keepdim=True)
+        return w.to(x.dtype), ids
+
+
+class RoutedExperts(nn.Module):
+    """The expert half: ``slots`` lists the physical expert slots held here (local order)."""
+
+    def __init__(self, hidden: int, inter: int, num_slots: int, slots: Sequence[int]):
+        super().__init__()
+        n = len(slots)
+        self.gate_up_proj = nn.Parameter(torch.empty(n, 2 * inter, hidden))
+        self.down_proj = nn.Parameter(torch.empty(n, hidden, inter))
+        emap = torch.full((num_slots,), -1, dtype=torch.int32)
+        emap[torch.tensor(list(slots), dtype=torch.long)] = torch.arange(n, dtype=torch.int32)
+        self.register_buffer("expert_map", emap, persistent=False)  # [num_slots] -> local or -1
+        self.slots = list(slots)
+        self.identity = self.slots == list(range(num_slots))  # every slot here, in order
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor):
+        """x [T, H], topk_* [T, k] (physical slot ids) -> partial sum [T, H] over local slots."""
+        emap = None if self.identity else self.expert_map
+        return fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, emap)
+
+
+class MoEBlock(nn.Module):
+    """mlp of an MoE layer: gate (router), experts (expert half), optional gated shared expert."""
+
+    def __init__(self, cfg, expert_slots: Optional[Sequence[int]], num_slots: int):
+        super().__init__()
+        self.gate = Router(cfg.hidden_size, cfg.num_experts, cfg.top_k, cfg.norm_topk_prob)
+        slots = range(num_slots) if expert_slots is None else expert_slots
+        self.experts = RoutedExperts(cfg.hidden_size, cfg.moe_intermediate_size, num_slots, slots)
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+
+    def shared(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """x [T, H] -> sigmoid(gate(x)) * shared_expert(x) [T, H], or None without one."""
+        if not hasattr(self, "shared_expert"):
+            return None
+        return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Everything local (single mode): routed experts + shared expert."""
+        w, ids = self.gate(x)
+        out = self.experts(x, w, ids)
+        shared = self.shared(x)
+        return out if shared is None else out + shared

@@ -1,0 +1,120 @@
+"""The attention side of one step in disaggregated mode: the ping-pong micro-batch pipeline.
+
+The engine hands over one ``StepInput``; it is split into m micro-batches balanced by tokens.
+For each MoE layer and micro-batch the replica leader routes the tokens, ships them to the
+expert ranks (A2E) and, while they compute, runs attention of the next micro-batch; the
+experts' partial sums come back (E2A) and are added onto the residual in expert-rank order.
+
+    for layer l:                       attention          A2E       experts     E2A
+      for micro-batch i:               [mb i, l] -> dispatch(l,i) ~~~~~~~~~~~> combine(l,i)
+        finish(l-1, i) then pre_mlp(l, i), route, dispatch, shared expert
+
+TP ranks of a replica compute attention together (heads split, all-reduce); the leader does
+the exchange and broadcasts the routed output to its TP peers.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .microbatch import split_by_tokens
+from .trace import Tracer
+
+
+@dataclass
+class _MicroBatch:
+    step: object  # StepInput of this micro-batch
+    meta: object  # AttentionMetadata
+    hidden: torch.Tensor  # [n, H] residual stream
+    residual: Optional[torch.Tensor] = None
+    shared: Optional[torch.Tensor] = None
+    pending: object = None  # exchange handle of the layer in flight
+    layer: int = -1
+
+    @property
+    def n(self) -> int:
+        return int(self.hidden.shape[0])
+
+
+class DisaggregatedExecutor:
+    """``ModelExecutor`` for an attention rank whose routed experts live on expert ranks."""
+
+    def __init__(self, model, kv_caches, block_size: int, micro_batches: int, exchange, tp_group,
+                 to_physical=None, tracer: Optional[Tracer] = None):
+        self.model, self.kv, self.block_size, self.m = model, kv_caches, block_size, micro_batches
+        self.exchange, self.tp = exchange, tp_group  # exchange is None on TP non-leaders
+        self.to_physical = to_physical  # logical top-k ids -> physical slot ids (EPLB), or None
+        self.tracer = tracer or Tracer(enabled=False)
+        self.iteration = 0
+        self.step_log: list[tuple[int, int, float]] = []  # (sequences, tokens, seconds) per step
+
+    @torch.inference_mode()
+    def execute(self, step) -> torch.Tensor:
+        """StepInput -> logits [len(step.sample_rows), V] float32 (same on every TP rank)."""
+        t0 = time.perf_counter()
+        groups = split_by_tokens(step.query_lens, self.m)
+        mbs = [self._start(part) for part in step.split(groups)]
+        for l, layer in enumerate(self.model.layers):
+            for i, mb in enumerate(mbs):
+                self._finish(mb, i)
+                if layer.is_moe:
+                    self._attend_and_dispatch(layer, l, i, mb)
+                else:
+                    with self.tracer.span("attention", f"dense L{l} mb{i}", self.iteration, l, i, mb.n):
+                        mb.hidden = layer(mb.hidden, mb.step.positions, mb.meta, self.kv[l])
+        for i, mb in enumerate(mbs):
+            self._finish(mb, i)
+        hidden = torch.cat([mb.hidden for mb in mbs]) if mbs else None  # [T, H] in batch order
+        logits = self._logits(step, groups, mbs, hidden)
+        self.iteration += 1
+        self.step_log.append((step.num_seqs, step.num_tokens, time.perf_counter() - t0))
+        return logits
+
+    # ------------------------------------------------------------------ pieces
+    def _start(self, part) -> _MicroBatch:
+        meta = part.attention_metadata(self.block_size)
+        return _MicroBatch(part, meta, self.model.embed(part.input_ids))
+
+    def _attend_and_dispatch(self, layer, l: int, i: int, mb: _MicroBatch) -> None:
+        with self.tracer.span("attention", f"attn L{l} mb{i}", self.iteration, l, i, mb.n):
+            x, mb.residual = layer.pre_mlp(mb.hidden, mb.step.positions, mb.meta, self.kv[l])
+            w, ids = layer.mlp.gate(x)  # [n, k]
+            if self.to_physical is not None:
+                ids = self.to_physical(l, ids)
+            if self.exchange is not None:
+                mb.pending = self.exchange.dispatch(self.iteration, l, i, x, ids, w)
+            else:
+                mb.pending = "tp-peer"
+            mb.shared = layer.mlp.shared(x)
+            mb.layer = l
+
+    def _finish(self, mb: _MicroBatch, i: int) -> None:
+        """Wait for the micro-batch's experts (if in flight) and add them onto the residual."""
+        if mb.pending is None:
+            return
+        if self.exchange is not None:
+            routed = self.exchange.combine(mb.pending)  # [n, H]
+        else:
+            routed = torch.empty_like(mb.residual)
+        if self.tp is not None and self.tp.size > 1:
+            routed = self.tp.broadcast_from_leader(routed, f"routed output L{mb.layer} mb{i}")
+        mlp = routed if mb.shared is None else routed + mb.shared
+        mb.hidden = mb.residual + mlp
+        mb.pending = mb.residual = mb.shared = None
+
+    def _logits(self, step, groups, mbs, hidden) -> torch.Tensor:
+        if not step.sample_rows:
+            return torch.empty(0, self.model.config.vocab_size)
+        row_of, base = {}, 0  # sequence index -> row of its last new token in `hidden`
+        for g, mb in zip(groups, mbs):
+            ends = torch.tensor(mb.step.query_lens, dtype=torch.long).cumsum(0) - 1
+            row_of.update({s: base + int(e) for s, e in zip(g, ends)})
+            base += mb.n
+        rows = torch.tensor([row_of[s] for s in step.sample_rows], dtype=torch.long)
+        h = self.model.model.norm(hidden[rows])  # [S_sample, H]
+        if self.tp is not None and self.tp.size > 1:
+            h = self.tp.broadcast_from_leader(h.contiguous(), "final hidden")
+        return self.model.compute_logits(h)

@@ -1,0 +1,42 @@
+"""The control plane between attention ranks: small Python objects (requests, finished outputs,
+go/stop), sent point to point with bounded waits, so a dead or hung rank is noticed in bounded
+time and named. Tensors never travel here (they use ``megainfer.comm``)."""
+from __future__ import annotations
+
+from mpi4py import MPI
+
+from megainfer.comm.wait import WaitPolicy, wait_until
+
+TAG_REQUESTS, TAG_STATUS, TAG_GO, TAG_TP = 101, 102, 103, 104
+
+
+class RankFailure(RuntimeError):
+    """A peer rank did not answer in time; names the rank and the phase."""
+
+    def __init__(self, me: str, peer: int, phase: str, waited_s: float):
+        super().__init__(f"{me}: rank {peer} did not answer within {waited_s:.1f}s during {phase}; "
+                         "aborting the job (finished results are on disk)")
+        self.peer, self.phase = peer, phase
+
+
+class ControlPlane:
+    """Timed object messages on a communicator (``me`` is the speaker's log tag)."""
+
+    def __init__(self, comm: MPI.Comm, me: str, policy: WaitPolicy):
+        self.comm, self.me, self.policy = comm, me, policy
+
+    def send(self, obj, dest: int, tag: int) -> None:
+        self.comm.send(obj, dest=dest, tag=tag)
+
+    def recv(self, src: int, tag: int, phase: str):
+        status = MPI.Status()
+        waited = wait_until(lambda: self.comm.Iprobe(source=src, tag=tag, status=status), self.policy)
+        if waited < 0:
+            raise RankFailure(self.me, src, phase, -waited)
+        return self.comm.recv(source=src, tag=tag)
+
+    def wait(self, req: MPI.Request, peer: int, phase: str) -> None:
+        """Wait on an MPI request (e.g. a TP broadcast) with the same bound."""
+        waited = wait_until(req.Test, self.policy)
+        if waited < 0:
+            raise RankFailure(self.me, peer, phase, -waited)

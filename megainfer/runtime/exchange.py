@@ -1,0 +1,114 @@
+"""Hidden states between attention replicas and expert ranks, over two ``megainfer.comm`` channels.
+
+A2E (``M2N.a2e``, leaders -> expert ranks): for each (layer, micro-batch) every replica leader sends
+each expert rank the tokens that have at least one of their top-k slots there:
+``hidden [n_j, H]``, ``ids [n_j, k]`` (physical slots, int32), ``weights [n_j, k]`` (fp32);
+an empty message when it has none. E2A (N2M): each expert rank answers with the partial sums
+``hidden [n_j, H]`` over its own slots; the leader adds them in expert-rank order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megainfer.comm import M2N, combine_spec, dispatch_spec, make_transports
+from megainfer.comm.spec import KIND_STOP
+
+
+def make_m2n(comm, leaders: list[int], experts: list[int], hidden: int, top_k: int,
+             capacity: int, micro_batches: int, dtype: torch.dtype, wait,
+             transport: str = "mpi") -> M2N:
+    """Both channels, built on every rank of ``comm`` in the same order."""
+    return M2N(make_transports(transport, comm), leaders, experts,
+               dispatch_spec(capacity, hidden, top_k, dtype), combine_spec(capacity, hidden, dtype),
+               micro_batches=micro_batches, wait=wait)
+
+
+@dataclass
+class _InFlight:
+    n: int
+    index: list  # per expert rank: rows of this micro-batch sent there [n_j]
+    replies: list  # per expert rank: RecvHandle of its partial sums
+
+
+class AttentionExchange:
+    """Leader side: ``dispatch`` ships a micro-batch's tokens, ``combine`` collects the sums."""
+
+    def __init__(self, m2n: M2N, slot_owner: torch.Tensor, tracer=None,
+                 lanes: tuple[str, str] = ("A2E", "E2A")):
+        self.m2n, self.experts, self.lanes = m2n, m2n.expert_ranks, lanes
+        self.slot_owner = slot_owner  # [num_slots] int64: expert-rank index holding each slot
+        self.tracer = tracer
+
+    def set_slot_owner(self, slot_owner: torch.Tensor) -> None:
+        self.slot_owner = slot_owner
+
+    def dispatch(self, iteration: int, layer: int, mb: int, x: torch.Tensor, ids: torch.Tensor,
+                 w: torch.Tensor) -> _InFlight:
+        """x [n, H], ids [n, k] physical slots, w [n, k] -> handle for ``combine``."""
+        t0 = self.tracer.now_us() if self.tracer else 0.0
+        owner = self.slot_owner[ids]  # [n, k] expert-rank index of each chosen slot
+        replies = [self.m2n.recv_combine(r, layer=layer, micro_batch=mb, iteration=iteration)
+                   for r in self.experts]
+        index = []
+        ids32, w32 = ids.to(torch.int32), w.to(torch.float32)
+        for j, r in enumerate(self.experts):
+            rows = (owner == j).any(dim=1).nonzero().flatten()  # [n_j]
+            index.append(rows)
+            self.m2n.dispatch(r, iteration=iteration, layer=layer, micro_batch=mb,
+                              hidden=x[rows], topk_ids=ids32[rows], topk_weights=w32[rows])
+        if self.tracer:
+            self.tracer.add(self.lanes[0], f"{self.lanes[0]} L{layer} mb{mb}", t0, self.tracer.now_us() - t0,
+                            iteration, layer, mb, x.shape[0])
+        return _InFlight(x.shape[0], index, replies)
+
+    def combine(self, flight: _InFlight) -> torch.Tensor:
+        """Wait for every expert rank's partial sums; their sum [n, H] in expert-rank order."""
+        t0 = self.tracer.now_us() if self.tracer else 0.0
+        out = None
+        for rows, handle in zip(flight.index, flight.replies):
+            msg = handle.wait()
+            part = msg["out"]  # [n_j, H]
+            if out is None:
+                out = torch.zeros(flight.n, part.shape[1], dtype=part.dtype)
+            if rows.numel():
+                out.index_add_(0, rows, part)
+            msg.release()
+        if self.tracer:
+            h = flight.replies[0]._what if flight.replies else (0, -1, -1, -1)
+            self.tracer.add(self.lanes[1], f"{self.lanes[1]} L{h[1]} mb{h[2]}", t0, self.tracer.now_us() - t0,
+                            h[3] if h[3] is not None else -1, h[1], h[2], flight.n)
+        return out
+
+    def stop(self, iteration: int, first_layer: int) -> None:
+        """Tell every expert rank the job is over (in the slot of the next iteration's first
+        message), and wait until the messages left."""
+        for h in self.m2n.stop(iteration=iteration, layer=first_layer, micro_batch=0):
+            h.wait()
+
+
+class ExpertExchange:
+    """Expert side: ``receive`` every replica's tokens for a (layer, micro-batch), ``reply``."""
+
+    def __init__(self, m2n: M2N):
+        self.m2n, self.leaders = m2n, m2n.attn_ranks
+        self._held = []
+
+    def receive(self, iteration: int, layer: int, mb: int):
+        """[(hidden [n_a, H], ids [n_a, k], weights [n_a, k]) per replica], or None on stop."""
+        msgs = [self.m2n.recv_dispatch(a, layer=layer, micro_batch=mb, iteration=iteration).wait()
+                for a in self.leaders]
+        if any(m.kind == KIND_STOP for m in msgs):
+            for m in msgs:
+                m.release()
+            return None
+        self._held = msgs  # views stay valid until reply() releases them
+        return [(m["hidden"], m["topk_ids"], m["topk_weights"]) for m in msgs]
+
+    def reply(self, iteration: int, layer: int, mb: int, outs: list[torch.Tensor]) -> None:
+        for a, out in zip(self.leaders, outs):
+            self.m2n.combine(a, iteration=iteration, layer=layer, micro_batch=mb, out=out)
+        for m in self._held:
+            m.release()
+        self._held = []

@@ -1,0 +1,73 @@
+"""An expert rank: stateless between iterations. For every (MoE layer, micro-batch) it takes
+the tokens of every attention replica, runs the grouped GEMM over its expert slots, and sends
+each replica its partial sums. A stop message in the first slot of an iteration ends it."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .trace import Tracer
+
+log = logging.getLogger("megainfer.runtime")
+
+
+class ExpertWorker:
+    def __init__(self, model, micro_batches: int, exchange, tag: str, tracer: Tracer | None = None,
+                 load_stats=None, trace_comm: bool = True):
+        self.model, self.m, self.exchange, self.tag = model, micro_batches, exchange, tag
+        self.moe_layers = [i for i, layer in enumerate(model.layers) if layer.is_moe]
+        self.tracer = tracer or Tracer(enabled=False)
+        self.load_stats = load_stats  # optional callable(layer, topk_ids) for EPLB statistics
+        # expert ranks trace their receive waits (A2E) and replies (E2A); colocated ranks don't,
+        # those lanes already hold their attention side's dispatch and combine
+        self.trace_comm = trace_comm
+        self.iteration = 0
+
+    def run(self) -> int:
+        """Serve iterations until a stop message; returns the number of iterations served."""
+        while self.serve_iteration():
+            self.iteration += 1
+        return self.iteration
+
+    @torch.inference_mode()
+    def serve_iteration(self) -> bool:
+        for l in self.moe_layers:
+            for i in range(self.m):
+                if not self.serve_one(self.iteration, l, i):
+                    return False
+        return True
+
+    def serve_one(self, iteration: int, l: int, i: int) -> bool:
+        """Receive every replica's tokens for (layer l, micro-batch i), compute, reply.
+        False when the message was a stop."""
+        t0 = self.tracer.now_us()
+        batch = self.exchange.receive(iteration, l, i)  # one entry per replica
+        if batch is None:
+            return False
+        if self.trace_comm:
+            n = sum(b[0].shape[0] for b in batch)
+            self.tracer.add("A2E", f"A2E wait L{l} mb{i}", t0, self.tracer.now_us() - t0,
+                            iteration, l, i, n)
+        self._compute_and_reply(iteration, l, i, batch)
+        return True
+
+    def _compute_and_reply(self, iteration: int, l: int, i: int, batch) -> None:
+        counts = [x.shape[0] for x, _, _ in batch]
+        n = sum(counts)
+        experts = self.model.layers[l].mlp.experts
+        with self.tracer.span("expert", f"expert L{l} mb{i}", iteration, l, i, n):
+            if n:
+                x = torch.cat([b[0] for b in batch])  # [n, H]
+                ids = torch.cat([b[1] for b in batch]).long()  # [n, k] physical slots
+                w = torch.cat([b[2] for b in batch])  # [n, k]
+                if self.load_stats is not None:
+                    self.load_stats(l, ids)
+                out = experts(x, w.to(x.dtype), ids)  # [n, H] partial sums over local slots
+            else:
+                out = torch.empty(0, experts.down_proj.shape[1])
+        if self.trace_comm:
+            with self.tracer.span("E2A", f"E2A L{l} mb{i}", iteration, l, i, n):
+                self.exchange.reply(iteration, l, i, list(torch.split(out, counts)))
+        else:
+            self.exchange.reply(iteration, l, i, list(torch.split(out, counts)))

@@ -1,0 +1,59 @@
+"""Run several disaggregated or colocated jobs in one mpiexec launch; rank 0 dumps outputs.
+
+    mpiexec -n K python runtime_job.py OUT.json A TP E MS CKPT[,CKPT...] [max_tokens]
+MS is a comma list of micro-batch counts; E = 0 runs colocated mode over the A ranks.
+OUT.json maps "<ckpt>|m=<m>" to {request id: token ids}. Prompts are fixed (seeded) so the
+single-mode reference is computed from the same ``prompts``.
+"""
+import json
+import sys
+
+import torch
+
+torch.set_num_threads(1)
+
+from megainfer.config import CacheConfig, DeployPlan, LoadConfig, ModelConfig, SchedulerConfig  # noqa
+from megainfer.engine.outputs import PromptInput  # noqa
+from megainfer.engine.sampling_params import SamplingParams  # noqa
+from megainfer.runtime.world import JobSpec, RuntimeConfig, build_rank, run_rank  # noqa
+
+SCHED = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128)
+CACHE = CacheConfig(block_size=4, num_blocks=256)
+
+
+def prompts(vocab: int):
+    """7 prompts, 1..40 tokens: the 40- and 30-token ones need chunked prefill at 32."""
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(3, vocab, (L,), generator=g).tolist() for L in (3, 40, 9, 1, 23, 17, 30)]
+
+
+def inputs(vocab: int, max_tokens: int):
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [PromptInput(f"r{i}", prompt_token_ids=p, params=params)
+            for i, p in enumerate(prompts(vocab))]
+
+
+def main():
+    out, A, TP, E = sys.argv[1], *map(int, sys.argv[2:5])
+    ms = [int(m) for m in sys.argv[5].split(",")]
+    ckpts = sys.argv[6].split(",")
+    max_tokens = int(sys.argv[7]) if len(sys.argv) > 7 else 12
+    results = {}
+    for ckpt in ckpts:
+        cfg = ModelConfig.from_pretrained(ckpt)
+        for m in ms:
+            plan = DeployPlan(mode="disaggregated" if E else "colocated", attention_replicas=A,
+                              attention_tp=TP, expert_ranks=E, micro_batches=m)
+            r = build_rank(JobSpec(cfg, LoadConfig(path=ckpt), SCHED, CACHE, plan,
+                                   RuntimeConfig(timeout_s=120)))
+            stream = run_rank(r, inputs(cfg.vocab_size, max_tokens))
+            if stream is not None:
+                results[f"{ckpt}|m={m}"] = {o.request_id: o.outputs[0].token_ids for o in stream}
+            r.close()
+    if results:
+        with open(out, "w") as f:
+            json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main()

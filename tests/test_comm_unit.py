@@ -1,0 +1,212 @@
+"""Unit tests of the M2N layer on the in-process loopback transport (no MPI, no threads
+unless stated)."""
+import threading
+
+import pytest
+import torch
+
+from megainfer.comm import (KIND_DATA, KIND_REBALANCE, KIND_STOP, M2N, Channel,
+                            CommError, CommProtocolError, CommTimeoutError, LoopbackFabric,
+                            MessageSpec, MessageTooLargeError, WaitPolicy, combine_spec,
+                            dispatch_spec, make_transports)
+from megainfer.comm.spec import HEADER_BYTES, MessageLayout, alloc_nbytes
+from megainfer.comm.wait import wait_until
+from megainfer.config import ConfigError
+
+H, K = 8, 2
+FAST = WaitPolicy(timeout_s=0.2)
+
+
+def tokens(n, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, H, generator=g).to(dtype)                                    # [n, H]
+    ids = torch.randint(0, 16, (n, K), generator=g, dtype=torch.int32)              # [n, k]
+    w = torch.rand(n, K, generator=g)                                               # [n, k]
+    return dict(hidden=h, topk_ids=ids, topk_weights=w)
+
+
+def pair(cap=4, streams=1, depth=2, wait=FAST, senders=(0,), receivers=(1,), size=2):
+    fab = LoopbackFabric(size)
+    spec = dispatch_spec(cap, H, K, torch.float32)
+    chans = [Channel(fab.endpoint(r), list(senders), list(receivers), spec, streams=streams,
+                     depth=depth, wait=wait) for r in range(size)]
+    return fab, chans
+
+
+def test_spec_layout_is_compact_and_aligned():
+    spec = dispatch_spec(10, H, K, torch.bfloat16)
+    assert spec.nbytes(0) == HEADER_BYTES
+    offs = spec.offsets(3)  # hidden 3*8*2=48 B, ids 3*2*4=24 B -> 32 aligned, weights 24 -> 32
+    assert offs == [32, 80, 112] and spec.nbytes(3) == 144
+    assert all(o % 16 == 0 for o in spec.offsets(7))
+    buf = torch.zeros(alloc_nbytes(spec), dtype=torch.uint8)
+    v = MessageLayout(spec, buf).views(3)
+    assert v["hidden"].shape == (3, H) and v["hidden"].dtype == torch.bfloat16
+    v["topk_ids"].fill_(7)
+    assert buf[80:104].view(torch.int32).eq(7).all() and buf[104:112].eq(0).all()
+
+
+def test_spec_validation_names_the_field():
+    with pytest.raises(ConfigError, match="capacity"):
+        MessageSpec.of(-1, x=((2,), torch.float32))
+    with pytest.raises(ConfigError, match="shape"):
+        MessageSpec.of(4, x=((0,), torch.float32))
+    with pytest.raises(ConfigError, match="wait.mode"):
+        WaitPolicy(mode="busy")
+    with pytest.raises(ConfigError, match="streams"):
+        pair(streams=0)
+
+
+def test_roundtrip_several_in_flight_with_empties():
+    fab, (tx, rx) = pair(cap=5, depth=3)
+    sent = []
+    for i, n in enumerate([3, 0, 5]):  # three messages in flight before any receive
+        t = tokens(n, seed=i)
+        tx.send(1, iteration=9, layer=0, micro_batch=i, **t)
+        sent.append(t)
+    for i, t in enumerate(sent):
+        msg = rx.recv(0, layer=0, micro_batch=i, iteration=9).wait()
+        assert msg.header.kind == KIND_DATA and msg.rows == t["hidden"].shape[0]
+        assert (msg.header.iteration, msg.header.layer, msg.header.micro_batch) == (9, 0, i)
+        for k, v in t.items():
+            assert torch.equal(msg[k], v)
+        msg.release()
+
+
+def test_ring_reuse_keeps_order_over_many_messages():
+    fab, (tx, rx) = pair(cap=4, depth=2, streams=2)
+    for it in range(50):
+        hs = [tx.send(1, iteration=it, layer=1, micro_batch=mb, **tokens(it % 5, seed=it * 2 + mb))
+              for mb in range(2)]
+        for mb in range(2):
+            msg = rx.recv(0, layer=1, micro_batch=mb, iteration=it).wait()
+            assert torch.equal(msg["hidden"], tokens(it % 5, seed=it * 2 + mb)["hidden"])
+            msg.release()
+        for h in hs:
+            h.wait()
+
+
+def test_too_many_rows_is_an_error_not_a_truncation():
+    fab, (tx, rx) = pair(cap=4)
+    with pytest.raises(MessageTooLargeError, match="5 rows exceed the channel capacity of 4"):
+        tx.send(1, iteration=0, layer=0, micro_batch=0, **tokens(5))
+    assert isinstance(MessageTooLargeError("x"), ValueError)
+
+
+def test_bad_fields_name_the_field():
+    fab, (tx, rx) = pair()
+    t = tokens(2)
+    t["topk_ids"] = t["topk_ids"].long()
+    with pytest.raises(ValueError, match="topk_ids"):
+        tx.send(1, iteration=0, layer=0, micro_batch=0, **t)
+    t = tokens(2)
+    del t["topk_weights"]
+    with pytest.raises(ValueError, match="missing field 'topk_weights'"):
+        tx.send(1, iteration=0, layer=0, micro_batch=0, **t)
+
+
+def test_receive_timeout_names_peer_layer_microbatch_iteration():
+    fab, (tx, rx) = pair(wait=WaitPolicy(timeout_s=0.05))
+    with pytest.raises(CommTimeoutError) as ei:
+        rx.recv(0, layer=4, micro_batch=2, iteration=11).wait()
+    e = ei.value
+    assert (e.peer, e.layer, e.micro_batch, e.iteration) == (0, 4, 2, 11)
+    assert "peer rank 0" in str(e) and "layer=4" in str(e) and "micro_batch=2" in str(e)
+    assert isinstance(e, RuntimeError)
+
+
+def test_stream_mismatch_is_detected():
+    fab, (tx, rx) = pair()
+    tx.send(1, iteration=3, layer=1, micro_batch=0, **tokens(1))
+    with pytest.raises(CommProtocolError, match="expected .iteration=3, layer=2"):
+        rx.recv(0, layer=2, micro_batch=0, iteration=3).wait()
+
+
+def test_control_messages_share_the_stream():
+    fab, (tx, rx) = pair()
+    tx.send(1, iteration=0, layer=0, micro_batch=0, **tokens(2))
+    tx.send_control(1, KIND_REBALANCE, iteration=0, layer=1, micro_batch=0, aux=42)
+    tx.send_control(1, KIND_STOP, iteration=1, layer=0, micro_batch=0)
+    kinds = []
+    for layer in range(3):
+        msg = rx.recv(0, layer=layer % 2, micro_batch=0).wait()
+        kinds.append((msg.kind, msg.header.aux, msg.rows))
+        msg.release()
+    assert kinds == [(KIND_DATA, 0, 2), (KIND_REBALANCE, 42, 0), (KIND_STOP, 0, 0)]
+
+
+def test_unreleased_ring_is_an_error():
+    fab, (tx, rx) = pair(depth=1)
+    tx.send(1, iteration=0, layer=0, micro_batch=0, **tokens(1))
+    rx.recv(0, layer=0, micro_batch=0).wait()  # not released
+    with pytest.raises(CommError, match="release"):
+        rx.recv(0, layer=1, micro_batch=0)
+
+
+def test_not_a_pair_is_an_error():
+    fab, (tx, rx) = pair()
+    with pytest.raises(CommError, match="not a sender->receiver pair"):
+        rx.send(0, iteration=0, layer=0, micro_batch=0, **tokens(1))
+
+
+def test_wait_policies_all_complete_and_time_out():
+    for mode in ("spin", "yield", "backoff"):
+        pol = WaitPolicy(mode=mode, timeout_s=0.05)
+        calls = iter(range(1000))
+        assert wait_until(lambda: next(calls) >= 30, pol) >= 0
+        assert wait_until(lambda: False, pol) < 0
+
+
+def test_m2n_threads_2x2_pingpong():
+    """Four fake ranks on threads: attention 0,1 and experts 2,3, m=2 micro-batches, 2 layers."""
+    fab = LoopbackFabric(4)
+    specs = (dispatch_spec(6, H, K, torch.float32), combine_spec(6, H, torch.float32))
+    links = [M2N(make_transports("loopback", fabric=fab, rank=r), [0, 1], [2, 3], *specs,
+                 micro_batches=2, wait=WaitPolicy(timeout_s=20)) for r in range(4)]
+    errors, iters = [], 20
+
+    def key(it, layer, mb, a, e):
+        return ((it * 7 + layer * 5 + mb * 3 + a * 11 + e) % 7, it * 100 + layer * 10 + mb + a + e)
+
+    def attn(me):
+        link = links[me]
+        for it in range(iters):
+            for layer in range(2):
+                for mb in range(2):
+                    for e in (2, 3):
+                        n, seed = key(it, layer, mb, me, e)
+                        link.dispatch(e, iteration=it, layer=layer, micro_batch=mb, **tokens(n, seed))
+                for mb in range(2):
+                    for e in (2, 3):
+                        msg = link.recv_combine(e, layer=layer, micro_batch=mb, iteration=it).wait()
+                        n, seed = key(it, layer, mb, me, e)
+                        assert torch.equal(msg["out"], tokens(n, seed)["hidden"] * e)
+                        msg.release()
+        link.stop(iteration=iters, layer=0, micro_batch=0)
+
+    def expert(me):
+        link, it = links[me], 0
+        while True:
+            for layer in range(2):
+                for mb in range(2):
+                    for a in (0, 1):
+                        msg = link.recv_dispatch(a, layer=layer, micro_batch=mb, iteration=it).wait()
+                        if msg.kind == KIND_STOP:
+                            return
+                        link.combine(a, iteration=it, layer=layer, micro_batch=mb, out=msg["hidden"] * me)
+                        msg.release()
+            it += 1
+
+    def guard(fn, r):
+        try:
+            fn(r)
+        except BaseException as e:  # surfaced below
+            errors.append((r, e))
+
+    ths = [threading.Thread(target=guard, args=(attn if r < 2 else expert, r)) for r in range(4)]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join(60)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in ths)
