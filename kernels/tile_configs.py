@@ -36,7 +36,8 @@ def device_name(device: torch.device) -> str:
 
 
 def table_key(E: int, N: int, K: int, M: int, dtype: torch.dtype, device: str) -> str:
-    return f"E={E},N={N},K={K},M={m_bucket(M)},dtype={str(dtype).removeprefix('torch.')},device={device}"
+    dt = str(dtype).removeprefix("torch.")
+    return f"E={E},N={N},K={K},M={m_bucket(M)},dtype={dt},device={device}"
 
 
 @functools.lru_cache(maxsize=1)

@@ -61,7 +61,8 @@ def _moe_gemm1(x_ptr, w1_ptr, act_ptr, sorted_ptr, bexp_ptr, npad_ptr, EM, S, N,
     out_mask = row_ok[:, None] & n_ok[None, :]
     e = tl.load(bexp_ptr + pid_m).to(tl.int64)
     if e == -1:
-        tl.store(out_ptrs, tl.zeros([BLOCK_M, BLOCK_N], dtype=act_ptr.dtype.element_ty), mask=out_mask)
+        zeros = tl.zeros([BLOCK_M, BLOCK_N], dtype=act_ptr.dtype.element_ty)
+        tl.store(out_ptrs, zeros, mask=out_mask)
         return
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
