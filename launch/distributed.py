@@ -2,9 +2,12 @@
 rank 0 runs the offline job over the replicas' output stream and writes the results, the
 summary and (with ``trace.enabled``) the merged trace into its run directory.
 
-A rank that fails (a peer dead or silent past ``comm.timeout_s``, bad input found late) prints
-one line naming itself, the peer and the phase, then aborts the whole job: every line already
-written stays on disk, and rerunning the same command resumes.
+A rank that fails (a peer silent past ``comm.timeout_s``, bad input found late) prints one line
+naming itself, the peer and the phase, then aborts the whole job: every line already written
+stays on disk, and rerunning the same command resumes. A rank that dies outright is reported by
+the process manager (MPICH: "BAD TERMINATION ... PID n"), which ends the others at once; rank
+0's start-up log line maps each pid to its rank and role. (With ``mpiexec
+-disable-auto-cleanup`` the survivors instead time out and name the rank themselves.)
 """
 from __future__ import annotations
 
@@ -47,6 +50,9 @@ def run_distributed(s, requests, output_path: str, run_dir: str) -> int:
         from megainfer.runtime.world import build_rank, run_rank
         tag = assign_role(s.deploy, comm.Get_rank(), comm.Get_size()).tag
         rank = build_rank(_job_spec(s), comm)
+        pids = comm.gather((tag, os.getpid()), root=0)
+        if pids:  # so a process manager's "PID n died" can be read as a rank and role
+            log.info("[launch] ranks: %s", ", ".join(f"{r} {t} pid {p}" for r, (t, p) in enumerate(pids)))
         if comm.Get_rank() == 0:
             summary = run_offline_job(requests, _ReplicaStream(rank), output_path,
                                       resume=s.io.resume, progress=s.io.progress)
