@@ -27,7 +27,7 @@ setup(
     extras_require={
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "transformers==5.24.0", "matplotlib>=3.8"],
         "nccl": ["nvidia-nccl-cu12"],
-        "deepspeed": ["deepspeed"],
+        "deepspeed": ["deepspeed==0.19.8"],
     },
     entry_points={
         "console_scripts": [

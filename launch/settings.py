@@ -10,14 +10,15 @@ from dataclasses import MISSING, dataclass, fields
 import os
 from typing import Any, Mapping, Optional
 
-from megainfer.config import (CacheConfig, ConfigError, DeployPlan, LoadConfig, ModelConfig,
-                              SchedulerConfig)
+from megainfer.config import (CacheConfig, CommConfig, ConfigError, DeployPlan, EplbConfig,
+                              LoadConfig, ModelConfig, SchedulerConfig, TraceConfig)
 from megainfer.engine import SamplingParams, check_cache_fits
 from megainfer.engine.errors import SamplingParamsError
 from megainfer.engine.sizing import derive_num_blocks, resolve_max_model_len
 from megainfer.models.loader import DTYPES
 
-GROUPS = ("model", "deploy", "scheduler", "cache", "sampling", "io", "workload")
+GROUPS = ("model", "deploy", "scheduler", "cache", "sampling", "io", "workload", "comm", "trace",
+          "eplb")
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,9 @@ class JobSettings:
     io: IOSettings
     workload: WorkloadSettings
     cpu_threads: int  # torch intra-op threads of this process
+    comm: CommConfig = CommConfig()
+    trace: TraceConfig = TraceConfig()
+    eplb: EplbConfig = EplbConfig()
 
 
 def auto_cpu_threads(model: ModelConfig, local_ranks: int) -> int:
@@ -178,6 +182,8 @@ def settings_from_config(cfg, world_size: int = 1, local_ranks: int = 1) -> JobS
         threads = auto_cpu_threads(model, local_ranks)
     elif not isinstance(threads, int) or threads < 1:
         raise ConfigError(f"deploy.cpu_threads={threads!r}: must be a positive integer or null")
+    extra = {g: cls(**_take(g, c.get(g) or {}, _names(cls)))
+             for g, cls in (("comm", CommConfig), ("trace", TraceConfig), ("eplb", EplbConfig))}
     return JobSettings(model, load, deploy, scheduler, cache, sampling, seed, io, workload,
-                       threads)
+                       threads, **extra)
 

@@ -228,6 +228,57 @@ class DeployPlan:
                                           "disaggregated" else "") + ")")
 
 
+@dataclass(frozen=True)
+class EplbConfig:
+    """Expert-parallel load balancing (``eplb.*``). ``redundant_experts`` extra physical slots
+    hold replicas of hot experts; with ``enabled`` the expert ranks count tokens per expert
+    over the last ``window`` iterations and every ``interval`` iterations move weights to a
+    new placement. ``initial``: ``identity`` (or balanced for uniform load when redundant) or
+    ``shuffled`` (a seeded random placement, for testing that placements change nothing)."""
+
+    enabled: bool = False
+    redundant_experts: int = 0
+    window: int = 32
+    interval: int = 64
+    num_groups: int = 1
+    num_nodes: int = 1
+    initial: str = "identity"
+    seed: int = 0
+
+    def __post_init__(self):
+        _require(isinstance(self.redundant_experts, int) and self.redundant_experts >= 0,
+                 "eplb.redundant_experts", self.redundant_experts, "must be an integer >= 0")
+        for name in ("window", "interval", "num_groups", "num_nodes"):
+            v = getattr(self, name)
+            _require(isinstance(v, int) and v >= 1, f"eplb.{name}", v, "must be an integer >= 1")
+        _require(self.initial in ("identity", "shuffled"), "eplb.initial", self.initial,
+                 "must be identity or shuffled")
+
+
+@dataclass(frozen=True)
+class CommConfig:
+    """The M2N/N2M layer and the control plane (``comm.*``)."""
+
+    timeout_s: float = 30.0  # a peer silent for longer is declared failed; the job aborts
+    wait_mode: str = "backoff"  # spin | yield | backoff (megainfer.comm.wait)
+    transport: str = "mpi"  # mpi (CPU) | nccl (GPU)
+
+    def __post_init__(self):
+        _require(isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0, "comm.timeout_s",
+                 self.timeout_s, "must be > 0")
+        _require(self.wait_mode in ("spin", "yield", "backoff"), "comm.wait_mode", self.wait_mode,
+                 "must be spin, yield or backoff")
+        _require(self.transport in ("mpi", "nccl"), "comm.transport", self.transport,
+                 "must be mpi or nccl")
+
+
+@dataclass(frozen=True)
+class TraceConfig:
+    """Per-rank Chrome/Perfetto pipeline traces (``trace.*``), merged by rank 0."""
+
+    enabled: bool = False
+
+
 def replace_fields(obj, **changes):
     """``dataclasses.replace`` that names unknown keys in a ConfigError."""
     from dataclasses import replace
@@ -238,4 +289,4 @@ def replace_fields(obj, **changes):
 
 
 __all__ = ["ConfigError", "ModelConfig", "LoadConfig", "CacheConfig", "SchedulerConfig",
-           "DeployPlan", "replace_fields", "field"]
+           "DeployPlan", "EplbConfig", "CommConfig", "TraceConfig", "replace_fields", "field"]

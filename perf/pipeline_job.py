@@ -16,12 +16,12 @@ torch.set_num_threads(1)
 
 from mpi4py import MPI  # noqa: E402
 
-from megainfer.config import (CacheConfig, DeployPlan, LoadConfig, ModelConfig,  # noqa: E402
-                              SchedulerConfig)
+from megainfer.config import (CacheConfig, CommConfig, DeployPlan, EplbConfig,  # noqa: E402
+                              LoadConfig, ModelConfig, SchedulerConfig, TraceConfig)
 from megainfer.engine.outputs import PromptInput  # noqa: E402
 from megainfer.engine.sampling_params import SamplingParams  # noqa: E402
 from megainfer.runtime.trace import merge_traces  # noqa: E402
-from megainfer.runtime.world import JobSpec, RuntimeConfig, build_rank, run_rank  # noqa: E402
+from megainfer.runtime.world import JobSpec, build_rank, run_rank  # noqa: E402
 
 
 def model_config(a) -> ModelConfig:
@@ -39,8 +39,8 @@ def run_config(a, mode: str, m: int, trace_dir: str | None) -> dict:
                             max_model_len=a.prompt + a.decode + 8)
     cache = CacheConfig(block_size=16, num_blocks=a.batch * ((a.prompt + a.decode) // 16 + 2))
     rank = build_rank(JobSpec(model_config(a), LoadConfig(load_format="dummy", seed=0), sched, cache,
-                              plan, RuntimeConfig(timeout_s=120, wait_mode=a.wait,
-                                                  trace=trace_dir is not None)), comm)
+                              plan, CommConfig(timeout_s=120, wait_mode=a.wait), EplbConfig(),
+                              TraceConfig(enabled=trace_dir is not None)), comm)
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.0, max_tokens=a.decode, ignore_eos=True)
     inputs = [PromptInput(f"r{i}", prompt_token_ids=torch.randint(3, a.vocab, (a.prompt,), generator=g).tolist(),

@@ -1,5 +1,6 @@
 """Test session set-up. TRITON_INTERPRET must be set before any @triton.jit is defined."""
 import os
+import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -44,3 +45,22 @@ def hf_models(tiny_ckpts):
             cache[key] = transformers.AutoModelForCausalLM.from_pretrained(tiny_ckpts[key]).eval()
         return cache[key]
     return get
+
+
+@pytest.fixture(scope="session")
+def single_mode_tokens(tiny_ckpts):
+    """{ckpt: {request id: tokens}} from deploy.mode=single, in process."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "mpi_progs"))
+    from runtime_job import CACHE, SCHED, inputs
+
+    from megainfer.config import LoadConfig, ModelConfig
+    from megainfer.engine.engine import LLMEngine
+    from megainfer.models import build_model
+    out = {}
+    for fam in FAMILIES:
+        path = tiny_ckpts[(fam, "base")]
+        cfg = ModelConfig.from_pretrained(path)
+        engine = LLMEngine.from_model(build_model(cfg, LoadConfig(path=path)), SCHED, CACHE)
+        out[path] = {o.request_id: o.outputs[0].token_ids
+                     for o in engine.generate_stream(inputs(cfg.vocab_size, 12))}
+    return out

@@ -2,34 +2,13 @@
 every family, rank layout and micro-batch count (DESIGN §3)."""
 import json
 import os
-import sys
 
 import pytest
 
 from conftest import FAMILIES
 from mpi_util import run_mpi
 
-HERE = os.path.dirname(__file__)
-JOB = os.path.join(HERE, "mpi_progs", "runtime_job.py")
-sys.path.insert(0, os.path.join(HERE, "mpi_progs"))
-
-
-@pytest.fixture(scope="session")
-def single_mode_tokens(tiny_ckpts):
-    """{ckpt: {request id: tokens}} from deploy.mode=single, in process."""
-    from runtime_job import CACHE, SCHED, inputs
-
-    from megainfer.config import LoadConfig, ModelConfig
-    from megainfer.engine.engine import LLMEngine
-    from megainfer.models import build_model
-    out = {}
-    for fam in FAMILIES:
-        path = tiny_ckpts[(fam, "base")]
-        cfg = ModelConfig.from_pretrained(path)
-        engine = LLMEngine.from_model(build_model(cfg, LoadConfig(path=path)), SCHED, CACHE)
-        out[path] = {o.request_id: o.outputs[0].token_ids
-                     for o in engine.generate_stream(inputs(cfg.vocab_size, 12))}
-    return out
+JOB = os.path.join(os.path.dirname(__file__), "mpi_progs", "runtime_job.py")
 
 
 LAYOUTS = [  # (attention replicas, tp, expert ranks); E = 0: colocated over A ranks

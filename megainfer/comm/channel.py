@@ -29,7 +29,8 @@ FREE, POSTED, HELD = 0, 1, 2
 
 
 class Header(tuple):
-    """(kind, rows, iteration, layer, micro_batch, src, aux) of a received message."""
+    """(kind, rows, iteration, layer, micro_batch, src, aux) of a received message
+    (the wire header minus its magic word)."""
 
     __slots__ = ()
     kind = property(lambda s: s[0])
@@ -42,13 +43,20 @@ class Header(tuple):
 
 
 class Message:
-    """A received message: ``header`` and ``fields`` (views into the ring buffer, no copy).
-    Call ``release()`` once done with the views so the slot can take a new message."""
+    """A received message: ``header`` and ``fields`` (views into the ring buffer, no copy,
+    made on first use). Call ``release()`` once done with the views so the slot can take a
+    new message."""
 
-    __slots__ = ("header", "fields", "_release")
+    __slots__ = ("header", "_layout", "_fields", "_release")
 
-    def __init__(self, header: Header, fields: dict, release):
-        self.header, self.fields, self._release = header, fields, release
+    def __init__(self, header: Header, layout: S.MessageLayout, release):
+        self.header, self._layout, self._fields, self._release = header, layout, None, release
+
+    @property
+    def fields(self) -> dict:
+        if self._fields is None:
+            self._fields = self._layout.views(self.header[1])
+        return self._fields
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.fields[name]
@@ -84,12 +92,19 @@ class _RecvRing:
 
 
 class Outgoing:
-    """A reserved send slot: write ``fields[name][:rows]`` in place, then ``Channel.post``."""
+    """A reserved send slot: write ``fields[name]`` ([rows, *shape] views) in place, then
+    ``Channel.post``."""
 
-    __slots__ = ("peer", "rows", "fields", "slot")
+    __slots__ = ("peer", "rows", "_fields", "slot")
 
-    def __init__(self, peer: int, rows: int, fields: dict, slot: _Slot):
-        self.peer, self.rows, self.fields, self.slot = peer, rows, fields, slot
+    def __init__(self, peer: int, rows: int, slot: _Slot):
+        self.peer, self.rows, self._fields, self.slot = peer, rows, None, slot
+
+    @property
+    def fields(self) -> dict:
+        if self._fields is None:
+            self._fields = self.slot.layout.views(self.rows)
+        return self._fields
 
 
 class SendHandle:
@@ -143,6 +158,7 @@ class Channel:
         if self.cid >= MAX_CHANNELS:
             raise ConfigError(f"channel {name}: more than {MAX_CHANNELS} channels on one transport")
         self.rank = transport.rank
+        self._nbytes = [spec.nbytes(r) for r in range(spec.capacity + 1)]  # rows -> wire bytes
         nb = S.alloc_nbytes(spec)
         self._send = {p: [_Slot(transport.alloc(nb), spec) for _ in range(depth * streams)]
                       for p in self.receivers} if self.rank in self.senders else {}
@@ -164,23 +180,25 @@ class Channel:
         if ring is None:
             raise CommError(f"[{self.name} rank {self.rank}] cannot send to {peer}: not a "
                             f"sender->receiver pair of this channel")
-        self.spec.check_rows(rows, f"[{self.name}] message to rank {peer}")
+        if not 0 <= rows <= self.spec.capacity:
+            self.spec.check_rows(rows, f"[{self.name}] message to rank {peer}")
         i = self._send_ptr[peer]
         slot = ring[i]
         self._send_ptr[peer] = (i + 1) % len(ring)
         if slot.req is not None:  # the slot's previous message must have left
             self._wait(slot.req, "send (ring full)", slot.what)
             slot.req = None
-        return Outgoing(peer, rows, slot.layout.views(rows), slot)
+        return Outgoing(peer, rows, slot)
 
     def post(self, out: Outgoing, *, iteration: int, layer: int, micro_batch: int,
              kind: int = S.KIND_DATA, aux: int = 0) -> SendHandle:
         """Send a reserved slot: one transport send of header + fields."""
         slot = out.slot
-        slot.buf.header[:] = (S.MAGIC, kind, out.rows, iteration, layer, micro_batch, self.rank, aux)
+        S.HEADER.pack_into(slot.buf.header, 0, S.MAGIC, kind, out.rows, iteration, layer,
+                           micro_batch, self.rank, aux)
         slot.what = (out.peer, layer, micro_batch, iteration)
         tag = self.cid * MAX_STREAMS + micro_batch % self.streams
-        slot.req = self.t.isend(slot.buf, self.spec.nbytes(out.rows), out.peer, tag)
+        slot.req = self.t.isend(slot.buf, self._nbytes[out.rows], out.peer, tag)
         return SendHandle(self, slot.req, slot.what)
 
     def send(self, peer: int, *, iteration: int, layer: int, micro_batch: int,
@@ -246,13 +264,13 @@ class Channel:
             ring.post_ptr = (ring.post_ptr + 1) % self.depth
 
     def _open(self, ring: _RecvRing, slot: _Slot, what: tuple) -> Message:
-        h = slot.buf.header.tolist()  # [8] int32, host
+        h = S.HEADER.unpack_from(slot.buf.header)  # 8 x int32, host
         peer, layer, mb, it = what
         if h[S.H_MAGIC] != S.MAGIC or h[S.H_SRC] != peer or not 0 <= h[S.H_ROWS] <= self.spec.capacity:
             raise CommProtocolError(f"[{self.name} rank {self.rank}] corrupt header from rank "
                                     f"{peer} (layer={layer}, micro_batch={mb}): {h}")
         got = slot.req.received_nbytes()
-        if got >= 0 and got != self.spec.nbytes(h[S.H_ROWS]):
+        if got >= 0 and got != self._nbytes[h[S.H_ROWS]]:
             raise CommProtocolError(f"[{self.name} rank {self.rank}] message from rank {peer} has "
                                     f"{got} bytes, header says {h[S.H_ROWS]} rows "
                                     f"({self.spec.nbytes(h[S.H_ROWS])} bytes): spec mismatch?")
@@ -263,9 +281,7 @@ class Channel:
                 f"layer={layer}, micro_batch={mb}), got (iteration={h[S.H_ITER]}, "
                 f"layer={h[S.H_LAYER]}, micro_batch={h[S.H_MB]}): streams out of step")
         slot.state = HELD
-        header = Header((h[S.H_KIND], h[S.H_ROWS], h[S.H_ITER], h[S.H_LAYER], h[S.H_MB],
-                         h[S.H_SRC], h[S.H_AUX]))
-        return Message(header, slot.layout.views(h[S.H_ROWS]), lambda: self._release(ring, slot))
+        return Message(Header(h[1:]), slot.layout, lambda: self._release(ring, slot))
 
     def _release(self, ring: _RecvRing, slot: _Slot) -> None:
         slot.state, slot.req = FREE, None
@@ -274,6 +290,8 @@ class Channel:
 
     # ---- waiting, closing ----------------------------------------------------------------
     def _wait(self, req: Request, what: str, ctx: tuple) -> None:
+        if req.test():
+            return
         waited = wait_until(req.test, self.policy)
         if waited < 0:
             peer, layer, mb, it = ctx if ctx else (-1, None, None, None)

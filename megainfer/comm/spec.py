@@ -10,6 +10,7 @@ Header (int32 x 8): magic, kind, rows, iteration, layer, micro_batch, src rank, 
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,7 @@ HEADER_BYTES = 32
 ALIGN = 16
 MAGIC = 0x4D324E31  # "M2N1"
 
+HEADER = struct.Struct("<8i")  # pack_into / unpack_from the header, no numpy round trip
 # header slots (int32 index)
 H_MAGIC, H_KIND, H_ROWS, H_ITER, H_LAYER, H_MB, H_SRC, H_AUX = range(8)
 
@@ -111,20 +113,19 @@ class MessageLayout:
     def __init__(self, spec: MessageSpec, data: torch.Tensor):
         # data: [max_nbytes rounded up to ALIGN] uint8
         self.spec, self.data = spec, data
-        self._flat = {}  # dtype -> whole buffer viewed as that dtype
+        flat = {}  # dtype -> whole buffer viewed as that dtype
         for f in spec.fields:
-            if f.dtype not in self._flat:
-                self._flat[f.dtype] = data.view(f.dtype)
-        self._plan = [(f.name, self._flat[f.dtype], f.shape, f.row_elems, f.dtype.itemsize)
-                      for f in spec.fields]
+            if f.dtype not in flat:
+                flat[f.dtype] = data.view(f.dtype)
+        self._plan = [(f.name, flat[f.dtype], f.shape, _contiguous_strides(f.shape), f.row_elems,
+                       f.dtype.itemsize) for f in spec.fields]
 
     def views(self, rows: int) -> dict[str, torch.Tensor]:
         """Field name -> view ``[rows, *shape]`` into the buffer (no copy)."""
         out, pos = {}, HEADER_BYTES
-        for (name, flat, shape, row_elems, itemsize) in self._plan:
-            strides = _contiguous_strides((rows,) + shape)
-            out[name] = flat.as_strided((rows,) + shape, strides, pos // itemsize)
-            pos = _align(pos + rows * row_elems * itemsize)
+        for (name, flat, shape, inner, row_elems, itemsize) in self._plan:
+            out[name] = flat.as_strided((rows,) + shape, (row_elems,) + inner, pos // itemsize)
+            pos = (pos + rows * row_elems * itemsize + ALIGN - 1) // ALIGN * ALIGN
         return out
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megainfer.kernels import fused_moe
+from megainfer.kernels import fused_moe, select_experts
 
 from .layers import GatedMLP
 
@@ -30,10 +30,7 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> topk_weights [T, k] (x's dtype), topk_ids [T, k] int64."""
         logits = F.linear(x, self.weight)  # [T, E]
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        w, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.renormalize:
-            w = w / w.sum(dim=-1, keepdim=True)
+        w, ids = select_experts(logits, self.top_k, scoring="softmax", renormalize=self.renormalize)
         return w.to(x.dtype), ids
 
 

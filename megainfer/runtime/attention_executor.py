@@ -43,10 +43,11 @@ class DisaggregatedExecutor:
     """``ModelExecutor`` for an attention rank whose routed experts live on expert ranks."""
 
     def __init__(self, model, kv_caches, block_size: int, micro_batches: int, exchange, tp_group,
-                 to_physical=None, tracer: Optional[Tracer] = None):
+                 rebalancer=None, tracer: Optional[Tracer] = None):
         self.model, self.kv, self.block_size, self.m = model, kv_caches, block_size, micro_batches
         self.exchange, self.tp = exchange, tp_group  # exchange is None on TP non-leaders
-        self.to_physical = to_physical  # logical top-k ids -> physical slot ids (EPLB), or None
+        self.rebalancer = rebalancer  # leaders: replica choice (to_physical) and live EPLB
+        self.first_moe = next(i for i, layer in enumerate(model.layers) if layer.is_moe)
         self.tracer = tracer or Tracer(enabled=False)
         self.iteration = 0
         self.step_log: list[tuple[int, int, float]] = []  # (sequences, tokens, seconds) per step
@@ -55,6 +56,8 @@ class DisaggregatedExecutor:
     def execute(self, step) -> torch.Tensor:
         """StepInput -> logits [len(step.sample_rows), V] float32 (same on every TP rank)."""
         t0 = time.perf_counter()
+        if self.rebalancer is not None and self.rebalancer.due(self.iteration):
+            self.rebalancer.run(self.iteration, self.first_moe)
         groups = split_by_tokens(step.query_lens, self.m)
         mbs = [self._start(part) for part in step.split(groups)]
         for l, layer in enumerate(self.model.layers):
@@ -82,8 +85,8 @@ class DisaggregatedExecutor:
         with self.tracer.span("attention", f"attn L{l} mb{i}", self.iteration, l, i, mb.n):
             x, mb.residual = layer.pre_mlp(mb.hidden, mb.step.positions, mb.meta, self.kv[l])
             w, ids = layer.mlp.gate(x)  # [n, k]
-            if self.to_physical is not None:
-                ids = self.to_physical(l, ids)
+            if self.rebalancer is not None:
+                ids = self.rebalancer.to_physical(l, ids)
             if self.exchange is not None:
                 mb.pending = self.exchange.dispatch(self.iteration, l, i, x, ids, w)
             else:

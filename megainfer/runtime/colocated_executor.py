@@ -14,8 +14,9 @@ from .attention_executor import DisaggregatedExecutor
 
 class ColocatedExecutor(DisaggregatedExecutor):
     def __init__(self, model, kv_caches, block_size, micro_batches, exchange, expert_worker,
-                 tracer=None):
-        super().__init__(model, kv_caches, block_size, micro_batches, exchange, None, tracer=tracer)
+                 rebalancer=None, tracer=None):
+        super().__init__(model, kv_caches, block_size, micro_batches, exchange, None,
+                         rebalancer=rebalancer, tracer=tracer)
         self.worker = expert_worker  # serves this rank's slots for every rank's tokens
 
     def _finish(self, mb, i: int) -> None:

@@ -13,8 +13,9 @@ TAG_REQUESTS, TAG_STATUS, TAG_GO, TAG_TP = 101, 102, 103, 104
 class RankFailure(RuntimeError):
     """A peer rank did not answer in time; names the rank and the phase."""
 
-    def __init__(self, me: str, peer: int, phase: str, waited_s: float):
-        super().__init__(f"{me}: rank {peer} did not answer within {waited_s:.1f}s during {phase}; "
+    def __init__(self, me: str, peer, phase: str, waited_s: float):
+        who = "a peer rank" if peer is None else f"rank {peer}"
+        super().__init__(f"{me}: {who} did not answer within {waited_s:.1f}s during {phase}; "
                          "aborting the job (finished results are on disk)")
         self.peer, self.phase = peer, phase
 

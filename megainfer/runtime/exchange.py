@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from megainfer.comm import M2N, combine_spec, dispatch_spec, make_transports
-from megainfer.comm.spec import KIND_STOP
+from megainfer.comm.spec import KIND_REBALANCE, KIND_STOP
 
 
 def make_m2n(comm, leaders: list[int], experts: list[int], hidden: int, top_k: int,
@@ -96,13 +96,18 @@ class ExpertExchange:
         self._held = []
 
     def receive(self, iteration: int, layer: int, mb: int):
-        """[(hidden [n_a, H], ids [n_a, k], weights [n_a, k]) per replica], or None on stop."""
+        """[(hidden [n_a, H], ids [n_a, k], weights [n_a, k]) per replica], or the control
+        kind (``KIND_STOP`` / ``KIND_REBALANCE``) when the replicas sent one instead."""
         msgs = [self.m2n.recv_dispatch(a, layer=layer, micro_batch=mb, iteration=iteration).wait()
                 for a in self.leaders]
-        if any(m.kind == KIND_STOP for m in msgs):
+        kinds = {m.kind for m in msgs}
+        if kinds & {KIND_STOP, KIND_REBALANCE}:
             for m in msgs:
                 m.release()
-            return None
+            if len(kinds) > 1:
+                raise RuntimeError(f"replicas disagree at iteration {iteration}: message kinds "
+                                   f"{sorted(kinds)} for layer {layer} micro-batch {mb}")
+            return kinds.pop()
         self._held = msgs  # views stay valid until reply() releases them
         return [(m["hidden"], m["topk_ids"], m["topk_weights"]) for m in msgs]
 

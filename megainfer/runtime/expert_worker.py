@@ -7,6 +7,8 @@ import logging
 
 import torch
 
+from megainfer.comm.spec import KIND_REBALANCE, KIND_STOP
+
 from .trace import Tracer
 
 log = logging.getLogger("megainfer.runtime")
@@ -14,11 +16,11 @@ log = logging.getLogger("megainfer.runtime")
 
 class ExpertWorker:
     def __init__(self, model, micro_batches: int, exchange, tag: str, tracer: Tracer | None = None,
-                 load_stats=None, trace_comm: bool = True):
+                 rebalancer=None, trace_comm: bool = True):
         self.model, self.m, self.exchange, self.tag = model, micro_batches, exchange, tag
         self.moe_layers = [i for i, layer in enumerate(model.layers) if layer.is_moe]
         self.tracer = tracer or Tracer(enabled=False)
-        self.load_stats = load_stats  # optional callable(layer, topk_ids) for EPLB statistics
+        self.rebalancer = rebalancer  # EPLB (expert ranks): load window, live weight moves
         # expert ranks trace their receive waits (A2E) and replies (E2A); colocated ranks don't,
         # those lanes already hold their attention side's dispatch and combine
         self.trace_comm = trace_comm
@@ -28,6 +30,8 @@ class ExpertWorker:
         """Serve iterations until a stop message; returns the number of iterations served."""
         while self.serve_iteration():
             self.iteration += 1
+            if self.rebalancer is not None:
+                self.rebalancer.end_iteration()
         return self.iteration
 
     @torch.inference_mode()
@@ -43,7 +47,10 @@ class ExpertWorker:
         False when the message was a stop."""
         t0 = self.tracer.now_us()
         batch = self.exchange.receive(iteration, l, i)  # one entry per replica
-        if batch is None:
+        if batch == KIND_REBALANCE:  # at an iteration boundary; the tokens follow
+            self.rebalancer.rebalance()
+            batch = self.exchange.receive(iteration, l, i)
+        if batch == KIND_STOP:
             return False
         if self.trace_comm:
             n = sum(b[0].shape[0] for b in batch)
@@ -61,8 +68,8 @@ class ExpertWorker:
                 x = torch.cat([b[0] for b in batch])  # [n, H]
                 ids = torch.cat([b[1] for b in batch]).long()  # [n, k] physical slots
                 w = torch.cat([b[2] for b in batch])  # [n, k]
-                if self.load_stats is not None:
-                    self.load_stats(l, ids)
+                if self.rebalancer is not None:
+                    self.rebalancer.record(l, ids)
                 out = experts(x, w.to(x.dtype), ids)  # [n, H] partial sums over local slots
             else:
                 out = torch.empty(0, experts.down_proj.shape[1])

@@ -20,7 +20,8 @@ import torch
 from mpi4py import MPI
 
 from megainfer.comm.wait import WaitPolicy
-from megainfer.config import CacheConfig, DeployPlan, LoadConfig, ModelConfig, SchedulerConfig
+from megainfer.config import (CacheConfig, CommConfig, ConfigError, DeployPlan, EplbConfig,
+                              LoadConfig, ModelConfig, SchedulerConfig, TraceConfig)
 from megainfer.models import ParallelContext, build_model
 
 from .attention_executor import DisaggregatedExecutor
@@ -28,7 +29,8 @@ from .colocated_executor import ColocatedExecutor
 from .control import ControlPlane
 from .exchange import AttentionExchange, ExpertExchange, make_m2n
 from .expert_worker import ExpertWorker
-from .placement import identity_slots
+from .placement import initial_placement
+from .rebalancer import AttentionRebalancer, ExpertRebalancer
 from .replica_loop import ReplicaLoop
 from .roles import assign_role, expert_rank_ids, leader_ranks
 from .tp_group import TPGroup
@@ -36,23 +38,6 @@ from .trace import Tracer
 
 log = logging.getLogger("megainfer.runtime")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class RuntimeConfig:
-    """Knobs of the distributed runtime (``comm.*`` / ``trace.*`` in the launcher)."""
-
-    timeout_s: float = 30.0  # a peer silent for longer is declared failed
-    wait_mode: str = "backoff"  # spin | yield | backoff (see megainfer.comm.wait)
-    transport: str = "mpi"  # mpi | nccl
-    trace: bool = False
-
-    def __post_init__(self):
-        if not self.timeout_s > 0:
-            raise ValueError(f"comm.timeout_s={self.timeout_s!r}: must be > 0")
-        if self.transport not in ("mpi", "nccl"):
-            raise ValueError(f"comm.transport={self.transport!r}: must be mpi or nccl")
-        WaitPolicy(mode=self.wait_mode)  # validates the mode
 
 
 @dataclass
@@ -64,7 +49,9 @@ class JobSpec:
     sched: SchedulerConfig
     cache: CacheConfig
     plan: DeployPlan
-    rt: RuntimeConfig = RuntimeConfig()
+    comm: CommConfig = CommConfig()
+    eplb: EplbConfig = EplbConfig()
+    trace: TraceConfig = TraceConfig()
     tokenizer: object = None
     seed: int = 0
 
@@ -88,37 +75,43 @@ def build_rank(job: JobSpec, comm=MPI.COMM_WORLD) -> Rank:
     rank, world = comm.Get_rank(), comm.Get_size()
     plan, cfg = job.plan, job.model
     role = assign_role(plan, rank, world)
-    policy = WaitPolicy(mode=job.rt.wait_mode, timeout_s=job.rt.timeout_s)
+    policy = WaitPolicy(mode=job.comm.wait_mode, timeout_s=job.comm.timeout_s)
     comm.Barrier()  # one clock: every rank's trace epoch is taken right after this barrier
-    tracer = Tracer(enabled=job.rt.trace, rank=rank, name=role.tag, mode=plan.mode)
+    tracer = Tracer(enabled=job.trace.enabled, rank=rank, name=role.tag, mode=plan.mode)
     colocated = plan.mode == "colocated"
     leaders = leader_ranks(plan)
     experts = leaders if colocated else expert_rank_ids(plan)
     m2n = make_m2n(comm, leaders, experts, cfg.hidden_size, cfg.top_k,
                    job.sched.max_num_batched_tokens, plan.micro_batches, DTYPES[job.load.dtype],
-                   policy, job.rt.transport)
-    slots = identity_slots(cfg.num_experts, len(experts))  # [expert index] -> slots
+                   policy, job.comm.transport)
+    if colocated and job.eplb.enabled:
+        raise ConfigError("eplb.enabled=true: live rebalancing runs in disaggregated mode only "
+                          "(colocated mode takes static placements: eplb.redundant_experts, "
+                          "eplb.initial)")
+    placement = initial_placement(cfg.num_layers, cfg.num_experts, len(experts), job.eplb)
     # the attention ranks of one replica share a TP communicator; others get their own colour
     tp_comm = comm.Split(role.replica if role.is_attention else plan.attention_replicas + rank, rank)
+    side_comm = comm.Split(0 if role.is_attention else 1, rank)  # expert ranks among themselves
     out = Rank(role, tracer, closers=[m2n.close])
     control = ControlPlane(comm, role.tag, policy)
     if colocated:
-        _build_colocated(job, out, m2n, slots, control, tracer)
+        _build_colocated(job, out, m2n, placement, control, tracer)
     elif role.is_attention:
-        _build_attention(job, out, m2n, slots, control, TPGroup(tp_comm, control, role.replica *
-                                                                plan.attention_tp), tracer)
+        _build_attention(job, out, m2n, placement, control, TPGroup(tp_comm, control, role.replica *
+                                                                    plan.attention_tp), tracer)
     else:
-        model = build_model(cfg, job.load, role="experts",
-                            expert_slots=[slots[role.expert_index]] * cfg.num_layers)
-        out.worker = ExpertWorker(model, plan.micro_batches, ExpertExchange(m2n), role.tag, tracer)
+        me = role.expert_index
+        model = build_model(cfg, job.load, role="experts", phy2log=placement.phy2log.tolist(),
+                            expert_slots=[list(placement.slots_of_rank(me))] * cfg.num_layers)
+        rebalancer = ExpertRebalancer(model, placement, me, side_comm, control, leaders, job.eplb)
+        out.worker = ExpertWorker(model, plan.micro_batches, ExpertExchange(m2n), role.tag, tracer,
+                                  rebalancer)
     return out
 
 
-def _slot_owner(num_slots: int, slots: list[list[int]]) -> torch.Tensor:
-    owner = torch.empty(num_slots, dtype=torch.long)  # [num_slots] -> expert index
-    for j, s in enumerate(slots):
-        owner[torch.tensor(s, dtype=torch.long)] = j
-    return owner
+def _slot_owner(placement) -> torch.Tensor:
+    """[num_slots] -> index of the expert rank holding the slot (fixed by the contiguous split)."""
+    return placement.rank_of_slot(torch.arange(placement.num_replicas))
 
 
 def _engine(job: JobSpec, role, model, make_executor):
@@ -128,27 +121,31 @@ def _engine(job: JobSpec, role, model, make_executor):
                      seed=job.seed, log_prefix=role.tag)
 
 
-def _build_attention(job, out, m2n, slots, control, tp, tracer):
+def _build_attention(job, out, m2n, placement, control, tp, tracer):
     role, plan, cfg = out.role, job.plan, job.model
     par = ParallelContext(role.tp_rank, plan.attention_tp, tp.all_reduce if tp.size > 1 else None)
     model = build_model(cfg, job.load, par, role="attention")
-    exchange = AttentionExchange(m2n, _slot_owner(cfg.num_experts, slots), tracer) \
-        if role.is_leader else None
+    exchange = rebalancer = None
+    if role.is_leader:
+        exchange = AttentionExchange(m2n, _slot_owner(placement), tracer)
+        rebalancer = AttentionRebalancer(placement, job.eplb, control, m2n,
+                                         expert_rank_ids(plan)[0], role.replica)
     engine = _engine(job, role, model, lambda kv: DisaggregatedExecutor(
-        model, kv, job.cache.block_size, plan.micro_batches, exchange, tp, tracer=tracer))
+        model, kv, job.cache.block_size, plan.micro_batches, exchange, tp, rebalancer, tracer))
     out.loop = ReplicaLoop(engine, role, plan, control, exchange, cfg.moe_layers()[0])
 
 
-def _build_colocated(job, out, m2n, slots, control, tracer):
+def _build_colocated(job, out, m2n, placement, control, tracer):
     role, plan, cfg = out.role, job.plan, job.model
-    mine = slots[role.replica]
-    model = build_model(cfg, job.load, role="full", expert_slots=[mine] * cfg.num_layers)
-    exchange = AttentionExchange(m2n, _slot_owner(cfg.num_experts, slots), tracer,
-                                 lanes=("dispatch", "combine"))
+    mine = list(placement.slots_of_rank(role.replica))
+    model = build_model(cfg, job.load, role="full", expert_slots=[mine] * cfg.num_layers,
+                        phy2log=placement.phy2log.tolist())
+    exchange = AttentionExchange(m2n, _slot_owner(placement), tracer, lanes=("dispatch", "combine"))
     worker = ExpertWorker(model, plan.micro_batches, ExpertExchange(m2n), role.tag, tracer,
                           trace_comm=False)
+    rebalancer = AttentionRebalancer(placement, job.eplb, control, m2n, 0, role.replica)
     engine = _engine(job, role, model, lambda kv: ColocatedExecutor(
-        model, kv, job.cache.block_size, plan.micro_batches, exchange, worker, tracer=tracer))
+        model, kv, job.cache.block_size, plan.micro_batches, exchange, worker, rebalancer, tracer))
     out.loop = ReplicaLoop(engine, role, plan, control, None, cfg.moe_layers()[0])
 
 

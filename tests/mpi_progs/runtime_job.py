@@ -12,10 +12,11 @@ import torch
 
 torch.set_num_threads(1)
 
-from megainfer.config import CacheConfig, DeployPlan, LoadConfig, ModelConfig, SchedulerConfig  # noqa
+from megainfer.config import (CacheConfig, CommConfig, DeployPlan, LoadConfig, ModelConfig,  # noqa
+                              SchedulerConfig)
 from megainfer.engine.outputs import PromptInput  # noqa
 from megainfer.engine.sampling_params import SamplingParams  # noqa
-from megainfer.runtime.world import JobSpec, RuntimeConfig, build_rank, run_rank  # noqa
+from megainfer.runtime.world import JobSpec, build_rank, run_rank  # noqa
 
 SCHED = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128)
 CACHE = CacheConfig(block_size=4, num_blocks=256)
@@ -45,7 +46,7 @@ def main():
             plan = DeployPlan(mode="disaggregated" if E else "colocated", attention_replicas=A,
                               attention_tp=TP, expert_ranks=E, micro_batches=m)
             r = build_rank(JobSpec(cfg, LoadConfig(path=ckpt), SCHED, CACHE, plan,
-                                   RuntimeConfig(timeout_s=120)))
+                                   CommConfig(timeout_s=120)))
             stream = run_rank(r, inputs(cfg.vocab_size, max_tokens))
             if stream is not None:
                 results[f"{ckpt}|m={m}"] = {o.request_id: o.outputs[0].token_ids for o in stream}

@@ -1,0 +1,91 @@
+"""``megainfer-launch`` under mpirun: every rank builds its part (``megainfer.runtime.world``);
+rank 0 runs the offline job over the replicas' output stream and writes the results, the
+summary and (with ``trace.enabled``) the merged trace into its run directory.
+
+A rank that fails (a peer silent past ``comm.timeout_s``, bad input found late) prints one line
+naming itself, the peer and the phase, then aborts the whole job: every line already written
+stays on disk, and rerunning the same command resumes. A rank that dies outright is reported by
+the process manager (MPICH: "BAD TERMINATION ... PID n"), which ends the others at once; rank
+0's start-up log line maps each pid to its rank and role. (With ``mpiexec
+-disable-auto-cleanup`` the survivors instead time out and name the rank themselves.)
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from .job import run_offline_job, write_summary
+
+log = logging.getLogger("megainfer.launch")
+
+
+class _ReplicaStream:
+    """What the offline job calls a generator: rank 0's view of all replicas."""
+
+    def __init__(self, rank):
+        self.rank = rank
+
+    def generate_stream(self, requests):
+        from megainfer.runtime.world import run_rank
+        return run_rank(self.rank, requests)
+
+
+def _job_spec(s):
+    from megainfer.engine.tokenizer import load_tokenizer
+    from megainfer.runtime.world import JobSpec
+    tok = load_tokenizer(s.load.path, s.model.eos_token_id)
+    return JobSpec(s.model, s.load, s.scheduler, s.cache, s.deploy, s.comm, s.eplb, s.trace,
+                   tokenizer=tok, seed=s.seed)
+
+
+def run_distributed(s, requests, output_path: str, run_dir: str) -> int:
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    run_dir = comm.bcast(run_dir, root=0)  # rank 0's Hydra run directory is the job's
+    output_path = comm.bcast(output_path, root=0)
+    tag = f"[rank {comm.Get_rank()}]"
+    try:
+        from megainfer.runtime.roles import assign_role
+        from megainfer.runtime.world import build_rank, run_rank
+        tag = assign_role(s.deploy, comm.Get_rank(), comm.Get_size()).tag
+        rank = build_rank(_job_spec(s), comm)
+        pids = comm.gather((tag, os.getpid()), root=0)
+        if pids:  # so a process manager's "PID n died" can be read as a rank and role
+            log.info("[launch] ranks: %s", ", ".join(f"{r} {t} pid {p}" for r, (t, p) in enumerate(pids)))
+        if comm.Get_rank() == 0:
+            summary = run_offline_job(requests, _ReplicaStream(rank), output_path,
+                                      resume=s.io.resume, progress=s.io.progress)
+        else:
+            run_rank(rank)
+        if s.trace.enabled:
+            _write_traces(rank, comm, run_dir, summary if comm.Get_rank() == 0 else None)
+        if comm.Get_rank() == 0:
+            print(f"[launch] summary ({s.deploy.mode}, {comm.Get_size()} ranks)\n{summary.table()}",
+                  flush=True)
+            write_summary(summary, os.path.join(run_dir, "summary.json"))
+        rank.close()
+        return 0
+    except Exception as e:  # noqa: BLE001 -- any failure on any rank ends the whole job
+        print(f"{tag} error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        log.debug("%s traceback", tag, exc_info=True)
+        comm.Abort(1)
+        return 1
+
+
+def _write_traces(rank, comm, run_dir: str, summary) -> None:
+    """Each rank writes its trace; rank 0 merges them and prints the pipeline figures."""
+    from megainfer.runtime.trace import merge_traces
+    from megainfer.runtime.trace_metrics import pipeline_metrics
+    rank.tracer.write(run_dir)
+    comm.Barrier()
+    if comm.Get_rank() != 0:
+        return
+    import json
+    paths = [os.path.join(run_dir, f"trace.rank{r}.json") for r in range(comm.Get_size())]
+    merged = merge_traces(paths, os.path.join(run_dir, "trace.json"))
+    with open(merged) as f:
+        m = pipeline_metrics(json.load(f))
+    print(f"[launch] pipeline (from {merged}): T_a {m['T_a_us']:.0f} us, T_e {m['T_e_us']:.0f} us, "
+          f"T_c {m['T_c_us']:.0f} us, communication hidden {100 * m['hidden_fraction']:.0f}%, "
+          f"bubbles {m['bubble_fraction']}", flush=True)

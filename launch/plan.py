@@ -1,0 +1,96 @@
+"""megainfer-plan: Hydra front door of the performance model (config -> dataclasses -> perfmodel).
+
+  megainfer-plan model=mixtral_8x22b hardware=h100 slo.tpot_ms=100
+  megainfer-plan calibrate [model=cpu_small calibrate.out=cpu_node.yaml]
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+import megainfer.conf
+from megainfer.config import ConfigError
+
+CONF_DIR = os.path.dirname(os.path.abspath(megainfer.conf.__file__))
+
+
+def _shape(cfg: DictConfig):
+    from megainfer.perfmodel.shapes import ModelShape
+    d = OmegaConf.to_container(cfg.model, resolve=True)
+    return ModelShape.from_dict({k: v for k, v in d.items() if k != "name"}, d.get("name", "model"))
+
+
+def _run(cfg: DictConfig) -> None:
+    from megainfer.perfmodel.hardware import load_hardware, profile_from_dict
+    shape = _shape(cfg)
+    if cfg.command == "calibrate":
+        from megainfer.perfmodel.calibrate import calibrate, write_profile
+        c = cfg.calibrate
+        prof = calibrate(shape, c.threads, c.smoke, c.bench, price_per_hour=c.price_per_hour, mpi=c.mpi)
+        prof["name"] = os.path.basename(str(c.out)).rsplit(".", 1)[0]  # hardware=<this name> finds it
+        write_profile(prof, c.out)
+        f = prof["fits"][shape.name]
+        print(f"[calibrate] matmul {prof['matmul_flops']['float32'] / 1e9:.1f} GFLOP/s, memcpy "
+              f"{prof['mem_bw_Bps'] / 1e9:.1f} GB/s, MPI latency {prof['inter_link']['latency_s'] * 1e6:.1f} us, "
+              f"bandwidth {prof['inter_link']['bandwidth_Bps'] / 1e9:.2f} GB/s")
+        print(f"[calibrate] {shape.name}: T_a = {f['k2'] * 1e6:.1f} us + b * ({f['k1'] * 1e6:.2f} us + "
+              f"{f['k1_ctx'] * 1e9:.3f} ns * ctx), T_e = {f['k4'] * 1e6:.1f} us + {f['k3'] * 1e6:.2f} us * b_e")
+        print(f"[calibrate] wrote {c.out}")
+        return
+    if cfg.command != "plan":
+        raise ConfigError(f"command={cfg.command!r}: must be plan or calibrate")
+    from megainfer.perfmodel.api import PlanOptions, run_plan
+    from megainfer.perfmodel.model import Workload
+    from megainfer.perfmodel.planner import SearchSpace
+    hw = OmegaConf.to_container(cfg.hardware, resolve=True)
+    profiles = [profile_from_dict(hw, hw.get("name", "hardware"))]
+    if cfg.expert_hardware:
+        profiles.append(load_hardware(str(cfg.expert_hardware)))
+    s = cfg.search
+    space = SearchSpace(tpot_slo_s=float(cfg.slo.tpot_ms) / 1e3, tp_choices=tuple(s.tp_choices),
+                        replica_choices=tuple(s.replica_choices), micro_batches=tuple(s.micro_batches),
+                        expert_ranks=tuple(s.expert_ranks), max_batch=int(s.max_batch),
+                        devices_per_node=int(s.devices_per_node), max_devices=int(s.max_devices))
+    opt = PlanOptions(dtype=cfg.dtype, heterogeneous=bool(cfg.heterogeneous), use_fit=bool(cfg.use_fit),
+                      colocated=bool(cfg.colocated), top=int(cfg.top), out_dir=cfg.out.dir,
+                      timeline=bool(cfg.out.timeline), timeline_layers=int(cfg.out.timeline_layers),
+                      jitter_s=float(cfg.sim.jitter_us) / 1e6, routing=cfg.sim.routing,
+                      skew=float(cfg.sim.skew), seed=int(cfg.sim.seed))
+    run_plan(shape, profiles, Workload(int(cfg.workload.input_len), int(cfg.workload.output_len)),
+             space, opt)
+
+
+@hydra.main(config_path=CONF_DIR, config_name="plan", version_base=None)
+def _hydra_main(cfg: DictConfig) -> None:
+    try:
+        _run(cfg)
+    except ConfigError as e:  # bad input: one clear line naming the constraint, exit code 2
+        print(f"megainfer-plan: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _rewrite_argv(argv: list[str]) -> list[str]:
+    """`calibrate` -> command=calibrate; `model=<preset>` -> plan_model@model=<preset>."""
+    out = []
+    for a in argv:
+        if a == "calibrate":
+            out.append("command=calibrate")
+        elif a.startswith("model=") and "." not in a.split("=", 1)[0]:
+            out.append("plan_model@" + a)
+        else:
+            out.append(a)
+    if "command=calibrate" in out and not any(a.startswith("plan_model@model=") for a in out):
+        out.append("plan_model@model=cpu_small")  # a model this CPU can time
+    return out
+
+
+def main() -> None:
+    sys.argv = [sys.argv[0]] + _rewrite_argv(sys.argv[1:])
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

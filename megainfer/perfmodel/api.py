@@ -1,0 +1,79 @@
+"""What megainfer-plan does, as library calls: search, print, simulate the chosen plan, draw it."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from megainfer.config import ConfigError
+from megainfer.perfmodel.hardware import HardwareProfile
+from megainfer.perfmodel.layer_times import layer_times_for
+from megainfer.perfmodel.model import DisaggModel, Workload
+from megainfer.perfmodel.planner import PlanError, SearchSpace, plan_colocated, plan_disaggregated
+from megainfer.perfmodel.report import as_dict, table
+from megainfer.perfmodel.shapes import ModelShape
+from megainfer.perfmodel.simulator import simulate_plan
+from megainfer.perfmodel.timeline_plot import plot_trace
+from megainfer.perfmodel.trace import read_trace
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    dtype: str = "bfloat16"
+    heterogeneous: bool = True
+    use_fit: bool = True
+    colocated: bool = True
+    top: int = 10
+    out_dir: str = "plan_out"
+    timeline: bool = True
+    timeline_layers: int = 3
+    jitter_s: float = 0.0
+    routing: str = "balanced"
+    skew: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.top < 1:
+            raise ConfigError(f"top={self.top!r}: must be >= 1")
+
+
+def run_plan(shape: ModelShape, profiles: list[HardwareProfile], workload: Workload,
+             space: SearchSpace, opt: PlanOptions, echo=print) -> dict:
+    ranked = plan_disaggregated(shape, profiles, workload, space, opt.dtype, opt.heterogeneous,
+                                opt.use_fit)
+    best = ranked[0].pred
+    kind = layer_times_for(profiles[0], shape, opt.dtype, opt.use_fit).kind
+    echo(f"[plan] model={shape.name} hardware={'/'.join(p.name for p in profiles)} "
+         f"T_a/T_e from {kind}, TPOT SLO {space.tpot_slo_s * 1e3:g} ms, "
+         f"workload in={workload.input_len} out={workload.output_len}")
+    echo(table(ranked, opt.top))
+    result = {"model": shape.name, "plans": [as_dict(r) for r in ranked[:opt.top]]}
+    if opt.colocated:
+        try:
+            col = plan_colocated(shape, profiles[0], workload, space, opt.dtype, opt.use_fit)
+            echo("\n[plan] best colocated baseline on " + profiles[0].name)
+            echo(table(col, 1))
+            ratio = best.tokens_per_s_per_device / col[0].pred.tokens_per_s_per_device
+            echo(f"[plan] disaggregated / colocated tokens/s per device: {ratio:.2f}x")
+            result["colocated"] = as_dict(col[0])
+        except PlanError as e:
+            echo(f"[plan] colocated baseline: no feasible plan ({e})")
+    os.makedirs(opt.out_dir, exist_ok=True)
+    plan = best.plan
+    hw = {p.name: p for p in profiles}
+    model = DisaggModel(shape, layer_times_for(hw[plan.hw_a], shape, opt.dtype, opt.use_fit),
+                        layer_times_for(hw[plan.hw_e], shape, opt.dtype, opt.use_fit), workload,
+                        opt.dtype)
+    sim = simulate_plan(model, plan, opt.jitter_s, opt.routing, opt.skew, seed=opt.seed)
+    trace_path = os.path.join(opt.out_dir, "trace.json")
+    sim.trace.write(trace_path, plan=as_dict(ranked[0]))
+    echo(f"\n[plan] simulated iteration {sim.mean_iteration_s * 1e3:.2f} ms "
+         f"(model T_total {best.t_total * 1e3:.2f} ms); trace: {trace_path}")
+    if opt.timeline:
+        png = os.path.join(opt.out_dir, "timeline.png")
+        plot_trace(read_trace(trace_path), png, max_layer=opt.timeline_layers,
+                   title=f"{shape.name}: {plan.label()} m={plan.m} B={plan.batch}")
+        echo(f"[plan] timeline: {png}")
+    with open(os.path.join(opt.out_dir, "plans.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    return result

@@ -1,0 +1,121 @@
+"""Calibration: measure this machine and write a hardware profile (YAML) with layer fits.
+
+Measures, with torch pinned to ``threads`` threads (one MPI rank's share of the cores):
+fp32 matmul FLOP/s, memcpy bandwidth, MPI one-way latency/bandwidth over message sizes
+(mpiexec -n 2 of megainfer.perfmodel.mpi_pingpong), and per-layer attention / expert times
+at several batch sizes, fitted to T_a = k2 + b (k1 + k1_ctx ctx), T_e = k3 b + k4.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+
+import torch
+import yaml
+
+from megainfer.config import ConfigError
+from megainfer.perfmodel.fit import fit_attention, fit_line
+from megainfer.perfmodel.layer_bench import measure_layers, time_fn
+from megainfer.perfmodel.shapes import ModelShape
+
+
+def matmul_flops(n: int = 512, dtype=torch.float32) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    t = time_fn(lambda: a @ b, repeats=5, min_time_s=0.05, clock="thread")
+    return 2 * n ** 3 / t
+
+
+def memcpy_bandwidth(nbytes: int = 64 << 20) -> float:
+    """Bytes moved (read + write) per second by a large tensor copy."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    t = time_fn(lambda: dst.copy_(src), repeats=5, min_time_s=0.05, clock="thread")
+    return 2 * nbytes / t
+
+
+def mpiexec_path() -> str:
+    p = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if not os.path.isfile(p):
+        raise ConfigError(f"calibrate: no mpiexec beside {sys.executable} (pip install mpich)")
+    return p
+
+
+def mpi_pingpong(max_bytes: int = 1 << 24, repeats: int = 20, timeout_s: float = 300) -> list[dict]:
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "pp.json")
+        cmd = [mpiexec_path(), "-n", "2", sys.executable, "-m", "megainfer.perfmodel.mpi_pingpong",
+               out, str(max_bytes), str(repeats)]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if r.returncode or not os.path.isfile(out):
+            raise RuntimeError(f"calibrate: MPI ping-pong failed (rc={r.returncode}): {r.stderr[-2000:]}")
+        with open(out) as f:
+            return json.load(f)["results"]
+
+
+def fit_link(points: list[dict]) -> dict:
+    """Latency = smallest message's one-way time; bandwidth = slope over messages >= 64 KiB;
+    curve = achieved / peak bandwidth per size."""
+    lat = points[0]["one_way_s"]
+    big = [p for p in points if p["bytes"] >= 64 << 10] or points[-2:]
+    k, _ = fit_line([p["bytes"] for p in big], [p["one_way_s"] for p in big])
+    bw = 1.0 / k if k > 0 else big[-1]["bytes"] / big[-1]["one_way_s"]
+    curve = []
+    for p in points:
+        dt = p["one_way_s"] - lat
+        util = 1.0 if dt <= 0 else min(1.0, p["bytes"] / dt / bw)
+        curve.append([p["bytes"], round(max(util, 1e-4), 5)])
+    return {"latency_s": lat, "bandwidth_Bps": bw, "curve": curve}
+
+
+def calibrate(shape: ModelShape, threads: int = 1, smoke: bool = False, bench: str = "torch_ops",
+              experts: int = 0, price_per_hour: float = 0.10, mpi: bool = True,
+              clock: str = "thread") -> dict:
+    """Returns the profile as a dict (profile_from_dict reads it; write_profile saves it)."""
+    torch.set_num_threads(threads)
+    batches = (1, 2, 4) if smoke else (1, 2, 4, 8, 16, 32, 64)
+    ctxs = (16, 32) if smoke else (128, 512)
+    experts = experts or max(1, shape.num_experts // 2)
+    layers = measure_layers(shape, batches, ctxs, experts, bench, rounds=1 if smoke else 5,
+                            repeats=1 if smoke else 3, clock=clock)
+    k1, k1c, k2 = fit_attention(*zip(*layers["attention"]), relative=True)
+    k3, k4 = fit_line(*zip(*layers["expert"]), relative=True)
+    link = fit_link(mpi_pingpong(1 << 16 if smoke else 1 << 24, 3 if smoke else 20)) if mpi else \
+        {"latency_s": 5e-6, "bandwidth_Bps": 5e9}
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {
+        "name": f"cpu_{platform.node() or 'node'}",
+        "source": (f"measured by megainfer-plan calibrate on {datetime.date.today()}, "
+                   f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+                   f"torch threads={threads}, bench={bench}, clock={clock}; the machine was "
+                   f"shared (load average {os.getloadavg()[0]:.1f})"),
+        "matmul_flops": {"float32": matmul_flops(256 if smoke else 512)},
+        "mem_bw_Bps": memcpy_bandwidth(8 << 20 if smoke else 64 << 20),
+        "mem_bytes": float(mem),
+        "intra_link": dict(link), "inter_link": dict(link),
+        "price_per_hour": price_per_hour,
+        "matmul_efficiency": 1.0, "mem_efficiency": 1.0,  # measured rates are already achieved
+        "kernel_overhead_s": max(k4, 0.0), "mem_util": 0.5,  # ranks share the node's memory
+        "fits": {shape.name: {"k1": k1, "k2": k2, "k3": k3, "k4": k4, "k1_ctx": k1c,
+                              "ctx_ref": int(ctxs[-1]), "dtype": "float32"}},
+        "calibration": {"threads": threads, "experts_per_rank": experts, "batches": list(batches),
+                        "attention": [list(x) for x in layers["attention"]],
+                        "expert": [list(x) for x in layers["expert"]]},
+    }
+
+
+def write_profile(profile: dict, path: str) -> None:
+    with open(path, "w") as f:
+        f.write("# Calibrated CPU profile written by `megainfer-plan calibrate` "
+                "(see docs/perfmodel.md).\n")
+        yaml.dump(profile, f, Dumper=_NoAlias, sort_keys=False)
+
+
+class _NoAlias(yaml.SafeDumper):
+    def ignore_aliases(self, data):
+        return True

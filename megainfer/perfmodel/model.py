@@ -1,0 +1,142 @@
+"""One deployment plan -> predicted T_a, T_e, T_c, iteration time, memory and throughput."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megainfer.config import ConfigError
+from megainfer.perfmodel.hardware import HardwareProfile
+from megainfer.perfmodel.layer_times import RooflineTimes
+from megainfer.perfmodel.pipeline import micro_batch_sizes, t_total
+from megainfer.perfmodel.shapes import ModelShape, dtype_bytes
+
+
+@dataclass(frozen=True)
+class Workload:
+    input_len: int = 1024
+    output_len: int = 512
+
+    def __post_init__(self):
+        for n in ("input_len", "output_len"):
+            v = getattr(self, n)
+            if not (isinstance(v, int) and v > 0):
+                raise ConfigError(f"workload.{n}={v!r}: must be a positive integer")
+
+    @property
+    def ctx_mean(self) -> float:
+        """Mean context length a decode step attends over."""
+        return self.input_len + self.output_len / 2
+
+    @property
+    def kv_len(self) -> int:
+        """KV slots a sequence holds at its longest."""
+        return self.input_len + self.output_len
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Disaggregated plan: n_a attention replicas of tp_a devices, n_e expert ranks of tp_e."""
+
+    tp_a: int
+    n_a: int
+    tp_e: int
+    n_e: int
+    m: int
+    batch: int  # global batch B: sequences decoding in one iteration, all replicas
+    hw_a: str = ""
+    hw_e: str = ""
+
+    def __post_init__(self):
+        for n in ("tp_a", "n_a", "tp_e", "n_e", "m"):
+            v = getattr(self, n)
+            if not (isinstance(v, int) and v >= 1):
+                raise ConfigError(f"plan.{n}={v!r}: must be an integer >= 1")
+        if not (isinstance(self.batch, int) and self.batch >= 0):
+            raise ConfigError(f"plan.batch={self.batch!r}: must be an integer >= 0")
+
+    @property
+    def devices(self) -> int:
+        return self.n_a * self.tp_a + self.n_e * self.tp_e
+
+    def label(self) -> str:
+        a = f"A{self.n_a}x tp{self.tp_a}" + (f"[{self.hw_a}]" if self.hw_a else "")
+        e = f"E{self.n_e}x tp{self.tp_e}" + (f"[{self.hw_e}]" if self.hw_e else "")
+        return f"{a} + {e}"
+
+
+@dataclass(frozen=True)
+class Prediction:
+    plan: Plan
+    t_a: float
+    t_e: float
+    t_c: float
+    t_total: float  # T_total: all MoE layers, all micro-batches
+    t_head: float  # lm_head per iteration (m micro-batches)
+    mem_attn: float  # bytes per attention device
+    mem_expert: float  # bytes per expert device
+    cost_per_hour: float
+
+    @property
+    def t_iter(self) -> float:
+        """Decode iteration = per-token latency (TPOT) of every sequence in the batch."""
+        return self.t_total + self.t_head
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.plan.batch / self.t_iter if self.t_iter > 0 else 0.0
+
+    @property
+    def tokens_per_s_per_device(self) -> float:
+        return self.tokens_per_s / self.plan.devices
+
+    @property
+    def tokens_per_dollar(self) -> float:
+        return self.tokens_per_s * 3600 / self.cost_per_hour if self.cost_per_hour > 0 else float("inf")
+
+
+class DisaggModel:
+    """Evaluates plans for one model on attention hardware ``hw_a`` and expert hardware ``hw_e``."""
+
+    def __init__(self, shape: ModelShape, times_a: RooflineTimes, times_e: RooflineTimes,
+                 workload: Workload, act_dtype: str = "bfloat16"):
+        self.shape, self.ta, self.te, self.wl = shape, times_a, times_e, workload
+        self.hw_a: HardwareProfile = times_a.hw
+        self.hw_e: HardwareProfile = times_e.hw
+        self.act_b = dtype_bytes(act_dtype)
+
+    def experts_per_rank(self, n_e: int) -> int:
+        if self.shape.num_experts % n_e:
+            raise ConfigError(f"plan.n_e={n_e}: must divide num_experts={self.shape.num_experts}")
+        return self.shape.num_experts // n_e
+
+    def t_comm(self, b_a: float, b_e: float, plan: Plan) -> float:
+        """One-way A2E (= E2A) time of one micro-batch: the slower of a sender and a receiver."""
+        h, k = self.shape.hidden_size, self.shape.top_k
+        sent = b_a * k * h * self.act_b  # one replica's token slots, spread over its tp_a NICs
+        recv = b_e * self.experts_per_rank(plan.n_e) * h * self.act_b
+        t_send = self.hw_a.inter_link.time(sent / plan.tp_a, n_msgs=plan.n_e)
+        t_recv = self.hw_e.inter_link.time(recv / plan.tp_e, n_msgs=plan.n_a)
+        return max(t_send, t_recv)
+
+    def mem_attention(self, plan: Plan) -> float:
+        s, wb = self.shape, self.ta.wb
+        weights = s.attention_side_params() * wb / plan.tp_a
+        kv_heads_split = 1 if s.kv_elems_override else min(plan.tp_a, s.num_kv_heads)
+        kv_per_seq = self.wl.kv_len * s.num_layers * s.kv_elems / kv_heads_split * self.ta.kvb
+        return weights + kv_per_seq * plan.batch / plan.n_a
+
+    def mem_expert(self, plan: Plan) -> float:
+        s = self.shape
+        return self.experts_per_rank(plan.n_e) * s.num_layers * s.expert_params * self.te.wb / plan.tp_e
+
+    def predict(self, plan: Plan) -> Prediction:
+        s = self.shape
+        b_a, b_e = micro_batch_sizes(plan.batch, plan.m, plan.n_a, s.num_experts, s.top_k)
+        t_a = self.ta.t_attn(b_a, self.wl.ctx_mean, plan.tp_a)
+        t_e = self.te.t_expert([b_e] * self.experts_per_rank(plan.n_e), plan.tp_e)
+        t_c = self.t_comm(b_a, b_e, plan)
+        tt = t_total(t_a, t_e, t_c, plan.m, s.num_layers)
+        t_head = plan.m * self.ta.t_head(b_a, plan.tp_a)
+        cost = (plan.n_a * plan.tp_a * self.hw_a.price_per_hour
+                + plan.n_e * plan.tp_e * self.hw_e.price_per_hour)
+        return Prediction(plan, t_a, t_e, t_c, tt, t_head, self.mem_attention(plan),
+                          self.mem_expert(plan), cost)

@@ -1,0 +1,181 @@
+"""EPLB benchmark on a skewed routing workload.
+
+Part 1 (here now, ``bench_algorithm``): a biased router (Zipf popularity over a random
+expert order per layer, top-k drawn without replacement via Gumbel noise) feeds
+``ExpertLoadWindow`` for ``window`` iterations; ``rebalance_experts`` turns the window
+into a placement; then fresh iterations from the same router are routed through
+``Placement.choose_replicas`` and the tokens each expert rank receives are counted.
+Baseline, same run: the identity placement (expert e on rank e // (N/P), no redundancy).
+Reported per layer: max/mean tokens per rank; and the algorithm's run time (median).
+
+Part 2 (``bench_runtime``, not written yet): decode iteration time of the disaggregated
+runtime before and after a live rebalance; it plugs in below and adds a "runtime" key
+to the same JSON.
+
+    .venv/bin/python perf/bench_eplb.py [--cases tiny,dsv3] [--repeats 5]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+from megainfer.eplb import ExpertLoadWindow, Placement, rebalance_experts
+from megainfer.eplb.rebalance import imbalance, rank_load
+
+CASES = {
+    # DeepSeek-V3-like: 58 MoE layers x 256 experts in 8 groups, top-8; 4 nodes x 8 ranks.
+    "dsv3": dict(layers=58, experts=256, top_k=8, groups=8, nodes=4, ranks=32,
+                 replicas=[256, 288, 320], tokens=2048, zipf=1.0),
+    # our tiny test models: 8 experts top-2 on 2 expert ranks, 2 redundant slots.
+    "tiny": dict(layers=4, experts=8, top_k=2, groups=1, nodes=1, ranks=2,
+                 replicas=[8, 10], tokens=256, zipf=1.0),
+}
+
+
+class BiasedRouter:
+    """Per layer: expert popularity ~ 1/rank^s over a random permutation of experts."""
+
+    def __init__(self, layers: int, experts: int, top_k: int, zipf: float, seed: int):
+        self.g = torch.Generator().manual_seed(seed)
+        rank = torch.stack([torch.randperm(experts, generator=self.g) for _ in range(layers)])
+        self.logp = -zipf * torch.log(rank.double() + 1)                 # [L, N]
+        self.top_k = top_k
+
+    def route(self, layer: int, tokens: int) -> torch.Tensor:
+        """topk_ids [tokens, k]: Plackett-Luce draw without replacement (Gumbel top-k)."""
+        u = torch.rand(tokens, self.logp.shape[1], generator=self.g, dtype=torch.float64)
+        gumbel = -torch.log(-torch.log(u.clamp(1e-12, 1 - 1e-12)))      # [T, N]
+        return (self.logp[layer] + gumbel).topk(self.top_k, dim=-1).indices
+
+
+def measured_imbalance(pl: Placement, batches: list[list[torch.Tensor]]) -> torch.Tensor:
+    """Route held-out batches through the placement; max/mean tokens per rank: [L]."""
+    per_rank = torch.zeros(pl.num_layers, pl.num_ranks, dtype=torch.float64)  # [L, P]
+    for it in batches:
+        for layer, ids in enumerate(it):
+            slots = pl.choose_replicas(layer, ids).flatten()                  # [T*k]
+            per_rank[layer] += torch.bincount(pl.rank_of_slot(slots), minlength=pl.num_ranks)
+    return imbalance(per_rank)
+
+
+def summary(x: torch.Tensor) -> dict:
+    return {"mean_over_layers": round(float(x.mean()), 4), "worst_layer": round(float(x.max()), 4)}
+
+
+def bench_algorithm(name: str, c: dict, window: int, eval_iters: int, repeats: int, seed: int,
+                    heatmap: str | None) -> list[dict]:
+    router = BiasedRouter(c["layers"], c["experts"], c["top_k"], c["zipf"], seed)
+    stats = ExpertLoadWindow(c["layers"], c["experts"], window)
+    for _ in range(window):
+        for layer in range(c["layers"]):
+            stats.record(layer, router.route(layer, c["tokens"]))
+        stats.end_iteration()
+    if heatmap:
+        stats.save_heatmap(heatmap, f"{name}: tokens per expert, last {window} iterations")
+    held_out = [[router.route(l, c["tokens"]) for l in range(c["layers"])] for _ in range(eval_iters)]
+    load = stats.load()                                                     # [L, N]
+    ident = Placement.identity(c["layers"], c["experts"], c["ranks"])
+    ident_imb = measured_imbalance(ident, held_out)
+    ident_fit = imbalance(rank_load(load, ident.phy2log, c["ranks"]))
+    rows = []
+    for replicas in c["replicas"]:
+        for policy in ("hierarchical", "global"):
+            if policy == "hierarchical" and c["groups"] % c["nodes"]:
+                continue
+            args = (load, replicas, c["groups"], c["nodes"], c["ranks"], policy)
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                out = rebalance_experts(*args)
+                times.append(time.perf_counter() - t0)
+            pl = Placement(*out, c["ranks"])
+            rows.append({
+                "case": name, "layers": c["layers"], "experts": c["experts"], "top_k": c["top_k"],
+                "groups": c["groups"], "nodes": c["nodes"], "ranks": c["ranks"],
+                "replicas": replicas, "policy": policy, "zipf": c["zipf"],
+                "tokens_per_iteration": c["tokens"], "window": window, "eval_iterations": eval_iters,
+                "identity_max_over_mean": summary(ident_imb),
+                "rebalanced_max_over_mean": summary(measured_imbalance(pl, held_out)),
+                "window_identity_max_over_mean": summary(ident_fit),
+                "window_rebalanced_max_over_mean": summary(imbalance(rank_load(load, pl.phy2log, c["ranks"]))),
+                "algorithm_seconds_median": statistics.median(times), "algorithm_repeats": repeats,
+            })
+    return rows
+
+
+def bench_runtime(args) -> dict:
+    """Decode iteration time before/after a live rebalance (disaggregated runtime).
+
+    To be written with the runtime: start mpiexec with eplb.enabled, run the skewed
+    workload with the identity placement, force a rebalance, and time decode iterations
+    on both sides of it (medians, same run). Returns the "runtime" section of the JSON.
+    """
+    raise NotImplementedError("runtime half of bench_eplb: needs the disaggregated runtime")
+
+
+def print_table(rows: list[dict]) -> None:
+    """Held-out max/mean (mean over layers, worst layer); 'fit' is the same on the window."""
+    head = (f"{'case':5} {'R':>4} {'policy':12} {'identity':>16} {'rebalanced':>16} "
+            f"{'fit: ident':>10} {'rebal':>6} {'algo ms':>8}")
+    print(head + "\n" + "-" * len(head))
+    for r in rows:
+        i, b = r["identity_max_over_mean"], r["rebalanced_max_over_mean"]
+        fi, fb = r["window_identity_max_over_mean"], r["window_rebalanced_max_over_mean"]
+        print(f"{r['case']:5} {r['replicas']:>4} {r['policy']:12} "
+              f"{i['mean_over_layers']:6.3f} ({i['worst_layer']:5.2f}) "
+              f"{b['mean_over_layers']:>7.3f} ({b['worst_layer']:5.2f}) "
+              f"{fi['mean_over_layers']:>10.3f} {fb['mean_over_layers']:>6.3f} "
+              f"{1e3 * r['algorithm_seconds_median']:>8.1f}")
+    print("max/mean tokens per expert rank: mean over layers (worst layer), held-out iterations;"
+          " fit = same on the stats window")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cases", default="tiny,dsv3")
+    ap.add_argument("--window", type=int, default=8, help="stats window, iterations")
+    ap.add_argument("--eval-iters", type=int, default=8, help="held-out iterations measured")
+    ap.add_argument("--repeats", type=int, default=5, help="algorithm timing repeats (median)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--zipf", type=float, default=None, help="router skew exponent (default per case)")
+    ap.add_argument("--heatmap", default=None, help="PNG of the last case's window load")
+    ap.add_argument("--runtime", action="store_true", help="also run bench_runtime (not yet)")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
+                                                  "eplb_algorithm.json"))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    rows = []
+    for name in args.cases.split(","):
+        if name not in CASES:
+            sys.exit(f"--cases: unknown case {name!r}; known: {', '.join(CASES)}")
+        case = dict(CASES[name], **({"zipf": args.zipf} if args.zipf is not None else {}))
+        rows += bench_algorithm(name, case, args.window, args.eval_iters, args.repeats,
+                                args.seed, args.heatmap)
+    print_table(rows)
+    result = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                    "cpu_count": os.cpu_count(), "torch": torch.__version__, "torch_threads": 1,
+                    "note": "shared machine, loaded by other jobs; loads are exact, times noisy"},
+        "baseline": "identity placement (expert e on rank e // (N/P), no redundant slots)",
+        "metric": "per layer max/mean tokens per expert rank on held-out iterations "
+                  "(replica chosen by Placement.choose_replicas)",
+        "algorithm": rows,
+        "runtime": bench_runtime(args) if args.runtime else None,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

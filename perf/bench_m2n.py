@@ -1,0 +1,127 @@
+"""M2N dispatch / N2M combine vs MPI_Alltoallv vs gloo all_to_all, plus raw MPI ping-pong,
+compute overlap and the wait-policy test. One run, nccl-tests-style tables, JSON in
+perf/results/bench_m2n.json.
+
+    .venv/bin/python perf/bench_m2n.py [--quick]
+
+Launches `mpiexec -n 4 perf/bench_m2n_mpi.py` (4 ranks: the 2x2 config needs them even on a
+2-core machine; say so when quoting numbers). Columns: size = bytes per message, count =
+messages per op (M*N), time = per-op wall time (max over ranks, barrier before each op),
+algbw = size*count/time, busbw = algbw / receivers (ingress bandwidth of one receiving rank).
+"""
+import argparse
+import datetime
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def human(n: int) -> str:
+    return f"{n >> 20}M" if n >= 1 << 20 else f"{n >> 10}K"
+
+
+def print_collectives(rows):
+    print(f"\n{'MxN':>4} {'dir':>8} {'method':>10} {'size':>6} {'count':>5} {'p50 us':>10} "
+          f"{'p99 us':>10} {'algbw GB/s':>11} {'busbw GB/s':>11}")
+    for r in rows:
+        recv = r["N"] if r["direction"] == "dispatch" else r["M"]
+        alg = r["size"] * r["count"] / r["p50"] / 1e9
+        r["algbw"], r["busbw"] = alg, alg / recv
+        print(f"{r['M']}x{r['N']:<2} {r['direction']:>8} {r['method']:>10} {human(r['size']):>6} "
+              f"{r['count']:>5} {r['p50'] * 1e6:>10.1f} {r['p99'] * 1e6:>10.1f} {alg:>11.3f} "
+              f"{r['busbw']:>11.3f}")
+
+
+VARIANTS = ("m2n", "m2n-yield", "m2n-spin")  # wait policy: backoff (default), yield, spin
+
+
+def check_targets(res) -> dict:
+    key = {(r["M"], r["N"], r["direction"], r["size"], r["method"]): r for r in res["collectives"]}
+    out = {}
+    for v in VARIANTS:
+        ratios = []
+        for (M, N, d, size, meth), r in key.items():
+            if meth != v:
+                continue
+            a, g = key[(M, N, d, size, "alltoallv")], key[(M, N, d, size, "gloo")]
+            ratios.append(dict(cfg=f"{M}x{N} {d} {human(size)}", vs_a2av_p50=r["p50"] / a["p50"],
+                               vs_a2av_p99=r["p99"] / a["p99"], vs_gloo_p50=r["p50"] / g["p50"]))
+        out[v] = dict(
+            ratios=ratios,
+            p50_le_alltoallv=f"{sum(x['vs_a2av_p50'] <= 1 for x in ratios)}/{len(ratios)}",
+            p99_le_alltoallv=f"{sum(x['vs_a2av_p99'] <= 1 for x in ratios)}/{len(ratios)}",
+            median_p50_ratio_vs_alltoallv=sorted(x["vs_a2av_p50"] for x in ratios)[len(ratios) // 2],
+            p50_below_gloo=f"{sum(x['vs_gloo_p50'] < 1 for x in ratios)}/{len(ratios)}")
+    pp = {(r["method"], r["size"]): r for r in res["pingpong"]}
+    sizes = sorted({s for _, s in pp})
+    out["pingpong_latency_ratio_vs_raw_small"] = {
+        v: {s: pp[(v, s)]["p50"] / pp[("mpi-raw", s)]["p50"] for s in sizes[:2]} for v in VARIANTS}
+    out["pingpong_bandwidth_fraction_of_raw_large"] = {
+        v: {s: pp[("mpi-raw", s)]["p50"] / pp[(v, s)]["p50"] for s in sizes[-2:]} for v in VARIANTS}
+    out["compute_loss_with_traffic"] = {  # compute time with dispatch in flight / alone - 1
+        f"{k}/{mode}": res[k][mode]["compute"] / res[k]["alone"]["compute"] - 1
+        for k in ("overlap", "overlap_1x2") for mode in ("m2n", "m2n-noprogress", "alltoallv")}
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="fewer iterations (smoke run)")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "bench_m2n.json"))
+    args = ap.parse_args()
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = os.path.join(tmp, "raw.json")
+        cmd = [mpiexec, "-n", "4", sys.executable, os.path.join(HERE, "bench_m2n_mpi.py"),
+               "--port", str(free_port()), "--out", raw]
+        if args.quick:
+            cmd += ["--scale", "0.1", "--rounds", "4"]
+        load_before = os.getloadavg()
+        subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        with open(raw) as f:
+            res = json.load(f)
+    print_collectives(res["collectives"])
+    print(f"\nping-pong 1x1 (half round trip)\n{'method':>10} {'size':>6} {'p50 us':>10} "
+          f"{'p99 us':>10} {'GB/s':>8}")
+    for r in res["pingpong"]:
+        print(f"{r['method']:>10} {human(r['size']):>6} {r['p50'] * 1e6:>10.1f} "
+              f"{r['p99'] * 1e6:>10.1f} {r['size'] / r['p50'] / 1e9:>8.3f}")
+    for key, what in (("overlap", "1 sender, 1 receiver (2 ranks)"),
+                      ("overlap_1x2", "1 sender, 2 receivers (3 ranks)")):
+        print(f"\noverlap, {what}: 2 MiB dispatch + 2 MiB combine per receiver; ms, median")
+        for k, v in res[key].items():
+            print(f"{k:>15} compute {v['compute'] * 1e3:8.2f}   round {v['round'] * 1e3:8.2f}")
+    print("\nwait policy (ranks 0, 2 compute; rank 1 waits; 3 ranks, ms, median)")
+    for k, v in res["wait_policy"].items():
+        wake = "-" if v["wake"] is None else f"{v['wake'] * 1e6:.0f} us"
+        print(f"{k:>8} compute r0 {v['compute_r0'] * 1e3:7.2f}  r2 {v['compute_r2'] * 1e3:7.2f}"
+              f"  wake-up {wake}")
+    targets = check_targets(res)
+    summary = {k: ({kk: vv for kk, vv in v.items() if kk != "ratios"} if k in VARIANTS else v)
+               for k, v in targets.items()}
+    print("\ntargets:", json.dumps(summary, indent=1))
+    res.update(targets=targets, date=datetime.datetime.now().isoformat(timespec="seconds"),
+               machine=dict(platform=platform.platform(), processor=platform.processor(),
+                            cpu_count=os.cpu_count(), python=platform.python_version(),
+                            loadavg_before=load_before, loadavg_after=os.getloadavg()),
+               quick=args.quick, command=" ".join(sys.argv))
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
