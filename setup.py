@@ -23,6 +23,7 @@ setup(
         "safetensors>=0.4",
         "numpy>=2.0",
         "tqdm>=4.66",
+        "tokenizers==0.23.3",
     ],
     extras_require={
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "transformers==5.24.0", "matplotlib>=3.8"],

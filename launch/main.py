@@ -34,7 +34,7 @@ def run_job(cfg, run_dir: str) -> int:
     import torch
     torch.set_num_threads(s.cpu_threads)
     out = s.io.output or os.path.join(run_dir, "generations.jsonl")
-    requests = job_requests(s)
+    requests = job_requests(s) if world_rank() == 0 else []  # rank 0 hands them out
     log.info("[launch] %s: %d requests, model %s (%s weights), %d cpu threads, output %s",
              s.deploy.mode, len(requests), s.model.family, s.load.load_format, s.cpu_threads, out)
     if s.deploy.mode != "single":

@@ -7,6 +7,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)  # the suite shares 2 cores with its own mpiexec ranks
 
 FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")
 # Two shapes per family: a regular one, and an odd one (6 experts, top-3, one KV head; Qwen
