@@ -24,9 +24,15 @@ from megainfer.runtime.trace import merge_traces  # noqa: E402
 from megainfer.runtime.world import JobSpec, build_rank, run_rank  # noqa: E402
 
 
+# the shape of conf/plan_model/cpu_small.yaml, which the performance model is calibrated on
+SHAPE_DEFAULTS = {"hidden": 512, "inter": 1024, "layers": 4, "heads": 8, "kv_heads": 4, "experts": 8,
+                  "top_k": 2, "vocab": 4096, "batch": 64, "prompt": 16, "decode": 24}
+SHAPE_KEYS = tuple(SHAPE_DEFAULTS)
+
+
 def model_config(a) -> ModelConfig:
     return ModelConfig(family="mixtral", vocab_size=a.vocab, hidden_size=a.hidden, num_layers=a.layers,
-                       num_heads=a.heads, num_kv_heads=a.heads, head_dim=a.hidden // a.heads,
+                       num_heads=a.heads, num_kv_heads=a.kv_heads, head_dim=a.hidden // a.heads,
                        num_experts=a.experts, top_k=a.top_k, moe_intermediate_size=a.inter,
                        max_position_embeddings=4096)
 
@@ -55,6 +61,7 @@ def run_config(a, mode: str, m: int, trace_dir: str | None) -> dict:
         per_replica = a.batch // plan.attention_replicas
         decode = [dt for seqs, toks, dt in steps if seqs == toks == per_replica]
         result = {"mode": mode, "m": m, "wall_s": wall, "decode_steps": len(decode),
+                  "batch": a.batch, "shape": {k: getattr(a, k) for k in SHAPE_KEYS},
                   "decode_iter_s": sorted(decode)[len(decode) // 2] if decode else None,
                   "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
         result["decode_tokens_per_s"] = a.batch / result["decode_iter_s"] if decode else None
@@ -74,10 +81,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("configs")
-    for name, default in (("hidden", 512), ("inter", 512), ("layers", 4), ("heads", 8),
-                          ("experts", 8), ("top_k", 2), ("vocab", 512), ("batch", 64),
-                          ("prompt", 16), ("decode", 24)):
-        ap.add_argument(f"--{name}", type=int, default=default)
+    for name, default in SHAPE_DEFAULTS.items():
+        ap.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int, default=default)
     ap.add_argument("--wait", default="backoff")
     ap.add_argument("--trace-root", default="/tmp/megainfer_pipeline_traces")
     a = ap.parse_args()
