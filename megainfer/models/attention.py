@@ -106,14 +106,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
 class _GatherScratch:
     """Reused buffers for gathered K/V blocks. A fresh multi-MB tensor per layer and step costs
     more in first-touch page faults than the copy itself (3-8x on this VM), so the gather writes
-    into buffers that only grow. Owned by this module; one pair per (dtype, device, block shape)."""
+    into buffers that only grow. Owned by this module, one set per thread; one pair per (dtype,
+    device, block shape)."""
 
     def __init__(self):
-        self.bufs: dict = {}
+        self.local = threading.local()
 
     def take(self, like: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        bufs = self.local.__dict__.setdefault("bufs", {})
         key = (like.dtype, like.device, tuple(like.shape[1:]))
-        kv = self.bufs.get(key)
+        kv = bufs.get(key)
         if kv is None or kv[0].shape[0] < n:
             kv = tuple(torch.empty((max(n, 16), *like.shape[1:]), dtype=like.dtype, device=like.device)
                        for _ in range(2))
