@@ -27,6 +27,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, "pipeline_job.py")
 CONFIGS = ["disaggregated:1", "disaggregated:2", "disaggregated:3", "disaggregated:4",
            "colocated:1", "colocated:2"]
+# attention and expert time comparable at decode (T_a ~ T_e), experts big enough per micro-batch
+# that their time scales with tokens: 4 experts top-2, 8 layers, batch 192 (extra args override)
+BENCH_SHAPE = ["--batch", "192", "--experts", "4", "--inter", "896", "--layers", "8",
+               "--vocab", "512", "--kv-heads", "8", "--decode", "12"]
 TRACED = ["disaggregated:1:trace", "disaggregated:2:trace", "disaggregated:3:trace",
           "colocated:1:trace", "colocated:2:trace"]
 
@@ -49,7 +53,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "bench_pipeline.json"))
     ap.add_argument("--timeline", default=None, help="write the m=2 timeline PNG here")
-    a, shape_args = ap.parse_known_args()
+    a, extra = ap.parse_known_args()
+    shape_args = BENCH_SHAPE + extra  # later flags win in argparse
     tmp = tempfile.mkdtemp(prefix="bench_pipeline_")
     trace_root = os.path.join(tmp, "traces")
     runs = []
