@@ -8,9 +8,9 @@ into a placement; then fresh iterations from the same router are routed through
 Baseline, same run: the identity placement (expert e on rank e // (N/P), no redundancy).
 Reported per layer: max/mean tokens per rank; and the algorithm's run time (median).
 
-Part 2 (``bench_runtime``, not written yet): decode iteration time of the disaggregated
-runtime before and after a live rebalance; it plugs in below and adds a "runtime" key
-to the same JSON.
+Part 2 (``bench_runtime``, ``--runtime``): decode iteration time and per-rank load of the
+disaggregated runtime before and after a live rebalance in one run (``perf/eplb_job.py``);
+it adds a "runtime" key to the same JSON.
 
     .venv/bin/python perf/bench_eplb.py [--cases tiny,dsv3] [--repeats 5]
 """
@@ -112,13 +112,68 @@ def bench_algorithm(name: str, c: dict, window: int, eval_iters: int, repeats: i
 
 
 def bench_runtime(args) -> dict:
-    """Decode iteration time before/after a live rebalance (disaggregated runtime).
+    """Decode iteration time and per-rank load before/after the first live rebalance, one run.
 
-    To be written with the runtime: start mpiexec with eplb.enabled, run the skewed
-    workload with the identity placement, force a rebalance, and time decode iterations
-    on both sides of it (medians, same run). Returns the "runtime" section of the JSON.
+    ``perf/eplb_job.py`` under ``mpiexec -n 3`` (1 attention + 2 expert ranks, skewed router,
+    live EPLB every ``interval`` iterations). Before: decode steps before the first rebalance
+    (initial placement, balanced for uniform load); after: decode steps after it. Per-rank load:
+    (token, slot) pairs each expert rank served per iteration, max/mean over the two ranks.
     """
-    raise NotImplementedError("runtime half of bench_eplb: needs the disaggregated runtime")
+    run, control = _eplb_job(args, []), _eplb_job(args, ["--static"])
+    k, B = run["interval"], run["batch"]
+    decode = [(i, dt) for i, (seqs, toks, dt) in enumerate(run["steps"]) if seqs == toks == B]
+    before = [dt for i, dt in decode if i < k]
+    after = [dt for i, dt in decode if i > k]
+    # contexts grow during a run, so later iterations cost more anyway: the control run (same
+    # workload, no EPLB, identity placement) measures the same iterations without rebalancing
+    ctrl = [dt for i, (seqs, toks, dt) in enumerate(control["steps"]) if seqs == toks == B and i > k]
+    ctrl_before = [dt for i, (seqs, toks, dt) in enumerate(control["steps"]) if seqs == toks == B and i < k]
+    ratio = _rank_ratio(run)
+    res = {"shape": run["shape"], "interval": k, "batch": B,
+           "decode_iter_ms_before": 1e3 * statistics.median(before),
+           "decode_iter_ms_after": 1e3 * statistics.median(after),
+           "rebalance_step_ms": 1e3 * run["steps"][k][2],
+           "control_decode_iter_ms_same_iterations_before": 1e3 * statistics.median(ctrl_before),
+           "control_decode_iter_ms_same_iterations_after": 1e3 * statistics.median(ctrl),
+           "control_rank_max_over_mean": statistics.median(_rank_ratio(control)[k + 1:]),
+           "rank_max_over_mean_before": statistics.median(ratio[1:k]),
+           "rank_max_over_mean_after": statistics.median(ratio[k + 1:]),
+           "rebalances": [e["rebalances"] for e in run["experts"]],
+           "weight_moves": [e["moved"] for e in run["experts"]],
+           "decode_steps": {"before": len(before), "after": len(after)}}
+    res["speedup_vs_control_same_iterations"] = (res["control_decode_iter_ms_same_iterations_after"]
+                                                 / res["decode_iter_ms_after"])
+    print(f"runtime (1 attention + 2 expert ranks, zipf {args.runtime_zipf}): decode iteration "
+          f"{res['decode_iter_ms_before']:.1f} ms -> {res['decode_iter_ms_after']:.1f} ms; control "
+          f"run without EPLB, same iterations: {res['control_decode_iter_ms_same_iterations_before']:.1f}"
+          f" -> {res['control_decode_iter_ms_same_iterations_after']:.1f} ms (EPLB "
+          f"{res['speedup_vs_control_same_iterations']:.2f}x after the rebalance); per-rank max/mean "
+          f"{res['rank_max_over_mean_before']:.3f} -> {res['rank_max_over_mean_after']:.3f} "
+          f"(control {res['control_rank_max_over_mean']:.3f}); rebalance step "
+          f"{res['rebalance_step_ms']:.1f} ms")
+    return res
+
+
+def _eplb_job(args, extra: list[str]) -> dict:
+    import subprocess
+    import tempfile
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = os.path.join(tempfile.mkdtemp(prefix="bench_eplb_"), "run.json")
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    cmd = [mpiexec, "-n", "3", sys.executable, os.path.join(here, "eplb_job.py"), out,
+           "--zipf", str(args.runtime_zipf), "--interval", str(args.runtime_interval), *extra]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if p.returncode:
+        raise RuntimeError(f"eplb_job failed:\n{p.stderr[-3000:]}")
+    with open(out) as f:
+        return json.load(f)
+
+
+def _rank_ratio(run: dict) -> list[float]:
+    """Per iteration: max/mean over expert ranks of the (token, slot) pairs they served."""
+    per_iter = list(zip(*[e["tokens_per_iteration"] for e in run["experts"]]))  # [iters][ranks]
+    return [max(t) / (sum(t) / len(t)) if sum(t) else 1.0 for t in per_iter]
 
 
 def print_table(rows: list[dict]) -> None:
@@ -147,7 +202,9 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--zipf", type=float, default=None, help="router skew exponent (default per case)")
     ap.add_argument("--heatmap", default=None, help="PNG of the last case's window load")
-    ap.add_argument("--runtime", action="store_true", help="also run bench_runtime (not yet)")
+    ap.add_argument("--runtime", action="store_true", help="also run the live-runtime part")
+    ap.add_argument("--runtime-zipf", type=float, default=1.5)
+    ap.add_argument("--runtime-interval", type=int, default=12)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                   "eplb_algorithm.json"))
     args = ap.parse_args(argv)
