@@ -50,10 +50,43 @@ def test_heterogeneous_launch_and_trace(tmp_path, tiny_ckpts):
     assert p.returncode == 0, p.stderr[-3000:]
     assert len(_lines(tmp_path / "run" / "generations.jsonl")) == 8
     trace = json.loads((tmp_path / "run" / "trace.json").read_text())
-    lanes = {(e["pid"], e["cat"]) for e in trace["traceEvents"] if e.get("ph") == "X"}
+    _check_trace(trace, 3, ("attention", "A2E", "expert", "E2A"))
+    ev = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    lanes = {(e["pid"], e["cat"]) for e in ev}
     assert {(0, "attention"), (0, "A2E"), (0, "E2A"), (1, "expert"), (2, "expert"),
             (1, "A2E"), (1, "E2A")} <= lanes
+    key = lambda e: (e["args"]["iter"], e["args"]["layer"], e["args"]["mb"])  # noqa: E731
+    sent = {key(e): e["ts"] for e in ev if e["pid"] == 0 and e["cat"] == "A2E"}
+    back = {key(e): e["ts"] + e["dur"] for e in ev if e["pid"] == 0 and e["cat"] == "E2A"}
+    experts = [e for e in ev if e["cat"] == "expert"]
+    assert len(experts) == 2 * len(sent) > 0
+    for e in experts:  # causal order on one clock: A2E before the expert, expert before E2A
+        assert sent[key(e)] <= e["ts"] + 50 and e["ts"] + e["dur"] <= back[key(e)] + 50, e
     assert "communication hidden" in p.stdout
+
+
+def _check_trace(trace, ranks, lanes):
+    """Valid Chrome trace: every rank named, with all four lanes; complete events well formed."""
+    meta = [e for e in trace["traceEvents"] if e.get("ph") == "M"]
+    for pid in range(ranks):
+        names = {e["args"]["name"] for e in meta if e["pid"] == pid and e["name"] == "thread_name"}
+        assert names == set(lanes), (pid, names)
+        assert any(e["pid"] == pid and e["name"] == "process_name" for e in meta)
+    for e in trace["traceEvents"]:
+        if e.get("ph") == "X":
+            assert e["dur"] >= 0 and e["cat"] in lanes and lanes.index(e["cat"]) == e["tid"]
+
+
+def test_colocated_traced_launch(tmp_path):
+    args = ["deploy=colocated2", "deploy.micro_batches=2", "trace.enabled=true",
+            f"hydra.run.dir={tmp_path}/run"]
+    p = _launch(["-n", "2", LAUNCH, *args], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "[launch] summary (colocated, 2 ranks)" in p.stdout
+    trace = json.loads((tmp_path / "run" / "trace.json").read_text())
+    _check_trace(trace, 2, ("attention", "dispatch", "expert", "combine"))
+    lanes = {(e["pid"], e["cat"]) for e in trace["traceEvents"] if e.get("ph") == "X"}
+    assert {(r, lane) for r in (0, 1) for lane in ("attention", "dispatch", "expert", "combine")} <= lanes
 
 
 def test_world_size_that_does_not_fit_the_plan(tmp_path):

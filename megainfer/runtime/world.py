@@ -13,6 +13,7 @@ Every rank builds both channels in the same order (channel ids are a counter). T
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
@@ -76,8 +77,10 @@ def build_rank(job: JobSpec, comm=MPI.COMM_WORLD) -> Rank:
     plan, cfg = job.plan, job.model
     role = assign_role(plan, rank, world)
     policy = WaitPolicy(mode=job.comm.wait_mode, timeout_s=job.comm.timeout_s)
-    comm.Barrier()  # one clock: every rank's trace epoch is taken right after this barrier
-    tracer = Tracer(enabled=job.trace.enabled, rank=rank, name=role.tag, mode=plan.mode)
+    # one clock: rank 0's monotonic clock reading is every rank's trace epoch (CLOCK_MONOTONIC is
+    # shared by the processes of one node; across nodes this is as good as the hosts' clocks)
+    epoch = comm.bcast(time.perf_counter(), root=0)
+    tracer = Tracer(enabled=job.trace.enabled, rank=rank, name=role.tag, mode=plan.mode, epoch=epoch)
     colocated = plan.mode == "colocated"
     leaders = leader_ranks(plan)
     experts = leaders if colocated else expert_rank_ids(plan)
