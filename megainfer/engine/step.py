@@ -64,10 +64,12 @@ class StepInput:
         offs = self.token_offsets()
         want = set(self.sample_rows)
         parts = []
+        starts_all = torch.tensor(offs[:-1], dtype=torch.long)
         for g in groups:
-            idx = torch.cat([torch.arange(offs[i], offs[i + 1]) for i in g]) if g else \
-                torch.zeros(0, dtype=torch.long)
-            idx = idx.to(self.input_ids.device)
+            gi = torch.tensor(g, dtype=torch.long)
+            lens = torch.tensor([self.query_lens[i] for i in g], dtype=torch.long)  # [S_g]
+            first = torch.repeat_interleave(starts_all[gi] - torch.cumsum(lens, 0) + lens, lens)
+            idx = (first + torch.arange(int(lens.sum()))).to(self.input_ids.device)  # [T_g]
             parts.append(StepInput(
                 seq_ids=[self.seq_ids[i] for i in g], query_lens=[self.query_lens[i] for i in g],
                 context_lens=[self.context_lens[i] for i in g],

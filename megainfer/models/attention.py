@@ -39,23 +39,23 @@ class AttentionMetadata:
               block_size: int, device: str | torch.device = "cpu") -> "AttentionMetadata":
         """From per-sequence lists: new-token counts, cached-token counts, block ids."""
         seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
-        width = max((len(b) for b in block_tables), default=0)
-        table = torch.zeros(len(block_tables), max(width, 1), dtype=torch.long)
-        for i, blocks in enumerate(block_tables):
-            table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-        slots = []
-        for blocks, c, q in zip(block_tables, context_lens, query_lens):
-            pos = torch.arange(c, c + q)
-            slots.append(torch.tensor(blocks, dtype=torch.long)[pos // block_size] * block_size
-                         + pos % block_size)
-        starts = torch.zeros(len(query_lens) + 1, dtype=torch.long)
-        starts[1:] = torch.cumsum(torch.tensor(query_lens, dtype=torch.long), 0)
+        S, width = len(query_lens), max((len(b) for b in block_tables), default=0)
+        if S and width:  # [S, max_blocks], padded with block 0 (never read: masked by seq_lens)
+            table = torch.tensor([b + [0] * (width - len(b)) for b in block_tables], dtype=torch.long)
+        else:
+            table = torch.zeros(S, 1, dtype=torch.long)
+        qlens = torch.tensor(query_lens, dtype=torch.long)  # [S]
+        starts = torch.zeros(S + 1, dtype=torch.long)
+        starts[1:] = torch.cumsum(qlens, 0)
+        T = int(starts[-1])
+        seq = torch.repeat_interleave(torch.arange(S), qlens)  # [T] sequence of each new token
+        pos = torch.tensor(context_lens, dtype=torch.long)[seq] + torch.arange(T) - starts[seq]  # [T]
+        slots = table[seq, pos // block_size] * block_size + pos % block_size  # [T]
         return cls(
             query_start_loc=starts.to(device),
             context_lens=torch.tensor(context_lens, dtype=torch.long, device=device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=device),
-            block_tables=table.to(device),
-            slot_mapping=(torch.cat(slots) if slots else torch.zeros(0, dtype=torch.long)).to(device),
+            block_tables=table.to(device), slot_mapping=slots.to(device),
             block_size=block_size, query_lens_list=list(query_lens), seq_lens_list=seq_lens,
         )
 
@@ -117,8 +117,9 @@ class _GatherScratch:
         key = (like.dtype, like.device, tuple(like.shape[1:]))
         kv = bufs.get(key)
         if kv is None or kv[0].shape[0] < n:
-            kv = tuple(torch.empty((max(n, 16), *like.shape[1:]), dtype=like.dtype, device=like.device)
-                       for _ in range(2))
+            with torch.inference_mode(False):  # usable both inside and outside inference mode
+                kv = tuple(torch.empty((max(n, 16), *like.shape[1:]), dtype=like.dtype,
+                                       device=like.device) for _ in range(2))
             bufs[key] = kv
         return kv[0][:n], kv[1][:n]
 

@@ -19,7 +19,6 @@ import torch
 
 from megainfer.config import LoadConfig, ModelConfig
 
-from .family import Family
 from .layers import ParallelContext
 from .mixtral import MIXTRAL
 from .model import MoECausalLM

@@ -77,6 +77,10 @@ def build_rank(job: JobSpec, comm=MPI.COMM_WORLD) -> Rank:
     plan, cfg = job.plan, job.model
     role = assign_role(plan, rank, world)
     policy = WaitPolicy(mode=job.comm.wait_mode, timeout_s=job.comm.timeout_s)
+    if not role.is_attention:
+        # expert ranks idle legitimately while attention runs long steps, and a dead expert
+        # rank must be named by the attention rank waiting on it: they wait twice as long
+        policy = WaitPolicy(mode=job.comm.wait_mode, timeout_s=2 * job.comm.timeout_s)
     # one clock: rank 0's monotonic clock reading is every rank's trace epoch (CLOCK_MONOTONIC is
     # shared by the processes of one node; across nodes this is as good as the hosts' clocks)
     epoch = comm.bcast(time.perf_counter(), root=0)
