@@ -1,6 +1,5 @@
 """Bad input, table-driven: the typed error and its message, then the engine still serves."""
 import pytest
-import torch
 
 from megainfer import LLM, SamplingParams
 from megainfer.config import ConfigError
@@ -8,14 +7,6 @@ from megainfer.engine import (CacheTooSmallError, EmptyPromptError, PromptTooLon
                               RequestError, SamplingParamsError, TokenIdError)
 
 MAX_LEN = 64
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

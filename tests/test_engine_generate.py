@@ -12,15 +12,6 @@ from megainfer import LLM, SamplingParams
 N_OUT = 32
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Two OpenMP threads on a shared 2-core machine spin far more than they compute."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def prompts(n, seed, lo=1, hi=40, vocab=256):
     g = random.Random(seed)
     return [[g.randrange(3, vocab) for _ in range(g.randint(lo, hi))] for _ in range(n)]

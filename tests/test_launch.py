@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from hydra import compose, initialize_config_module
 from hydra.errors import ConfigCompositionException
 
@@ -16,14 +15,6 @@ from megainfer.engine import PromptInput
 from megainfer.launch.inputs import InputFileError, read_requests
 from megainfer.launch.job import done_ids, run_offline_job
 from megainfer.launch.settings import settings_from_config
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def settings(*overrides, world=1):

@@ -1,9 +1,7 @@
 """The offline API: prompt forms, output order, tokenizers, progress bar."""
-import os
 import shutil
 
 import pytest
-import torch
 
 from megainfer import LLM, RequestOutput, SamplingParams
 from megainfer.config import ModelConfig
@@ -11,14 +9,6 @@ from megainfer.engine import RequestError
 from megainfer.engine.tokenizer import ByteTokenizer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
