@@ -76,25 +76,24 @@ def build_rank(job: JobSpec, comm=MPI.COMM_WORLD) -> Rank:
     rank, world = comm.Get_rank(), comm.Get_size()
     plan, cfg = job.plan, job.model
     role = assign_role(plan, rank, world)
-    policy = WaitPolicy(mode=job.comm.wait_mode, timeout_s=job.comm.timeout_s)
-    if not role.is_attention:
-        # expert ranks idle legitimately while attention runs long steps, and a dead expert
-        # rank must be named by the attention rank waiting on it: they wait twice as long
-        policy = WaitPolicy(mode=job.comm.wait_mode, timeout_s=2 * job.comm.timeout_s)
+    colocated = plan.mode == "colocated"
+    if colocated and job.eplb.enabled:
+        raise ConfigError("eplb.enabled=true: live rebalancing runs in disaggregated mode only "
+                          "(colocated mode takes static placements: eplb.redundant_experts, "
+                          "eplb.initial)")
+    # expert ranks idle legitimately while attention runs long steps, and a dead expert rank
+    # must be named by the attention rank waiting on it: expert ranks wait twice as long
+    policy = WaitPolicy(mode=job.comm.wait_mode,
+                        timeout_s=job.comm.timeout_s * (1 if role.is_attention else 2))
     # one clock: rank 0's monotonic clock reading is every rank's trace epoch (CLOCK_MONOTONIC is
     # shared by the processes of one node; across nodes this is as good as the hosts' clocks)
     epoch = comm.bcast(time.perf_counter(), root=0)
     tracer = Tracer(enabled=job.trace.enabled, rank=rank, name=role.tag, mode=plan.mode, epoch=epoch)
-    colocated = plan.mode == "colocated"
     leaders = leader_ranks(plan)
     experts = leaders if colocated else expert_rank_ids(plan)
     m2n = make_m2n(comm, leaders, experts, cfg.hidden_size, cfg.top_k,
                    job.sched.max_num_batched_tokens, plan.micro_batches, DTYPES[job.load.dtype],
                    policy, job.comm.transport)
-    if colocated and job.eplb.enabled:
-        raise ConfigError("eplb.enabled=true: live rebalancing runs in disaggregated mode only "
-                          "(colocated mode takes static placements: eplb.redundant_experts, "
-                          "eplb.initial)")
     placement = initial_placement(cfg.num_layers, cfg.num_experts, len(experts), job.eplb)
     # the attention ranks of one replica share a TP communicator; others get their own colour
     tp_comm = comm.Split(role.replica if role.is_attention else plan.attention_replicas + rank, rank)
