@@ -39,8 +39,9 @@ def model_config(a) -> ModelConfig:
 
 def run_config(a, mode: str, m: int, trace_dir: str | None) -> dict:
     comm = MPI.COMM_WORLD
-    plan = DeployPlan(mode=mode, attention_replicas=1 if mode == "disaggregated" else 2,
-                      expert_ranks=1 if mode == "disaggregated" else 0, micro_batches=m)
+    disagg = mode == "disaggregated"
+    plan = DeployPlan(mode=mode, attention_replicas=a.replicas if disagg else comm.Get_size(),
+                      expert_ranks=comm.Get_size() - a.replicas if disagg else 0, micro_batches=m)
     sched = SchedulerConfig(max_num_seqs=a.batch, max_num_batched_tokens=max(a.batch * a.prompt, 256),
                             max_model_len=a.prompt + a.decode + 8)
     cache = CacheConfig(block_size=16, num_blocks=a.batch * ((a.prompt + a.decode) // 16 + 2))
@@ -61,6 +62,7 @@ def run_config(a, mode: str, m: int, trace_dir: str | None) -> dict:
         per_replica = a.batch // plan.attention_replicas
         decode = [dt for seqs, toks, dt in steps if seqs == toks == per_replica]
         result = {"mode": mode, "m": m, "wall_s": wall, "decode_steps": len(decode),
+                  "attention_replicas": plan.attention_replicas, "expert_ranks": plan.expert_ranks,
                   "batch": a.batch, "shape": {k: getattr(a, k) for k in SHAPE_KEYS},
                   "decode_iter_s": sorted(decode)[len(decode) // 2] if decode else None,
                   "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
@@ -84,6 +86,8 @@ def main():
     for name, default in SHAPE_DEFAULTS.items():
         ap.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int, default=default)
     ap.add_argument("--wait", default="backoff")
+    ap.add_argument("--replicas", type=int, default=1, help="disaggregated: attention replicas; "
+                    "the other ranks are expert ranks")
     ap.add_argument("--trace-root", default="/tmp/megainfer_pipeline_traces")
     a = ap.parse_args()
     results = []
