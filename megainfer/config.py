@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from typing import Optional
 
 SUPPORTED_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")
@@ -279,14 +279,5 @@ class TraceConfig:
     enabled: bool = False
 
 
-def replace_fields(obj, **changes):
-    """``dataclasses.replace`` that names unknown keys in a ConfigError."""
-    from dataclasses import replace
-    known = {f.name for f in fields(obj)}
-    for k in changes:
-        _require(k in known, f"{type(obj).__name__}.{k}", changes[k], "unknown config key")
-    return replace(obj, **changes)
-
-
 __all__ = ["ConfigError", "ModelConfig", "LoadConfig", "CacheConfig", "SchedulerConfig",
-           "DeployPlan", "EplbConfig", "CommConfig", "TraceConfig", "replace_fields", "field"]
+           "DeployPlan", "EplbConfig", "CommConfig", "TraceConfig"]

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from typing import Iterable, Iterator, Optional, Sequence, Union
 
-import torch
 
 from megainfer.config import CacheConfig, LoadConfig, ModelConfig, SchedulerConfig
 from megainfer.engine import (LLMEngine, PromptInput, RequestError, RequestOutput, SamplingParams)

@@ -192,19 +192,29 @@ class LLMEngine:
                            req.num_preemptions))
 
     # ------------------------------------------------------------------ streaming
-    def generate_stream(self, inputs: Iterable[PromptInput]) -> Iterator[RequestOutput]:
-        """Queue every input, then step until all finish, yielding each output as it finishes.
-        An invalid input yields at once a failed output (finish_reason "error") naming the
-        culprit; the others run. Outputs carry the caller's request ids unchanged."""
-        ids = {}
+    def add_inputs(self, inputs: Iterable[PromptInput], warn: bool = True
+                   ) -> tuple[dict, list[RequestOutput]]:
+        """Queue every valid input. Returns (engine request id -> caller's id, failed outputs
+        naming the culprit of each invalid input); the valid ones run regardless."""
+        ids, failed = {}, []
         for inp in inputs:
             try:
                 req = self.add_request(inp.request_id, inp.prompt, inp.params,
                                        prompt_token_ids=inp.prompt_token_ids)
                 ids[req.request_id] = inp.request_id
             except RequestError as e:
-                log.warning("%s request %r refused: %s", self.log_prefix, inp.request_id, e)
-                yield RequestOutput.failed(inp.request_id, inp.prompt, inp.prompt_token_ids, e)
+                if warn:
+                    log.warning("%s request %r refused: %s", self.log_prefix, inp.request_id, e)
+                failed.append(RequestOutput.failed(inp.request_id, inp.prompt,
+                                                   inp.prompt_token_ids, e))
+        return ids, failed
+
+    def generate_stream(self, inputs: Iterable[PromptInput]) -> Iterator[RequestOutput]:
+        """Queue every input, then step until all finish, yielding each output as it finishes.
+        An invalid input yields at once a failed output (finish_reason "error") naming the
+        culprit; the others run. Outputs carry the caller's request ids unchanged."""
+        ids, failed = self.add_inputs(inputs)
+        yield from failed
         while self.has_unfinished():
             for out in self.step():
                 out.request_id = ids.pop(out.request_id, out.request_id)

@@ -31,7 +31,8 @@ class _MicroBatch:
     hidden: torch.Tensor  # [n, H] residual stream
     residual: Optional[torch.Tensor] = None
     shared: Optional[torch.Tensor] = None
-    pending: object = None  # exchange handle of the layer in flight
+    in_flight: bool = False  # a MoE layer's experts are working on this micro-batch
+    handle: object = None  # the leader's exchange handle for it (None on TP peers)
     layer: int = -1
 
     @property
@@ -88,25 +89,24 @@ class DisaggregatedExecutor:
             if self.rebalancer is not None:
                 ids = self.rebalancer.to_physical(l, ids)
             if self.exchange is not None:
-                mb.pending = self.exchange.dispatch(self.iteration, l, i, x, ids, w)
-            else:
-                mb.pending = "tp-peer"
+                mb.handle = self.exchange.dispatch(self.iteration, l, i, x, ids, w)
+            mb.in_flight = True
             mb.shared = layer.mlp.shared(x)
             mb.layer = l
 
     def _finish(self, mb: _MicroBatch, i: int) -> None:
         """Wait for the micro-batch's experts (if in flight) and add them onto the residual."""
-        if mb.pending is None:
+        if not mb.in_flight:
             return
         if self.exchange is not None:
-            routed = self.exchange.combine(mb.pending)  # [n, H]
+            routed = self.exchange.combine(mb.handle)  # [n, H]
         else:
             routed = torch.empty_like(mb.residual)
         if self.tp is not None and self.tp.size > 1:
             routed = self.tp.broadcast_from_leader(routed, f"routed output L{mb.layer} mb{i}")
         mlp = routed if mb.shared is None else routed + mb.shared
         mb.hidden = mb.residual + mlp
-        mb.pending = mb.residual = mb.shared = None
+        mb.in_flight, mb.handle, mb.residual, mb.shared = False, None, None, None
 
     def _logits(self, step, groups, mbs, hidden) -> torch.Tensor:
         if not step.sample_rows:

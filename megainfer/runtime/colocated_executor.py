@@ -20,6 +20,6 @@ class ColocatedExecutor(DisaggregatedExecutor):
         self.worker = expert_worker  # serves this rank's slots for every rank's tokens
 
     def _finish(self, mb, i: int) -> None:
-        if mb.pending is not None:
+        if mb.in_flight:
             self.worker.serve_one(self.iteration, mb.layer, i)
         super()._finish(mb, i)

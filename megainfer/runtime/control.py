@@ -7,7 +7,7 @@ from mpi4py import MPI
 
 from megainfer.comm.wait import WaitPolicy, wait_until
 
-TAG_REQUESTS, TAG_STATUS, TAG_GO, TAG_TP = 101, 102, 103, 104
+TAG_REQUESTS, TAG_STATUS, TAG_GO = 101, 102, 103
 
 
 class RankFailure(RuntimeError):

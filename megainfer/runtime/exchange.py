@@ -15,6 +15,8 @@ import torch
 from megainfer.comm import M2N, combine_spec, dispatch_spec, make_transports
 from megainfer.comm.spec import KIND_REBALANCE, KIND_STOP
 
+from .trace import Tracer
+
 
 def make_m2n(comm, leaders: list[int], experts: list[int], hidden: int, top_k: int,
              capacity: int, micro_batches: int, dtype: torch.dtype, wait,
@@ -27,6 +29,9 @@ def make_m2n(comm, leaders: list[int], experts: list[int], hidden: int, top_k: i
 
 @dataclass
 class _InFlight:
+    iteration: int
+    layer: int
+    mb: int
     n: int
     index: list  # per expert rank: rows of this micro-batch sent there [n_j]
     replies: list  # per expert rank: RecvHandle of its partial sums
@@ -35,19 +40,16 @@ class _InFlight:
 class AttentionExchange:
     """Leader side: ``dispatch`` ships a micro-batch's tokens, ``combine`` collects the sums."""
 
-    def __init__(self, m2n: M2N, slot_owner: torch.Tensor, tracer=None,
+    def __init__(self, m2n: M2N, slot_owner: torch.Tensor, tracer: Tracer | None = None,
                  lanes: tuple[str, str] = ("A2E", "E2A")):
         self.m2n, self.experts, self.lanes = m2n, m2n.expert_ranks, lanes
         self.slot_owner = slot_owner  # [num_slots] int64: expert-rank index holding each slot
-        self.tracer = tracer
-
-    def set_slot_owner(self, slot_owner: torch.Tensor) -> None:
-        self.slot_owner = slot_owner
+        self.tracer = tracer or Tracer()  # a disabled tracer records nothing
 
     def dispatch(self, iteration: int, layer: int, mb: int, x: torch.Tensor, ids: torch.Tensor,
                  w: torch.Tensor) -> _InFlight:
         """x [n, H], ids [n, k] physical slots, w [n, k] -> handle for ``combine``."""
-        t0 = self.tracer.now_us() if self.tracer else 0.0
+        t0 = self.tracer.now_us()
         owner = self.slot_owner[ids]  # [n, k] expert-rank index of each chosen slot
         replies = [self.m2n.recv_combine(r, layer=layer, micro_batch=mb, iteration=iteration)
                    for r in self.experts]
@@ -58,14 +60,13 @@ class AttentionExchange:
             index.append(rows)
             self.m2n.dispatch(r, iteration=iteration, layer=layer, micro_batch=mb,
                               hidden=x[rows], topk_ids=ids32[rows], topk_weights=w32[rows])
-        if self.tracer:
-            self.tracer.add(self.lanes[0], f"{self.lanes[0]} L{layer} mb{mb}", t0, self.tracer.now_us() - t0,
-                            iteration, layer, mb, x.shape[0])
-        return _InFlight(x.shape[0], index, replies)
+        self.tracer.add(self.lanes[0], f"{self.lanes[0]} L{layer} mb{mb}", t0,
+                        self.tracer.now_us() - t0, iteration, layer, mb, x.shape[0])
+        return _InFlight(iteration, layer, mb, x.shape[0], index, replies)
 
     def combine(self, flight: _InFlight) -> torch.Tensor:
         """Wait for every expert rank's partial sums; their sum [n, H] in expert-rank order."""
-        t0 = self.tracer.now_us() if self.tracer else 0.0
+        t0 = self.tracer.now_us()
         out = None
         for rows, handle in zip(flight.index, flight.replies):
             msg = handle.wait()
@@ -75,10 +76,9 @@ class AttentionExchange:
             if rows.numel():
                 out.index_add_(0, rows, part)
             msg.release()
-        if self.tracer:
-            h = flight.replies[0]._what if flight.replies else (0, -1, -1, -1)
-            self.tracer.add(self.lanes[1], f"{self.lanes[1]} L{h[1]} mb{h[2]}", t0, self.tracer.now_us() - t0,
-                            h[3] if h[3] is not None else -1, h[1], h[2], flight.n)
+        f = flight
+        self.tracer.add(self.lanes[1], f"{self.lanes[1]} L{f.layer} mb{f.mb}", t0,
+                        self.tracer.now_us() - t0, f.iteration, f.layer, f.mb, f.n)
         return out
 
     def stop(self, iteration: int, first_layer: int) -> None:

@@ -9,16 +9,12 @@ every attention rank to go on or stop. On stop, leaders send the expert ranks a 
 """
 from __future__ import annotations
 
-import logging
 from typing import Iterable, Iterator
 
-from megainfer.engine.errors import RequestError
 from megainfer.engine.outputs import PromptInput, RequestOutput
 
 from .control import TAG_GO, TAG_REQUESTS, TAG_STATUS, ControlPlane
 from .roles import RankRole
-
-log = logging.getLogger("megainfer.runtime")
 
 
 class ReplicaLoop:
@@ -49,7 +45,7 @@ class ReplicaLoop:
 
     # ------------------------------------------------------------------ shared
     def _loop(self, inputs: list[PromptInput]) -> Iterator[RequestOutput]:
-        ids, failed = self._add(inputs)
+        ids, failed = self.engine.add_inputs(inputs, warn=self.role.is_leader)
         go = True
         while go:
             finished = self.engine.step()
@@ -60,20 +56,6 @@ class ReplicaLoop:
             yield from done
         if self.exchange is not None:
             self.exchange.stop(self.engine.executor.iteration, self.first_moe_layer)
-
-    def _add(self, inputs):
-        ids, failed = {}, []
-        for inp in inputs:
-            try:
-                req = self.engine.add_request(inp.request_id, inp.prompt, inp.params,
-                                              prompt_token_ids=inp.prompt_token_ids)
-                ids[req.request_id] = inp.request_id
-            except RequestError as e:
-                if self.role.is_leader:
-                    log.warning("%s request %r refused: %s", self.role.tag, inp.request_id, e)
-                failed.append(RequestOutput.failed(inp.request_id, inp.prompt,
-                                                   inp.prompt_token_ids, e))
-        return ids, failed
 
     def _sync(self, finished: list[RequestOutput]) -> tuple[list[RequestOutput], bool]:
         """Leaders report to rank 0; rank 0 answers go/stop to every attention rank."""
