@@ -27,10 +27,19 @@ def _run(cfg: DictConfig) -> None:
     from megainfer.perfmodel.hardware import load_hardware, profile_from_dict
     shape = _shape(cfg)
     if cfg.command == "calibrate":
-        from megainfer.perfmodel.calibrate import calibrate, write_profile
+        from megainfer.perfmodel.calibrate import calibrate, merge_profile, remeasure_node, write_profile
         c = cfg.calibrate
-        prof = calibrate(shape, c.threads, c.smoke, c.bench, price_per_hour=c.price_per_hour, mpi=c.mpi)
+        if c.get("node_only", False):  # re-measure only the node section of an existing profile
+            prof = remeasure_node(str(c.out), shape, c.bench, c.threads, c.smoke)
+            write_profile(prof, c.out)
+            _print_node(prof)
+            print(f"[calibrate] wrote {c.out} (node section only)")
+            return
+        prof = calibrate(shape, c.threads, c.smoke, c.bench, price_per_hour=c.price_per_hour, mpi=c.mpi,
+                         node=c.get("node", True))
         prof["name"] = os.path.basename(str(c.out)).rsplit(".", 1)[0]  # hardware=<this name> finds it
+        if c.get("merge", True):
+            prof = merge_profile(prof, str(c.out))
         write_profile(prof, c.out)
         f = prof["fits"][shape.name]
         print(f"[calibrate] matmul {prof['matmul_flops']['float32'] / 1e9:.1f} GFLOP/s, memcpy "
@@ -38,6 +47,7 @@ def _run(cfg: DictConfig) -> None:
               f"bandwidth {prof['inter_link']['bandwidth_Bps'] / 1e9:.2f} GB/s")
         print(f"[calibrate] {shape.name}: T_a = {f['k2'] * 1e6:.1f} us + b * ({f['k1'] * 1e6:.2f} us + "
               f"{f['k1_ctx'] * 1e9:.3f} ns * ctx), T_e = {f['k4'] * 1e6:.1f} us + {f['k3'] * 1e6:.2f} us * b_e")
+        _print_node(prof)
         print(f"[calibrate] wrote {c.out}")
         return
     if cfg.command != "plan":
@@ -61,6 +71,18 @@ def _run(cfg: DictConfig) -> None:
                       skew=float(cfg.sim.skew), seed=int(cfg.sim.seed))
     run_plan(shape, profiles, Workload(int(cfg.workload.input_len), int(cfg.workload.output_len)),
              space, opt)
+
+
+def _print_node(prof: dict) -> None:
+    n = prof.get("node", {})
+    if "contention" not in n:
+        return
+    h = n["hop_overhead_s"]
+    print(f"[calibrate] node: {n['cores']} cores, two at once slow attention "
+          f"{n['contention']['attention']:.3f}x, experts {n['contention']['expert']:.3f}x; host per "
+          f"(layer, micro-batch) attention {h['attention']['base'] * 1e6:.0f} us + "
+          f"{h['attention']['per_peer'] * 1e6:.0f} us/peer, expert {h['expert']['base'] * 1e6:.0f} us + "
+          f"{h['expert']['per_peer'] * 1e6:.0f} us/peer; wake-up {n['wake_latency_s'] * 1e6:.0f} us")
 
 
 @hydra.main(config_path=CONF_DIR, config_name="plan", version_base=None)

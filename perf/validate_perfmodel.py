@@ -1,19 +1,22 @@
 """Validate the performance model on this machine.
 
-Now (no runtime yet): per-layer T_a and T_e. Fit k1..k4 on one set of batch sizes, predict
-held-out batch sizes (and a held-out context length), measured in the same run; the roofline
-from this run's matmul / memcpy rates is printed beside it as the baseline.
+Per layer: fit k1..k4 on one set of batch sizes, predict held-out batch sizes (and a held-out
+context length), measured in the same run; the roofline from this run's matmul / memcpy rates
+is printed beside it as the baseline.
 
-Later (runtime landed): --runtime-results FILE... compares predicted vs measured decode
-iteration time of real runs (see validate_runtime for the fields each JSON needs).
+Runtime: predicted vs measured decode iteration time of real runs (perf/pipeline_job.py, stored
+in perf/results/runtime_runs/*.json; see validate_runtime for the fields), with the profile's
+node terms; the model without them is the baseline, and an ablation leaves out one term at a time.
 
-  python perf/validate_perfmodel.py [--quick] [--runtime-results perf/results/run_*.json]
+  python perf/validate_perfmodel.py [--quick] [--runtime-only] [--runtime-results FILE...]
 Writes perf/results/validate_perfmodel.json.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import glob
 import json
 import os
 import platform
@@ -26,7 +29,7 @@ import yaml
 import megainfer.conf
 from megainfer.perfmodel.calibrate import matmul_flops, memcpy_bandwidth
 from megainfer.perfmodel.fit import fit_attention, fit_line
-from megainfer.perfmodel.hardware import LayerFit, load_hardware, profile_from_dict
+from megainfer.perfmodel.hardware import LayerFit, NodeProfile, load_hardware, profile_from_dict
 from megainfer.perfmodel.layer_bench import measure_layers
 from megainfer.perfmodel.layer_times import FittedTimes, RooflineTimes
 from megainfer.perfmodel.model import DisaggModel, Plan, Workload
@@ -102,9 +105,19 @@ def validate_runtime(paths: list[str], hardware: str = "cpu_node") -> dict:
     numbers), "deploy": {"attention_replicas", "attention_tp", "expert_ranks", "micro_batches"},
     "batch" (sequences decoding per iteration, all replicas), "input_len", "output_len" and
     "decode_iteration_s" (median measured decode iteration wall time). The prediction is
-    DisaggModel.predict(...).t_iter with this machine's calibrated profile.
+    DisaggModel.predict(...).t_iter with this machine's calibrated profile, all ranks on one node
+    (the profile's node section: core sharing, contention, host overhead per hop, wake-up
+    latency). The same model without the node section (kernel fits + link only) is the baseline.
     """
     hw = load_hardware(hardware)
+    n = hw.node
+    variants = {  # ablation: the model with one node term left out at a time
+        "bare": NodeProfile(),
+        "no_core_sharing": dataclasses.replace(n, cores=0),
+        "no_contention": dataclasses.replace(n, contention={}),
+        "no_host_overhead": dataclasses.replace(n, hop_overhead_s={}),
+        "no_wake_latency": dataclasses.replace(n, wake_latency_s=0.0)}
+    profiles = {"node": hw, **{k: dataclasses.replace(hw, node=v) for k, v in variants.items()}}
     rows = []
     for p in paths:
         with open(p) as f:
@@ -113,29 +126,59 @@ def validate_runtime(paths: list[str], hardware: str = "cpu_node") -> dict:
         shape = load_shape(m) if isinstance(m, str) else ModelShape.from_dict(
             {k: v for k, v in m.items() if k != "name"}, m.get("name", "model"))
         dep = run["deploy"]
-        times = FittedTimes(hw, shape, hw.fits[shape.name]) if shape.name in hw.fits else \
-            RooflineTimes(hw, shape, "float32")
-        model = DisaggModel(shape, times, times, Workload(run["input_len"], run["output_len"]), "float32")
         plan = Plan(dep["attention_tp"], dep["attention_replicas"], 1, dep["expert_ranks"],
-                    dep["micro_batches"], run["batch"])
-        pred = model.predict(plan).t_iter
+                    dep["micro_batches"], run["batch"])  # ranks_per_node=0: all on this node
+        preds = {}
+        for name, prof in profiles.items():
+            times = FittedTimes(prof, shape, prof.fits[shape.name]) if shape.name in prof.fits else \
+                RooflineTimes(prof, shape, "float32")
+            model = DisaggModel(shape, times, times, Workload(run["input_len"], run["output_len"]), "float32")
+            preds[name] = model.predict(plan)
+            if name == "node":
+                b_a = plan.batch / (plan.m * plan.n_a)
+                b_e = plan.batch * shape.top_k / (plan.m * shape.num_experts)
+                t_a0 = times.t_attn(b_a, model.wl.ctx_mean, plan.tp_a)
+                t_e0 = times.t_expert([b_e] * model.experts_per_rank(plan.n_e), plan.tp_e)
+                h_a, h_e, d_a, d_e = model.node_terms(plan, t_a0, t_e0)
+        pred, base = preds["node"], preds["bare"]
+        meas = run["decode_iteration_s"]
         rows.append({"file": p, "plan": plan.label(), "m": plan.m, "batch": plan.batch,
-                     "measured_s": run["decode_iteration_s"], "predicted_s": pred,
-                     "err": err(pred, run["decode_iteration_s"])})
+                     "measured_s": meas, "predicted_s": pred.t_iter, "err": err(pred.t_iter, meas),
+                     "baseline_s": base.t_iter, "baseline_err": err(base.t_iter, meas),
+                     "t_a": pred.t_a, "t_e": pred.t_e, "t_c": pred.t_c, "host_a": h_a, "host_e": h_e,
+                     "dilation_a": d_a, "dilation_e": d_e,
+                     "ablation_err": {k: err(preds[k].t_iter, meas) for k in variants}})
+    print(f"{'plan':<20}{'m':>2}{'B':>5}{'measured':>10}{'model':>9}{'err':>8}{'no-node':>9}{'err':>8}"
+          f"{'T_a':>7}{'T_e':>7}{'T_c':>6}{'dil_a':>6}{'dil_e':>6}   (ms)")
     for r in rows:
-        print(f"{r['plan']:<28} m={r['m']} B={r['batch']:<5} measured {r['measured_s'] * 1e3:8.2f} ms "
-              f"predicted {r['predicted_s'] * 1e3:8.2f} ms  err {r['err']:+.1%}")
-    e = [abs(r["err"]) for r in rows]
-    summary = {"max_abs_err": max(e), "median_abs_err": statistics.median(e),
-               "target_met": max(e) < 0.20 and statistics.median(e) < 0.10} if rows else {}
-    return {"rows": rows, "summary": summary}
+        print(f"{r['plan']:<20}{r['m']:>2}{r['batch']:>5}{r['measured_s'] * 1e3:10.2f}"
+              f"{r['predicted_s'] * 1e3:9.2f}{r['err']:+8.1%}{r['baseline_s'] * 1e3:9.2f}"
+              f"{r['baseline_err']:+8.1%}{r['t_a'] * 1e3:7.2f}{r['t_e'] * 1e3:7.2f}{r['t_c'] * 1e3:6.2f}"
+              f"{r['dilation_a']:6.2f}{r['dilation_e']:6.2f}")
+    summary = {}
+    if rows:
+        for key, col in (("", "err"), ("baseline_", "baseline_err")):
+            e = [abs(r[col]) for r in rows]
+            summary.update({f"{key}max_abs_err": max(e), f"{key}median_abs_err": statistics.median(e)})
+        summary["target_met"] = summary["max_abs_err"] < 0.20 and summary["median_abs_err"] < 0.10
+        print(f"runtime: max |err| {summary['max_abs_err']:.1%}, median {summary['median_abs_err']:.1%} "
+              f"(target 20% / 10%: {'met' if summary['target_met'] else 'NOT met'}); without the node "
+              f"terms: max {summary['baseline_max_abs_err']:.1%}, median {summary['baseline_median_abs_err']:.1%}")
+        summary["ablation"] = {}
+        for k in variants:
+            e = [abs(r["ablation_err"][k]) for r in rows]
+            summary["ablation"][k] = {"max_abs_err": max(e), "median_abs_err": statistics.median(e)}
+            print(f"  ablation {k:<18} max {max(e):6.1%}  median {statistics.median(e):6.1%}")
+    return {"rows": rows, "summary": summary, "node": dataclasses.asdict(hw.node)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="cpu_small")
     ap.add_argument("--quick", action="store_true", help="fewer rounds and repeats")
-    ap.add_argument("--runtime-results", nargs="*", default=[])
+    ap.add_argument("--runtime-results", nargs="*", default=None,
+                    help="runtime run JSONs (default: perf/results/runtime_runs/*.json)")
+    ap.add_argument("--runtime-only", action="store_true", help="skip the per-layer validation")
     ap.add_argument("--hardware", default="cpu_node")
     a = ap.parse_args()
     out = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -143,7 +186,10 @@ def main() -> None:
                        "cpu_count": os.cpu_count(), "load_average": os.getloadavg()},
            "model": a.model, "note": "machine shared with other helpers; layer times are thread "
                                      "CPU time (one torch thread), medians over interleaved rounds"}
-    out["layers"] = validate_layers(load_shape(a.model), a.quick)
+    if not a.runtime_only:
+        out["layers"] = validate_layers(load_shape(a.model), a.quick)
+    if a.runtime_results is None:
+        a.runtime_results = sorted(glob.glob(os.path.join(HERE, "results", "runtime_runs", "*.json")))
     if a.runtime_results:
         out["runtime"] = validate_runtime(a.runtime_results, a.hardware)
     else:

@@ -3,7 +3,9 @@
 Measures, with torch pinned to ``threads`` threads (one MPI rank's share of the cores):
 fp32 matmul FLOP/s, memcpy bandwidth, MPI one-way latency/bandwidth over message sizes
 (mpiexec -n 2 of megainfer.perfmodel.mpi_pingpong), and per-layer attention / expert times
-at several batch sizes, fitted to T_a = k2 + b (k1 + k1_ctx ctx), T_e = k3 b + k4.
+at several batch sizes, fitted to T_a = k2 + b (k1 + k1_ctx ctx), T_e = k3 b + k4; and what
+ranks sharing this node cost each other (``node_bench``: cores, kernel slowdown when two
+processes compute at once, host overhead per (layer, micro-batch), wake-up latency of a wait).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import yaml
 from megainfer.config import ConfigError
 from megainfer.perfmodel.fit import fit_attention, fit_line
 from megainfer.perfmodel.layer_bench import measure_layers, time_fn
+from megainfer.perfmodel.node_bench import measure_node
 from megainfer.perfmodel import module_bench  # noqa: F401  (registers calibrate.bench=megainfer)
 from megainfer.perfmodel.shapes import ModelShape
 
@@ -76,7 +79,7 @@ def fit_link(points: list[dict]) -> dict:
 
 def calibrate(shape: ModelShape, threads: int = 1, smoke: bool = False, bench: str = "torch_ops",
               experts: int = 0, price_per_hour: float = 0.10, mpi: bool = True,
-              clock: str = "thread") -> dict:
+              clock: str = "thread", node: bool = True) -> dict:
     """Returns the profile as a dict (profile_from_dict reads it; write_profile saves it)."""
     torch.set_num_threads(threads)
     batches = (1, 2, 4) if smoke else (1, 2, 4, 8, 16, 32, 64)
@@ -89,6 +92,8 @@ def calibrate(shape: ModelShape, threads: int = 1, smoke: bool = False, bench: s
     link = fit_link(mpi_pingpong(1 << 16 if smoke else 1 << 24, 3 if smoke else 20)) if mpi else \
         {"latency_s": 5e-6, "bandwidth_Bps": 5e9}
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    node_d = measure_node(shape, bench, experts, smoke) if node else {"cores": os.cpu_count() or 1}
+    node_raw = node_d.pop("raw", {})
     return {
         "name": f"cpu_{platform.node() or 'node'}",
         "source": (f"measured by megainfer-plan calibrate on {datetime.date.today()}, "
@@ -102,12 +107,44 @@ def calibrate(shape: ModelShape, threads: int = 1, smoke: bool = False, bench: s
         "price_per_hour": price_per_hour,
         "matmul_efficiency": 1.0, "mem_efficiency": 1.0,  # measured rates are already achieved
         "kernel_overhead_s": max(k4, 0.0), "mem_util": 0.5,  # ranks share the node's memory
+        "node": node_d,
         "fits": {shape.name: {"k1": k1, "k2": k2, "k3": k3, "k4": k4, "k1_ctx": k1c,
                               "ctx_ref": int(ctxs[-1]), "dtype": "float32"}},
         "calibration": {"threads": threads, "experts_per_rank": experts, "batches": list(batches),
                         "attention": [list(x) for x in layers["attention"]],
-                        "expert": [list(x) for x in layers["expert"]]},
+                        "expert": [list(x) for x in layers["expert"]], "node": node_raw},
     }
+
+
+def merge_profile(profile: dict, path: str) -> dict:
+    """Keep the fits of other models already in ``path`` (a profile calibrated per model)."""
+    if not os.path.isfile(path):
+        return profile
+    with open(path) as f:
+        old = yaml.safe_load(f) or {}
+    out = dict(profile)
+    out["fits"] = {**(old.get("fits") or {}), **profile["fits"]}
+    if old.get("calibration_notes"):
+        out["calibration_notes"] = old["calibration_notes"]
+    return out
+
+
+def remeasure_node(path: str, shape: ModelShape, bench: str = "torch_ops", threads: int = 1,
+                   smoke: bool = False) -> dict:
+    """The profile at ``path`` with its ``node:`` section measured again (the rest unchanged)."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"calibrate.out={path!r}: calibrate.node_only needs an existing profile")
+    with open(path) as f:
+        prof = yaml.safe_load(f) or {}
+    torch.set_num_threads(threads)
+    node = measure_node(shape, bench, max(1, shape.num_experts // 2), smoke)
+    prof.setdefault("calibration", {})["node"] = node.pop("raw")
+    prof["node"] = node
+    notes = [n for n in prof.get("calibration_notes") or [] if not str(n).startswith("node:")]
+    prof["calibration_notes"] = notes + [
+        f"node: measured by megainfer-plan calibrate calibrate.node_only=true on {datetime.date.today()} "
+        f"(model={shape.name}, bench={bench}, load average {os.getloadavg()[0]:.1f})"]
+    return prof
 
 
 def write_profile(profile: dict, path: str) -> None:

@@ -82,10 +82,13 @@ class ColocatedModel:
         s, g, m = self.shape, plan.group, plan.m
         b = plan.batch / m  # tokens per micro-batch in the group
         e_local, tp_e = self.expert_split(g)
-        t_a = self.t.t_attn(b, self.wl.ctx_mean, g)
-        t_e = self.t.t_expert([b * s.top_k / s.num_experts] * e_local, tp_e)
+        node = self.hw.node  # ranks sharing a CPU node (GPU profiles: no-op); all g compute at once
+        t_a = (self.t.t_attn(b, self.wl.ctx_mean, g) + node.hop_overhead("attention", g)) \
+            * node.dilation("attention", g)
+        t_e = (self.t.t_expert([b * s.top_k / s.num_experts] * e_local, tp_e)
+               + node.hop_overhead("expert", g)) * node.dilation("expert", g)
         a2a = b * s.top_k * s.hidden_size * self.act_b / g  # each device's share of the slots
-        t_x = self.hw.intra_link.time(a2a, n_msgs=g - 1) if g > 1 else 0.0
+        t_x = self.hw.intra_link.time(a2a, n_msgs=g - 1) + node.wake_latency_s if g > 1 else 0.0
         compute, comm = t_a + t_e, 2 * t_x
         t_layer = compute + comm if m == 1 else max(2 * compute, 2 * comm, compute + comm)
         t_iter = s.num_layers * t_layer + m * self.t.t_head(b, g)

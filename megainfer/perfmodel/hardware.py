@@ -91,6 +91,61 @@ class LayerFit:
 
 
 @dataclass(frozen=True)
+class NodeProfile:
+    """What ranks placed on one node share (CPU nodes: the cores and the memory system).
+
+    cores            cores per node; 0 means every rank owns its device (GPUs): no sharing
+    contention       per-layer kernel kind ("attention", "expert") -> slowdown of that kernel's
+                     CPU time when two processes run such kernels at the same time vs one alone
+                     (memory bandwidth and last-level cache shared); missing kind: 1.0
+    hop_overhead_s   host work per (layer, micro-batch) outside the kernels, per side:
+                     "attention" (route bookkeeping, dispatch, combine, residual add) and
+                     "expert" (receive, gather, split, reply): seconds = base + per_peer * peers
+    wake_latency_s   mean delay between a message arriving and a rank waiting for it noticing
+                     (the runtime's wait policy polls, then sleeps between polls); added to T_c
+    """
+
+    cores: int = 0
+    contention: dict = field(default_factory=dict)  # kind -> slowdown at 2 concurrent (>= 1)
+    hop_overhead_s: dict = field(default_factory=dict)  # side -> {"base": s, "per_peer": s}
+    wake_latency_s: float = 0.0
+
+    def __post_init__(self):
+        if not (self.wake_latency_s >= 0 and math.isfinite(self.wake_latency_s)):
+            raise ConfigError(f"node.wake_latency_s={self.wake_latency_s!r}: must be >= 0")
+        if not (isinstance(self.cores, int) and self.cores >= 0):
+            raise ConfigError(f"node.cores={self.cores!r}: must be an integer >= 0")
+        for k, v in self.contention.items():
+            if k not in ("attention", "expert") or not (isinstance(v, (int, float)) and 1.0 <= v < 10):
+                raise ConfigError(f"node.contention.{k}={v!r}: kind must be attention|expert, "
+                                  f"slowdown in [1, 10)")
+        for k, v in self.hop_overhead_s.items():
+            if k not in ("attention", "expert") or not isinstance(v, dict) or any(
+                    n not in ("base", "per_peer") or not (x >= 0 and math.isfinite(x))
+                    for n, x in v.items()):
+                raise ConfigError(f"node.hop_overhead_s.{k}={v!r}: side must be attention|expert "
+                                  f"with base / per_peer seconds >= 0")
+
+    @property
+    def shared(self) -> bool:
+        return self.cores > 0
+
+    def hop_overhead(self, side: str, peers: int) -> float:
+        """Host seconds per (layer, micro-batch) on ``side`` talking to ``peers`` ranks."""
+        h = self.hop_overhead_s.get(side, {})
+        return h.get("base", 0.0) + h.get("per_peer", 0.0) * peers
+
+    def dilation(self, kind: str, busy: float) -> float:
+        """Wall / alone-CPU time of a ``kind`` kernel while ``busy`` ranks (itself included)
+        compute on this node: cores split evenly when busy > cores (OS time sharing), and each
+        extra process computing on another core at the same time adds (contention - 1)."""
+        if not self.shared or busy <= 1:
+            return 1.0
+        running = min(busy, self.cores)
+        return max(1.0, busy / self.cores) * (1.0 + (self.contention.get(kind, 1.0) - 1.0) * (running - 1))
+
+
+@dataclass(frozen=True)
 class HardwareProfile:
     name: str
     matmul_flops: dict  # dtype -> peak dense FLOP/s
@@ -105,6 +160,7 @@ class HardwareProfile:
     mem_util: float = 0.9  # fraction of mem_bytes usable for weights + KV
     fits: dict = field(default_factory=dict)  # model name -> LayerFit
     source: str = ""
+    node: NodeProfile = field(default_factory=NodeProfile)  # default: one device per rank
 
     def __post_init__(self):
         if not self.matmul_flops:
@@ -146,7 +202,21 @@ def profile_from_dict(d: dict, name: str = "") -> HardwareProfile:
                            mem_bw_Bps=float(d["mem_bw_Bps"]), mem_bytes=float(d["mem_bytes"]),
                            intra_link=intra, inter_link=inter,
                            price_per_hour=float(d["price_per_hour"]), fits=fits,
-                           source=str(d.get("source", "")), **opt)
+                           source=str(d.get("source", "")), node=_node(d.get("node"), name), **opt)
+
+
+def _node(d, name: str) -> NodeProfile:
+    if d is None:
+        return NodeProfile()
+    if not isinstance(d, dict):
+        raise ConfigError(f"hardware[{name}].node={d!r}: must be a mapping (cores, contention, hop_overhead_s)")
+    unknown = set(d) - {"cores", "contention", "hop_overhead_s", "wake_latency_s"}
+    if unknown:
+        raise ConfigError(f"hardware[{name}].node: unknown keys {sorted(unknown)}")
+    return NodeProfile(cores=d.get("cores", 0), contention={k: float(v) for k, v in (d.get("contention") or {}).items()},
+                       hop_overhead_s={k: {n: float(x) for n, x in (v or {}).items()} if isinstance(v, dict) else v
+                                       for k, v in (d.get("hop_overhead_s") or {}).items()},
+                       wake_latency_s=float(d.get("wake_latency_s", 0.0)))
 
 
 def hardware_dir() -> str:

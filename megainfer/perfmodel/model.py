@@ -44,8 +44,11 @@ class Plan:
     batch: int  # global batch B: sequences decoding in one iteration, all replicas
     hw_a: str = ""
     hw_e: str = ""
+    ranks_per_node: int = 0  # 0: all of the plan's ranks on one node (matters only on shared nodes)
 
     def __post_init__(self):
+        if not (isinstance(self.ranks_per_node, int) and self.ranks_per_node >= 0):
+            raise ConfigError(f"plan.ranks_per_node={self.ranks_per_node!r}: must be an integer >= 0")
         for n in ("tp_a", "n_a", "tp_e", "n_e", "m"):
             v = getattr(self, n)
             if not (isinstance(v, int) and v >= 1):
@@ -109,13 +112,61 @@ class DisaggModel:
         return self.shape.num_experts // n_e
 
     def t_comm(self, b_a: float, b_e: float, plan: Plan) -> float:
-        """One-way A2E (= E2A) time of one micro-batch: the slower of a sender and a receiver."""
+        """One-way A2E (= E2A) time of one micro-batch: the slower of a sender and a receiver,
+        plus the node's wake-up latency (a waiting receiver notices the message that late)."""
         h, k = self.shape.hidden_size, self.shape.top_k
         sent = b_a * k * h * self.act_b  # one replica's token slots, spread over its tp_a NICs
         recv = b_e * self.experts_per_rank(plan.n_e) * h * self.act_b
         t_send = self.hw_a.inter_link.time(sent / plan.tp_a, n_msgs=plan.n_e)
         t_recv = self.hw_e.inter_link.time(recv / plan.tp_e, n_msgs=plan.n_a)
-        return max(t_send, t_recv)
+        wake = max(self.hw_a.node.wake_latency_s, self.hw_e.node.wake_latency_s)  # receiver polls
+        return max(t_send, t_recv) + wake
+
+    def node_terms(self, plan: Plan, t_a0: float, t_e0: float) -> tuple[float, float, float, float]:
+        """(host overhead_a, host overhead_e, dilation_a, dilation_e) of ranks sharing a node.
+
+        Per (layer, micro-batch) each side adds its host overhead (``NodeProfile.hop_overhead``,
+        peers = the other side's ranks). Its compute is then stretched by ``NodeProfile.dilation``
+        of the ranks computing at the same time on its node: its own side's ranks always (the
+        replicas, resp. the expert ranks, run in lock step), plus the other side's for the
+        fraction phi of its time that they overlap. With m = 1 the sides alternate (phi = 0);
+        with m >= 2 attention of micro-batch i+1 runs while the experts run micro-batch i, so
+        phi_a = min(1, T_e / T_a), phi_e = min(1, T_a / T_e). Both sides share a node only
+        when they run on the same hardware profile; ``plan.ranks_per_node`` < all ranks puts
+        that share of each side's ranks on a node. Profiles with node.cores = 0 (one GPU per
+        rank) give (0, 0, 1, 1): no sharing.
+        """
+        na_, ne_ = self.hw_a.node, self.hw_e.node
+        h_a = na_.hop_overhead("attention", plan.n_e)
+        h_e = ne_.hop_overhead("expert", plan.n_a)
+        ranks = plan.devices
+        share = min(1.0, plan.ranks_per_node / ranks) if plan.ranks_per_node else 1.0
+        same = self.hw_a is self.hw_e or self.hw_a.name == self.hw_e.name
+        own_a, own_e = plan.n_a * plan.tp_a * share, plan.n_e * plan.tp_e * share
+        ta, te = t_a0 + h_a, t_e0 + h_e
+        phi_a = min(1.0, te / ta) if plan.m > 1 and same and ta > 0 else 0.0
+        phi_e = min(1.0, ta / te) if plan.m > 1 and same and te > 0 else 0.0
+        d_a = (1 - phi_a) * na_.dilation("attention", own_a) + phi_a * na_.dilation("attention", own_a + own_e)
+        d_e = (1 - phi_e) * ne_.dilation("expert", own_e) + phi_e * ne_.dilation("expert", own_a + own_e)
+        return h_a, h_e, d_a, d_e
+
+    def stage_fns(self, plan: Plan):
+        """(t_attn(b_a), t_expert(tokens per local expert), t_comm) as the pipeline sees them:
+        per-layer kernel fits plus the node terms, fixed for this plan at its balanced load."""
+        s = self.shape
+        b_a, b_e = micro_batch_sizes(plan.batch, plan.m, plan.n_a, s.num_experts, s.top_k)
+        ctx, el = self.wl.ctx_mean, self.experts_per_rank(plan.n_e)
+        t_a0 = self.ta.t_attn(b_a, ctx, plan.tp_a)
+        t_e0 = self.te.t_expert([b_e] * el, plan.tp_e)
+        h_a, h_e, d_a, d_e = self.node_terms(plan, t_a0, t_e0)
+
+        def t_attn(b):
+            return (self.ta.t_attn(b, ctx, plan.tp_a) + h_a) * d_a if b > 0 else 0.0
+
+        def t_expert(counts):
+            t = self.te.t_expert(list(counts), plan.tp_e)
+            return (t + h_e) * d_e if t > 0 else 0.0
+        return t_attn, t_expert, self.t_comm(b_a, b_e, plan)
 
     def mem_attention(self, plan: Plan) -> float:
         s, wb = self.shape, self.ta.wb
@@ -131,9 +182,8 @@ class DisaggModel:
     def predict(self, plan: Plan) -> Prediction:
         s = self.shape
         b_a, b_e = micro_batch_sizes(plan.batch, plan.m, plan.n_a, s.num_experts, s.top_k)
-        t_a = self.ta.t_attn(b_a, self.wl.ctx_mean, plan.tp_a)
-        t_e = self.te.t_expert([b_e] * self.experts_per_rank(plan.n_e), plan.tp_e)
-        t_c = self.t_comm(b_a, b_e, plan)
+        f_a, f_e, t_c = self.stage_fns(plan)
+        t_a, t_e = f_a(b_a), f_e([b_e] * self.experts_per_rank(plan.n_e))
         tt = t_total(t_a, t_e, t_c, plan.m, s.num_layers)
         t_head = plan.m * self.ta.t_head(b_a, plan.tp_a)
         cost = (plan.n_a * plan.tp_a * self.hw_a.price_per_hour

@@ -145,12 +145,9 @@ def simulate_plan(model, plan, jitter_s: float = 0.0, routing: str = "balanced",
     if plan.batch % (plan.m * plan.n_a):
         raise ConfigError(f"plan.batch={plan.batch}: must be a multiple of m*n_a={plan.m * plan.n_a}")
     b_a = plan.batch // (plan.m * plan.n_a)
-    b_e = b_a * plan.n_a * s.top_k / s.num_experts
     cfg = SimConfig(n_a=plan.n_a, n_e=plan.n_e, m=plan.m, layers=s.num_layers, b_a=b_a,
                     num_experts=s.num_experts, top_k=s.top_k, tp_a=plan.tp_a, tp_e=plan.tp_e,
                     jitter_s=jitter_s, routing=routing, skew=skew, iterations=iterations, seed=seed)
-    ctx = model.wl.ctx_mean
-    res = simulate(cfg, lambda b: model.ta.t_attn(b, ctx, plan.tp_a),
-                   lambda c: model.te.t_expert(list(c), plan.tp_e), model.t_comm(b_a, b_e, plan),
-                   trace=trace)
+    t_attn, t_expert, t_comm = model.stage_fns(plan)  # kernel fits + node sharing terms
+    res = simulate(cfg, t_attn, t_expert, t_comm, trace=trace)
     return res
