@@ -129,3 +129,26 @@ def test_colocated_baseline_gets_the_same_node_terms():
     t_e = (t.t_expert([4.0] * 2) + 3e-5 + 4 * 1e-5) * 2.0 * 1.2
     t_x = hw.intra_link.time(16 * 2 * 64 * 2 / 4, n_msgs=3) + 5e-4
     assert shared.predict(plan).t_layer == pytest.approx(t_a + t_e + 2 * t_x)
+
+
+def test_merge_keeps_other_fits_and_node_only_keeps_the_rest(tmp_path):
+    import yaml
+    from megainfer.perfmodel.calibrate import merge_profile, remeasure_node, write_profile
+    path = str(tmp_path / "cpu.yaml")
+    old = {"name": "cpu", "matmul_flops": {"float32": 1e9}, "mem_bw_Bps": 1e9, "mem_bytes": 1e9,
+           "price_per_hour": 0.1, "inter_link": {"latency_s": 1e-6, "bandwidth_Bps": 1e9},
+           "fits": {"other": {"k1": 1.0, "k2": 2.0, "k3": 3.0, "k4": 4.0}},
+           "calibration_notes": ["node: old", "fits.other: kept"]}
+    write_profile(old, path)
+    new = {**old, "fits": {"tiny": {"k1": 5.0, "k2": 6.0, "k3": 7.0, "k4": 8.0}}}
+    del new["calibration_notes"]
+    merged = merge_profile(new, path)
+    assert set(merged["fits"]) == {"other", "tiny"} and merged["fits"]["tiny"]["k1"] == 5.0
+    with pytest.raises(ConfigError, match="calibrate.out"):
+        remeasure_node(str(tmp_path / "missing.yaml"), TINY, smoke=True)
+    prof = remeasure_node(path, TINY, smoke=True)
+    write_profile(prof, path)
+    hw = load_hardware(path)
+    assert hw.node.shared and hw.fits["other"].k4 == 4.0 and hw.matmul_flops["float32"] == 1e9
+    notes = yaml.safe_load(open(path))["calibration_notes"]
+    assert "fits.other: kept" in notes and "node: old" not in notes and notes[-1].startswith("node:")
