@@ -112,38 +112,33 @@ def bench_algorithm(name: str, c: dict, window: int, eval_iters: int, repeats: i
 
 
 def bench_runtime(args) -> dict:
-    """Decode iteration time and per-rank load before/after the first live rebalance, one run.
+    """Decode iteration time and per-rank load before/after the first live rebalance.
 
     ``perf/eplb_job.py`` under ``mpiexec -n 3`` (1 attention + 2 expert ranks, skewed router,
-    live EPLB every ``interval`` iterations). Before: decode steps before the first rebalance
-    (initial placement, balanced for uniform load); after: decode steps after it. Per-rank load:
-    (token, slot) pairs each expert rank served per iteration, max/mean over the two ranks.
+    live EPLB every ``interval`` iterations, m = 1 so the two expert ranks compute while the
+    attention rank waits). Before: decode steps before the first rebalance (initial placement);
+    after: decode steps after it. Baseline: a control run of the same workload without EPLB
+    (identity placement), its same iterations. EPLB and control runs alternate ``repeats``
+    times; each figure is the median over repeats of the per-run median. Per-rank load: (token,
+    slot) pairs each expert rank served per iteration, max/mean over the two ranks.
     """
-    run, control = _eplb_job(args, []), _eplb_job(args, ["--static"])
-    k, B = run["interval"], run["batch"]
-    decode = [(i, dt) for i, (seqs, toks, dt) in enumerate(run["steps"]) if seqs == toks == B]
-    before = [dt for i, dt in decode if i < k]
-    after = [dt for i, dt in decode if i > k]
-    # contexts grow during a run, so later iterations cost more anyway: the control run (same
-    # workload, no EPLB, identity placement) measures the same iterations without rebalancing
-    ctrl = [dt for i, (seqs, toks, dt) in enumerate(control["steps"]) if seqs == toks == B and i > k]
-    ctrl_before = [dt for i, (seqs, toks, dt) in enumerate(control["steps"]) if seqs == toks == B and i < k]
-    ratio = _rank_ratio(run)
-    res = {"shape": run["shape"], "interval": k, "batch": B,
-           "decode_iter_ms_before": 1e3 * statistics.median(before),
-           "decode_iter_ms_after": 1e3 * statistics.median(after),
-           "rebalance_step_ms": 1e3 * run["steps"][k][2],
-           "control_decode_iter_ms_same_iterations_before": 1e3 * statistics.median(ctrl_before),
-           "control_decode_iter_ms_same_iterations_after": 1e3 * statistics.median(ctrl),
-           "control_rank_max_over_mean": statistics.median(_rank_ratio(control)[k + 1:]),
-           "rank_max_over_mean_before": statistics.median(ratio[1:k]),
-           "rank_max_over_mean_after": statistics.median(ratio[k + 1:]),
-           "rebalances": [e["rebalances"] for e in run["experts"]],
-           "weight_moves": [e["moved"] for e in run["experts"]],
-           "decode_steps": {"before": len(before), "after": len(after)}}
-    res["speedup_vs_control_same_iterations"] = (res["control_decode_iter_ms_same_iterations_after"]
-                                                 / res["decode_iter_ms_after"])
-    print(f"runtime (1 attention + 2 expert ranks, zipf {args.runtime_zipf}): decode iteration "
+    runs, controls = [], []
+    for _ in range(args.runtime_repeats):
+        runs.append(_summarise(_eplb_job(args, [])))
+        controls.append(_summarise(_eplb_job(args, ["--static"])))
+    med = lambda rows, key: statistics.median(r[key] for r in rows)  # noqa: E731
+    res = {"shape": runs[0]["shape"], "interval": runs[0]["interval"], "batch": runs[0]["batch"],
+           "repeats": args.runtime_repeats, "runs": runs, "control_runs": controls}
+    for key in ("decode_iter_ms_before", "decode_iter_ms_after", "rank_max_over_mean_before",
+                "rank_max_over_mean_after", "rebalance_step_ms"):
+        res[key] = med(runs, key)
+    res["control_decode_iter_ms_same_iterations_before"] = med(controls, "decode_iter_ms_before")
+    res["control_decode_iter_ms_same_iterations_after"] = med(controls, "decode_iter_ms_after")
+    res["control_rank_max_over_mean"] = med(controls, "rank_max_over_mean_after")
+    res["speedup_vs_control_same_iterations"] = statistics.median(
+        c["decode_iter_ms_after"] / r["decode_iter_ms_after"] for r, c in zip(runs, controls))
+    print(f"runtime (1 attention + 2 expert ranks, zipf {args.runtime_zipf}, median of "
+          f"{args.runtime_repeats} alternating pairs): decode iteration "
           f"{res['decode_iter_ms_before']:.1f} ms -> {res['decode_iter_ms_after']:.1f} ms; control "
           f"run without EPLB, same iterations: {res['control_decode_iter_ms_same_iterations_before']:.1f}"
           f" -> {res['control_decode_iter_ms_same_iterations_after']:.1f} ms (EPLB "
@@ -154,6 +149,21 @@ def bench_runtime(args) -> dict:
     return res
 
 
+def _summarise(run: dict) -> dict:
+    """One eplb_job run -> medians of decode iteration time and rank load, before/after."""
+    k, B = run["interval"], run["batch"]
+    decode = [(i, dt) for i, (seqs, toks, dt) in enumerate(run["steps"]) if seqs == toks == B]
+    ratio = _rank_ratio(run)
+    return {"shape": run["shape"], "interval": k, "batch": B,
+            "decode_iter_ms_before": 1e3 * statistics.median(dt for i, dt in decode if i < k),
+            "decode_iter_ms_after": 1e3 * statistics.median(dt for i, dt in decode if i > k),
+            "rebalance_step_ms": 1e3 * run["steps"][k][2],
+            "rank_max_over_mean_before": statistics.median(ratio[1:k]),
+            "rank_max_over_mean_after": statistics.median(ratio[k + 1:]),
+            "rebalances": [e["rebalances"] for e in run["experts"]],
+            "weight_moves": [e["moved"] for e in run["experts"]]}
+
+
 def _eplb_job(args, extra: list[str]) -> dict:
     import subprocess
     import tempfile
@@ -162,6 +172,8 @@ def _eplb_job(args, extra: list[str]) -> dict:
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     cmd = [mpiexec, "-n", "3", sys.executable, os.path.join(here, "eplb_job.py"), out,
            "--zipf", str(args.runtime_zipf), "--interval", str(args.runtime_interval), *extra]
+    if args.runtime_batch:
+        cmd += ["--batch", str(args.runtime_batch)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
                        env=dict(os.environ, OMP_NUM_THREADS="1"))
     if p.returncode:
@@ -205,6 +217,8 @@ def main(argv=None) -> None:
     ap.add_argument("--runtime", action="store_true", help="also run the live-runtime part")
     ap.add_argument("--runtime-zipf", type=float, default=1.5)
     ap.add_argument("--runtime-interval", type=int, default=12)
+    ap.add_argument("--runtime-repeats", type=int, default=3, help="alternating EPLB/control pairs")
+    ap.add_argument("--runtime-batch", type=int, default=None, help="eplb_job --batch")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                   "eplb_algorithm.json"))
     args = ap.parse_args(argv)

@@ -68,6 +68,33 @@ def matmul_roofline(n: int = 1024, reps: int = 10) -> float:
     return 2 * n ** 3 / statistics.median(times) / 1e9
 
 
+def read_bandwidth(n: int = 64 * 2**20, reps: int = 10) -> float:
+    """Median bytes/s of summing a 256 MB fp32 tensor (a pure read stream) on this process's threads."""
+    x = torch.ones(n)
+    x.sum()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t)
+    return 4 * n / statistics.median(times)
+
+
+def time_lower_bound(a, n_params: int, peak_flops: float, read_bps: float) -> dict:
+    """Fastest this job can run here: prefill at the fp32 matmul roofline; each decode step must
+    read every weight but the embedding once (with batch x top_k >> experts every expert is hit)
+    plus the KV cache, at the measured read bandwidth, and do its FLOPs (whichever is slower)."""
+    P, O = a.input_len, a.output_len
+    prefill = a.batch * P * active_flops_per_token(a, P / 2) / peak_flops
+    weight_bytes = 4 * (n_params - a.vocab * a.hidden)
+    kv_bytes = 4 * 2 * a.layers * a.kv_heads * (a.hidden // a.heads) * a.batch * (P + O / 2)
+    step_read = (weight_bytes + kv_bytes) / read_bps
+    step_flops = a.batch * active_flops_per_token(a, P + O / 2) / peak_flops
+    decode = (O - 1) * max(step_read, step_flops)
+    return dict(seconds=prefill + decode, prefill_s=prefill, decode_step_s=max(step_read, step_flops),
+                weight_bytes_per_step=weight_bytes, kv_bytes_per_step=kv_bytes)
+
+
 def run_hf(hf, prompts, n_out):
     import copy
     gc = copy.deepcopy(hf.generation_config)
@@ -120,7 +147,7 @@ def main(argv=None):
         prompts = torch.randint(3, a.vocab, (a.batch, a.input_len), generator=g).tolist()
         run_ours(llm, prompts[:2], 4)  # warm-up both sides
         run_hf(hf, prompts[:2], 4)
-        roof = [matmul_roofline()]
+        roof, bw = [matmul_roofline()], [read_bandwidth()]
         hf_t, our_t, agree = [], [], None
         for r in range(a.repeats):
             dt, hf_tok = run_hf(hf, prompts, a.output_len)
@@ -131,6 +158,7 @@ def main(argv=None):
                 (a.batch * a.output_len)
             print(f"  repeat {r}: hf {hf_t[-1]:.2f}s  megainfer {our_t[-1]:.2f}s", flush=True)
         roof.append(matmul_roofline())
+        bw.append(read_bandwidth())
     tokens = a.batch * a.output_len
     flops = job_flops(a)
     peak = statistics.median(roof)
@@ -144,6 +172,8 @@ def main(argv=None):
     ours, base = rows["megainfer LLM.generate"], rows["transformers generate"]
     speedup = ours["output_tokens_per_s"] / base["output_tokens_per_s"]
     speedup_best = ours["output_tokens_per_s_best"] / base["output_tokens_per_s_best"]
+    bound = time_lower_bound(a, n_params, peak * 1e9, statistics.median(bw))
+    bound["max_speedup_over_transformers"] = base["seconds_min"] / bound["seconds"]
     load = os.getloadavg()
     print(f"\nbatch {a.batch}, {a.input_len} in / {a.output_len} out, {n_params / 1e6:.1f}M params "
           f"({a.experts} experts top-{a.top_k}), {a.threads} threads, fp32 roofline "
@@ -156,6 +186,11 @@ def main(argv=None):
               f"{100 * r['roofline_fraction']:>12.1f}%{100 * r['roofline_fraction_best']:>11.1f}%")
     print(f"speedup over transformers: {speedup:.2f}x on medians, {speedup_best:.2f}x on best runs "
           f"(target >= 4x); greedy tokens equal to transformers': {100 * agree:.1f}%")
+    print(f"lower bound on this job's time here (prefill at the matmul roofline, each decode step "
+          f"reading {bound['weight_bytes_per_step'] / 1e6:.0f} MB of weights + KV at the measured "
+          f"{statistics.median(bw) / 1e9:.1f} GB/s read bandwidth): {bound['seconds']:.2f} s, so no "
+          f"engine can beat transformers' best run by more than "
+          f"{bound['max_speedup_over_transformers']:.2f}x at this shape")
     print("note: on a shared machine, medians swing with other load; best runs are the steadier "
           "ratio")
     result = dict(
@@ -164,7 +199,8 @@ def main(argv=None):
                      cpu_count=os.cpu_count(), python=sys.version.split()[0],
                      torch=torch.__version__, load_average=load),
         args=vars(a), params=n_params, output_tokens=tokens, job_flops=flops,
-        roofline_gflops=peak, roofline_samples=roof, results=rows, speedup=speedup,
+        roofline_gflops=peak, roofline_samples=roof, read_bandwidth_Bps=bw, lower_bound=bound,
+        results=rows, speedup=speedup,
         speedup_best=speedup_best,
         greedy_token_agreement=agree, baseline="transformers generate (same checkpoint, prompts)")
     os.makedirs(os.path.dirname(a.out), exist_ok=True)

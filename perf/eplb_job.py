@@ -16,7 +16,7 @@ torch.set_num_threads(1)
 from mpi4py import MPI  # noqa: E402
 
 from megainfer.config import (CacheConfig, CommConfig, DeployPlan, EplbConfig,  # noqa: E402
-                              LoadConfig, ModelConfig, SchedulerConfig)
+                              LoadConfig, ModelConfig, SchedulerConfig, TraceConfig)
 from megainfer.engine.outputs import PromptInput  # noqa: E402
 from megainfer.engine.sampling_params import SamplingParams  # noqa: E402
 from megainfer.runtime.world import JobSpec, build_rank, run_rank  # noqa: E402
@@ -47,16 +47,17 @@ def bias_routers(model, zipf: float, seed: int) -> None:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
-    for name, d in (("hidden", 512), ("inter", 512), ("layers", 4), ("experts", 8), ("top_k", 2),
-                    ("batch", 128), ("prompt", 16), ("decode", 40), ("interval", 12),
+    for name, d in (("hidden", 256), ("inter", 2048), ("layers", 4), ("experts", 8), ("top_k", 2),
+                    ("kv_heads", 2), ("batch", 256), ("prompt", 16), ("decode", 40), ("interval", 12),
                     ("redundant", 2)):
         ap.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int, default=d)
     ap.add_argument("--zipf", type=float, default=1.5)
     ap.add_argument("--static", action="store_true", help="control run: no EPLB, identity placement")
+    ap.add_argument("--trace", default=None, help="directory for per-rank traces (optional)")
     a = ap.parse_args()
     comm = MPI.COMM_WORLD
     cfg = ModelConfig(family="mixtral", vocab_size=512, hidden_size=a.hidden, num_layers=a.layers,
-                      num_heads=8, num_kv_heads=8, head_dim=a.hidden // 8, num_experts=a.experts,
+                      num_heads=8, num_kv_heads=a.kv_heads, head_dim=a.hidden // 8, num_experts=a.experts,
                       top_k=a.top_k, moe_intermediate_size=a.inter, max_position_embeddings=4096)
     sched = SchedulerConfig(max_num_seqs=a.batch, max_num_batched_tokens=a.batch * a.prompt,
                             max_model_len=a.prompt + a.decode + 8)
@@ -65,7 +66,7 @@ def main():
                                                     window=a.interval, interval=a.interval)
     plan = DeployPlan(mode="disaggregated", expert_ranks=2, micro_batches=1)
     r = build_rank(JobSpec(cfg, LoadConfig(load_format="dummy"), sched, cache, plan,
-                           CommConfig(timeout_s=120), eplb))
+                           CommConfig(timeout_s=120), eplb, TraceConfig(enabled=a.trace is not None)))
     if r.loop is not None:
         bias_routers(r.loop.engine.executor.model, a.zipf, seed=1)
     g = torch.Generator().manual_seed(0)
@@ -86,8 +87,12 @@ def main():
         with open(a.out, "w") as f:
             json.dump({"steps": steps, "experts": [x for x in gathered if x is not None],
                        "interval": a.interval, "batch": a.batch,
-                       "shape": {k: getattr(a, k) for k in ("hidden", "inter", "layers", "experts",
+                       "shape": {k: getattr(a, k) for k in ("hidden", "inter", "layers", "kv_heads", "experts",
                                                             "top_k", "zipf", "redundant")}}, f)
+    if a.trace:
+        import os
+        os.makedirs(a.trace, exist_ok=True)
+        r.tracer.write(a.trace)
     r.close()
 
 
