@@ -22,7 +22,10 @@ from megainfer.comm.transport import Buffer, Request, Transport
 from megainfer.comm.wait import WaitPolicy, wait_until
 from megainfer.config import ConfigError
 
+_pack, _unpack = S.HEADER.pack_into, S.HEADER.unpack_from
 MAX_STREAMS = 256
+MAX_VIEW_CACHE = 64  # row counts whose field views a slot keeps
+FAST_POLLS = range(32)  # polls a receive makes before handing over to the wait policy
 MAX_CHANNELS = 127  # tags stay below 32767, the smallest TAG_UB MPI allows
 
 FREE, POSTED, HELD = 0, 1, 2
@@ -42,99 +45,123 @@ class Header(tuple):
     aux = property(lambda s: s[6])
 
 
-class Message:
-    """A received message: ``header`` and ``fields`` (views into the ring buffer, no copy,
-    made on first use). Call ``release()`` once done with the views so the slot can take a
-    new message."""
+class _Slot:
+    """One ring slot: its buffer, typed views per row count (made once, kept), the slot's
+    repeated transport operation ``io`` and its request in flight."""
 
-    __slots__ = ("header", "_layout", "_fields", "_release")
+    __slots__ = ("buf", "hdr", "layout", "io", "req", "state", "what", "seq", "_views",
+                 "peer", "rows")
 
-    def __init__(self, header: Header, layout: S.MessageLayout, release):
-        self.header, self._layout, self._fields, self._release = header, layout, None, release
+    def __init__(self, buf: Buffer, spec: S.MessageSpec, io, peer: int):
+        self.buf, self.hdr, self.layout = buf, buf.header, S.MessageLayout(spec, buf.data)
+        self.io, self.peer, self.rows = io, peer, 0
+        self.req: Optional[Request] = None
+        self.state, self.what, self.seq, self._views = FREE, None, 0, {}
+
+    def views(self, rows: int) -> dict:
+        v = self._views.get(rows)
+        if v is None:
+            v = self.layout.views(rows)
+            if len(self._views) < MAX_VIEW_CACHE:
+                self._views[rows] = v
+        return v
+
+
+class Outgoing(_Slot):
+    """A reserved send slot: write ``fields[name]`` ([rows, *shape] views) in place, then
+    ``Channel.post``. (The slot itself: valid until the ring comes round to it again.)"""
+
+    __slots__ = ()
 
     @property
     def fields(self) -> dict:
-        if self._fields is None:
-            self._fields = self._layout.views(self.header[1])
-        return self._fields
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self.fields[name]
+        return self.views(self.rows)
 
     @property
-    def kind(self) -> int:
-        return self.header[0]
-
-    @property
-    def rows(self) -> int:
-        return self.header[1]
-
-    def release(self) -> None:
-        if self._release is not None:
-            self._release()
-            self._release = None
-
-
-class _Slot:
-    __slots__ = ("buf", "layout", "req", "state", "what")
-
-    def __init__(self, buf: Buffer, spec: S.MessageSpec):
-        self.buf, self.layout = buf, S.MessageLayout(spec, buf.data)
-        self.req: Optional[Request] = None
-        self.state, self.what = FREE, None
+    def slot(self) -> "Outgoing":
+        return self
 
 
 class _RecvRing:
-    __slots__ = ("slots", "post_ptr", "next_ptr", "peer", "tag")
+    __slots__ = ("slots", "post_ptr", "next_ptr", "peer", "tag", "nbytes")
 
-    def __init__(self, slots: list, peer: int, tag: int):
+    def __init__(self, slots: list, peer: int, tag: int, nbytes: int):
         self.slots, self.post_ptr, self.next_ptr, self.peer, self.tag = slots, 0, 0, peer, tag
-
-
-class Outgoing:
-    """A reserved send slot: write ``fields[name]`` ([rows, *shape] views) in place, then
-    ``Channel.post``."""
-
-    __slots__ = ("peer", "rows", "_fields", "slot")
-
-    def __init__(self, peer: int, rows: int, slot: _Slot):
-        self.peer, self.rows, self._fields, self.slot = peer, rows, None, slot
-
-    @property
-    def fields(self) -> dict:
-        if self._fields is None:
-            self._fields = self.slot.layout.views(self.rows)
-        return self._fields
+        self.nbytes = nbytes
 
 
 class SendHandle:
-    __slots__ = ("_ch", "_req", "_what")
+    """A posted send; ``wait()`` returns once its bytes left the slot."""
 
-    def __init__(self, ch: "Channel", req: Request, what: tuple):
-        self._ch, self._req, self._what = ch, req, what
+    __slots__ = ("_ch", "_slot", "_seq")
+
+    def __init__(self, ch: "Channel", slot: Outgoing, seq: int):
+        self._ch, self._slot, self._seq = ch, slot, seq
 
     def test(self) -> bool:
-        return self._req.test()
+        s = self._slot  # a slot re-used since (seq moved on) had this message leave first
+        return s.seq != self._seq or s.req.test()
 
     def wait(self) -> None:
-        self._ch._wait(self._req, "send", self._what)
+        s = self._slot
+        if s.seq == self._seq and not s.req.test():
+            self._ch._wait(s.req, "send", s.what)
 
 
-class RecvHandle:
-    __slots__ = ("_ch", "_ring", "_slot", "_what", "_msg")
+class Message:
+    """One receive. ``recv()`` returns it as a handle: ``test()``, ``wait()``; ``wait()``
+    returns it opened: ``header``, ``fields`` / ``msg[name]`` (views into the ring buffer,
+    no copy). Call ``release()`` once done with the views so the slot can take a new message
+    (it is re-posted at the next ``recv()`` on its stream, off the sender's critical path)."""
 
-    def __init__(self, ch: "Channel", ring: _RecvRing, slot: _Slot, what: tuple):
-        self._ch, self._ring, self._slot, self._what, self._msg = ch, ring, slot, what, None
+    __slots__ = ("_ch", "_slot", "_what", "_h")
+
+    def __init__(self, ch: "Channel", slot: _Slot, what: tuple):
+        self._ch, self._slot, self._what, self._h = ch, slot, what, None  # _h: 8 header ints
 
     def test(self) -> bool:
-        return self._msg is not None or self._slot.req.test()
+        return self._h is not None or self._slot.req.test()
 
-    def wait(self) -> Message:
-        """Block (per the wait policy) until the message is here; header + field views."""
-        if self._msg is None:
-            self._ch._wait(self._slot.req, "receive", self._what)
-            self._msg = self._ch._open(self._ring, self._slot, self._what)
-        return self._msg
+    def wait(self) -> "Message":
+        """Block (per the wait policy) until the message is here; returns it opened."""
+        if self._h is None:
+            req = self._slot.req
+            if not req.test():
+                test = req.test
+                for _ in FAST_POLLS:  # a short spin first: no clock, no call into wait.py
+                    if test():
+                        break
+                else:
+                    self._ch._wait(req, "receive", self._what)
+            self._h = self._ch._open(self._slot, self._what)
+        return self
+
+    @property
+    def header(self) -> Header:
+        return Header(self.wait()._h[1:])
+
+    @property
+    def fields(self) -> dict:
+        return self._slot.views(self.wait()._h[2])  # H_ROWS
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._slot.views(self.wait()._h[2])[name]
+
+    @property
+    def kind(self) -> int:
+        return self.wait()._h[1]  # H_KIND
+
+    @property
+    def rows(self) -> int:
+        return self.wait()._h[2]
+
+    def release(self) -> None:
+        if self._h is not None and self._ch is not None:
+            self._ch = None
+            self._slot.state = FREE
+
+
+RecvHandle = Message  # what ``recv()`` returns, before and after ``wait()``
 
 
 class Channel:
@@ -157,20 +184,27 @@ class Channel:
         self.cid = transport.next_channel_id()
         if self.cid >= MAX_CHANNELS:
             raise ConfigError(f"channel {name}: more than {MAX_CHANNELS} channels on one transport")
-        self.rank = transport.rank
+        self.rank, self._ordered = transport.rank, transport.ordered_posts
+        self._cap, self._magic = spec.capacity, spec.magic
         self._nbytes = [spec.nbytes(r) for r in range(spec.capacity + 1)]  # rows -> wire bytes
+        self._tags = [self.cid * MAX_STREAMS + s for s in range(streams)]
         nb = S.alloc_nbytes(spec)
-        self._send = {p: [_Slot(transport.alloc(nb), spec) for _ in range(depth * streams)]
+
+        def send_slot(p):
+            buf = transport.alloc(nb)
+            return Outgoing(buf, spec, transport.send_init(buf, p), p)
+        self._send = {p: [send_slot(p) for _ in range(depth * streams)]
                       for p in self.receivers} if self.rank in self.senders else {}
         self._send_ptr = {p: 0 for p in self._send}
         self._recv = {}
         if self.rank in self.receivers:
             for p in self.senders:
                 for s in range(streams):
-                    ring = _RecvRing([_Slot(transport.alloc(nb), spec) for _ in range(depth)],
-                                     p, self.cid * MAX_STREAMS + s)
+                    bufs = [transport.alloc(nb) for _ in range(depth)]
+                    ring = _RecvRing([_Slot(b, spec, transport.recv_init(b, p), p) for b in bufs],
+                                     p, self._tags[s], bufs[0].data.numel())
                     self._recv[(p, s)] = ring
-                    if not transport.ordered_posts:
+                    if not self._ordered:
                         self._post_ahead(ring)
 
     # ---- sending -------------------------------------------------------------------------
@@ -180,34 +214,34 @@ class Channel:
         if ring is None:
             raise CommError(f"[{self.name} rank {self.rank}] cannot send to {peer}: not a "
                             f"sender->receiver pair of this channel")
-        if not 0 <= rows <= self.spec.capacity:
+        if not 0 <= rows <= self._cap:
             self.spec.check_rows(rows, f"[{self.name}] message to rank {peer}")
         i = self._send_ptr[peer]
         slot = ring[i]
-        self._send_ptr[peer] = (i + 1) % len(ring)
-        if slot.req is not None:  # the slot's previous message must have left
-            self._wait(slot.req, "send (ring full)", slot.what)
-            slot.req = None
-        return Outgoing(peer, rows, slot)
+        self._send_ptr[peer] = i + 1 if i + 1 < len(ring) else 0
+        req = slot.req
+        if req is not None and not req.test():  # the slot's previous message must have left
+            self._wait(req, "send (ring full)", slot.what)
+        slot.rows = rows
+        return slot
 
     def post(self, out: Outgoing, *, iteration: int, layer: int, micro_batch: int,
              kind: int = S.KIND_DATA, aux: int = 0) -> SendHandle:
         """Send a reserved slot: one transport send of header + fields."""
-        slot = out.slot
-        S.HEADER.pack_into(slot.buf.header, 0, S.MAGIC, kind, out.rows, iteration, layer,
-                           micro_batch, self.rank, aux)
-        slot.what = (out.peer, layer, micro_batch, iteration)
-        tag = self.cid * MAX_STREAMS + micro_batch % self.streams
-        slot.req = self.t.isend(slot.buf, self._nbytes[out.rows], out.peer, tag)
-        return SendHandle(self, slot.req, slot.what)
+        rows = out.rows
+        _pack(out.hdr, 0, self._magic, kind, rows, iteration, layer, micro_batch, self.rank, aux)
+        out.what = (out.peer, layer, micro_batch, iteration)
+        out.seq += 1
+        out.req = out.io.start(self._nbytes[rows], self._tags[micro_batch % self.streams])
+        return SendHandle(self, out, out.seq)
 
     def send(self, peer: int, *, iteration: int, layer: int, micro_batch: int,
              kind: int = S.KIND_DATA, aux: int = 0, **fields: torch.Tensor) -> SendHandle:
         """Copy ``fields`` (each [rows, *shape], all spec fields) into a slot and send it."""
         rows = self._rows_of(fields, peer)
         out = self.reserve(peer, rows)
-        for name, view in out.fields.items():
-            if rows:
+        if rows:
+            for name, view in out.views(rows).items():
                 view.copy_(fields[name])
         return self.post(out, iteration=iteration, layer=layer, micro_batch=micro_batch,
                          kind=kind, aux=aux)
@@ -244,54 +278,62 @@ class Channel:
         if ring is None:
             raise CommError(f"[{self.name} rank {self.rank}] cannot receive from {peer}: not a "
                             f"sender->receiver pair of this channel")
-        slot = ring.slots[ring.next_ptr]
-        if slot.state == HELD:
-            raise CommError(f"[{self.name} rank {self.rank}] receive ring from rank {peer} is "
-                            f"full: release() earlier messages (depth={self.depth})")
-        if slot.state == FREE:  # ordered transports post here, in the caller's order
-            self._post(ring, slot)
+        slots = ring.slots
+        if not self._ordered and slots[ring.post_ptr].state == FREE:
+            self._post_ahead(ring)  # re-post slots released since, in ring order
+        i = ring.next_ptr
+        slot = slots[i]
+        if slot.state != POSTED:
+            if slot.state == HELD:
+                raise CommError(f"[{self.name} rank {self.rank}] receive ring from rank {peer} "
+                                f"is full: release() earlier messages (depth={self.depth})")
+            self._post(ring, slot)  # ordered transports post here, in the caller's order
             ring.post_ptr = (ring.post_ptr + 1) % self.depth
-        ring.next_ptr = (ring.next_ptr + 1) % self.depth
-        return RecvHandle(self, ring, slot, (peer, layer, micro_batch, iteration))
+        ring.next_ptr = i + 1 if i + 1 < self.depth else 0
+        return Message(self, slot, (peer, layer, micro_batch, iteration))
 
     def _post(self, ring: _RecvRing, slot: _Slot) -> None:
-        slot.req = self.t.irecv(slot.buf, slot.buf.data.numel(), ring.peer, ring.tag)
+        slot.req = slot.io.start(ring.nbytes, ring.tag)
         slot.state = POSTED
 
     def _post_ahead(self, ring: _RecvRing) -> None:
-        while ring.slots[ring.post_ptr].state == FREE:
-            self._post(ring, ring.slots[ring.post_ptr])
-            ring.post_ptr = (ring.post_ptr + 1) % self.depth
+        slots, i = ring.slots, ring.post_ptr
+        slot = slots[i]
+        while slot.state == FREE:
+            slot.req = slot.io.start(ring.nbytes, ring.tag)
+            slot.state = POSTED
+            i = i + 1 if i + 1 < self.depth else 0
+            slot = slots[i]
+        ring.post_ptr = i
 
-    def _open(self, ring: _RecvRing, slot: _Slot, what: tuple) -> Message:
-        h = S.HEADER.unpack_from(slot.buf.header)  # 8 x int32, host
+    def _open(self, slot: _Slot, what: tuple) -> tuple:
+        """The checked header of a received slot (now HELD by its Message)."""
+        h = _unpack(slot.hdr)  # 8 x int32, host
         peer, layer, mb, it = what
-        if h[S.H_MAGIC] != S.MAGIC or h[S.H_SRC] != peer or not 0 <= h[S.H_ROWS] <= self.spec.capacity:
-            raise CommProtocolError(f"[{self.name} rank {self.rank}] corrupt header from rank "
-                                    f"{peer} (layer={layer}, micro_batch={mb}): {h}")
-        got = slot.req.received_nbytes()
-        if got >= 0 and got != self._nbytes[h[S.H_ROWS]]:
-            raise CommProtocolError(f"[{self.name} rank {self.rank}] message from rank {peer} has "
-                                    f"{got} bytes, header says {h[S.H_ROWS]} rows "
-                                    f"({self.spec.nbytes(h[S.H_ROWS])} bytes): spec mismatch?")
-        if h[S.H_KIND] == S.KIND_DATA and (h[S.H_LAYER] != layer or h[S.H_MB] != mb or
-                                           (it is not None and h[S.H_ITER] != it)):
+        if h[0] != self._magic or h[6] != peer or not 0 <= h[2] <= self._cap:  # magic, src, rows
+            self._bad_header(h, slot, what)
+        if h[1] == S.KIND_DATA and (h[4] != layer or h[5] != mb or  # H_KIND, H_LAYER, H_MB
+                                    (it is not None and h[3] != it)):
             raise CommProtocolError(
                 f"[{self.name} rank {self.rank}] from rank {peer}: expected (iteration={it}, "
                 f"layer={layer}, micro_batch={mb}), got (iteration={h[S.H_ITER]}, "
                 f"layer={h[S.H_LAYER]}, micro_batch={h[S.H_MB]}): streams out of step")
         slot.state = HELD
-        return Message(Header(h[1:]), slot.layout, lambda: self._release(ring, slot))
+        return h
 
-    def _release(self, ring: _RecvRing, slot: _Slot) -> None:
-        slot.state, slot.req = FREE, None
-        if not self.t.ordered_posts:
-            self._post_ahead(ring)
+    def _bad_header(self, h: tuple, slot: _Slot, what: tuple) -> None:
+        peer, layer, mb, _ = what
+        where = f"[{self.name} rank {self.rank}] message from rank {peer} (layer={layer}, " \
+                f"micro_batch={mb})"
+        if h[0] >> 16 == S.MAGIC_HI >> 16 and h[0] != self._magic:
+            raise CommProtocolError(f"{where}: sent under another MessageSpec (fingerprint "
+                                    f"{h[0] & 0xFFFF:#06x}, ours {self._magic & 0xFFFF:#06x}: "
+                                    f"{self.spec})")
+        got = slot.req.received_nbytes()
+        raise CommProtocolError(f"{where}: corrupt header {h} ({got} bytes received)")
 
     # ---- waiting, closing ----------------------------------------------------------------
     def _wait(self, req: Request, what: str, ctx: tuple) -> None:
-        if req.test():
-            return
         waited = wait_until(req.test, self.policy)
         if waited < 0:
             peer, layer, mb, it = ctx if ctx else (-1, None, None, None)
