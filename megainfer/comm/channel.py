@@ -49,13 +49,15 @@ class _Slot:
     """One ring slot: its buffer, typed views per row count (made once, kept), the slot's
     repeated transport operation ``io`` and its request in flight."""
 
-    __slots__ = ("buf", "hdr", "layout", "io", "req", "state", "what", "seq", "_views",
+    __slots__ = ("buf", "hdr", "layout", "io", "req", "clear", "state", "what", "seq", "_views",
                  "peer", "rows")
 
     def __init__(self, buf: Buffer, spec: S.MessageSpec, io, peer: int):
-        self.buf, self.hdr, self.layout = buf, buf.header, S.MessageLayout(spec, buf.data)
-        self.io, self.peer, self.rows = io, peer, 0
+        self.buf, self.layout = buf, S.MessageLayout(spec, buf.data)
+        self.hdr = memoryview(buf.header).cast("B")  # the host header's 32 bytes (struct is
+        self.io, self.peer, self.rows = io, peer, 0  # faster on a memoryview than on numpy)
         self.req: Optional[Request] = None
+        self.clear = True  # send slots: the previous message is known to have left
         self.state, self.what, self.seq, self._views = FREE, None, 0, {}
 
     def views(self, rows: int) -> dict:
@@ -133,7 +135,13 @@ class Message:
                         break
                 else:
                     self._ch._wait(req, "receive", self._what)
-            self._h = self._ch._open(self._slot, self._what)
+            ch, slot = self._ch, self._slot
+            h = _unpack(slot.hdr)  # 8 x int32: magic, kind, rows, iteration, layer, mb, src, aux
+            if h[0] != ch._magic or h[1] != S.KIND_DATA or h[3:7] != self._what or \
+                    not 0 <= h[2] <= ch._cap:  # the common case in one tuple compare
+                ch._check(h, slot, self._what)
+            slot.state = HELD
+            self._h = h
         return self
 
     @property
@@ -219,9 +227,10 @@ class Channel:
         i = self._send_ptr[peer]
         slot = ring[i]
         self._send_ptr[peer] = i + 1 if i + 1 < len(ring) else 0
-        req = slot.req
-        if req is not None and not req.test():  # the slot's previous message must have left
-            self._wait(req, "send (ring full)", slot.what)
+        if not slot.clear:  # the slot's previous message must have left
+            if not slot.req.test():
+                self._wait(slot.req, "send (ring full)", slot.what)
+            slot.clear = True
         slot.rows = rows
         return slot
 
@@ -230,9 +239,15 @@ class Channel:
         """Send a reserved slot: one transport send of header + fields."""
         rows = out.rows
         _pack(out.hdr, 0, self._magic, kind, rows, iteration, layer, micro_batch, self.rank, aux)
-        out.what = (out.peer, layer, micro_batch, iteration)
+        out.what = (iteration, layer, micro_batch, out.peer)
         out.seq += 1
+        out.clear = False
         out.req = out.io.start(self._nbytes[rows], self._tags[micro_batch % self.streams])
+        # off the critical path now (the bytes are on their way): see whether the slot the
+        # next reserve() takes is free already, so that reserve() need not ask the transport
+        nxt = self._send[out.peer][self._send_ptr[out.peer]]
+        if not nxt.clear and nxt.req.test():
+            nxt.clear = True
         return SendHandle(self, out, out.seq)
 
     def send(self, peer: int, *, iteration: int, layer: int, micro_batch: int,
@@ -290,7 +305,7 @@ class Channel:
             self._post(ring, slot)  # ordered transports post here, in the caller's order
             ring.post_ptr = (ring.post_ptr + 1) % self.depth
         ring.next_ptr = i + 1 if i + 1 < self.depth else 0
-        return Message(self, slot, (peer, layer, micro_batch, iteration))
+        return Message(self, slot, (iteration, layer, micro_batch, peer))  # header order
 
     def _post(self, ring: _RecvRing, slot: _Slot) -> None:
         slot.req = slot.io.start(ring.nbytes, ring.tag)
@@ -306,10 +321,9 @@ class Channel:
             slot = slots[i]
         ring.post_ptr = i
 
-    def _open(self, slot: _Slot, what: tuple) -> tuple:
-        """The checked header of a received slot (now HELD by its Message)."""
-        h = _unpack(slot.hdr)  # 8 x int32, host
-        peer, layer, mb, it = what
+    def _check(self, h: tuple, slot: _Slot, what: tuple) -> None:
+        """Slow path of a header check: control messages, ``iteration=None``, or an error."""
+        it, layer, mb, peer = what
         if h[0] != self._magic or h[6] != peer or not 0 <= h[2] <= self._cap:  # magic, src, rows
             self._bad_header(h, slot, what)
         if h[1] == S.KIND_DATA and (h[4] != layer or h[5] != mb or  # H_KIND, H_LAYER, H_MB
@@ -318,11 +332,9 @@ class Channel:
                 f"[{self.name} rank {self.rank}] from rank {peer}: expected (iteration={it}, "
                 f"layer={layer}, micro_batch={mb}), got (iteration={h[S.H_ITER]}, "
                 f"layer={h[S.H_LAYER]}, micro_batch={h[S.H_MB]}): streams out of step")
-        slot.state = HELD
-        return h
 
     def _bad_header(self, h: tuple, slot: _Slot, what: tuple) -> None:
-        peer, layer, mb, _ = what
+        _, layer, mb, peer = what
         where = f"[{self.name} rank {self.rank}] message from rank {peer} (layer={layer}, " \
                 f"micro_batch={mb})"
         if h[0] >> 16 == S.MAGIC_HI >> 16 and h[0] != self._magic:
@@ -336,7 +348,7 @@ class Channel:
     def _wait(self, req: Request, what: str, ctx: tuple) -> None:
         waited = wait_until(req.test, self.policy)
         if waited < 0:
-            peer, layer, mb, it = ctx if ctx else (-1, None, None, None)
+            it, layer, mb, peer = ctx if ctx else (None, None, None, -1)
             raise CommTimeoutError(f"[{self.name} rank {self.rank}] {what}", peer, layer, mb, it,
                                    -waited)
 

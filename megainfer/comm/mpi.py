@@ -9,6 +9,8 @@ never meet the application's.
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from mpi4py import MPI
 
@@ -19,46 +21,36 @@ TAG_SPAN = 1 << 16   # cache key nbytes * TAG_SPAN + tag (tags stay below 32767)
 
 
 class _MpiSend(Request):
-    """A send request; persistent ones are re-armed by ``_MpiSendInit.start``."""
+    """A send request. ``test`` is mpi4py's own ``Test`` (no Python frame per poll): it stays
+    True once complete (a finished request turns null; an inactive persistent one is done)."""
 
-    __slots__ = ("req", "done")
+    __slots__ = ("req", "test")
 
     def __init__(self, req: MPI.Request):
-        self.req, self.done = req, False
-
-    def test(self) -> bool:
-        if not self.done:
-            self.done = self.req.Test()
-        return self.done
+        self.req, self.test = req, req.Test
 
     def cancel(self) -> None:
-        if not self.done:
+        if not self.req.Test():
             self.req.Cancel()
             self.req.Wait()
-            self.done = True
 
 
 class _MpiRecv(Request):
-    """Persistent receive bound to one buffer, peer and tag; ``_MpiRecvInit.start`` re-arms it."""
+    """A receive request; ``test`` is ``Test`` with the status kept for ``received_nbytes``."""
 
-    __slots__ = ("req", "status", "done")
+    __slots__ = ("req", "status", "test")
 
-    def __init__(self, req: MPI.Prequest):
-        self.req, self.status, self.done = req, MPI.Status(), True
-
-    def test(self) -> bool:
-        if not self.done:
-            self.done = self.req.Test(self.status)
-        return self.done
+    def __init__(self, req: MPI.Request):
+        self.req, self.status = req, MPI.Status()
+        self.test = partial(req.Test, self.status)
 
     def received_nbytes(self) -> int:
         return self.status.Get_count(MPI.BYTE)
 
     def cancel(self) -> None:
-        if not self.done:
+        if not self.req.Test():
             self.req.Cancel()
             self.req.Wait()
-            self.done = True
 
 
 class _MpiSendInit:
@@ -85,7 +77,6 @@ class _MpiSendInit:
                 self.t._persistent.append(pre)
                 r = self.reqs[key] = _MpiSend(pre)
             self.key, self.last = key, r
-        r.done = False
         r.req.Start()
         return r
 
@@ -105,7 +96,6 @@ class _MpiRecvInit:
             self.t._persistent.append(pre)
             r = self.r = _MpiRecv(pre)
             self.key = (nbytes, tag)
-        r.done = False
         r.req.Start()
         return r
 
@@ -127,9 +117,7 @@ class MpiTransport(Transport):
         return _MpiSend(self.comm.Isend([buf.extra["np"], nbytes, MPI.BYTE], peer, tag))
 
     def irecv(self, buf: Buffer, nbytes: int, peer: int, tag: int) -> Request:
-        rq = _MpiRecv(self.comm.Irecv([buf.extra["np"], nbytes, MPI.BYTE], peer, tag))
-        rq.done = False
-        return rq
+        return _MpiRecv(self.comm.Irecv([buf.extra["np"], nbytes, MPI.BYTE], peer, tag))
 
     def send_init(self, buf: Buffer, peer: int) -> _MpiSendInit:
         return _MpiSendInit(self, buf, peer)
