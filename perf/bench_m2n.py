@@ -87,6 +87,7 @@ def check_targets(res) -> dict:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer iterations (smoke run)")
+    ap.add_argument("--scale", type=float, default=None, help="iterations scale with --quick (0.1)")
     ap.add_argument("--out", default=None, help="JSON path (default perf/results/bench_m2n.json, "
                     "or bench_m2n_partial.json for a partial run)")
     ap.add_argument("--parts", default=None, help="subset of collectives,pingpong,overlap,wait")
@@ -102,7 +103,7 @@ def main():
         cmd = [mpiexec, "-n", "4", sys.executable, os.path.join(HERE, "bench_m2n_mpi.py"),
                "--port", str(free_port()), "--out", raw]
         if args.quick:
-            cmd += ["--scale", "0.1", "--rounds", "4"]
+            cmd += ["--scale", str(args.scale or 0.1), "--rounds", "4"]
         for opt in ("parts", "configs", "sizes"):
             if getattr(args, opt) is not None:
                 cmd += [f"--{opt}", getattr(args, opt)]

@@ -104,7 +104,9 @@ class Transport:
 
 def host_buffer(nbytes: int, pin: bool = False, extra: Optional[object] = None) -> Buffer:
     """A CPU buffer whose header aliases its first 32 bytes."""
-    data = torch.zeros(nbytes, dtype=torch.uint8)
+    # numpy's allocator advises huge pages for large arrays (torch's does not): MPI's
+    # shared-memory copy of an 8 MB message is ~25% faster out of and into such a buffer
+    data = torch.from_numpy(np.zeros(nbytes, dtype=np.uint8))
     if pin:
         data = data.pin_memory()
     header = data.numpy()[:32].view(np.int32)
