@@ -44,13 +44,15 @@ def yield_barrier(comm):
 
 
 def timed_many(comm, n, ops: dict, warm: int = 2) -> dict:
-    """Methods interleaved per iteration, order rotated (load drift hits all alike): barrier,
-    time op on every rank; an iteration's time is the max over ranks."""
+    """Methods interleaved per iteration in a fresh random order (the same on every rank), so
+    load drift hits all alike and each method follows each other one equally often (a spin
+    wait leaves ranks behind in the scheduler, which would tax whatever always came next):
+    barrier, time op on every rank; an iteration's time is the max over ranks."""
     local = {k: [] for k in ops}
     names = list(ops)
     for i in range(n + warm):
-        for j in range(len(names)):
-            k = names[(i + j) % len(names)]
+        for j in np.random.default_rng(i).permutation(len(names)):
+            k = names[j]
             op = ops[k]
             yield_barrier(comm)
             t0 = time.perf_counter()
