@@ -99,12 +99,12 @@ class Channel:
         """Send a reserved slot: one transport send of header + fields."""
         rows = out.rows
         _pack(out.hdr, 0, self._magic, kind, rows, iteration, layer, micro_batch, self.rank, aux)
-        out.what = (iteration, layer, micro_batch, out.peer)
-        out.seq += 1
         out.clear = False
         out.req = out.io.start(self._nbytes[rows], self._tags[micro_batch % self.streams])
-        # off the critical path now (the bytes are on their way): see whether the slot the
-        # next reserve() takes is free already, so that reserve() need not ask the transport
+        # off the critical path from here (the bytes are on their way): bookkeeping, and
+        # whether the slot the next reserve() takes is free already (so it need not ask)
+        out.what = (iteration, layer, micro_batch, out.peer)
+        out.seq += 1
         nxt = self._send[out.peer][self._send_ptr[out.peer]]
         if not nxt.clear and nxt.req.test():
             nxt.clear = True
