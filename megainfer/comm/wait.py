@@ -95,7 +95,7 @@ def wait_until(test: Callable[[], bool], policy: WaitPolicy) -> float:
     if mode != "backoff":
         got = _poll(test, t0, deadline, os.sched_yield if mode == "yield" else None)
         return got if got >= 0 else -(-got - t0)
-    got = _poll(test, t0, min(t0 + policy.spin_s, deadline), None)
+    got = _poll(test, t0, min(t0 + policy.spin_s, deadline), None) if policy.spin_s else -t0
     if got < 0:
         got = _poll(test, t0, min(t0 + policy.spin_s + policy.yield_s, deadline),
                     os.sched_yield)
