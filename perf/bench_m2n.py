@@ -3,6 +3,10 @@ compute overlap and the wait-policy test. One run, nccl-tests-style tables, JSON
 perf/results/bench_m2n.json.
 
     .venv/bin/python perf/bench_m2n.py [--quick]
+    .venv/bin/python perf/bench_m2n.py --parts pingpong --sizes 2048,8388608   # a quick look
+
+A partial run (--parts/--configs/--sizes) prints its tables and ratios but writes its JSON
+to $TMPDIR/bench_m2n_partial.json, never over the full result.
 
 Launches `mpiexec -n 4 perf/bench_m2n_mpi.py` (4 ranks: the 2x2 config needs them even on a
 2-core machine; say so when quoting numbers). Columns: size = bytes per message, count =
@@ -50,7 +54,7 @@ VARIANTS = ("m2n", "m2n-yield", "m2n-spin")  # wait policy: backoff (default), y
 def check_targets(res) -> dict:
     key = {(r["M"], r["N"], r["direction"], r["size"], r["method"]): r for r in res["collectives"]}
     out = {}
-    for v in VARIANTS:
+    for v in VARIANTS if res["collectives"] else ():
         ratios = []
         for (M, N, d, size, meth), r in key.items():
             if meth != v:
@@ -64,12 +68,17 @@ def check_targets(res) -> dict:
             p99_le_alltoallv=f"{sum(x['vs_a2av_p99'] <= 1 for x in ratios)}/{len(ratios)}",
             median_p50_ratio_vs_alltoallv=sorted(x["vs_a2av_p50"] for x in ratios)[len(ratios) // 2],
             p50_below_gloo=f"{sum(x['vs_gloo_p50'] < 1 for x in ratios)}/{len(ratios)}")
-    pp = {(r["method"], r["size"]): r for r in res["pingpong"]}
-    sizes = sorted({s for _, s in pp})
-    out["pingpong_latency_ratio_vs_raw_small"] = {
-        v: {s: pp[(v, s)]["p50"] / pp[("mpi-raw", s)]["p50"] for s in sizes[:2]} for v in VARIANTS}
-    out["pingpong_bandwidth_fraction_of_raw_large"] = {
-        v: {s: pp[("mpi-raw", s)]["p50"] / pp[(v, s)]["p50"] for s in sizes[-2:]} for v in VARIANTS}
+    if "pingpong" in res:
+        pp = {(r["method"], r["size"]): r for r in res["pingpong"]}
+        sizes = sorted({s for _, s in pp})
+        out["pingpong_latency_ratio_vs_raw_small"] = {
+            v: {s: pp[(v, s)]["p50"] / pp[("mpi-raw", s)]["p50"] for s in sizes[:2]}
+            for v in VARIANTS}
+        out["pingpong_bandwidth_fraction_of_raw_large"] = {
+            v: {s: pp[("mpi-raw", s)]["p50"] / pp[(v, s)]["p50"] for s in sizes[-2:]}
+            for v in VARIANTS}
+    if "overlap" not in res:
+        return out
     out["compute_loss_with_traffic"] = {  # compute time with dispatch in flight / alone - 1
         f"{k}/{mode}": res[k][mode]["compute"] / res[k]["alone"]["compute"] - 1
         for k in ("overlap", "overlap_1x2") for mode in ("m2n", "m2n-noprogress", "alltoallv")}
@@ -79,35 +88,32 @@ def check_targets(res) -> dict:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer iterations (smoke run)")
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "bench_m2n.json"))
+    ap.add_argument("--scale", type=float, default=None, help="iterations scale with --quick (0.1)")
+    ap.add_argument("--out", default=None, help="JSON path (default perf/results/bench_m2n.json, "
+                    "or bench_m2n_partial.json for a partial run)")
+    ap.add_argument("--parts", default=None, help="subset of collectives,pingpong,overlap,wait")
+    ap.add_argument("--configs", default=None, help="MxN list for the collectives, e.g. 1x1,2x2")
+    ap.add_argument("--sizes", default=None, help="message sizes in bytes, comma separated")
     args = ap.parse_args()
+    partial = any(x is not None for x in (args.parts, args.configs, args.sizes))
+    args.out = args.out or (os.path.join(tempfile.gettempdir(), "bench_m2n_partial.json")
+                            if partial else os.path.join(HERE, "results", "bench_m2n.json"))
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     with tempfile.TemporaryDirectory() as tmp:
         raw = os.path.join(tmp, "raw.json")
         cmd = [mpiexec, "-n", "4", sys.executable, os.path.join(HERE, "bench_m2n_mpi.py"),
                "--port", str(free_port()), "--out", raw]
         if args.quick:
-            cmd += ["--scale", "0.1", "--rounds", "4"]
+            cmd += ["--scale", str(args.scale or 0.1), "--rounds", "4"]
+        for opt in ("parts", "configs", "sizes"):
+            if getattr(args, opt) is not None:
+                cmd += [f"--{opt}", getattr(args, opt)]
         load_before = os.getloadavg()
         subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
         with open(raw) as f:
             res = json.load(f)
     print_collectives(res["collectives"])
-    print(f"\nping-pong 1x1 (half round trip)\n{'method':>10} {'size':>6} {'p50 us':>10} "
-          f"{'p99 us':>10} {'GB/s':>8}")
-    for r in res["pingpong"]:
-        print(f"{r['method']:>10} {human(r['size']):>6} {r['p50'] * 1e6:>10.1f} "
-              f"{r['p99'] * 1e6:>10.1f} {r['size'] / r['p50'] / 1e9:>8.3f}")
-    for key, what in (("overlap", "1 sender, 1 receiver (2 ranks)"),
-                      ("overlap_1x2", "1 sender, 2 receivers (3 ranks)")):
-        print(f"\noverlap, {what}: 2 MiB dispatch + 2 MiB combine per receiver; ms, median")
-        for k, v in res[key].items():
-            print(f"{k:>15} compute {v['compute'] * 1e3:8.2f}   round {v['round'] * 1e3:8.2f}")
-    print("\nwait policy (ranks 0, 2 compute; rank 1 waits; 3 ranks, ms, median)")
-    for k, v in res["wait_policy"].items():
-        wake = "-" if v["wake"] is None else f"{v['wake'] * 1e6:.0f} us"
-        print(f"{k:>8} compute r0 {v['compute_r0'] * 1e3:7.2f}  r2 {v['compute_r2'] * 1e3:7.2f}"
-              f"  wake-up {wake}")
+    report(res)
     targets = check_targets(res)
     summary = {k: ({kk: vv for kk, vv in v.items() if kk != "ratios"} if k in VARIANTS else v)
                for k, v in targets.items()}
@@ -116,11 +122,33 @@ def main():
                machine=dict(platform=platform.platform(), processor=platform.processor(),
                             cpu_count=os.cpu_count(), python=platform.python_version(),
                             loadavg_before=load_before, loadavg_after=os.getloadavg()),
-               quick=args.quick, command=" ".join(sys.argv))
+               quick=args.quick, partial=partial, command=" ".join(sys.argv))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
     print(f"wrote {args.out}")
+
+
+def report(res):
+    if "pingpong" in res:
+        print(f"\nping-pong 1x1 (half round trip)\n{'method':>10} {'size':>6} {'p50 us':>10} "
+              f"{'p99 us':>10} {'GB/s':>8}")
+    for r in res.get("pingpong", ()):
+        print(f"{r['method']:>10} {human(r['size']):>6} {r['p50'] * 1e6:>10.1f} "
+              f"{r['p99'] * 1e6:>10.1f} {r['size'] / r['p50'] / 1e9:>8.3f}")
+    for key, what in (("overlap", "1 sender, 1 receiver (2 ranks)"),
+                      ("overlap_1x2", "1 sender, 2 receivers (3 ranks)")):
+        if key not in res:
+            continue
+        print(f"\noverlap, {what}: 2 MiB dispatch + 2 MiB combine per receiver; ms, median")
+        for k, v in res[key].items():
+            print(f"{k:>15} compute {v['compute'] * 1e3:8.2f}   round {v['round'] * 1e3:8.2f}")
+    if "wait_policy" in res:
+        print("\nwait policy (ranks 0, 2 compute; rank 1 waits; 3 ranks, ms, median)")
+    for k, v in res.get("wait_policy", {}).items():
+        wake = "-" if v["wake"] is None else f"{v['wake'] * 1e6:.0f} us"
+        print(f"{k:>8} compute r0 {v['compute_r0'] * 1e3:7.2f}  r2 {v['compute_r2'] * 1e3:7.2f}"
+              f"  wake-up {wake}")
 
 
 if __name__ == "__main__":

@@ -44,13 +44,15 @@ def yield_barrier(comm):
 
 
 def timed_many(comm, n, ops: dict, warm: int = 2) -> dict:
-    """Methods interleaved per iteration, order rotated (load drift hits all alike): barrier,
-    time op on every rank; an iteration's time is the max over ranks."""
+    """Methods interleaved per iteration in a fresh random order (the same on every rank), so
+    load drift hits all alike and each method follows each other one equally often (a spin
+    wait leaves ranks behind in the scheduler, which would tax whatever always came next):
+    barrier, time op on every rank; an iteration's time is the max over ranks."""
     local = {k: [] for k in ops}
     names = list(ops)
     for i in range(n + warm):
-        for j in range(len(names)):
-            k = names[(i + j) % len(names)]
+        for j in np.random.default_rng(i).permutation(len(names)):
+            k = names[j]
             op = ops[k]
             yield_barrier(comm)
             t0 = time.perf_counter()
@@ -272,21 +274,29 @@ def main():
     ap.add_argument("--sizes", default="2048,8192,32768,131072,524288,2097152,8388608")
     ap.add_argument("--scale", type=float, default=1.0)
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--configs", default="1x1,1x2,2x1,2x2", help="MxN list for the collectives")
+    ap.add_argument("--parts", default="collectives,pingpong,overlap,wait",
+                    help="subset to run (a quick look while developing; the JSON then lacks the rest)")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
     sizes = [int(s) for s in args.sizes.split(",")]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=RANK,
                             world_size=WORLD.Get_size())
     out = {"collectives": [], "world": WORLD.Get_size()}
-    for M, N in ((1, 1), (1, 2), (2, 1), (2, 2)):
+    configs = [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",")]
+    for M, N in configs if "collectives" in parts else ():
         group = dist.new_group(list(range(M + N)))  # collective over the whole world
         rows = on_sub(M + N, lambda sub: bench_config(sub, group, M, N, sizes, args.scale))
         if RANK == 0:
             out["collectives"] += rows
             print(f"[bench rank0] {M}x{N} done", flush=True)
-    out["pingpong"] = on_sub(2, lambda sub: pingpong(sub, sizes, args.scale))
-    out["overlap"] = on_sub(2, lambda sub: overlap(sub, args.rounds))
-    out["overlap_1x2"] = on_sub(3, lambda sub: overlap(sub, args.rounds))
-    out["wait_policy"] = on_sub(3, lambda sub: wait_policies(sub, args.rounds))
+    if "pingpong" in parts:
+        out["pingpong"] = on_sub(2, lambda sub: pingpong(sub, sizes, args.scale))
+    if "overlap" in parts:
+        out["overlap"] = on_sub(2, lambda sub: overlap(sub, args.rounds))
+        out["overlap_1x2"] = on_sub(3, lambda sub: overlap(sub, args.rounds))
+    if "wait" in parts:
+        out["wait_policy"] = on_sub(3, lambda sub: wait_policies(sub, args.rounds))
     if RANK == 0:
         with open(args.out, "w") as f:
             json.dump(out, f)

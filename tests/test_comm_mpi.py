@@ -35,6 +35,8 @@ def test_m2n_roundtrip(results, name):
     assert msgs == 100 * 2 * 3 * M * N          # every (it, layer, mb, a, e) sent once
     assert checked == 2 * msgs                  # verified on both legs
     assert 0 < empty < msgs                     # empty messages were exercised
+    if name == "1x1":  # 0..128 rows: more sizes than a slot keeps persistent sends for
+        assert int(re.search(r"'isend_fallback': (\d+)", results[cfg]).group(1)) > 0
 
 
 def test_timeout_names_peer_layer_microbatch(results):

@@ -210,3 +210,58 @@ def test_m2n_threads_2x2_pingpong():
         t.join(60)
     assert not errors, errors
     assert not any(t.is_alive() for t in ths)
+
+
+def test_spec_mismatch_is_caught_even_at_equal_size():
+    """Sender bf16 [n, 8] and receiver fp16 [n, 8]: same bytes, different spec -> the magic
+    word's fingerprint differs and the receiver names the mismatch."""
+    fab = LoopbackFabric(2)
+    tx = Channel(fab.endpoint(0), [0], [1], MessageSpec.of(4, x=((8,), torch.bfloat16)))
+    rx = Channel(fab.endpoint(1), [0], [1], MessageSpec.of(4, x=((8,), torch.float16)))
+    assert tx.spec.magic != rx.spec.magic and tx.spec.nbytes(3) == rx.spec.nbytes(3)
+    tx.send(1, iteration=0, layer=0, micro_batch=0, x=torch.ones(3, 8, dtype=torch.bfloat16))
+    with pytest.raises(CommProtocolError, match="another MessageSpec"):
+        rx.recv(0, layer=0, micro_batch=0, iteration=0).wait()
+
+
+def test_corrupt_header_is_caught():
+    fab, (tx, rx) = pair()
+    out = tx.reserve(1, 1)
+    tx.post(out, iteration=0, layer=0, micro_batch=0)
+    ring = rx._recv[(0, 0)]
+    ring.slots[0].buf.header[0] = 12345  # the bytes landed already (loopback copies at once)
+    with pytest.raises(CommProtocolError, match="corrupt header"):
+        rx.recv(0, layer=0, micro_batch=0, iteration=0).wait()
+
+
+def test_send_handle_stays_done_after_its_slot_is_reused():
+    fab, (tx, rx) = pair(depth=1)  # one send slot per peer: every send reuses it
+    first = tx.send(1, iteration=0, layer=0, micro_batch=0, **tokens(1))
+    rx.recv(0, layer=0, micro_batch=0, iteration=0).wait().release()
+    tx.send(1, iteration=1, layer=0, micro_batch=0, **tokens(2))  # same slot, not received
+    assert first.test()  # the old handle does not wait on the new message
+    first.wait()
+    msg = rx.recv(0, layer=0, micro_batch=0, iteration=1).wait()
+    assert msg.rows == 2 and torch.equal(msg["hidden"], tokens(2)["hidden"])
+
+
+def test_receive_handle_is_the_message():
+    fab, (tx, rx) = pair()
+    h = rx.recv(0, layer=0, micro_batch=0, iteration=0)
+    assert not h.test()
+    tx.send(1, iteration=0, layer=0, micro_batch=0, **tokens(3))
+    assert h.test() and h.wait() is h and h.rows == 3 and h.wait() is h
+    h.release()
+    h.release()  # idempotent
+
+
+def test_backoff_sleep_phase_wakes_soon_after_a_long_wait():
+    """Sleeps double from 1 ms but never exceed 1/8 of the time waited: a 40 ms wait ends by
+    ~45 ms (uncapped doubling 1, 2, 4, 8, 16, 32 ms would wake at ~63 ms)."""
+    import time
+    pol = WaitPolicy(yield_s=1e-4, min_sleep_s=1e-3, max_sleep_s=1.0, timeout_s=5.0)
+    t0 = time.perf_counter()
+    waited = wait_until(lambda: time.perf_counter() > t0 + 0.04, pol)
+    assert 0.039 <= waited < 0.058, waited
+    with pytest.raises(ConfigError, match="sleep_frac"):
+        WaitPolicy(sleep_frac=0)

@@ -1,6 +1,7 @@
 """M2N / N2M communication layer: point-to-point dispatch and combine between the attention
 and expert pools, over MPI (CPU), NCCL (GPU) or an in-process loopback. See docs/comm.md."""
-from megainfer.comm.channel import Channel, Header, Message, Outgoing, RecvHandle, SendHandle
+from megainfer.comm.channel import Channel
+from megainfer.comm.slot import Header, Message, Outgoing, RecvHandle, SendHandle
 from megainfer.comm.errors import (CommError, CommProtocolError, CommTimeoutError,
                                    MessageTooLargeError)
 from megainfer.comm.loopback import LoopbackFabric, LoopbackTransport

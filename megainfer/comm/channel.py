@@ -2,9 +2,13 @@
 
 Every (sender, receiver) pair owns fixed buffers made at construction: a send ring of
 ``depth * streams`` slots per receiver, and per sender and stream a receive ring of ``depth``
-slots whose receives are posted ahead (on tag-matching transports) and re-posted, in ring
-order, when the caller releases a message. A message is one send of ``spec.nbytes(rows)``
-bytes: a 32-byte header (rows, iteration, layer, micro-batch, kind, src) and the fields.
+slots whose receives are posted ahead (on tag-matching transports) and, once the caller
+released a message, re-posted in ring order at the next ``recv()`` on that stream. A message
+is one send of ``spec.nbytes(rows)`` bytes: a 32-byte header (magic + spec fingerprint,
+kind, rows, iteration, layer, micro-batch, src, aux) and the fields. Each slot binds its
+transport operation once (``send_init``/``recv_init``: MPI persistent requests), so the hot
+path is a header pack or unpack, a ring pointer and one ``start``; nothing is allocated per
+message but the handle.
 
 Tags: ``channel_id * MAX_STREAMS + micro_batch % streams``. Within one tag, MPI's
 non-overtaking rule keeps messages in send order; the header's (iteration, layer,
@@ -18,123 +22,14 @@ import torch
 
 from megainfer.comm import spec as S
 from megainfer.comm.errors import CommError, CommProtocolError, CommTimeoutError
-from megainfer.comm.transport import Buffer, Request, Transport
+from megainfer.comm.slot import (FREE, HELD, POSTED, Message, Outgoing, RecvHandle, SendHandle,
+                                 _pack, _RecvRing, _Slot)
+from megainfer.comm.transport import Request, Transport
 from megainfer.comm.wait import WaitPolicy, wait_until
 from megainfer.config import ConfigError
 
 MAX_STREAMS = 256
 MAX_CHANNELS = 127  # tags stay below 32767, the smallest TAG_UB MPI allows
-
-FREE, POSTED, HELD = 0, 1, 2
-
-
-class Header(tuple):
-    """(kind, rows, iteration, layer, micro_batch, src, aux) of a received message
-    (the wire header minus its magic word)."""
-
-    __slots__ = ()
-    kind = property(lambda s: s[0])
-    rows = property(lambda s: s[1])
-    iteration = property(lambda s: s[2])
-    layer = property(lambda s: s[3])
-    micro_batch = property(lambda s: s[4])
-    src = property(lambda s: s[5])
-    aux = property(lambda s: s[6])
-
-
-class Message:
-    """A received message: ``header`` and ``fields`` (views into the ring buffer, no copy,
-    made on first use). Call ``release()`` once done with the views so the slot can take a
-    new message."""
-
-    __slots__ = ("header", "_layout", "_fields", "_release")
-
-    def __init__(self, header: Header, layout: S.MessageLayout, release):
-        self.header, self._layout, self._fields, self._release = header, layout, None, release
-
-    @property
-    def fields(self) -> dict:
-        if self._fields is None:
-            self._fields = self._layout.views(self.header[1])
-        return self._fields
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self.fields[name]
-
-    @property
-    def kind(self) -> int:
-        return self.header[0]
-
-    @property
-    def rows(self) -> int:
-        return self.header[1]
-
-    def release(self) -> None:
-        if self._release is not None:
-            self._release()
-            self._release = None
-
-
-class _Slot:
-    __slots__ = ("buf", "layout", "req", "state", "what")
-
-    def __init__(self, buf: Buffer, spec: S.MessageSpec):
-        self.buf, self.layout = buf, S.MessageLayout(spec, buf.data)
-        self.req: Optional[Request] = None
-        self.state, self.what = FREE, None
-
-
-class _RecvRing:
-    __slots__ = ("slots", "post_ptr", "next_ptr", "peer", "tag")
-
-    def __init__(self, slots: list, peer: int, tag: int):
-        self.slots, self.post_ptr, self.next_ptr, self.peer, self.tag = slots, 0, 0, peer, tag
-
-
-class Outgoing:
-    """A reserved send slot: write ``fields[name]`` ([rows, *shape] views) in place, then
-    ``Channel.post``."""
-
-    __slots__ = ("peer", "rows", "_fields", "slot")
-
-    def __init__(self, peer: int, rows: int, slot: _Slot):
-        self.peer, self.rows, self._fields, self.slot = peer, rows, None, slot
-
-    @property
-    def fields(self) -> dict:
-        if self._fields is None:
-            self._fields = self.slot.layout.views(self.rows)
-        return self._fields
-
-
-class SendHandle:
-    __slots__ = ("_ch", "_req", "_what")
-
-    def __init__(self, ch: "Channel", req: Request, what: tuple):
-        self._ch, self._req, self._what = ch, req, what
-
-    def test(self) -> bool:
-        return self._req.test()
-
-    def wait(self) -> None:
-        self._ch._wait(self._req, "send", self._what)
-
-
-class RecvHandle:
-    __slots__ = ("_ch", "_ring", "_slot", "_what", "_msg")
-
-    def __init__(self, ch: "Channel", ring: _RecvRing, slot: _Slot, what: tuple):
-        self._ch, self._ring, self._slot, self._what, self._msg = ch, ring, slot, what, None
-
-    def test(self) -> bool:
-        return self._msg is not None or self._slot.req.test()
-
-    def wait(self) -> Message:
-        """Block (per the wait policy) until the message is here; header + field views."""
-        if self._msg is None:
-            self._ch._wait(self._slot.req, "receive", self._what)
-            self._msg = self._ch._open(self._ring, self._slot, self._what)
-        return self._msg
 
 
 class Channel:
@@ -157,20 +52,27 @@ class Channel:
         self.cid = transport.next_channel_id()
         if self.cid >= MAX_CHANNELS:
             raise ConfigError(f"channel {name}: more than {MAX_CHANNELS} channels on one transport")
-        self.rank = transport.rank
+        self.rank, self._ordered = transport.rank, transport.ordered_posts
+        self._cap, self._magic = spec.capacity, spec.magic
         self._nbytes = [spec.nbytes(r) for r in range(spec.capacity + 1)]  # rows -> wire bytes
+        self._tags = [self.cid * MAX_STREAMS + s for s in range(streams)]
         nb = S.alloc_nbytes(spec)
-        self._send = {p: [_Slot(transport.alloc(nb), spec) for _ in range(depth * streams)]
+
+        def send_slot(p):
+            buf = transport.alloc(nb)
+            return Outgoing(buf, spec, transport.send_init(buf, p), p)
+        self._send = {p: [send_slot(p) for _ in range(depth * streams)]
                       for p in self.receivers} if self.rank in self.senders else {}
         self._send_ptr = {p: 0 for p in self._send}
         self._recv = {}
         if self.rank in self.receivers:
             for p in self.senders:
                 for s in range(streams):
-                    ring = _RecvRing([_Slot(transport.alloc(nb), spec) for _ in range(depth)],
-                                     p, self.cid * MAX_STREAMS + s)
+                    bufs = [transport.alloc(nb) for _ in range(depth)]
+                    ring = _RecvRing([_Slot(b, spec, transport.recv_init(b, p), p) for b in bufs],
+                                     p, self._tags[s], bufs[0].data.numel())
                     self._recv[(p, s)] = ring
-                    if not transport.ordered_posts:
+                    if not self._ordered:
                         self._post_ahead(ring)
 
     # ---- sending -------------------------------------------------------------------------
@@ -180,34 +82,41 @@ class Channel:
         if ring is None:
             raise CommError(f"[{self.name} rank {self.rank}] cannot send to {peer}: not a "
                             f"sender->receiver pair of this channel")
-        if not 0 <= rows <= self.spec.capacity:
+        if not 0 <= rows <= self._cap:
             self.spec.check_rows(rows, f"[{self.name}] message to rank {peer}")
         i = self._send_ptr[peer]
         slot = ring[i]
-        self._send_ptr[peer] = (i + 1) % len(ring)
-        if slot.req is not None:  # the slot's previous message must have left
-            self._wait(slot.req, "send (ring full)", slot.what)
-            slot.req = None
-        return Outgoing(peer, rows, slot)
+        self._send_ptr[peer] = i + 1 if i + 1 < len(ring) else 0
+        if not slot.clear:  # the slot's previous message must have left
+            if not slot.req.test():
+                self._wait(slot.req, "send (ring full)", slot.what)
+            slot.clear = True
+        slot.rows = rows
+        return slot
 
     def post(self, out: Outgoing, *, iteration: int, layer: int, micro_batch: int,
              kind: int = S.KIND_DATA, aux: int = 0) -> SendHandle:
         """Send a reserved slot: one transport send of header + fields."""
-        slot = out.slot
-        S.HEADER.pack_into(slot.buf.header, 0, S.MAGIC, kind, out.rows, iteration, layer,
-                           micro_batch, self.rank, aux)
-        slot.what = (out.peer, layer, micro_batch, iteration)
-        tag = self.cid * MAX_STREAMS + micro_batch % self.streams
-        slot.req = self.t.isend(slot.buf, self._nbytes[out.rows], out.peer, tag)
-        return SendHandle(self, slot.req, slot.what)
+        rows = out.rows
+        _pack(out.hdr, 0, self._magic, kind, rows, iteration, layer, micro_batch, self.rank, aux)
+        out.clear = False
+        out.req = out.io.start(self._nbytes[rows], self._tags[micro_batch % self.streams])
+        # off the critical path from here (the bytes are on their way): bookkeeping, and
+        # whether the slot the next reserve() takes is free already (so it need not ask)
+        out.what = (iteration, layer, micro_batch, out.peer)
+        out.seq += 1
+        nxt = self._send[out.peer][self._send_ptr[out.peer]]
+        if not nxt.clear and nxt.req.test():
+            nxt.clear = True
+        return SendHandle(self, out, out.seq)
 
     def send(self, peer: int, *, iteration: int, layer: int, micro_batch: int,
              kind: int = S.KIND_DATA, aux: int = 0, **fields: torch.Tensor) -> SendHandle:
         """Copy ``fields`` (each [rows, *shape], all spec fields) into a slot and send it."""
         rows = self._rows_of(fields, peer)
         out = self.reserve(peer, rows)
-        for name, view in out.fields.items():
-            if rows:
+        if rows:
+            for name, view in out.views(rows).items():
                 view.copy_(fields[name])
         return self.post(out, iteration=iteration, layer=layer, micro_batch=micro_batch,
                          kind=kind, aux=aux)
@@ -244,57 +153,62 @@ class Channel:
         if ring is None:
             raise CommError(f"[{self.name} rank {self.rank}] cannot receive from {peer}: not a "
                             f"sender->receiver pair of this channel")
-        slot = ring.slots[ring.next_ptr]
-        if slot.state == HELD:
-            raise CommError(f"[{self.name} rank {self.rank}] receive ring from rank {peer} is "
-                            f"full: release() earlier messages (depth={self.depth})")
-        if slot.state == FREE:  # ordered transports post here, in the caller's order
-            self._post(ring, slot)
+        slots = ring.slots
+        if not self._ordered and slots[ring.post_ptr].state == FREE:
+            self._post_ahead(ring)  # re-post slots released since, in ring order
+        i = ring.next_ptr
+        slot = slots[i]
+        if slot.state != POSTED:
+            if slot.state == HELD:
+                raise CommError(f"[{self.name} rank {self.rank}] receive ring from rank {peer} "
+                                f"is full: release() earlier messages (depth={self.depth})")
+            self._post(ring, slot)  # ordered transports post here, in the caller's order
             ring.post_ptr = (ring.post_ptr + 1) % self.depth
-        ring.next_ptr = (ring.next_ptr + 1) % self.depth
-        return RecvHandle(self, ring, slot, (peer, layer, micro_batch, iteration))
+        ring.next_ptr = i + 1 if i + 1 < self.depth else 0
+        return Message(self, slot, (iteration, layer, micro_batch, peer))  # header order
 
     def _post(self, ring: _RecvRing, slot: _Slot) -> None:
-        slot.req = self.t.irecv(slot.buf, slot.buf.data.numel(), ring.peer, ring.tag)
+        slot.req = slot.io.start(ring.nbytes, ring.tag)
         slot.state = POSTED
 
     def _post_ahead(self, ring: _RecvRing) -> None:
-        while ring.slots[ring.post_ptr].state == FREE:
-            self._post(ring, ring.slots[ring.post_ptr])
-            ring.post_ptr = (ring.post_ptr + 1) % self.depth
+        slots, i = ring.slots, ring.post_ptr
+        slot = slots[i]
+        while slot.state == FREE:
+            slot.req = slot.io.start(ring.nbytes, ring.tag)
+            slot.state = POSTED
+            i = i + 1 if i + 1 < self.depth else 0
+            slot = slots[i]
+        ring.post_ptr = i
 
-    def _open(self, ring: _RecvRing, slot: _Slot, what: tuple) -> Message:
-        h = S.HEADER.unpack_from(slot.buf.header)  # 8 x int32, host
-        peer, layer, mb, it = what
-        if h[S.H_MAGIC] != S.MAGIC or h[S.H_SRC] != peer or not 0 <= h[S.H_ROWS] <= self.spec.capacity:
-            raise CommProtocolError(f"[{self.name} rank {self.rank}] corrupt header from rank "
-                                    f"{peer} (layer={layer}, micro_batch={mb}): {h}")
-        got = slot.req.received_nbytes()
-        if got >= 0 and got != self._nbytes[h[S.H_ROWS]]:
-            raise CommProtocolError(f"[{self.name} rank {self.rank}] message from rank {peer} has "
-                                    f"{got} bytes, header says {h[S.H_ROWS]} rows "
-                                    f"({self.spec.nbytes(h[S.H_ROWS])} bytes): spec mismatch?")
-        if h[S.H_KIND] == S.KIND_DATA and (h[S.H_LAYER] != layer or h[S.H_MB] != mb or
-                                           (it is not None and h[S.H_ITER] != it)):
+    def _check(self, h: tuple, slot: _Slot, what: tuple) -> None:
+        """Slow path of a header check: control messages, ``iteration=None``, or an error."""
+        it, layer, mb, peer = what
+        if h[0] != self._magic or h[6] != peer or not 0 <= h[2] <= self._cap:  # magic, src, rows
+            self._bad_header(h, slot, what)
+        if h[1] == S.KIND_DATA and (h[4] != layer or h[5] != mb or  # H_KIND, H_LAYER, H_MB
+                                    (it is not None and h[3] != it)):
             raise CommProtocolError(
                 f"[{self.name} rank {self.rank}] from rank {peer}: expected (iteration={it}, "
                 f"layer={layer}, micro_batch={mb}), got (iteration={h[S.H_ITER]}, "
                 f"layer={h[S.H_LAYER]}, micro_batch={h[S.H_MB]}): streams out of step")
-        slot.state = HELD
-        return Message(Header(h[1:]), slot.layout, lambda: self._release(ring, slot))
 
-    def _release(self, ring: _RecvRing, slot: _Slot) -> None:
-        slot.state, slot.req = FREE, None
-        if not self.t.ordered_posts:
-            self._post_ahead(ring)
+    def _bad_header(self, h: tuple, slot: _Slot, what: tuple) -> None:
+        _, layer, mb, peer = what
+        where = f"[{self.name} rank {self.rank}] message from rank {peer} (layer={layer}, " \
+                f"micro_batch={mb})"
+        if h[0] >> 16 == S.MAGIC_HI >> 16 and h[0] != self._magic:
+            raise CommProtocolError(f"{where}: sent under another MessageSpec (fingerprint "
+                                    f"{h[0] & 0xFFFF:#06x}, ours {self._magic & 0xFFFF:#06x}: "
+                                    f"{self.spec})")
+        got = slot.req.received_nbytes()
+        raise CommProtocolError(f"{where}: corrupt header {h} ({got} bytes received)")
 
     # ---- waiting, closing ----------------------------------------------------------------
     def _wait(self, req: Request, what: str, ctx: tuple) -> None:
-        if req.test():
-            return
         waited = wait_until(req.test, self.policy)
         if waited < 0:
-            peer, layer, mb, it = ctx if ctx else (-1, None, None, None)
+            it, layer, mb, peer = ctx if ctx else (None, None, None, -1)
             raise CommTimeoutError(f"[{self.name} rank {self.rank}] {what}", peer, layer, mb, it,
                                    -waited)
 

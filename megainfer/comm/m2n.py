@@ -12,7 +12,8 @@ from typing import Optional
 import torch
 
 from megainfer.comm import spec as S
-from megainfer.comm.channel import Channel, Message, RecvHandle, SendHandle
+from megainfer.comm.channel import Channel
+from megainfer.comm.slot import Message, RecvHandle, SendHandle
 from megainfer.comm.transport import Transport
 from megainfer.comm.wait import WaitPolicy
 

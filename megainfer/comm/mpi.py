@@ -1,61 +1,103 @@
-"""MPI transport: mpi4py ``Isend`` / persistent ``Recv_init`` on CPU tensor buffers.
+"""MPI transport: mpi4py persistent requests on pre-allocated CPU (numpy-backed) buffers.
 
-No pickling and no buffer allocation per message: a send passes ``[numpy view, nbytes, BYTE]``
-of the slot's buffer; each receive slot owns a persistent request re-armed with ``Start``.
-The communicator is duplicated so channel tags never meet the application's.
+No pickling and no buffer allocation per message. Each slot binds its buffer and peer once
+(``send_init``/``recv_init``); a message is then one ``MPI_Start`` of a persistent request
+made by ``Send_init``/``Recv_init`` the first time that (byte count, tag) is used, and kept.
+A send slot keeps at most ``MAX_PERSISTENT`` of them (row counts vary per message); beyond
+that it falls back to a plain ``Isend``. The communicator is duplicated so channel tags
+never meet the application's.
 """
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 from mpi4py import MPI
 
 from megainfer.comm.transport import Buffer, Request, Transport, host_buffer
 
+MAX_PERSISTENT = 64  # persistent sends kept per send slot, one per (nbytes, tag) seen
+TAG_SPAN = 1 << 16   # cache key nbytes * TAG_SPAN + tag (tags stay below 32767)
+
 
 class _MpiSend(Request):
-    __slots__ = ("req", "done")
+    """A send request. ``test`` is mpi4py's own ``Test`` (no Python frame per poll): it stays
+    True once complete (a finished request turns null; an inactive persistent one is done)."""
+
+    __slots__ = ("req", "test")
 
     def __init__(self, req: MPI.Request):
-        self.req, self.done = req, False
-
-    def test(self) -> bool:
-        if not self.done:
-            self.done = self.req.Test()
-        return self.done
+        self.req, self.test = req, req.Test
 
     def cancel(self) -> None:
-        if not self.done:
+        if not self.req.Test():
             self.req.Cancel()
             self.req.Wait()
-            self.done = True
 
 
 class _MpiRecv(Request):
-    """Persistent receive bound to one buffer, peer and tag; ``start`` re-arms it."""
+    """A receive request; ``test`` is ``Test`` with the status kept for ``received_nbytes``."""
 
-    __slots__ = ("req", "status", "done")
+    __slots__ = ("req", "status", "test")
 
-    def __init__(self, req: MPI.Prequest):
-        self.req, self.status, self.done = req, MPI.Status(), True
-
-    def start(self) -> "_MpiRecv":
-        self.done = False
-        self.req.Start()
-        return self
-
-    def test(self) -> bool:
-        if not self.done:
-            self.done = self.req.Test(self.status)
-        return self.done
+    def __init__(self, req: MPI.Request):
+        self.req, self.status = req, MPI.Status()
+        self.test = partial(req.Test, self.status)
 
     def received_nbytes(self) -> int:
         return self.status.Get_count(MPI.BYTE)
 
     def cancel(self) -> None:
-        if not self.done:
+        if not self.req.Test():
             self.req.Cancel()
             self.req.Wait()
-            self.done = True
+
+
+class _MpiSendInit:
+    """One send slot's persistent sends, keyed by (nbytes, tag); the last one used is kept
+    at hand (a slot mostly sends the same size on the same tag)."""
+
+    __slots__ = ("t", "np", "peer", "reqs", "key", "last")
+
+    def __init__(self, t: "MpiTransport", buf: Buffer, peer: int):
+        self.t, self.np, self.peer, self.reqs = t, buf.extra["np"], peer, {}
+        self.key, self.last = -1, None
+
+    def start(self, nbytes: int, tag: int) -> Request:
+        key = nbytes * TAG_SPAN + tag
+        if key == self.key:
+            r = self.last
+        else:
+            r = self.reqs.get(key)
+            if r is None:
+                spec = [self.np, nbytes, MPI.BYTE]
+                if len(self.reqs) >= MAX_PERSISTENT:
+                    return _MpiSend(self.t.comm.Isend(spec, self.peer, tag))
+                pre = self.t.comm.Send_init(spec, self.peer, tag)
+                self.t._persistent.append(pre)
+                r = self.reqs[key] = _MpiSend(pre)
+            self.key, self.last = key, r
+        r.req.Start()
+        return r
+
+
+class _MpiRecvInit:
+    """One receive slot's persistent receive (a slot always receives on the same tag)."""
+
+    __slots__ = ("t", "np", "peer", "key", "r")
+
+    def __init__(self, t: "MpiTransport", buf: Buffer, peer: int):
+        self.t, self.np, self.peer, self.key, self.r = t, buf.extra["np"], peer, None, None
+
+    def start(self, nbytes: int, tag: int) -> Request:
+        r = self.r
+        if r is None or self.key != (nbytes, tag):
+            pre = self.t.comm.Recv_init([self.np, nbytes, MPI.BYTE], self.peer, tag)
+            self.t._persistent.append(pre)
+            r = self.r = _MpiRecv(pre)
+            self.key = (nbytes, tag)
+        r.req.Start()
+        return r
 
 
 class MpiTransport(Transport):
@@ -68,20 +110,20 @@ class MpiTransport(Transport):
 
     def alloc(self, nbytes: int) -> Buffer:
         buf = host_buffer(nbytes)
-        buf.extra = {"np": buf.data.numpy(), "recv": {}}
+        buf.extra = {"np": buf.data.numpy()}
         return buf
 
     def isend(self, buf: Buffer, nbytes: int, peer: int, tag: int) -> Request:
         return _MpiSend(self.comm.Isend([buf.extra["np"], nbytes, MPI.BYTE], peer, tag))
 
     def irecv(self, buf: Buffer, nbytes: int, peer: int, tag: int) -> Request:
-        key = (nbytes, peer, tag)
-        rq = buf.extra["recv"].get(key)
-        if rq is None:  # first use of this slot: build its persistent request once
-            pre = self.comm.Recv_init([buf.extra["np"], nbytes, MPI.BYTE], peer, tag)
-            self._persistent.append(pre)
-            rq = buf.extra["recv"][key] = _MpiRecv(pre)
-        return rq.start()
+        return _MpiRecv(self.comm.Irecv([buf.extra["np"], nbytes, MPI.BYTE], peer, tag))
+
+    def send_init(self, buf: Buffer, peer: int) -> _MpiSendInit:
+        return _MpiSendInit(self, buf, peer)
+
+    def recv_init(self, buf: Buffer, peer: int) -> _MpiRecvInit:
+        return _MpiRecvInit(self, buf, peer)
 
     def progress(self) -> None:
         self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)

@@ -110,13 +110,17 @@ def _check(lib, rc: int, what: str) -> None:
 
 
 class _NcclRequest(Request):
-    __slots__ = ("event", "done")
+    """Done once its group was issued and the slot's event (recorded after it) has fired.
+    Until the group is issued the event still reflects the slot's previous op, so a
+    request queued in an open group is never done."""
+
+    __slots__ = ("event", "done", "issued")
 
     def __init__(self, event: torch.cuda.Event):
-        self.event, self.done = event, False
+        self.event, self.done, self.issued = event, False, False
 
     def test(self) -> bool:
-        if not self.done:
+        if not self.done and self.issued:
             self.done = self.event.query()
         return self.done
 
@@ -194,6 +198,7 @@ class NcclTransport(Transport):
                 if not is_send:
                     buf.extra["pinned"].view(torch.uint8).copy_(buf.data[:32], non_blocking=True)
                 buf.extra["event"].record(s)
+                buf.extra["req"].issued = True
 
     def close(self) -> None:
         if self._comm:

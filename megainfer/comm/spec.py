@@ -5,12 +5,15 @@ field 1, ... each starting on a 16-byte boundary. Its size ``nbytes(n)`` grows w
 the MPI transport moves only the used bytes; one buffer of ``nbytes(capacity)`` holds any
 message, so each message is one send.
 
-Header (int32 x 8): magic, kind, rows, iteration, layer, micro_batch, src rank, aux.
+Header (int32 x 8): magic, kind, rows, iteration, layer, micro_batch, src rank, aux. The
+magic word is "M2" plus a 16-bit fingerprint of the spec (field names, shapes, dtypes,
+capacity): a receiver built with another spec than its sender rejects the message.
 """
 from __future__ import annotations
 
 import math
 import struct
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +22,7 @@ from megainfer.config import ConfigError
 
 HEADER_BYTES = 32
 ALIGN = 16
-MAGIC = 0x4D324E31  # "M2N1"
+MAGIC_HI = 0x4D320000  # "M2" in the magic word's high half; the low half is the spec's
 
 HEADER = struct.Struct("<8i")  # pack_into / unpack_from the header, no numpy round trip
 # header slots (int32 index)
@@ -92,6 +95,12 @@ class MessageSpec:
         for f in self.fields:
             pos = _align(pos + rows * f.row_bytes)
         return pos
+
+    @property
+    def magic(self) -> int:
+        """The header's magic word for this spec: "M2" + 16-bit fingerprint."""
+        desc = repr([(f.name, f.shape, str(f.dtype)) for f in self.fields] + [self.capacity])
+        return MAGIC_HI | (zlib.crc32(desc.encode()) & 0xFFFF)
 
     @property
     def max_nbytes(self) -> int:

@@ -1,13 +1,26 @@
-"""How a rank waits for a request: spin, yield, or poll with a growing sleep.
+"""How a rank waits for a request: spin, yield, or backoff (spin, then yield, then sleep).
 
 When ranks outnumber cores (the default job: 3 ranks on 2 cores) a spinning wait takes a
-core another rank needs. ``backoff`` (the default) polls for ``spin_s``, then sleeps
-``min_sleep_s`` doubling up to ``max_sleep_s`` between polls; ``yield`` calls
-``sched_yield`` between polls; ``spin`` polls flat out (lowest latency on idle cores).
+core another rank needs. ``backoff`` (the default) has three phases:
+
+1. spin ``spin_s``: poll flat out, so a reply that comes within a round trip is seen as
+   fast as ``spin`` sees it (small-message latency);
+2. yield ``yield_s``: ``sched_yield`` between polls, so a peer waiting for this core gets
+   it at once (MPICH's blocking calls do the same), while a free core keeps polling;
+3. sleep: ``min_sleep_s`` doubling up to ``max_sleep_s``, and never more than
+   ``sleep_frac`` of the time waited so far, so a long transfer (8 MB) is noticed at most
+   that fraction late while a long idle wait costs few wake-ups. Before its first sleep a
+   thread sets its timer slack to ``TIMER_SLACK_NS`` (Linux rounds sleeps up by 50 us by
+   default, which would make every short sleep a 60 us one).
+
+``yield`` yields between polls for the whole wait; ``spin`` polls flat out (lowest latency
+on idle cores, a core burnt while waiting).
 """
 from __future__ import annotations
 
+import ctypes
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -15,47 +28,86 @@ from typing import Callable
 from megainfer.config import ConfigError
 
 WAIT_MODES = ("spin", "yield", "backoff")
+CLOCK_EVERY = 16         # polls between clock reads while spinning or yielding
+TIMER_SLACK_NS = 1000    # prctl(PR_SET_TIMERSLACK) for threads that sleep in a wait
+PR_SET_TIMERSLACK = 29
 
 
 @dataclass(frozen=True)
 class WaitPolicy:
     mode: str = "backoff"
-    spin_s: float = 50e-6      # poll flat out this long before sleeping (backoff only)
+    spin_s: float = 0.0        # backoff: poll flat out this long,
+    yield_s: float = 300e-6    # then poll with sched_yield this long, then sleep
     min_sleep_s: float = 10e-6
     max_sleep_s: float = 1e-3
+    sleep_frac: float = 0.125  # a sleep is at most this fraction of the time waited so far
     timeout_s: float = 60.0    # a wait longer than this raises CommTimeoutError
 
     def __post_init__(self):
         if self.mode not in WAIT_MODES:
             raise ConfigError(f"wait.mode={self.mode!r}: must be one of {WAIT_MODES}")
-        for name in ("spin_s", "min_sleep_s", "max_sleep_s"):
+        for name in ("spin_s", "yield_s", "min_sleep_s", "max_sleep_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"wait.{name}={getattr(self, name)!r}: must be >= 0")
         if self.max_sleep_s < self.min_sleep_s:
             raise ConfigError(f"wait.max_sleep_s={self.max_sleep_s!r}: must be >= min_sleep_s")
+        if not 0 < self.sleep_frac <= 1:
+            raise ConfigError(f"wait.sleep_frac={self.sleep_frac!r}: must be in (0, 1]")
         if not self.timeout_s > 0:
             raise ConfigError(f"wait.timeout_s={self.timeout_s!r}: must be > 0")
+
+
+_slack = threading.local()
+
+
+def _tighten_timer_slack() -> None:
+    """Once per thread: sleeps of tens of microseconds last about that long (Linux only)."""
+    if getattr(_slack, "done", False):
+        return
+    _slack.done = True
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_TIMERSLACK, TIMER_SLACK_NS, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: sleeps are just coarser
+        pass
+
+
+def _poll(test: Callable[[], bool], t0: float, until: float, yielder) -> float:
+    """Poll until ``test()`` (return the time waited) or the clock passes ``until`` (-now)."""
+    clock = time.perf_counter
+    while True:
+        for _ in range(CLOCK_EVERY):
+            if test():
+                return clock() - t0
+            if yielder is not None:
+                yielder()
+        now = clock()
+        if now > until:
+            return -now
 
 
 def wait_until(test: Callable[[], bool], policy: WaitPolicy) -> float:
     """Poll ``test`` until it is true; return seconds waited, or -seconds on timeout."""
     if test():
         return 0.0
-    t0 = time.perf_counter()
-    deadline = t0 + policy.timeout_s
-    spin_end = t0 + (policy.spin_s if policy.mode == "backoff" else policy.timeout_s)
-    sleep_s = policy.min_sleep_s
-    n = 0
-    while True:
+    clock = time.perf_counter
+    t0 = clock()
+    mode, deadline = policy.mode, t0 + policy.timeout_s
+    if mode != "backoff":
+        got = _poll(test, t0, deadline, os.sched_yield if mode == "yield" else None)
+        return got if got >= 0 else -(-got - t0)
+    got = _poll(test, t0, min(t0 + policy.spin_s, deadline), None) if policy.spin_s else -t0
+    if got < 0:
+        got = _poll(test, t0, min(t0 + policy.spin_s + policy.yield_s, deadline),
+                    os.sched_yield)
+    if got >= 0:
+        return got
+    now = -got
+    _tighten_timer_slack()
+    sleep_s, frac, cap = policy.min_sleep_s, policy.sleep_frac, policy.max_sleep_s
+    while now <= deadline:
+        time.sleep(min(sleep_s, frac * (now - t0)))
         if test():
-            return time.perf_counter() - t0
-        n += 1
-        if n & 15 == 0 or policy.mode == "backoff":  # check the clock every 16 polls when spinning
-            now = time.perf_counter()
-            if now > deadline:
-                return -(now - t0)
-            if policy.mode == "backoff" and now > spin_end:
-                time.sleep(sleep_s)
-                sleep_s = min(sleep_s * 2, policy.max_sleep_s)
-        if policy.mode == "yield":
-            os.sched_yield()
+            return clock() - t0
+        now = clock()
+        sleep_s = min(sleep_s * 2, cap)
+    return -(now - t0)

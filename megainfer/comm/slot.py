@@ -1,0 +1,164 @@
+"""A ring slot and the handles on what it carries: ``Outgoing`` (a reserved send slot),
+``SendHandle`` (a posted send), ``Message`` (a receive: first a handle, then the message).
+
+Kept small on purpose: these objects are on every message's path, so the common case is a
+few attribute reads, one header pack or unpack and one transport call.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from megainfer.comm import spec as S
+from megainfer.comm.transport import Buffer, Request
+
+if TYPE_CHECKING:
+    from megainfer.comm.channel import Channel
+
+_pack, _unpack = S.HEADER.pack_into, S.HEADER.unpack_from
+MAX_VIEW_CACHE = 64  # row counts whose field views a slot keeps
+FAST_POLLS = range(32)  # polls a receive makes before handing over to the wait policy
+
+FREE, POSTED, HELD = 0, 1, 2
+
+
+class Header(tuple):
+    """(kind, rows, iteration, layer, micro_batch, src, aux) of a received message
+    (the wire header minus its magic word)."""
+
+    __slots__ = ()
+    kind = property(lambda s: s[0])
+    rows = property(lambda s: s[1])
+    iteration = property(lambda s: s[2])
+    layer = property(lambda s: s[3])
+    micro_batch = property(lambda s: s[4])
+    src = property(lambda s: s[5])
+    aux = property(lambda s: s[6])
+
+
+class _Slot:
+    """One ring slot: its buffer, typed views per row count (made once, kept), the slot's
+    repeated transport operation ``io`` and its request in flight."""
+
+    __slots__ = ("buf", "hdr", "layout", "io", "req", "clear", "state", "what", "seq", "_views",
+                 "peer", "rows")
+
+    def __init__(self, buf: Buffer, spec: S.MessageSpec, io, peer: int):
+        self.buf, self.layout = buf, S.MessageLayout(spec, buf.data)
+        self.hdr = memoryview(buf.header).cast("B")  # the host header's 32 bytes (struct is
+        self.io, self.peer, self.rows = io, peer, 0  # faster on a memoryview than on numpy)
+        self.req: Optional[Request] = None
+        self.clear = True  # send slots: the previous message is known to have left
+        self.state, self.what, self.seq, self._views = FREE, None, 0, {}
+
+    def views(self, rows: int) -> dict:
+        v = self._views.get(rows)
+        if v is None:
+            v = self.layout.views(rows)
+            if len(self._views) < MAX_VIEW_CACHE:
+                self._views[rows] = v
+        return v
+
+
+class Outgoing(_Slot):
+    """A reserved send slot: write ``fields[name]`` ([rows, *shape] views) in place, then
+    ``Channel.post``. (The slot itself: valid until the ring comes round to it again.)"""
+
+    __slots__ = ()
+
+    @property
+    def fields(self) -> dict:
+        return self.views(self.rows)
+
+    @property
+    def slot(self) -> "Outgoing":
+        return self
+
+
+class _RecvRing:
+    __slots__ = ("slots", "post_ptr", "next_ptr", "peer", "tag", "nbytes")
+
+    def __init__(self, slots: list, peer: int, tag: int, nbytes: int):
+        self.slots, self.post_ptr, self.next_ptr, self.peer, self.tag = slots, 0, 0, peer, tag
+        self.nbytes = nbytes
+
+
+class SendHandle:
+    """A posted send; ``wait()`` returns once its bytes left the slot."""
+
+    __slots__ = ("_ch", "_slot", "_seq")
+
+    def __init__(self, ch: "Channel", slot: Outgoing, seq: int):
+        self._ch, self._slot, self._seq = ch, slot, seq
+
+    def test(self) -> bool:
+        s = self._slot  # a slot re-used since (seq moved on) had this message leave first
+        return s.seq != self._seq or s.req.test()
+
+    def wait(self) -> None:
+        s = self._slot
+        if s.seq == self._seq and not s.req.test():
+            self._ch._wait(s.req, "send", s.what)
+
+
+class Message:
+    """One receive. ``recv()`` returns it as a handle: ``test()``, ``wait()``; ``wait()``
+    returns it opened: ``header``, ``fields`` / ``msg[name]`` (views into the ring buffer,
+    no copy). Call ``release()`` once done with the views so the slot can take a new message
+    (it is re-posted at the next ``recv()`` on its stream, off the sender's critical path)."""
+
+    __slots__ = ("_ch", "_slot", "_what", "_h")
+
+    def __init__(self, ch: "Channel", slot: _Slot, what: tuple):
+        self._ch, self._slot, self._what, self._h = ch, slot, what, None  # _h: 8 header ints
+
+    def test(self) -> bool:
+        return self._h is not None or self._slot.req.test()
+
+    def wait(self) -> "Message":
+        """Block (per the wait policy) until the message is here; returns it opened."""
+        if self._h is None:
+            req = self._slot.req
+            if not req.test():
+                test = req.test
+                for _ in FAST_POLLS:  # a short spin first: no clock, no call into wait.py
+                    if test():
+                        break
+                else:
+                    self._ch._wait(req, "receive", self._what)
+            ch, slot = self._ch, self._slot
+            h = _unpack(slot.hdr)  # 8 x int32: magic, kind, rows, iteration, layer, mb, src, aux
+            if h[0] != ch._magic or h[1] != S.KIND_DATA or h[3:7] != self._what or \
+                    not 0 <= h[2] <= ch._cap:  # the common case in one tuple compare
+                ch._check(h, slot, self._what)
+            slot.state = HELD
+            self._h = h
+        return self
+
+    @property
+    def header(self) -> Header:
+        return Header(self.wait()._h[1:])
+
+    @property
+    def fields(self) -> dict:
+        return self._slot.views(self.wait()._h[2])  # H_ROWS
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._slot.views(self.wait()._h[2])[name]
+
+    @property
+    def kind(self) -> int:
+        return self.wait()._h[1]  # H_KIND
+
+    @property
+    def rows(self) -> int:
+        return self.wait()._h[2]
+
+    def release(self) -> None:
+        if self._h is not None and self._ch is not None:
+            self._ch = None
+            self._slot.state = FREE
+
+
+RecvHandle = Message  # what ``recv()`` returns, before and after ``wait()``
