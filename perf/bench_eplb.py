@@ -129,12 +129,14 @@ def bench_runtime(args) -> dict:
     med = lambda rows, key: statistics.median(r[key] for r in rows)  # noqa: E731
     res = {"shape": runs[0]["shape"], "interval": runs[0]["interval"], "batch": runs[0]["batch"],
            "repeats": args.runtime_repeats, "runs": runs, "control_runs": controls}
-    for key in ("decode_iter_ms_before", "decode_iter_ms_after", "rank_max_over_mean_before",
+    for key in ("decode_iter_ms_before", "decode_iter_ms_after", "expert_phase_ms_before",
+                "expert_phase_ms_after", "rank_max_over_mean_before",
                 "rank_max_over_mean_after", "rebalance_step_ms"):
         res[key] = med(runs, key)
     res["control_decode_iter_ms_same_iterations_before"] = med(controls, "decode_iter_ms_before")
     res["control_decode_iter_ms_same_iterations_after"] = med(controls, "decode_iter_ms_after")
     res["control_rank_max_over_mean"] = med(controls, "rank_max_over_mean_after")
+    res["control_expert_phase_ms_after"] = med(controls, "expert_phase_ms_after")
     res["speedup_vs_control_same_iterations"] = statistics.median(
         c["decode_iter_ms_after"] / r["decode_iter_ms_after"] for r, c in zip(runs, controls))
     print(f"runtime (1 attention + 2 expert ranks, zipf {args.runtime_zipf}, median of "
@@ -144,7 +146,9 @@ def bench_runtime(args) -> dict:
           f" -> {res['control_decode_iter_ms_same_iterations_after']:.1f} ms (EPLB "
           f"{res['speedup_vs_control_same_iterations']:.2f}x after the rebalance); per-rank max/mean "
           f"{res['rank_max_over_mean_before']:.3f} -> {res['rank_max_over_mean_after']:.3f} "
-          f"(control {res['control_rank_max_over_mean']:.3f}); rebalance step "
+          f"(control {res['control_rank_max_over_mean']:.3f}); slowest expert rank per layer "
+          f"{res['expert_phase_ms_before']:.1f} -> {res['expert_phase_ms_after']:.1f} ms (control "
+          f"{res['control_expert_phase_ms_after']:.1f} ms); rebalance step "
           f"{res['rebalance_step_ms']:.1f} ms")
     return res
 
@@ -158,6 +162,8 @@ def _summarise(run: dict) -> dict:
             "decode_iter_ms_before": 1e3 * statistics.median(dt for i, dt in decode if i < k),
             "decode_iter_ms_after": 1e3 * statistics.median(dt for i, dt in decode if i > k),
             "rebalance_step_ms": 1e3 * run["steps"][k][2],
+            "expert_phase_ms_before": run["expert_phase_ms"]["before"],
+            "expert_phase_ms_after": run["expert_phase_ms"]["after"],
             "rank_max_over_mean_before": statistics.median(ratio[1:k]),
             "rank_max_over_mean_after": statistics.median(ratio[k + 1:]),
             "rebalances": [e["rebalances"] for e in run["experts"]],
@@ -168,10 +174,12 @@ def _eplb_job(args, extra: list[str]) -> dict:
     import subprocess
     import tempfile
     here = os.path.dirname(os.path.abspath(__file__))
-    out = os.path.join(tempfile.mkdtemp(prefix="bench_eplb_"), "run.json")
+    tmp = tempfile.mkdtemp(prefix="bench_eplb_")
+    out, trace_dir = os.path.join(tmp, "run.json"), os.path.join(tmp, "trace")
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     cmd = [mpiexec, "-n", "3", sys.executable, os.path.join(here, "eplb_job.py"), out,
-           "--zipf", str(args.runtime_zipf), "--interval", str(args.runtime_interval), *extra]
+           "--zipf", str(args.runtime_zipf), "--interval", str(args.runtime_interval),
+           "--trace", trace_dir, *extra]
     if args.runtime_batch:
         cmd += ["--batch", str(args.runtime_batch)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
@@ -179,7 +187,25 @@ def _eplb_job(args, extra: list[str]) -> dict:
     if p.returncode:
         raise RuntimeError(f"eplb_job failed:\n{p.stderr[-3000:]}")
     with open(out) as f:
-        return json.load(f)
+        run = json.load(f)
+    run["expert_phase_ms"] = _expert_phase(trace_dir, run["interval"])
+    return run
+
+
+def _expert_phase(trace_dir: str, k: int) -> dict:
+    """Per (iteration, layer): the slowest expert rank's compute span (what the attention rank
+    waits for at m = 1); median over iterations before / after the first rebalance, in ms."""
+    import glob
+    span = {}  # (iter, layer) -> max over expert ranks of the expert span, us
+    for path in glob.glob(os.path.join(trace_dir, "trace.rank*.json")):
+        with open(path) as f:
+            for e in json.load(f)["traceEvents"]:
+                if e.get("ph") == "X" and e.get("cat") == "expert":
+                    key = (e["args"]["iter"], e["args"]["layer"])
+                    span[key] = max(span.get(key, 0.0), e["dur"])
+    pick = lambda keep: [v / 1e3 for (i, _), v in span.items() if keep(i)]  # noqa: E731
+    return {"before": statistics.median(pick(lambda i: 0 < i < k)),
+            "after": statistics.median(pick(lambda i: i > k))}
 
 
 def _rank_ratio(run: dict) -> list[float]:

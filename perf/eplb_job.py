@@ -48,7 +48,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     for name, d in (("hidden", 256), ("inter", 2048), ("layers", 4), ("experts", 8), ("top_k", 2),
-                    ("kv_heads", 2), ("batch", 256), ("prompt", 16), ("decode", 40), ("interval", 12),
+                    ("kv_heads", 2), ("batch", 512), ("prompt", 16), ("decode", 40), ("interval", 12),
                     ("redundant", 2)):
         ap.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int, default=d)
     ap.add_argument("--zipf", type=float, default=1.5)

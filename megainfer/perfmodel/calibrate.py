@@ -82,8 +82,10 @@ def calibrate(shape: ModelShape, threads: int = 1, smoke: bool = False, bench: s
               clock: str = "thread", node: bool = True) -> dict:
     """Returns the profile as a dict (profile_from_dict reads it; write_profile saves it)."""
     torch.set_num_threads(threads)
-    batches = (1, 2, 4) if smoke else (1, 2, 4, 8, 16, 32, 64)
-    ctxs = (16, 32) if smoke else (128, 512)
+    # cover the decode operating range (batches of hundreds, short and long contexts): the
+    # runtime validation predicts b = 96..288 at ctx ~ 20, which a fit ending at 64 / 128 misses
+    batches = (1, 2, 4) if smoke else (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    ctxs = (16, 32) if smoke else (32, 128, 512)
     experts = experts or max(1, shape.num_experts // 2)
     layers = measure_layers(shape, batches, ctxs, experts, bench, rounds=1 if smoke else 5,
                             repeats=1 if smoke else 3, clock=clock)

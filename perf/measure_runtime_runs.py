@@ -1,0 +1,83 @@
+"""Measure the runtime runs the performance model is validated on (perf/validate_perfmodel.py).
+
+Each run decodes the ``pipeline_bench`` shape (conf/plan_model/pipeline_bench.yaml, the shape of
+perf/bench_pipeline.py) with the disaggregated runtime under ``mpiexec -n A+E`` on this node and
+stores its median decode iteration time as ``perf/results/runtime_runs/disagg_a{A}e{E}_b{B}_m{m}.json``:
+
+    python perf/measure_runtime_runs.py [--only a1e1_b192] [--repeats 1]
+
+A launch serves all micro-batch counts of one (A, E, B); with ``--repeats`` > 1 the launches
+alternate and each run keeps the median of its repeats. Run it on a quiet machine.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from bench_pipeline import BENCH_SHAPE  # noqa: E402
+
+# (attention replicas, expert ranks, global batch, micro-batch counts)
+RUNS = [(1, 1, 192, (1, 2, 3, 4)), (1, 1, 288, (1, 2)), (1, 1, 96, (1, 2)),
+        (1, 2, 192, (1, 2)), (2, 1, 192, (1, 2))]
+PROMPT, DECODE = 16, 12
+
+
+def launch(A: int, E: int, B: int, ms, tmp: str) -> list[dict]:
+    out = os.path.join(tmp, f"a{A}e{E}_b{B}.json")
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    configs = ",".join(f"disaggregated:{m}" for m in ms)
+    cmd = [mpiexec, "-n", str(A + E), sys.executable, os.path.join(HERE, "pipeline_job.py"), out,
+           configs, *BENCH_SHAPE, "--batch", str(B), "--replicas", str(A),
+           "--prompt", str(PROMPT), "--decode", str(DECODE)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1200,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if p.returncode:
+        raise RuntimeError(f"pipeline_job failed ({' '.join(cmd)}):\n{p.stderr[-3000:]}")
+    with open(out) as f:
+        return json.load(f)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", default=None, help="comma list of aAeE_bB keys to measure")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--out-dir", default=os.path.join(HERE, "results", "runtime_runs"))
+    a = ap.parse_args(argv)
+    todo = [r for r in RUNS if a.only is None or f"a{r[0]}e{r[1]}_b{r[2]}" in a.only.split(",")]
+    if not todo:
+        sys.exit(f"--only {a.only!r} matches none of " +
+                 ", ".join(f"a{r[0]}e{r[1]}_b{r[2]}" for r in RUNS))
+    tmp = tempfile.mkdtemp(prefix="runtime_runs_")
+    samples: dict[tuple, list[float]] = {}
+    for rep in range(a.repeats):
+        for A, E, B, ms in (todo if rep % 2 == 0 else todo[::-1]):
+            for res in launch(A, E, B, ms, tmp):
+                samples.setdefault((A, E, B, res["m"]), []).append(res["decode_iter_s"])
+    os.makedirs(a.out_dir, exist_ok=True)
+    date = datetime.date.today().isoformat()
+    print(f"{'run':<22}{'decode iteration ms':>20}")
+    for (A, E, B, m), xs in sorted(samples.items()):
+        name = f"disagg_a{A}e{E}_b{B}_m{m}"
+        row = {"model": "pipeline_bench",
+               "deploy": {"attention_replicas": A, "attention_tp": 1, "expert_ranks": E,
+                          "micro_batches": m},
+               "batch": B, "input_len": PROMPT, "output_len": DECODE,
+               "decode_iteration_s": statistics.median(xs), "samples_s": xs,
+               "source": f"perf/measure_runtime_runs.py ({A + E} ranks on {os.cpu_count()} cores), "
+                         f"{date}, load average {os.getloadavg()[0]:.1f}"}
+        with open(os.path.join(a.out_dir, name + ".json"), "w") as f:
+            json.dump(row, f, indent=1)
+        print(f"{name:<22}{1e3 * row['decode_iteration_s']:>20.1f}")
+    print(f"wrote {len(samples)} runs to {a.out_dir}")
+
+
+if __name__ == "__main__":
+    main()
