@@ -12,6 +12,17 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and
                                 not torch.cuda.is_available(),
                                 reason="Triton needs a GPU or TRITON_INTERPRET=1")
 N, K = 32, 64  # small: the interpreter runs every program in numpy
+# compiled for real on a GPU (TRITON_INTERPRET unset or 0): inputs are built on the CPU, moved
+# to the GPU for the Triton call, and the outputs come back to be compared with the references
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+
+
+def dev(fn, *args, **kwargs):
+    """fn on DEVICE: tensor arguments moved there, tensor results moved back to the CPU."""
+    to = lambda x: x.to(DEVICE) if isinstance(x, torch.Tensor) else x  # noqa: E731
+    out = fn(*[to(a) for a in args], **{k: to(v) for k, v in kwargs.items()})
+    back = lambda x: x.cpu() if isinstance(x, torch.Tensor) else x  # noqa: E731
+    return tuple(back(x) for x in out) if isinstance(out, tuple) else back(out)
 
 
 def case(M, E, k, absent, dtype=torch.float32, n=N, kk=K):
@@ -29,7 +40,7 @@ GRID = [(E, k, M, a) for E in (4, 8, 6) for k in (1, 2, 3) for M in (0, 1, 5, 64
 @pytest.mark.parametrize("E,k,M,absent", GRID)
 def test_fused_moe_triton_matches_ref(E, k, M, absent):
     hidden, w1, w2, w, ids, emap = case(M, E, k, absent)
-    out = fused_moe(hidden, w1, w2, w, ids, emap, backend="triton")
+    out = dev(fused_moe, hidden, w1, w2, w, ids, emap, backend="triton")
     ref = fused_moe_ref(hidden, w1, w2, w, ids, emap)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
@@ -38,21 +49,21 @@ def test_fused_moe_triton_matches_ref(E, k, M, absent):
 def test_fused_moe_triton_ragged_shapes_and_all_absent():
     """N, K not multiples of the block; then a rank holding none of the routed experts."""
     hidden, w1, w2, w, ids, emap = case(9, 6, 2, True, n=40, kk=48)
-    out = fused_moe(hidden, w1, w2, w, ids, emap, backend="triton")
+    out = dev(fused_moe, hidden, w1, w2, w, ids, emap, backend="triton")
     torch.testing.assert_close(out, fused_moe_ref(hidden, w1, w2, w, ids, emap),
                                rtol=1e-5, atol=1e-5)
     none_here = torch.full_like(emap, -1)
-    out = fused_moe(hidden, w1, w2, w, ids, none_here, backend="triton")
+    out = dev(fused_moe, hidden, w1, w2, w, ids, none_here, backend="triton")
     assert torch.equal(out, torch.zeros_like(out))
 
 
 def test_fused_moe_triton_bf16_and_deterministic():
     hidden, w1, w2, w, ids, emap = case(37, 8, 2, False, dtype=torch.bfloat16)
-    out = fused_moe(hidden, w1, w2, w, ids, emap, backend="triton")
+    out = dev(fused_moe, hidden, w1, w2, w, ids, emap, backend="triton")
     assert out.dtype == torch.bfloat16
     ref = fused_moe_ref(hidden, w1, w2, w, ids, emap)
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
-    assert torch.equal(out, fused_moe(hidden, w1, w2, w, ids, emap, backend="triton"))
+    assert torch.equal(out, dev(fused_moe, hidden, w1, w2, w, ids, emap, backend="triton"))
 
 
 @pytest.mark.parametrize("E", [4, 8, 6])
@@ -64,7 +75,7 @@ def test_moe_align_triton_matches_ref(E, M, block, mapped):
     k = 1 + (M + E) % 3
     ids = torch.randint(0, E, (M, k), generator=g)
     emap = absent_map(E, E // 2, seed=M) if mapped else None
-    got = moe_align(ids, E, block, emap, backend="triton")
+    got = dev(moe_align, ids, E, block, emap, backend="triton")
     want = moe_align_ref(ids, E, block, emap)
     for a, b, name in zip(got, want, ("sorted_ids", "block_expert", "num_padded")):
         assert torch.equal(a, b), name
@@ -77,7 +88,7 @@ def test_moe_align_triton_random_invariants():
     for E, M, k, block in [(8, 300, 2, 16), (6, 97, 3, 32), (16, 40, 4, 4)]:
         probs = torch.rand(E, generator=g) ** 4 + 1e-3
         ids = torch.multinomial(probs.expand(M, E), k, generator=g)
-        check_align(ids, E, block, None, *moe_align(ids, E, block, backend="triton"))
+        check_align(ids, E, block, None, *dev(moe_align, ids, E, block, backend="triton"))
 
 
 def canon(w, ids):
@@ -106,7 +117,7 @@ def test_select_experts_triton_matches_ref(E, k, M, kw):
     bias = torch.randn(E, generator=g) * 0.3 if kw.pop("bias", False) else None
     if kw.get("num_groups", 1) > 1 and k > E // kw["num_groups"]:
         kw["topk_groups"] = kw["num_groups"]  # one group cannot hold k experts here
-    w, ids = select_experts(logits, k, correction_bias=bias, backend="triton", **kw)
+    w, ids = dev(select_experts, logits, k, correction_bias=bias, backend="triton", **kw)
     w_ref, ids_ref = select_experts_ref(logits, k, correction_bias=bias, **kw)
     assert w.dtype == torch.float32 and ids.dtype == torch.int64 and ids.shape == (M, k)
     w, ids = canon(w, ids)
@@ -123,7 +134,7 @@ def test_select_experts_triton_group_limited(groups, topk_groups):
     bias = torch.randn(16, generator=g) * 0.5
     kw = dict(scoring="sigmoid", renormalize=True, correction_bias=bias, num_groups=groups,
               topk_groups=topk_groups, routed_scaling_factor=2.5)
-    w, ids = canon(*select_experts(logits, 4, backend="triton", **kw))
+    w, ids = canon(*dev(select_experts, logits, 4, backend="triton", **kw))
     w_ref, ids_ref = canon(*select_experts_ref(logits, 4, **kw))
     assert torch.equal(ids, ids_ref)
     torch.testing.assert_close(w, w_ref, rtol=1e-5, atol=1e-6)
@@ -135,7 +146,7 @@ def test_fused_moe_triton_config_override_grouped_order():
     from megainfer.kernels.triton_moe import fused_moe_triton
     hidden, w1, w2, w, ids, emap = case(40, 4, 2, True)
     cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4, num_warps=4, num_stages=2)
-    out = fused_moe_triton(hidden, w1, w2, w, ids, emap, config=cfg)
+    out = dev(fused_moe_triton, hidden, w1, w2, w, ids, emap, config=cfg)
     torch.testing.assert_close(out, fused_moe_ref(hidden, w1, w2, w, ids, emap),
                                rtol=1e-5, atol=1e-5)
 
