@@ -21,14 +21,19 @@ import datetime
 import json
 import os
 import platform
+import glob
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
 
 from megainfer.eplb import ExpertLoadWindow, Placement, rebalance_experts
 from megainfer.eplb.rebalance import imbalance, rank_load
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from mpi_launch import run_job  # noqa: E402
 
 CASES = {
     # DeepSeek-V3-like: 58 MoE layers x 256 experts in 8 groups, top-8; 4 nodes x 8 ranks.
@@ -171,23 +176,13 @@ def _summarise(run: dict) -> dict:
 
 
 def _eplb_job(args, extra: list[str]) -> dict:
-    import subprocess
-    import tempfile
-    here = os.path.dirname(os.path.abspath(__file__))
     tmp = tempfile.mkdtemp(prefix="bench_eplb_")
-    out, trace_dir = os.path.join(tmp, "run.json"), os.path.join(tmp, "trace")
-    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    cmd = [mpiexec, "-n", "3", sys.executable, os.path.join(here, "eplb_job.py"), out,
-           "--zipf", str(args.runtime_zipf), "--interval", str(args.runtime_interval),
-           "--trace", trace_dir, *extra]
+    trace_dir = os.path.join(tmp, "trace")
+    job_args = ["--zipf", args.runtime_zipf, "--interval", args.runtime_interval,
+                "--trace", trace_dir, *extra]
     if args.runtime_batch:
-        cmd += ["--batch", str(args.runtime_batch)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
-    if p.returncode:
-        raise RuntimeError(f"eplb_job failed:\n{p.stderr[-3000:]}")
-    with open(out) as f:
-        run = json.load(f)
+        job_args += ["--batch", args.runtime_batch]
+    run = run_job(3, "eplb_job.py", os.path.join(tmp, "run.json"), job_args)
     run["expert_phase_ms"] = _expert_phase(trace_dir, run["interval"])
     return run
 
@@ -195,7 +190,6 @@ def _eplb_job(args, extra: list[str]) -> dict:
 def _expert_phase(trace_dir: str, k: int) -> dict:
     """Per (iteration, layer): the slowest expert rank's compute span (what the attention rank
     waits for at m = 1); median over iterations before / after the first rebalance, in ms."""
-    import glob
     span = {}  # (iter, layer) -> max over expert ranks of the expert span, us
     for path in glob.glob(os.path.join(trace_dir, "trace.rank*.json")):
         with open(path) as f:

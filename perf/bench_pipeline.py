@@ -24,7 +24,8 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-JOB = os.path.join(HERE, "pipeline_job.py")
+sys.path.insert(0, HERE)
+from mpi_launch import run_job  # noqa: E402
 CONFIGS = ["disaggregated:1", "disaggregated:2", "disaggregated:3", "disaggregated:4",
            "colocated:1", "colocated:2"]
 # attention and expert time comparable at decode (T_a ~ T_e), experts big enough per micro-batch
@@ -36,16 +37,8 @@ TRACED = ["disaggregated:1:trace", "disaggregated:2:trace", "disaggregated:3:tra
 
 
 def launch(configs, shape_args, out_dir, trace_root) -> list[dict]:
-    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    out = os.path.join(out_dir, "run.json")
-    cmd = [mpiexec, "-n", "2", sys.executable, JOB, out, ",".join(configs),
-           "--trace-root", trace_root, *shape_args]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
-    if p.returncode:
-        raise RuntimeError(f"pipeline_job failed:\n{p.stderr[-3000:]}")
-    with open(out) as f:
-        return json.load(f)
+    return run_job(2, "pipeline_job.py", os.path.join(out_dir, "run.json"),
+                   [",".join(configs), "--trace-root", trace_root, *shape_args])
 
 
 def main():

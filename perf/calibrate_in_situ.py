@@ -18,7 +18,6 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
@@ -27,7 +26,8 @@ import yaml
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from bench_pipeline import BENCH_SHAPE  # noqa: E402
-from measure_runtime_runs import DECODE, PROMPT  # noqa: E402
+from measure_runtime_runs import PROMPT, job_args  # noqa: E402
+from mpi_launch import run_job  # noqa: E402
 
 from megainfer.perfmodel.calibrate import write_profile  # noqa: E402
 from megainfer.perfmodel.insitu import fit_error, fit_in_situ, layer_samples  # noqa: E402
@@ -39,16 +39,10 @@ PROFILE = os.path.join(HERE, "..", "conf", "hardware", "cpu_node.yaml")
 
 
 def traced_run(batch: int, tmp: str) -> dict:
+    """One traced m = 1 run of 1 attention + 1 expert rank at ``batch``: its merged trace."""
     root = os.path.join(tmp, f"b{batch}")
-    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    cmd = [mpiexec, "-n", "2", sys.executable, os.path.join(HERE, "pipeline_job.py"),
-           os.path.join(tmp, f"b{batch}.json"), "disaggregated:1:trace", *BENCH_SHAPE,
-           "--batch", str(batch), "--prompt", str(PROMPT), "--decode", str(DECODE),
-           "--trace-root", root]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1200,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
-    if p.returncode:
-        raise RuntimeError(f"pipeline_job failed ({' '.join(cmd)}):\n{p.stderr[-3000:]}")
+    run_job(2, "pipeline_job.py", os.path.join(tmp, f"b{batch}.json"),
+            ["disaggregated:1:trace", *job_args(batch), "--trace-root", root])
     with open(os.path.join(root, "disaggregated_m1", "trace.json")) as f:
         return json.load(f)
 

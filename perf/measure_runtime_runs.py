@@ -20,13 +20,13 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from bench_pipeline import BENCH_SHAPE  # noqa: E402
+from mpi_launch import run_job  # noqa: E402
 
 # (attention replicas, expert ranks, global batch, micro-batch counts)
 RUNS = [(1, 1, 192, (1, 2, 3, 4)), (1, 1, 288, (1, 2)), (1, 1, 96, (1, 2)),
@@ -34,19 +34,16 @@ RUNS = [(1, 1, 192, (1, 2, 3, 4)), (1, 1, 288, (1, 2)), (1, 1, 96, (1, 2)),
 PROMPT, DECODE = 16, 12
 
 
+def job_args(batch: int, replicas: int = 1) -> list:
+    """pipeline_job.py arguments after its configs: the pipeline_bench shape at this batch."""
+    return [*BENCH_SHAPE, "--batch", batch, "--replicas", replicas, "--prompt", PROMPT,
+            "--decode", DECODE]
+
+
 def launch(A: int, E: int, B: int, ms, tmp: str) -> list[dict]:
-    out = os.path.join(tmp, f"a{A}e{E}_b{B}.json")
-    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     configs = ",".join(f"disaggregated:{m}" for m in ms)
-    cmd = [mpiexec, "-n", str(A + E), sys.executable, os.path.join(HERE, "pipeline_job.py"), out,
-           configs, *BENCH_SHAPE, "--batch", str(B), "--replicas", str(A),
-           "--prompt", str(PROMPT), "--decode", str(DECODE)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1200,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
-    if p.returncode:
-        raise RuntimeError(f"pipeline_job failed ({' '.join(cmd)}):\n{p.stderr[-3000:]}")
-    with open(out) as f:
-        return json.load(f)
+    return run_job(A + E, "pipeline_job.py", os.path.join(tmp, f"a{A}e{E}_b{B}.json"),
+                   [configs, *job_args(B, A)])
 
 
 def main(argv=None) -> None:
