@@ -2,8 +2,8 @@
 
 Every (M, N) config runs on a sub-communicator of the first M+N ranks while the rest sleep.
 Per message size: M2N dispatch and N2M combine through megainfer.comm (zero-copy reserve
-path, pre-posted receives), the same traffic through MPI_Alltoallv and through gloo
-all_to_all_single. Then raw MPI ping-pong vs channel ping-pong (1x1), compute overlap
+path, pre-posted receives), the same traffic through MPI_Alltoallv, through bare mpi4py
+persistent requests (the floor of a Python p2p layer) and through gloo all_to_all_single. Then raw MPI ping-pong vs channel ping-pong (1x1), compute overlap
 (1x2), and the wait-policy contention test (3 ranks on 2 cores).
 """
 import argparse
@@ -102,6 +102,25 @@ def alltoallv_op(comm, senders, receivers, size):
     return lambda i: comm.Alltoallv([sbuf, (sc, sd), MPI.BYTE], [rbuf, (rc, rd), MPI.BYTE])
 
 
+def mpi_p2p_op(comm, senders, receivers, size, reqs_out: list):
+    """The floor of any point-to-point layer written in Python: the same traffic (payload +
+    the channel's 32-byte header) as bare mpi4py persistent requests, one ``Startall`` and a
+    ``Testall``/``sched_yield`` loop per op; no header, ring or handle work."""
+    me, n = comm.Get_rank(), size + 32
+    reqs = [comm.Send_init([np.ones(n, np.uint8), n, MPI.BYTE], p, 9)
+            for p in (receivers if me in senders else ())]
+    reqs += [comm.Recv_init([np.empty(n, np.uint8), n, MPI.BYTE], p, 9)
+             for p in (senders if me in receivers else ())]
+    reqs_out += reqs
+    start, test, yield_ = MPI.Prequest.Startall, MPI.Request.Testall, os.sched_yield
+
+    def run(i):
+        start(reqs)
+        while not test(reqs):
+            yield_()
+    return run
+
+
 def gloo_op(group, me, n, senders, receivers, size):
     sc = [size if (me in senders and j in receivers) else 0 for j in range(n)]
     rc = [size if (me in receivers and j in senders) else 0 for j in range(n)]
@@ -114,12 +133,13 @@ def bench_config(sub, group, M, N, sizes, scale):
     A, E = list(range(M)), list(range(M, M + N))
     cap = max(sizes) // ROW
     disp, comb = P2P(t, A, E, cap), P2P(t, E, A, cap)
-    rows = []
+    rows, raw_reqs = [], []
     for size in sizes:
         n = iters_for(size * M * N, scale)
         for direction, (s, r, p2p) in (("dispatch", (A, E, disp)), ("combine", (E, A, comb))):
             ops = {"m2n": p2p.op(size // ROW, BACKOFF), "m2n-yield": p2p.op(size // ROW, YIELD),
-                   "m2n-spin": p2p.op(size // ROW, SPIN), "alltoallv": alltoallv_op(sub, s, r, size)}
+                   "m2n-spin": p2p.op(size // ROW, SPIN), "alltoallv": alltoallv_op(sub, s, r, size),
+                   "mpi-p2p": mpi_p2p_op(sub, s, r, size, raw_reqs)}
             got = timed_many(sub, n, ops)
             # gloo in its own pass: its worker threads linger after an op and slow whatever
             # runs next, which would bias an interleaved comparison against the MPI methods
@@ -130,6 +150,8 @@ def bench_config(sub, group, M, N, sizes, scale):
                                  count=M * N, iters=len(v), p50=float(np.median(v)),
                                  p99=float(np.percentile(v, 99))))
     disp.ch.close(), comb.ch.close(), t.close()
+    for req in raw_reqs:
+        req.Free()
     return rows
 
 
