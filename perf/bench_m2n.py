@@ -5,8 +5,8 @@ perf/results/bench_m2n.json.
     .venv/bin/python perf/bench_m2n.py [--quick]
     .venv/bin/python perf/bench_m2n.py --parts pingpong --sizes 2048,8388608   # a quick look
 
-A partial run (--parts/--configs/--sizes) prints its tables and ratios but writes its JSON
-to $TMPDIR/bench_m2n_partial.json, never over the full result.
+A partial or quick run (--parts/--configs/--sizes/--quick) prints its tables and ratios but
+writes its JSON to $TMPDIR/bench_m2n_partial.json, never over the full result.
 
 Launches `mpiexec -n 4 perf/bench_m2n_mpi.py` (4 ranks: the 2x2 config needs them even on a
 2-core machine; say so when quoting numbers). Columns: size = bytes per message, count =
@@ -90,12 +90,12 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer iterations (smoke run)")
     ap.add_argument("--scale", type=float, default=None, help="iterations scale with --quick (0.1)")
     ap.add_argument("--out", default=None, help="JSON path (default perf/results/bench_m2n.json, "
-                    "or bench_m2n_partial.json for a partial run)")
+                    "or $TMPDIR/bench_m2n_partial.json for a partial or quick run)")
     ap.add_argument("--parts", default=None, help="subset of collectives,pingpong,overlap,wait")
     ap.add_argument("--configs", default=None, help="MxN list for the collectives, e.g. 1x1,2x2")
     ap.add_argument("--sizes", default=None, help="message sizes in bytes, comma separated")
     args = ap.parse_args()
-    partial = any(x is not None for x in (args.parts, args.configs, args.sizes))
+    partial = args.quick or any(x is not None for x in (args.parts, args.configs, args.sizes))
     args.out = args.out or (os.path.join(tempfile.gettempdir(), "bench_m2n_partial.json")
                             if partial else os.path.join(HERE, "results", "bench_m2n.json"))
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
