@@ -3,8 +3,9 @@
 Every (M, N) config runs on a sub-communicator of the first M+N ranks while the rest sleep.
 Per message size: M2N dispatch and N2M combine through megainfer.comm (zero-copy reserve
 path, pre-posted receives), the same traffic through MPI_Alltoallv, through bare mpi4py
-persistent requests (the floor of a Python p2p layer) and through gloo all_to_all_single. Then raw MPI ping-pong vs channel ping-pong (1x1), compute overlap
-(1x2), and the wait-policy contention test (3 ranks on 2 cores).
+persistent requests (the floor of a Python p2p layer) and through gloo all_to_all_single.
+Then raw MPI ping-pong vs channel ping-pong (1x1), compute overlap (1x2), and the
+wait-policy contention test (3 ranks on 2 cores).
 """
 import argparse
 import json
