@@ -176,14 +176,14 @@ def _summarise(run: dict) -> dict:
 
 
 def _eplb_job(args, extra: list[str]) -> dict:
-    tmp = tempfile.mkdtemp(prefix="bench_eplb_")
-    trace_dir = os.path.join(tmp, "trace")
-    job_args = ["--zipf", args.runtime_zipf, "--interval", args.runtime_interval,
-                "--trace", trace_dir, *extra]
-    if args.runtime_batch:
-        job_args += ["--batch", args.runtime_batch]
-    run = run_job(3, "eplb_job.py", os.path.join(tmp, "run.json"), job_args)
-    run["expert_phase_ms"] = _expert_phase(trace_dir, run["interval"])
+    with tempfile.TemporaryDirectory(prefix="bench_eplb_") as tmp:
+        trace_dir = os.path.join(tmp, "trace")
+        job_args = ["--zipf", args.runtime_zipf, "--interval", args.runtime_interval,
+                    "--trace", trace_dir, *extra]
+        if args.runtime_batch:
+            job_args += ["--batch", args.runtime_batch]
+        run = run_job(3, "eplb_job.py", os.path.join(tmp, "run.json"), job_args)
+        run["expert_phase_ms"] = _expert_phase(trace_dir, run["interval"])
     return run
 
 

@@ -5,7 +5,7 @@ perf/results/bench_m2n.json.
     .venv/bin/python perf/bench_m2n.py [--quick]
     .venv/bin/python perf/bench_m2n.py --parts pingpong --sizes 2048,8388608   # a quick look
 
-A partial or quick run (--parts/--configs/--sizes/--quick) prints its tables and ratios but
+A partial or quick run (--parts/--configs/--sizes/--scale/--quick) prints its tables and ratios but
 writes its JSON to $TMPDIR/bench_m2n_partial.json, never over the full result.
 
 Launches `mpiexec -n 4 perf/bench_m2n_mpi.py` (4 ranks: the 2x2 config needs them even on a
@@ -89,14 +89,16 @@ def check_targets(res) -> dict:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer iterations (smoke run)")
-    ap.add_argument("--scale", type=float, default=None, help="iterations scale with --quick (0.1)")
+    ap.add_argument("--scale", type=float, default=None,
+                    help="iterations scale (0.1 with --quick); a scaled run is a partial one")
     ap.add_argument("--out", default=None, help="JSON path (default perf/results/bench_m2n.json, "
                     "or $TMPDIR/bench_m2n_partial.json for a partial or quick run)")
     ap.add_argument("--parts", default=None, help="subset of collectives,pingpong,overlap,wait")
     ap.add_argument("--configs", default=None, help="MxN list for the collectives, e.g. 1x1,2x2")
     ap.add_argument("--sizes", default=None, help="message sizes in bytes, comma separated")
     args = ap.parse_args()
-    partial = args.quick or any(x is not None for x in (args.parts, args.configs, args.sizes))
+    partial = args.quick or any(x is not None for x in (args.parts, args.configs, args.sizes,
+                                                        args.scale))
     args.out = args.out or (os.path.join(tempfile.gettempdir(), "bench_m2n_partial.json")
                             if partial else os.path.join(HERE, "results", "bench_m2n.json"))
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
@@ -104,8 +106,10 @@ def main():
         raw = os.path.join(tmp, "raw.json")
         cmd = [mpiexec, "-n", "4", sys.executable, os.path.join(HERE, "bench_m2n_mpi.py"),
                "--port", str(free_port()), "--out", raw]
+        if args.quick or args.scale is not None:  # fewer iterations: never the full result
+            cmd += ["--scale", str(args.scale or 0.1)]
         if args.quick:
-            cmd += ["--scale", str(args.scale or 0.1), "--rounds", "4"]
+            cmd += ["--rounds", "4"]
         for opt in ("parts", "configs", "sizes"):
             if getattr(args, opt) is not None:
                 cmd += [f"--{opt}", getattr(args, opt)]

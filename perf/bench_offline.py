@@ -23,6 +23,8 @@ import time
 
 import torch
 
+from megainfer.perfmodel.layer_bench import time_fn
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -58,26 +60,13 @@ def job_flops(a) -> float:
 def matmul_roofline(n: int = 1024, reps: int = 10) -> float:
     """Median fp32 GFLOP/s of an n x n x n matmul on this process's threads."""
     x, y = torch.randn(n, n), torch.randn(n, n)
-    for _ in range(3):
-        x @ y
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        x @ y
-        times.append(time.perf_counter() - t)
-    return 2 * n ** 3 / statistics.median(times) / 1e9
+    return 2 * n ** 3 / time_fn(lambda: x @ y, repeats=reps, warmup=3) / 1e9
 
 
 def read_bandwidth(n: int = 64 * 2**20, reps: int = 10) -> float:
     """Median bytes/s of summing a 256 MB fp32 tensor (a pure read stream) on this process's threads."""
     x = torch.ones(n)
-    x.sum()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - t)
-    return 4 * n / statistics.median(times)
+    return 4 * n / time_fn(x.sum, repeats=reps, warmup=1)
 
 
 def time_lower_bound(a, n_params: int, peak_flops: float, read_bps: float) -> dict:

@@ -25,15 +25,14 @@ import yaml
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_pipeline import BENCH_SHAPE  # noqa: E402
 from measure_runtime_runs import PROMPT, job_args  # noqa: E402
 from mpi_launch import run_job  # noqa: E402
+from validate_perfmodel import load_shape  # noqa: E402
 
 from megainfer.perfmodel.calibrate import write_profile  # noqa: E402
 from megainfer.perfmodel.insitu import fit_error, fit_in_situ, layer_samples  # noqa: E402
 
-MODEL = "pipeline_bench"
-TOP_K = 2
+MODEL = "pipeline_bench"  # conf/plan_model/pipeline_bench.yaml: the shape bench_pipeline runs
 DEFAULT_BATCHES = "32,64,128,256,384"
 PROFILE = os.path.join(HERE, "..", "conf", "hardware", "cpu_node.yaml")
 
@@ -47,14 +46,10 @@ def traced_run(batch: int, tmp: str) -> dict:
         return json.load(f)
 
 
-def shape_arg(name: str) -> int:
-    return int(BENCH_SHAPE[BENCH_SHAPE.index(f"--{name}") + 1])
-
-
 def collect(batches, tmp: str, attn: list, expert: list) -> None:
     """One traced run per batch size; append its decode spans to ``attn`` and ``expert``."""
     for b in batches:
-        at, ex = layer_samples(traced_run(b, tmp), PROMPT, TOP_K)
+        at, ex = layer_samples(traced_run(b, tmp), PROMPT, load_shape(MODEL).top_k)
         attn += at
         expert += ex
         print(f"  in situ b={b}: {len(at)} attention, {len(ex)} expert spans", flush=True)
@@ -62,7 +57,7 @@ def collect(batches, tmp: str, attn: list, expert: list) -> None:
 
 def fit_and_write(attn: list, expert: list, profile: str, what: str) -> dict:
     """Fit, replace the profile's pipeline_bench fit, note how it was measured; returns the fit."""
-    experts = shape_arg("experts")
+    experts = load_shape(MODEL).num_experts
     fit = fit_in_situ(attn, expert, experts)
     err = fit_error(fit, attn, expert, experts)
     with open(profile) as f:

@@ -8,6 +8,7 @@ can be compared before and after the first rebalance of the same run.
 """
 import argparse
 import json
+import os
 
 import torch
 
@@ -19,6 +20,7 @@ from megainfer.config import (CacheConfig, CommConfig, DeployPlan, EplbConfig,  
                               LoadConfig, ModelConfig, SchedulerConfig, TraceConfig)
 from megainfer.engine.outputs import PromptInput  # noqa: E402
 from megainfer.engine.sampling_params import SamplingParams  # noqa: E402
+from megainfer.kernels import select_experts  # noqa: E402
 from megainfer.runtime.world import JobSpec, build_rank, run_rank  # noqa: E402
 
 
@@ -34,10 +36,8 @@ def bias_routers(model, zipf: float, seed: int) -> None:
         order = torch.randperm(E, generator=g)
         bias = torch.empty(E)
         bias[order] = -zipf * torch.log(torch.arange(E, dtype=torch.float32) + 1)
-        plain = gate.forward
 
-        def forward(x, plain=plain, bias=bias, gate=gate):
-            from megainfer.kernels import select_experts
+        def forward(x, bias=bias, gate=gate):
             logits = torch.nn.functional.linear(x, gate.weight) + bias
             w, ids = select_experts(logits, gate.top_k, renormalize=gate.renormalize)
             return w.to(x.dtype), ids
@@ -90,7 +90,6 @@ def main():
                        "shape": {k: getattr(a, k) for k in ("hidden", "inter", "layers", "kv_heads", "experts",
                                                             "top_k", "zipf", "redundant")}}, f)
     if a.trace:
-        import os
         os.makedirs(a.trace, exist_ok=True)
         r.tracer.write(a.trace)
     r.close()

@@ -70,7 +70,7 @@ class Channel:
                 for s in range(streams):
                     bufs = [transport.alloc(nb) for _ in range(depth)]
                     ring = _RecvRing([_Slot(b, spec, transport.recv_init(b, p), p) for b in bufs],
-                                     p, self._tags[s], bufs[0].data.numel())
+                                     self._tags[s], nb)
                     self._recv[(p, s)] = ring
                     if not self._ordered:
                         self._post_ahead(ring)

@@ -57,10 +57,10 @@ class _MpiSendInit:
     """One send slot's persistent sends, keyed by (nbytes, tag); the last one used is kept
     at hand (a slot mostly sends the same size on the same tag)."""
 
-    __slots__ = ("t", "np", "peer", "reqs", "key", "last")
+    __slots__ = ("t", "buf", "np", "peer", "reqs", "key", "last")
 
     def __init__(self, t: "MpiTransport", buf: Buffer, peer: int):
-        self.t, self.np, self.peer, self.reqs = t, buf.extra["np"], peer, {}
+        self.t, self.buf, self.np, self.peer, self.reqs = t, buf, buf.extra["np"], peer, {}
         self.key, self.last = -1, None
 
     def start(self, nbytes: int, tag: int) -> Request:
@@ -70,10 +70,9 @@ class _MpiSendInit:
         else:
             r = self.reqs.get(key)
             if r is None:
-                spec = [self.np, nbytes, MPI.BYTE]
-                if len(self.reqs) >= MAX_PERSISTENT:
-                    return _MpiSend(self.t.comm.Isend(spec, self.peer, tag))
-                pre = self.t.comm.Send_init(spec, self.peer, tag)
+                if len(self.reqs) >= MAX_PERSISTENT:  # a slot that met too many sizes
+                    return self.t.isend(self.buf, nbytes, self.peer, tag)
+                pre = self.t.comm.Send_init([self.np, nbytes, MPI.BYTE], self.peer, tag)
                 self.t._persistent.append(pre)
                 r = self.reqs[key] = _MpiSend(pre)
             self.key, self.last = key, r

@@ -71,17 +71,12 @@ class Outgoing(_Slot):
     def fields(self) -> dict:
         return self.views(self.rows)
 
-    @property
-    def slot(self) -> "Outgoing":
-        return self
-
 
 class _RecvRing:
-    __slots__ = ("slots", "post_ptr", "next_ptr", "peer", "tag", "nbytes")
+    __slots__ = ("slots", "post_ptr", "next_ptr", "tag", "nbytes")
 
-    def __init__(self, slots: list, peer: int, tag: int, nbytes: int):
-        self.slots, self.post_ptr, self.next_ptr, self.peer, self.tag = slots, 0, 0, peer, tag
-        self.nbytes = nbytes
+    def __init__(self, slots: list, tag: int, nbytes: int):
+        self.slots, self.post_ptr, self.next_ptr, self.tag, self.nbytes = slots, 0, 0, tag, nbytes
 
 
 class SendHandle:

@@ -24,7 +24,6 @@ from megainfer.config import ConfigError
 from megainfer.perfmodel.fit import fit_attention, fit_line
 from megainfer.perfmodel.layer_bench import measure_layers, time_fn
 from megainfer.perfmodel.node_bench import measure_node
-from megainfer.perfmodel import module_bench  # noqa: F401  (registers calibrate.bench=megainfer)
 from megainfer.perfmodel.shapes import ModelShape
 
 

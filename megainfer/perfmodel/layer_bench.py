@@ -100,6 +100,16 @@ def register_bench(name: str, make_attention, make_experts) -> None:
     BENCHES[name] = (make_attention, make_experts)
 
 
+def bench_fns(name: str) -> tuple:
+    """(make_attention, make_experts) of a bench; the runtime's own modules ("megainfer", in
+    module_bench) are registered on first use."""
+    if name not in BENCHES:
+        from megainfer.perfmodel import module_bench  # noqa: F401  (registers "megainfer")
+    if name not in BENCHES:
+        raise ConfigError(f"calibrate.bench={name!r}: unknown; known: {', '.join(BENCHES)}")
+    return BENCHES[name]
+
+
 CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
 
 
@@ -135,9 +145,7 @@ def measure_layers(shape: ModelShape, batches, ctxs, experts: int, bench: str = 
     (default: the model's layer count) is the number of distinct layers rotated through, so the
     working set matches a rank that holds every layer, as the runtime does.
     """
-    if bench not in BENCHES:
-        raise ConfigError(f"calibrate.bench={bench!r}: unknown; known: {', '.join(BENCHES)}")
-    make_a, make_e = BENCHES[bench]
+    make_a, make_e = bench_fns(bench)
     copies = copies or shape.num_layers
     points = [("attention", b, c) for c in ctxs for b in batches] + [("expert", b, 0) for b in batches]
     samples = {p: [] for p in points}

@@ -24,25 +24,19 @@ import time
 
 import torch
 
-from megainfer.perfmodel.layer_bench import BENCHES
+from megainfer.perfmodel.layer_bench import bench_fns, time_fn
 from megainfer.perfmodel.shapes import ModelShape
 
 
 def _kernel(shape: ModelShape, kind: str, b: int, ctx: int, experts: int, bench: str, copies: int):
-    make_a, make_e = BENCHES[bench]
+    make_a, make_e = bench_fns(bench)
     return make_a(shape, b, ctx, "float32", copies) if kind == "attention" else \
         make_e(shape, b, experts, "float32", copies)
 
 
 def _cpu_time(fn, min_s: float) -> float:
     """Thread CPU seconds per call, looping until min_s of CPU time."""
-    n, t0 = 0, time.thread_time()
-    while True:
-        fn()
-        n += 1
-        el = time.thread_time() - t0
-        if el >= min_s:
-            return el / n
+    return time_fn(fn, repeats=1, warmup=0, min_time_s=min_s, clock="thread")
 
 
 def contention_slowdown(shape: ModelShape, kind: str, b: int = 32, ctx: int = 128, experts: int = 2,
@@ -96,7 +90,6 @@ def _readline(f, timeout_s: float) -> str:
 def _co_runner(shape_json: str, kind: str, b: str, ctx: str, experts: str, bench: str) -> None:
     """Runs the kernel between 'go' and 'stop' lines on stdin (the second process)."""
     torch.set_num_threads(1)
-    from megainfer.perfmodel import module_bench  # noqa: F401  (bench=megainfer)
     shape = ModelShape(**json.loads(shape_json))
     fn = _kernel(shape, kind, int(b), int(ctx), int(experts), bench, shape.num_layers)
     for _ in range(shape.num_layers):

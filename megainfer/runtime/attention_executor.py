@@ -31,9 +31,14 @@ class _MicroBatch:
     hidden: torch.Tensor  # [n, H] residual stream
     residual: Optional[torch.Tensor] = None
     shared: Optional[torch.Tensor] = None
-    in_flight: bool = False  # a MoE layer's experts are working on this micro-batch
     handle: object = None  # the leader's exchange handle for it (None on TP peers)
     layer: int = -1
+
+    @property
+    def in_flight(self) -> bool:
+        """A MoE layer's experts are working on this micro-batch (set by dispatch, cleared by
+        ``_finish``)."""
+        return self.residual is not None
 
     @property
     def n(self) -> int:
@@ -90,7 +95,6 @@ class DisaggregatedExecutor:
                 ids = self.rebalancer.to_physical(l, ids)
             if self.exchange is not None:
                 mb.handle = self.exchange.dispatch(self.iteration, l, i, x, ids, w)
-            mb.in_flight = True
             mb.shared = layer.mlp.shared(x)
             mb.layer = l
 
@@ -106,7 +110,7 @@ class DisaggregatedExecutor:
             routed = self.tp.broadcast_from_leader(routed, f"routed output L{mb.layer} mb{i}")
         mlp = routed if mb.shared is None else routed + mb.shared
         mb.hidden = mb.residual + mlp
-        mb.in_flight, mb.handle, mb.residual, mb.shared = False, None, None, None
+        mb.handle, mb.residual, mb.shared = None, None, None
 
     def _logits(self, step, groups, mbs, hidden) -> torch.Tensor:
         if not step.sample_rows:

@@ -49,36 +49,33 @@ class AttentionExchange:
     def dispatch(self, iteration: int, layer: int, mb: int, x: torch.Tensor, ids: torch.Tensor,
                  w: torch.Tensor) -> _InFlight:
         """x [n, H], ids [n, k] physical slots, w [n, k] -> handle for ``combine``."""
-        t0 = self.tracer.now_us()
-        owner = self.slot_owner[ids]  # [n, k] expert-rank index of each chosen slot
-        replies = [self.m2n.recv_combine(r, layer=layer, micro_batch=mb, iteration=iteration)
-                   for r in self.experts]
-        index = []
-        ids32, w32 = ids.to(torch.int32), w.to(torch.float32)
-        for j, r in enumerate(self.experts):
-            rows = (owner == j).any(dim=1).nonzero().flatten()  # [n_j]
-            index.append(rows)
-            self.m2n.dispatch(r, iteration=iteration, layer=layer, micro_batch=mb,
-                              hidden=x[rows], topk_ids=ids32[rows], topk_weights=w32[rows])
-        self.tracer.add(self.lanes[0], f"{self.lanes[0]} L{layer} mb{mb}", t0,
-                        self.tracer.now_us() - t0, iteration, layer, mb, x.shape[0])
+        with self.tracer.span(self.lanes[0], f"{self.lanes[0]} L{layer} mb{mb}", iteration,
+                              layer, mb, x.shape[0]):
+            owner = self.slot_owner[ids]  # [n, k] expert-rank index of each chosen slot
+            replies = [self.m2n.recv_combine(r, layer=layer, micro_batch=mb, iteration=iteration)
+                       for r in self.experts]
+            index = []
+            ids32, w32 = ids.to(torch.int32), w.to(torch.float32)
+            for j, r in enumerate(self.experts):
+                rows = (owner == j).any(dim=1).nonzero().flatten()  # [n_j]
+                index.append(rows)
+                self.m2n.dispatch(r, iteration=iteration, layer=layer, micro_batch=mb,
+                                  hidden=x[rows], topk_ids=ids32[rows], topk_weights=w32[rows])
         return _InFlight(iteration, layer, mb, x.shape[0], index, replies)
 
     def combine(self, flight: _InFlight) -> torch.Tensor:
         """Wait for every expert rank's partial sums; their sum [n, H] in expert-rank order."""
-        t0 = self.tracer.now_us()
-        out = None
-        for rows, handle in zip(flight.index, flight.replies):
-            msg = handle.wait()
-            part = msg["out"]  # [n_j, H]
-            if out is None:
-                out = torch.zeros(flight.n, part.shape[1], dtype=part.dtype)
-            if rows.numel():
-                out.index_add_(0, rows, part)
-            msg.release()
-        f = flight
-        self.tracer.add(self.lanes[1], f"{self.lanes[1]} L{f.layer} mb{f.mb}", t0,
-                        self.tracer.now_us() - t0, f.iteration, f.layer, f.mb, f.n)
+        f, out = flight, None
+        with self.tracer.span(self.lanes[1], f"{self.lanes[1]} L{f.layer} mb{f.mb}", f.iteration,
+                              f.layer, f.mb, f.n):
+            for rows, handle in zip(f.index, f.replies):
+                msg = handle.wait()
+                part = msg["out"]  # [n_j, H]
+                if out is None:
+                    out = torch.zeros(f.n, part.shape[1], dtype=part.dtype)
+                if rows.numel():
+                    out.index_add_(0, rows, part)
+                msg.release()
         return out
 
     def stop(self, iteration: int, first_layer: int) -> None:

@@ -65,18 +65,15 @@ class ExpertRebalancer:
         self.mine = placement.slots_of_rank(index)
         self.rebalances = self.moved = 0  # counters, for tests and logs
         self.tokens_per_iteration: list[int] = []  # (token, slot) pairs served here, per iteration
-        self._tokens = 0
 
     def record(self, layer: int, ids: torch.Tensor) -> None:
         """ids [n, k] physical slots of tokens that reached this rank: count the local ones."""
         local = ids[(ids >= self.mine.start) & (ids < self.mine.stop)]
         self.window.record_physical(layer, local, self.placement.phy2log)
-        self._tokens += local.numel()
 
     def end_iteration(self) -> None:
+        self.tokens_per_iteration.append(int(self.window.current.sum()))  # this iteration's count
         self.window.end_iteration()
-        self.tokens_per_iteration.append(self._tokens)
-        self._tokens = 0
 
     def rebalance(self) -> None:
         load = self.window.load().numpy().astype(np.int64)  # [L, N] tokens at my slots
