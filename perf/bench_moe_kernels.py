@@ -5,7 +5,9 @@ per-expert Python loop (HF transformers style) vs DeepSpeed's MoE layer (the `de
 extra; reported unavailable, with the reason, when it cannot run). Rates are set against
 this machine's dense fp32 matmul rate (torch.mm, square) and memory copy bandwidth, both
 measured in the same run.
-GPU: Triton vs the torch path in bf16, against the measured dense bf16 matmul rate.
+GPU: Triton (tile-config table entry, and the default config where the table has one) vs the
+torch path in bf16, timed with triton.testing.do_bench (CUDA events, median), against the
+measured dense bf16 matmul rate and copy bandwidth.
 
   python perf/bench_moe_kernels.py [--device cpu|cuda] [--repeats 7] [--threads 1] [--quick]
 Writes perf/results/bench_moe_kernels_<device>[_t<threads>].json. On CPU the default is one torch
@@ -50,11 +52,12 @@ def machine_rates(device, dtype, repeats, sync) -> dict:
     n = 2048 if device == "cpu" else 8192
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    mm = timeit(lambda: torch.mm(a, b), repeats, sync)
+    tm = gpu_time if device != "cpu" else (lambda fn: timeit(fn, repeats, sync))
+    mm = tm(lambda: torch.mm(a, b))
     nbytes = 64 * 2 ** 20 if device == "cpu" else 2 ** 30
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    cp = timeit(lambda: dst.copy_(src), repeats, sync)
+    cp = tm(lambda: dst.copy_(src))
     return dict(matmul_n=n, matmul_flops=2 * n ** 3 / statistics.median(mm),
                 copy_bytes=src.numel(), copy_bw=2 * src.numel() / statistics.median(cp),
                 matmul_samples=mm, copy_samples=cp)
@@ -193,8 +196,19 @@ def cpu_rows(w1, w2, k, per_expert, repeats, ds_layer, ds_why):
     return rows
 
 
-def gpu_rows(E, k, K, N, per_expert, repeats, rates):
+def gpu_time(fn) -> list[float]:
+    """Seconds per call: triton.testing.do_bench (CUDA events, L2 flushed before each call,
+    ~100 ms of calls after a warm-up), every sample."""
+    import triton
+    return [ms / 1e3 for ms in triton.testing.do_bench(fn, return_mode="all")]
+
+
+def gpu_rows(E, k, K, N, per_expert, rates):
+    """Triton (the tile-config table's entry, else the default) vs the torch path, plus the
+    default config when the table has a tuned one (what tuning bought), bf16."""
+    from megainfer.kernels.tile_configs import default_config, get_config
     from megainfer.kernels.torch_moe import fused_moe_torch
+    from megainfer.kernels.triton_moe import fused_moe_triton
     M = max(1, per_expert * E // k)
     dev, dt = "cuda", torch.bfloat16
     hidden = torch.randn(M, K, device=dev, dtype=dt)
@@ -203,28 +217,37 @@ def gpu_rows(E, k, K, N, per_expert, repeats, rates):
     w, ids = balanced_routing(M, E, k, dev)
     flops = 6 * K * N * M * k
     weight_bytes = min(E, M * k) * 3 * K * N * 2
-    err = (fused_moe(hidden, w1, w2, w, ids).float() -
-           fused_moe_torch(hidden, w1, w2, w, ids).float()).abs().max().item()
+    ref = fused_moe_torch(hidden, w1, w2, w, ids).float()
+    cfg = get_config(E, N, K, M, k, dt, torch.device(dev))
+    dflt = default_config(E, M, k)
+    variants = {"triton": lambda: fused_moe_triton(hidden, w1, w2, w, ids),
+                "torch path": lambda: fused_moe_torch(hidden, w1, w2, w, ids)}
+    if cfg != dflt:
+        variants["triton default"] = lambda: fused_moe_triton(hidden, w1, w2, w, ids,
+                                                              config=dflt)
     rows = []
-    for name, fn in {"triton": lambda: fused_moe(hidden, w1, w2, w, ids),
-                     "torch path": lambda: fused_moe_torch(hidden, w1, w2, w, ids)}.items():
-        s = timeit(fn, repeats, torch.cuda.synchronize)
+    for name, fn in variants.items():
+        rel = ((fn().float() - ref).norm() / ref.norm()).item()
+        s = gpu_time(fn)
         t = statistics.median(s)
         rows.append(dict(impl=name, E=E, k=k, K=K, N=N, M=M, per_expert=per_expert, median_s=t,
                          tokens_per_s=M / t, tflops=flops / t / 1e12,
                          pct_matmul=100 * flops / t / rates["matmul_flops"],
                          weight_gbps=weight_bytes / t / 1e9,
-                         pct_copy_bw=100 * weight_bytes / t / rates["copy_bw"], samples=s,
-                         max_abs_diff_vs_torch=err))
+                         pct_copy_bw=100 * weight_bytes / t / rates["copy_bw"],
+                         n_samples=len(s), p10_s=sorted(s)[len(s) // 10],
+                         rel_err_vs_torch=rel,
+                         config=cfg if name == "triton" else dflt if name != "torch path"
+                         else None))
     return rows
 
 
 def print_table(rows, gpu):
     rate = "TFLOP/s" if gpu else "GFLOP/s"
-    print(f"{'impl':<14}{'E':>4}{'k':>3}{'K':>6}{'N':>6}{'M':>6}{'M/exp':>7}{'ms':>10}"
+    print(f"{'impl':<15}{'E':>4}{'k':>3}{'K':>6}{'N':>6}{'M':>6}{'M/exp':>7}{'ms':>10}"
           f"{'tok/s':>11}{rate:>9}{'%mm':>6}{'wGB/s':>8}{'%copy':>7}")
     for r in rows:
-        head = (f"{r['impl']:<14}{r['E']:>4}{r['k']:>3}{r['K']:>6}{r['N']:>6}{r['M']:>6}"
+        head = (f"{r['impl']:<15}{r['E']:>4}{r['k']:>3}{r['K']:>6}{r['N']:>6}{r['M']:>6}"
                 f"{r['per_expert']:>7}")
         if "unavailable" in r:
             print(head + f"   unavailable: {r['unavailable']}")
@@ -260,12 +283,26 @@ def main(argv=None):
           f"{rates['matmul_flops'] / unit:.1f} {'T' if gpu else 'G'}FLOP/s; "
           f"copy bandwidth (read+write): {rates['copy_bw'] / 1e9:.1f} GB/s")
     rows = []
+    tag = ("_quick" if args.quick else "") + (f"_t{args.threads}" if not gpu else "")
+    out = RESULTS / f"bench_moe_kernels_{args.device}{tag}.json"
+    RESULTS.mkdir(parents=True, exist_ok=True)
+
+    def save():  # after every shape: a crash keeps what finished
+        out.write_text(json.dumps(dict(
+            date=datetime.datetime.now().isoformat(timespec="seconds"),
+            machine=dict(platform=platform.platform(), processor=platform.processor(),
+                         cpu_count=os.cpu_count(), torch_threads=torch.get_num_threads(),
+                         loadavg=os.getloadavg(), torch=torch.__version__,
+                         triton=_triton_version(),
+                         gpu=torch.cuda.get_device_name() if gpu else None),
+            rates=rates, rows=rows, argv=sys.argv[1:]), indent=1))
     if gpu:
         shapes = [(8, 2, 4096, 14336), (64, 6, 2048, 1408)]  # Mixtral-8x7B, DeepSeek-V2-Lite
         shapes = [(8, 2, 256, 512)] if args.quick else shapes
         for E, k, K, N in shapes:
             for pe in (1, 8, 64, 512, 2048):
-                rows += gpu_rows(E, k, K, N, pe, args.repeats, rates)
+                rows += gpu_rows(E, k, K, N, pe, rates)
+                save()
     else:
         E, k, K, N = (8, 2, 1024, 1024) if not args.quick else (4, 2, 128, 128)
         g = torch.Generator().manual_seed(0)
@@ -276,18 +313,17 @@ def main(argv=None):
             ds_layer, ds_why = deepspeed_layer(w1, w2, k)
         for pe in (1, 4, 8, 32, 256, 512):
             rows += cpu_rows(w1, w2, k, pe, args.repeats, ds_layer, ds_why)
+            save()
     print_table(rows, gpu)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    tag = ("_quick" if args.quick else "") + (f"_t{args.threads}" if not gpu else "")
-    out = RESULTS / f"bench_moe_kernels_{args.device}{tag}.json"
-    out.write_text(json.dumps(dict(
-        date=datetime.datetime.now().isoformat(timespec="seconds"),
-        machine=dict(platform=platform.platform(), processor=platform.processor(),
-                     cpu_count=os.cpu_count(), torch_threads=torch.get_num_threads(),
-                     loadavg=os.getloadavg(), torch=torch.__version__,
-                     gpu=torch.cuda.get_device_name() if gpu else None),
-        rates=rates, rows=rows, argv=sys.argv[1:]), indent=1))
     print(f"[bench] wrote {out}")
+
+
+def _triton_version():
+    try:
+        import triton
+        return triton.__version__
+    except ImportError:
+        return None
 
 
 if __name__ == "__main__":

@@ -2,42 +2,62 @@
 # The one prepared script for a session that is lent a GPU (see /work/.library/device): it runs
 # from the repository root on the GPU machine and writes everything under $OUT.
 #
-#   1. environment: nvidia-smi, torch / triton versions, which libnccl is found;
+#   1. environment: nvidia-smi, torch / triton versions, which libnccl is found; mpi4py from the
+#      image, else the carried .whl/ wheels (mpi4py 4.1.2 + the mpich 5.0.2 library);
 #   2. the Triton kernels compiled for real against their torch references
-#      (tests/test_kernels_triton.py with TRITON_INTERPRET=0) and the NCCL transport round trip
-#      on one GPU (tests/test_comm_nccl.py);
-#   3. perf/bench_moe_kernels.py --device cuda: Triton vs the torch path, TFLOP/s against the
-#      measured dense bf16 matmul rate, decode-like and prefill-like shapes;
-#   4. perf/tune_moe_kernels.py: fills the tile-config table for the benchmark's shapes.
+#      (tests/test_kernels_triton.py with TRITON_INTERPRET=0) and the NCCL transport on one GPU
+#      (tests/test_comm_nccl.py: round trip, no host synchronisation per message);
+#   3. perf/bench_nccl_self.py: Channel over NCCL vs raw NCCL vs a device copy, 2 KB - 8 MB;
+#   4. perf/tune_moe_kernels.py --space small: tile configs for the benchmark's shapes and token
+#      counts, written into the package's table (so step 5 uses them) and to $OUT;
+#   5. perf/bench_moe_kernels.py --device cuda: Triton (tuned and default config) vs the torch
+#      path, TFLOP/s against the measured dense bf16 matmul rate, decode- to prefill-like M.
 #
-# The GPU image has torch, triton, mpi4py, pytest and the nvidia-nccl wheel but not this
-# package's pins, so the package is put on PYTHONPATH as setup.py lays it out (kernels/ and
-# launch/ inside megainfer/) instead of pip-installed. Each step has its own timeout and the
-# script goes on after a failure; rc.txt records each step's exit status.
-# Usage (device tool): bash perf/gpu_session.sh      (about 6 minutes; give it timeout_s 540)
+# The GPU image has torch, triton, pytest and the nvidia-nccl wheel but not this package's
+# pins, so the package is put on PYTHONPATH as setup.py lays it out (kernels/ and launch/
+# inside megainfer/) instead of pip-installed. Each step has its own timeout and the script
+# goes on after a failure; rc.txt records each step's exit status. Every step writes its
+# JSON as it goes, so a timeout keeps what finished.
+# Usage (device tool, carry [".whl"]): bash perf/gpu_session.sh   (~6 min; timeout_s 590)
+# Everything comes back in $OUT/gpu_session.tgz: a log per step, rc.txt, the JSON results.
 set -u
 OUT=${OUT:-/tmp/megainfer_gpu_out}
 PY=${PY:-python3}
-mkdir -p "$OUT"
-SRC=$(mktemp -d)/src
+W=$(mktemp -d)/gpu_session  # logs and JSON; $OUT/gpu_session.tgz is re-packed after each step
+mkdir -p "$OUT" "$W"
+ROOT=$(mktemp -d)  # python -c and python -m put the cwd first on sys.path: run those from here,
+SRC=$ROOT/src      # where no unassembled megainfer/ shadows the assembled one
 mkdir -p "$SRC"
 cp -r megainfer "$SRC/" && cp -r kernels "$SRC/megainfer/kernels" \
-  && cp -r launch "$SRC/megainfer/launch" && cp -r conf "$SRC/megainfer/conf"
-export PYTHONPATH="$SRC:$PWD/tests" PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 HF_HUB_OFFLINE=1
+  && cp -r launch "$SRC/megainfer/launch" && cp -r conf "$SRC/megainfer/conf" && cp -r tests "$ROOT/"
+export PYTHONPATH="$SRC:$ROOT/tests" PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 HF_HUB_OFFLINE=1
 
-step() {  # step NAME TIMEOUT CMD...: run, log to $OUT/NAME.log, record the exit status
+STEPS=${STEPS:-env tests nccl tune1 tune2 bench}  # a rerun can name fewer
+step() {  # step NAME TIMEOUT CMD...: run, log to $W/NAME.log, record the exit status
   local name=$1 limit=$2
   shift 2
+  case " $STEPS " in *" $name "*) ;; *) return ;; esac
   echo "== $name: $*"
-  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  timeout "$limit" "$@" >"$W/$name.log" 2>&1
   local rc=$?
-  echo "$name $rc" >>"$OUT/rc.txt"
-  tail -n 25 "$OUT/$name.log"
+  echo "$name $rc" >>"$W/rc.txt"
+  tail -n 25 "$W/$name.log"
+  cp "$TUNED" "$W/tile_configs.json"
+  cp perf/results/bench_moe_kernels_cuda.json "$W/" 2>/dev/null
+  tar czf "$OUT/gpu_session.tgz" -C "$W" .  # the device tool returns at most 8 files
 }
 
-step env 60 bash -c "nvidia-smi; $PY -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())'; $PY -c 'from megainfer.comm import nccl; lib = nccl.load_nccl(); print(\"nccl\", nccl.nccl_version(lib))'"
-step tests 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels_triton.py tests/test_comm_nccl.py
-step bench 180 "$PY" perf/bench_moe_kernels.py --device cuda --repeats 5
-step tune 150 "$PY" perf/tune_moe_kernels.py --shape 8,14336,4096 --shape 64,1408,2048 --m 1,8,64,512,2048 --table "$OUT/tile_configs.json"
-cp perf/results/bench_moe_kernels_cuda.json perf/results/tune_moe_kernels.json "$OUT/" 2>/dev/null
-cat "$OUT/rc.txt"
+if ! timeout 60 "$PY" -c "from mpi4py import MPI; MPI.COMM_SELF.Get_size()" >"$W/mpi.log" 2>&1; then
+  echo "image mpi4py unusable (see mpi.log); using the carried wheels" | tee -a "$W/mpi.log"
+  "$PY" -m zipfile -e .whl/mpi4py-*cp312*.whl "$SRC" && "$PY" -m zipfile -e .whl/mpich-*.whl /tmp/mpich
+  export MPI4PY_LIBMPI=$(ls /tmp/mpich/mpich-*.data/data/lib/libmpi.so.12)
+fi
+TUNED="$SRC/megainfer/kernels/tile_configs.json"
+
+step env 60 bash -c "cd $ROOT; nvidia-smi; $PY -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())'; $PY -c 'from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])'; $PY -c 'from megainfer.comm import nccl; lib = nccl.load_nccl(); print(\"nccl\", nccl.nccl_version(lib), lib._name)'"
+step tests 200 bash -c "cd $ROOT && $PY -m pytest -q -rs -p no:cacheprovider -o timeout=150 tests/test_kernels_triton.py tests/test_comm_nccl.py"
+step nccl 60 "$PY" perf/bench_nccl_self.py --out "$W/bench_nccl_self.json"
+step tune1 90 "$PY" perf/tune_moe_kernels.py --space small --shape 8,14336,4096 --top-k 2 --m 4,32,256,2048,8192 --table "$TUNED" --log "$W/tune_mixtral.json"
+step tune2 80 "$PY" perf/tune_moe_kernels.py --space small --shape 64,1408,2048 --top-k 6 --m 10,85,682,5461 --table "$TUNED" --log "$W/tune_dsv2lite.json"
+step bench 150 "$PY" perf/bench_moe_kernels.py --device cuda
+cat "$W/rc.txt"

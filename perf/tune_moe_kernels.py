@@ -7,7 +7,9 @@ path, and merges the winner into kernels/tile_configs.json under the key
 falls back to tile_configs.default_config.
 
   python perf/tune_moe_kernels.py --shape 8,14336,4096 --top-k 2 [--dtype bf16] [--m 1,16,512]
-Also writes perf/results/tune_moe_kernels.json with every timing.
+      [--space small|full] [--table PATH] [--log PATH]
+Also writes perf/results/tune_moe_kernels.json (--log) with every timing. Both files are
+rewritten after every (shape, M), so an interrupted run keeps what it found.
 """
 from __future__ import annotations
 
@@ -20,16 +22,25 @@ from pathlib import Path
 
 import torch
 
-from megainfer.kernels.tile_configs import M_BUCKETS, TABLE_PATH, device_name, table_key
+from megainfer.kernels.tile_configs import (M_BUCKETS, TABLE_PATH, default_config, device_name,
+                                             table_key)
 from megainfer.kernels.torch_moe import fused_moe_torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_moe_kernels import balanced_routing  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def search_space(per_expert: float):
-    """54 decode-like configs (<= 32 slots per expert) or 144 prefill-like ones."""
-    if per_expert <= 32:
+def search_space(per_expert: float, space: str = "full"):
+    """Decode-like (<= 32 slots per expert) or prefill-like configs: 54 / 144 in the full
+    space, 12 / 16 in the small one (each config is a Triton compile, ~1-3 s)."""
+    decode = per_expert <= 32
+    if space == "small":
+        grid = (itertools.product((16,), (64, 128), (64, 128, 256), (1,), (4,), (3, 4)) if decode
+                else itertools.product((64, 128), (128, 256), (64,), (8,), (4, 8), (3, 4)))
+    elif decode:
         grid = itertools.product((16, 32), (32, 64, 128), (64, 128, 256), (1,), (4,), (2, 3, 4))
     else:
         grid = itertools.product((64, 128), (64, 128, 256), (32, 64, 128), (1, 8), (4, 8), (3, 4))
@@ -38,17 +49,18 @@ def search_space(per_expert: float):
                    num_stages=stages)
 
 
-def tune_one(E, N, K, M, top_k, dtype, log):
+def tune_one(E, N, K, M, top_k, dtype, log, space):
     import triton
     from megainfer.kernels.triton_moe import fused_moe_triton
     dev = "cuda"
     hidden = torch.randn(M, K, device=dev).to(dtype)
     w1 = (torch.randn(E, 2 * N, K, device=dev) / K ** 0.5).to(dtype)
     w2 = (torch.randn(E, K, N, device=dev) / N ** 0.5).to(dtype)
-    logits = torch.randn(M, E, device=dev)
-    w, ids = torch.topk(torch.softmax(logits, -1), top_k)
+    w, ids = balanced_routing(M, E, top_k, dev)  # as bench_moe_kernels times it (EPLB's aim)
     best, best_ms = None, float("inf")
-    for cfg in search_space(M * top_k / E):
+    dflt = default_config(E, M, top_k)  # a candidate too: an entry must beat it
+    cands = [dflt] + [c for c in search_space(M * top_k / E, space) if c != dflt]
+    for cfg in cands:
         try:
             ms = triton.testing.do_bench(
                 lambda: fused_moe_triton(hidden, w1, w2, w, ids, config=cfg), return_mode="median")
@@ -75,26 +87,31 @@ def main(argv=None):
     ap.add_argument("--dtype", choices=DTYPES, default="bf16")
     ap.add_argument("--m", default=",".join(map(str, M_BUCKETS)), help="token counts")
     ap.add_argument("--table", default=str(TABLE_PATH))
+    ap.add_argument("--space", choices=("small", "full"), default="full")
+    ap.add_argument("--log", default=str(RESULTS / "tune_moe_kernels.json"))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("tune_moe_kernels: needs a CUDA GPU (Triton compiles for the device); "
                  "nothing was written")
     dtype, dev_name = DTYPES[args.dtype], device_name(torch.device("cuda"))
-    table_path = Path(args.table)
+    table_path, log_path = Path(args.table), Path(args.log)
     table = json.loads(table_path.read_text()) if table_path.exists() else {}
-    log = []
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log, best = [], []
     for shape in args.shape:
         E, N, K = (int(x) for x in shape.split(","))
         for M in (int(x) for x in args.m.split(",")):
-            cfg, ms = tune_one(E, N, K, M, args.top_k, dtype, log)
+            cfg, ms = tune_one(E, N, K, M, args.top_k, dtype, log, args.space)
             table[table_key(E, N, K, M, dtype, dev_name)] = cfg
+            best.append(dict(E=E, N=N, K=K, M=M, top_k=args.top_k, ms=ms, config=cfg))
             print(f"[tune] E={E} N={N} K={K} M={M}: {ms:.3f} ms {cfg}")
-    table_path.write_text(json.dumps(dict(sorted(table.items())), indent=1) + "\n")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "tune_moe_kernels.json").write_text(json.dumps(dict(
-        date=datetime.datetime.now().isoformat(timespec="seconds"), device=dev_name,
-        dtype=args.dtype, top_k=args.top_k, timings=log), indent=1))
-    print(f"[tune] wrote {table_path}")
+            # after every (shape, M): an interrupted run keeps what it found
+            table_path.write_text(json.dumps(dict(sorted(table.items())), indent=1) + "\n")
+            log_path.write_text(json.dumps(dict(
+                date=datetime.datetime.now().isoformat(timespec="seconds"), device=dev_name,
+                dtype=args.dtype, top_k=args.top_k, space=args.space, best=best,
+                timings=log), indent=1))
+    print(f"[tune] wrote {table_path} and {log_path}")
 
 
 if __name__ == "__main__":

@@ -64,3 +64,47 @@ def test_roundtrip_on_one_gpu():
         msg.release()
     ch.close()
     t.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_posting_never_waits_for_the_gpu():
+    """No host synchronisation per message: with the GPU busy for ~0.3 s, posting several
+    messages returns at once, none completes before the GPU gets to it, and all arrive
+    intact (each in its own NCCL group; depth 4, so four are in flight together)."""
+    import time
+    _lib_or_skip()
+    from mpi4py import MPI
+    from megainfer.comm import Channel, MessageSpec
+    t = nccl.NcclTransport(MPI.COMM_SELF)
+    ch = Channel(t, [0], [0], MessageSpec.of(32, x=((64,), torch.float32)), depth=4)
+    xs = [torch.randn(n, 64, device=t.device) for n in (32, 0, 5, 17)]  # [n, 64]
+
+    def post_all(layer0):
+        hs = []
+        for i, x in enumerate(xs):
+            with ch.group():
+                rh = ch.recv(0, layer=layer0 + i, micro_batch=0)
+                sh = ch.send(0, iteration=0, layer=layer0 + i, micro_batch=0, x=x)
+            hs.append((rh, sh))
+        return hs
+
+    def check(hs):
+        for x, (rh, sh) in zip(xs, hs):
+            msg = rh.wait()
+            assert msg.rows == x.shape[0] and torch.equal(msg["x"], x)
+            msg.release()
+            sh.wait()
+
+    check(post_all(0))  # warm-up: NCCL connects, events and streams exist
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    torch.cuda._sleep(600_000_000)  # ~0.3 s of GPU spin at ~2 GHz, ahead of the field copies
+    hs = post_all(10)
+    posted = time.perf_counter() - t0
+    assert not any(rh.test() for rh, _ in hs)  # still queued behind the sleep
+    check(hs)
+    total = time.perf_counter() - t0
+    assert total > 0.05, total  # the sleep really held the GPU
+    assert posted < 0.25 * total, (posted, total)
+    ch.close()
+    t.close()

@@ -104,7 +104,7 @@ def test_placement_rejects_inconsistent_maps():
 def apply_moves(old: Placement, new: Placement):
     """Simulate the runtime: each rank stages new buffers from old ones via the move list.
     A 'weight' is (layer, expert) so a wrong copy is visible."""
-    P, S = old.num_ranks, old.slots_per_rank
+    P = old.num_ranks
     buf = [[[(l, int(e)) for e in old.local_experts(r)[l]] for l in range(old.num_layers)]
            for r in range(P)]
     out = []

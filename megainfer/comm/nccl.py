@@ -1,8 +1,8 @@
 """NCCL transport: ctypes over ``libnccl.so.2``, grouped send/recv on a dedicated CUDA stream.
 
 The library is found lazily (importing this module needs no GPU and no NCCL):
-``$MEGAINFER_NCCL_LIB``, then the ``nvidia-nccl-cu12`` wheel (the ``nccl`` extra, also what a
-CUDA build of torch depends on), then the loader's search path. The communicator is made
+``$MEGAINFER_NCCL_LIB``, then the ``nvidia-nccl-cu12``/``-cu13`` wheels (the ``nccl`` extra, also
+what a CUDA build of torch depends on), then the loader's search path. The communicator is made
 from a unique id that rank 0 draws and broadcasts over MPI (raw bytes, no pickle).
 
 Semantics differ from MPI in two ways, both handled by ``Channel``:
@@ -13,9 +13,13 @@ Semantics differ from MPI in two ways, both handled by ``Channel``:
 * Send and receive counts must match, so every message moves the slot's full
   ``nbytes(capacity)``; the header (rows, ...) says how much of it is real.
 
-No host synchronisation per message: a send makes the comm stream wait on the caller's
-current stream (device-side), issues the group, copies the received header to pinned host
-memory and records one CUDA event per buffer; ``test()`` is ``event.query()``.
+No host synchronisation per message: a group makes the comm stream wait on the caller's
+current stream (device-side), copies each send's header from pinned host memory in, issues
+the NCCL group, copies each received header out to pinned host memory and records one CUDA
+event per buffer; ``test()`` queries that event. These few CUDA calls go straight to the
+driver (``libcuda.so.1``, the library every CUDA program already has loaded) through ctypes:
+through torch's Python API they cost ~4x raw NCCL's host time per message (measured in
+perf/bench_nccl_self.py, see docs/comm.md).
 """
 from __future__ import annotations
 
@@ -46,10 +50,10 @@ def _candidates() -> list[str]:
     out = []
     if os.environ.get("MEGAINFER_NCCL_LIB"):
         out.append(os.environ["MEGAINFER_NCCL_LIB"])
-    try:  # the nvidia-nccl-cu12 wheel installs nvidia/nccl/lib/libnccl.so.2
-        import nvidia.nccl as _n  # type: ignore
-        for d in list(getattr(_n, "__path__", [])):
-            out += sorted(glob.glob(os.path.join(d, "lib", "libnccl.so*")))
+    try:  # nvidia-nccl-cu12/-cu13 wheels: nvidia/nccl/lib/ (or nvidia/<cuXY>/lib/) libnccl.so.2
+        import nvidia  # type: ignore  # a namespace package: one path per site directory
+        for d in list(getattr(nvidia, "__path__", [])):
+            out += sorted(glob.glob(os.path.join(d, "*", "lib", "libnccl.so*")))
     except ImportError:
         pass
     torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
@@ -109,19 +113,61 @@ def _check(lib, rc: int, what: str) -> None:
         raise CommError(f"{what} failed: NCCL error {rc} ({lib.ncclGetErrorString(rc).decode()})")
 
 
+CUDA_ERROR_NOT_READY = 600
+
+
+class CudaDriver:
+    """The CUDA driver calls a flush needs (``libcuda.so.1``), on torch's streams and events.
+    Each returns after queueing its work; none waits for the device."""
+
+    def __init__(self):
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+        except OSError as e:
+            raise NcclUnavailableError(f"libcuda.so.1 (the CUDA driver) not loadable: {e}")
+        p, c_uint, c_size_t = ctypes.c_void_p, ctypes.c_uint, ctypes.c_size_t
+        self.record, self.wait = lib.cuEventRecord, lib.cuStreamWaitEvent
+        self.record.argtypes, self.wait.argtypes = [p, p], [p, p, c_uint]
+        self.h2d, self.d2h = lib.cuMemcpyHtoDAsync_v2, lib.cuMemcpyDtoHAsync_v2
+        self.h2d.argtypes = self.d2h.argtypes = [p, p, c_size_t, p]
+        self.query = lib.cuEventQuery
+        self.query.argtypes = [p]
+        self._name = lib.cuGetErrorName
+        self._name.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        for fn in (self.record, self.wait, self.h2d, self.d2h, self.query, self._name):
+            fn.restype = ctypes.c_int
+
+    def check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            name = ctypes.c_char_p()
+            self._name(rc, ctypes.byref(name))
+            raise CommError(f"{what} failed: CUDA error {rc} "
+                            f"({(name.value or b'?').decode()})")
+
+
+def _event(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    """A torch event whose CUDA event exists (torch makes it at the first record)."""
+    ev = torch.cuda.Event()
+    ev.record(stream)
+    return ev
+
+
 class _NcclRequest(Request):
     """Done once its group was issued and the slot's event (recorded after it) has fired.
     Until the group is issued the event still reflects the slot's previous op, so a
     request queued in an open group is never done."""
 
-    __slots__ = ("event", "done", "issued")
+    __slots__ = ("cu", "event", "done", "issued")
 
-    def __init__(self, event: torch.cuda.Event):
-        self.event, self.done, self.issued = event, False, False
+    def __init__(self, cu: CudaDriver, event: int):
+        self.cu, self.event, self.done, self.issued = cu, event, False, False
 
     def test(self) -> bool:
         if not self.done and self.issued:
-            self.done = self.event.query()
+            rc = self.cu.query(self.event)
+            if rc != CUDA_ERROR_NOT_READY:
+                self.cu.check(rc, "cuEventQuery")
+                self.done = True
         return self.done
 
 
@@ -147,14 +193,20 @@ class NcclTransport(Transport):
         self._comm = ctypes.c_void_p()
         _check(self.lib, self.lib.ncclCommInitRank(ctypes.byref(self._comm), self.size, uid,
                                                    self.rank), "ncclCommInitRank")
+        self.cu = CudaDriver()
         self.stream = torch.cuda.Stream(device=self.device)
+        self._s = ctypes.c_void_p(self.stream.cuda_stream)
+        self._fence = _event(self.stream)  # the caller's stream -> the comm stream
         self._group = 0
         self._ops: list = []  # (is_send, buf, peer) issued in the open group
 
     def alloc(self, nbytes: int) -> Buffer:
         data = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
-        header = torch.zeros(8, dtype=torch.int32).pin_memory()
-        extra = {"pinned": header, "event": torch.cuda.Event(), "req": None}
+        header = torch.zeros(8, dtype=torch.int32).pin_memory()  # [8] int32 pinned mirror
+        ev = _event(self.stream)
+        extra = {"pinned": header, "event": ev, "ev": ctypes.c_void_p(ev.cuda_event),
+                 "dptr": ctypes.c_void_p(data.data_ptr()),
+                 "hptr": ctypes.c_void_p(header.data_ptr()), "req": None}
         return Buffer(data, header.numpy(), extra)
 
     def isend(self, buf: Buffer, nbytes: int, peer: int, tag: int) -> Request:
@@ -164,7 +216,7 @@ class NcclTransport(Transport):
         return self._issue(False, buf, peer)
 
     def _issue(self, is_send: bool, buf: Buffer, peer: int) -> Request:
-        req = _NcclRequest(buf.extra["event"])
+        req = _NcclRequest(self.cu, buf.extra["ev"])
         buf.extra["req"] = req
         self._ops.append((is_send, buf, peer))
         if self._group == 0:
@@ -178,27 +230,30 @@ class NcclTransport(Transport):
         ops, self._ops = self._ops, []
         if not ops:
             return
-        producer = torch.cuda.current_stream(self.device)
-        s = self.stream
-        s.wait_stream(producer)  # device-side: fields written on the caller's stream land first
-        with torch.cuda.stream(s):
-            for is_send, buf, _ in ops:  # header: pinned host -> device, ordered before the send
-                if is_send:
-                    buf.data[:32].copy_(buf.extra["pinned"].view(torch.uint8), non_blocking=True)
-            _check(self.lib, self.lib.ncclGroupStart(), "ncclGroupStart")
-            for is_send, buf, peer in ops:
-                fn = self.lib.ncclSend if is_send else self.lib.ncclRecv
-                rc = fn(ctypes.c_void_p(buf.data.data_ptr()), buf.data.numel(), NCCL_UINT8, peer,
-                        self._comm, ctypes.c_void_p(s.cuda_stream))
-                if rc != 0:
-                    self.lib.ncclGroupEnd()
-                    _check(self.lib, rc, "ncclSend" if is_send else "ncclRecv")
-            _check(self.lib, self.lib.ncclGroupEnd(), "ncclGroupEnd")
-            for is_send, buf, _ in ops:  # received header -> pinned host, then the event
-                if not is_send:
-                    buf.extra["pinned"].view(torch.uint8).copy_(buf.data[:32], non_blocking=True)
-                buf.extra["event"].record(s)
-                buf.extra["req"].issued = True
+        cu, s, lib, comm = self.cu, self._s, self.lib, self._comm
+        producer = torch.cuda.current_stream(self.device).cuda_stream
+        # device-side: the fields the caller wrote on its stream land before the sends read them
+        fence = self._fence.cuda_event
+        cu.check(cu.record(fence, producer), "cuEventRecord")
+        cu.check(cu.wait(s, fence, 0), "cuStreamWaitEvent")
+        for is_send, buf, _ in ops:  # header: pinned host -> device, ordered before the send
+            if is_send:
+                x = buf.extra
+                cu.check(cu.h2d(x["dptr"], x["hptr"], 32, s), "cuMemcpyHtoDAsync")
+        _check(lib, lib.ncclGroupStart(), "ncclGroupStart")
+        for is_send, buf, peer in ops:
+            fn = lib.ncclSend if is_send else lib.ncclRecv
+            rc = fn(buf.extra["dptr"], buf.data.numel(), NCCL_UINT8, peer, comm, s)
+            if rc != 0:
+                lib.ncclGroupEnd()
+                _check(lib, rc, "ncclSend" if is_send else "ncclRecv")
+        _check(lib, lib.ncclGroupEnd(), "ncclGroupEnd")
+        for is_send, buf, _ in ops:  # received header -> pinned host, then the event
+            x = buf.extra
+            if not is_send:
+                cu.check(cu.d2h(x["hptr"], x["dptr"], 32, s), "cuMemcpyDtoHAsync")
+            cu.check(cu.record(x["ev"], s), "cuEventRecord")
+            x["req"].issued = True
 
     def close(self) -> None:
         if self._comm:
