@@ -96,12 +96,14 @@ def main():
     ap.add_argument("--parts", default=None, help="subset of collectives,pingpong,overlap,wait")
     ap.add_argument("--configs", default=None, help="MxN list for the collectives, e.g. 1x1,2x2")
     ap.add_argument("--sizes", default=None, help="message sizes in bytes, comma separated")
+    ap.add_argument("--mpiexec", default=os.path.join(os.path.dirname(sys.executable), "mpiexec"),
+                    help="mpiexec to launch with (default: the one beside this Python)")
     args = ap.parse_args()
     partial = args.quick or any(x is not None for x in (args.parts, args.configs, args.sizes,
                                                         args.scale))
     args.out = args.out or (os.path.join(tempfile.gettempdir(), "bench_m2n_partial.json")
                             if partial else os.path.join(HERE, "results", "bench_m2n.json"))
-    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    mpiexec = args.mpiexec
     with tempfile.TemporaryDirectory() as tmp:
         raw = os.path.join(tmp, "raw.json")
         cmd = [mpiexec, "-n", "4", sys.executable, os.path.join(HERE, "bench_m2n_mpi.py"),

@@ -60,4 +60,16 @@ step nccl 60 "$PY" perf/bench_nccl_self.py --out "$W/bench_nccl_self.json"
 step tune1 90 "$PY" perf/tune_moe_kernels.py --space small --shape 8,14336,4096 --top-k 2 --m 4,32,256,2048,8192 --table "$TUNED" --log "$W/tune_mixtral.json"
 step tune2 80 "$PY" perf/tune_moe_kernels.py --space small --shape 64,1408,2048 --top-k 6 --m 10,85,682,5461 --table "$TUNED" --log "$W/tune_dsv2lite.json"
 step bench 150 "$PY" perf/bench_moe_kernels.py --device cuda
+# Not in the default STEPS (STEPS=m2n to run it): bench_m2n's collectives and ping-pong on this
+# machine's 16 cores (4 ranks, no oversubscription), under MPICH 5.0.2 from the carried wheel
+# with the carried mpi4py 4.1.2 bound to it, as on the 2-core dev box.
+if [[ " $STEPS " == *" m2n "* ]]; then
+  "$PY" -m zipfile -e .whl/mpi4py-*cp312*.whl "$ROOT/mpich_site" && "$PY" -m zipfile -e .whl/mpich-*.whl /tmp/mpich
+  chmod +x /tmp/mpich/mpich-*.data/data/bin/*
+  MPICH_BIN=$(ls -d /tmp/mpich/mpich-*.data/data/bin)
+  step m2n 280 env PYTHONPATH="$ROOT/mpich_site:$PYTHONPATH" \
+    MPI4PY_LIBMPI="$(ls /tmp/mpich/mpich-*.data/data/lib/libmpi.so.12)" \
+    "$PY" perf/bench_m2n.py --mpiexec "$MPICH_BIN/mpiexec" --parts collectives,pingpong \
+    --scale "${M2N_SCALE:-0.5}" --out "$W/bench_m2n.json"
+fi
 cat "$W/rc.txt"
