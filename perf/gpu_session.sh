@@ -32,7 +32,7 @@ cp -r megainfer "$SRC/" && cp -r kernels "$SRC/megainfer/kernels" \
   && cp -r launch "$SRC/megainfer/launch" && cp -r conf "$SRC/megainfer/conf" && cp -r tests "$ROOT/"
 export PYTHONPATH="$SRC:$ROOT/tests" PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 HF_HUB_OFFLINE=1
 
-STEPS=${STEPS:-env tests nccl tune1 tune2 bench}  # a rerun can name fewer
+STEPS=${STEPS:-env tests nccl tune1 tune2 bench}  # a rerun can name fewer (and TESTS=files)
 step() {  # step NAME TIMEOUT CMD...: run, log to $W/NAME.log, record the exit status
   local name=$1 limit=$2
   shift 2
@@ -55,7 +55,7 @@ fi
 TUNED="$SRC/megainfer/kernels/tile_configs.json"
 
 step env 60 bash -c "cd $ROOT; nvidia-smi; $PY -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())'; $PY -c 'from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])'; $PY -c 'from megainfer.comm import nccl; lib = nccl.load_nccl(); print(\"nccl\", nccl.nccl_version(lib), lib._name)'"
-step tests 200 bash -c "cd $ROOT && $PY -m pytest -q -rs -p no:cacheprovider -o timeout=150 tests/test_kernels_triton.py tests/test_comm_nccl.py"
+step tests 200 bash -c "cd $ROOT && $PY -m pytest -q -rs -p no:cacheprovider -o timeout=150 ${TESTS:-tests/test_kernels_triton.py tests/test_comm_nccl.py}"
 step nccl 60 "$PY" perf/bench_nccl_self.py --out "$W/bench_nccl_self.json"
 step tune1 90 "$PY" perf/tune_moe_kernels.py --space small --shape 8,14336,4096 --top-k 2 --m 4,32,256,2048,8192 --table "$TUNED" --log "$W/tune_mixtral.json"
 step tune2 80 "$PY" perf/tune_moe_kernels.py --space small --shape 64,1408,2048 --top-k 6 --m 10,85,682,5461 --table "$TUNED" --log "$W/tune_dsv2lite.json"
