@@ -140,7 +140,10 @@ def bench_config(sub, group, M, N, sizes, scale):
         for direction, (s, r, p2p) in (("dispatch", (A, E, disp)), ("combine", (E, A, comb))):
             ops = {"m2n": p2p.op(size // ROW, BACKOFF), "m2n-yield": p2p.op(size // ROW, YIELD),
                    "m2n-spin": p2p.op(size // ROW, SPIN), "alltoallv": alltoallv_op(sub, s, r, size),
-                   "mpi-p2p": mpi_p2p_op(sub, s, r, size, raw_reqs)}
+                   "mpi-p2p": mpi_p2p_op(sub, s, r, size, raw_reqs),
+                   # A/A control: the same collective again, rated against the first, shows
+                   # how often "<= Alltoallv" holds by chance between identical methods
+                   "alltoallv-again": alltoallv_op(sub, s, r, size)}
             got = timed_many(sub, n, ops)
             # gloo in its own pass: its worker threads linger after an op and slow whatever
             # runs next, which would bias an interleaved comparison against the MPI methods
