@@ -134,12 +134,8 @@ def validate_runtime(paths: list[str], hardware: str = "cpu_node") -> dict:
                 RooflineTimes(prof, shape, "float32")
             model = DisaggModel(shape, times, times, Workload(run["input_len"], run["output_len"]), "float32")
             preds[name] = model.predict(plan)
-            if name == "node":
-                b_a = plan.batch / (plan.m * plan.n_a)
-                b_e = plan.batch * shape.top_k / (plan.m * shape.num_experts)
-                t_a0 = times.t_attn(b_a, model.wl.ctx_mean, plan.tp_a)
-                t_e0 = times.t_expert([b_e] * model.experts_per_rank(plan.n_e), plan.tp_e)
-                h_a, h_e, d_a, d_e = model.node_terms(plan, t_a0, t_e0)
+            if name == "node":  # the node terms that prediction used, for the table
+                h_a, h_e, d_a, d_e = model.plan_node_terms(plan)
         pred, base = preds["node"], preds["bare"]
         meas = run["decode_iteration_s"]
         rows.append({"file": p, "plan": plan.label(), "m": plan.m, "batch": plan.batch,
@@ -193,7 +189,7 @@ def main() -> None:
     if a.runtime_results:
         out["runtime"] = validate_runtime(a.runtime_results, a.hardware)
     else:
-        print("runtime validation: no --runtime-results given (the runtime has not landed yet)")
+        print("runtime validation: no --runtime-results given and none in perf/results/runtime_runs/")
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     path = os.path.join(HERE, "results", "validate_perfmodel.json")
     with open(path, "w") as f:

@@ -150,15 +150,21 @@ class DisaggModel:
         d_e = (1 - phi_e) * ne_.dilation("expert", own_e) + phi_e * ne_.dilation("expert", own_a + own_e)
         return h_a, h_e, d_a, d_e
 
+    def plan_node_terms(self, plan: Plan) -> tuple[float, float, float, float]:
+        """``node_terms`` at the plan's balanced load: what ``stage_fns`` adds to the fits."""
+        s = self.shape
+        b_a, b_e = micro_batch_sizes(plan.batch, plan.m, plan.n_a, s.num_experts, s.top_k)
+        t_a0 = self.ta.t_attn(b_a, self.wl.ctx_mean, plan.tp_a)
+        t_e0 = self.te.t_expert([b_e] * self.experts_per_rank(plan.n_e), plan.tp_e)
+        return self.node_terms(plan, t_a0, t_e0)
+
     def stage_fns(self, plan: Plan):
         """(t_attn(b_a), t_expert(tokens per local expert), t_comm) as the pipeline sees them:
         per-layer kernel fits plus the node terms, fixed for this plan at its balanced load."""
         s = self.shape
         b_a, b_e = micro_batch_sizes(plan.batch, plan.m, plan.n_a, s.num_experts, s.top_k)
-        ctx, el = self.wl.ctx_mean, self.experts_per_rank(plan.n_e)
-        t_a0 = self.ta.t_attn(b_a, ctx, plan.tp_a)
-        t_e0 = self.te.t_expert([b_e] * el, plan.tp_e)
-        h_a, h_e, d_a, d_e = self.node_terms(plan, t_a0, t_e0)
+        ctx = self.wl.ctx_mean
+        h_a, h_e, d_a, d_e = self.plan_node_terms(plan)
 
         def t_attn(b):
             return (self.ta.t_attn(b, ctx, plan.tp_a) + h_a) * d_a if b > 0 else 0.0
