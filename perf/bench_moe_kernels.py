@@ -220,13 +220,13 @@ def gpu_rows(E, k, K, N, per_expert, rates):
     ref = fused_moe_torch(hidden, w1, w2, w, ids).float()
     cfg = get_config(E, N, K, M, k, dt, torch.device(dev))
     dflt = default_config(E, M, k)
-    variants = {"triton": lambda: fused_moe_triton(hidden, w1, w2, w, ids),
-                "torch path": lambda: fused_moe_torch(hidden, w1, w2, w, ids)}
+    variants = {"triton": (cfg, lambda: fused_moe_triton(hidden, w1, w2, w, ids)),
+                "torch path": (None, lambda: fused_moe_torch(hidden, w1, w2, w, ids))}
     if cfg != dflt:
-        variants["triton default"] = lambda: fused_moe_triton(hidden, w1, w2, w, ids,
-                                                              config=dflt)
+        variants["triton default"] = (dflt, lambda: fused_moe_triton(hidden, w1, w2, w, ids,
+                                                                     config=dflt))
     rows = []
-    for name, fn in variants.items():
+    for name, (config, fn) in variants.items():
         rel = ((fn().float() - ref).norm() / ref.norm()).item()
         s = gpu_time(fn)
         t = statistics.median(s)
@@ -236,9 +236,7 @@ def gpu_rows(E, k, K, N, per_expert, rates):
                          weight_gbps=weight_bytes / t / 1e9,
                          pct_copy_bw=100 * weight_bytes / t / rates["copy_bw"],
                          n_samples=len(s), p10_s=sorted(s)[len(s) // 10],
-                         rel_err_vs_torch=rel,
-                         config=cfg if name == "triton" else dflt if name != "torch path"
-                         else None))
+                         rel_err_vs_torch=rel, config=config))
     return rows
 
 
