@@ -42,8 +42,10 @@ step() {  # step NAME TIMEOUT CMD...: run, log to $W/NAME.log, record the exit s
   local rc=$?
   echo "$name $rc" >>"$W/rc.txt"
   tail -n 25 "$W/$name.log"
-  cp "$TUNED" "$W/tile_configs.json"
-  cp perf/results/bench_moe_kernels_cuda.json "$W/" 2>/dev/null
+  case $name in  # what this step wrote outside $W
+    tune*) cp "$TUNED" "$W/tile_configs.json" ;;
+    bench) cp perf/results/bench_moe_kernels_cuda.json "$W/" 2>/dev/null ;;
+  esac
   tar czf "$OUT/gpu_session.tgz" -C "$W" .  # the device tool returns at most 8 files
 }
 
