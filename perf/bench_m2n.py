@@ -24,6 +24,8 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from mpi_launch import MPIEXEC  # noqa: E402
 
 
 def free_port() -> int:
@@ -98,7 +100,7 @@ def main():
     ap.add_argument("--parts", default=None, help="subset of collectives,pingpong,overlap,wait")
     ap.add_argument("--configs", default=None, help="MxN list for the collectives, e.g. 1x1,2x2")
     ap.add_argument("--sizes", default=None, help="message sizes in bytes, comma separated")
-    ap.add_argument("--mpiexec", default=os.path.join(os.path.dirname(sys.executable), "mpiexec"),
+    ap.add_argument("--mpiexec", default=MPIEXEC,
                     help="mpiexec to launch with (default: the one beside this Python)")
     args = ap.parse_args()
     partial = args.quick or any(x is not None for x in (args.parts, args.configs, args.sizes,

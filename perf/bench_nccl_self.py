@@ -54,6 +54,7 @@ def poll(ev: torch.cuda.Event) -> None:
 
 def channel_method(t, size):
     from megainfer.comm import Channel, MessageSpec, WaitPolicy
+    from megainfer.comm.spec import alloc_nbytes
     rows = max(1, size // ROW)
     spec = MessageSpec.of(rows, x=((ROW // 4,), torch.float32))
     ch = Channel(t, [0], [0], spec, streams=1, depth=2, wait=WaitPolicy("spin"))
@@ -71,13 +72,13 @@ def channel_method(t, size):
         assert msg.rows == rows
         msg.release()
         sh.wait()
-    from megainfer.comm.spec import alloc_nbytes
     return issue, finish, alloc_nbytes(spec), ch
 
 
 def torch_calls_transport():
-    """NcclTransport with its earlier flush (kept here as the baseline it replaced)."""
-    from megainfer.comm.nccl import NCCL_UINT8, NcclTransport, _check, _NcclRequest
+    """NcclTransport with its earlier flush (kept here as the baseline it replaced): the same
+    stream wait, header copies and events through torch's Python API, torch's event query."""
+    from megainfer.comm.nccl import NcclTransport, _NcclRequest
 
     class TorchEventRequest(_NcclRequest):
         __slots__ = ()
@@ -88,13 +89,8 @@ def torch_calls_transport():
             return self.done
 
     class TorchCallsNccl(NcclTransport):
-        def _issue(self, is_send, buf, peer):
-            req = TorchEventRequest(self.cu, buf.extra["event"])
-            buf.extra["req"] = req
-            self._ops.append((is_send, buf, peer))
-            if self._group == 0:
-                self._flush()
-            return req
+        def _request_for(self, buf):
+            return TorchEventRequest(self.cu, buf.extra["event"])
 
         def _flush(self):
             ops, self._ops = self._ops, []
@@ -105,13 +101,7 @@ def torch_calls_transport():
                     if is_send:
                         buf.data[:32].copy_(buf.extra["pinned"].view(torch.uint8),
                                             non_blocking=True)
-                _check(self.lib, self.lib.ncclGroupStart(), "ncclGroupStart")
-                for is_send, buf, peer in ops:
-                    fn = self.lib.ncclSend if is_send else self.lib.ncclRecv
-                    _check(self.lib, fn(ctypes.c_void_p(buf.data.data_ptr()), buf.data.numel(),
-                                        NCCL_UINT8, peer, self._comm,
-                                        ctypes.c_void_p(s.cuda_stream)), "ncclSend/Recv")
-                _check(self.lib, self.lib.ncclGroupEnd(), "ncclGroupEnd")
+                self._nccl_group(ops)
                 for is_send, buf, _ in ops:
                     if not is_send:
                         buf.extra["pinned"].view(torch.uint8).copy_(buf.data[:32],

@@ -49,10 +49,20 @@ step() {  # step NAME TIMEOUT CMD...: run, log to $W/NAME.log, record the exit s
   tar czf "$OUT/gpu_session.tgz" -C "$W" .  # the device tool returns at most 8 files
 }
 
+carried_mpi() {  # unpack the carried mpi4py 4.1.2 + MPICH 5.0.2 wheels into $ROOT/mpi
+  if [ ! -d "$ROOT/mpi" ]; then
+    "$PY" -m zipfile -e .whl/mpi4py-*cp312*.whl "$ROOT/mpi/site" \
+      && "$PY" -m zipfile -e .whl/mpich-*.whl "$ROOT/mpi/mpich"
+    chmod +x "$ROOT"/mpi/mpich/mpich-*.data/data/bin/*
+  fi
+  MPI_SITE=$ROOT/mpi/site
+  LIBMPI=$(ls "$ROOT"/mpi/mpich/mpich-*.data/data/lib/libmpi.so.12)
+  MPICH_BIN=$(ls -d "$ROOT"/mpi/mpich/mpich-*.data/data/bin)
+}
 if ! timeout 60 "$PY" -c "from mpi4py import MPI; MPI.COMM_SELF.Get_size()" >"$W/mpi.log" 2>&1; then
   echo "image mpi4py unusable (see mpi.log); using the carried wheels" | tee -a "$W/mpi.log"
-  "$PY" -m zipfile -e .whl/mpi4py-*cp312*.whl "$SRC" && "$PY" -m zipfile -e .whl/mpich-*.whl /tmp/mpich
-  export MPI4PY_LIBMPI=$(ls /tmp/mpich/mpich-*.data/data/lib/libmpi.so.12)
+  carried_mpi
+  export PYTHONPATH="$MPI_SITE:$PYTHONPATH" MPI4PY_LIBMPI=$LIBMPI
 fi
 TUNED="$SRC/megainfer/kernels/tile_configs.json"
 
@@ -66,11 +76,8 @@ step bench 150 "$PY" perf/bench_moe_kernels.py --device cuda
 # machine's 16 cores (4 ranks, no oversubscription), under MPICH 5.0.2 from the carried wheel
 # with the carried mpi4py 4.1.2 bound to it, as on the 2-core dev box.
 if [[ " $STEPS " == *" m2n "* ]]; then
-  "$PY" -m zipfile -e .whl/mpi4py-*cp312*.whl "$ROOT/mpich_site" && "$PY" -m zipfile -e .whl/mpich-*.whl /tmp/mpich
-  chmod +x /tmp/mpich/mpich-*.data/data/bin/*
-  MPICH_BIN=$(ls -d /tmp/mpich/mpich-*.data/data/bin)
-  step m2n 280 env PYTHONPATH="$ROOT/mpich_site:$PYTHONPATH" \
-    MPI4PY_LIBMPI="$(ls /tmp/mpich/mpich-*.data/data/lib/libmpi.so.12)" \
+  carried_mpi
+  step m2n 280 env PYTHONPATH="$MPI_SITE:$PYTHONPATH" MPI4PY_LIBMPI="$LIBMPI" \
     "$PY" perf/bench_m2n.py --mpiexec "$MPICH_BIN/mpiexec" --parts collectives,pingpong \
     --scale "${M2N_SCALE:-0.5}" --out "$W/bench_m2n.json"
 fi

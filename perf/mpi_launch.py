@@ -13,11 +13,11 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")  # the venv's (mpich wheel)
 
 
 def run_job(ranks: int, script: str, out: str, args: list, timeout_s: int = 1800):
-    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    cmd = [mpiexec, "-n", str(ranks), sys.executable, os.path.join(HERE, script), out,
+    cmd = [MPIEXEC, "-n", str(ranks), sys.executable, os.path.join(HERE, script), out,
            *map(str, args)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
                        env=dict(os.environ, OMP_NUM_THREADS="1"))

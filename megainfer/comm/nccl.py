@@ -216,12 +216,15 @@ class NcclTransport(Transport):
         return self._issue(False, buf, peer)
 
     def _issue(self, is_send: bool, buf: Buffer, peer: int) -> Request:
-        req = _NcclRequest(self.cu, buf.extra["ev"])
+        req = self._request_for(buf)
         buf.extra["req"] = req
         self._ops.append((is_send, buf, peer))
         if self._group == 0:
             self._flush()
         return req
+
+    def _request_for(self, buf: Buffer) -> _NcclRequest:
+        return _NcclRequest(self.cu, buf.extra["ev"])
 
     def group(self):
         return _Group(self)
@@ -230,7 +233,7 @@ class NcclTransport(Transport):
         ops, self._ops = self._ops, []
         if not ops:
             return
-        cu, s, lib, comm = self.cu, self._s, self.lib, self._comm
+        cu, s = self.cu, self._s
         producer = torch.cuda.current_stream(self.device).cuda_stream
         # device-side: the fields the caller wrote on its stream land before the sends read them
         fence = self._fence.cuda_event
@@ -240,6 +243,17 @@ class NcclTransport(Transport):
             if is_send:
                 x = buf.extra
                 cu.check(cu.h2d(x["dptr"], x["hptr"], 32, s), "cuMemcpyHtoDAsync")
+        self._nccl_group(ops)
+        for is_send, buf, _ in ops:  # received header -> pinned host, then the event
+            x = buf.extra
+            if not is_send:
+                cu.check(cu.d2h(x["hptr"], x["dptr"], 32, s), "cuMemcpyDtoHAsync")
+            cu.check(cu.record(x["ev"], s), "cuEventRecord")
+            x["req"].issued = True
+
+    def _nccl_group(self, ops: list) -> None:
+        """ncclGroupStart, each op's whole buffer sent or received on the comm stream, End."""
+        lib, comm, s = self.lib, self._comm, self._s
         _check(lib, lib.ncclGroupStart(), "ncclGroupStart")
         for is_send, buf, peer in ops:
             fn = lib.ncclSend if is_send else lib.ncclRecv
@@ -248,12 +262,6 @@ class NcclTransport(Transport):
                 lib.ncclGroupEnd()
                 _check(lib, rc, "ncclSend" if is_send else "ncclRecv")
         _check(lib, lib.ncclGroupEnd(), "ncclGroupEnd")
-        for is_send, buf, _ in ops:  # received header -> pinned host, then the event
-            x = buf.extra
-            if not is_send:
-                cu.check(cu.d2h(x["hptr"], x["dptr"], 32, s), "cuMemcpyDtoHAsync")
-            cu.check(cu.record(x["ev"], s), "cuEventRecord")
-            x["req"].issued = True
 
     def close(self) -> None:
         if self._comm:
