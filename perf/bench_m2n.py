@@ -53,7 +53,9 @@ def print_collectives(rows):
 VARIANTS = ("m2n", "m2n-yield", "m2n-spin")  # wait policy: backoff (default), yield, spin
 # rated against Alltoallv and gloo: mpi-p2p is the floor of a Python p2p layer, and
 # alltoallv-again the A/A control (Alltoallv itself, interleaved as a separate method)
-COMPARED = VARIANTS + ("mpi-p2p", "alltoallv-again")
+COMPARED = VARIANTS + ("mpi-p2p", "alltoallv-again", "m2n-flatpoll")
+# m2n-flatpoll: the default channel with a receive's first 32 polls flat out (no sched_yield),
+# as it was before 2026-11-29; m2n / m2n-flatpoll per cell is that change, measured in one run
 
 
 def check_targets(res) -> dict:
@@ -73,6 +75,15 @@ def check_targets(res) -> dict:
             p99_le_alltoallv=f"{sum(x['vs_a2av_p99'] <= 1 for x in ratios)}/{len(ratios)}",
             median_p50_ratio_vs_alltoallv=sorted(x["vs_a2av_p50"] for x in ratios)[len(ratios) // 2],
             p50_below_gloo=f"{sum(x['vs_gloo_p50'] < 1 for x in ratios)}/{len(ratios)}")
+    if out.get("m2n-flatpoll"):
+        key50 = {k: r["p50"] for k, r in key.items()}
+        by_cfg = {}
+        for (M, N, d, size, meth), p50 in key50.items():
+            if meth == "m2n":
+                by_cfg.setdefault(f"{M}x{N}", []).append(p50 / key50[(M, N, d, size, "m2n-flatpoll")])
+        out["m2n_vs_flatpoll_p50"] = {  # < 1: yielding first polls are faster
+            cfg: dict(median=sorted(v)[len(v) // 2], min=min(v), max=max(v))
+            for cfg, v in by_cfg.items()}
     if "pingpong" in res:
         pp = {(r["method"], r["size"]): r for r in res["pingpong"]}
         sizes = sorted({s for _, s in pp})

@@ -78,11 +78,13 @@ class P2P:
         self.ch = Channel(t, senders, receivers, self.spec, streams=1, depth=2)
         self.me, self.s, self.r = t.rank, senders, receivers
 
-    def op(self, rows, policy):
+    def op(self, rows, policy, flat_first_polls=False):
         ch = self.ch
 
         def run(i):
             ch.policy = policy  # per run: several ops share this channel
+            if flat_first_polls:  # ablation: a receive's first polls without sched_yield
+                ch._fast_yield = False  # (what the channel did before; reset by the next run)
             if self.me in self.s:
                 hs = [ch.post(ch.reserve(p, rows), iteration=i, layer=0, micro_batch=0) for p in self.r]
                 for h in hs:
@@ -140,6 +142,7 @@ def bench_config(sub, group, M, N, sizes, scale):
         for direction, (s, r, p2p) in (("dispatch", (A, E, disp)), ("combine", (E, A, comb))):
             ops = {"m2n": p2p.op(size // ROW, BACKOFF), "m2n-yield": p2p.op(size // ROW, YIELD),
                    "m2n-spin": p2p.op(size // ROW, SPIN), "alltoallv": alltoallv_op(sub, s, r, size),
+                   "m2n-flatpoll": p2p.op(size // ROW, BACKOFF, flat_first_polls=True),
                    "mpi-p2p": mpi_p2p_op(sub, s, r, size, raw_reqs),
                    # A/A control: the same collective again, rated against the first, shows
                    # how often "<= Alltoallv" holds by chance between identical methods

@@ -245,6 +245,63 @@ def test_send_handle_stays_done_after_its_slot_is_reused():
     assert msg.rows == 2 and torch.equal(msg["hidden"], tokens(2)["hidden"])
 
 
+def test_receive_first_polls_yield_the_core_unless_the_policy_spins(monkeypatch):
+    """With ranks sharing cores, a receive's first polls must let the core go (flat-out
+    polls kept the sender on that core from posting); a spin policy still polls flat out."""
+    import os
+    yields = []
+    monkeypatch.setattr(os, "sched_yield", lambda: yields.append(1))
+
+    class LateRequest:  # the message is complete at the 10th poll, within the fast polls
+        def __init__(self):
+            self.polls = 0
+
+        def test(self):
+            self.polls += 1
+            return self.polls >= 10
+
+    for wait, want in ((WaitPolicy(), 9), (WaitPolicy(mode="yield"), 9),
+                       (WaitPolicy(mode="spin"), 0), (WaitPolicy(spin_s=1e-3), 0)):
+        fab, (tx, rx) = pair(wait=wait)
+        tx.send(1, iteration=0, layer=0, micro_batch=0, **tokens(1))
+        h = rx.recv(0, layer=0, micro_batch=0, iteration=0)
+        h._slot.req = LateRequest()
+        yields.clear()
+        assert h.wait().rows == 1
+        assert len(yields) == want, (wait, len(yields))
+    rx.policy = WaitPolicy(mode="yield")  # the channel follows a policy swap
+    assert rx._fast_yield
+
+
+def test_waited_send_handle_frees_its_slot_for_reserve():
+    fab, (tx, rx) = pair(depth=1)
+    h = tx.send(1, iteration=0, layer=0, micro_batch=0, **tokens(1))
+    h.wait()
+    slot = h[1]
+    assert slot.clear  # known to have left: the next reserve() of it asks nothing
+    slot.req = None    # (would raise if reserve() tested it again)
+    out = tx.reserve(1, 2)
+    assert out is slot and out.rows == 2
+
+
+def test_a_dropped_channel_is_freed_without_the_cycle_collector():
+    """Buffers free at once when the channel goes (no slot -> channel reference cycles), as
+    they did when bench configs ran back to back on freed communicators."""
+    import gc
+    import weakref
+    fab, (tx, rx) = pair()
+    h = tx.send(1, iteration=0, layer=0, micro_batch=0, **tokens(1))
+    rx.recv(0, layer=0, micro_batch=0, iteration=0).wait().release()
+    h.wait()
+    refs = [weakref.ref(tx), weakref.ref(tx._send[1][0].buf.data)]  # a slot buffer
+    gc.disable()
+    try:
+        del h, tx
+        assert all(r() is None for r in refs)
+    finally:
+        gc.enable()
+
+
 def test_receive_handle_is_the_message():
     fab, (tx, rx) = pair()
     h = rx.recv(0, layer=0, micro_batch=0, iteration=0)

@@ -28,6 +28,7 @@ from megainfer.comm.transport import Request, Transport
 from megainfer.comm.wait import WaitPolicy, wait_until
 from megainfer.config import ConfigError
 
+_handle = tuple.__new__  # SendHandle((channel, slot, seq)) without a Python frame
 MAX_STREAMS = 256
 MAX_CHANNELS = 127  # tags stay below 32767, the smallest TAG_UB MPI allows
 
@@ -75,6 +76,16 @@ class Channel:
                     if not self._ordered:
                         self._post_ahead(ring)
 
+    @property
+    def policy(self) -> WaitPolicy:
+        return self._policy
+
+    @policy.setter
+    def policy(self, wait: WaitPolicy) -> None:
+        """The wait policy; a receive's first polls yield the core unless it says spin."""
+        self._policy = wait
+        self._fast_yield = wait.mode != "spin" and wait.spin_s == 0
+
     # ---- sending -------------------------------------------------------------------------
     def reserve(self, peer: int, rows: int) -> Outgoing:
         """The next send slot to ``peer`` with writable field views of ``rows`` rows."""
@@ -104,11 +115,11 @@ class Channel:
         # off the critical path from here (the bytes are on their way): bookkeeping, and
         # whether the slot the next reserve() takes is free already (so it need not ask)
         out.what = (iteration, layer, micro_batch, out.peer)
-        out.seq += 1
+        seq = out.seq = out.seq + 1
         nxt = self._send[out.peer][self._send_ptr[out.peer]]
         if not nxt.clear and nxt.req.test():
             nxt.clear = True
-        return SendHandle(self, out, out.seq)
+        return _handle(SendHandle, (self, out, seq))
 
     def send(self, peer: int, *, iteration: int, layer: int, micro_batch: int,
              kind: int = S.KIND_DATA, aux: int = 0, **fields: torch.Tensor) -> SendHandle:
