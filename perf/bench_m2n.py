@@ -76,11 +76,11 @@ def check_targets(res) -> dict:
             median_p50_ratio_vs_alltoallv=sorted(x["vs_a2av_p50"] for x in ratios)[len(ratios) // 2],
             p50_below_gloo=f"{sum(x['vs_gloo_p50'] < 1 for x in ratios)}/{len(ratios)}")
     if out.get("m2n-flatpoll"):
-        key50 = {k: r["p50"] for k, r in key.items()}
         by_cfg = {}
-        for (M, N, d, size, meth), p50 in key50.items():
+        for (M, N, d, size, meth), r in key.items():
             if meth == "m2n":
-                by_cfg.setdefault(f"{M}x{N}", []).append(p50 / key50[(M, N, d, size, "m2n-flatpoll")])
+                flat = key[(M, N, d, size, "m2n-flatpoll")]
+                by_cfg.setdefault(f"{M}x{N}", []).append(r["p50"] / flat["p50"])
         out["m2n_vs_flatpoll_p50"] = {  # < 1: yielding first polls are faster
             cfg: dict(median=sorted(v)[len(v) // 2], min=min(v), max=max(v))
             for cfg, v in by_cfg.items()}

@@ -104,10 +104,9 @@ class SendHandle(tuple):
         return False
 
     def wait(self) -> None:
-        ch, s, seq = self
-        if s.seq == seq and not s.clear:
-            if not s.req.test():
-                ch._wait(s.req, "send", s.what)
+        if not self.test():
+            ch, s, _ = self
+            ch._wait(s.req, "send", s.what)
             s.clear = True
 
 
