@@ -7,6 +7,7 @@ struct mode already refuses ``group.key=value`` overrides of missing keys; this 
 from __future__ import annotations
 
 from dataclasses import MISSING, dataclass, fields
+import logging
 import os
 from typing import Any, Mapping, Optional
 
@@ -16,6 +17,8 @@ from megainfer.engine import SamplingParams, check_cache_fits
 from megainfer.engine.errors import SamplingParamsError
 from megainfer.engine.sizing import derive_num_blocks, resolve_max_model_len
 from megainfer.models.loader import DTYPES
+
+log = logging.getLogger("megainfer.launch")
 
 GROUPS = ("model", "deploy", "scheduler", "cache", "sampling", "io", "workload", "comm", "trace",
           "eplb")
@@ -184,6 +187,12 @@ def settings_from_config(cfg, world_size: int = 1, local_ranks: int = 1) -> JobS
         raise ConfigError(f"deploy.cpu_threads={threads!r}: must be a positive integer or null")
     extra = {g: cls(**_take(g, c.get(g) or {}, _names(cls)))
              for g, cls in (("comm", CommConfig), ("trace", TraceConfig), ("eplb", EplbConfig))}
+    cores = os.cpu_count() or 1
+    if extra["comm"].wait_mode == "spin" and local_ranks > cores:
+        log.warning("comm.wait_mode=spin with %d ranks on %d cores: a spinning wait holds a core "
+                    "another rank needs (orders of magnitude slower in perf/bench_m2n.py), and "
+                    "spinning ranks on shared cores have hung MPICH 5.0.2 (docs/comm.md); use "
+                    "backoff (the default) or yield", local_ranks, cores)
     return JobSettings(model, load, deploy, scheduler, cache, sampling, seed, io, workload,
                        threads, **extra)
 

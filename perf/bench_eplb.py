@@ -34,6 +34,7 @@ from megainfer.eplb.rebalance import imbalance, rank_load
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from mpi_launch import run_job  # noqa: E402
+from results_io import write_json  # noqa: E402
 
 CASES = {
     # DeepSeek-V3-like: 58 MoE layers x 256 experts in 8 groups, top-8; 4 nodes x 8 ranks.
@@ -262,10 +263,7 @@ def main(argv=None) -> None:
         "algorithm": rows,
         "runtime": bench_runtime(args) if args.runtime else None,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {args.out}")
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

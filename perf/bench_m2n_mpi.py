@@ -10,6 +10,7 @@ wait-policy contention test (3 ranks on 2 cores).
 import argparse
 import json
 import os
+import sys
 import time
 
 import numpy as np
@@ -20,17 +21,31 @@ from mpi4py import MPI
 from megainfer.comm import Channel, MessageSpec, WaitPolicy
 from megainfer.comm.mpi import MpiTransport
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bare_p2p import BareP2P  # noqa: E402
+
 torch.set_num_threads(1)
 WORLD = MPI.COMM_WORLD
 RANK = WORLD.Get_rank()
 ROW = 1024  # bytes per row: field x is float32 [256]
 SPIN, BACKOFF, YIELD = WaitPolicy("spin"), WaitPolicy("backoff"), WaitPolicy("yield")
+CORES = os.cpu_count() or 1
+
+
+BARRIER_TIMEOUT_S = 300.0  # a barrier that waits longer means the run is stuck (docs/comm.md)
+
+
+def _stuck(where: str):
+    raise RuntimeError(f"[bench rank {RANK}] {where} waited over {BARRIER_TIMEOUT_S:.0f} s: the "
+                       f"ranks are out of step (see docs/comm.md, 'The 2×2 hang')")
 
 
 def idle_barrier(comm):
-    req = comm.Ibarrier()
+    req, t0 = comm.Ibarrier(), time.monotonic()
     while not req.Test():
         time.sleep(1e-3)
+        if time.monotonic() - t0 > BARRIER_TIMEOUT_S:
+            _stuck("idle barrier")
 
 
 def iters_for(size: int, scale: float) -> int:
@@ -40,8 +55,14 @@ def iters_for(size: int, scale: float) -> int:
 def yield_barrier(comm):
     """Synchronise without spinning a core flat out (MPI_Barrier spins; ranks > cores here)."""
     req = comm.Ibarrier()
+    if req.Test():
+        return
+    t0, n = time.monotonic(), 0
     while not req.Test():
         os.sched_yield()
+        n += 1
+        if n % 4096 == 0 and time.monotonic() - t0 > BARRIER_TIMEOUT_S:
+            _stuck("barrier before an op")
 
 
 def timed_many(comm, n, ops: dict, warm: int = 2) -> dict:
@@ -131,22 +152,28 @@ def gloo_op(group, me, n, senders, receivers, size):
     return lambda i: dist.all_to_all_single(rbuf, sbuf, rc, sc, group=group)
 
 
-def bench_config(sub, group, M, N, sizes, scale):
+def bench_config(sub, group, M, N, sizes, scale, bare=False, spin_shared=False):
+    """``bare``: the M2N methods through bare mpi4py (perf/bare_p2p.py), no megainfer code;
+    ``spin_shared``: m2n-spin also where ranks outnumber cores (both to reproduce the hang)."""
     t = MpiTransport(sub)
     A, E = list(range(M)), list(range(M, M + N))
     cap = max(sizes) // ROW
-    disp, comb = P2P(t, A, E, cap), P2P(t, E, A, cap)
+    make = (lambda s, r: BareP2P(t, s, r, cap, ROW)) if bare else (lambda s, r: P2P(t, s, r, cap))
+    disp, comb = make(A, E), make(E, A)
     rows, raw_reqs = [], []
     for size in sizes:
         n = iters_for(size * M * N, scale)
         for direction, (s, r, p2p) in (("dispatch", (A, E, disp)), ("combine", (E, A, comb))):
             ops = {"m2n": p2p.op(size // ROW, BACKOFF), "m2n-yield": p2p.op(size // ROW, YIELD),
-                   "m2n-spin": p2p.op(size // ROW, SPIN), "alltoallv": alltoallv_op(sub, s, r, size),
+                   "alltoallv": alltoallv_op(sub, s, r, size),
                    "m2n-flatpoll": p2p.op(size // ROW, BACKOFF, flat_first_polls=True),
                    "mpi-p2p": mpi_p2p_op(sub, s, r, size, raw_reqs),
                    # A/A control: the same collective again, rated against the first, shows
                    # how often "<= Alltoallv" holds by chance between identical methods
                    "alltoallv-again": alltoallv_op(sub, s, r, size)}
+            if M + N <= CORES or spin_shared:  # spinning ranks on shared cores measure the scheduler (up to
+                # 131x Alltoallv) and have hung MPICH 5.0.2 in this harness (docs/comm.md)
+                ops["m2n-spin"] = p2p.op(size // ROW, SPIN)
             got = timed_many(sub, n, ops)
             # gloo in its own pass: its worker threads linger after an op and slow whatever
             # runs next, which would bias an interleaved comparison against the MPI methods
@@ -304,6 +331,9 @@ def main():
     ap.add_argument("--scale", type=float, default=1.0)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--configs", default="1x1,1x2,2x1,2x2", help="MxN list for the collectives")
+    ap.add_argument("--bare", action="store_true", help="M2N methods through bare mpi4py")
+    ap.add_argument("--spin-shared", action="store_true",
+                    help="run m2n-spin where ranks outnumber cores too")
     ap.add_argument("--parts", default="collectives,pingpong,overlap,wait",
                     help="subset to run (a quick look while developing; the JSON then lacks the rest)")
     args = ap.parse_args()
@@ -315,7 +345,8 @@ def main():
     configs = [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",")]
     for M, N in configs if "collectives" in parts else ():
         group = dist.new_group(list(range(M + N)))  # collective over the whole world
-        rows = on_sub(M + N, lambda sub: bench_config(sub, group, M, N, sizes, args.scale))
+        rows = on_sub(M + N, lambda sub: bench_config(sub, group, M, N, sizes, args.scale,
+                                                               args.bare, args.spin_shared))
         if RANK == 0:
             out["collectives"] += rows
             print(f"[bench rank0] {M}x{N} done", flush=True)

@@ -18,7 +18,6 @@ rank sharing the core); see docs/comm.md.
 """
 import argparse
 import datetime
-import json
 import os
 import platform
 import sys
@@ -33,6 +32,9 @@ from megainfer.comm import slot as SL
 from megainfer.comm.mpi import MpiTransport
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from results_io import write_json  # noqa: E402
+
 ROW = 1024  # bytes per row, as in bench_m2n
 
 
@@ -144,10 +146,7 @@ def main():
     for r in reqs:
         r.Free()
     t.close()
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
-    print(f"wrote {args.out}")
+    write_json(args.out, res)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -26,6 +25,8 @@ import torch
 from megainfer.perfmodel.layer_bench import time_fn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from results_io import write_json  # noqa: E402
 
 
 def build_checkpoint(path: str, a) -> None:
@@ -192,10 +193,7 @@ def main(argv=None):
         results=rows, speedup=speedup,
         speedup_best=speedup_best,
         greedy_token_agreement=agree, baseline="transformers generate (same checkpoint, prompts)")
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {a.out}")
+    write_json(a.out, result, indent=2)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from mpi_launch import run_job  # noqa: E402
+from results_io import write_json  # noqa: E402
 CONFIGS = ["disaggregated:1", "disaggregated:2", "disaggregated:3", "disaggregated:4",
            "colocated:1", "colocated:2"]
 # attention and expert time comparable at decode (T_a ~ T_e), experts big enough per micro-batch
@@ -86,9 +87,7 @@ def main():
               "shape": runs[0].get("shape"), "repeats": a.repeats, "rows": rows,
               "trace_metrics": metrics, "trace_overhead": overhead,
               "baseline": "disaggregated m=1 (no overlap) and colocated on the same 2 ranks"}
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(a.out, result)
     print(f"\n{'mode':<14}{'m':>3}{'iter ms':>10}{'tok/s':>9}{'vs m=1':>8}"
           f"{'T_a ms':>9}{'T_e ms':>9}{'T_c ms':>9}{'hidden':>8}")
     for r in rows:

@@ -12,12 +12,12 @@
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import platform
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from results_io import write_json  # noqa: E402
 from validate_perfmodel import load_shape  # noqa: E402
 
 from megainfer.perfmodel.hardware import load_hardware  # noqa: E402
@@ -120,11 +120,7 @@ def main() -> None:
            "note": "analytic model + simulator with datasheet profiles (conf/hardware), roofline T_a/T_e",
            "paper_per_gpu_ratio": PAPER_PER_GPU,
            "microbatch": microbatch_trend(), "disagg_vs_colocated": disagg_vs_colocated()}
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    path = os.path.join(HERE, "results", "sim_paper_scale.json")
-    with open(path, "w") as f:
-        json.dump(res, f, indent=1)
-    print(f"wrote {path}")
+    write_json(os.path.join(HERE, "results", "sim_paper_scale.json"), res)
 
 
 if __name__ == "__main__":

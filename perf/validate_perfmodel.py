@@ -36,6 +36,8 @@ from megainfer.perfmodel.model import DisaggModel, Plan, Workload
 from megainfer.perfmodel.shapes import ModelShape
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from results_io import write_json  # noqa: E402
 
 
 def load_shape(name: str) -> ModelShape:
@@ -190,11 +192,7 @@ def main() -> None:
         out["runtime"] = validate_runtime(a.runtime_results, a.hardware)
     else:
         print("runtime validation: no --runtime-results given and none in perf/results/runtime_runs/")
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    path = os.path.join(HERE, "results", "validate_perfmodel.json")
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1)
-    print(f"wrote {path}")
+    write_json(os.path.join(HERE, "results", "validate_perfmodel.json"), out)
 
 
 if __name__ == "__main__":

@@ -1,18 +1,12 @@
 """perf/bench_eplb.py runs end to end on the tiny case and writes its JSON."""
 import json
 import os
-import sys
 
-
-PERF = os.path.join(os.path.dirname(__file__), "..", "perf")
+from perf_util import import_perf
 
 
 def test_bench_tiny_case(tmp_path, capsys):
-    sys.path.insert(0, PERF)
-    try:
-        import bench_eplb
-    finally:
-        sys.path.remove(PERF)
+    bench_eplb = import_perf("bench_eplb")
     out = tmp_path / "eplb.json"
     bench_eplb.main(["--cases", "tiny", "--repeats", "1", "--window", "2", "--eval-iters", "2",
                      "--zipf", "1.5", "--out", str(out)])

@@ -32,6 +32,21 @@ def test_default_config_is_single_tiny_dummy():
     assert len(s.workload.prompts) == 8 and s.cpu_threads == 1
 
 
+def test_spin_wait_on_shared_cores_is_warned(caplog):
+    with initialize_config_module(config_module="megainfer.conf", version_base=None):
+        spin = compose("config", overrides=["comm.wait_mode=spin"])
+        backoff = compose("config")
+    many = (os.cpu_count() or 1) + 1  # more ranks on this host than it has cores
+    with caplog.at_level("WARNING", logger="megainfer.launch"):
+        settings_from_config(backoff, many, many)
+        settings_from_config(spin, 1, 1)
+        assert not caplog.records
+        s = settings_from_config(spin, many, many)
+    assert s.comm.wait_mode == "spin"  # a warning, not an error: the user may know better
+    assert len(caplog.records) == 1 and "comm.wait_mode=spin" in caplog.text
+    assert f"{many} ranks on {many - 1} cores" in caplog.text
+
+
 def test_overrides_and_presets(tiny_ckpts):
     path = tiny_ckpts[("qwen2_moe", "base")]
     s = settings(f"model.path={path}", "scheduler.max_model_len=128", "cache.num_blocks=40",
