@@ -17,15 +17,12 @@ TIMEOUT_S = 60.0
 
 
 class BareP2P:
-    """Senders -> receivers over ``t.comm`` (the transport's private duplicate)."""
+    """Senders -> receivers over ``t.comm`` (the transport's private duplicate) on ``tag``
+    (dispatch and combine share the communicator: give them different tags)."""
 
-    _tags = {}  # per communicator: the next tag, so dispatch and combine keep apart
-
-    def __init__(self, t, senders, receivers, cap_rows, row_bytes):
-        self.c, self.s, self.r, self.row = t.comm, senders, receivers, row_bytes
+    def __init__(self, t, senders, receivers, cap_rows, row_bytes, tag):
+        self.c, self.s, self.r, self.row, self.tag = t.comm, senders, receivers, row_bytes, tag
         self.me = self.c.Get_rank()
-        self.tag = self._tags.get(id(self.c), 0)
-        self._tags[id(self.c)] = self.tag + 1
         cap = cap_rows * row_bytes + HEADER
         mine = receivers if self.me in senders else []
         self.sbuf = {p: [np.zeros(cap, np.uint8) for _ in range(2)] for p in mine}
@@ -57,6 +54,7 @@ class BareP2P:
                 raise RuntimeError(f"[bare rank {self.me}] {what}: no completion in {TIMEOUT_S} s")
 
     def op(self, rows, policy, flat_first_polls=False):
+        """Like ``P2P.op``; only spin or not matters here (``flat_first_polls`` is ignored)."""
         spin, nb = policy.mode == "spin", rows * self.row + HEADER
 
         def run(i):

@@ -95,7 +95,7 @@ def check_targets(res) -> dict:
             median_p50_ratio_vs_alltoallv=sorted(x["vs_a2av_p50"] for x in ratios)[len(ratios) // 2],
             p50_below_gloo=f"{sum(x['vs_gloo_p50'] < 1 for x in ratios)}/{len(ratios)}")
     aa = out.get("alltoallv-again")
-    if aa and aa["ratios"]:  # the noise envelope: the worst ratio between identical methods
+    if aa:  # the noise envelope: the worst ratio between identical methods
         env50 = max(x["vs_a2av_p50"] for x in aa["ratios"])
         env99 = max(x["vs_a2av_p99"] for x in aa["ratios"])
         out["aa_noise_envelope"] = dict(p50=env50, p99=env99)

@@ -158,8 +158,10 @@ def bench_config(sub, group, M, N, sizes, scale, bare=False, spin_shared=False):
     t = MpiTransport(sub)
     A, E = list(range(M)), list(range(M, M + N))
     cap = max(sizes) // ROW
-    make = (lambda s, r: BareP2P(t, s, r, cap, ROW)) if bare else (lambda s, r: P2P(t, s, r, cap))
-    disp, comb = make(A, E), make(E, A)
+    if bare:
+        disp, comb = BareP2P(t, A, E, cap, ROW, tag=0), BareP2P(t, E, A, cap, ROW, tag=1)
+    else:
+        disp, comb = P2P(t, A, E, cap), P2P(t, E, A, cap)
     rows, raw_reqs = [], []
     for size in sizes:
         n = iters_for(size * M * N, scale)
