@@ -18,7 +18,6 @@ import datetime
 import json
 import os
 import platform
-import signal
 import socket
 import subprocess
 import sys
@@ -26,7 +25,7 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from mpi_launch import MPIEXEC  # noqa: E402
+from mpi_launch import MPIEXEC, run_ranks  # noqa: E402
 from results_io import write_json  # noqa: E402
 
 
@@ -38,21 +37,6 @@ def free_port() -> int:
 
 def human(n: int) -> str:
     return f"{n >> 20}M" if n >= 1 << 20 else f"{n >> 10}K"
-
-
-def run_ranks(cmd: list, timeout_s: int) -> None:
-    """Run the mpiexec job; past ``timeout_s`` kill it and its ranks (their own session)."""
-    proc = subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                            start_new_session=True)
-    try:
-        rc = proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        sys.exit(f"bench_m2n: the MPI ranks did not finish in {timeout_s} s (a stuck run: "
-                 f"docs/comm.md, 'The 2×2 hang'); nothing written")
-    if rc:
-        raise subprocess.CalledProcessError(rc, cmd)
 
 
 def print_collectives(rows):
@@ -144,7 +128,8 @@ def main():
     ap.add_argument("--bare", action="store_true", help="M2N methods through bare mpi4py, no "
                     "megainfer code (perf/bare_p2p.py; a partial run, to reproduce MPI faults)")
     ap.add_argument("--spin-shared", action="store_true", help="m2n-spin also where ranks "
-                    "outnumber cores (off by default: it hung MPICH 5.0.2, docs/comm.md)")
+                    "outnumber cores (off by default: with gloo in the same processes it hung MPI, "
+                    "docs/comm.md)")
     ap.add_argument("--timeout", type=int, default=1800,
                     help="seconds before a stuck run is killed (a full run takes ~3 min)")
     ap.add_argument("--mpiexec", default=MPIEXEC,
@@ -168,7 +153,12 @@ def main():
             if getattr(args, opt) is not None:
                 cmd += [f"--{opt}", getattr(args, opt)]
         load_before = os.getloadavg()
-        run_ranks(cmd, args.timeout)
+        try:
+            done = run_ranks(cmd, args.timeout)
+        except subprocess.TimeoutExpired:
+            sys.exit(f"bench_m2n: the MPI ranks did not finish in {args.timeout} s (a stuck run: "
+                     f"docs/comm.md, 'The 2×2 hang'); nothing written")
+        done.check_returncode()
         with open(raw) as f:
             res = json.load(f)
     print_collectives(res["collectives"])

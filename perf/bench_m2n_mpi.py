@@ -49,7 +49,7 @@ def bench_config(sub, group, M, N, sizes, scale, bare=False, spin_shared=False):
                    # how often "<= Alltoallv" holds by chance between identical methods
                    "alltoallv-again": alltoallv_op(sub, s, r, size)}
             if M + N <= CORES or spin_shared:  # spinning ranks on shared cores measure the scheduler (up to
-                # 131x Alltoallv) and have hung MPICH 5.0.2 in this harness (docs/comm.md)
+                # 131x Alltoallv) and, with the gloo pass, have hung MPI here (docs/comm.md)
                 ops["m2n-spin"] = p2p.op(size // ROW, SPIN)
             got = timed_many(sub, n, ops)
             # gloo in its own pass: its worker threads linger after an op and slow whatever
