@@ -3,8 +3,10 @@ rank 0 runs the offline job over the replicas' output stream and writes the resu
 summary and (with ``trace.enabled``) the merged trace into its run directory.
 
 A rank that fails (a peer silent past ``comm.timeout_s``, bad input found late) prints one line
-naming itself, the peer and the phase, then aborts the whole job: every line already written
-stays on disk, and rerunning the same command resumes. A rank that dies outright is reported by
+naming itself, the peer and the phase, writes that line and its traceback to
+``<run dir>/error.rank<N>.txt``, then aborts the whole job: every line already written stays on
+disk, and rerunning the same command resumes. (The file is there because a process manager may
+drop what a rank printed just before ``MPI_Abort``; we wait ``ABORT_GRACE_S`` to make that rare.) A rank that dies outright is reported by
 the process manager (MPICH: "BAD TERMINATION ... PID n"), which ends the others at once; rank
 0's start-up log line maps each pid to its rank and role. (With ``mpiexec
 -disable-auto-cleanup`` the survivors instead time out and name the rank themselves.)
@@ -14,10 +16,13 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
+import traceback
 
 from .job import run_offline_job, write_summary
 
 log = logging.getLogger("megainfer.launch")
+ABORT_GRACE_S = 0.5  # for mpiexec to forward the error line before the abort ends the job
 
 
 class _ReplicaStream:
@@ -67,10 +72,23 @@ def run_distributed(s, requests, output_path: str, run_dir: str) -> int:
         rank.close()
         return 0
     except Exception as e:  # noqa: BLE001 -- any failure on any rank ends the whole job
-        print(f"{tag} error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        log.debug("%s traceback", tag, exc_info=True)
+        _report_failure(f"{tag} error: {type(e).__name__}: {e}", run_dir, comm.Get_rank())
         comm.Abort(1)
         return 1
+
+
+def _report_failure(line: str, run_dir: str, rank: int) -> None:
+    """Print ``line``, keep it with the traceback in ``run_dir/error.rank<rank>.txt``."""
+    path = os.path.join(run_dir, f"error.rank{rank}.txt")
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(path, "w") as f:
+            f.write(line + "\n\n" + traceback.format_exc())
+        line += f" (traceback: {path})"
+    except OSError as err:  # the report must not hide the failure it reports
+        line += f" (could not write {path}: {err})"
+    print(line, file=sys.stderr, flush=True)
+    time.sleep(ABORT_GRACE_S)
 
 
 def _write_traces(rank, comm, run_dir: str, summary) -> None:

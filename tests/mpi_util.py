@@ -2,7 +2,9 @@
 
 ``run_mpi(nprocs, script, args, timeout)`` runs ``<venv>/bin/mpiexec -n K <python> script args``
 with ``OMP_NUM_THREADS=1`` and raises ``AssertionError`` showing the tails of stdout and
-stderr when the job times out or exits non-zero. mpiexec is looked up next to
+stderr, and each rank's error report, when the job times out or exits non-zero. Ranks report
+through ``mpi_progs/abort_on_error.py`` into ``MPI_TEST_ERR_DIR`` (a fresh temporary folder per
+job), since mpiexec may drop what a rank printed just before ``MPI_Abort``. mpiexec is looked up next to
 ``sys.executable`` (the venv's bin), so the job runs the same interpreter as pytest.
 """
 from __future__ import annotations
@@ -11,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 
 TAIL = 3000
 
@@ -28,23 +31,32 @@ def _tail(text) -> str:
     return (text or "")[-TAIL:]
 
 
+def _rank_errors(err_dir: str) -> str:
+    """Every rank's error report from ``err_dir``, in rank order."""
+    names = sorted(os.listdir(err_dir), key=lambda n: int("".join(filter(str.isdigit, n)) or 0))
+    return "".join(open(os.path.join(err_dir, n)).read() for n in names)
+
+
 def run_mpi(nprocs: int, script: str, args: list[str], timeout: float) -> subprocess.CompletedProcess:
-    cmd = [mpiexec_path(), "-n", str(nprocs), sys.executable, script, *map(str, args)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    with tempfile.TemporaryDirectory(prefix="mpi_errs_") as err_dir:
+        return _run(nprocs, script, list(map(str, args)), timeout, err_dir)
+
+
+def _run(nprocs: int, script: str, args: list[str], timeout: float, err_dir: str):
+    cmd = [mpiexec_path(), "-n", str(nprocs), sys.executable, script, *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MPI_TEST_ERR_DIR=err_dir)
     # own process group, so a timeout kills mpiexec and every rank it started
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                          start_new_session=True)
     try:
         out, err = p.communicate(timeout=timeout)
+        what = f"exited {p.returncode}"
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
         out, err = p.communicate()
-        raise AssertionError(f"mpiexec -n {nprocs} {os.path.basename(script)} timed out after "
-                             f"{timeout}s\n--- stdout tail ---\n{_tail(out)}\n"
-                             f"--- stderr tail ---\n{_tail(err)}") from None
-    proc = subprocess.CompletedProcess(cmd, p.returncode, out, err)
-    if proc.returncode != 0:
-        raise AssertionError(f"mpiexec -n {nprocs} {os.path.basename(script)} {' '.join(map(str, args))}"
-                             f" exited {proc.returncode}\n--- stdout tail ---\n{_tail(proc.stdout)}"
-                             f"\n--- stderr tail ---\n{_tail(proc.stderr)}")
-    return proc
+        what = f"timed out after {timeout}s"
+    if p.returncode == 0:
+        return subprocess.CompletedProcess(cmd, 0, out, err)
+    raise AssertionError(f"mpiexec -n {nprocs} {os.path.basename(script)} {' '.join(args)} {what}\n"
+                         f"--- rank errors ---\n{_rank_errors(err_dir)}"
+                         f"--- stdout tail ---\n{_tail(out)}\n--- stderr tail ---\n{_tail(err)}")

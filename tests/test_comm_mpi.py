@@ -47,7 +47,11 @@ def test_timeout_names_peer_layer_microbatch(results):
 def test_corrupted_payload_is_caught():
     os.environ["COMM_TEST_CORRUPT"] = "1"
     try:
-        with pytest.raises(AssertionError, match="combine payload from 1 differs|combine crc"):
+        with pytest.raises(AssertionError) as info:
             run_mpi(2, PROG, ["1x1:5:1:2:1:2:8:16"], timeout=120)
     finally:
         del os.environ["COMM_TEST_CORRUPT"]
+    # read from the rank's error file, which survives MPI_Abort (its stderr may not)
+    reports = str(info.value).split("--- rank errors ---\n")[1].split("--- stdout tail ---")[0]
+    assert re.search(r"^rank 0: Traceback", reports, re.M), str(info.value)
+    assert re.search("combine payload from 1 differs|combine crc", reports), str(info.value)

@@ -12,11 +12,12 @@ Experts reply out = 2*hidden + sum(topk_weights), which attention checks the sam
 import os
 import sys
 import time
-import traceback
 import zlib
 
 import torch
 from mpi4py import MPI
+
+from abort_on_error import run_or_abort
 
 from megainfer.comm import (KIND_DATA, KIND_STOP, M2N, CommTimeoutError, MessageTooLargeError,
                             WaitPolicy, combine_spec, dispatch_spec, make_transports)
@@ -205,9 +206,4 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        WORLD.Abort(1)  # do not leave the other ranks waiting
+    run_or_abort(main)

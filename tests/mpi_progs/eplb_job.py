@@ -16,6 +16,8 @@ torch.set_num_threads(1)
 sys.path.insert(0, os.path.dirname(__file__))
 
 from mpi4py import MPI  # noqa: E402
+
+from abort_on_error import run_or_abort  # noqa: E402
 from runtime_job import CACHE, SCHED, inputs  # noqa: E402
 
 from megainfer.config import CommConfig, DeployPlan, EplbConfig, LoadConfig, ModelConfig  # noqa: E402
@@ -67,4 +69,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_or_abort(main)

@@ -12,6 +12,8 @@ import torch
 
 torch.set_num_threads(1)
 
+from abort_on_error import run_or_abort  # noqa: E402
+
 from megainfer.config import (CacheConfig, CommConfig, DeployPlan, LoadConfig, ModelConfig,  # noqa
                               SchedulerConfig)
 from megainfer.engine.outputs import PromptInput  # noqa
@@ -57,4 +59,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_or_abort(main)
