@@ -312,13 +312,37 @@ def test_receive_handle_is_the_message():
     h.release()  # idempotent
 
 
-def test_backoff_sleep_phase_wakes_soon_after_a_long_wait():
+class _FakeClock:
+    """Stands in for ``time`` in wait.py: each clock read advances 1 us, a sleep exactly its
+    length, so the backoff's schedule is checked without the machine's timing noise."""
+
+    def __init__(self):
+        self.now, self.sleeps = 0.0, []
+
+    def perf_counter(self) -> float:
+        self.now += 1e-6
+        return self.now
+
+    def sleep(self, s: float) -> None:
+        self.sleeps.append((self.now, s))
+        self.now += s
+
+
+def test_backoff_sleep_phase_wakes_soon_after_a_long_wait(monkeypatch):
     """Sleeps double from 1 ms but never exceed 1/8 of the time waited: a 40 ms wait ends by
     ~45 ms (uncapped doubling 1, 2, 4, 8, 16, 32 ms would wake at ~63 ms)."""
-    import time
+    from megainfer.comm import wait as wait_mod
+    clock = _FakeClock()
+    monkeypatch.setattr(wait_mod, "time", clock)
     pol = WaitPolicy(yield_s=1e-4, min_sleep_s=1e-3, max_sleep_s=1.0, timeout_s=5.0)
-    t0 = time.perf_counter()
-    waited = wait_until(lambda: time.perf_counter() > t0 + 0.04, pol)
-    assert 0.039 <= waited < 0.058, waited
+    waited = wait_until(lambda: clock.now > 0.04, pol)
+    assert 0.04 <= waited < 0.04 * (1 + pol.sleep_frac) + 1e-4, waited
+    for at, s in clock.sleeps:  # never more than 1/8 of the time waited so far (t0 ~ 0)
+        assert s <= pol.sleep_frac * at + 1e-9, (at, s)
+    sleeps = [s for _, s in clock.sleeps]
+    assert sleeps == sorted(sleeps) and sleeps[-1] > 4e-3  # they grow with the wait, so a
+    assert len(sleeps) < 60                                # 40 ms wait takes ~50 wake-ups
+    clock.now = 0.0  # a wait that never ends gives up at its timeout, not a long sleep later
+    assert -5.001 < wait_until(lambda: False, pol) < -5.0
     with pytest.raises(ConfigError, match="sleep_frac"):
         WaitPolicy(sleep_frac=0)

@@ -8,8 +8,8 @@ core another rank needs. ``backoff`` (the default) has three phases:
 2. yield ``yield_s``: ``sched_yield`` between polls, so a peer waiting for this core gets
    it at once (MPICH's blocking calls do the same), while a free core keeps polling;
 3. sleep: ``min_sleep_s`` doubling up to ``max_sleep_s``, and never more than
-   ``sleep_frac`` of the time waited so far, so a long transfer (8 MB) is noticed at most
-   that fraction late while a long idle wait costs few wake-ups. Before its first sleep a
+   ``sleep_frac`` of the time waited so far (nor past the timeout), so a long transfer
+   (8 MB) is noticed at most that fraction late while a long idle wait costs few wake-ups. Before its first sleep a
    thread sets its timer slack to ``TIMER_SLACK_NS`` (Linux rounds sleeps up by 50 us by
    default, which would make every short sleep a 60 us one).
 
@@ -105,7 +105,7 @@ def wait_until(test: Callable[[], bool], policy: WaitPolicy) -> float:
     _tighten_timer_slack()
     sleep_s, frac, cap = policy.min_sleep_s, policy.sleep_frac, policy.max_sleep_s
     while now <= deadline:
-        time.sleep(min(sleep_s, frac * (now - t0)))
+        time.sleep(min(sleep_s, frac * (now - t0), deadline - now))  # no later than the deadline
         if test():
             return clock() - t0
         now = clock()
