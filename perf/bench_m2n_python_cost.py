@@ -49,7 +49,7 @@ def channel_op(ch: Channel, rows: int):
 def inline_op(ch: Channel, rows: int):
     """The channel's own slots and requests, its work written out (single stream, depth 2)."""
     pack, unpack, yield_ = SL._pack, SL._unpack, os.sched_yield
-    ring = ch._recv[(0, 0)]
+    ring = ch._recv[0][0]
     nbytes, tag = ch._nbytes[rows], ch._tags[0]
 
     def run(i):

@@ -228,7 +228,7 @@ def test_corrupt_header_is_caught():
     fab, (tx, rx) = pair()
     out = tx.reserve(1, 1)
     tx.post(out, iteration=0, layer=0, micro_batch=0)
-    ring = rx._recv[(0, 0)]
+    ring = rx._recv[0][0]  # [stream][sender]
     ring.slots[0].buf.header[0] = 12345  # the bytes landed already (loopback copies at once)
     with pytest.raises(CommProtocolError, match="corrupt header"):
         rx.recv(0, layer=0, micro_batch=0, iteration=0).wait()

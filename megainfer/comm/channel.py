@@ -65,14 +65,15 @@ class Channel:
         self._send = {p: [send_slot(p) for _ in range(depth * streams)]
                       for p in self.receivers} if self.rank in self.senders else {}
         self._send_ptr = {p: 0 for p in self._send}
-        self._recv = {}
+        self._recv = [{} for _ in range(streams)]  # [stream] -> {sender: ring}: no key tuple
+        # made per message (under contention every Python step counts; docs/comm.md)
         if self.rank in self.receivers:
             for p in self.senders:
                 for s in range(streams):
                     bufs = [transport.alloc(nb) for _ in range(depth)]
                     ring = _RecvRing([_Slot(b, spec, transport.recv_init(b, p), p) for b in bufs],
                                      self._tags[s], nb)
-                    self._recv[(p, s)] = ring
+                    self._recv[s][p] = ring
                     if not self._ordered:
                         self._post_ahead(ring)
 
@@ -114,7 +115,7 @@ class Channel:
         out.req = out.io.start(self._nbytes[rows], self._tags[micro_batch % self.streams])
         # off the critical path from here (the bytes are on their way): bookkeeping, and
         # whether the slot the next reserve() takes is free already (so it need not ask)
-        out.what = (iteration, layer, micro_batch, out.peer)
+        out.it, out.layer, out.mb = iteration, layer, micro_batch  # for errors (no tuple)
         seq = out.seq = out.seq + 1
         nxt = self._send[out.peer][self._send_ptr[out.peer]]
         if not nxt.clear and nxt.req.test():
@@ -160,7 +161,7 @@ class Channel:
     def recv(self, peer: int, *, layer: int, micro_batch: int,
              iteration: Optional[int] = None) -> RecvHandle:
         """Handle on the next message from ``peer`` on this micro-batch's stream."""
-        ring = self._recv.get((peer, micro_batch % self.streams))
+        ring = self._recv[micro_batch % self.streams].get(peer)
         if ring is None:
             raise CommError(f"[{self.name} rank {self.rank}] cannot receive from {peer}: not a "
                             f"sender->receiver pair of this channel")
@@ -232,7 +233,7 @@ class Channel:
 
     def close(self) -> None:
         """Cancel receives posted ahead and drop sends still pending; call before finalize."""
-        for ring in self._recv.values():
+        for ring in (r for rings in self._recv for r in rings.values()):
             for slot in ring.slots:
                 if slot.state == POSTED and not slot.req.test():
                     slot.req.cancel()

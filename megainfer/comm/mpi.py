@@ -17,7 +17,6 @@ from mpi4py import MPI
 from megainfer.comm.transport import Buffer, Request, Transport, host_buffer
 
 MAX_PERSISTENT = 64  # persistent sends kept per send slot, one per (nbytes, tag) seen
-TAG_SPAN = 1 << 16   # cache key nbytes * TAG_SPAN + tag (tags stay below 32767)
 
 
 class _MpiSend(Request):
@@ -55,27 +54,27 @@ class _MpiRecv(Request):
 
 class _MpiSendInit:
     """One send slot's persistent sends, keyed by (nbytes, tag); the last one used is kept
-    at hand (a slot mostly sends the same size on the same tag)."""
+    at hand (a slot mostly sends the same size on the same tag) and matched field by field,
+    so the common case allocates nothing."""
 
-    __slots__ = ("t", "buf", "np", "peer", "reqs", "key", "last")
+    __slots__ = ("t", "buf", "np", "peer", "reqs", "nbytes", "tag", "last")
 
     def __init__(self, t: "MpiTransport", buf: Buffer, peer: int):
         self.t, self.buf, self.np, self.peer, self.reqs = t, buf, buf.extra["np"], peer, {}
-        self.key, self.last = -1, None
+        self.nbytes, self.tag, self.last = -1, -1, None
 
     def start(self, nbytes: int, tag: int) -> Request:
-        key = nbytes * TAG_SPAN + tag
-        if key == self.key:
+        if nbytes == self.nbytes and tag == self.tag:
             r = self.last
         else:
-            r = self.reqs.get(key)
+            r = self.reqs.get((nbytes, tag))
             if r is None:
                 if len(self.reqs) >= MAX_PERSISTENT:  # a slot that met too many sizes
                     return self.t.isend(self.buf, nbytes, self.peer, tag)
                 pre = self.t.comm.Send_init([self.np, nbytes, MPI.BYTE], self.peer, tag)
                 self.t._persistent.append(pre)
-                r = self.reqs[key] = _MpiSend(pre)
-            self.key, self.last = key, r
+                r = self.reqs[(nbytes, tag)] = _MpiSend(pre)
+            self.nbytes, self.tag, self.last = nbytes, tag, r
         r.req.Start()
         return r
 
@@ -90,7 +89,7 @@ class _MpiRecvInit:
 
     def start(self, nbytes: int, tag: int) -> Request:
         r = self.r
-        if r is None or self.key != (nbytes, tag):
+        if r is None or nbytes != self.key[0] or tag != self.key[1]:  # no tuple per message
             pre = self.t.comm.Recv_init([self.np, nbytes, MPI.BYTE], self.peer, tag)
             self.t._persistent.append(pre)
             r = self.r = _MpiRecv(pre)

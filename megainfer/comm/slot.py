@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from megainfer.comm.channel import Channel
 
 _pack, _unpack = S.HEADER.pack_into, S.HEADER.unpack_from
+KIND_DATA = S.KIND_DATA
 MAX_VIEW_CACHE = 64  # row counts whose field views a slot keeps
 FAST_POLLS = range(32)  # polls a receive makes before handing over to the wait policy
 # Between those polls a receive calls sched_yield (cheap when nothing else wants the core)
@@ -49,8 +50,8 @@ class _Slot:
     """One ring slot: its buffer, typed views per row count (made once, kept), the slot's
     repeated transport operation ``io`` and its request in flight."""
 
-    __slots__ = ("buf", "hdr", "layout", "io", "req", "clear", "state", "what", "seq", "_views",
-                 "peer", "rows")
+    __slots__ = ("buf", "hdr", "layout", "io", "req", "clear", "state", "it", "layer", "mb",
+                 "seq", "_views", "peer", "rows")
 
     def __init__(self, buf: Buffer, spec: S.MessageSpec, io, peer: int):
         self.buf, self.layout = buf, S.MessageLayout(spec, buf.data)
@@ -58,7 +59,13 @@ class _Slot:
         self.io, self.peer, self.rows = io, peer, 0  # faster on a memoryview than on numpy)
         self.req: Optional[Request] = None
         self.clear = True  # send slots: the previous message is known to have left
-        self.state, self.what, self.seq, self._views = FREE, None, 0, {}
+        self.state, self.seq, self._views = FREE, 0, {}
+        self.it = self.layer = self.mb = None  # a send slot's last message, for errors
+
+    @property
+    def what(self) -> tuple:
+        """(iteration, layer, micro_batch, peer) of the slot's last message."""
+        return self.it, self.layer, self.mb, self.peer
 
     def views(self, rows: int) -> dict:
         v = self._views.get(rows)
@@ -104,10 +111,12 @@ class SendHandle(tuple):
         return False
 
     def wait(self) -> None:
-        if not self.test():
-            ch, s, _ = self
+        ch, s, seq = self  # test(), written out: this is on every message's path
+        if s.seq != seq or s.clear:
+            return
+        if not s.req.test():
             ch._wait(s.req, "send", s.what)
-            s.clear = True
+        s.clear = True
 
 
 class Message:
@@ -139,9 +148,10 @@ class Message:
                     ch._wait(req, "receive", self._what)
             slot = self._slot
             h = _unpack(slot.hdr)  # 8 x int32: magic, kind, rows, iteration, layer, mb, src, aux
-            if h[0] != ch._magic or h[1] != S.KIND_DATA or h[3:7] != self._what or \
-                    not 0 <= h[2] <= ch._cap:  # the common case in one tuple compare
-                ch._check(h, slot, self._what)
+            w = self._what  # field by field: a slice would allocate a tuple per message
+            if h[0] != ch._magic or h[1] != KIND_DATA or h[3] != w[0] or h[4] != w[1] or \
+                    h[5] != w[2] or h[6] != w[3] or not 0 <= h[2] <= ch._cap:
+                ch._check(h, slot, w)
             slot.state = HELD
             self._h = h
         return self

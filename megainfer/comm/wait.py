@@ -72,23 +72,27 @@ def _tighten_timer_slack() -> None:
 
 
 def _poll(test: Callable[[], bool], t0: float, until: float, yielder) -> float:
-    """Poll until ``test()`` (return the time waited) or the clock passes ``until`` (-now)."""
+    """Poll until ``test()`` (return the time waited) or the clock passes ``until`` (-now);
+    with a ``yielder``, yield before each poll."""
     clock = time.perf_counter
     while True:
         for _ in range(CLOCK_EVERY):
-            if test():
-                return clock() - t0
             if yielder is not None:
                 yielder()
+            if test():
+                return clock() - t0
         now = clock()
         if now > until:
             return -now
 
 
 def wait_until(test: Callable[[], bool], policy: WaitPolicy) -> float:
-    """Poll ``test`` until it is true; return seconds waited, or -seconds on timeout."""
-    if test():
-        return 0.0
+    """Poll ``test`` until it is true; return seconds waited, or -seconds on timeout.
+
+    A yielding policy yields before every poll, the first one too: the channel comes here when
+    ``test()`` just failed, and a poll straight after it finds nothing new while its MPI
+    progress call delays the rank that shares our core and owes us the message (measured:
+    docs/comm.md, "Where the channel's time goes")."""
     clock = time.perf_counter
     t0 = clock()
     mode, deadline = policy.mode, t0 + policy.timeout_s
