@@ -33,8 +33,11 @@ def _tail(text) -> str:
 
 def _rank_errors(err_dir: str) -> str:
     """Every rank's error report from ``err_dir``, in rank order."""
-    names = sorted(os.listdir(err_dir), key=lambda n: int("".join(filter(str.isdigit, n)) or 0))
-    return "".join(open(os.path.join(err_dir, n)).read() for n in names)
+    out = []
+    for n in sorted(os.listdir(err_dir), key=lambda n: int("".join(filter(str.isdigit, n)) or 0)):
+        with open(os.path.join(err_dir, n)) as f:
+            out.append(f.read())
+    return "".join(out)
 
 
 def run_mpi(nprocs: int, script: str, args: list[str], timeout: float) -> subprocess.CompletedProcess:
