@@ -1,15 +1,16 @@
 """``megainfer-launch`` under mpirun: every rank builds its part (``megainfer.runtime.world``);
-rank 0 runs the offline job over the replicas' output stream and writes the results, the
-summary and (with ``trace.enabled``) the merged trace into its run directory.
+rank 0 runs the offline job over the replicas' output stream and writes the results, the summary
+and (with ``trace.enabled``) the merged trace into its run directory.
 
 A rank that fails (a peer silent past ``comm.timeout_s``, bad input found late) prints one line
 naming itself, the peer and the phase, writes that line and its traceback to
 ``<run dir>/error.rank<N>.txt``, then aborts the whole job: every line already written stays on
-disk, and rerunning the same command resumes. (The file is there because a process manager may
-drop what a rank printed just before ``MPI_Abort``; we wait ``ABORT_GRACE_S`` to make that rare.) A rank that dies outright is reported by
-the process manager (MPICH: "BAD TERMINATION ... PID n"), which ends the others at once; rank
-0's start-up log line maps each pid to its rank and role. (With ``mpiexec
--disable-auto-cleanup`` the survivors instead time out and name the rank themselves.)
+disk, and rerunning the same command resumes. (The file is there because a process manager may drop
+what a rank printed just before ``MPI_Abort``; we wait ``ABORT_GRACE_S`` to make that rare.) A
+rank that dies outright is reported by the process manager (MPICH: "BAD TERMINATION ... PID n"),
+which ends the others at once; rank 0's start-up log line maps each pid to its rank and role.
+(With ``mpiexec -disable-auto-cleanup`` the survivors instead time out and name the rank
+themselves.)
 """
 from __future__ import annotations
 

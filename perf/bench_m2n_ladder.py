@@ -1,7 +1,7 @@
 """Where the channel's time goes when ranks outnumber cores: the same M2N traffic with less
 and less of the channel, side by side in one run, against MPI_Alltoallv.
 
-    .venv/bin/python perf/bench_m2n_ladder.py            # ~1 min; perf/results/bench_m2n_ladder.json
+    .venv/bin/python perf/bench_m2n_ladder.py     # ~10 s; perf/results/bench_m2n_ladder.json
 
 Rungs (perf/m2n_ladder_ops.py): ``mpi-p2p`` (one Startall/Testall, receives posted in the op),
 ``lean`` (the channel's pattern in bare mpi4py: receives posted ahead, each request waited in
@@ -30,7 +30,8 @@ RUNGS = ("alltoallv-again", "mpi-p2p", "lean", "inline", "m2n")
 
 def summarize(rows) -> dict:
     """Per rung: p50 / Alltoallv per cell, its median and max, and median CPU per op (us)."""
-    a2av = {(r["M"], r["N"], r["direction"], r["size"]): r for r in rows if r["method"] == "alltoallv"}
+    a2av = {(r["M"], r["N"], r["direction"], r["size"]): r
+            for r in rows if r["method"] == "alltoallv"}
     out = {}
     for m in RUNGS:
         mine = [r for r in rows if r["method"] == m]
@@ -54,8 +55,8 @@ def print_table(rows):
     for c in cells:
         a = by[c + ("alltoallv",)]
         line = f"{c[0]}x{c[1]} {c[2]:>8} {c[3] >> 10:>4}K {a['p50'] * 1e6:>8.1f} "
-        line += " ".join(f"{by[c + (m,)]['p50'] / a['p50']:>7.2f} {by[c + (m,)]['cpu_max'] * 1e6:>5.0f}us"
-                         for m in RUNGS)
+        line += " ".join(f"{by[c + (m,)]['p50'] / a['p50']:>7.2f} "
+                         f"{by[c + (m,)]['cpu_max'] * 1e6:>5.0f}us" for m in RUNGS)
         print(line + f"   a2av cpu {a['cpu_max'] * 1e6:.0f}us")
 
 

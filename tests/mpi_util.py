@@ -4,8 +4,8 @@
 with ``OMP_NUM_THREADS=1`` and raises ``AssertionError`` showing the tails of stdout and
 stderr, and each rank's error report, when the job times out or exits non-zero. Ranks report
 through ``mpi_progs/abort_on_error.py`` into ``MPI_TEST_ERR_DIR`` (a fresh temporary folder per
-job), since mpiexec may drop what a rank printed just before ``MPI_Abort``. mpiexec is looked up next to
-``sys.executable`` (the venv's bin), so the job runs the same interpreter as pytest.
+job), since mpiexec may drop what a rank printed just before ``MPI_Abort``. mpiexec is looked
+up next to ``sys.executable`` (the venv's bin), so the job runs the same interpreter as pytest.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def _rank_errors(err_dir: str) -> str:
     return "".join(out)
 
 
-def run_mpi(nprocs: int, script: str, args: list[str], timeout: float) -> subprocess.CompletedProcess:
+def run_mpi(nprocs: int, script: str, args: list, timeout: float) -> subprocess.CompletedProcess:
     with tempfile.TemporaryDirectory(prefix="mpi_errs_") as err_dir:
         return _run(nprocs, script, list(map(str, args)), timeout, err_dir)
 

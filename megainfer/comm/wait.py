@@ -9,9 +9,9 @@ core another rank needs. ``backoff`` (the default) has three phases:
    it at once (MPICH's blocking calls do the same), while a free core keeps polling;
 3. sleep: ``min_sleep_s`` doubling up to ``max_sleep_s``, and never more than
    ``sleep_frac`` of the time waited so far (nor past the timeout), so a long transfer
-   (8 MB) is noticed at most that fraction late while a long idle wait costs few wake-ups. Before its first sleep a
-   thread sets its timer slack to ``TIMER_SLACK_NS`` (Linux rounds sleeps up by 50 us by
-   default, which would make every short sleep a 60 us one).
+   (8 MB) is noticed at most that fraction late while a long idle wait costs few wake-ups.
+   Before its first sleep a thread sets its timer slack to ``TIMER_SLACK_NS`` (Linux rounds
+   sleeps up by 50 us by default, which would make every short sleep a 60 us one).
 
 ``yield`` yields between polls for the whole wait; ``spin`` polls flat out (lowest latency
 on idle cores, a core burnt while waiting).
