@@ -67,10 +67,12 @@ def main():
     ap.add_argument("--scale", type=float, default=2.0, help="iterations scale")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "bench_m2n_ladder.json"))
     ap.add_argument("--timeout", type=int, default=900)
+    ap.add_argument("--mpiexec", default=MPIEXEC,
+                    help="mpiexec to launch with (default: the one beside this Python)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         raw = os.path.join(tmp, "raw.json")
-        cmd = [MPIEXEC, "-n", "4", sys.executable, os.path.join(HERE, "bench_m2n_ladder_mpi.py"),
+        cmd = [args.mpiexec, "-n", "4", sys.executable, os.path.join(HERE, "bench_m2n_ladder_mpi.py"),
                "--out", raw, "--sizes", args.sizes, "--configs", args.configs,
                "--scale", str(args.scale)]
         load_before = os.getloadavg()

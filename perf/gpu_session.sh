@@ -72,13 +72,17 @@ step nccl 60 "$PY" perf/bench_nccl_self.py --out "$W/bench_nccl_self.json"
 step tune1 90 "$PY" perf/tune_moe_kernels.py --space small --shape 8,14336,4096 --top-k 2 --m 4,32,256,2048,8192 --table "$TUNED" --log "$W/tune_mixtral.json"
 step tune2 80 "$PY" perf/tune_moe_kernels.py --space small --shape 64,1408,2048 --top-k 6 --m 10,85,682,5461 --table "$TUNED" --log "$W/tune_dsv2lite.json"
 step bench 150 "$PY" perf/bench_moe_kernels.py --device cuda
-# Not in the default STEPS (STEPS=m2n to run it): bench_m2n's collectives and ping-pong on this
-# machine's 16 cores (4 ranks, no oversubscription), under MPICH 5.0.2 from the carried wheel
-# with the carried mpi4py 4.1.2 bound to it, as on the 2-core dev box.
+# Not in the default STEPS (STEPS=m2n to run it): bench_m2n's collectives and ping-pong, and the
+# ladder (perf/bench_m2n_ladder.py), on this machine's 16 cores (4 ranks, no oversubscription),
+# under MPICH 5.0.2 from the carried wheel with the carried mpi4py 4.1.2 bound to it, as on the
+# 2-core dev box.
 if [[ " $STEPS " == *" m2n "* ]]; then
   carried_mpi
   step m2n 280 env PYTHONPATH="$MPI_SITE:$PYTHONPATH" MPI4PY_LIBMPI="$LIBMPI" \
     "$PY" perf/bench_m2n.py --mpiexec "$MPICH_BIN/mpiexec" --parts collectives,pingpong \
     --scale "${M2N_SCALE:-0.5}" --out "$W/bench_m2n.json"
+  # where the channel's time goes with a core per rank (on 2 cores: docs/comm.md)
+  STEPS="$STEPS m2nladder" step m2nladder 120 env PYTHONPATH="$MPI_SITE:$PYTHONPATH" MPI4PY_LIBMPI="$LIBMPI" \
+    "$PY" perf/bench_m2n_ladder.py --mpiexec "$MPICH_BIN/mpiexec" --out "$W/bench_m2n_ladder.json"
 fi
 cat "$W/rc.txt"
