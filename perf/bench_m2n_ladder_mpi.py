@@ -12,11 +12,10 @@ import sys
 import time
 
 import numpy as np
-from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from m2n_harness import (BACKOFF, RANK, ROW, WORLD, P2P, alltoallv_op, idle_barrier,  # noqa: E402
-                         iters_for, mpi_p2p_op, timed_many)
+from m2n_harness import (BACKOFF, RANK, ROW, WORLD, P2P, alltoallv_op, iters_for,  # noqa: E402
+                         mpi_p2p_op, on_sub, timed_many)
 from m2n_ladder_ops import inline_op, lean_op  # noqa: E402
 
 from megainfer.comm.mpi import MpiTransport  # noqa: E402
@@ -83,14 +82,10 @@ def main():
     sizes = [int(x) for x in args.sizes.split(",")]
     out = []
     for M, N in (tuple(int(x) for x in c.split("x")) for c in args.configs.split(",")):
-        sub = WORLD.Split(0 if RANK < M + N else MPI.UNDEFINED, RANK)
-        if sub != MPI.COMM_NULL:
-            rows = bench_config(sub, M, N, sizes, args.scale)
-            if RANK == 0:
-                out += rows
-                print(f"[ladder rank0] {M}x{N} done", flush=True)
-            sub.Free()
-        idle_barrier(WORLD)
+        rows = on_sub(M + N, lambda sub: bench_config(sub, M, N, sizes, args.scale))
+        if RANK == 0:
+            out += rows
+            print(f"[ladder rank0] {M}x{N} done", flush=True)
     if RANK == 0:
         with open(args.out, "w") as f:
             json.dump({"collectives": out, "methods": METHODS}, f)

@@ -24,7 +24,8 @@ from megainfer.comm.mpi import MpiTransport
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bare_p2p import BareP2P  # noqa: E402
 from m2n_harness import (BACKOFF, CORES, RANK, ROW, SPIN, WORLD, YIELD, P2P,  # noqa: E402
-                         alltoallv_op, gloo_op, idle_barrier, iters_for, mpi_p2p_op, timed_many)
+                         alltoallv_op, gloo_op, idle_barrier, iters_for, mpi_p2p_op, on_sub,
+                         timed_many)
 
 
 def bench_config(sub, group, M, N, sizes, scale, bare=False, spin_shared=False):
@@ -188,16 +189,6 @@ def wait_policies(sub, rounds, chunks=15):
                 "compute_r2": float(np.median(got[2][k]["compute"])),
                 "wake": float(np.median(got[1][k]["wake"])) if got[1][k]["wake"] else None}
             for k in modes}
-
-
-def on_sub(need, fn):
-    sub = WORLD.Split(0 if RANK < need else MPI.UNDEFINED, RANK)
-    out = None
-    if sub != MPI.COMM_NULL:
-        out = fn(sub)
-        sub.Free()
-    idle_barrier(WORLD)
-    return out
 
 
 def main():

@@ -36,6 +36,18 @@ def idle_barrier(comm):
             _stuck("idle barrier")
 
 
+def on_sub(need: int, fn):
+    """``fn(sub)`` on a sub-communicator of the first ``need`` world ranks (the others skip it),
+    then an idle barrier of the whole world; returns ``fn``'s result (None on the others)."""
+    sub = WORLD.Split(0 if RANK < need else MPI.UNDEFINED, RANK)
+    out = None
+    if sub != MPI.COMM_NULL:
+        out = fn(sub)
+        sub.Free()
+    idle_barrier(WORLD)
+    return out
+
+
 def iters_for(size: int, scale: float) -> int:
     return max(10, int(min(200, (256 << 20) // size) * scale))
 
