@@ -10,3 +10,11 @@ from .torch_moe import fused_moe_torch
 
 __all__ = ["fused_moe", "select_experts", "moe_align", "fused_moe_ref", "select_experts_ref",
            "moe_align_ref", "fused_moe_torch", "RoutingError"]
+
+# Paged attention: torch references and argument checks here; the Triton kernels
+# (store_kv, prefill_attention, decode_attention) in megainfer.kernels.triton_attention.
+from .attention_ref import (check_attention_args, decode_attention_ref,  # noqa: E402
+                            prefill_attention_ref, store_kv_ref, supported_head_dim)
+
+__all__ += ["check_attention_args", "supported_head_dim", "store_kv_ref",
+            "prefill_attention_ref", "decode_attention_ref"]

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from .tile_configs import get_config, interpreting
 from .triton_align import moe_align_triton
+from .triton_dot import dot
 
 
 @triton.jit
@@ -32,15 +33,6 @@ def _block_coords(EM, NOUT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
     return pid_m, pid_n
 
 
-@triton.jit
-def _dot(a, b, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    """acc + a @ b. IEEE: fp32 without TF32. UPCAST: bf16 -> fp32 first (the interpreter's
-    bf16 tl.dot returns garbage in triton 3.7, so tests run the fp32 dot on bf16 data)."""
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    if IEEE:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -77,8 +69,8 @@ def _moe_gemm1(x_ptr, w1_ptr, act_ptr, sorted_ptr, bexp_ptr, npad_ptr, EM, S, N,
                      mask=b_mask, other=0.0)  # [BK, BN] gate
         bu = tl.load(w_base + (offs_n[None, :] + N) * s_wn + offs_k[:, None] * s_wk,
                      mask=b_mask, other=0.0)  # [BK, BN] up
-        acc_g = _dot(a, bg, acc_g, IEEE, UPCAST)
-        acc_u = _dot(a, bu, acc_u, IEEE, UPCAST)
+        acc_g = dot(a, bg, acc_g, IEEE, UPCAST)
+        acc_u = dot(a, bu, acc_u, IEEE, UPCAST)
     act = acc_g * tl.sigmoid(acc_g) * acc_u  # silu(gate) * up, fp32
     tl.store(out_ptrs, act.to(act_ptr.dtype.element_ty), mask=out_mask)
 
@@ -111,7 +103,7 @@ def _moe_gemm2(a_ptr, w2_ptr, y_ptr, tw_ptr, sorted_ptr, bexp_ptr, npad_ptr, EM,
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
         b = tl.load(w_base + offs_o[None, :] * s_wk + offs_k[:, None] * s_wn,
                     mask=k_ok[:, None] & o_ok[None, :], other=0.0)  # [BK, BN]
-        acc = _dot(a, b, acc, IEEE, UPCAST)
+        acc = dot(a, b, acc, IEEE, UPCAST)
     w = tl.load(tw_ptr + slot, mask=row_ok, other=0.0)  # [BM] router weight of each slot
     tl.store(out_ptrs, acc * w[:, None], mask=out_mask)
 

@@ -19,24 +19,25 @@ from megainfer.engine import RequestError
 from .inputs import job_requests
 from .job import run_offline_job, write_summary
 from .settings import JobSettings, settings_from_config
-from .world import local_ranks, world_rank, world_size
+from .world import local_rank, local_ranks, world_rank, world_size
 
 log = logging.getLogger("megainfer.launch")
 
 
 def single_generator(s: JobSettings):
     from megainfer.llm import LLM
-    return LLM.from_configs(s.model, s.load, s.scheduler, s.cache, seed=s.seed)
+    return LLM.from_configs(s.model, s.load, s.scheduler, s.cache, seed=s.seed, device=s.device)
 
 
 def run_job(cfg, run_dir: str) -> int:
-    s = settings_from_config(cfg, world_size(), local_ranks())
+    s = settings_from_config(cfg, world_size(), local_ranks(), local_rank())
     import torch
     torch.set_num_threads(s.cpu_threads)
     out = s.io.output or os.path.join(run_dir, "generations.jsonl")
     requests = job_requests(s) if world_rank() == 0 else []  # rank 0 hands them out
-    log.info("[launch] %s: %d requests, model %s (%s weights), %d cpu threads, output %s",
-             s.deploy.mode, len(requests), s.model.family, s.load.load_format, s.cpu_threads, out)
+    log.info("[launch] %s: %d requests, model %s (%s weights, %s), device %s, %d cpu threads, "
+             "output %s", s.deploy.mode, len(requests), s.model.family, s.load.load_format,
+             s.load.dtype, s.device.torch_device, s.cpu_threads, out)
     if s.deploy.mode != "single":
         from .distributed import run_distributed
         return run_distributed(s, requests, out, run_dir)

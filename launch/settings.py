@@ -11,8 +11,8 @@ import logging
 import os
 from typing import Any, Mapping, Optional
 
-from megainfer.config import (CacheConfig, CommConfig, ConfigError, DeployPlan, EplbConfig,
-                              LoadConfig, ModelConfig, SchedulerConfig, TraceConfig)
+from megainfer.config import (CacheConfig, CommConfig, ConfigError, DeployPlan, DeviceConfig,
+                              EplbConfig, LoadConfig, ModelConfig, SchedulerConfig, TraceConfig)
 from megainfer.engine import SamplingParams, check_cache_fits
 from megainfer.engine.errors import SamplingParamsError
 from megainfer.engine.sizing import derive_num_blocks, resolve_max_model_len
@@ -21,7 +21,7 @@ from megainfer.models.loader import DTYPES
 log = logging.getLogger("megainfer.launch")
 
 GROUPS = ("model", "deploy", "scheduler", "cache", "sampling", "io", "workload", "comm", "trace",
-          "eplb")
+          "eplb", "engine")
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,7 @@ class JobSettings:
     comm: CommConfig = CommConfig()
     trace: TraceConfig = TraceConfig()
     eplb: EplbConfig = EplbConfig()
+    device: DeviceConfig = DeviceConfig()
 
 
 def auto_cpu_threads(model: ModelConfig, local_ranks: int) -> int:
@@ -109,8 +110,8 @@ def model_config_from_arch(arch: Mapping[str, Any]) -> ModelConfig:
     return ModelConfig(**d)
 
 
-def _model(d: dict) -> tuple[ModelConfig, LoadConfig]:
-    d = _take("model", d, {"path", "load_format", "dtype", "seed", "arch"})
+def _model(d: dict, device: DeviceConfig) -> tuple[ModelConfig, LoadConfig]:
+    d = _take("model", d, {"path", "load_format", "dtype", "seed", "arch", "attention_backend"})
     path, fmt = d.get("path"), d.get("load_format", "auto")
     if path:
         path = os.path.expanduser(str(path))
@@ -121,14 +122,29 @@ def _model(d: dict) -> tuple[ModelConfig, LoadConfig]:
         raise ConfigError("model.path=None: give a checkpoint directory or a preset with model.arch")
     if fmt == "auto":
         fmt = "safetensors" if path else "dummy"
-    load = LoadConfig(path=path, load_format=fmt, dtype=d.get("dtype", "float32"),
-                      seed=int(d.get("seed", 0)))
+    dtype = d.get("dtype", "auto")
+    dtype = device.default_dtype() if dtype in (None, "auto") else dtype
+    device.check_model(cfg, dtype)  # before any weight is read
+    load = LoadConfig(path=path, load_format=fmt, dtype=dtype, seed=int(d.get("seed", 0)))
     return cfg, load
 
 
+def resolve_device(c: dict, local_rank: int, distributed: bool) -> DeviceConfig:
+    """``deploy.device``, ``model.attention_backend``, ``engine.cuda_graphs`` -> DeviceConfig.
+    ``auto`` is cuda when one is visible, except for the distributed modes (cpu only so far)."""
+    e = _take("engine", c.get("engine") or {}, {"cuda_graphs"})
+    device = (c.get("deploy") or {}).get("device")
+    if distributed and device in (None, "auto"):
+        device = "cpu"
+    return DeviceConfig.resolve(device,
+                                (c.get("model") or {}).get("attention_backend"),
+                                e.get("cuda_graphs", True), local_rank)
+
+
 def resolve_deploy(d: dict, world_size: int) -> DeployPlan:
-    d = _take("deploy", d, _names(DeployPlan) | {"cpu_threads"})
+    d = _take("deploy", d, _names(DeployPlan) | {"cpu_threads", "device"})
     d.pop("cpu_threads", None)
+    d.pop("device", None)
     if d.get("mode", "auto") == "auto":
         if world_size == 1:
             d = dict(mode="single", attention_replicas=1, attention_tp=1, expert_ranks=0,
@@ -151,14 +167,21 @@ def _sampling(d: dict) -> tuple[SamplingParams, int]:
         raise ConfigError(f"sampling.{e}") from e
 
 
-def settings_from_config(cfg, world_size: int = 1, local_ranks: int = 1) -> JobSettings:
+def settings_from_config(cfg, world_size: int = 1, local_ranks: int = 1,
+                         local_rank: int = 0) -> JobSettings:
     """The composed config (DictConfig or dict) -> JobSettings, validated. ``local_ranks``:
-    processes of this launch on this host (they share its cores)."""
+    processes of this launch on this host (they share its cores); ``local_rank``: this
+    process's index among them (on cuda it takes that GPU, modulo the visible ones)."""
     c = _plain(cfg)
     c.pop("hydra", None)
     _take("config", c, set(GROUPS))
-    model, load = _model(c.get("model", {}))
     deploy = resolve_deploy(c.get("deploy", {}), world_size)
+    device = resolve_device(c, local_rank, distributed=deploy.mode != "single")
+    model, load = _model(c.get("model", {}), device)
+    if device.device == "cuda" and deploy.mode != "single":
+        raise ConfigError(f"deploy.device=cuda with deploy.mode={deploy.mode}: the distributed "
+                          "runtime runs on cpu so far (only single mode runs on a GPU); use "
+                          "deploy.device=cpu, or one process for single mode")
     s = _take("scheduler", c.get("scheduler", {}), _names(SchedulerConfig))
     s["max_model_len"] = resolve_max_model_len(model, s.get("max_model_len"))
     scheduler = SchedulerConfig(**s)
@@ -194,5 +217,5 @@ def settings_from_config(cfg, world_size: int = 1, local_ranks: int = 1) -> JobS
                     "spinning ranks on shared cores have hung MPI in that benchmark "
                     "(docs/comm.md); use backoff (the default) or yield", local_ranks, cores)
     return JobSettings(model, load, deploy, scheduler, cache, sampling, seed, io, workload,
-                       threads, **extra)
+                       threads, device=device, **extra)
 

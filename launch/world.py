@@ -6,6 +6,8 @@ import os
 _SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE")
 _LOCAL_SIZE_VARS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "PMI_SIZE")
 _RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MPI_LOCALRANKID")
+_LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMIX_LOCAL_RANK",
+                    "SLURM_LOCALID", "LOCAL_RANK")
 
 
 def _first_int(names) -> int | None:
@@ -27,3 +29,8 @@ def world_rank() -> int:
 def local_ranks() -> int:
     """Processes of this launch on this host (they share its cores)."""
     return _first_int(_LOCAL_SIZE_VARS) or 1
+
+
+def local_rank() -> int:
+    """This process's index among the launch's processes on this host (it picks its GPU)."""
+    return _first_int(_LOCAL_RANK_VARS) or 0

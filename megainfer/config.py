@@ -12,6 +12,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 SUPPORTED_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")
+DEVICES = ("cpu", "cuda")
+ATTENTION_BACKENDS = ("torch", "triton")
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
 class ConfigError(ValueError):
@@ -140,11 +143,79 @@ class LoadConfig:
     def __post_init__(self):
         _require(self.load_format in ("safetensors", "dummy"), "model.load_format",
                  self.load_format, "must be 'safetensors' or 'dummy'")
-        _require(self.dtype in ("float32", "bfloat16", "float16"), "model.dtype", self.dtype,
+        _require(self.dtype in DTYPE_NAMES, "model.dtype", self.dtype,
                  "must be float32, bfloat16 or float16")
         if self.load_format == "safetensors":
             _require(self.path is not None and os.path.isdir(self.path), "model.path", self.path,
                      "must be an existing checkpoint directory (or use load_format=dummy)")
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """Where a rank computes and how (``deploy.device``, ``model.attention_backend``,
+    ``engine.cuda_graphs``), resolved: no ``auto`` here (``DeviceConfig.resolve`` picks).
+
+    ``index``: the CUDA device of this process (from its node-local rank); ``cuda_graphs``
+    applies to decode steps of single mode with the Triton backend on cuda."""
+
+    device: str = "cpu"
+    attention_backend: str = "torch"
+    cuda_graphs: bool = False
+    index: int = 0
+
+    def __post_init__(self):
+        _require(self.device in DEVICES, "deploy.device", self.device,
+                 f"must be one of {', '.join(DEVICES)}")
+        _require(self.attention_backend in ATTENTION_BACKENDS, "model.attention_backend",
+                 self.attention_backend, f"must be one of {', '.join(ATTENTION_BACKENDS)}")
+        _require(isinstance(self.cuda_graphs, bool), "engine.cuda_graphs", self.cuda_graphs,
+                 "must be true or false")
+        if self.device == "cuda":
+            import torch
+            _require(torch.cuda.is_available(), "deploy.device", self.device,
+                     "no CUDA device is visible to this process (check CUDA_VISIBLE_DEVICES and "
+                     "the driver); use deploy.device=cpu")
+            n = torch.cuda.device_count()
+            _require(0 <= self.index < n, "deploy.device index", self.index,
+                     f"{n} CUDA device(s) visible")
+        elif self.attention_backend == "triton":
+            _require(os.environ.get("TRITON_INTERPRET") == "1", "model.attention_backend",
+                     self.attention_backend, "Triton kernels on cpu run only under the interpreter "
+                     "(TRITON_INTERPRET=1, slow: for tests); use attention_backend=torch on cpu")
+
+    @property
+    def torch_device(self):
+        import torch
+        return torch.device("cuda", self.index) if self.device == "cuda" else torch.device("cpu")
+
+    @classmethod
+    def resolve(cls, device: Optional[str] = None, attention_backend: Optional[str] = None,
+                cuda_graphs: bool = True, local_rank: int = 0) -> "DeviceConfig":
+        """``None`` or ``auto`` picks: cuda when visible, else cpu; Triton attention on cuda,
+        torch on cpu. On cuda this process takes GPU ``local_rank % visible GPUs`` (its
+        node-local rank; ``CUDA_VISIBLE_DEVICES`` is respected by CUDA itself)."""
+        import torch
+        _require(isinstance(cuda_graphs, bool), "engine.cuda_graphs", cuda_graphs,
+                 "must be true or false")
+        if device in (None, "auto"):
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if attention_backend in (None, "auto"):
+            attention_backend = "triton" if device == "cuda" else "torch"
+        index = local_rank % max(1, torch.cuda.device_count()) if device == "cuda" else 0
+        return cls(device, attention_backend, bool(cuda_graphs) and device == "cuda", index)
+
+    def default_dtype(self) -> str:
+        """bfloat16 on cuda, float32 on cpu (``model.dtype=auto``)."""
+        return "bfloat16" if self.device == "cuda" else "float32"
+
+    def check_model(self, model: "ModelConfig", dtype: str) -> None:
+        """Refuse, before any weight is loaded, what the chosen kernels cannot take."""
+        _require(dtype in DTYPE_NAMES, "model.dtype", dtype, f"must be one of {', '.join(DTYPE_NAMES)}")
+        if self.attention_backend == "triton":
+            from megainfer.kernels.attention_limits import attention_limits_error
+            why = attention_limits_error(model.head_dim, model.num_heads, model.num_kv_heads, dtype)
+            _require(why is None, "model.attention_backend", self.attention_backend,
+                     f"{why}; use attention_backend=torch")
 
 
 @dataclass(frozen=True)
@@ -279,5 +350,5 @@ class TraceConfig:
     enabled: bool = False
 
 
-__all__ = ["ConfigError", "ModelConfig", "LoadConfig", "CacheConfig", "SchedulerConfig",
+__all__ = ["ConfigError", "ModelConfig", "LoadConfig", "DeviceConfig", "CacheConfig", "SchedulerConfig",
            "DeployPlan", "EplbConfig", "CommConfig", "TraceConfig"]

@@ -1,64 +1,91 @@
 """The offline Python API (vLLM-shaped): ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
 from __future__ import annotations
 
+import logging
 from typing import Iterable, Iterator, Optional, Sequence, Union
 
 
-from megainfer.config import CacheConfig, LoadConfig, ModelConfig, SchedulerConfig
-from megainfer.engine import (LLMEngine, PromptInput, RequestError, RequestOutput, SamplingParams)
+from megainfer.config import CacheConfig, DeviceConfig, LoadConfig, ModelConfig, SchedulerConfig
+from megainfer.engine import (LLMEngine, PromptInput, RequestError, RequestOutput, SamplingParams,
+                              check_cache_fits)
 from megainfer.engine.sizing import derive_num_blocks, resolve_max_model_len
 from megainfer.engine.tokenizer import Tokenizer, load_tokenizer
 from megainfer.models.loader import DTYPES, build_model
 
 Prompt = Union[str, Sequence[int], dict]
+log = logging.getLogger("megainfer.engine")
+
+
+def _device_name(device: DeviceConfig) -> str:
+    if device.device != "cuda":
+        return "cpu"
+    import torch
+    return f"cuda:{device.index} ({torch.cuda.get_device_name(device.index)})"
 
 
 class LLM:
     """Single mode: one process, the whole model local.
 
     ``model``: an HF checkpoint directory, or a ``ModelConfig`` (then ``load_format`` is dummy:
-    seeded random weights). ``seed`` seeds the sampling of requests without their own seed.
+    seeded random weights, drawn straight onto the device). ``seed`` seeds the sampling of
+    requests without their own seed. ``device``: ``cpu`` | ``cuda`` (default: cuda when one is
+    visible); ``dtype``: ``float32`` | ``bfloat16`` | ``float16`` (default: bfloat16 on cuda,
+    float32 on cpu); ``attention_backend``: ``torch`` | ``triton`` (default: triton on cuda,
+    torch on cpu); ``cuda_graphs``: decode steps replay CUDA graphs (cuda with triton only).
+    Bad settings raise ``ConfigError`` naming the key before any weight is loaded.
     """
 
     def __init__(self, model: Union[str, ModelConfig], *, load_format: str = "auto",
-                 dtype: str = "float32", seed: int = 0, max_model_len: Optional[int] = None,
+                 dtype: Optional[str] = None, device: Optional[str] = None,
+                 attention_backend: Optional[str] = None, cuda_graphs: bool = True,
+                 seed: int = 0, max_model_len: Optional[int] = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
                  enable_chunked_prefill: bool = True, block_size: int = 16,
                  num_blocks: Optional[int] = None, kv_cache_memory_gib: float = 4.0,
                  tokenizer: Optional[Tokenizer] = None):
         path = model if isinstance(model, str) else None
-        self.model_config = ModelConfig.from_pretrained(path) if path else model
+        model_config = ModelConfig.from_pretrained(path) if path else model
         if load_format == "auto":
             load_format = "safetensors" if path else "dummy"
-        self.load_config = LoadConfig(path=path, load_format=load_format, dtype=dtype, seed=seed)
-        mml = resolve_max_model_len(self.model_config, max_model_len)
-        self.scheduler_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, mml,
-                                                enable_chunked_prefill)
+        dev = DeviceConfig.resolve(device, attention_backend, cuda_graphs)
+        dtype = dtype or dev.default_dtype()
+        dev.check_model(model_config, dtype)
+        load = LoadConfig(path=path, load_format=load_format, dtype=dtype, seed=seed)
+        mml = resolve_max_model_len(model_config, max_model_len)
+        scheduler = SchedulerConfig(max_num_seqs, max_num_batched_tokens, mml, enable_chunked_prefill)
         if num_blocks is None:
-            num_blocks = derive_num_blocks(self.model_config, mml, max_num_seqs, block_size,
+            num_blocks = derive_num_blocks(model_config, mml, max_num_seqs, block_size,
                                            kv_cache_memory_gib, DTYPES[dtype])
-        self.cache_config = CacheConfig(block_size, num_blocks)
-        self.model = build_model(self.model_config, self.load_config)
-        self.engine = LLMEngine.from_model(
-            self.model, self.scheduler_config, self.cache_config,
-            tokenizer or load_tokenizer(path, self.model_config.eos_token_id), seed=seed)
-        self._counter = 0
+        self._build(model_config, load, scheduler, CacheConfig(block_size, num_blocks), dev,
+                    tokenizer, seed)
 
     @classmethod
     def from_configs(cls, model_config: ModelConfig, load: LoadConfig, scheduler: SchedulerConfig,
-                     cache: CacheConfig, tokenizer: Optional[Tokenizer] = None,
-                     seed: int = 0) -> "LLM":
+                     cache: CacheConfig, tokenizer: Optional[Tokenizer] = None, seed: int = 0,
+                     device: DeviceConfig = DeviceConfig()) -> "LLM":
         """From already-resolved config objects (the Hydra launcher's path)."""
         self = cls.__new__(cls)
-        self.model_config, self.load_config = model_config, load
-        self.scheduler_config, self.cache_config = scheduler, cache
-        self.model = build_model(model_config, load)
-        self.engine = LLMEngine.from_model(self.model, scheduler, cache,
-                                           tokenizer or load_tokenizer(load.path,
-                                                                       model_config.eos_token_id),
-                                           seed=seed)
-        self._counter = 0
+        device.check_model(model_config, load.dtype)
+        self._build(model_config, load, scheduler, cache, device, tokenizer, seed)
         return self
+
+    def _build(self, model_config, load, scheduler, cache, device: DeviceConfig, tokenizer, seed):
+        self.model_config, self.load_config = model_config, load
+        self.scheduler_config, self.cache_config, self.device_config = scheduler, cache, device
+        check_cache_fits(cache, scheduler.max_model_len)
+        if device.device == "cuda":
+            import torch
+            torch.cuda.set_device(device.index)  # Triton launches on the current device
+        self.model = build_model(model_config, load, device=device.torch_device)
+        self.model.set_attention_backend(device.attention_backend)
+        log.info("[attn dp0 tp0] %s on %s (%s), %s weights, attention %s%s", model_config.family,
+                 _device_name(device), load.dtype, load.load_format, device.attention_backend,
+                 ", CUDA graphs for decode" if device.cuda_graphs else "")
+        self.engine = LLMEngine.from_model(
+            self.model, scheduler, cache,
+            tokenizer or load_tokenizer(load.path, model_config.eos_token_id), seed=seed,
+            cuda_graphs=device.cuda_graphs)
+        self._counter = 0
 
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer

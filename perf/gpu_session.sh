@@ -2,23 +2,40 @@
 # The one prepared script for a session that is lent a GPU (see /work/.library/device): it runs
 # from the repository root on the GPU machine and writes everything under $OUT.
 #
-#   1. environment: nvidia-smi, torch / triton versions, which libnccl is found; mpi4py from the
-#      image, else the carried .whl/ wheels (mpi4py 4.1.2 + the mpich 5.0.2 library);
-#   2. the Triton kernels compiled for real against their torch references
-#      (tests/test_kernels_triton.py with TRITON_INTERPRET=0) and the NCCL transport on one GPU
-#      (tests/test_comm_nccl.py: round trip, no host synchronisation per message);
-#   3. perf/bench_nccl_self.py: Channel over NCCL vs raw NCCL vs a device copy, 2 KB - 8 MB;
-#   4. perf/tune_moe_kernels.py --space small: tile configs for the benchmark's shapes and token
-#      counts, written into the package's table (so step 5 uses them) and to $OUT;
-#   5. perf/bench_moe_kernels.py --device cuda: Triton (tuned and default config) vs the torch
-#      path, TFLOP/s against the measured dense bf16 matmul rate, decode- to prefill-like M.
+# Default steps (STEPS="env tests attn gputests engine"; timeouts sum to 450 s, under 8 min):
+#   env       nvidia-smi, torch / triton / transformers versions, which libnccl is found; mpi4py
+#             from the image, else the carried .whl/ wheels (mpi4py 4.1.2 + mpich 5.0.2);
+#   tests     the Triton MoE kernels compiled for real against their torch references
+#             (tests/test_kernels_triton.py, TRITON_INTERPRET=0) and the NCCL transport on one
+#             GPU (tests/test_comm_nccl.py: round trip, no host synchronisation per message);
+#   attn      the Triton paged-attention kernels compiled for real against their torch
+#             references (tests/test_attention_triton.py), and the whole engine with them
+#             against HF greedy (tests/test_engine_triton.py);
+#   gputests  pytest -m gpu over tests/test_gpu_engine.py (the engine on cuda: greedy parity
+#             with HF fp32 / closeness in bf16, CUDA graphs on = off, Triton = torch attention,
+#             host syncs per decode step), the sampler's CPU = CUDA bits, the one-copy metadata
+#             and a CUDA load against a host load;
+#   engine    perf/bench_gpu_engine.py --device cuda: megainfer (CUDA graphs on and off) vs HF
+#             generate, Mixtral-8x7B and Qwen3-30B-A3B shapes cut to 8 layers, bf16, batch 1 /
+#             64 / 256, 256 tokens in and out; decode step time against its HBM roofline. Its
+#             JSON is written into the archive's folder row by row (--budget-s stops it cleanly
+#             before the step's timeout).
+# Not in the default STEPS (name them to run them, e.g. STEPS="nccl bench"):
+#   nccl      perf/bench_nccl_self.py: Channel over NCCL vs raw NCCL vs a device copy, 2 KB - 8 MB;
+#   tune1/2   perf/tune_moe_kernels.py --space small: tile configs for the kernel benchmark's
+#             shapes, written into the package's table and to $OUT. A tuned table is committed
+#             (kernels/tile_configs.json, from the 2026-11-29 session), so they left the default;
+#   bench     perf/bench_moe_kernels.py --device cuda: Triton (tuned and default config) vs the
+#             torch path, TFLOP/s against the measured dense bf16 matmul rate;
+#   m2n       the MPI layer on the machine's 16 cores (below).
 #
-# The GPU image has torch, triton, pytest and the nvidia-nccl wheel but not this package's
-# pins, so the package is put on PYTHONPATH as setup.py lays it out (kernels/ and launch/
-# inside megainfer/) instead of pip-installed. Each step has its own timeout and the script
-# goes on after a failure; rc.txt records each step's exit status. Every step writes its
-# JSON as it goes, so a timeout keeps what finished.
-# Usage (device tool, carry [".whl"]): bash perf/gpu_session.sh   (~6 min; timeout_s 590)
+# The GPU image has torch, triton, transformers, pytest and the nvidia-nccl wheel but not this
+# package's pins, so the package is put on PYTHONPATH as setup.py lays it out (kernels/ and
+# launch/ inside megainfer/) instead of pip-installed. Without transformers the tests that need
+# HF skip and the engine benchmark records its HF rows as skipped. Each step has its own timeout
+# and the script goes on after a failure; rc.txt records each step's exit status. Every step
+# writes its JSON as it goes, so a timeout keeps what finished.
+# Usage (device tool, carry [".whl"]): bash perf/gpu_session.sh   (<= 7.5 min; timeout_s 590)
 # Everything comes back in $OUT/gpu_session.tgz: a log per step, rc.txt, the JSON results.
 set -u
 OUT=${OUT:-/tmp/megainfer_gpu_out}
@@ -32,7 +49,7 @@ cp -r megainfer "$SRC/" && cp -r kernels "$SRC/megainfer/kernels" \
   && cp -r launch "$SRC/megainfer/launch" && cp -r conf "$SRC/megainfer/conf" && cp -r tests "$ROOT/"
 export PYTHONPATH="$SRC:$ROOT/tests" PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 HF_HUB_OFFLINE=1
 
-STEPS=${STEPS:-env tests nccl tune1 tune2 bench}  # a rerun can name fewer (and TESTS=files)
+STEPS=${STEPS:-env tests attn gputests engine}  # a rerun can name others (and TESTS=files)
 step() {  # step NAME TIMEOUT CMD...: run, log to $W/NAME.log, record the exit status
   local name=$1 limit=$2
   shift 2
@@ -45,6 +62,7 @@ step() {  # step NAME TIMEOUT CMD...: run, log to $W/NAME.log, record the exit s
   case $name in  # what this step wrote outside $W
     tune*) cp "$TUNED" "$W/tile_configs.json" ;;
     bench) cp perf/results/bench_moe_kernels_cuda.json "$W/" 2>/dev/null ;;
+    # engine: bench_gpu_engine.py writes its JSON straight into $W, row by row
   esac
   tar czf "$OUT/gpu_session.tgz" -C "$W" .  # the device tool returns at most 8 files
 }
@@ -66,8 +84,12 @@ if ! timeout 60 "$PY" -c "from mpi4py import MPI; MPI.COMM_SELF.Get_size()" >"$W
 fi
 TUNED="$SRC/megainfer/kernels/tile_configs.json"
 
-step env 60 bash -c "cd $ROOT; nvidia-smi; $PY -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())'; $PY -c 'from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])'; $PY -c 'from megainfer.comm import nccl; lib = nccl.load_nccl(); print(\"nccl\", nccl.nccl_version(lib), lib._name)'"
-step tests 200 bash -c "cd $ROOT && $PY -m pytest -q -rs -p no:cacheprovider -o timeout=150 ${TESTS:-tests/test_kernels_triton.py tests/test_comm_nccl.py}"
+step env 30 bash -c "cd $ROOT; nvidia-smi; $PY -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())'; $PY -c 'import transformers; print(\"transformers\", transformers.__version__)'; $PY -c 'from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])'; $PY -c 'from megainfer.comm import nccl; lib = nccl.load_nccl(); print(\"nccl\", nccl.nccl_version(lib), lib._name)'"
+step tests 90 bash -c "cd $ROOT && $PY -m pytest -q -rs -p no:cacheprovider -o timeout=80 ${TESTS:-tests/test_kernels_triton.py tests/test_comm_nccl.py}"
+step attn 80 bash -c "cd $ROOT && $PY -m pytest -q -rs -p no:cacheprovider -o timeout=70 tests/test_attention_triton.py tests/test_engine_triton.py"
+GPUTESTS=$(cd "$ROOT" && ls tests/test_gpu_engine.py tests/test_sampler.py tests/test_device_config.py tests/test_loader_memory.py 2>/dev/null)
+step gputests 110 bash -c "cd $ROOT && TRITON_INTERPRET=0 $PY -m pytest -q -rs -m gpu -p no:cacheprovider -o timeout=100 $(echo $GPUTESTS)"
+step engine 140 "$PY" perf/bench_gpu_engine.py --device cuda --budget-s 125 --out "$W/bench_gpu_engine_cuda.json"
 step nccl 60 "$PY" perf/bench_nccl_self.py --out "$W/bench_nccl_self.json"
 step tune1 90 "$PY" perf/tune_moe_kernels.py --space small --shape 8,14336,4096 --top-k 2 --m 4,32,256,2048,8192 --table "$TUNED" --log "$W/tune_mixtral.json"
 step tune2 80 "$PY" perf/tune_moe_kernels.py --space small --shape 64,1408,2048 --top-k 6 --m 10,85,682,5461 --table "$TUNED" --log "$W/tune_dsv2lite.json"

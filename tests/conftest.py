@@ -11,6 +11,20 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)  # the suite shares 2 cores with its own mpiexec ranks
 
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one); "
+                            "perf/gpu_session.sh runs them with -m gpu")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
 FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")
 # Two shapes per family: a regular one, and an odd one (6 experts, top-3, one KV head; Qwen
 # families also get a dense layer through mlp_only_layers).

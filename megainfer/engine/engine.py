@@ -75,12 +75,22 @@ class LLMEngine:
 
     @classmethod
     def from_model(cls, model, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                   tokenizer: Optional[Tokenizer] = None, **kw) -> "LLMEngine":
-        """Single mode: a ``LocalExecutor`` over a model built with role ``full``."""
-        dtype = next(model.parameters()).dtype
-        return cls(model.config, scheduler_config, cache_config,
-                   lambda kv: LocalExecutor(model, kv, cache_config.block_size), tokenizer,
-                   kv_dtype=dtype, **kw)
+                   tokenizer: Optional[Tokenizer] = None, *, cuda_graphs: bool = False,
+                   **kw) -> "LLMEngine":
+        """Single mode: a ``LocalExecutor`` over a model built with role ``full``; the KV cache
+        lives on the model's device in its dtype. ``cuda_graphs``: decode steps replay CUDA
+        graphs (cuda and a graph-capturable attention backend only)."""
+        p = next(model.parameters())
+
+        def executor(kv):
+            graphs = None
+            if cuda_graphs and p.is_cuda and model.attention_backend.graphable:
+                from .cuda_graphs import DecodeGraphs
+                graphs = DecodeGraphs(model, kv, cache_config.block_size,
+                                      scheduler_config.max_num_seqs, scheduler_config.max_model_len)
+            return LocalExecutor(model, kv, cache_config.block_size, graphs)
+        return cls(model.config, scheduler_config, cache_config, executor, tokenizer,
+                   kv_dtype=p.dtype, device=p.device, **kw)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id, prompt: Union[str, Sequence[int], None] = None,
@@ -168,7 +178,7 @@ class LLMEngine:
 
     def build_step(self, batch: ScheduledBatch) -> StepInput:
         if not batch.requests:
-            return StepInput.empty(self.device)
+            return StepInput.empty()
         ids, pos, ctx, rows = [], [], [], []
         for i, (req, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
             c = req.num_computed_tokens
@@ -180,8 +190,8 @@ class LLMEngine:
         return StepInput(
             seq_ids=[r.seq_id for r in batch.requests], query_lens=list(batch.num_new_tokens),
             context_lens=ctx, block_tables=[list(r.block_table) for r in batch.requests],
-            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
-            positions=torch.tensor(pos, dtype=torch.long, device=self.device), sample_rows=rows)
+            input_ids=torch.tensor(ids, dtype=torch.long),  # host tensors: the executor moves
+            positions=torch.tensor(pos, dtype=torch.long), sample_rows=rows)  # them in one copy
 
     def _output(self, req: Request) -> RequestOutput:
         text = self.tokenizer.decode(req.output_token_ids)

@@ -92,16 +92,27 @@ class ModelExecutor(Protocol):
 
 
 class LocalExecutor:
-    """Single mode: the whole model over the engine's paged KV cache, logits of sampled rows."""
+    """Single mode: the whole model over the engine's paged KV cache, logits of sampled rows.
 
-    def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int):
+    The step's host lists become device tensors through one copy per step
+    (``AttentionMetadata.build_with``); with ``graphs`` (cuda) pure decode steps replay CUDA
+    graphs instead (``megainfer.engine.cuda_graphs``)."""
+
+    def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, graphs=None):
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.vocab_size = model.config.vocab_size
+        self.device = kv_caches[0].device if kv_caches else torch.device("cpu")
+        self.graphs = graphs
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor:
         if step.is_empty():
-            return torch.zeros(0, self.vocab_size, dtype=torch.float32)
-        meta = step.attention_metadata(self.block_size)
-        hidden = self.model(step.input_ids, step.positions, meta, self.kv_caches)  # [T, H]
-        return self.model.compute_logits(hidden[step.sample_token_indices()])  # [R, V]
+            return torch.zeros(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        if self.graphs is not None and self.graphs.fits(step.query_lens, step.block_tables):
+            return self.graphs.run(step.input_ids.tolist(), step.positions.tolist(),
+                                   step.block_tables)
+        meta, (ids, pos, rows) = AttentionMetadata.build_with(
+            step.query_lens, step.context_lens, step.block_tables, self.block_size, self.device,
+            extras=[step.input_ids, step.positions, step.sample_token_indices()])
+        hidden = self.model(ids, pos, meta, self.kv_caches)  # [T, H]
+        return self.model.compute_logits(hidden[rows])  # [R, V]

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +22,12 @@ class AttentionMetadata:
     context_lens     [S]   int64  tokens already in the cache before this step
     seq_lens         [S]   int64  context_lens + new tokens
     block_tables     [S, max_blocks] int64  physical block ids (padding: 0, never read)
-    slot_mapping     [T]   int64  block * block_size + offset for each new token
+    slot_mapping     [T]   int64  block * block_size + offset for each new token (-1: write nothing)
+    decode_seqs      [S_d] int64  the sequences with one new token (the torch path batches them)
+    decode_rows      [S_d] int64  their rows in the flat batch
+
+    The host lists beside the tensors let the attention code size its work without reading a
+    device tensor back (no host synchronisation per layer).
     """
 
     query_start_loc: torch.Tensor
@@ -30,14 +36,27 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     slot_mapping: torch.Tensor
     block_size: int
-    # host-side copies so the attention loop never syncs on a device tensor
     query_lens_list: list[int]
     seq_lens_list: list[int]
+    decode_seqs: torch.Tensor = None
+    decode_rows: torch.Tensor = None
+    query_starts_list: list[int] = field(default_factory=list)
+    decode_seqs_list: list[int] = field(default_factory=list)
+    max_query_len: int = 0
 
     @classmethod
     def build(cls, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
               block_size: int, device: str | torch.device = "cpu") -> "AttentionMetadata":
         """From per-sequence lists: new-token counts, cached-token counts, block ids."""
+        return cls.build_with(query_lens, context_lens, block_tables, block_size, device)[0]
+
+    @classmethod
+    def build_with(cls, query_lens: list[int], context_lens: list[int],
+                   block_tables: list[list[int]], block_size: int,
+                   device: str | torch.device = "cpu", extras: Sequence[torch.Tensor] = ()
+                   ) -> tuple["AttentionMetadata", list[torch.Tensor]]:
+        """``build``, plus 1-D int64 host tensors (token ids, positions, ...) moved to ``device``
+        in the same single host-to-device copy. Everything is computed on the host."""
         seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
         S, width = len(query_lens), max((len(b) for b in block_tables), default=0)
         if S and width:  # [S, max_blocks], padded with block 0 (never read: masked by seq_lens)
@@ -51,17 +70,40 @@ class AttentionMetadata:
         seq = torch.repeat_interleave(torch.arange(S), qlens)  # [T] sequence of each new token
         pos = torch.tensor(context_lens, dtype=torch.long)[seq] + torch.arange(T) - starts[seq]  # [T]
         slots = table[seq, pos // block_size] * block_size + pos % block_size  # [T]
-        return cls(
-            query_start_loc=starts.to(device),
-            context_lens=torch.tensor(context_lens, dtype=torch.long, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=device),
-            block_tables=table.to(device), slot_mapping=slots.to(device),
-            block_size=block_size, query_lens_list=list(query_lens), seq_lens_list=seq_lens,
-        )
+        starts_list = starts.tolist()  # host tensor: no device sync
+        dseqs = [i for i, n in enumerate(query_lens) if n == 1]
+        host = [starts, torch.tensor(context_lens, dtype=torch.long),
+                torch.tensor(seq_lens, dtype=torch.long), table, slots,
+                torch.tensor(dseqs, dtype=torch.long),
+                torch.tensor([starts_list[i] for i in dseqs], dtype=torch.long), *extras]
+        dev = to_device_once(host, device)
+        meta = cls(query_start_loc=dev[0], context_lens=dev[1], seq_lens=dev[2],
+                   block_tables=dev[3], slot_mapping=dev[4], block_size=block_size,
+                   query_lens_list=list(query_lens), seq_lens_list=seq_lens,
+                   decode_seqs=dev[5], decode_rows=dev[6], query_starts_list=starts_list,
+                   decode_seqs_list=dseqs, max_query_len=max(query_lens, default=0))
+        return meta, dev[7:]
 
     @property
     def num_tokens(self) -> int:
         return int(sum(self.query_lens_list))
+
+
+def to_device_once(tensors: Sequence[torch.Tensor], device: str | torch.device) -> list[torch.Tensor]:
+    """Host int64 tensors -> the same tensors on ``device`` through one copy (one pinned buffer,
+    ``non_blocking``: the host does not wait for the GPU). On cpu: returned as they are."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return list(tensors)
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    if device.type == "cuda":
+        flat = flat.pin_memory()
+    flat = flat.to(device, non_blocking=True)
+    out, at = [], 0
+    for t in tensors:
+        out.append(flat[at:at + t.numel()].view(t.shape))
+        at += t.numel()
+    return out
 
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, kv_heads: int,
@@ -93,10 +135,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     flat[0, meta.slot_mapping] = k
     flat[1, meta.slot_mapping] = v
     out = torch.empty_like(q)
-    qlens, starts = meta.query_lens_list, meta.query_start_loc.tolist()
-    decode = [i for i, n in enumerate(qlens) if n == 1]
-    if decode:
-        _decode_batch(q, kv_cache, meta, decode, [starts[i] for i in decode], scale, out)
+    qlens, starts = meta.query_lens_list, meta.query_starts_list
+    if meta.decode_seqs_list:
+        _decode_batch(q, kv_cache, meta, scale, out)
     for i, n in enumerate(qlens):
         if n > 1:
             _prefill_one(q, kv_cache, meta, i, starts[i], n, scale, out)
@@ -138,21 +179,20 @@ def _gather_context(kv_cache: torch.Tensor, blocks: torch.Tensor, length: int):
     return kc.reshape(shape)[..., :length, :, :], vc.reshape(shape)[..., :length, :, :]
 
 
-def _decode_batch(q, kv_cache, meta, seqs, rows, scale, out):
-    """S_d sequences with one query each, padded to the longest context."""
+def _decode_batch(q, kv_cache, meta, scale, out):
+    """The S_d sequences with one query each, padded to the longest context."""
     BS = meta.block_size
-    lens = [meta.seq_lens_list[i] for i in seqs]
-    L = max(lens)
-    idx = torch.tensor(seqs, dtype=torch.long, device=q.device)
+    L = max(meta.seq_lens_list[i] for i in meta.decode_seqs_list)
+    idx, rows = meta.decode_seqs, meta.decode_rows  # [S_d], [S_d]
     blocks = meta.block_tables[idx, : math.ceil(L / BS)]  # [S_d, nb]
     keys, vals = _gather_context(kv_cache, blocks, L)  # [S_d, L, Hkv, D]
-    qd = q[torch.tensor(rows, dtype=torch.long, device=q.device)]  # [S_d, Hq, D]
+    qd = q[rows]  # [S_d, Hq, D]
     mask = torch.arange(L, device=q.device)[None, :] < meta.seq_lens[idx][:, None]  # [S_d, L]
     # enable_gqa: query head h reads kv head h // group, without materialising repeated K/V
     o = F.scaled_dot_product_attention(qd[:, :, None, :], keys.transpose(1, 2), vals.transpose(1, 2),
                                        attn_mask=mask[:, None, None, :], scale=scale,
                                        enable_gqa=True)  # [S_d, Hq, 1, D]
-    out[torch.tensor(rows, dtype=torch.long, device=q.device)] = o[:, :, 0, :]
+    out[rows] = o[:, :, 0, :]
 
 
 def _prefill_one(q, kv_cache, meta, i, start, n, scale, out):

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import AttentionMetadata, causal_attention, paged_attention
+from .attention import AttentionMetadata, causal_attention
+from .attention_backends import TorchAttention
 
 
 @dataclass(frozen=True)
@@ -53,12 +54,25 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, theta: float):
         super().__init__()
-        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        self.register_buffer("inv_freq", inv, persistent=False)  # [D/2]
+        self.theta = theta  # init_buffers recomputes inv_freq from it
+        # on the host even inside a meta build (init_buffers moves it to the model's device)
+        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float()
+                               / head_dim))
+        self.register_buffer("inv_freq", inv, persistent=False)  # [D/2] float32
+
+    def init_buffers(self, device) -> None:
+        """Recompute inv_freq (float32 always, computed on the host as in __init__) on device:
+        the loader builds the model on the meta device, where buffers hold no values."""
+        D = 2 * self.inv_freq.shape[0]
+        inv = 1.0 / (self.theta ** (torch.arange(0, D, 2, dtype=torch.int64, device="cpu").float()
+                                    / D))
+        self.inv_freq = inv.to(device=device, dtype=torch.float32)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
         """q [T, Hq, D], k [T, Hkv, D], positions [T] -> rotated q, k."""
-        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2]
+        # fp32 whatever the model's dtype: bf16 inverse frequencies are whole radians off at
+        # positions in the thousands (HF computes these in fp32 too, then casts cos/sin)
+        freqs = positions[:, None].float() * self.inv_freq.float()[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
         cos, sin = emb.cos().to(q.dtype)[:, None, :], emb.sin().to(q.dtype)[:, None, :]
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
@@ -113,6 +127,7 @@ class SelfAttention(nn.Module):
             self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(D, cfg.rope_theta)
+        self.attn_backend = TorchAttention()  # MoECausalLM.set_attention_backend swaps it
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: Optional[AttentionMetadata],
                 kv_cache: Optional[torch.Tensor]) -> torch.Tensor:
@@ -127,7 +142,7 @@ class SelfAttention(nn.Module):
         if meta is None:
             o = causal_attention(q, k, v, self.scale)
         else:
-            o = paged_attention(q, k, v, kv_cache, meta, self.scale)
+            o = self.attn_backend(q, k, v, kv_cache, meta, self.scale)
         out = self.o_proj(o.reshape(T, self.q_heads * D))  # [T, H], partial sum under TP
         if self.par.tp_size > 1:
             out = self.par.all_reduce(out)

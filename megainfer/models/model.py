@@ -18,6 +18,7 @@ from torch import nn
 from megainfer.config import ModelConfig
 
 from .attention import AttentionMetadata
+from .attention_backends import TorchAttention, make_attention_backend
 from .layers import GatedMLP, ParallelContext, RMSNorm, SelfAttention
 from .moe import MoEBlock, RoutedExperts
 
@@ -86,10 +87,19 @@ class MoECausalLM(nn.Module):
             raise ValueError(f"role={role!r}: must be one of {ROLES}")
         self.config, self.par, self.role = cfg, par, role
         self.model = DecoderStack(cfg, par, role, expert_slots, num_slots or cfg.num_experts)
+        self.attention_backend = TorchAttention()
         if role != "experts":
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
             if cfg.tie_word_embeddings:
                 self.lm_head.weight = self.model.embed_tokens.weight
+
+    def set_attention_backend(self, name: str) -> None:
+        """``torch`` | ``triton`` for every attention layer (megainfer.models.attention_backends)."""
+        backend = make_attention_backend(name)
+        for layer in self.layers:
+            if hasattr(layer, "self_attn"):
+                layer.self_attn.attn_backend = backend
+        self.attention_backend = backend
 
     @property
     def layers(self) -> nn.ModuleList:

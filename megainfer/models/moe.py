@@ -48,6 +48,14 @@ class RoutedExperts(nn.Module):
         self.slots = list(slots)
         self.identity = self.slots == list(range(num_slots))  # every slot here, in order
 
+    def init_buffers(self, device) -> None:
+        """Rebuild expert_map (int32) on device: the loader builds the model on the meta device,
+        where buffers hold no values."""
+        emap = torch.full((self.expert_map.shape[0],), -1, dtype=torch.int32, device="cpu")
+        emap[torch.tensor(self.slots, dtype=torch.long, device="cpu")] = torch.arange(
+            len(self.slots), dtype=torch.int32, device="cpu")
+        self.expert_map = emap.to(device)
+
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor):
         """x [T, H], topk_* [T, k] (physical slot ids) -> partial sum [T, H] over local slots."""
         emap = None if self.identity else self.expert_map

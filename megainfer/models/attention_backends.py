@@ -1,0 +1,57 @@
+"""The attention backends behind one seam: ``torch`` (the reference) and ``triton``.
+
+A backend turns one layer's new queries, keys and values plus the paged KV cache into the
+attention output; it also writes the new keys and values into the cache first.
+
+    q [T, Hq, D], k/v [T, Hkv, D], kv_cache [2, NB, BS, Hkv, D], meta: AttentionMetadata
+    -> out [T, Hq, D] in q's dtype
+
+``torch`` gathers each sequence's blocks and calls ``scaled_dot_product_attention``
+(``megainfer.models.attention``). ``triton`` runs three kernels from
+``megainfer.kernels.triton_attention``: a KV store through the slot mapping, then a split-KV
+decode kernel with a merge pass when every sequence has one new token, else a varlen
+prefill/extend kernel over the paged cache. The Triton path reads only device tensors and
+host-side sizes, so it needs no host synchronisation and can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import torch
+
+from .attention import AttentionMetadata, paged_attention
+
+
+class TorchAttention:
+    name = "torch"
+    graphable = False  # sizes its gathers from the host lists of each step
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return paged_attention(q, k, v, kv_cache, meta, scale)
+
+
+class TritonAttention:
+    name = "triton"
+    graphable = True
+
+    def __init__(self):
+        from megainfer.kernels import triton_attention  # imports Triton: only when chosen
+        self.kernels = triton_attention
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        kern = self.kernels
+        kern.store_kv(k, v, kv_cache, meta.slot_mapping)
+        if meta.max_query_len == 1:  # pure decode: q is [S, Hq, D], one row per sequence
+            return kern.decode_attention(q, kv_cache, meta.seq_lens, meta.block_tables, scale)
+        return kern.prefill_attention(q, kv_cache, meta.query_start_loc, meta.seq_lens,
+                                      meta.block_tables, meta.max_query_len, scale)
+
+
+BACKENDS = {"torch": TorchAttention, "triton": TritonAttention}
+
+
+def make_attention_backend(name: str):
+    """One of ``BACKENDS`` by name (a fixed table: nothing is built from a user's class name)."""
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend={name!r}: must be one of {', '.join(BACKENDS)}")
+    return BACKENDS[name]()
