@@ -27,7 +27,7 @@ def _run(cfg: DictConfig) -> None:
     from megainfer.perfmodel.hardware import load_hardware, profile_from_dict
     shape = _shape(cfg)
     if cfg.command == "calibrate":
-        from megainfer.perfmodel.calibrate import calibrate, merge_profile, remeasure_node, write_profile
+        from megainfer.calibration.calibrate import calibrate, merge_profile, remeasure_node, write_profile
         c = cfg.calibrate
         if c.get("node_only", False):  # re-measure only the node section of an existing profile
             prof = remeasure_node(str(c.out), shape, c.bench, c.threads, c.smoke)

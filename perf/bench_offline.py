@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from megainfer.perfmodel.layer_bench import time_fn
+from megainfer.calibration.layer_bench import time_fn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)

@@ -29,7 +29,7 @@ from measure_runtime_runs import PROMPT, job_args  # noqa: E402
 from mpi_launch import run_job  # noqa: E402
 from validate_perfmodel import load_shape  # noqa: E402
 
-from megainfer.perfmodel.calibrate import write_profile  # noqa: E402
+from megainfer.calibration.calibrate import write_profile  # noqa: E402
 from megainfer.perfmodel.insitu import fit_error, fit_in_situ, layer_samples  # noqa: E402
 
 MODEL = "pipeline_bench"  # conf/plan_model/pipeline_bench.yaml: the shape bench_pipeline runs

@@ -6,6 +6,11 @@
 2. Disaggregated vs colocated tokens/s per GPU for Mixtral-8x22B under one TPOT SLO, beside the
    paper's figure quoted in ../shared/seeds/000 ("up to 1.90x per-GPU throughput vs the state of
    the art"), and heterogeneous H20 (attention) + L40S (experts) per cost.
+3. The m trend again through the whole-job simulator (perfmodel/job_sim.py) for Mixtral-8x22B and
+   DeepSeek-V3: the operating point's B requests arrive at once (prompt 1024, output 40), are
+   prefilled in chunks and decode together; per m, the mean full-batch decode iteration with
+   balanced and Zipf routing (the slowest expert rank sets each layer), and the job's TTFT /
+   TPOT / throughput, beside the closed form at the same context and the paper's figures.
 
   python perf/sim_paper_scale.py            -> table + perf/results/sim_paper_scale.json
 """
@@ -25,9 +30,12 @@ from megainfer.perfmodel.layer_times import RooflineTimes  # noqa: E402
 from megainfer.perfmodel.model import DisaggModel, Plan, Workload  # noqa: E402
 from megainfer.perfmodel.planner import SearchSpace, plan_colocated, plan_disaggregated  # noqa: E402
 from megainfer.perfmodel.simulator import simulate_plan  # noqa: E402
+from megainfer.perfmodel.events import LengthDist, Routing, poisson_requests  # noqa: E402
+from megainfer.perfmodel.job_sim import JobConfig, simulate_job  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WL = Workload(1024, 512)
+PAPER_M_GAIN = {"1->2": "about 1.9x", "2->3": "1.1-1.4x"}  # MegaScale-Infer's reported m trend
 PAPER_PER_GPU = 1.90  # seeds/000: "最高 1.90 倍的单卡吞吐提升" (up to, across its models and baselines)
 
 SLO = 0.150
@@ -77,6 +85,50 @@ def microbatch_trend() -> list[dict]:
     return rows
 
 
+JOB_CASES = [("mixtral_8x22b", "a100_80g"), ("mixtral_8x22b", "h100"), ("deepseek_v3", "h800")]
+JOB_PROMPT, JOB_OUTPUT = 1024, 40
+ROUTINGS = (("balanced", Routing()), ("zipf0.5", Routing("zipf", 0.5)), ("zipf1.0", Routing("zipf", 1.0)))
+
+
+def job_microbatch_trend() -> list[dict]:
+    """The m trend computed by the whole-job simulator (no figure written in)."""
+    rows = []
+    print("\n3) whole-job simulator: B requests at t=0 (prompt 1024, output 40), chunked prefill, then "
+          "full-batch decode; decode tok/s/GPU = B / mean full-batch iteration / GPUs")
+    print(f"   paper: m 1->2 {PAPER_M_GAIN['1->2']}, 2->3 {PAPER_M_GAIN['2->3']}")
+    print(f"{'model':<15}{'hw':<10}{'m':>3}{'routing':>10}{'iter ms':>9}{'closed ms':>10}{'tok/s/GPU':>10}"
+          f"{'gain':>7}{'TTFT50 s':>9}{'TPOT50 ms':>10}{'job tok/s/GPU':>14}")
+    for name, hwn in JOB_CASES:
+        shape, hw = load_shape(name), load_hardware(hwn)
+        op = operating_point(shape, hw)
+        model = DisaggModel(shape, RooflineTimes(hw, shape), RooflineTimes(hw, shape),
+                            Workload(JOB_PROMPT, JOB_OUTPUT))
+        req = poisson_requests(op.batch, 0, LengthDist("fixed", JOB_PROMPT), LengthDist("fixed", JOB_OUTPUT))
+        prev = {}
+        for m in (1, 2, 3, 4):
+            plan = Plan(op.tp_a, op.n_a, op.tp_e, op.n_e, m, op.batch, hwn, hwn)
+            closed = model.predict(plan).t_iter
+            for rname, routing in ROUTINGS:
+                cfg = JobConfig(max_num_seqs=op.batch // op.n_a, max_num_batched_tokens=1 << 17,
+                                routing=routing, seed=m)
+                r = simulate_job(model, plan, req, cfg)
+                full = [d for _, d, tok in r.iteration_s if tok == op.batch]
+                it_s = sum(full) / len(full)
+                tps = op.batch / it_s / plan.devices
+                gain = tps / prev[rname] if rname in prev else float("nan")
+                prev[rname] = tps
+                sm = r.summary()
+                job_tps = sm["throughput_tok_s"] / plan.devices
+                rows.append({"model": name, "hardware": hwn, "plan": plan.label(), "batch": op.batch, "m": m,
+                             "routing": rname, "decode_iter_s": it_s, "full_batch_iterations": len(full),
+                             "closed_form_iter_s": closed, "decode_tokens_per_s_per_gpu": tps,
+                             "gain_vs_prev_m": gain, "ttft_p50_s": sm["ttft_s_p50"],
+                             "tpot_p50_s": sm["tpot_s_p50"], "job_tokens_per_s_per_gpu": job_tps})
+                print(f"{name:<15}{hwn:<10}{m:>3}{rname:>10}{it_s * 1e3:9.2f}{closed * 1e3:10.2f}{tps:10.1f}"
+                      f"{gain:7.2f}{sm['ttft_s_p50']:9.2f}{sm['tpot_s_p50'] * 1e3:10.2f}{job_tps:14.1f}")
+    return rows
+
+
 def disagg_vs_colocated() -> dict:
     out = {}
     print("\n2) TPOT SLO 150 ms, in=1024 out=512: best plan per GPU (planner, roofline); colocated = "
@@ -119,7 +171,8 @@ def main() -> None:
            "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count()},
            "note": "analytic model + simulator with datasheet profiles (conf/hardware), roofline T_a/T_e",
            "paper_per_gpu_ratio": PAPER_PER_GPU,
-           "microbatch": microbatch_trend(), "disagg_vs_colocated": disagg_vs_colocated()}
+           "microbatch": microbatch_trend(), "disagg_vs_colocated": disagg_vs_colocated(),
+           "paper_m_gain": PAPER_M_GAIN, "job_sim_microbatch": job_microbatch_trend()}
     write_json(os.path.join(HERE, "results", "sim_paper_scale.json"), res)
 
 

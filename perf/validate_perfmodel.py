@@ -27,10 +27,10 @@ import torch
 import yaml
 
 import megainfer.conf
-from megainfer.perfmodel.calibrate import matmul_flops, memcpy_bandwidth
+from megainfer.calibration.calibrate import matmul_flops, memcpy_bandwidth
 from megainfer.perfmodel.fit import fit_attention, fit_line
 from megainfer.perfmodel.hardware import LayerFit, NodeProfile, load_hardware, profile_from_dict
-from megainfer.perfmodel.layer_bench import measure_layers
+from megainfer.calibration.layer_bench import measure_layers
 from megainfer.perfmodel.layer_times import FittedTimes, RooflineTimes
 from megainfer.perfmodel.model import DisaggModel, Plan, Workload
 from megainfer.perfmodel.shapes import ModelShape

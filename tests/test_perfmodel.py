@@ -23,7 +23,7 @@ def test_t_total_design_hand_case():
 
 
 def test_t_total_when_comm_not_hidden():
-    # m = 1: every layer is a full round trip: L * R = 2 * 2.5 = 5 (DESIGN formula says 3.5)
+    # m = 1: every layer is a full round trip: L * R = 2 * 2.5 = 5 (the hidden-comm formula says 3.5)
     assert t_total(1.0, 1.0, 0.25, 1, 2) == pytest.approx(5.0)
     assert t_total_design(1.0, 1.0, 0.25, 1, 2) == pytest.approx(3.5)
     # m = 2, R = 2.5 > m T_f = 2: L R + (m - 1) T_f = 4 * 2.5 + 1 = 11

@@ -4,8 +4,8 @@ import math
 import pytest
 
 from megainfer.config import ConfigError
-from megainfer.perfmodel import layer_bench
-from megainfer.perfmodel.calibrate import calibrate, fit_link, write_profile
+from megainfer.calibration import layer_bench
+from megainfer.calibration.calibrate import calibrate, fit_link, write_profile
 from megainfer.perfmodel.hardware import load_hardware, profile_from_dict
 from megainfer.perfmodel.layer_times import FittedTimes, layer_times_for
 from megainfer.perfmodel.shapes import ModelShape

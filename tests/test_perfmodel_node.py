@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from megainfer.config import ConfigError
-from megainfer.perfmodel import node_bench
+from megainfer.calibration import node_bench
 from megainfer.perfmodel.hardware import NodeProfile, known_hardware, load_hardware, profile_from_dict
 from megainfer.perfmodel.layer_times import RooflineTimes, layer_times_for
 from megainfer.perfmodel.model import DisaggModel, Plan, Workload
@@ -133,7 +133,7 @@ def test_colocated_baseline_gets_the_same_node_terms():
 
 def test_merge_keeps_other_fits_and_node_only_keeps_the_rest(tmp_path):
     import yaml
-    from megainfer.perfmodel.calibrate import merge_profile, remeasure_node, write_profile
+    from megainfer.calibration.calibrate import merge_profile, remeasure_node, write_profile
     path = str(tmp_path / "cpu.yaml")
     old = {"name": "cpu", "matmul_flops": {"float32": 1e9}, "mem_bw_Bps": 1e9, "mem_bytes": 1e9,
            "price_per_hour": 0.1, "inter_link": {"latency_s": 1e-6, "bandwidth_Bps": 1e9},

@@ -1,4 +1,4 @@
-"""The ping-pong pipeline rules of DESIGN §2 (MegaScale-Infer §4), as plain functions of seconds.
+"""The ping-pong pipeline rules of docs/design_rules.md (MegaScale-Infer §4), as plain functions of seconds.
 
 T_a, T_e: attention / expert time of one micro-batch for one layer; T_c: one-way transfer;
 T_f = max(T_a, T_e); R = T_a + T_e + 2 T_c is one micro-batch's round trip through a layer.
@@ -9,7 +9,7 @@ from megainfer.config import ConfigError
 
 
 def t_total_design(t_a: float, t_e: float, t_c: float, m: int, layers: int) -> float:
-    """DESIGN §2: (T_a + T_e + 2 T_c) + T_f (m L - 1). Exact when comm is hidden (see below)."""
+    """docs/design_rules.md: (T_a + T_e + 2 T_c) + T_f (m L - 1). Exact when comm is hidden (see below)."""
     return (t_a + t_e + 2 * t_c) + max(t_a, t_e) * (m * layers - 1)
 
 

@@ -1,4 +1,4 @@
-"""Discrete-event simulator of the ping-pong pipeline (DESIGN §2) for any n_a x n_e.
+"""Discrete-event simulator of the ping-pong pipeline (docs/design_rules.md) for any n_a x n_e.
 
 Every lane (attention, A2E, expert, E2A of every rank) is a FIFO server that serves
 (layer, micro-batch) in the same fixed order as the runtime, so each event's start is

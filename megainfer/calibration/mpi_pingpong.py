@@ -1,6 +1,6 @@
 """MPI ping-pong between ranks 0 and 1 over message sizes; rank 0 writes JSON.
 
-Run: mpiexec -n 2 python -m megainfer.perfmodel.mpi_pingpong OUT.json [max_bytes] [repeats]
+Run: mpiexec -n 2 python -m megainfer.calibration.mpi_pingpong OUT.json [max_bytes] [repeats]
 One-way time per size = median round trip / 2 (torch-free: numpy buffers, like the comm layer's
 CPU transport).
 """

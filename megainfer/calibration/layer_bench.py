@@ -105,7 +105,7 @@ def bench_fns(name: str) -> tuple:
     """(make_attention, make_experts) of a bench; the runtime's own modules ("megainfer", in
     module_bench) are registered on first use."""
     if name not in BENCHES:
-        importlib.import_module("megainfer.perfmodel.module_bench")  # registers "megainfer"
+        importlib.import_module("megainfer.calibration.module_bench")  # registers "megainfer"
     if name not in BENCHES:
         raise ConfigError(f"calibrate.bench={name!r}: unknown; known: {', '.join(BENCHES)}")
     return BENCHES[name]

@@ -10,7 +10,7 @@ hop_overhead         host seconds per (layer, micro-batch) outside the kernels, 
                      loopback transport: attention side = dispatch + combine + residual add,
                      expert side = receive + gather + split + reply; at 1 and 2 peers -> base,
                      per_peer.
-  python -m megainfer.perfmodel.node_bench load SHAPE_JSON KIND B CTX EXPERTS BENCH  (the co-runner)
+  python -m megainfer.calibration.node_bench load SHAPE_JSON KIND B CTX EXPERTS BENCH  (the co-runner)
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from megainfer.perfmodel.layer_bench import bench_fns, time_fn
+from megainfer.calibration.layer_bench import bench_fns, time_fn
 from megainfer.perfmodel.shapes import ModelShape
 
 
@@ -49,7 +49,7 @@ def contention_slowdown(shape: ModelShape, kind: str, b: int = 32, ctx: int = 12
     for _ in range(copies):
         fn()
     sd = json.dumps({k: getattr(shape, k) for k in shape.__dataclass_fields__})
-    cmd = [sys.executable, "-m", "megainfer.perfmodel.node_bench", "load", sd, kind, str(b), str(ctx),
+    cmd = [sys.executable, "-m", "megainfer.calibration.node_bench", "load", sd, kind, str(b), str(ctx),
            str(experts), bench]
     p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -2,7 +2,7 @@
 
 Measures, with torch pinned to ``threads`` threads (one MPI rank's share of the cores):
 fp32 matmul FLOP/s, memcpy bandwidth, MPI one-way latency/bandwidth over message sizes
-(mpiexec -n 2 of megainfer.perfmodel.mpi_pingpong), and per-layer attention / expert times
+(mpiexec -n 2 of megainfer.calibration.mpi_pingpong), and per-layer attention / expert times
 at several batch sizes, fitted to T_a = k2 + b (k1 + k1_ctx ctx), T_e = k3 b + k4; and what
 ranks sharing this node cost each other (``node_bench``: cores, kernel slowdown when two
 processes compute at once, host overhead per (layer, micro-batch), wake-up latency of a wait).
@@ -22,8 +22,8 @@ import yaml
 
 from megainfer.config import ConfigError
 from megainfer.perfmodel.fit import fit_attention, fit_line
-from megainfer.perfmodel.layer_bench import measure_layers, time_fn
-from megainfer.perfmodel.node_bench import measure_node
+from megainfer.calibration.layer_bench import measure_layers, time_fn
+from megainfer.calibration.node_bench import measure_node
 from megainfer.perfmodel.shapes import ModelShape
 
 
@@ -51,7 +51,7 @@ def mpiexec_path() -> str:
 def mpi_pingpong(max_bytes: int = 1 << 24, repeats: int = 20, timeout_s: float = 300) -> list[dict]:
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "pp.json")
-        cmd = [mpiexec_path(), "-n", "2", sys.executable, "-m", "megainfer.perfmodel.mpi_pingpong",
+        cmd = [mpiexec_path(), "-n", "2", sys.executable, "-m", "megainfer.calibration.mpi_pingpong",
                out, str(max_bytes), str(repeats)]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
                            env={**os.environ, "OMP_NUM_THREADS": "1"})
