@@ -18,3 +18,11 @@ from .attention_ref import (check_attention_args, decode_attention_ref,  # noqa:
 
 __all__ += ["check_attention_args", "supported_head_dim", "store_kv_ref",
             "prefill_attention_ref", "decode_attention_ref"]
+
+# Absorbed MLA (latent) attention: torch references and argument checks here; the Triton
+# kernels (store_latent, mla_decode) in megainfer.kernels.triton_mla.
+from .mla_ref import (check_mla_args, check_store_latent_args, mla_decode_ref,  # noqa: E402
+                      mla_prefill_ref, store_latent_ref, supported_mla_dims)
+
+__all__ += ["check_mla_args", "check_store_latent_args", "supported_mla_dims",
+            "store_latent_ref", "mla_decode_ref", "mla_prefill_ref"]

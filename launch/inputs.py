@@ -1,112 +1,208 @@
 """The job's requests: from an input file (jsonl / txt) or the configured workload.
 
-jsonl: one JSON object a line, ``{"id": ..., "prompt": "text"}`` or ``{"id": ...,
-"prompt_token_ids": [...]}``, optionally ``"sampling": {...}`` overriding the job's sampling
-parameters for that line. Without "id" a line's id is its line number. txt: one prompt a line
-(blank lines skipped), id = line number. A malformed line is an ``InputFileError`` naming the
-file and line, raised before any work starts. Each request's sampling seed is derived from the
-job seed and its id, so a resumed job samples exactly what an uninterrupted one would.
+jsonl: one JSON object a line, ``{"id": ..., "prompt": "text"}``, ``{"id": ...,
+"prompt_token_ids": [...]}`` or ``{"id": ..., "messages": [{"role": ..., "content": ...}, ...]}``
+(a conversation, rendered with the checkpoint's chat template and tokenized without adding
+special tokens again), optionally ``"sampling": {...}`` overriding the job's sampling parameters
+for that line. Without "id" a line's id is its line number. txt: one prompt a line (blank lines
+skipped), id = line number.
+
+A bad line (not JSON, not an object, an unknown key, no prompt or more than one, a bad id or a
+repeated one, a bad "sampling" override, bad messages or no chat template) becomes a ``BadLine``:
+the job writes an error record for it, ``{"id": <its id, or the line number when the id is
+missing, bad or repeated>, "finish_reason": "error", "error": "<file>:<line>: <reason>"}``, and
+runs the rest. With ``strict`` the whole file is refused before any work: one ``InputFileError``
+listing every bad line. Each request's sampling seed is derived from the job seed and its id, so
+a resumed job samples exactly what an uninterrupted one would.
 """
 from __future__ import annotations
 
 import json
 import random
 import zlib
-from dataclasses import replace
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional
 
 from megainfer.config import ConfigError
 from megainfer.engine import PromptInput, SamplingParams
-from megainfer.engine.errors import SamplingParamsError
+from megainfer.engine.errors import RequestError, SamplingParamsError
 from megainfer.engine.sampler import mix_seed
 
 from .settings import JobSettings
 
-LINE_KEYS = {"id", "prompt", "prompt_token_ids", "sampling"}
+LINE_KEYS = {"id", "prompt", "prompt_token_ids", "messages", "sampling"}
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "messages")
+STRICT_LIST_MAX = 50  # bad lines named in full in a strict refusal; the rest are counted
 
 
 class InputFileError(ConfigError):
-    """A line of io.input is malformed; the message names the file and line."""
+    """io.input is unreadable, or (strict) has bad lines; the message names the file and lines."""
+
+
+class _LineError(Exception):
+    """One bad line: the reason, and whether the line's id can stand for it in the output."""
+
+    def __init__(self, reason: str, keep_id: bool = True):
+        super().__init__(reason)
+        self.keep_id = keep_id
+
+
+@dataclass
+class BadLine(PromptInput):
+    """An input line that could not become a request: the job writes ``error`` as its record."""
+
+    error: str = ""
+    line: int = 0
+
+
+# messages -> prompt token ids; raises ValueError (ChatTemplateError) naming what is wrong
+ChatEncoder = Callable[[list], list]
 
 
 def request_seed(job_seed: int, request_id: Any) -> int:
     return mix_seed(job_seed, zlib.crc32(json.dumps(request_id).encode()))
 
 
-def _params(base: SamplingParams, job_seed: int, rid, override: dict, where: str) -> SamplingParams:
+def _params(base: SamplingParams, job_seed: int, rid, override: Optional[dict]) -> SamplingParams:
     try:
         p = replace(base, **override) if override else base
     except TypeError as e:
-        raise InputFileError(f"{where}: sampling: {e}") from e
+        raise _LineError(f"sampling: {e}") from e
     except SamplingParamsError as e:
-        raise InputFileError(f"{where}: sampling.{e}") from e
+        raise _LineError(f"sampling.{e}") from e
     return p if p.seed is not None else replace(p, seed=request_seed(job_seed, rid))
 
 
-def _jsonl_line(line: str, where: str, lineno: int) -> tuple[Any, dict]:
+def _parse(line: str, lineno: int) -> tuple[Any, dict]:
+    """(id, object) of a jsonl line, or ``_LineError``."""
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
-        raise InputFileError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from e
+        raise _LineError(f"not valid JSON ({e.msg} at column {e.colno})", keep_id=False) from e
     if not isinstance(obj, dict):
-        raise InputFileError(f"{where}: must be a JSON object, got {type(obj).__name__}")
-    extra = sorted(set(obj) - LINE_KEYS)
-    if extra:
-        raise InputFileError(f"{where}: unknown key {extra[0]!r} (allowed: "
-                             f"{', '.join(sorted(LINE_KEYS))})")
-    has_text, has_ids = "prompt" in obj, "prompt_token_ids" in obj
-    if has_text == has_ids:
-        raise InputFileError(f"{where}: give exactly one of 'prompt' or 'prompt_token_ids'")
-    if has_text and not isinstance(obj["prompt"], str):
-        raise InputFileError(f"{where}: 'prompt' must be a string")
-    if has_ids and not isinstance(obj["prompt_token_ids"], list):
-        raise InputFileError(f"{where}: 'prompt_token_ids' must be a list of integers")
-    if not isinstance(obj.get("sampling", {}), dict):
-        raise InputFileError(f"{where}: 'sampling' must be an object")
+        raise _LineError(f"must be a JSON object, got {type(obj).__name__}", keep_id=False)
     rid = obj.get("id", lineno)
     if not isinstance(rid, (str, int)) or isinstance(rid, bool):
-        raise InputFileError(f"{where}: 'id' must be a string or an integer, got {rid!r}")
+        raise _LineError(f"'id' must be a string or an integer, got {rid!r}", keep_id=False)
     return rid, obj
 
 
-def read_requests(path: str, base: SamplingParams, job_seed: int) -> list[PromptInput]:
-    """Parse the whole file first: a malformed line fails the job before any work starts."""
-    out, seen = [], {}
-    txt = path.endswith(".txt")
+def _check(obj: dict) -> None:
+    extra = sorted(set(obj) - LINE_KEYS)
+    if extra:
+        raise _LineError(f"unknown key {extra[0]!r} (allowed: {', '.join(sorted(LINE_KEYS))})")
+    given = [k for k in PROMPT_KEYS if k in obj]
+    if len(given) != 1:
+        raise _LineError("give exactly one of 'prompt', 'prompt_token_ids' or 'messages'"
+                         + (f" (got {', '.join(given)})" if given else ""))
+    if "prompt" in obj and not isinstance(obj["prompt"], str):
+        raise _LineError("'prompt' must be a string")
+    if "prompt_token_ids" in obj and not isinstance(obj["prompt_token_ids"], list):
+        raise _LineError("'prompt_token_ids' must be a list of integers")
+    if "messages" in obj and (not isinstance(obj["messages"], list) or not obj["messages"]):
+        raise _LineError("'messages' must be a non-empty list of {\"role\", \"content\"} objects")
+    if not isinstance(obj.get("sampling", {}), dict):
+        raise _LineError("'sampling' must be an object")
+
+
+def _lines(path: str):
+    """(line number, text) of each line; a line that is not UTF-8 comes as a ``_LineError``."""
     try:
-        f = open(path, encoding="utf-8")
+        f = open(path, "rb")
     except OSError as e:
         raise InputFileError(f"io.input={path!r}: cannot open ({e.strerror})") from e
     with f:
-        for lineno, line in enumerate(f, 1):
-            line = line.rstrip("\n")
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            if txt:
-                rid, obj = lineno, {"prompt": line}
-            else:
-                rid, obj = _jsonl_line(line, where, lineno)
+        for lineno, raw in enumerate(f, 1):
+            raw = raw.rstrip(b"\n").rstrip(b"\r")
+            try:
+                yield lineno, raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield lineno, _LineError(f"not UTF-8 text (byte {e.start + 1})", keep_id=False)
+
+
+def read_requests(path: str, base: SamplingParams, job_seed: int, strict: bool = False,
+                  chat: Optional[ChatEncoder] = None) -> list[PromptInput]:
+    """Parse the whole file before any work: requests in file order, each bad line a
+    ``BadLine`` (``strict``: one ``InputFileError`` listing them all instead). ``chat`` turns a
+    "messages" line into token ids; without it such a line is bad (no chat template)."""
+    out, bad, seen = [], [], {}
+    txt = path.endswith(".txt")
+    for lineno, line in _lines(path):
+        if isinstance(line, str) and not line.strip():
+            continue
+        where, rid = f"{path}:{lineno}", lineno
+        try:
+            if isinstance(line, _LineError):
+                raise line
+            obj = {"prompt": line} if txt else None
+            if obj is None:
+                rid, obj = _parse(line, lineno)
             key = json.dumps(rid)
             if key in seen:
-                raise InputFileError(f"{where}: duplicate id {rid!r} (first on line {seen[key]})")
+                raise _LineError(f"duplicate id {rid!r} (first on line {seen[key]})", keep_id=False)
             seen[key] = lineno
-            params = _params(base, job_seed, rid, obj.get("sampling"), where)
-            out.append(PromptInput(rid, obj.get("prompt"), obj.get("prompt_token_ids"), params))
+            _check(obj)
+            params = _params(base, job_seed, rid, obj.get("sampling"))
+            ids = obj.get("prompt_token_ids")
+            if "messages" in obj:
+                if chat is None:
+                    raise _LineError("messages: no chat template to render them with")
+                try:
+                    ids = chat(obj["messages"])
+                except (RequestError, ValueError) as e:
+                    raise _LineError(f"messages: {e}") from e
+            out.append(PromptInput(rid, obj.get("prompt"), ids, params))
+        except _LineError as e:
+            rec_id = rid if e.keep_id else lineno
+            msg = f"{where}: {e}"
+            bad.append(msg)
+            out.append(BadLine(rec_id, error=msg, line=lineno))
+    if strict and bad:
+        more = len(bad) - STRICT_LIST_MAX
+        raise InputFileError(f"io.input={path!r}: {len(bad)} bad line(s), nothing run "
+                             "(io.strict=true):\n  " + "\n  ".join(bad[:STRICT_LIST_MAX])
+                             + (f"\n  ... and {more} more" if more > 0 else ""))
     return out
+
+
+def bad_lines(requests: list[PromptInput]) -> list[BadLine]:
+    return [r for r in requests if isinstance(r, BadLine)]
+
+
+def chat_encoder(s: JobSettings) -> ChatEncoder:
+    """The checkpoint's template + tokenizer as a ``ChatEncoder``. A checkpoint without a
+    template (or an unreadable one) gives an encoder that refuses every conversation, so each
+    "messages" line becomes an error record naming why."""
+    from megainfer.engine.chat_template import ChatRenderer, ChatTemplateError, encode_chat
+    from megainfer.engine.tokenizer import load_tokenizer
+    try:
+        renderer = ChatRenderer(s.load.path)
+        if renderer.template is None:
+            raise ChatTemplateError(
+                f"the checkpoint (model.path={s.load.path!r}) has no chat template (no "
+                "chat_template.jinja, no chat_template in tokenizer_config.json)")
+    except ChatTemplateError as e:
+        err = e
+
+        def refuse(messages):
+            raise err
+        return refuse
+    tok = load_tokenizer(s.load.path, s.model.eos_token_id)
+    return lambda messages: encode_chat(tok, renderer.render(messages, True))
 
 
 def workload_requests(s: JobSettings) -> list[PromptInput]:
     w = s.workload
     if w.kind == "prompts":
-        return [PromptInput(i, p, None, _params(s.sampling, s.seed, i, {}, ""))
+        return [PromptInput(i, p, None, _params(s.sampling, s.seed, i, {}))
                 for i, p in enumerate(w.prompts)]
     g = random.Random(w.seed)
     return [PromptInput(i, None, [g.randrange(s.model.vocab_size) for _ in range(w.input_len)],
-                        _params(s.sampling, s.seed, i, {}, "")) for i in range(w.num_prompts)]
+                        _params(s.sampling, s.seed, i, {})) for i in range(w.num_prompts)]
 
 
 def job_requests(s: JobSettings) -> list[PromptInput]:
     if s.io.input:
-        return read_requests(s.io.input, s.sampling, s.seed)
+        return read_requests(s.io.input, s.sampling, s.seed, strict=s.io.strict,
+                             chat=chat_encoder(s))
     return workload_requests(s)

@@ -3,7 +3,10 @@
 ``run_offline_job`` works with any generator that has ``generate_stream(requests) ->
 Iterator[RequestOutput]`` (single mode: ``megainfer.LLM``; the distributed runtime plugs in its
 own). Each line is written and flushed the moment its request finishes, so a killed job leaves
-every finished result on disk; a rerun with the same output skips the ids already there.
+every finished result on disk; a rerun with the same output skips the ids already there (error
+records included: delete an error line to retry it). Bad input lines (``inputs.BadLine``) are
+written as error records first, without reaching the generator, and counted in ``errors``. An
+output that cannot be created is an ``OutputFileError`` before the generator is asked for anything.
 """
 from __future__ import annotations
 
@@ -16,7 +19,10 @@ from typing import Iterable, Iterator, Optional, Protocol
 
 import numpy as np
 
-from megainfer.engine import PromptInput, RequestOutput
+from megainfer.engine import CompletionOutput, PromptInput, RequestOutput
+
+from .inputs import BadLine
+from .settings import OutputFileError
 
 log = logging.getLogger("megainfer.launch")
 
@@ -57,14 +63,36 @@ class JobSummary:
         return "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)
 
 
+def _logprobs_json(positions) -> list:
+    """[{token_id: Logprob}] -> [{"token_id": logprob}] (JSON object keys are strings)."""
+    return [None if d is None else {str(t): lp.logprob for t, lp in d.items()} for d in positions]
+
+
+def _completion_fields(c) -> dict:
+    rec = {"token_ids": c.token_ids, "text": c.text, "finish_reason": c.finish_reason}
+    if c.stop_reason is not None:
+        rec["stop_reason"] = c.stop_reason
+    if c.logprobs is not None:
+        rec["logprobs"] = _logprobs_json(c.logprobs)
+        rec["cumulative_logprob"] = c.cumulative_logprob
+    return rec
+
+
 def output_record(out: RequestOutput) -> dict:
+    """One jsonl line. The first completion's fields at the top level; with ``n`` > 1 also
+    ``"outputs"``: every completion (``index``, ``token_ids``, ``text``, ``finish_reason``, and
+    the logprob fields when asked), and ``output_tokens`` counts all of them."""
     if out.error is not None:
         return {"id": out.request_id, "token_ids": [], "text": "", "finish_reason": "error",
                 "error": out.error}
     c, m = out.outputs[0], out.metrics
-    rec = {"id": out.request_id, "token_ids": c.token_ids, "text": c.text,
-           "finish_reason": c.finish_reason, "prompt_tokens": len(out.prompt_token_ids),
-           "output_tokens": len(c.token_ids)}
+    rec = {"id": out.request_id, **_completion_fields(c),
+           "prompt_tokens": len(out.prompt_token_ids),
+           "output_tokens": sum(len(o.token_ids) for o in out.outputs)}
+    if out.prompt_logprobs is not None:
+        rec["prompt_logprobs"] = _logprobs_json(out.prompt_logprobs)
+    if len(out.outputs) > 1:
+        rec["outputs"] = [{"index": o.index, **_completion_fields(o)} for o in out.outputs]
     if m is not None:
         rec.update(ttft_s=m.ttft, tpot_s=m.tpot(len(c.token_ids)), latency_s=m.latency,
                    num_preemptions=m.num_preemptions)
@@ -100,20 +128,31 @@ def _pct(xs: list[float], q: float) -> Optional[float]:
 
 def run_offline_job(requests: list[PromptInput], generator: Generator, output_path: str,
                     resume: bool = True, progress: bool = True) -> JobSummary:
-    """Stream every request through ``generator``, appending each result to ``output_path``."""
-    os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)
-    done = done_ids(output_path) if resume else set()
+    """Stream every request through ``generator``, appending each result to ``output_path``.
+    ``BadLine`` entries are written as error records without reaching the generator."""
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)
+        done = done_ids(output_path) if resume else set()
+        f = open(output_path, "a" if resume else "w", encoding="utf-8")
+    except OSError as e:
+        raise OutputFileError(f"io.output={output_path!r}: cannot write it "
+                              f"({e.strerror or e})") from e
     todo = [r for r in requests if json.dumps(r.request_id) not in done]
     skipped = len(requests) - len(todo)
     if skipped:
         log.info("[launch] resume: %d of %d requests already in %s", skipped, len(requests),
                  output_path)
-    bar = _bar(len(todo), progress)
+    bad = [r for r in todo if isinstance(r, BadLine)]
+    todo = [r for r in todo if not isinstance(r, BadLine)]
+    if bad:
+        log.warning("[launch] %d bad input line(s) written as error records (io.strict=true "
+                    "refuses the file instead); the first: %s", len(bad), bad[0].error)
+    bar = _bar(len(todo) + len(bad), progress)
     n_ok = n_err = p_tok = o_tok = 0
     ttft, tpot = [], []
     t0 = time.perf_counter()
-    with open(output_path, "a" if resume else "w", encoding="utf-8") as f:
-        for out in generator.generate_stream(todo):
+    with f:
+        for out in _chain((_bad_line_output(b) for b in bad), generator.generate_stream(todo)):
             rec = output_record(out)
             f.write(json.dumps(rec, ensure_ascii=False) + "\n")
             f.flush()
@@ -137,6 +176,18 @@ def run_offline_job(requests: list[PromptInput], generator: Generator, output_pa
     return JobSummary(n_ok, n_err, skipped, p_tok, o_tok, dt, n_ok / dt, o_tok / dt,
                       _pct(ttft, 50), _pct(ttft, 99), _pct(tpot, 50), _pct(tpot, 99),
                       output=output_path)
+
+
+def _bad_line_output(b: BadLine) -> RequestOutput:
+    return RequestOutput(b.request_id, None, [], [CompletionOutput(0, "", [], "error")], True,
+                         None, b.error)
+
+
+def _chain(first: Iterator[RequestOutput],
+           rest: Iterable[RequestOutput]) -> Iterator[RequestOutput]:
+    """``first``, then ``rest`` (whose generator starts only once ``first`` is exhausted)."""
+    yield from first
+    yield from rest
 
 
 def _bar(total: int, enabled: bool):

@@ -1,4 +1,4 @@
-"""``megainfer-launch``: the Hydra front door of the offline job (DESIGN §6).
+"""``megainfer-launch``: the Hydra front door of the offline job (docs/engine.md).
 
 World size 1 (no mpirun) runs ``deploy.mode=single`` in this process. Under mpirun every rank
 runs this too: ``launch/distributed.py`` builds the rank's part of the job. Only rank 0 keeps a

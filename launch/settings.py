@@ -18,10 +18,38 @@ from megainfer.engine.errors import SamplingParamsError
 from megainfer.engine.sizing import derive_num_blocks, resolve_max_model_len
 from megainfer.models.loader import DTYPES
 
+from .deploy import plan_for_world
+
 log = logging.getLogger("megainfer.launch")
 
 GROUPS = ("model", "deploy", "scheduler", "cache", "sampling", "io", "workload", "comm", "trace",
           "eplb", "engine")
+
+
+class OutputFileError(ConfigError):
+    """io.output cannot be created or written; raised before any work starts."""
+
+
+def check_output_path(path: str) -> None:
+    """Refuse an output that cannot be written, without creating anything: a directory, an
+    existing file without write permission, a parent that is a file, or a missing directory
+    whose nearest existing ancestor does not allow creating it."""
+    key = f"io.output={path!r}"
+    p = os.path.abspath(os.path.expanduser(path))
+    if os.path.isdir(p):
+        raise OutputFileError(f"{key}: is a directory (give a file path, e.g. {path.rstrip('/')}"
+                              "/generations.jsonl)")
+    if os.path.exists(p):
+        if not os.access(p, os.W_OK):
+            raise OutputFileError(f"{key}: no permission to write it")
+        return
+    d = os.path.dirname(p)
+    while not os.path.exists(d):
+        d = os.path.dirname(d)
+    if not os.path.isdir(d):
+        raise OutputFileError(f"{key}: cannot create it: {d} is a file, not a directory")
+    if not os.access(d, os.W_OK | os.X_OK):
+        raise OutputFileError(f"{key}: cannot create it: no permission to write in {d}")
 
 
 @dataclass(frozen=True)
@@ -30,6 +58,16 @@ class IOSettings:
     output: Optional[str] = None
     resume: bool = True
     progress: bool = True
+    strict: bool = False  # a bad input line refuses the whole file (else: an error record)
+
+    def __post_init__(self):
+        for k in ("resume", "progress", "strict"):
+            if not isinstance(getattr(self, k), bool):
+                raise ConfigError(f"io.{k}={getattr(self, k)!r}: must be true or false")
+        for k in ("input", "output"):
+            v = getattr(self, k)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ConfigError(f"io.{k}={v!r}: must be a file path or null")
 
 
 @dataclass(frozen=True)
@@ -142,19 +180,12 @@ def resolve_device(c: dict, local_rank: int, distributed: bool) -> DeviceConfig:
 
 
 def resolve_deploy(d: dict, world_size: int) -> DeployPlan:
+    """``deploy.*`` (checked key by key) -> a DeployPlan for ``world_size`` ranks
+    (``launch/deploy.py``)."""
     d = _take("deploy", d, _names(DeployPlan) | {"cpu_threads", "device"})
     d.pop("cpu_threads", None)
     d.pop("device", None)
-    if d.get("mode", "auto") == "auto":
-        if world_size == 1:
-            d = dict(mode="single", attention_replicas=1, attention_tp=1, expert_ranks=0,
-                     micro_batches=1)
-        else:
-            d = dict(d, mode="disaggregated", attention_replicas=1, attention_tp=1,
-                     expert_ranks=world_size - 1)
-    plan = DeployPlan(**d)
-    plan.check_world_size(world_size)
-    return plan
+    return plan_for_world(d, world_size)
 
 
 def _sampling(d: dict) -> tuple[SamplingParams, int]:
@@ -199,6 +230,8 @@ def settings_from_config(cfg, world_size: int = 1, local_ranks: int = 1,
     check_cache_fits(cache, scheduler.max_model_len)
     sampling, seed = _sampling(c.get("sampling", {}))
     io = IOSettings(**_take("io", c.get("io", {}), _names(IOSettings)))
+    if io.output:
+        check_output_path(io.output)
     w = _take("workload", c.get("workload", {}), _names(WorkloadSettings))
     if "prompts" in w:
         w["prompts"] = tuple(w["prompts"] or ())

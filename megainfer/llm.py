@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Iterator, Optional, Sequence, Union
+from typing import Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 
 from megainfer.config import CacheConfig, DeviceConfig, LoadConfig, ModelConfig, SchedulerConfig
@@ -113,6 +113,26 @@ class LLM:
                     done[out.request_id] = out
                     bar.update(out)
         return [done[inp.request_id] for inp in inputs]
+
+    def chat(self, messages: Union[Sequence[dict], Sequence[Sequence[dict]]],
+             sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template: Optional[str] = None) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of ``{"role", "content"}``) or a list of
+        them, rendered with the checkpoint's chat template (``chat_template.jinja`` or
+        ``tokenizer_config.json``'s ``chat_template``) or the ``chat_template`` given, in a
+        sandbox; the rendered text is tokenized without adding special tokens again. No template,
+        or one that fails, raises ``ChatTemplateError`` (a ``ValueError``) before any work."""
+        from megainfer.engine.chat_template import ChatRenderer, encode_chat
+        convs = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        renderer = ChatRenderer(self.load_config.path, chat_template)
+        texts = [renderer.render(c, add_generation_prompt) for c in convs]
+        tok = self.engine.tokenizer
+        outs = self.generate([{"prompt_token_ids": encode_chat(tok, t)} for t in texts],
+                             sampling_params, use_tqdm)
+        for out, text in zip(outs, texts):
+            out.prompt = text
+        return outs
 
     def generate_stream(self, requests: Iterable[PromptInput],
                         use_tqdm: bool = False, total: Optional[int] = None) -> Iterator[RequestOutput]:

@@ -1,4 +1,6 @@
 """rebalance_experts: invariants on random loads, never worse than identity, errors."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -181,3 +183,16 @@ def test_invalid_hierarchical_and_weights():
     with pytest.raises(EplbError, match="weight"):
         rebalance_experts(torch.full((2, 12), float("nan")), 12, 1, 1, 4)
     assert issubclass(EplbError, ValueError)
+
+
+def test_eplb_groups_default_to_the_models_routing_groups():
+    from megainfer.config import ConfigError, EplbConfig, ModelConfig
+    base = dict(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2,
+                head_dim=16, num_experts=8, top_k=2, moe_intermediate_size=16)
+    mixtral = ModelConfig(family="mixtral", **base)
+    assert EplbConfig().groups_for(mixtral) == 1
+    assert EplbConfig(num_groups=2).groups_for(mixtral) == 2
+    grouped = SimpleNamespace(n_group=4)  # what a DeepSeek config carries
+    assert EplbConfig().groups_for(grouped) == 4 and EplbConfig(num_groups=1).groups_for(grouped) == 1
+    with pytest.raises(ConfigError, match="eplb.num_groups=0"):
+        EplbConfig(num_groups=0)

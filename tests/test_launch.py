@@ -12,7 +12,7 @@ from hydra.errors import ConfigCompositionException
 from megainfer import LLM, SamplingParams
 from megainfer.config import ConfigError
 from megainfer.engine import PromptInput
-from megainfer.launch.inputs import InputFileError, read_requests
+from megainfer.launch.inputs import BadLine, InputFileError, read_requests
 from megainfer.launch.job import done_ids, run_offline_job
 from megainfer.launch.settings import settings_from_config
 
@@ -106,9 +106,11 @@ INPUT_BAD = [  # (file content, message fragment)
 def test_malformed_input_line_is_named(tmp_path, content, msg):
     p = tmp_path / "in.jsonl"
     p.write_text(content)
-    with pytest.raises(InputFileError) as info:
-        read_requests(str(p), SamplingParams(), 0)
+    with pytest.raises(InputFileError) as info:  # strict: the file is refused
+        read_requests(str(p), SamplingParams(), 0, strict=True)
     assert f"{p}{msg}" in str(info.value)
+    bad = [r for r in read_requests(str(p), SamplingParams(), 0) if isinstance(r, BadLine)]
+    assert len(bad) == 1 and f"{p}{msg}" in bad[0].error  # else: an error record for the line
 
 
 def test_input_files(tmp_path):
@@ -203,7 +205,7 @@ def test_console_default_job(tmp_path):
 
 def test_console_errors_and_help(tmp_path):
     (tmp_path / "in.jsonl").write_text('{"id": 1, "prompt": "a"}\nnot json\n')
-    r = _run([f"hydra.run.dir={tmp_path}/run", "io.input=in.jsonl"], tmp_path)
+    r = _run([f"hydra.run.dir={tmp_path}/run", "io.input=in.jsonl", "io.strict=true"], tmp_path)
     assert r.returncode == 2 and "InputFileError" in r.stderr and "in.jsonl:2" in r.stderr
     r = _run(["+scheduler.bogus=3", f"hydra.run.dir={tmp_path}/run2"], tmp_path)
     assert r.returncode == 2 and "scheduler.bogus=3: unknown config key" in r.stderr

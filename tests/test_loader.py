@@ -2,7 +2,6 @@
 import json
 import os
 import shutil
-import threading
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ from megainfer.config import ConfigError, LoadConfig, ModelConfig
 from megainfer.models import ParallelContext, build_model
 from megainfer.models.loader import (ConfigMismatchError, CorruptCheckpointError,
                                      MissingTensorError, ShapeMismatchError, UnexpectedTensorError)
+from tp_threads import run_tp_threads
 
 
 def _copy_ckpt(src, dst, mutate=None):
@@ -105,23 +105,8 @@ def test_tensor_parallel_heads_match_single(tiny_ckpts, family):
     """Two TP ranks as threads with a real sum all-reduce give the single-rank logits."""
     src = tiny_ckpts[(family, "base")]
     want = _logits(_load(src))
-    barrier, box, outs = threading.Barrier(2), [None, None], [None, None]
-
-    def all_reduce(rank):
-        def f(t):
-            box[rank] = t
-            barrier.wait()
-            s = box[0] + box[1]
-            barrier.wait()
-            return s
-        return f
-
-    def run(rank):
-        torch.set_num_threads(1)
-        outs[rank] = _logits(_load(src, par=ParallelContext(rank, 2, all_reduce(rank))))
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
-    [t.start() for t in threads]
-    [t.join(timeout=120) for t in threads]
+    outs = run_tp_threads(
+        lambda rank, all_reduce: _logits(_load(src, par=ParallelContext(rank, 2, all_reduce))))
     for o in outs:
         torch.testing.assert_close(o, want, atol=1e-5, rtol=1e-5)
 

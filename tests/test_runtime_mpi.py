@@ -1,5 +1,5 @@
 """Disaggregated and colocated runs under real mpiexec give single mode's greedy tokens, for
-every family, rank layout and micro-batch count (DESIGN §3)."""
+every family, rank layout and micro-batch count (docs/design_rules.md)."""
 import json
 import os
 

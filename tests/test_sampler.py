@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from megainfer.engine import sampler as S
+from megainfer.engine import philox as S
 from megainfer.engine.request import Request
 from megainfer.engine.sampler import Sampler, filter_logits, mix_seed
 from megainfer.engine.sampling_params import SamplingParams
@@ -107,7 +107,7 @@ def test_uniform_bottom_cell_is_fine_grained():
     x = torch.tensor([0, 1, 0xFF, 0x100, 0xFFFFFFFF])
     u = S.bits_to_uniform(x)
     assert u.tolist() == [0.5 * 2 ** -32, 1.5 * 2 ** -32, 255.5 * 2 ** -32, 2 ** -24, 1 - 2 ** -24]
-    e = S._exponential(torch.tensor([0]), torch.tensor([0]), 10)
+    e = S.exponential(torch.tensor([0]), torch.tensor([0]), 10)
     assert torch.isfinite(e).all() and (e > 0).all()
 
 

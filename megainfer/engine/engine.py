@@ -1,8 +1,9 @@
 """LLMEngine: requests in, finished outputs out, one ``step()`` at a time.
 
-A step is: schedule -> ``StepInput`` -> ``executor.execute`` -> sample -> update requests ->
-finished outputs. The engine owns the requests, the scheduler, the block manager, the KV
-cache tensors, the sampler and the tokenizer; the executor (injected as a factory that
+A step is: schedule -> copy-on-write block copies -> ``StepInput`` -> ``executor.execute`` ->
+sample (and log-probabilities) -> fork the samples of ``n`` > 1 requests whose prompt just
+completed -> update requests -> finished outputs. The engine owns the requests, the scheduler,
+the block manager, the KV cache tensors, the sampler and the tokenizer; the executor (injected as a factory that
 receives the KV caches) only computes logits. Everything is deterministic: the same calls give
 the same schedule and the same tokens on every rank that runs them.
 """
@@ -15,14 +16,14 @@ from typing import Callable, Iterable, Iterator, Optional, Sequence, Union
 import torch
 
 from megainfer.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
-from megainfer.models.attention import allocate_kv_cache
+from megainfer.models.kv_spec import KVCacheSpec, kv_cache_spec_for
 
 from .block_manager import BlockManager
 from .errors import (CacheTooSmallError, DuplicateRequestError, EmptyPromptError,
                      PromptTooLongError, RequestError, TokenIdError)
-from .outputs import CompletionOutput, PromptInput, RequestMetrics, RequestOutput
+from .outputs import CompletionOutput, Logprob, PromptInput, RequestMetrics, RequestOutput
 from .request import Request
-from .sampler import Sampler, mix_seed
+from .sampler import PromptLogprobJob, Sampler, mix_seed
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .step import LocalExecutor, ModelExecutor, StepInput
@@ -47,6 +48,7 @@ class LLMEngine:
     def __init__(self, model_config: ModelConfig, scheduler_config: SchedulerConfig,
                  cache_config: CacheConfig, executor_factory: ExecutorFactory,
                  tokenizer: Optional[Tokenizer] = None, *, kv_heads: Optional[int] = None,
+                 kv_spec: Optional[KVCacheSpec] = None,
                  kv_dtype: torch.dtype = torch.float32, device: Union[str, torch.device] = "cpu",
                  seed: int = 0, log_prefix: str = "[attn dp0 tp0]"):
         self.model_config, self.scheduler_config = model_config, scheduler_config
@@ -59,15 +61,18 @@ class LLMEngine:
         self.tokenizer = tokenizer or ByteTokenizer(model_config.eos_token_id)
         self.blocks = BlockManager(cache_config.num_blocks, cache_config.block_size)
         self.scheduler = Scheduler(scheduler_config, self.blocks)
-        self.kv_caches = allocate_kv_cache(
-            model_config.num_layers, cache_config.num_blocks, cache_config.block_size,
-            kv_heads or model_config.num_kv_heads, model_config.head_dim, kv_dtype, self.device)
+        # the model's cache spec (GQA [2, NB, BS, Hkv, D] or MLA latent [NB, BS, R+P] per layer)
+        self.kv_spec = kv_spec or kv_cache_spec_for(model_config, dtype=kv_dtype, kv_heads=kv_heads)
+        self.kv_caches = self.kv_spec.allocate(cache_config.num_blocks, cache_config.block_size,
+                                               self.device, kv_dtype)
         self.executor = executor_factory(self.kv_caches)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}  # unfinished, by request id
         self.log_prefix = log_prefix
         self._next_seq_id = 0
         self.num_steps = self.num_generated_tokens = self.last_step_tokens = 0
+        self.num_computed_prompt_tokens = 0  # prompt tokens fed to the model (recompute included)
+        self.num_block_copies = 0  # copy-on-write copies of shared blocks
         log.info("%s engine: %d KV blocks x %d tokens, max_model_len=%d, max_num_seqs=%d, "
                  "max_num_batched_tokens=%d", log_prefix, cache_config.num_blocks,
                  cache_config.block_size, self.max_model_len, scheduler_config.max_num_seqs,
@@ -89,6 +94,7 @@ class LLMEngine:
                 graphs = DecodeGraphs(model, kv, cache_config.block_size,
                                       scheduler_config.max_num_seqs, scheduler_config.max_model_len)
             return LocalExecutor(model, kv, cache_config.block_size, graphs)
+        kw.setdefault("kv_spec", model.kv_cache_spec(p.dtype))
         return cls(model.config, scheduler_config, cache_config, executor, tokenizer,
                    kv_dtype=p.dtype, device=p.device, **kw)
 
@@ -103,15 +109,48 @@ class LLMEngine:
         rid = str(request_id)
         if rid in self.requests:
             raise DuplicateRequestError(f"request_id={rid!r}: already queued or running")
+        if params.prompt_logprobs is not None and \
+                not getattr(self.executor, "supports_full_logits", False):
+            mode = getattr(self.executor, "deploy_mode", type(self.executor).__name__)
+            raise RequestError(f"prompt_logprobs={params.prompt_logprobs}: not supported in "
+                               f"deploy.mode={mode}")
         text, ids = self._tokenize(prompt, prompt_token_ids)
         seq_id = self._next_seq_id
-        self._next_seq_id += 1
-        req = Request(seq_id, rid, text, ids, params,
-                      seed=params.seed if params.seed is not None else mix_seed(self.seed, seq_id),
-                      eos_token_ids=self.model_config.eos_token_id, max_model_len=self.max_model_len)
+        self._next_seq_id += params.n
+        seed = params.seed if params.seed is not None else mix_seed(self.seed, seq_id)
+        samples = []
+        for i in range(params.n):  # sample i: seed derived from (request seed, i)
+            samples.append(Request(
+                seq_id + i, rid, text, ids, params, seed=seed if i == 0 else mix_seed(seed, -i),
+                eos_token_ids=self.model_config.eos_token_id, max_model_len=self.max_model_len,
+                index=i, logprobs=None if params.logprobs is None else []))
+        if params.bad_words:
+            bad = self._bad_words_token_ids(params.bad_words)
+            for r in samples:
+                r.bad_words_token_ids = bad
+        req = samples[0]
+        req.samples, req.pending = samples, samples[1:]
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]
         self.requests[rid] = req
         self.scheduler.add(req)
         return req
+
+    def _bad_words_token_ids(self, words) -> list[list[int]]:
+        """vLLM's encoding of ``bad_words``: each word as is and with a leading space (when that
+        gives a different first token and as many tokens), without special tokens."""
+        tok = getattr(self.tokenizer, "tok", None)  # HFTokenizer: encode without BOS/EOS
+        enc = (lambda t: tok.encode(t, add_special_tokens=False).ids) if tok is not None else \
+            self.tokenizer.encode
+        V, out = self.model_config.vocab_size, []
+        for w in words:
+            plain = enc(w.lstrip())
+            if plain:
+                out.append(plain)
+            spaced = enc(" " + w.lstrip())
+            if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
+                out.append(spaced)
+        return [ids for ids in out if all(0 <= t < V for t in ids)]
 
     def _tokenize(self, prompt, prompt_token_ids) -> tuple[Optional[str], list[int]]:
         if prompt_token_ids is None and not isinstance(prompt, str):
@@ -142,8 +181,11 @@ class LLMEngine:
         req = self.requests.pop(str(request_id), None)
         if req is None:
             return None
-        self.scheduler.finish(req)
-        req.finish("abort")
+        req.pending = []
+        for s in req.samples:
+            self.scheduler.finish(s)
+            if not s.is_finished:
+                s.finish("abort")
         return self._output(req)
 
     def has_unfinished(self) -> bool:
@@ -157,29 +199,92 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration (an empty one when nothing is scheduled); return finished outputs."""
         batch = self.scheduler.schedule()
+        copies = self.blocks.take_copies()
+        if copies:
+            self._copy_blocks(copies)
         step = self.build_step(batch)
-        logits = self.executor.execute(step)  # [len(sample_rows), V]
+        logits = self.executor.execute(step)  # [len(step.logit_token_list()), V]
         now = time.perf_counter()
-        for req, n in zip(batch.requests, batch.num_new_tokens):
+        # logits rows: each full_logits sequence's chunk, else one row per sampled sequence
+        full, last_row, jobs, job_reqs, r = set(step.full_logits), {}, [], [], 0
+        for i, (req, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
+            c, P = req.num_computed_tokens, req.num_prompt_tokens
+            self.num_computed_prompt_tokens += max(0, min(c + n, P) - c)
             req.num_computed_tokens += n
-        sampled = [batch.requests[i] for i in step.sample_rows]
-        tokens = self.sampler(logits, sampled) if sampled else []
-        finished = []
-        for req, tok in zip(sampled, tokens):
-            req.append_token(tok, now)
+            if i in full:
+                q0, q1 = max(c, len(req.prompt_logprobs) - 1), min(c + n, P - 1)
+                if q1 > q0:  # row of position q predicts prompt token q + 1
+                    jobs.append(PromptLogprobJob(r + q0 - c, req.prompt_token_ids[q0 + 1:q1 + 1],
+                                                 req.params.prompt_logprobs))
+                    job_reqs.append(req)
+                r += n
+                last_row[i] = r - 1
+            elif c + n == req.num_tokens:
+                last_row[i] = r
+                r += 1
+        sampled, rows, forks = [], [], []
+        for i in step.sample_rows:
+            req = batch.requests[i]
+            sampled.append(req)
+            rows.append(last_row[i])
+            if req.pending and not req.output_token_ids:  # prompt done: fork its samples
+                forks += req.pending
+                sampled += req.pending
+                rows += [last_row[i]] * len(req.pending)
+                for child in req.pending:
+                    self.blocks.fork(req, child)
+                    child.num_computed_tokens = req.num_computed_tokens
+                req.pending = []
+        res = self.sampler.run(logits, sampled, rows, jobs) if sampled or jobs else None
+        for req, recs in zip(job_reqs, res.prompt if res is not None else []):
+            targets = req.prompt_token_ids[len(req.prompt_logprobs):]
+            req.prompt_logprobs += [self._logprob_dict(t, rec) for t, rec in zip(targets, recs)]
+        forked, finished = set(map(id, forks)), []
+        for k, req in enumerate(sampled):
+            tok, rec = res.tokens[k], res.logprobs[k]
+            if rec is not None:
+                req.logprobs.append(self._logprob_dict(tok, rec))
+                req.cumulative_logprob += rec[0]
+            req.append_token(tok, now, self.tokenizer)
+            if id(req) in forked and not req.is_finished:
+                self.scheduler.add_running(req)
             if req.is_finished:
                 self.scheduler.finish(req)
-                del self.requests[req.request_id]
-                finished.append(self._output(req))
+                head = self.requests[req.request_id]
+                if not head.pending and all(s.is_finished for s in head.samples):
+                    del self.requests[req.request_id]
+                    finished.append(self._output(head))
         self.num_steps += 1
-        self.num_generated_tokens += len(tokens)
+        self.num_generated_tokens += len(sampled)
         self.last_step_tokens = batch.num_tokens
         return finished
+
+    def _logprob_dict(self, token: int, rec) -> dict:
+        """vLLM's shape: {token: Logprob} with the sampled (or actual) token first, then the
+        top-k by rank (1 = most likely)."""
+        lp, rank, ids, vals = rec
+        dec = self.tokenizer.decode
+        out = {token: Logprob(lp, rank, dec([token]))}
+        for k, (t, v) in enumerate(zip(ids, vals), 1):
+            if t not in out:
+                out[t] = Logprob(v, k, dec([t]))
+        return out
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write of shared KV blocks, in the order they were decided (a block freed and
+        reused within one schedule is read before it is overwritten). The block axis: 0 for
+        MLA latent caches, 1 for GQA ``[2, blocks, ...]``."""
+        spec = getattr(self, "kv_spec", None)
+        dim = 0 if getattr(spec, "kind", "gqa") == "mla" else 1
+        for src, dst in copies:
+            for kv in self.kv_caches:
+                kv.select(dim, dst).copy_(kv.select(dim, src))
+        self.num_block_copies += len(copies)
 
     def build_step(self, batch: ScheduledBatch) -> StepInput:
         if not batch.requests:
             return StepInput.empty()
-        ids, pos, ctx, rows = [], [], [], []
+        ids, pos, ctx, rows, full = [], [], [], [], []
         for i, (req, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
             c = req.num_computed_tokens
             ids += req.token_slice(c, c + n)
@@ -187,19 +292,32 @@ class LLMEngine:
             ctx.append(c)
             if c + n == req.num_tokens:
                 rows.append(i)
+            pl = req.prompt_logprobs
+            if pl is not None and len(pl) < req.num_prompt_tokens and c + n > len(pl) - 1:
+                full.append(i)  # this chunk holds prompt positions still without logprobs
         return StepInput(
             seq_ids=[r.seq_id for r in batch.requests], query_lens=list(batch.num_new_tokens),
             context_lens=ctx, block_tables=[list(r.block_table) for r in batch.requests],
             input_ids=torch.tensor(ids, dtype=torch.long),  # host tensors: the executor moves
-            positions=torch.tensor(pos, dtype=torch.long), sample_rows=rows)  # them in one copy
+            positions=torch.tensor(pos, dtype=torch.long), sample_rows=rows,  # them in one copy
+            full_logits=full)
 
     def _output(self, req: Request) -> RequestOutput:
-        text = self.tokenizer.decode(req.output_token_ids)
+        """The request's (group head's) output: one ``CompletionOutput`` per sample."""
+        outs = []
+        for s in req.samples:
+            # a stop string cut the incrementally detokenized text; else decode it all
+            text = s.text if isinstance(s.stop_reason, str) else \
+                self.tokenizer.decode(s.output_token_ids)
+            outs.append(CompletionOutput(
+                s.index, text, list(s.output_token_ids), s.finish_reason, s.logprobs,
+                None if s.logprobs is None else s.cumulative_logprob, s.stop_reason))
+        ends = [s.finish_time for s in req.samples if s.finish_time is not None]
         return RequestOutput(
-            req.request_id, req.prompt, req.prompt_token_ids,
-            [CompletionOutput(0, text, list(req.output_token_ids), req.finish_reason)], True,
-            RequestMetrics(req.arrival_time, req.first_token_time, req.finish_time,
-                           req.num_preemptions))
+            req.request_id, req.prompt, req.prompt_token_ids, outs, True,
+            RequestMetrics(req.arrival_time, req.first_token_time, max(ends) if ends else None,
+                           sum(s.num_preemptions for s in req.samples)),
+            prompt_logprobs=req.prompt_logprobs)
 
     # ------------------------------------------------------------------ streaming
     def add_inputs(self, inputs: Iterable[PromptInput], warn: bool = True

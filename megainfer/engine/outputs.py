@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from .sampling_params import SamplingParams
 
@@ -18,11 +18,27 @@ class PromptInput:
 
 
 @dataclass
+class Logprob:
+    """vLLM's: a token's log-probability, its rank (1 = most likely) and its text."""
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+# one dict per position: token id -> Logprob (the sampled / actual token first, then the top-k)
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     finish_reason: Optional[str]  # "stop" | "length" | "abort" | "error"
+    logprobs: Optional[list[PositionLogprobs]] = None  # when SamplingParams.logprobs is set
+    cumulative_logprob: Optional[float] = None  # sum of the sampled tokens' logprobs (idem)
+    stop_reason: Union[int, str, None] = None  # the stop string or stop token id that ended it
 
 
 @dataclass
@@ -59,6 +75,8 @@ class RequestOutput:
     finished: bool
     metrics: Optional[RequestMetrics] = None
     error: Optional[str] = None  # set when the request was refused (finish_reason "error")
+    # SamplingParams.prompt_logprobs: one entry per prompt token, the first None (as vLLM)
+    prompt_logprobs: Optional[list[Optional[PositionLogprobs]]] = None
 
     @classmethod
     def failed(cls, request_id, prompt, prompt_token_ids, error: Exception) -> "RequestOutput":

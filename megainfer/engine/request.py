@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 from .sampling_params import SamplingParams
 
@@ -20,7 +20,12 @@ class Request:
     """``all_token_ids`` = prompt + generated. ``num_computed_tokens`` of them have keys/values in
     the cache (the blocks in ``block_table``); the rest are fed to the model in coming steps.
     Preemption frees the blocks and resets ``num_computed_tokens`` to 0: the request recomputes
-    prompt + generated tokens and goes on sampling where it stopped."""
+    prompt + generated tokens and goes on sampling where it stopped.
+
+    ``SamplingParams.n`` > 1: one ``Request`` per sample (``index`` 0..n-1), all with the same
+    ``request_id``. Sample 0 (the group's head) is scheduled first; the others wait in its
+    ``pending`` list and fork from it once its prompt is computed (they share its blocks and
+    its first logits), so the prompt is computed once. ``samples`` (on the head) lists all n."""
 
     seq_id: int  # engine-internal, monotonically increasing: the scheduling priority
     request_id: str
@@ -39,6 +44,19 @@ class Request:
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: Optional[float] = None
     finish_time: Optional[float] = None
+    index: int = 0  # sample index within the request (SamplingParams.n)
+    samples: list["Request"] = field(default_factory=list)  # head only: all n (itself first)
+    pending: list["Request"] = field(default_factory=list)  # head only: samples not forked yet
+    logprobs: Optional[list] = None  # list[dict[int, Logprob]] when params.logprobs is set
+    cumulative_logprob: float = 0.0
+    prompt_logprobs: Optional[list] = None  # head only: [None, dict, ...] as they are computed
+    stop_reason: Union[int, str, None] = None
+    # stop strings: incremental detokenization (vLLM's prefix/read offsets) and the text so far
+    text: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
+    _prompt_set: Optional[list[int]] = field(default=None, repr=False)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # params.bad_words, encoded
 
     @property
     def num_tokens(self) -> int:
@@ -47,6 +65,12 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    def prompt_set(self) -> list[int]:
+        """The prompt's distinct token ids (cached: the repetition penalty's per-step input)."""
+        if self._prompt_set is None:
+            self._prompt_set = sorted(set(self.prompt_token_ids))
+        return self._prompt_set
 
     def token_slice(self, start: int, stop: int) -> list[int]:
         """Tokens [start, stop) of prompt + output, without building the concatenation."""
@@ -61,16 +85,54 @@ class Request:
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
 
-    def append_token(self, token: int, now: float) -> None:
-        """Record a sampled token and finish the request if it hits a stop condition."""
+    def append_token(self, token: int, now: float, tokenizer=None) -> None:
+        """Record a sampled token and finish the request if it hits a stop condition (stop
+        tokens, eos and stop strings only once ``min_tokens`` were generated, as vLLM)."""
         self.output_token_ids.append(token)
         if self.first_token_time is None:
             self.first_token_time = now
         p = self.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            self.finish("stop", now)
-        elif len(self.output_token_ids) >= p.max_tokens or self.num_tokens >= self.max_model_len:
+        new_chars = self._detokenize(tokenizer) if p.stop and tokenizer is not None else 0
+        if len(self.output_token_ids) >= p.min_tokens:
+            if token in p.stop_token_ids:
+                self.stop_reason = token
+                self.finish("stop", now)
+                return
+            if not p.ignore_eos and token in self.eos_token_ids:
+                self.finish("stop", now)
+                return
+            if new_chars and self._check_stop_strings(new_chars):
+                self.finish("stop", now)
+                return
+        if len(self.output_token_ids) >= p.max_tokens or self.num_tokens >= self.max_model_len:
             self.finish("length", now)
+
+    def _detokenize(self, tokenizer) -> int:
+        """vLLM's incremental detokenization: append the new text to ``self.text`` once it is
+        complete (not ending in a partial character). Returns the number of new characters."""
+        ids = self.output_token_ids
+        prefix = tokenizer.decode(ids[self.prefix_offset:self.read_offset])
+        new = tokenizer.decode(ids[self.prefix_offset:])
+        if len(new) > len(prefix) and not new.endswith("\ufffd"):
+            delta = new[len(prefix):]
+            self.text += delta
+            self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+            return len(delta)
+        return 0
+
+    def _check_stop_strings(self, new_chars: int) -> bool:
+        """vLLM's check: a stop string in the last ``new_chars`` + its length characters of the
+        text; cut the text before it (after it with ``include_stop_str_in_output``)."""
+        for s in self.params.stop:
+            i = self.text.find(s, 1 - new_chars - len(s))
+            if i == -1:
+                continue
+            if self.params.include_stop_str_in_output:
+                i += len(s)
+            self.text = self.text[:i]
+            self.stop_reason = s
+            return True
+        return False
 
     def finish(self, reason: str, now: Optional[float] = None) -> None:
         self.status, self.finish_reason = RequestStatus.FINISHED, reason

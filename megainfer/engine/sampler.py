@@ -1,4 +1,11 @@
-"""Logits -> next tokens: greedy, temperature, top-k, top-p, min-p, per-request seeds.
+"""Logits -> next tokens: penalties, min-tokens, greedy, temperature, top-k, top-p, min-p,
+per-request seeds, and the log-probabilities asked for (sampled and prompt tokens).
+
+Order per row (vLLM v1): logprobs from the raw logits (log-softmax, before anything else);
+min_tokens masks eos / stop_token_ids to -inf, bad_words their last token; repetition penalty
+(HF: logit / p if > 0 else logit * p, on every token of prompt + output), then frequency and
+presence penalties (OpenAI, on output-token counts); greedy rows take the argmax of that;
+random rows divide by the temperature, filter, and race.
 
 Everything runs on the logits' device. Random rows sample with the exponential race
 (argmax of probs / E, E ~ Exp(1)). The noise is counter-based: E for row r, vocab position j is
@@ -8,84 +15,23 @@ written with exact int64 torch ops, so CPU and CUDA give the same bits. A reques
 therefore depend on its seed, its output index and its logits, never on which other requests
 share the batch, on preemption, or on how many steps ran before.
 
-Per step: one small host->device copy (row index, temperature, top-k, top-p, min-p and key of
-every random row, in one fp64 table), no logits to the host, no random numbers drawn on the
-host, and one device->host copy of the tokens at the end (``__call__``'s ``tolist``).
+Per step: one small host->device copy (one fp64 buffer: the random rows' table of row index,
+temperature, top-k, top-p, min-p and key; the penalised rows' table and their (row, token)
+pairs; the masked (row, token) pairs; logits row indices), no logits to the host, no random
+numbers drawn on the host, and one device->host copy at the end (the tokens, with the asked
+log-probabilities packed in the same fp64 tensor). Token ids are exact in fp64 (< 2**53).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
 
 import torch
 
+from .philox import MASK32, exponential, mix_seed
 from .request import Request
 
-_MASK64 = (1 << 64) - 1
-_MASK32 = 0xFFFFFFFF
-# Philox4x32 constants (Random123): round multipliers and Weyl key increments.
-_PHILOX_M = (0xD2511F53, 0xCD9E8D57)
-_PHILOX_W = (0x9E3779B9, 0xBB67AE85)
-PHILOX_ROUNDS = 10
-_NOISE_CHUNK = 1 << 24  # noise values computed at once (bounds the int64 temporaries)
-
-
-def mix_seed(seed: int, index: int) -> int:
-    """splitmix64 of (seed, index) -> a 63-bit generator seed."""
-    z = (seed * 0x9E3779B97F4A7C15 + index + 1) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) & ((1 << 63) - 1)
-
-
-def _mulhilo(a, m: int):
-    """(hi, lo) 32-bit halves of a * m for a in [0, 2**32) (int64 tensor or int), m < 2**32.
-    Split m in 16-bit limbs so no intermediate reaches 2**63: exact on every device."""
-    p_hi = a * (m >> 16)  # < 2**48
-    mid = ((p_hi & 0xFFFF) << 16) + a * (m & 0xFFFF)  # < 2**49
-    return (p_hi >> 16) + (mid >> 32), mid & _MASK32
-
-
-def philox4x32(c0, c1, c2, c3, k0, k1, rounds: int = PHILOX_ROUNDS):
-    """Philox4x32-R on 32-bit lanes held in int64 tensors (or Python ints); broadcasts.
-    Counter (c0..c3), key (k0, k1) -> four 32-bit words."""
-    for r in range(rounds):
-        if r:
-            k0, k1 = (k0 + _PHILOX_W[0]) & _MASK32, (k1 + _PHILOX_W[1]) & _MASK32
-        hi0, lo0 = _mulhilo(c0, _PHILOX_M[0])
-        hi1, lo1 = _mulhilo(c2, _PHILOX_M[1])
-        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
-    return c0, c1, c2, c3
-
-
-def random_bits(key_lo: torch.Tensor, key_hi: torch.Tensor, n: int) -> torch.Tensor:
-    """Per-row keys (32-bit halves, int64 [R]) -> int64 [R, n] of 32 random bits each.
-    Position j is word j % 4 of Philox(counter (j // 4, 0, 0, 0), key): it depends on (key, j)
-    only, not on R or n."""
-    dev = key_lo.device
-    ctr = torch.arange((n + 3) // 4, dtype=torch.int64, device=dev)[None, :]
-    zero = torch.zeros((), dtype=torch.int64, device=dev)
-    words = philox4x32(ctr, zero, zero, zero, key_lo[:, None], key_hi[:, None])
-    words = torch.broadcast_tensors(*words)
-    return torch.stack(words, -1).flatten(1)[:, :n]
-
-
-def bits_to_uniform(x: torch.Tensor) -> torch.Tensor:
-    """32 random bits -> float32 uniform in (0, 1): the top 24 bits on the 2**-24 grid, and in the
-    lowest cell (where the exponential race is decided) 8 more bits, so never 0 and never 1."""
-    hi = x >> 8
-    return torch.where(hi > 0, hi.to(torch.float32) * 2.0 ** -24,
-                       ((x & 0xFF).to(torch.float32) + 0.5) * 2.0 ** -32)
-
-
-def uniform(keys: torch.Tensor, n: int) -> torch.Tensor:
-    """63-bit keys (int64 [R], e.g. mix_seed outputs) -> float32 [R, n] uniforms in (0, 1)."""
-    return bits_to_uniform(random_bits(keys & _MASK32, keys >> 32, n))
-
-
-def _exponential(key_lo: torch.Tensor, key_hi: torch.Tensor, n: int) -> torch.Tensor:
-    """Exp(1) noise [R, n] float32, finite and > 0 (-log1p(-u): small u gives small E, the
-    values that decide the race, with the most precision)."""
-    return torch.log1p(-bits_to_uniform(random_bits(key_lo, key_hi, n))).neg_()
+NOISE_CHUNK = 1 << 24  # noise values computed at once (bounds the int64 temporaries)
 
 
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -109,47 +55,222 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return torch.empty_like(logits).scatter_(-1, idx, srt)
 
 
+class _HostBuffer:
+    """Segments of one fp64 host tensor, sent to the device in one copy."""
+
+    def __init__(self):
+        self.parts: list[torch.Tensor] = []
+        self.size = 0
+        self.dev: Optional[torch.Tensor] = None
+
+    def add(self, rows, width: int) -> tuple[int, int, int]:
+        t = torch.tensor(rows, dtype=torch.float64).reshape(-1)
+        self.parts.append(t)
+        seg = (self.size, t.numel(), width)
+        self.size += t.numel()
+        return seg
+
+    def upload(self, device: torch.device) -> None:
+        host = torch.cat(self.parts) if len(self.parts) > 1 else self.parts[0]
+        if device.type == "cuda":
+            host = host.pin_memory()
+        self.dev = host.to(device, non_blocking=True)  # the step's one host->device copy
+
+    def get(self, seg) -> torch.Tensor:
+        start, n, width = seg
+        return self.dev[start:start + n].view(-1, width)
+
+
+@dataclass
+class PromptLogprobJob:
+    """Logits rows [row, row + len(targets)) of a prompt chunk: row j predicts targets[j]."""
+
+    row: int
+    targets: list[int]
+    k: int
+
+
+@dataclass
+class SamplerOutput:
+    tokens: list[int]
+    # per sampled row: None, or (sampled logprob, its rank, top-k ids, top-k logprobs)
+    logprobs: list[Optional[tuple]] = field(default_factory=list)
+    # per PromptLogprobJob: list of (target logprob, rank, top-k ids, top-k logprobs)
+    prompt: list[list[tuple]] = field(default_factory=list)
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, reqs: Sequence[Request]) -> list[int]:
         """logits [R, V] fp32, one row per request -> R token ids."""
-        return self.sample(logits, reqs).tolist()
+        return self.run(logits, reqs).tokens
 
     def sample(self, logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
         """Like ``__call__`` but the tokens stay on the logits' device (int64 [R]); no sync."""
-        R, V = logits.shape
-        rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
-        if not rows:
-            return logits.argmax(-1)
+        return self._sample(logits, reqs, None, [])[0]
+
+    def run(self, logits: torch.Tensor, reqs: Sequence[Request],
+            rows: Optional[Sequence[int]] = None,
+            prompt_jobs: Sequence[PromptLogprobJob] = ()) -> SamplerOutput:
+        """``reqs[i]`` samples from ``logits[rows[i]]`` (default: row i; a row may repeat: the
+        samples of one prompt forking from its last logits). Tokens, the asked logprobs and
+        ``prompt_jobs``' logprobs, with one device->host copy."""
+        tokens, lp_rows, lp, pj = self._sample(logits, reqs, rows, prompt_jobs)
+        packed = [tokens.to(torch.float64)] + [t.to(torch.float64).reshape(-1)
+                                                for t in (lp, pj) if t is not None]
+        flat = (torch.cat(packed) if len(packed) > 1 else packed[0]).tolist()  # the one copy
+        R = len(reqs)
+        out = SamplerOutput([int(t) for t in flat[:R]], [None] * R)
+        pos = R
+        if lp is not None:
+            K = (lp.shape[1] - 2) // 2
+            for i in lp_rows:
+                k = reqs[i].params.logprobs
+                rec = flat[pos:pos + 2 + 2 * K]
+                pos += 2 + 2 * K
+                out.logprobs[i] = (rec[0], int(rec[1]), [int(t) for t in rec[2:2 + k]],
+                                   rec[2 + K:2 + K + k])
+        if pj is not None:
+            K = (pj.shape[1] - 2) // 2
+            for job in prompt_jobs:
+                recs = []
+                for _ in job.targets:
+                    rec = flat[pos:pos + 2 + 2 * K]
+                    pos += 2 + 2 * K
+                    recs.append((rec[0], int(rec[1]), [int(t) for t in rec[2:2 + job.k]],
+                                 rec[2 + K:2 + K + job.k]))
+                out.prompt.append(recs)
+        return out
+
+    # ------------------------------------------------------------------ device side
+    def _sample(self, logits: torch.Tensor, reqs: Sequence[Request], rows, prompt_jobs):
+        N, V = logits.shape
+        R = len(reqs)
         dev = logits.device
-        table = []  # one row per random request: index, temperature, top-k, top-p, min-p, key
-        filters = False
-        for i in rows:
-            r, p = reqs[i], reqs[i].params
-            key = mix_seed(r.seed, len(r.output_token_ids))
-            top_k = V if p.top_k == -1 else p.top_k
-            filters |= top_k < V or p.top_p < 1 or p.min_p > 0
-            table.append((i, p.temperature, top_k, p.top_p, p.min_p, key & _MASK32, key >> 32))
-        host = torch.tensor(table, dtype=torch.float64)  # all exact in fp64 (keys: 32+31 bits)
-        if dev.type == "cuda":
-            host = host.pin_memory()
-        t = host.to(dev, non_blocking=True)  # the step's one host->device copy
-        every = len(rows) == R
-        idx = None if every else t[:, 0].long()
-        sub = logits if every else logits.index_select(0, idx)
-        sub = sub / t[:, 1:2].float()
-        if filters:
-            sub = filter_logits(sub, t[:, 2].long(), t[:, 3].float(), t[:, 4].float())
-        probs = sub.softmax(-1)
-        key_lo, key_hi = t[:, 5].long(), t[:, 6].long()
-        n = len(rows)
-        step = max(1, _NOISE_CHUNK // V)
-        if step >= n:
-            sampled = (probs / _exponential(key_lo, key_hi, V)).argmax(-1)
-        else:
-            sampled = torch.empty(n, dtype=torch.int64, device=dev)
-            for s in range(0, n, step):
-                e = _exponential(key_lo[s:s + step], key_hi[s:s + step], V)
-                sampled[s:s + step] = (probs[s:s + step] / e).argmax(-1)
-        if every:
-            return sampled
-        return logits.argmax(-1).index_copy_(0, idx, sampled)
+        H = _HostBuffer()
+        same_rows = rows is None or (len(rows) == N and list(rows) == list(range(N)))
+        seg_rows = None if same_rows else H.add(list(rows), 1)
+        # random rows: index, temperature, top-k, top-p, min-p, key
+        rand, filters = [], False
+        # penalised rows: index, repetition, frequency, presence; their (local row, token) pairs
+        pen, out_pairs, prompt_pairs, masks, lp_rows = [], [], [], [], []
+        for i, r in enumerate(reqs):
+            p = r.params
+            if not p.greedy:
+                key = mix_seed(r.seed, len(r.output_token_ids))
+                top_k = V if p.top_k == -1 else p.top_k
+                filters |= top_k < V or p.top_p < 1 or p.min_p > 0
+                rand.append((i, p.temperature, top_k, p.top_p, p.min_p, key & MASK32, key >> 32))
+            if p.has_penalties:
+                j = len(pen)
+                pen.append((i, p.repetition_penalty, p.frequency_penalty, p.presence_penalty))
+                out_pairs += [(j, t) for t in r.output_token_ids]
+                if p.repetition_penalty != 1:
+                    prompt_pairs += [(j, t) for t in r.prompt_set()]
+            if p.min_tokens and len(r.output_token_ids) < p.min_tokens:
+                stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
+                masks += [(i, t) for t in sorted(stops) if 0 <= t < V]
+            n_out = len(r.output_token_ids)
+            for w in r.bad_words_token_ids:  # vLLM: the last token, once the prefix matches
+                if len(w) == 1 or r.output_token_ids[n_out + 1 - len(w):] == w[:-1]:
+                    masks.append((i, w[-1]))
+            if p.logprobs is not None:
+                lp_rows.append(i)
+        seg_rand = H.add(rand, 7) if rand else None
+        seg_pen = H.add(pen, 4) if pen else None
+        seg_out = H.add(out_pairs, 2) if out_pairs else None
+        seg_prompt = H.add(prompt_pairs, 2) if prompt_pairs else None
+        seg_mask = H.add(masks, 2) if masks else None
+        seg_lp = H.add(lp_rows, 1) if lp_rows and len(lp_rows) < R else None
+        pj_rows, pj_tgt = [], []
+        for job in prompt_jobs:
+            pj_rows += range(job.row, job.row + len(job.targets))
+            pj_tgt += job.targets
+        seg_pj = H.add(list(zip(pj_rows, pj_tgt)), 2) if pj_rows else None
+        if H.parts:
+            H.upload(dev)
+
+        x = logits if same_rows else logits.index_select(0, H.get(seg_rows)[:, 0].long())
+        lp = None
+        if lp_rows:  # raw logprobs, before any processing
+            K = max(reqs[i].params.logprobs for i in lp_rows)
+            sub = x if seg_lp is None else x.index_select(0, H.get(seg_lp)[:, 0].long())
+            lp = (sub, K)
+        pj = None
+        if seg_pj is not None:
+            t = H.get(seg_pj)
+            K = max(job.k for job in prompt_jobs)
+            pj = _logprob_table(logits.index_select(0, t[:, 0].long()).log_softmax(-1),
+                                t[:, 1].long(), K)
+
+        if seg_mask is not None or seg_pen is not None:
+            x = x.clone() if x is logits else x
+            if seg_mask is not None:
+                m = H.get(seg_mask).long()
+                x.index_put_((m[:, 0], m[:, 1]), x.new_full((), float("-inf")))
+            if seg_pen is not None:
+                x = _apply_penalties(x, H.get(seg_pen), None if seg_out is None else H.get(seg_out),
+                                     None if seg_prompt is None else H.get(seg_prompt))
+        every = len(rand) == R > 0
+        tokens = None if every else x.argmax(-1)  # greedy = argmax after the processors
+        if seg_rand is not None:
+            t = H.get(seg_rand)
+            idx = None if every else t[:, 0].long()
+            sub = x if every else x.index_select(0, idx)
+            sub = sub / t[:, 1:2].float()
+            if filters:
+                sub = filter_logits(sub, t[:, 2].long(), t[:, 3].float(), t[:, 4].float())
+            sampled = _race(sub.softmax(-1), t[:, 5].long(), t[:, 6].long())
+            tokens = sampled if every else tokens.index_copy_(0, idx, sampled)
+        lp_table = None
+        if lp is not None:
+            sub, K = lp
+            sel = tokens if seg_lp is None else tokens.index_select(0, H.get(seg_lp)[:, 0].long())
+            lp_table = _logprob_table(sub.log_softmax(-1), sel, K)
+        return tokens, lp_rows, lp_table, pj
+
+
+def _race(probs: torch.Tensor, key_lo: torch.Tensor, key_hi: torch.Tensor) -> torch.Tensor:
+    """argmax(probs / E), E ~ Exp(1) from each row's key; chunked to bound the temporaries."""
+    n, V = probs.shape
+    step = max(1, NOISE_CHUNK // V)
+    if step >= n:
+        return (probs / exponential(key_lo, key_hi, V)).argmax(-1)
+    sampled = torch.empty(n, dtype=torch.int64, device=probs.device)
+    for s in range(0, n, step):
+        e = exponential(key_lo[s:s + step], key_hi[s:s + step], V)
+        sampled[s:s + step] = (probs[s:s + step] / e).argmax(-1)
+    return sampled
+
+
+def _logprob_table(lp: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
+    """log-probs [M, V], tokens [M] -> [M, 2 + 2k] fp64: token logprob, its rank (1 = most
+    likely: 1 + the number of strictly more likely tokens), top-k ids, top-k logprobs."""
+    tok = lp.gather(1, tokens[:, None])  # [M, 1]
+    rank = (lp > tok).sum(-1, keepdim=True) + 1
+    cols = [tok.double(), rank.double()]
+    if k:
+        top = lp.topk(k, dim=-1)
+        cols += [top.indices.double(), top.values.double()]
+    return torch.cat(cols, 1)
+
+
+def _apply_penalties(x: torch.Tensor, table: torch.Tensor, out_pairs: Optional[torch.Tensor],
+                     prompt_pairs: Optional[torch.Tensor]) -> torch.Tensor:
+    """x [R, V]; table [P, 4] (row, repetition, frequency, presence) of the penalised rows;
+    (local row, token) pairs of their output tokens (with repeats) and prompt tokens."""
+    rows = table[:, 0].long()
+    sub = x.index_select(0, rows)  # [P, V]
+    counts = torch.zeros_like(sub)
+    if out_pairs is not None:
+        op = out_pairs.long()
+        counts.index_put_((op[:, 0], op[:, 1]), torch.ones(op.shape[0], dtype=sub.dtype,
+                                                           device=sub.device), accumulate=True)
+    rep = table[:, 1:2].to(sub.dtype)
+    seen = counts > 0
+    if prompt_pairs is not None:
+        pp = prompt_pairs.long()
+        seen.index_put_((pp[:, 0], pp[:, 1]), seen.new_ones(()))
+    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    present = (counts > 0).to(sub.dtype)
+    sub = sub - table[:, 2:3].to(sub.dtype) * counts - table[:, 3:4].to(sub.dtype) * present
+    return x.index_copy(0, rows, sub)

@@ -82,8 +82,13 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        # a request of n samples reserves n seats: its samples fork in once its prompt is done
+        cap = self.config.max_num_seqs
+        seats = sum(1 + len(r.pending) for r in self.running)
+        while self.waiting and budget > 0 and seats < cap:
             req = self.waiting[0]
+            if seats and seats + 1 + len(req.pending) > cap:
+                break
             need = req.num_tokens - req.num_computed_tokens
             n = min(need, budget)
             if n < need and not self.config.enable_chunked_prefill:
@@ -96,6 +101,13 @@ class Scheduler:
             batch.requests.append(req)
             batch.num_new_tokens.append(n)
             budget -= n
+            seats += 1 + len(req.pending)
+
+    def add_running(self, req: Request) -> None:
+        """A forked sample: it holds its parent's blocks and computed prompt, so it runs (it is
+        the most recently started, the first to be preempted)."""
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
 
     def _preempt(self, req: Request) -> None:
         self.blocks.free_request(req)

@@ -6,6 +6,7 @@ from typing import Optional
 import torch
 
 from megainfer.config import ConfigError, ModelConfig
+from megainfer.models.kv_spec import kv_cache_spec_for
 
 from .errors import CacheTooSmallError
 
@@ -24,8 +25,9 @@ def resolve_max_model_len(model: ModelConfig, requested: Optional[int]) -> int:
 
 def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype,
                        kv_heads: Optional[int] = None) -> int:
-    elt = torch.empty(0, dtype=dtype).element_size()
-    return model.num_layers * 2 * block_size * (kv_heads or model.num_kv_heads) * model.head_dim * elt
+    """All layers, one rank: from the model's cache spec (GQA: 2 x kv_heads x head_dim per
+    token, ``kv_heads`` on this rank; MLA: one latent of kv_lora_rank + qk_rope_head_dim)."""
+    return block_size * kv_cache_spec_for(model, kv_heads=kv_heads).bytes_per_token(dtype)
 
 
 def derive_num_blocks(model: ModelConfig, max_model_len: int, max_num_seqs: int, block_size: int,

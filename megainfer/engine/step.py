@@ -8,7 +8,7 @@ is legal: an idle replica still calls its executor so every replica advances in 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Protocol, runtime_checkable
 
 import torch
@@ -27,6 +27,8 @@ class StepInput:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     sample_rows: list[int]  # sequence indices that need a next token this step, ascending
+    # sequence indices (ascending) that want the logits of *every* new token (prompt logprobs)
+    full_logits: list[int] = field(default_factory=list)
 
     @classmethod
     def empty(cls, device: str | torch.device = "cpu") -> "StepInput":
@@ -51,10 +53,24 @@ class StepInput:
             out.append(out[-1] + n)
         return out
 
+    def logit_token_list(self) -> list[int]:
+        """Flat token indices whose logits the executor returns, in order: for each sequence
+        (batch order) every token if it is in ``full_logits``, else its last token if it is in
+        ``sample_rows``, else none. Without ``full_logits``: one row per sampled sequence."""
+        offs = self.token_offsets()
+        if not self.full_logits:
+            return [offs[i + 1] - 1 for i in self.sample_rows]
+        full, want, out = set(self.full_logits), set(self.sample_rows), []
+        for i in range(self.num_seqs):
+            if i in full:
+                out += range(offs[i], offs[i + 1])
+            elif i in want:
+                out.append(offs[i + 1] - 1)
+        return out
+
     def sample_token_indices(self) -> torch.Tensor:
-        """[len(sample_rows)] flat index of the last token of each sampled sequence."""
-        ends = self.token_offsets()[1:]
-        return torch.tensor([ends[i] - 1 for i in self.sample_rows], dtype=torch.long,
+        """``logit_token_list`` as a tensor on the inputs' device."""
+        return torch.tensor(self.logit_token_list(), dtype=torch.long,
                             device=self.input_ids.device)
 
     def split(self, groups: list[list[int]]) -> list["StepInput"]:
@@ -62,7 +78,7 @@ class StepInput:
         part index its own sequences; logits of the parts, concatenated in group order, are the
         whole step's logits when the groups are contiguous and in order."""
         offs = self.token_offsets()
-        want = set(self.sample_rows)
+        want, full = set(self.sample_rows), set(self.full_logits)
         parts = []
         starts_all = torch.tensor(offs[:-1], dtype=torch.long)
         for g in groups:
@@ -75,7 +91,8 @@ class StepInput:
                 context_lens=[self.context_lens[i] for i in g],
                 block_tables=[self.block_tables[i] for i in g],
                 input_ids=self.input_ids[idx], positions=self.positions[idx],
-                sample_rows=[j for j, i in enumerate(g) if i in want]))
+                sample_rows=[j for j, i in enumerate(g) if i in want],
+                full_logits=[j for j, i in enumerate(g) if i in full]))
         return parts
 
     def attention_metadata(self, block_size: int,
@@ -87,7 +104,10 @@ class StepInput:
 @runtime_checkable
 class ModelExecutor(Protocol):
     def execute(self, step: StepInput) -> torch.Tensor:
-        """-> logits [len(step.sample_rows), V] float32, rows in ``sample_rows`` order."""
+        """-> logits float32, one row per ``step.logit_token_list()`` entry: [len(sample_rows),
+        V] unless ``full_logits`` is set. An executor that cannot return every row's logits
+        says so with ``supports_full_logits = False`` (the engine then refuses
+        ``prompt_logprobs``)."""
         ...
 
 
@@ -97,6 +117,8 @@ class LocalExecutor:
     The step's host lists become device tensors through one copy per step
     (``AttentionMetadata.build_with``); with ``graphs`` (cuda) pure decode steps replay CUDA
     graphs instead (``megainfer.engine.cuda_graphs``)."""
+
+    supports_full_logits = True
 
     def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, graphs=None):
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
@@ -109,8 +131,12 @@ class LocalExecutor:
         if step.is_empty():
             return torch.zeros(0, self.vocab_size, dtype=torch.float32, device=self.device)
         if self.graphs is not None and self.graphs.fits(step.query_lens, step.block_tables):
-            return self.graphs.run(step.input_ids.tolist(), step.positions.tolist(),
-                                   step.block_tables)
+            logits = self.graphs.run(step.input_ids.tolist(), step.positions.tolist(),
+                                     step.block_tables)  # one row per sequence
+            rows = step.logit_token_list()  # = sequence indices: one token each
+            if len(rows) == step.num_seqs:
+                return logits
+            return logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
         meta, (ids, pos, rows) = AttentionMetadata.build_with(
             step.query_lens, step.context_lens, step.block_tables, self.block_size, self.device,
             extras=[step.input_ids, step.positions, step.sample_token_indices()])

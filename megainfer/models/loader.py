@@ -15,6 +15,7 @@ parameter or through one reusable scratch buffer. Peak memory: the model + its l
 from __future__ import annotations
 
 import contextlib
+import logging
 import zlib
 from typing import Optional, Sequence, Union
 
@@ -23,6 +24,7 @@ from torch import nn
 
 from megainfer.config import LoadConfig, ModelConfig
 
+from .deepseek_v3 import DEEPSEEK_V2, DEEPSEEK_V3
 from .layers import ParallelContext
 from .mixtral import MIXTRAL
 from .model import MoECausalLM
@@ -32,10 +34,11 @@ from .checkpoint_reader import (CheckpointError, ConfigMismatchError,
                                 CorruptCheckpointError, MissingTensorError, ShapeMismatchError,
                                 UnexpectedTensorError, CheckpointReader, checkpoint_files)
 
-FAMILIES = {f.name: f for f in (MIXTRAL, QWEN3_MOE, QWEN2_MOE)}
+FAMILIES = {f.name: f for f in (MIXTRAL, QWEN3_MOE, QWEN2_MOE, DEEPSEEK_V2, DEEPSEEK_V3)}
 __all__ = ["build_model", "DTYPES", "FAMILIES", "CheckpointError", "ConfigMismatchError",
            "CorruptCheckpointError", "MissingTensorError", "ShapeMismatchError",
            "UnexpectedTensorError"]
+log = logging.getLogger("megainfer.models")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -88,8 +91,9 @@ def _materialize(model: MoECausalLM, dtype: torch.dtype, device: torch.device) -
         for key, p in mod._parameters.items():
             if p is None:
                 continue
-            if id(p) not in new:
-                q = nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device),
+            if id(p) not in new:  # keep_fp32: router weights that stay float32 (as HF keeps them)
+                dt = torch.float32 if getattr(p, "keep_fp32", False) else dtype
+                q = nn.Parameter(torch.empty(p.shape, dtype=dt, device=device),
                                  requires_grad=p.requires_grad)
                 q.__dict__.update(p.__dict__)
                 new[id(p)] = (p, q)
@@ -151,10 +155,13 @@ def _load_all(model, cfg, path, phy2log, fam, where, reader) -> None:
     params = dict(model.named_parameters())
     experts: dict[tuple[int, int], dict[str, str]] = {}  # (layer, e) -> part -> ckpt name
     fused: dict[tuple[int, str], str] = {}  # (layer, gate_up_proj|down_proj) -> ckpt name
-    loaded = set()
+    loaded, mtp = set(), []
     for ck_name in sorted(where):
         name = fam.canonical(ck_name)
         fn = where[ck_name]
+        if _is_mtp(name, cfg):
+            mtp.append(ck_name)
+            continue
         parsed = fam.parse_expert(name)
         if parsed is not None:
             _note_expert(parsed, ck_name, fn, cfg, reader, experts, fused)
@@ -170,6 +177,9 @@ def _load_all(model, cfg, path, phy2log, fam, where, reader) -> None:
         if name in params:
             reader.read_param(ck_name, params[name])
             loaded.add(name)
+    if mtp:
+        log.info("skipped %d tensors of the multi-token-prediction layer(s) %d..%d (not served)",
+                 len(mtp), cfg.num_layers, cfg.num_layers + cfg.mtp_layers - 1)
     for name in params:
         if name not in loaded and not (".mlp.experts." in name):
             raise MissingTensorError(f"tensor {name!r} missing from checkpoint {path}")
@@ -218,6 +228,14 @@ def _load_experts(model, cfg, reader, experts, fused, phy2log, path):
             reader.read(parts["gate"], gu_all[local, :N])
             reader.read(parts["up"], gu_all[local, N:])
             reader.read(parts["down"], dn_all[local])
+
+
+def _is_mtp(name: str, cfg) -> bool:
+    """A tensor of DeepSeek's MTP layers ``model.layers.<num_layers + i>.*`` (i < mtp_layers)."""
+    if not cfg.mtp_layers or not name.startswith("model.layers."):
+        return False
+    idx = name.split(".", 3)[2]
+    return idx.isdigit() and cfg.num_layers <= int(idx) < cfg.num_layers + cfg.mtp_layers
 
 
 def _unexpected(ck_name, fn, cfg):

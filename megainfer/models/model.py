@@ -1,4 +1,4 @@
-"""The decoder stack shared by Mixtral, Qwen3-MoE and Qwen2-MoE (HF parameter names).
+"""The decoder stack shared by Mixtral, Qwen3-MoE, Qwen2-MoE and DeepSeek-V3 (HF names).
 
 A decoder layer is driven in halves so the runtime can put the routed experts elsewhere:
 ``pre_mlp`` (norm, attention, residual, norm) -> MLP input and residual; the runtime then runs
@@ -20,6 +20,9 @@ from megainfer.config import ModelConfig
 from .attention import AttentionMetadata
 from .attention_backends import TorchAttention, make_attention_backend
 from .layers import GatedMLP, ParallelContext, RMSNorm, SelfAttention
+from .deepseek_v3 import MLAAttention
+from .kv_spec import KVCacheSpec, kv_cache_spec_for
+from .mla_attention import make_mla_backend
 from .moe import MoEBlock, RoutedExperts
 
 ROLES = ("full", "attention", "experts")
@@ -43,7 +46,7 @@ class DecoderLayer(nn.Module):
                 self.mlp = ExpertsOnly(cfg, expert_slots, num_slots)
             return
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = SelfAttention(cfg, par)
+        self.self_attn = MLAAttention(cfg, par) if cfg.is_mla else SelfAttention(cfg, par)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if self.is_moe:
             self.mlp = MoEBlock(cfg, [] if role == "attention" else expert_slots, num_slots)
@@ -87,7 +90,7 @@ class MoECausalLM(nn.Module):
             raise ValueError(f"role={role!r}: must be one of {ROLES}")
         self.config, self.par, self.role = cfg, par, role
         self.model = DecoderStack(cfg, par, role, expert_slots, num_slots or cfg.num_experts)
-        self.attention_backend = TorchAttention()
+        self.attention_backend = make_mla_backend("torch") if cfg.is_mla else TorchAttention()
         if role != "experts":
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
             if cfg.tie_word_embeddings:
@@ -95,11 +98,20 @@ class MoECausalLM(nn.Module):
 
     def set_attention_backend(self, name: str) -> None:
         """``torch`` | ``triton`` for every attention layer (megainfer.models.attention_backends)."""
-        backend = make_attention_backend(name)
+        c = self.config
+        backend = (make_mla_backend(name, c.kv_lora_rank, c.qk_rope_head_dim) if c.is_mla
+                   else make_attention_backend(name))
         for layer in self.layers:
             if hasattr(layer, "self_attn"):
                 layer.self_attn.attn_backend = backend
         self.attention_backend = backend
+
+    def kv_cache_spec(self, dtype: Optional[torch.dtype] = None) -> KVCacheSpec:
+        """What this rank caches per token and layer (GQA: its KV heads; MLA: the latent)."""
+        if dtype is None:
+            p = next(self.parameters(), None)
+            dtype = p.dtype if p is not None else torch.float32
+        return kv_cache_spec_for(self.config, self.par.tp_size, dtype)
 
     @property
     def layers(self) -> nn.ModuleList:

@@ -34,6 +34,57 @@ class Router(nn.Module):
         return w.to(x.dtype), ids
 
 
+class SigmoidRouter(nn.Module):
+    """DeepSeek-V3 ``mlp.gate``: weight [E, H] and e_score_correction_bias [E], both kept in
+    float32 (``keep_fp32``: the loader does not cast them). Logits in fp32 as HF; sigmoid
+    scores, choice by score + bias within the top ``topk_group`` of ``n_group`` groups,
+    weights = unbiased scores (renormalised with norm_topk_prob) * routed_scaling_factor."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.empty(cfg.num_experts))
+        self.weight.keep_fp32 = self.e_score_correction_bias.keep_fp32 = True
+        self.top_k, self.renormalize = cfg.top_k, cfg.norm_topk_prob
+        self.groups, self.topk_groups = cfg.n_group, cfg.topk_group
+        self.scaling = cfg.routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> topk_weights [T, k] (x's dtype), topk_ids [T, k] int64."""
+        logits = F.linear(x.float(), self.weight.float())  # [T, E] fp32
+        w, ids = select_experts(logits, self.top_k, scoring="sigmoid", renormalize=self.renormalize,
+                                correction_bias=self.e_score_correction_bias,
+                                num_groups=self.groups, topk_groups=self.topk_groups,
+                                routed_scaling_factor=self.scaling)
+        return w.to(x.dtype), ids
+
+
+class SoftmaxGroupRouter(nn.Module):
+    """DeepSeek-V2 ``mlp.gate`` (HF ``DeepseekV2TopkRouter``): weight [E, H] kept float32, fp32
+    logits, softmax; ``group_limited_greedy`` (n_group > 1) zeroes all but the topk_group
+    groups with the largest max score; top-k unsorted, no renormalisation; * scaling."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        self.weight.keep_fp32 = True
+        self.top_k, self.groups, self.topk_groups = cfg.top_k, cfg.n_group, cfg.topk_group
+        self.scaling = cfg.routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> topk_weights [T, k] (x's dtype), topk_ids [T, k] int64."""
+        scores = F.linear(x.float(), self.weight.float()).softmax(dim=-1)  # [T, E] fp32
+        if self.groups > 1:
+            T, E = scores.shape
+            best = scores.view(T, self.groups, E // self.groups).max(dim=-1).values  # [T, G]
+            keep = torch.zeros_like(best).scatter_(
+                1, torch.topk(best, k=self.topk_groups, dim=-1, sorted=False)[1], 1)
+            mask = keep.unsqueeze(-1).expand(-1, -1, E // self.groups).reshape(T, E)
+            scores = scores.masked_fill(~mask.bool(), 0.0)
+        w, ids = torch.topk(scores, k=self.top_k, dim=-1, sorted=False)  # [T, k]
+        return (w * self.scaling).to(x.dtype), ids
+
+
 class RoutedExperts(nn.Module):
     """The expert half: ``slots`` lists the physical expert slots held here (local order)."""
 
@@ -63,19 +114,30 @@ class RoutedExperts(nn.Module):
 
 
 class MoEBlock(nn.Module):
-    """mlp of an MoE layer: gate (router), experts (expert half), optional gated shared expert."""
+    """mlp of an MoE layer: gate (router), experts (expert half), optional shared expert:
+    sigmoid-gated ``shared_expert`` (Qwen2-MoE) or ungated ``shared_experts`` (DeepSeek-V3)."""
 
     def __init__(self, cfg, expert_slots: Optional[Sequence[int]], num_slots: int):
         super().__init__()
-        self.gate = Router(cfg.hidden_size, cfg.num_experts, cfg.top_k, cfg.norm_topk_prob)
+        if cfg.scoring == "sigmoid":
+            self.gate = SigmoidRouter(cfg)
+        elif cfg.family == "deepseek_v2":
+            self.gate = SoftmaxGroupRouter(cfg)
+        else:
+            self.gate = Router(cfg.hidden_size, cfg.num_experts, cfg.top_k, cfg.norm_topk_prob)
         slots = range(num_slots) if expert_slots is None else expert_slots
         self.experts = RoutedExperts(cfg.hidden_size, cfg.moe_intermediate_size, num_slots, slots)
-        if cfg.shared_expert_intermediate_size:
+        if cfg.n_shared_experts:
+            self.shared_experts = GatedMLP(cfg.hidden_size,
+                                           cfg.n_shared_experts * cfg.moe_intermediate_size)
+        elif cfg.shared_expert_intermediate_size:
             self.shared_expert = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def shared(self, x: torch.Tensor) -> Optional[torch.Tensor]:
-        """x [T, H] -> sigmoid(gate(x)) * shared_expert(x) [T, H], or None without one."""
+        """x [T, H] -> sigmoid(gate(x)) * shared_expert(x) or shared_experts(x) [T, H], or None."""
+        if hasattr(self, "shared_experts"):
+            return self.shared_experts(x)
         if not hasattr(self, "shared_expert"):
             return None
         return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -27,11 +27,13 @@ from typing import Optional
 import torch
 
 # safetensors dtype tag -> torch dtype. F32/F16/BF16 are what models use; the others load
-# harmlessly (they are read and converted like any other tensor).
+# harmlessly (they are read and converted like any other tensor). F8_*: the weights of fp8
+# block-quantised checkpoints, read as raw float8 and dequantised by the reader (``fp8.py``).
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
     "U8": torch.uint8, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
 MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit on the JSON header
 _CHUNK = 1 << 30  # one read() call moves at most this many bytes (Linux caps near 2 GiB)

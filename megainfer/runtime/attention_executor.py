@@ -48,6 +48,9 @@ class _MicroBatch:
 class DisaggregatedExecutor:
     """``ModelExecutor`` for an attention rank whose routed experts live on expert ranks."""
 
+    deploy_mode = "disaggregated"
+    supports_full_logits = False  # logits of sampled rows only: prompt_logprobs are refused
+
     def __init__(self, model, kv_caches, block_size: int, micro_batches: int, exchange, tp_group,
                  rebalancer=None, tracer: Optional[Tracer] = None):
         self.model, self.kv, self.block_size, self.m = model, kv_caches, block_size, micro_batches

@@ -13,6 +13,8 @@ from .attention_executor import DisaggregatedExecutor
 
 
 class ColocatedExecutor(DisaggregatedExecutor):
+    deploy_mode = "colocated"
+
     def __init__(self, model, kv_caches, block_size, micro_batches, exchange, expert_worker,
                  rebalancer=None, tracer=None):
         super().__init__(model, kv_caches, block_size, micro_batches, exchange, None,

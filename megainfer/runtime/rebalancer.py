@@ -82,7 +82,8 @@ class ExpertRebalancer:
         self.control.wait(req, None, "EPLB load all-reduce among expert ranks")
         p = self.placement
         new = Placement.from_rebalance(torch.from_numpy(total).double(), p.num_replicas,
-                                       self.eplb.num_groups, self.eplb.num_nodes, p.num_ranks)
+                                       self.eplb.groups_for(self.model.config),
+                                       self.eplb.num_nodes, p.num_ranks)
         self._move_weights(p, new)
         self.placement = new
         self.rebalances += 1

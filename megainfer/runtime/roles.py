@@ -1,4 +1,4 @@
-"""Which rank does what (DESIGN §6): attention ranks first, replica-major (replica r, TP rank t
+"""Which rank does what (docs/design_rules.md, "Rank order"): attention ranks first, replica-major (replica r, TP rank t
 is rank r*tp + t), then expert ranks. In colocated mode every rank is an attention rank that
 also holds an expert-parallel slice."""
 from __future__ import annotations

@@ -123,7 +123,8 @@ def _slot_owner(placement) -> torch.Tensor:
 def _engine(job: JobSpec, role, model, make_executor):
     from megainfer.engine.engine import LLMEngine
     return LLMEngine(job.model, job.sched, job.cache, make_executor, job.tokenizer,
-                     kv_heads=model.layers[0].self_attn.kv_heads, kv_dtype=DTYPES[job.load.dtype],
+                     kv_spec=model.kv_cache_spec(DTYPES[job.load.dtype]),
+                     kv_dtype=DTYPES[job.load.dtype],
                      seed=job.seed, log_prefix=role.tag)
 
 

@@ -14,7 +14,40 @@ FAMILY_CLASSES = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
 }
+
+
+def deepseek_config_kwargs(*, vocab=256, hidden=64, layers=4, heads=4, experts=8, top_k=2,
+                           inter=32, max_pos=256, q_lora_rank=None, kv_lora_rank=32,
+                           qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_group=4,
+                           topk_group=2, first_k_dense_replace=2, n_shared_experts=1,
+                           routed_scaling_factor=2.5, yarn=True, norm_topk_prob=True,
+                           init=0.1, family="deepseek_v3", **_ignored) -> dict:
+    """A tiny DeepSeek-V3 (or V2: softmax group_limited_greedy routing): 2 dense + 2 MoE
+    layers, groups that really select (8 experts in 4 groups, 2 kept, top-2), YaRN (factor 4 over an original context of 64, mscale != mscale_all_dim
+    so both the cos/sin factor and the softmax mscale matter)."""
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    if yarn:
+        rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
+                "mscale": 1.0, "mscale_all_dim": 0.8}
+    kw = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=heads, n_routed_experts=experts,
+                num_experts_per_tok=top_k, moe_intermediate_size=inter, intermediate_size=2 * inter,
+                q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank,
+                qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=qk_rope_head_dim,
+                v_head_dim=v_head_dim, n_group=n_group, topk_group=topk_group,
+                first_k_dense_replace=first_k_dense_replace, n_shared_experts=n_shared_experts,
+                routed_scaling_factor=routed_scaling_factor, norm_topk_prob=norm_topk_prob,
+                max_position_embeddings=max_pos, initializer_range=init, rope_parameters=rope,
+                tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if family == "deepseek_v3":
+        kw.update(rope_interleave=True)
+    else:
+        kw.update(topk_method="group_limited_greedy" if n_group > 1 else "greedy")
+    return kw
 
 
 def tiny_config_kwargs(family: str, *, vocab=256, hidden=64, layers=2, heads=4, kv_heads=2,
@@ -43,12 +76,23 @@ def make_tiny(family: str, out: str, seed: int = 0, **shape) -> str:
     import transformers
     cfg_cls, model_cls = (getattr(transformers, n) for n in FAMILY_CLASSES[family])
     torch.manual_seed(seed)
-    cfg = cfg_cls(**tiny_config_kwargs(family, **shape))
+    if family.startswith("deepseek"):
+        kw = deepseek_config_kwargs(family=family, **shape)
+    else:
+        kw = tiny_config_kwargs(family, **shape)
+    cfg = cfg_cls(**kw)
     model = model_cls(cfg).float().eval()
     with torch.no_grad():  # norms at 1 are too tame: jitter them so each layer matters
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.add_(torch.randn_like(p) * 0.1)
+        if family.startswith("deepseek"):  # HF: gate ~ N(0, init), bias 0: routing barely varies
+            for name, b in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    b.copy_(torch.randn_like(b) * 0.1)
+            for name, p in model.named_parameters():
+                if name.endswith("mlp.gate.weight"):
+                    p.mul_(4.0)
     os.makedirs(out, exist_ok=True)
     model.save_pretrained(out)
     return out
@@ -67,9 +111,15 @@ def main(argv=None):
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--inter", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--q-lora-rank", type=int, default=None, help="deepseek_v2/v3 only")
     a = ap.parse_args(argv)
-    make_tiny(a.family, a.out, a.seed, hidden=a.hidden, layers=a.layers, heads=a.heads,
-              kv_heads=a.kv_heads, experts=a.experts, top_k=a.top_k, inter=a.inter, vocab=a.vocab)
+    shape = dict(hidden=a.hidden, layers=a.layers, heads=a.heads, experts=a.experts,
+                 top_k=a.top_k, inter=a.inter, vocab=a.vocab)
+    if a.family.startswith("deepseek"):
+        shape.update(q_lora_rank=a.q_lora_rank, layers=max(a.layers, 4), experts=max(a.experts, 8))
+    else:
+        shape.update(kv_heads=a.kv_heads)
+    make_tiny(a.family, a.out, a.seed, **shape)
     print(f"wrote {a.family} checkpoint to {a.out}")
 
 

@@ -1,134 +1,13 @@
-"""One typed config tree: frozen dataclasses validated in ``__post_init__``.
-
-Hydra is only the front door (``megainfer.launch``): it composes YAML and turns it into
-these objects. Nothing under ``megainfer/`` imports Hydra. Every validation failure is a
-``ConfigError`` (a ``ValueError``) whose message names the offending field and value.
-"""
+"""How a job runs: loading, device, cache, scheduler, deploy plan, EPLB, comm, traces."""
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Optional
 
-SUPPORTED_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")
-DEVICES = ("cpu", "cuda")
-ATTENTION_BACKENDS = ("torch", "triton")
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
-
-
-class ConfigError(ValueError):
-    """A config field has a bad value; the message names the field."""
-
-
-def _require(ok: bool, name: str, value, why: str) -> None:
-    if not ok:
-        raise ConfigError(f"{name}={value!r}: {why}")
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The architecture of one MoE checkpoint, read from its HF ``config.json``."""
-
-    family: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    num_experts: int
-    top_k: int
-    moe_intermediate_size: int
-    intermediate_size: int = 0  # dense MLP width (dense layers only)
-    shared_expert_intermediate_size: int = 0  # 0: no shared expert
-    norm_topk_prob: bool = True
-    qk_norm: bool = False
-    attention_bias: bool = False
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 4096
-    tie_word_embeddings: bool = False
-    mlp_only_layers: tuple[int, ...] = ()
-    decoder_sparse_step: int = 1
-    bos_token_id: Optional[int] = None
-    eos_token_id: tuple[int, ...] = ()
-
-    def __post_init__(self):
-        _require(self.family in SUPPORTED_FAMILIES, "model.family", self.family,
-                 f"unsupported; supported families: {', '.join(SUPPORTED_FAMILIES)}")
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                     "head_dim", "num_experts", "top_k", "moe_intermediate_size",
-                     "max_position_embeddings", "decoder_sparse_step"):
-            v = getattr(self, name)
-            _require(isinstance(v, int) and v > 0, f"model.{name}", v, "must be a positive integer")
-        _require(self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads", self.num_kv_heads,
-                 f"must divide num_heads={self.num_heads}")
-        _require(self.top_k <= self.num_experts, "model.top_k", self.top_k,
-                 f"must be <= num_experts={self.num_experts}")
-        _require(self.rms_norm_eps > 0, "model.rms_norm_eps", self.rms_norm_eps, "must be > 0")
-        if self.dense_layers():
-            _require(self.intermediate_size > 0, "model.intermediate_size", self.intermediate_size,
-                     "dense layers need a positive intermediate_size")
-
-    def is_moe_layer(self, layer: int) -> bool:
-        """HF Qwen rule: sparse unless listed in mlp_only_layers or off the sparse step."""
-        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
-
-    def moe_layers(self) -> list[int]:
-        return [i for i in range(self.num_layers) if self.is_moe_layer(i)]
-
-    def dense_layers(self) -> list[int]:
-        return [i for i in range(self.num_layers) if not self.is_moe_layer(i)]
-
-    @classmethod
-    def from_hf_dict(cls, cfg: dict) -> "ModelConfig":
-        family = cfg.get("model_type", "")
-        _require(family in SUPPORTED_FAMILIES, "config.json model_type", family,
-                 f"unsupported; supported families: {', '.join(SUPPORTED_FAMILIES)}")
-        if cfg.get("sliding_window") and cfg.get("use_sliding_window", family == "mixtral"):
-            raise ConfigError(f"config.json sliding_window={cfg['sliding_window']!r}: "
-                              "sliding-window attention is not supported")
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        _require(rope_type == "default", "config.json rope_type", rope_type,
-                 "only default RoPE is supported")
-        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        heads = cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        experts = cfg.get("num_local_experts") or cfg.get("num_experts")
-        eos = cfg.get("eos_token_id")
-        eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
-        if family == "mixtral":
-            moe_inter, inter, shared, norm_topk = cfg["intermediate_size"], 0, 0, True
-        else:
-            moe_inter, inter = cfg["moe_intermediate_size"], cfg.get("intermediate_size", 0)
-            shared = cfg.get("shared_expert_intermediate_size", 0) if family == "qwen2_moe" else 0
-            norm_topk = bool(cfg.get("norm_topk_prob", False))
-        return cls(
-            family=family, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
-            num_layers=cfg["num_hidden_layers"], num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads, head_dim=head_dim,
-            num_experts=experts, top_k=cfg["num_experts_per_tok"],
-            moe_intermediate_size=moe_inter, intermediate_size=inter or 0,
-            shared_expert_intermediate_size=shared or 0, norm_topk_prob=norm_topk,
-            qk_norm=family == "qwen3_moe",
-            attention_bias=bool(cfg.get("qkv_bias", cfg.get("attention_bias", family == "qwen2_moe"))),
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
-            decoder_sparse_step=cfg.get("decoder_sparse_step", 1) or 1,
-            bos_token_id=cfg.get("bos_token_id"), eos_token_id=eos,
-        )
-
-    @classmethod
-    def from_pretrained(cls, path: str) -> "ModelConfig":
-        cfg_path = os.path.join(path, "config.json")
-        if not os.path.isfile(cfg_path):
-            raise ConfigError(f"model.path={path!r}: no config.json in that directory")
-        with open(cfg_path) as f:
-            return cls.from_hf_dict(json.load(f))
+from .base import (ATTENTION_BACKENDS, DEVICES, DTYPE_NAMES, ConfigError,
+                   _require)
+from .model import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -211,7 +90,7 @@ class DeviceConfig:
     def check_model(self, model: "ModelConfig", dtype: str) -> None:
         """Refuse, before any weight is loaded, what the chosen kernels cannot take."""
         _require(dtype in DTYPE_NAMES, "model.dtype", dtype, f"must be one of {', '.join(DTYPE_NAMES)}")
-        if self.attention_backend == "triton":
+        if self.attention_backend == "triton" and not model.is_mla:  # MLA: its own backend
             from megainfer.kernels.attention_limits import attention_limits_error
             why = attention_limits_error(model.head_dim, model.num_heads, model.num_kv_heads, dtype)
             _require(why is None, "model.attention_backend", self.attention_backend,
@@ -254,7 +133,7 @@ DEPLOY_MODES = ("single", "colocated", "disaggregated")
 
 @dataclass(frozen=True)
 class DeployPlan:
-    """How ranks are split: attention replicas x TP, then expert ranks (DESIGN §6 rank order)."""
+    """How ranks are split: attention replicas x TP, then expert ranks (docs/design_rules.md)."""
 
     mode: str = "single"
     attention_replicas: int = 1
@@ -311,7 +190,7 @@ class EplbConfig:
     redundant_experts: int = 0
     window: int = 32
     interval: int = 64
-    num_groups: int = 1
+    num_groups: Optional[int] = None  # None: the model's n_group (DeepSeek), else 1
     num_nodes: int = 1
     initial: str = "identity"
     seed: int = 0
@@ -319,11 +198,19 @@ class EplbConfig:
     def __post_init__(self):
         _require(isinstance(self.redundant_experts, int) and self.redundant_experts >= 0,
                  "eplb.redundant_experts", self.redundant_experts, "must be an integer >= 0")
-        for name in ("window", "interval", "num_groups", "num_nodes"):
+        _require(self.num_groups is None or (isinstance(self.num_groups, int)
+                                             and self.num_groups >= 1),
+                 "eplb.num_groups", self.num_groups, "must be null or an integer >= 1")
+        for name in ("window", "interval", "num_nodes"):
             v = getattr(self, name)
             _require(isinstance(v, int) and v >= 1, f"eplb.{name}", v, "must be an integer >= 1")
         _require(self.initial in ("identity", "shuffled"), "eplb.initial", self.initial,
                  "must be identity or shuffled")
+
+    def groups_for(self, model: "ModelConfig") -> int:
+        """Expert groups the hierarchical policy packs by: ``num_groups``, else the model's
+        routing groups (DeepSeek's ``n_group``), else 1."""
+        return self.num_groups or getattr(model, "n_group", 1) or 1
 
 
 @dataclass(frozen=True)
@@ -348,7 +235,3 @@ class TraceConfig:
     """Per-rank Chrome/Perfetto pipeline traces (``trace.*``), merged by rank 0."""
 
     enabled: bool = False
-
-
-__all__ = ["ConfigError", "ModelConfig", "LoadConfig", "DeviceConfig", "CacheConfig", "SchedulerConfig",
-           "DeployPlan", "EplbConfig", "CommConfig", "TraceConfig"]

@@ -1,0 +1,19 @@
+"""One typed config tree: frozen dataclasses validated in ``__post_init__``.
+
+Hydra is only the front door (``megainfer.launch``): it composes YAML and turns it into
+these objects. Nothing under ``megainfer/`` imports Hydra. Every validation failure is a
+``ConfigError`` (a ``ValueError``) whose message names the offending field and value.
+
+``model.py``: the checkpoint's architecture; ``runtime.py``: how a job runs it; ``base.py``:
+the error type and the fixed vocabularies.
+"""
+from .base import (ATTENTION_BACKENDS, DEVICES, DTYPE_NAMES, MLA_FAMILIES,
+                   SUPPORTED_FAMILIES, ConfigError)
+from .model import ModelConfig, YarnScaling
+from .runtime import (DEPLOY_MODES, CacheConfig, CommConfig, DeployPlan, DeviceConfig,
+                      EplbConfig, LoadConfig, SchedulerConfig, TraceConfig)
+
+__all__ = ["ConfigError", "YarnScaling", "ModelConfig", "LoadConfig", "DeviceConfig",
+           "CacheConfig", "SchedulerConfig", "DeployPlan", "EplbConfig", "CommConfig",
+           "TraceConfig", "ATTENTION_BACKENDS", "DEVICES", "DTYPE_NAMES", "MLA_FAMILIES",
+           "SUPPORTED_FAMILIES", "DEPLOY_MODES"]

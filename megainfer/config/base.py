@@ -1,0 +1,17 @@
+"""What every config module shares: the error type, its one check, the fixed vocabularies."""
+from __future__ import annotations
+
+SUPPORTED_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v2", "deepseek_v3")
+MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
+DEVICES = ("cpu", "cuda")
+ATTENTION_BACKENDS = ("torch", "triton")
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A config field has a bad value; the message names the field."""
+
+
+def _require(ok: bool, name: str, value, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name}={value!r}: {why}")

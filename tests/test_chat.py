@@ -1,0 +1,124 @@
+"""LLM.chat and the chat template: sources, sandbox, special tokens, errors."""
+import json
+import shutil
+
+import pytest
+
+from megainfer import LLM, SamplingParams
+from megainfer.engine.chat_template import (ChatTemplateError, encode_chat, load_chat_template,
+                                            load_special_tokens, render_chat)
+
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+# a Mixtral/Llama-2-like template: BOS written by the template, system folded into the first turn
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+    "{% elif m['role'] == 'assistant' %} {{ m['content'] }}{{ eos_token }}"
+    "{% elif m['role'] == 'system' %}<<SYS>>{{ m['content'] }}<</SYS>>"
+    "{% else %}{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %} ASSISTANT:{% endif %}")
+CONV = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+TEXT = "<s><<SYS>>be brief<</SYS>>[INST] hi [/INST] ASSISTANT:"
+
+
+def _ckpt(tiny_ckpts, tmp_path, name, tokenizer_config=None, jinja=None):
+    d = tmp_path / name
+    shutil.copytree(tiny_ckpts[("mixtral", "base")], d)
+    if tokenizer_config is not None:
+        (d / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    if jinja is not None:
+        (d / "chat_template.jinja").write_text(jinja)
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def chat_llm(tiny_ckpts, tmp_path_factory):
+    d = _ckpt(tiny_ckpts, tmp_path_factory.mktemp("chat"), "tc",
+              {"chat_template": TEMPLATE, "bos_token": "<s>", "eos_token": {"content": "</s>"}})
+    return LLM(d, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64)
+
+
+def test_chat_renders_the_checkpoint_template(chat_llm):
+    out = chat_llm.chat(CONV, GREEDY, use_tqdm=False)
+    assert len(out) == 1 and out[0].prompt == TEXT
+    assert out[0].prompt_token_ids == list(TEXT.encode())  # byte tokenizer: nothing added
+    ref = chat_llm.generate(TEXT, GREEDY, use_tqdm=False)[0]
+    assert out[0].outputs[0].token_ids == ref.outputs[0].token_ids
+    # several conversations: outputs in order; add_generation_prompt=False drops the cue
+    two = chat_llm.chat([CONV, [{"role": "user", "content": "yo"}]], GREEDY, use_tqdm=False,
+                        add_generation_prompt=False)
+    assert [o.prompt for o in two] == [TEXT[:-len(" ASSISTANT:")], "<s>[INST] yo [/INST]"]
+    # a template given in the call wins over the checkpoint's
+    own = chat_llm.chat(CONV, GREEDY, use_tqdm=False,
+                        chat_template="{% for m in messages %}{{ m.content }}|{% endfor %}")
+    assert own[0].prompt == "be brief|hi|"
+
+
+def test_chat_template_file_and_named_templates(tiny_ckpts, tmp_path):
+    d = _ckpt(tiny_ckpts, tmp_path, "jinja", {"chat_template": "ignored", "bos_token": "<s>"},
+              jinja="{{ bos_token }}{{ messages[-1]['content'] }}")
+    assert load_chat_template(d) == "{{ bos_token }}{{ messages[-1]['content'] }}"
+    out = LLM(d, max_model_len=64).chat(CONV, GREEDY, use_tqdm=False)
+    assert out[0].prompt == "<s>hi"
+    d2 = _ckpt(tiny_ckpts, tmp_path, "named", {"chat_template": [
+        {"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]})
+    assert load_chat_template(d2) == "D"
+    assert load_special_tokens(d2) == {}
+
+
+def test_missing_template_is_a_typed_error(tiny_ckpts):
+    llm = LLM(tiny_ckpts[("mixtral", "base")], max_model_len=64)
+    with pytest.raises(ChatTemplateError, match="no chat template") as info:
+        llm.chat(CONV, GREEDY, use_tqdm=False)
+    assert isinstance(info.value, ValueError)
+    assert not llm.engine.has_unfinished()
+    assert load_chat_template(None) is None
+
+
+@pytest.mark.parametrize("template,msg", [
+    ("{{ ''.__class__.__mro__ }}", "sandbox"),
+    ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "sandbox"),
+    ("{{ messages.__class__ }}", "sandbox"),
+    ("{{ messages[0].content.format.__globals__ }}", "sandbox"),
+    ("{% set ns = namespace(_x=1) %}", "sandbox"),
+    ("{{ messages.append(1) }}", "sandbox"),  # immutable: no mutation of the caller's data
+    ("{% for m in messages %}", "syntax error on line 1"),
+    ("{{ raise_exception('bad role') }}", "bad role"),
+    ("{{ undefined_fn() }}", "chat template"),
+])
+def test_sandbox_and_template_failures(template, msg):
+    with pytest.raises(ChatTemplateError, match=msg):
+        render_chat(template, CONV)
+
+
+def test_helpers_and_message_checks():
+    t = ("{{ strftime_now('%Y') | length }}{% set ns = namespace(n=0) %}{% for m in messages %}"
+         "{% set ns.n = ns.n + 1 %}{% if loop.index > 1 %}{% break %}{% endif %}{% endfor %}"
+         "{{ ns.n }}{{ messages | tojson }}\n  {% if true %}\n x{% endif %}")
+    out = render_chat(t, CONV)
+    assert out.startswith("42") and '"content": "be brief"' in out
+    assert out.endswith(" x")  # trim_blocks / lstrip_blocks as transformers sets them
+    assert render_chat("{% generation %}a{% endgeneration %}", CONV) == "a"
+    for bad, msg in [([], "non-empty list"), ("hi", "non-empty list"), ([1], r"messages\[0\]"),
+                     ([{"content": "x"}], "'role'"), ([{"role": "user"}], "lacks 'content'"),
+                     ([{"role": "user", "content": object()}], "not JSON data")]:
+        with pytest.raises(ChatTemplateError, match=msg):
+            render_chat("x", bad)
+
+
+def test_no_second_bos_with_a_tokenizer_json(tiny_ckpts, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    d = _ckpt(tiny_ckpts, tmp_path, "tok", {"chat_template": TEMPLATE, "bos_token": "<s>",
+                                            "eos_token": "</s>"})
+    vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2, "hi": 10, "[INST]": 11, "[/INST]": 12,
+             "ASSISTANT:": 13}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(["[UNK]", "<s>", "</s>"])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.save(f"{d}/tokenizer.json")
+    llm = LLM(d, max_model_len=64)
+    assert llm.get_tokenizer().encode("hi") == [1, 10]  # plain prompts get the BOS
+    out = llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False)[0]
+    assert out.prompt_token_ids == [1, 11, 10, 12, 13]  # the template's BOS only
+    assert encode_chat(llm.get_tokenizer(), "<s> hi") == [1, 10]
