@@ -359,3 +359,43 @@ def test_unknown_quant_method_fails_before_any_weight(ckpts, tmp_path):
     path = _bad(ckpts, tmp_path, lambda t: None, quant=dict(QCFG, quant_method="awq"))
     with pytest.raises(ConfigError, match=r"config\.json quantization_config\.quant_method='awq'"):
         _build(path)
+
+
+DEEPSEEK_QUANTISED = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
+                      "gate_proj", "up_proj", "down_proj")  # not the router, norms, embeddings
+
+
+def test_deepseek_v3_fp8_greedy_matches_transformers_on_dequantised_weights(tmp_path):
+    """DeepSeek-V3 as DeepSeek ships it: every linear weight of attention, dense MLPs, shared
+    and routed experts in float8 with [32, 32] block scales (kv_a_proj_with_mqa's 40 rows end
+    in an edge block of 8, as the real 576 rows do at 128), against HF on the dequantised
+    weights."""
+    import transformers
+
+    from megainfer import LLM, SamplingParams
+    from megainfer.tools.make_tiny import make_tiny
+    from parity_util import hf_greedy
+    src = make_tiny("deepseek_v3", str(tmp_path / "src"), seed=1, q_lora_rank=24)
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    fp8, deq = {}, {}
+    for n, w in load_file(os.path.join(src, "model.safetensors")).items():
+        if n.endswith(".weight") and any(k in n for k in DEEPSEEK_QUANTISED):
+            q, s = _quantize(w.float(), BLOCK)
+            fp8[n], fp8[n + "_scale_inv"] = q, s
+            deq[n] = dequantize_blockwise(q, s, BLOCK)
+        else:
+            fp8[n] = deq[n] = w
+    assert fp8["model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv"].shape[0] == 2
+    assert any(".mlp.experts." in n and n.endswith("_scale_inv") for n in fp8)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        _write(tmp_path / "deq", deq, config, None)).eval()
+    llm = LLM(_write(tmp_path / "fp8", fp8, config, QCFG), max_model_len=128, max_num_seqs=4,
+              max_num_batched_tokens=32)
+    prompts = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+               for n in (70, 5)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                        use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert list(o.outputs[0].token_ids) == hf_greedy(hf, p, 8), len(p)

@@ -106,18 +106,40 @@ def test_prompt_logprobs_refused_without_full_logits():
     assert not eng.has_unfinished()
 
 
-@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
-def test_distributed_executors_refuse_prompt_logprobs(mode):
-    from megainfer.runtime.attention_executor import DisaggregatedExecutor
-    from megainfer.runtime.colocated_executor import ColocatedExecutor
-    cls = DisaggregatedExecutor if mode == "disaggregated" else ColocatedExecutor
-    assert cls.supports_full_logits is False and cls.deploy_mode == mode
-    eng = LLMEngine(CFG, SchedulerConfig(4, 16, 64, True), CacheConfig(4, 32),
-                    lambda kv: cls.__new__(cls))
-    with pytest.raises(RequestError,
-                       match=f"prompt_logprobs=0: not supported in deploy.mode={mode}"):
-        eng.add_request("a", [5, 6], SamplingParams(prompt_logprobs=0))
-    eng.add_request("b", [5, 6], SamplingParams(logprobs=3, n=2))  # the rest is supported
+@pytest.mark.parametrize("A,E", [(1, 2), (2, 0)], ids=["a1e2_m2", "colocated_a2_m2"])
+def test_distributed_modes_give_single_mode_logprobs(tiny_ckpts, tmp_path, A, E):
+    """Disaggregated and colocated runs under mpiexec (m=2: micro-batches cut through prompts):
+    the same n seeded samples, logprobs and prompt_logprobs as single mode."""
+    import os
+    import sys
+    here = os.path.dirname(__file__)
+    sys.path.insert(0, os.path.join(here, "mpi_progs"))
+    from logprobs_job import inputs, summarize
+    from mpi_util import run_mpi
+    from runtime_job import CACHE, SCHED
+
+    from megainfer.config import LoadConfig
+    from megainfer.models import build_model
+    path = tiny_ckpts[("mixtral", "base")]
+    cfg = ModelConfig.from_pretrained(path)
+    single = LLMEngine.from_model(build_model(cfg, LoadConfig(path=path)), SCHED, CACHE)
+    want = {o.request_id: summarize(o) for o in single.generate_stream(inputs(cfg.vocab_size))}
+    out = tmp_path / "out.json"
+    run_mpi(A + E, os.path.join(here, "mpi_progs", "logprobs_job.py"),
+            [out, A, 1, E, 2, path], timeout=600)
+    got = json.loads(out.read_text())
+    assert sorted(got) == sorted(want)
+    for rid, w in want.items():
+        g = got[rid]
+        assert [s[0] for s in g["samples"]] == [s[0] for s in w["samples"]], rid
+        for gs, ws in zip(g["samples"], w["samples"]):
+            for gd, wd in zip(gs[1], ws[1]):
+                assert [(t, r) for t, _, r in gd] == [(t, r) for t, _, r in wd], rid
+                assert max(abs(a[1] - b[1]) for a, b in zip(gd, wd)) < 1e-4, rid
+        assert g["prompt"][0] is None and len(g["prompt"]) == len(w["prompt"])
+        for gd, wd in zip(g["prompt"][1:], w["prompt"][1:]):
+            assert [t for t, _, _ in gd] == [t for t, _, _ in wd], rid
+            assert max(abs(a[1] - b[1]) for a, b in zip(gd, wd)) < 1e-4, rid
 
 
 # ------------------------------------------------------------------ penalties on hand-made logits

@@ -49,7 +49,7 @@ class DisaggregatedExecutor:
     """``ModelExecutor`` for an attention rank whose routed experts live on expert ranks."""
 
     deploy_mode = "disaggregated"
-    supports_full_logits = False  # logits of sampled rows only: prompt_logprobs are refused
+    supports_full_logits = True  # every new token's logits when asked (prompt_logprobs)
 
     def __init__(self, model, kv_caches, block_size: int, micro_batches: int, exchange, tp_group,
                  rebalancer=None, tracer: Optional[Tracer] = None):
@@ -116,14 +116,21 @@ class DisaggregatedExecutor:
         mb.handle, mb.residual, mb.shared = None, None, None
 
     def _logits(self, step, groups, mbs, hidden) -> torch.Tensor:
-        if not step.sample_rows:
+        """Rows of ``step.logit_token_list()`` (each sampled sequence's last token, every token
+        of a ``full_logits`` sequence), in that order, from `hidden` in micro-batch order."""
+        if not step.sample_rows and not step.full_logits:
             return torch.empty(0, self.model.config.vocab_size)
-        row_of, base = {}, 0  # sequence index -> row of its last new token in `hidden`
-        for g, mb in zip(groups, mbs):
-            ends = torch.tensor(mb.step.query_lens, dtype=torch.long).cumsum(0) - 1
-            row_of.update({s: base + int(e) for s, e in zip(g, ends)})
-            base += mb.n
-        rows = torch.tensor([row_of[s] for s in step.sample_rows], dtype=torch.long)
+        start, base = {}, 0  # sequence index -> row of its first new token in `hidden`
+        for g in groups:
+            for s in g:
+                start[s], base = base, base + step.query_lens[s]
+        full, want, rows = set(step.full_logits), set(step.sample_rows), []
+        for s, n in enumerate(step.query_lens):
+            if s in full:
+                rows.extend(range(start[s], start[s] + n))
+            elif s in want:
+                rows.append(start[s] + n - 1)
+        rows = torch.tensor(rows, dtype=torch.long)
         h = self.model.model.norm(hidden[rows])  # [S_sample, H]
         if self.tp is not None and self.tp.size > 1:
             h = self.tp.broadcast_from_leader(h.contiguous(), "final hidden")

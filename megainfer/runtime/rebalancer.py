@@ -95,8 +95,10 @@ class ExpertRebalancer:
 
     def _move_weights(self, old: Placement, new: Placement) -> None:
         """Stage every destination slot's new weights, then switch them in."""
-        moves, sends = weight_moves(old, new, self.index), weight_sends(old, new, self.index)
         layers = self.model.layers
+        moe = {i for i, layer in enumerate(layers) if layer.is_moe}  # dense layers: no experts
+        moves = [mv for mv in weight_moves(old, new, self.index) if mv.layer in moe]
+        sends = [mv for mv in weight_sends(old, new, self.index) if mv.layer in moe]
         S, R = old.slots_per_rank, old.num_replicas
         staged, reqs = {}, []
         for mv in sends:  # old weights of my slot src_slot go to rank mv.rank's slot dst_slot
