@@ -176,10 +176,11 @@ def test_256_ranks_in_seconds():
     model = DisaggModel(shape, RooflineTimes(hw, shape), RooflineTimes(hw, shape), Workload(256, 32))
     plan = Plan(1, 128, 1, 128, 3, 128 * 48)
     req = poisson_requests(128 * 48, 0, LengthDist("fixed", 256), LengthDist("fixed", 32))
-    t = time.perf_counter()
+    t = time.process_time()  # this process's CPU time: other load on a shared host is not in it
     r = simulate_job(model, plan, req, JobConfig(max_num_seqs=48, max_num_batched_tokens=4096,
                                                  routing=Routing("zipf", 0.8)))
-    assert time.perf_counter() - t < 5.0
+    # ~1 s when idle; the bound catches a per-rank or per-token Python loop (tens of seconds)
+    assert time.process_time() - t < 10.0
     assert r.summary()["finished"] == len(req)
 
 
