@@ -24,3 +24,14 @@ def attention_limits_error(head_dim: int, num_heads: int, num_kv_heads: int,
     if dtype not in DTYPES:
         return f"the Triton attention kernels take {', '.join(DTYPES)}, not {dtype}"
     return None
+
+
+def kv_cache_limits_error(kv_cache_dtype: str, is_mla: bool = False) -> Optional[str]:
+    """None when attention_backend=triton reads a cache in ``kv_cache_dtype``: the GQA kernels
+    read auto, float8 and fp4_e2m1 (kernels/kv_quant.py); MLA layers read float8 in the decode
+    kernel and fp4 through the torch decode. Kept as the one place a future format that the
+    kernels cannot read is refused (never run at full precision instead)."""
+    from .kv_quant import FORMATS
+    if kv_cache_dtype not in FORMATS:
+        return f"the Triton attention kernels read {', '.join(FORMATS)}, not {kv_cache_dtype}"
+    return None

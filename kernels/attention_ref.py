@@ -40,6 +40,10 @@ def _index(name: str, t: torch.Tensor, want: tuple, device) -> None:
         raise KernelInputError(f"{name}: on {t.device}, kv_cache on {device}")
 
 
+# a low-bit KV cache the Triton kernels read (dequantised in registers; kernels/kv_quant.py)
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def check_attention_args(q: torch.Tensor, kv_cache: torch.Tensor,
                          block_tables: Optional[torch.Tensor] = None,
                          seq_lens: Optional[torch.Tensor] = None,
@@ -57,7 +61,12 @@ def check_attention_args(q: torch.Tensor, kv_cache: torch.Tensor,
         raise KernelInputError(f"kv_cache: expected [2, num_blocks, block_size, Hkv, D], "
                                f"got {tuple(kv_cache.shape)}")
     Hkv = kv_cache.shape[3]
-    if kv_cache.shape[4] != D:
+    if kv_cache.dtype == torch.uint8:  # fp4_e2m1 (kernels/kv_quant.py): D/2 codes + D/16 scales
+        if D % 16 or kv_cache.shape[4] != D // 2 + D // 16:
+            raise KernelInputError(f"kv_cache: an fp4_e2m1 cache of head_dim {D} has rows of "
+                                   f"{D // 2 + D // 16} bytes (D % 16 == 0), got "
+                                   f"{kv_cache.shape[4]}")
+    elif kv_cache.shape[4] != D:
         raise KernelInputError(f"q: head_dim {D} != kv_cache head_dim {kv_cache.shape[4]}")
     if not supported_head_dim(D):
         raise KernelInputError(f"q: head_dim {D} not supported (1..{MAX_HEAD_DIM})")
@@ -65,8 +74,9 @@ def check_attention_args(q: torch.Tensor, kv_cache: torch.Tensor,
         raise KernelInputError(f"q: {Hq} heads is not a multiple of kv_cache's {Hkv} kv heads")
     if q.dtype not in DTYPES:
         raise KernelInputError(f"q: dtype {q.dtype} not in fp32/bf16/fp16")
-    if kv_cache.dtype != q.dtype:
-        raise KernelInputError(f"kv_cache: dtype {kv_cache.dtype} != q dtype {q.dtype}")
+    if kv_cache.dtype != q.dtype and kv_cache.dtype not in FP8_CACHE_DTYPES + (torch.uint8,):
+        raise KernelInputError(f"kv_cache: dtype {kv_cache.dtype} != q dtype {q.dtype} "
+                               "(nor a float8 / fp4 uint8 cache)")
     if q.device != kv_cache.device:
         raise KernelInputError(f"q: on {q.device}, kv_cache on {kv_cache.device}")
     for name, t in (("q", q), ("kv_cache", kv_cache), ("out", out)):

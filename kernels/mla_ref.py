@@ -53,8 +53,8 @@ def _check_cache(cache: torch.Tensor, kv_lora_rank: int) -> int:
         raise KernelInputError(
             f"kv_lora_rank: R={R} with cache width {cache.shape[2]} gives P={P}; the kernels "
             f"take 1 <= R <= {MAX_KV_LORA_RANK} and 1 <= P <= {MAX_ROPE_DIM} (R + P == width)")
-    if cache.dtype not in DTYPES:
-        raise KernelInputError(f"cache: dtype {cache.dtype} not in fp32/bf16/fp16")
+    if cache.dtype not in DTYPES + (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise KernelInputError(f"cache: dtype {cache.dtype} not in fp32/bf16/fp16/float8")
     if cache.numel() and cache.stride(-1) != 1:
         raise KernelInputError("cache: last dim must be contiguous (stride 1)")
     return P
@@ -104,7 +104,9 @@ def check_mla_args(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tens
     if q_latent.dtype not in DTYPES:
         raise KernelInputError(f"q_latent: dtype {q_latent.dtype} not in fp32/bf16/fp16")
     for name, t in (("q_pe", q_pe), ("cache", cache)):
-        if t.dtype != q_latent.dtype:
+        # a float8 latent cache (kernels/kv_quant.py) is dequantised in the decode kernel
+        if t.dtype != q_latent.dtype and not (name == "cache" and t.dtype in (
+                torch.float8_e4m3fn, torch.float8_e5m2)):
             raise KernelInputError(f"{name}: dtype {t.dtype} != q_latent dtype {q_latent.dtype}")
         if t.device != q_latent.device:
             raise KernelInputError(f"{name}: on {t.device}, q_latent on {q_latent.device}")

@@ -18,71 +18,25 @@ import triton
 import triton.language as tl
 
 from .attention_ref import check_attention_args, supported_head_dim
-
-__all__ = ["store_kv", "prefill_attention", "decode_attention", "choose_num_splits",
-           "check_attention_args", "supported_head_dim"]
 from .dispatch import KernelInputError
 from .tile_configs import interpreting
 from .triton_dot import dot
+from .triton_kv_cache import _fp4, _kv_tile, _quant_args, store_kv
 
+__all__ = ["store_kv", "prefill_attention", "decode_attention", "choose_num_splits",
+           "check_attention_args", "supported_head_dim"]
 LOG2E = 1.4426950408889634
 
 
-
-
 @triton.jit
-def _store_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, H, D, s_kt, s_kh, s_vt, s_vh,
-                     s_c2, s_cb, s_cs, s_ch,
-                     BS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One program per token: k/v[t] [H, D] -> cache[0/1, slot // BS, slot % BS]."""
-    t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    if slot < 0:
-        return
-    h = tl.arange(0, BLOCK_H)[:, None]  # [BH, 1]
-    d = tl.arange(0, BLOCK_D)[None, :]  # [1, BD]
-    mask = (h < H) & (d < D)
-    dst = cache_ptr + (slot // BS) * s_cb + (slot % BS) * s_cs + h * s_ch + d  # [BH, BD]
-    tl.store(dst, tl.load(k_ptr + t * s_kt + h * s_kh + d, mask=mask), mask=mask)
-    tl.store(dst + s_c2, tl.load(v_ptr + t * s_vt + h * s_vh + d, mask=mask), mask=mask)
-
-
-def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """k, v [T, Hkv, D] -> kv_cache [2, NB, BS, Hkv, D] at slot_mapping [T] (int; -1 skips)."""
-    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-        raise KernelInputError(f"kv_cache: expected [2, num_blocks, block_size, Hkv, D], "
-                               f"got {tuple(kv_cache.shape)}")
-    _, NB, BS, Hkv, D = kv_cache.shape
-    T = k.shape[0] if k.dim() else 0
-    want = ((T, Hkv, D), kv_cache.dtype, kv_cache.device)
-    for name, t in (("k", k), ("v", v)):
-        if (tuple(t.shape), t.dtype, t.device) != want:
-            raise KernelInputError(f"{name}: expected [{T}, {Hkv}, {D}] {want[1]} on {want[2]}, "
-                                   f"got {tuple(t.shape)} {t.dtype} on {t.device}")
-        if t.stride(-1) != 1:
-            raise KernelInputError(f"{name}: head_dim must be contiguous (stride 1)")
-    check_attention_args(k, kv_cache)  # dtype, head_dim, layout
-    if (slot_mapping.shape != (T,) or slot_mapping.dtype not in (torch.int32, torch.int64)
-            or slot_mapping.device != k.device):
-        raise KernelInputError(f"slot_mapping: expected [{T}] int32/int64 on {k.device}, got "
-                               f"{tuple(slot_mapping.shape)} {slot_mapping.dtype} on "
-                               f"{slot_mapping.device}")
-    if T == 0:
-        return
-    _store_kv_kernel[(T,)](k, v, kv_cache, slot_mapping, Hkv, D, k.stride(0), k.stride(1),
-                           v.stride(0), v.stride(1), *kv_cache.stride()[:4], BS=BS,
-                           BLOCK_H=max(2, triton.next_power_of_2(Hkv)),
-                           BLOCK_D=triton.next_power_of_2(D))
-
-
-@triton.jit
-def _prefill_kernel(q_ptr, o_ptr, cache_ptr, qsl_ptr, sl_ptr, bt_ptr, scale_log2, D,
+def _prefill_kernel(q_ptr, o_ptr, cache_ptr, qsl_ptr, sl_ptr, bt_ptr, sc_ptr, scale_log2, D,
                     s_qt, s_qh, s_ot, s_oh, s_c2, s_cb, s_cs, s_ch, s_bt, s_bn,
                     G: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    """Program (seq, kv head, query tile): BLOCK_Q tokens x G heads = BLOCK_M rows."""
+                    IEEE: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr,
+                    FP4: tl.constexpr):
+    """Program (seq, kv head, query tile): BLOCK_Q tokens x G heads = BLOCK_M rows.
+    QUANT: a float8 cache, each K/V tile times its float32 scale in registers."""
     s = tl.program_id(0)
     kvh = tl.program_id(1).to(tl.int64)
     q0 = tl.program_id(2) * BLOCK_Q  # first query of the tile, within the sequence
@@ -113,8 +67,8 @@ def _prefill_kernel(q_ptr, o_ptr, cache_ptr, qsl_ptr, sl_ptr, bt_ptr, scale_log2
         blk = tl.load(bt_row + (pos // BS) * s_bn, mask=ok, other=0).to(tl.int64)  # [BN]
         base = cache_ptr + blk * s_cb + (pos % BS).to(tl.int64) * s_cs + kvh * s_ch  # [BN]
         kv_mask = ok[:, None] & d_ok[None, :]
-        k = tl.load(base[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BN, BD]
-        v = tl.load(base[:, None] + s_c2 + d[None, :], mask=kv_mask, other=0.0)  # [BN, BD]
+        k, v = _kv_tile(base, d, kv_mask, D, s_c2, sc_ptr, FP4, QUANT)  # [BN, BD] each
+        k, v = k.to(q.dtype), v.to(q.dtype)
         qk = dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE, UPCAST)
         see = ok[None, :] & (pos[None, :] <= qpos[:, None])  # [BM, BN] causal
         qk = tl.where(see, qk * scale_log2, float("-inf"))
@@ -136,16 +90,18 @@ def _flags(q: torch.Tensor) -> dict:
 
 def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                       seq_lens: torch.Tensor, block_tables: torch.Tensor, max_query_len: int,
-                      scale: float, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      scale: float, out: Optional[torch.Tensor] = None,
+                      scales: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal varlen attention of T new tokens over the paged cache -> out [T, Hq, D], q's dtype.
 
     q [T, Hq, D]; query_start_loc [S+1]; seq_lens [S] = cached + new tokens; block_tables
     [S, max_blocks]. Query i of sequence s sits at seq_lens[s] - qlen + i and sees keys up to it;
     the new tokens' K/V must be in the cache already (``store_kv``). ``max_query_len`` (host int,
     >= every qlen) sizes the grid: no device->host sync. Rows of out past query_start_loc[-1]
-    are left as they were (zeros when out is None).
+    are left as they were (zeros when out is None). A float8 cache: ``scales`` float32 [2].
     """
     check_attention_args(q, kv_cache, block_tables, seq_lens, query_start_loc, out)
+    sc, quant = _quant_args(kv_cache, scales, q)
     T, Hq, D = q.shape
     _, NB, BS, Hkv, _ = kv_cache.shape
     S, G = seq_lens.shape[0], Hq // Hkv
@@ -157,21 +113,24 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: 
     BLOCK_Q = BLOCK_M // G
     BLOCK_N = 32 if interpreting() or BLOCK_D > 128 else 64
     grid = (S, Hkv, triton.cdiv(max_query_len, BLOCK_Q))
-    _prefill_kernel[grid](q, out, kv_cache, query_start_loc, seq_lens, block_tables,
+    _prefill_kernel[grid](q, out, kv_cache, query_start_loc, seq_lens, block_tables, sc,
                           scale * LOG2E, D, q.stride(0), q.stride(1), out.stride(0),
                           out.stride(1), *kv_cache.stride()[:4], *block_tables.stride(),
                           G=G, BS=BS, BLOCK_M=BLOCK_M, BLOCK_Q=BLOCK_Q, BLOCK_N=BLOCK_N,
-                          BLOCK_D=BLOCK_D, **_flags(q), num_warps=4 if BLOCK_D <= 64 else 8,
+                          BLOCK_D=BLOCK_D, **_flags(q), QUANT=quant, **_fp4(kv_cache),
+                          num_warps=4 if BLOCK_D <= 64 else 8,
                           num_stages=2)
     return out
 
 
 @triton.jit
-def _decode_split_kernel(q_ptr, cache_ptr, sl_ptr, bt_ptr, mo_ptr, mlse_ptr, scale_log2, D,
+def _decode_split_kernel(q_ptr, cache_ptr, sl_ptr, bt_ptr, sc_ptr, mo_ptr, mlse_ptr, scale_log2,
+                         D,
                          s_qs, s_qh, s_c2, s_cb, s_cs, s_ch, s_bt, s_bn,
                          G: tl.constexpr, BS: tl.constexpr, NS: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                         IEEE: tl.constexpr, UPCAST: tl.constexpr):
+                         IEEE: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr,
+                         FP4: tl.constexpr):
     """Program (seq, kv head, split): the G query heads over keys [lo, hi) of one split ->
     mid_o [S, Hq, NS, D] = acc / l (fp32) and mid_lse [S, Hq, NS] = m + log2(l) (-inf: empty)."""
     s = tl.program_id(0)
@@ -198,8 +157,8 @@ def _decode_split_kernel(q_ptr, cache_ptr, sl_ptr, bt_ptr, mo_ptr, mlse_ptr, sca
         blk = tl.load(bt_row + (pos // BS) * s_bn, mask=ok, other=0).to(tl.int64)  # [BN]
         base = cache_ptr + blk * s_cb + (pos % BS).to(tl.int64) * s_cs + kvh * s_ch  # [BN]
         kv_mask = ok[:, None] & d_ok[None, :]
-        k = tl.load(base[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BN, BD]
-        v = tl.load(base[:, None] + s_c2 + d[None, :], mask=kv_mask, other=0.0)  # [BN, BD]
+        k, v = _kv_tile(base, d, kv_mask, D, s_c2, sc_ptr, FP4, QUANT)  # [BN, BD] each
+        k, v = k.to(q.dtype), v.to(q.dtype)
         qk = dot(q, tl.trans(k), tl.zeros([BLOCK_G, BLOCK_N], tl.float32), IEEE, UPCAST)
         qk = tl.where(ok[None, :], qk * scale_log2, float("-inf"))  # [BG, BN]
         m_new = tl.maximum(m, tl.max(qk, 1))
@@ -252,7 +211,8 @@ def choose_num_splits(S: int, Hkv: int, max_blocks: int, block_size: int,
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tensor,
                      block_tables: torch.Tensor, scale: float, num_splits: Optional[int] = None,
-                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     out: Optional[torch.Tensor] = None,
+                     scales: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One query per sequence, at position seq_lens[s] - 1: q [S, Hq, D] -> out [S, Hq, D].
 
     Split-KV: program (seq, kv head, split) writes a partial softmax of its key range to fp32
@@ -260,6 +220,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Te
     combines the splits. seq_lens[s] == 0 gives zeros. num_splits=None: ``choose_num_splits``.
     """
     check_attention_args(q, kv_cache, block_tables, seq_lens, None, out, decode=True)
+    sc, quant = _quant_args(kv_cache, scales, q)
     S, Hq, D = q.shape
     _, NB, BS, Hkv, _ = kv_cache.shape
     G = Hq // Hkv
@@ -275,10 +236,11 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Te
     mid_o = torch.empty(S, Hq, num_splits, D, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(S, Hq, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(S, Hkv, num_splits)](
-        q, kv_cache, seq_lens, block_tables, mid_o, mid_lse, scale * LOG2E, D,
+        q, kv_cache, seq_lens, block_tables, sc, mid_o, mid_lse, scale * LOG2E, D,
         q.stride(0), q.stride(1), *kv_cache.stride()[:4], *block_tables.stride(),
         G=G, BS=BS, NS=num_splits, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=BLOCK_N,
-        BLOCK_D=BLOCK_D, **_flags(q), num_warps=4, num_stages=2)
+        BLOCK_D=BLOCK_D, **_flags(q), QUANT=quant, **_fp4(kv_cache), num_warps=4,
+        num_stages=2)
     _decode_merge_kernel[(S, Hq)](mid_o, mid_lse, out, D, out.stride(0), out.stride(1),
                                   NS=num_splits,
                                   BLOCK_S=max(2, triton.next_power_of_2(num_splits)),

@@ -61,13 +61,14 @@ def store_latent(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.
 
 
 @triton.jit
-def _mla_split_kernel(ql_ptr, qp_ptr, cache_ptr, sl_ptr, bt_ptr, mo_ptr, mlse_ptr, scale_log2,
-                      H, R, P, s_ls, s_lh, s_ps, s_ph, s_cb, s_cs, s_bt, s_bn,
+def _mla_split_kernel(ql_ptr, qp_ptr, cache_ptr, sl_ptr, bt_ptr, sc_ptr, mo_ptr, mlse_ptr,
+                      scale_log2, H, R, P, s_ls, s_lh, s_ps, s_ph, s_cb, s_cs, s_bt, s_bn,
                       BS: tl.constexpr, NS: tl.constexpr, BLOCK_H: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-                      IEEE: tl.constexpr, UPCAST: tl.constexpr):
+                      IEEE: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr):
     """Program (seq, head block, split): BLOCK_H heads over rows [lo, hi) of one split ->
-    mid_o [S, H, NS, R] = acc / l (fp32), mid_lse [S, H, NS] = m + log2(l) (-inf: empty)."""
+    mid_o [S, H, NS, R] = acc / l (fp32), mid_lse [S, H, NS] = m + log2(l) (-inf: empty).
+    QUANT: a float8 cache, c_kv times sc_ptr[0] and k_pe times sc_ptr[1] in registers."""
     s = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     split = tl.program_id(2)
@@ -98,6 +99,9 @@ def _mla_split_kernel(ql_ptr, qp_ptr, cache_ptr, sl_ptr, bt_ptr, mo_ptr, mlse_pt
                        other=0.0)  # [BN, BR]: keys and values at once
         k_pe = tl.load(base[:, None] + R + p[None, :], mask=ok[:, None] & p_ok[None, :],
                        other=0.0)  # [BN, BP]
+        if QUANT:
+            c_kv = (c_kv.to(tl.float32) * tl.load(sc_ptr)).to(q_lat.dtype)
+            k_pe = (k_pe.to(tl.float32) * tl.load(sc_ptr + 1)).to(q_lat.dtype)
         qk = dot(q_lat, tl.trans(c_kv), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), IEEE, UPCAST)
         qk = dot(q_pe, tl.trans(k_pe), qk, IEEE, UPCAST)
         qk = tl.where(ok[None, :], qk * scale_log2, float("-inf"))  # [BH, BN]
@@ -153,7 +157,8 @@ def choose_mla_num_splits(S: int, H: int, max_blocks: int, block_size: int,
 def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
                seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                kv_lora_rank: int, num_splits: Optional[int] = None,
-               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+               out: Optional[torch.Tensor] = None,
+               scales: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Absorbed MLA decode, one query per sequence over latent rows [0, seq_lens[s]).
 
     q_latent [S, H, R] (q_nope @ W_UK per head), q_pe [S, H, P] (rotated), cache [NB, BS, R + P],
@@ -161,8 +166,14 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
     gives zeros. Program (seq, head block, split) writes a partial softmax to fp32 scratch
     [S, H, num_splits, R]; a merge kernel combines the splits. num_splits=None:
     ``choose_mla_num_splits`` (host info only, so the call can be captured in a CUDA graph).
+    A float8 cache (kernels/kv_quant.py): ``scales`` float32 [2] (c_kv, k_pe).
     """
     check_mla_args(q_latent, q_pe, cache, kv_lora_rank, block_tables, seq_lens, out)
+    quant = cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    if quant and (scales is None or scales.dtype != torch.float32 or scales.numel() < 2
+                  or scales.device != cache.device):
+        raise KernelInputError(f"scales: a float8 cache needs float32 [2] scales (c_kv, k_pe) "
+                               f"on {cache.device}")
     S, H, R = q_latent.shape
     NB, BS, W = cache.shape
     P = W - R
@@ -182,11 +193,12 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
     mid_o = torch.empty(S, H, num_splits, R, dtype=torch.float32, device=q_latent.device)
     mid_lse = torch.empty(S, H, num_splits, dtype=torch.float32, device=q_latent.device)
     _mla_split_kernel[(S, triton.cdiv(H, BLOCK_H), num_splits)](
-        q_latent, q_pe, cache, seq_lens, block_tables, mid_o, mid_lse, scale * LOG2E, H, R, P,
+        q_latent, q_pe, cache, seq_lens, block_tables, scales if quant else seq_lens, mid_o,
+        mid_lse, scale * LOG2E, H, R, P,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
         cache.stride(0), cache.stride(1), *block_tables.stride(),
         BS=BS, NS=num_splits, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R,
-        BLOCK_P=BLOCK_P, **_flags(q_latent), num_warps=4, num_stages=2)
+        BLOCK_P=BLOCK_P, **_flags(q_latent), QUANT=quant, num_warps=4, num_stages=2)
     _mla_merge_kernel[(S, H)](mid_o, mid_lse, out, H, R, out.stride(0), out.stride(1),
                               NS=num_splits, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
                               BLOCK_R=BLOCK_R, num_warps=4)

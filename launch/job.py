@@ -46,6 +46,8 @@ class JobSummary:
     tpot_p50_ms: Optional[float]
     tpot_p99_ms: Optional[float]
     output: str = ""
+    cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache
+    prefix_hit_rate: Optional[float] = None  # cached_prompt_tokens / prompt_tokens
 
     def table(self) -> str:
         def ms(v):
@@ -53,6 +55,8 @@ class JobSummary:
         rows = [("requests", f"{self.requests}"), ("errors", f"{self.errors}"),
                 ("skipped (already done)", f"{self.skipped}"),
                 ("prompt / output tokens", f"{self.prompt_tokens} / {self.output_tokens}"),
+                ("prefix cache hit rate", "-" if self.prefix_hit_rate is None else
+                 f"{100 * self.prefix_hit_rate:.1f}% ({self.cached_prompt_tokens} tokens)"),
                 ("elapsed (s)", f"{self.elapsed_s:.2f}"),
                 ("requests/s", f"{self.requests_per_s:.2f}"),
                 ("output tokens/s", f"{self.output_tokens_per_s:.1f}"),
@@ -89,6 +93,8 @@ def output_record(out: RequestOutput) -> dict:
     rec = {"id": out.request_id, **_completion_fields(c),
            "prompt_tokens": len(out.prompt_token_ids),
            "output_tokens": sum(len(o.token_ids) for o in out.outputs)}
+    if out.num_cached_tokens is not None:
+        rec["num_cached_tokens"] = out.num_cached_tokens
     if out.prompt_logprobs is not None:
         rec["prompt_logprobs"] = _logprobs_json(out.prompt_logprobs)
     if len(out.outputs) > 1:
@@ -148,7 +154,7 @@ def run_offline_job(requests: list[PromptInput], generator: Generator, output_pa
         log.warning("[launch] %d bad input line(s) written as error records (io.strict=true "
                     "refuses the file instead); the first: %s", len(bad), bad[0].error)
     bar = _bar(len(todo) + len(bad), progress)
-    n_ok = n_err = p_tok = o_tok = 0
+    n_ok = n_err = p_tok = o_tok = c_tok = 0
     ttft, tpot = [], []
     t0 = time.perf_counter()
     with f:
@@ -162,6 +168,7 @@ def run_offline_job(requests: list[PromptInput], generator: Generator, output_pa
                 n_ok += 1
                 p_tok += rec["prompt_tokens"]
                 o_tok += rec["output_tokens"]
+                c_tok += rec.get("num_cached_tokens", 0)
                 if rec.get("ttft_s") is not None:
                     ttft.append(rec["ttft_s"])
                 if rec.get("tpot_s") is not None:
@@ -175,7 +182,8 @@ def run_offline_job(requests: list[PromptInput], generator: Generator, output_pa
     dt = max(time.perf_counter() - t0, 1e-9)
     return JobSummary(n_ok, n_err, skipped, p_tok, o_tok, dt, n_ok / dt, o_tok / dt,
                       _pct(ttft, 50), _pct(ttft, 99), _pct(tpot, 50), _pct(tpot, 99),
-                      output=output_path)
+                      output=output_path, cached_prompt_tokens=c_tok,
+                      prefix_hit_rate=c_tok / p_tok if p_tok else None)
 
 
 def _bad_line_output(b: BadLine) -> RequestOutput:

@@ -15,7 +15,8 @@ from megainfer.config import (CacheConfig, CommConfig, ConfigError, DeployPlan, 
                               EplbConfig, LoadConfig, ModelConfig, SchedulerConfig, TraceConfig)
 from megainfer.engine import SamplingParams, check_cache_fits
 from megainfer.engine.errors import SamplingParamsError
-from megainfer.engine.sizing import derive_num_blocks, resolve_max_model_len
+from megainfer.engine.sizing import (check_kv_cache_dtype, derive_num_blocks,
+                                     resolve_max_model_len)
 from megainfer.models.loader import DTYPES
 
 from .deploy import plan_for_world
@@ -216,7 +217,8 @@ def settings_from_config(cfg, world_size: int = 1, local_ranks: int = 1,
     s = _take("scheduler", c.get("scheduler", {}), _names(SchedulerConfig))
     s["max_model_len"] = resolve_max_model_len(model, s.get("max_model_len"))
     scheduler = SchedulerConfig(**s)
-    k = _take("cache", c.get("cache", {}), {"block_size", "num_blocks", "memory_gib"})
+    k = _take("cache", c.get("cache", {}), {"block_size", "num_blocks", "memory_gib",
+                                            "enable_prefix_caching", "kv_cache_dtype"})
     block_size = k.get("block_size", 16)
     num_blocks = k.get("num_blocks")
     if num_blocks is None:
@@ -225,8 +227,12 @@ def settings_from_config(cfg, world_size: int = 1, local_ranks: int = 1,
         kv_heads = max(1, model.num_kv_heads // deploy.attention_tp)
         num_blocks = derive_num_blocks(model, scheduler.max_model_len, scheduler.max_num_seqs,
                                        block_size, float(k.get("memory_gib", 4.0)),
-                                       DTYPES[load.dtype], kv_heads)
-    cache = CacheConfig(block_size=block_size, num_blocks=num_blocks)
+                                       DTYPES[load.dtype], kv_heads,
+                                       CacheConfig(kv_cache_dtype=k.get("kv_cache_dtype", "auto")
+                                                   ).kv_cache_dtype)  # validated first
+    cache = CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                        **{f: k[f] for f in ("enable_prefix_caching", "kv_cache_dtype") if f in k})
+    check_kv_cache_dtype(model, cache.kv_cache_dtype, device.attention_backend)
     check_cache_fits(cache, scheduler.max_model_len)
     sampling, seed = _sampling(c.get("sampling", {}))
     io = IOSettings(**_take("io", c.get("io", {}), _names(IOSettings)))

@@ -8,7 +8,8 @@ from typing import Iterable, Iterator, Mapping, Optional, Sequence, Union
 from megainfer.config import CacheConfig, DeviceConfig, LoadConfig, ModelConfig, SchedulerConfig
 from megainfer.engine import (LLMEngine, PromptInput, RequestError, RequestOutput, SamplingParams,
                               check_cache_fits)
-from megainfer.engine.sizing import derive_num_blocks, resolve_max_model_len
+from megainfer.engine.sizing import (check_kv_cache_dtype, derive_num_blocks,
+                                     resolve_max_model_len)
 from megainfer.engine.tokenizer import Tokenizer, load_tokenizer
 from megainfer.models.loader import DTYPES, build_model
 
@@ -42,6 +43,7 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
                  enable_chunked_prefill: bool = True, block_size: int = 16,
                  num_blocks: Optional[int] = None, kv_cache_memory_gib: float = 4.0,
+                 enable_prefix_caching: Optional[bool] = None, kv_cache_dtype: str = "auto",
                  tokenizer: Optional[Tokenizer] = None):
         path = model if isinstance(model, str) else None
         model_config = ModelConfig.from_pretrained(path) if path else model
@@ -53,11 +55,15 @@ class LLM:
         load = LoadConfig(path=path, load_format=load_format, dtype=dtype, seed=seed)
         mml = resolve_max_model_len(model_config, max_model_len)
         scheduler = SchedulerConfig(max_num_seqs, max_num_batched_tokens, mml, enable_chunked_prefill)
+        check_kv_cache_dtype(model_config, kv_cache_dtype, dev.attention_backend)
         if num_blocks is None:
             num_blocks = derive_num_blocks(model_config, mml, max_num_seqs, block_size,
-                                           kv_cache_memory_gib, DTYPES[dtype])
-        self._build(model_config, load, scheduler, CacheConfig(block_size, num_blocks), dev,
-                    tokenizer, seed)
+                                           kv_cache_memory_gib, DTYPES[dtype],
+                                           kv_cache_dtype=kv_cache_dtype)
+        prefix = CacheConfig.enable_prefix_caching if enable_prefix_caching is None \
+            else enable_prefix_caching
+        cache = CacheConfig(block_size, num_blocks, prefix, kv_cache_dtype)
+        self._build(model_config, load, scheduler, cache, dev, tokenizer, seed)
 
     @classmethod
     def from_configs(cls, model_config: ModelConfig, load: LoadConfig, scheduler: SchedulerConfig,
@@ -66,6 +72,7 @@ class LLM:
         """From already-resolved config objects (the Hydra launcher's path)."""
         self = cls.__new__(cls)
         device.check_model(model_config, load.dtype)
+        check_kv_cache_dtype(model_config, cache.kv_cache_dtype, device.attention_backend)
         self._build(model_config, load, scheduler, cache, device, tokenizer, seed)
         return self
 

@@ -10,10 +10,10 @@ the error type and the fixed vocabularies.
 from .base import (ATTENTION_BACKENDS, DEVICES, DTYPE_NAMES, MLA_FAMILIES,
                    SUPPORTED_FAMILIES, ConfigError)
 from .model import ModelConfig, YarnScaling
-from .runtime import (DEPLOY_MODES, CacheConfig, CommConfig, DeployPlan, DeviceConfig,
-                      EplbConfig, LoadConfig, SchedulerConfig, TraceConfig)
+from .runtime import (DEPLOY_MODES, KV_CACHE_DTYPES, CacheConfig, CommConfig, DeployPlan,
+                      DeviceConfig, EplbConfig, LoadConfig, SchedulerConfig, TraceConfig)
 
 __all__ = ["ConfigError", "YarnScaling", "ModelConfig", "LoadConfig", "DeviceConfig",
            "CacheConfig", "SchedulerConfig", "DeployPlan", "EplbConfig", "CommConfig",
            "TraceConfig", "ATTENTION_BACKENDS", "DEVICES", "DTYPE_NAMES", "MLA_FAMILIES",
-           "SUPPORTED_FAMILIES", "DEPLOY_MODES"]
+           "SUPPORTED_FAMILIES", "DEPLOY_MODES", "KV_CACHE_DTYPES"]

@@ -9,6 +9,9 @@ from .base import (ATTENTION_BACKENDS, DEVICES, DTYPE_NAMES, ConfigError,
                    _require)
 from .model import ModelConfig
 
+# the cache's storage formats (auto: the model dtype; docs/kv_cache.md, kernels/kv_quant.py)
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1")
+
 
 @dataclass(frozen=True)
 class LoadConfig:
@@ -99,14 +102,22 @@ class DeviceConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Paged KV cache: ``num_blocks`` blocks of ``block_size`` tokens per layer."""
+    """Paged KV cache: ``num_blocks`` blocks of ``block_size`` tokens per layer, stored in
+    ``kv_cache_dtype`` (``auto``: the model dtype); ``enable_prefix_caching`` reuses full blocks
+    of a prompt prefix already computed (docs/engine.md)."""
 
     block_size: int = 16
     num_blocks: int = 512
+    enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
         _require(self.block_size > 0, "cache.block_size", self.block_size, "must be > 0")
         _require(self.num_blocks > 0, "cache.num_blocks", self.num_blocks, "must be > 0")
+        _require(isinstance(self.enable_prefix_caching, bool), "cache.enable_prefix_caching",
+                 self.enable_prefix_caching, "must be true or false")
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES, "cache.kv_cache_dtype",
+                 self.kv_cache_dtype, f"must be one of {', '.join(KV_CACHE_DTYPES)}")
 
 
 @dataclass(frozen=True)

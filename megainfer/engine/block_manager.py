@@ -1,4 +1,4 @@
-"""Paged KV cache bookkeeping: fixed-size blocks, a free list, reference counts.
+"""Paged KV cache bookkeeping: fixed-size blocks, a free list, reference counts, prefix caching.
 
 The manager never touches tensors; it hands out physical block ids that index the
 ``[2, num_blocks, block_size, kv_heads, head_dim]`` cache of every layer. Blocks are taken
@@ -9,48 +9,189 @@ Forks (``SamplingParams.n``): a forked sequence shares its parent's blocks (``fo
 first write into a shared block (the prompt's partially filled last block) copies it first:
 ``allocate`` gives the writer a fresh block and records ``(src, dst)`` in ``pending_copies``,
 which the engine applies to the KV tensors before the step runs (``take_copies``).
+
+Prefix caching (``enable_prefix_caching``): once a block is full and computed
+(``cache_full_blocks``), it is keyed by ``hash_block_tokens(parent key, its token ids)``, a
+deterministic 64-bit blake2b (the same on every rank and process). Each cached block also keeps
+its token ids and the *content id* of its parent (a serial number never reused), and a hit is
+taken only when both match, block after block from the first: a hash collision can never serve
+wrong KV. ``find_cached`` returns the longest such run of a waiting request's full blocks
+(never its last token: at least one token is computed so there are logits to sample), and
+``allocate(..., cached=)`` takes it (reference counts) before growing the table. A block whose
+last reference goes keeps its contents and key and joins an LRU list (``evictable``); a new
+block is the front of the never-used / uncached free list if any, else the least recently freed
+cached block (its key dropped). Full blocks are never written again, so copy-on-write only ever
+concerns a shared partial last block. Everything is ordered (deques, insertion-ordered dicts):
+the same calls give the same hits, evictions and block ids on every rank.
 """
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+import struct
+from collections import OrderedDict, deque
+from typing import Optional, Sequence
 
 from .request import Request
 
 
+def hash_block_tokens(parent: Optional[int], tokens: Sequence[int]) -> int:
+    """The key of a full block: 64-bit blake2b of the parent's key and the int64 token ids.
+    Deterministic across processes (unlike ``hash`` of bytes / str)."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update((0 if parent is None else parent + 1).to_bytes(9, "little", signed=False))
+    h.update(struct.pack(f"<{len(tokens)}q", *tokens))
+    return int.from_bytes(h.digest(), "little")
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.free: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        self.free: deque[int] = deque(range(num_blocks))  # holding nothing reusable
         self.ref_counts = [0] * num_blocks
         self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst), in order
+        # prefix cache: key -> block, per-block (key, tokens, content id, parent's content id)
+        self.cached: dict[int, int] = {}
+        self.block_key: list[Optional[int]] = [None] * num_blocks
+        self.block_tokens: list[Optional[tuple]] = [None] * num_blocks
+        self.block_uid: list[int] = [0] * num_blocks  # 0: not cached; content ids start at 1
+        self.block_parent_uid: list[int] = [0] * num_blocks  # 0: the first block of a sequence
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, ref 0, LRU first
+        self._next_uid = 1
+        self.num_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free)
+        return len(self.free) + len(self.evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cached)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def allocate(self, req: Request, num_tokens: int) -> bool:
-        """Grow ``req.block_table`` to hold ``num_tokens`` tokens. False (and no change) if the
-        free list is too short."""
+    # ------------------------------------------------------------------ prefix cache
+    def _keys(self, req: Request, n: int) -> list[int]:
+        """The keys of the request's first ``n`` full blocks (content only: memoized)."""
+        keys, bs = req.block_hashes, self.block_size
+        while len(keys) < n:
+            i = len(keys)
+            keys.append(hash_block_tokens(keys[-1] if keys else None,
+                                          req.token_slice(i * bs, (i + 1) * bs)))
+        return keys
+
+    def find_cached(self, req: Request, max_tokens: Optional[int] = None) -> list[int]:
+        """The longest run of cached blocks holding the request's first full blocks (tokens and
+        parent chain checked), leaving at least its last token (and anything at or beyond
+        ``max_tokens``) to compute. Changes nothing."""
+        if not self.enable_prefix_caching:
+            return []
+        limit = req.num_tokens - 1 if max_tokens is None else min(req.num_tokens - 1, max_tokens)
+        n = max(limit, 0) // self.block_size
+        if n == 0:
+            return []
+        bs, hits, parent = self.block_size, [], 0
+        for i, key in enumerate(self._keys(req, n)):
+            b = self.cached.get(key)
+            if b is None or self.block_parent_uid[b] != parent or \
+                    self.block_tokens[b] != tuple(req.token_slice(i * bs, (i + 1) * bs)):
+                break
+            hits.append(b)
+            parent = self.block_uid[b]
+        return hits
+
+    def cache_full_blocks(self, req: Request) -> None:
+        """Register the request's computed full blocks not registered yet (call after the step
+        that computed them). A block whose content is cached already (another block) stays
+        uncached; a collision with other content ends the chain for this request."""
+        if not self.enable_prefix_caching:
+            return
+        bs, uids, table = self.block_size, req.block_uids, req.block_table
+        full = min(req.num_computed_tokens // bs, len(table))
+        if len(uids) >= full or (uids and uids[-1] == 0):
+            return
+        keys = self._keys(req, full)
+        for i in range(len(uids), full):
+            b, parent = table[i], (uids[i - 1] if i else 0)
+            if self.block_uid[b]:  # a cache hit or a fork of one: cached already
+                uids.append(self.block_uid[b])
+                continue
+            tokens = tuple(req.token_slice(i * bs, (i + 1) * bs))
+            other = self.cached.get(keys[i])
+            if other is not None:
+                same = self.block_tokens[other] == tokens and \
+                    self.block_parent_uid[other] == parent
+                uids.append(self.block_uid[other] if same else 0)
+                if not same:  # a collision: the key is taken by other content
+                    return
+                continue
+            self.cached[keys[i]] = b
+            self.block_key[b], self.block_tokens[b] = keys[i], tokens
+            self.block_uid[b], self.block_parent_uid[b] = self._next_uid, parent
+            self._next_uid += 1
+            uids.append(self.block_uid[b])
+
+    def _uncache(self, b: int) -> None:
+        key = self.block_key[b]
+        if key is not None and self.cached.get(key) == b:
+            del self.cached[key]
+        self.block_key[b] = self.block_tokens[b] = None
+        self.block_uid[b] = self.block_parent_uid[b] = 0
+
+    def _take(self) -> int:
+        """A block for new contents: a free one holding nothing, else evict the LRU cached one."""
+        if self.free:
+            return self.free.popleft()
+        b, _ = self.evictable.popitem(last=False)
+        self._uncache(b)
+        self.num_evictions += 1
+        return b
+
+    # ------------------------------------------------------------------ allocation
+    def allocate(self, req: Request, num_tokens: int, cached: Sequence[int] = ()) -> bool:
+        """Grow ``req.block_table`` to hold ``num_tokens`` tokens. ``cached``: blocks from
+        ``find_cached`` for a request without blocks; they start its table (and its
+        ``num_computed_tokens``). False (and no change) if the free blocks are too few."""
         table = req.block_table
+        if cached:
+            if table or req.num_computed_tokens:
+                raise ValueError(f"request {req.request_id!r}: cache hits for a started request")
+            reserved = sum(1 for b in cached if self.ref_counts[b] == 0)
+            extra = self.blocks_needed(num_tokens) - len(cached)
+            if max(extra, 0) + reserved > self.num_free_blocks:
+                return False
+            for b in cached:
+                if self.ref_counts[b] == 0:
+                    del self.evictable[b]
+                self.ref_counts[b] += 1
+                table.append(b)
+            req.num_computed_tokens = len(cached) * self.block_size
+            req.block_uids = [self.block_uid[b] for b in cached]
+            for _ in range(extra):
+                b = self._take()
+                self.ref_counts[b] = 1
+                table.append(b)
+            return True
         extra = self.blocks_needed(num_tokens) - len(table)
         first = req.num_computed_tokens // self.block_size  # the first block written
         cow = (num_tokens > req.num_computed_tokens and first < len(table)
                and self.ref_counts[table[first]] > 1)
         if extra <= 0 and not cow:
             return True
-        if max(extra, 0) + cow > len(self.free):
+        if max(extra, 0) + cow > self.num_free_blocks:
             return False
         if cow:
-            src, dst = table[first], self.free.popleft()
+            src = table[first]
+            if self.block_uid[src]:  # full cached blocks are never written
+                raise RuntimeError(f"block {src}: write into a cached full block")
+            dst = self._take()
             self.ref_counts[dst] = 1
             self.ref_counts[src] -= 1
             table[first] = dst
             self.pending_copies.append((src, dst))
         for _ in range(extra):
-            b = self.free.popleft()
+            b = self._take()
             self.ref_counts[b] = 1
             req.block_table.append(b)
         return True
@@ -65,17 +206,27 @@ class BlockManager:
     def fork(self, parent: Request, child: Request) -> None:
         """``child`` shares every block of ``parent`` (written blocks are copied on write)."""
         child.block_table = [self.share(b) for b in parent.block_table]
+        child.block_hashes = list(parent.block_hashes)
+        child.block_uids = list(parent.block_uids)
 
     def take_copies(self) -> list[tuple[int, int]]:
         out, self.pending_copies = self.pending_copies, []
         return out
 
     def free_request(self, req: Request) -> None:
-        """Drop the request's references; blocks that reach zero return to the free list."""
+        """Drop the request's references. Blocks that reach zero return to the free list, or,
+        cached ones, to the back of the LRU list, last block first (a prefix outlives its
+        continuations)."""
+        released = []
         for b in req.block_table:
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
-                self.free.append(b)
+                if self.block_uid[b]:
+                    released.append(b)
+                else:
+                    self.free.append(b)
             elif self.ref_counts[b] < 0:
                 raise RuntimeError(f"block {b}: freed more often than allocated")
+        for b in reversed(released):
+            self.evictable[b] = None
         req.block_table = []

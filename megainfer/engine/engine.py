@@ -9,6 +9,7 @@ the same schedule and the same tokens on every rank that runs them.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Callable, Iterable, Iterator, Optional, Sequence, Union
@@ -26,6 +27,7 @@ from .request import Request
 from .sampler import PromptLogprobJob, Sampler, mix_seed
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
+from .sizing import check_kv_cache_dtype
 from .step import LocalExecutor, ModelExecutor, StepInput
 from .tokenizer import ByteTokenizer, Tokenizer
 
@@ -59,10 +61,14 @@ class LLMEngine:
                               f"max_position_embeddings={model_config.max_position_embeddings}")
         check_cache_fits(cache_config, self.max_model_len)
         self.tokenizer = tokenizer or ByteTokenizer(model_config.eos_token_id)
-        self.blocks = BlockManager(cache_config.num_blocks, cache_config.block_size)
+        self.blocks = BlockManager(cache_config.num_blocks, cache_config.block_size,
+                                   cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(scheduler_config, self.blocks)
         # the model's cache spec (GQA [2, NB, BS, Hkv, D] or MLA latent [NB, BS, R+P] per layer)
         self.kv_spec = kv_spec or kv_cache_spec_for(model_config, dtype=kv_dtype, kv_heads=kv_heads)
+        if self.kv_spec.kv_format != cache_config.kv_cache_dtype:  # stored in cache.kv_cache_dtype
+            check_kv_cache_dtype(model_config, cache_config.kv_cache_dtype)
+            self.kv_spec = dataclasses.replace(self.kv_spec, kv_format=cache_config.kv_cache_dtype)
         self.kv_caches = self.kv_spec.allocate(cache_config.num_blocks, cache_config.block_size,
                                                self.device, kv_dtype)
         self.executor = executor_factory(self.kv_caches)
@@ -71,7 +77,8 @@ class LLMEngine:
         self.log_prefix = log_prefix
         self._next_seq_id = 0
         self.num_steps = self.num_generated_tokens = self.last_step_tokens = 0
-        self.num_computed_prompt_tokens = 0  # prompt tokens fed to the model (recompute included)
+        self.num_computed_prompt_tokens = 0  # prompt tokens fed to the model (recompute included,
+        # prefix-cache hits excluded)
         self.num_block_copies = 0  # copy-on-write copies of shared blocks
         log.info("%s engine: %d KV blocks x %d tokens, max_model_len=%d, max_num_seqs=%d, "
                  "max_num_batched_tokens=%d", log_prefix, cache_config.num_blocks,
@@ -211,6 +218,7 @@ class LLMEngine:
             c, P = req.num_computed_tokens, req.num_prompt_tokens
             self.num_computed_prompt_tokens += max(0, min(c + n, P) - c)
             req.num_computed_tokens += n
+            self.blocks.cache_full_blocks(req)  # prefix caching: full blocks become reusable
             if i in full:
                 q0, q1 = max(c, len(req.prompt_logprobs) - 1), min(c + n, P - 1)
                 if q1 > q0:  # row of position q predicts prompt token q + 1
@@ -317,7 +325,8 @@ class LLMEngine:
             req.request_id, req.prompt, req.prompt_token_ids, outs, True,
             RequestMetrics(req.arrival_time, req.first_token_time, max(ends) if ends else None,
                            sum(s.num_preemptions for s in req.samples)),
-            prompt_logprobs=req.prompt_logprobs)
+            prompt_logprobs=req.prompt_logprobs,
+            num_cached_tokens=max(req.num_cached_tokens, 0))
 
     # ------------------------------------------------------------------ streaming
     def add_inputs(self, inputs: Iterable[PromptInput], warn: bool = True

@@ -77,6 +77,8 @@ class RequestOutput:
     error: Optional[str] = None  # set when the request was refused (finish_reason "error")
     # SamplingParams.prompt_logprobs: one entry per prompt token, the first None (as vLLM)
     prompt_logprobs: Optional[list[Optional[PositionLogprobs]]] = None
+    # prefix caching: prompt tokens served from the cache at admission (vLLM's name)
+    num_cached_tokens: Optional[int] = None
 
     @classmethod
     def failed(cls, request_id, prompt, prompt_token_ids, error: Exception) -> "RequestOutput":

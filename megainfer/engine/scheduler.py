@@ -7,8 +7,10 @@ budget, ``max_num_seqs`` and free blocks allow; the last one admitted may get a 
 chunk (chunked prefill). When a running request needs a block and none is free, the most
 recently started running request is preempted: its blocks are freed, its progress reset to
 zero, and it goes back to the front of the waiting queue; it recomputes prompt + generated
-tokens later, so its output does not change. Nothing here depends on time or hashing: the
-same calls give the same schedule on every rank.
+tokens later, so its output does not change. With prefix caching a waiting request (new or
+preempted) starts from the longest run of cached full blocks of its tokens
+(``BlockManager.find_cached``) and only computes the rest. Nothing here depends on time, and
+the cache's keys are a deterministic hash: the same calls give the same schedule on every rank.
 """
 from __future__ import annotations
 
@@ -89,12 +91,16 @@ class Scheduler:
             req = self.waiting[0]
             if seats and seats + 1 + len(req.pending) > cap:
                 break
-            need = req.num_tokens - req.num_computed_tokens
+            hits = self._cache_hits(req)
+            start = len(hits) * self.blocks.block_size  # its first uncomputed token
+            need = req.num_tokens - start
             n = min(need, budget)
             if n < need and not self.config.enable_chunked_prefill:
                 break
-            if not self.blocks.allocate(req, req.num_computed_tokens + n):
+            if not self.blocks.allocate(req, start + n, cached=hits):
                 break
+            if req.num_cached_tokens < 0:  # first admission: what the cache served
+                req.num_cached_tokens = start
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -102,6 +108,12 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             budget -= n
             seats += 1 + len(req.pending)
+
+    def _cache_hits(self, req: Request) -> list[int]:
+        """Cached blocks of a waiting request's prefix (prefix caching; [] when off). A request
+        with ``prompt_logprobs`` skips only positions whose logprobs it has already."""
+        pl = req.prompt_logprobs
+        return self.blocks.find_cached(req, None if pl is None else len(pl) - 1)
 
     def add_running(self, req: Request) -> None:
         """A forked sample: it holds its parent's blocks and computed prompt, so it runs (it is
@@ -112,6 +124,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.blocks.free_request(req)
         req.num_computed_tokens = 0
+        req.block_uids = []  # its blocks are gone: register the recomputed ones again
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1

@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 
 from megainfer.config import ConfigError, ModelConfig
-from megainfer.models.kv_spec import kv_cache_spec_for
+from megainfer.models.kv_spec import kv_cache_spec_for, kv_format_error
 
 from .errors import CacheTooSmallError
 
@@ -23,19 +23,37 @@ def resolve_max_model_len(model: ModelConfig, requested: Optional[int]) -> int:
     return requested
 
 
+def check_kv_cache_dtype(model: ModelConfig, kv_cache_dtype: str,
+                         attention_backend: Optional[str] = None) -> None:
+    """ConfigError naming cache.kv_cache_dtype when this model (a head size fp4 cannot pack) or
+    the chosen attention backend cannot store/read its cache in that format; a quantised cache
+    never falls back to full precision."""
+    from megainfer.kernels.attention_limits import kv_cache_limits_error
+    why = kv_format_error(model, kv_cache_dtype)
+    if why is None and attention_backend == "triton":
+        why = kv_cache_limits_error(kv_cache_dtype, model.is_mla)
+    if why:
+        raise ConfigError(f"cache.kv_cache_dtype={kv_cache_dtype}: {why}")
+
+
 def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype,
-                       kv_heads: Optional[int] = None) -> int:
+                       kv_heads: Optional[int] = None, kv_cache_dtype: str = "auto") -> int:
     """All layers, one rank: from the model's cache spec (GQA: 2 x kv_heads x head_dim per
-    token, ``kv_heads`` on this rank; MLA: one latent of kv_lora_rank + qk_rope_head_dim)."""
-    return block_size * kv_cache_spec_for(model, kv_heads=kv_heads).bytes_per_token(dtype)
+    token, ``kv_heads`` on this rank; MLA: one latent of kv_lora_rank + qk_rope_head_dim),
+    stored in ``kv_cache_dtype`` (block scales counted)."""
+    check_kv_cache_dtype(model, kv_cache_dtype)
+    spec = kv_cache_spec_for(model, kv_heads=kv_heads, kv_format=kv_cache_dtype)
+    return block_size * spec.bytes_per_token(dtype)
 
 
 def derive_num_blocks(model: ModelConfig, max_model_len: int, max_num_seqs: int, block_size: int,
                       memory_gib: float, dtype: torch.dtype = torch.float32,
-                      kv_heads: Optional[int] = None) -> int:
-    """Enough blocks for max_num_seqs requests of max_model_len, capped by memory_gib."""
+                      kv_heads: Optional[int] = None, kv_cache_dtype: str = "auto") -> int:
+    """Enough blocks for max_num_seqs requests of max_model_len, capped by memory_gib (bytes per
+    block in ``kv_cache_dtype``: a low-bit cache holds more blocks at the same budget)."""
     per_seq = -(-max_model_len // block_size)
-    cap = int(memory_gib * 2**30 // kv_bytes_per_block(model, block_size, dtype, kv_heads))
+    cap = int(memory_gib * 2**30 // kv_bytes_per_block(model, block_size, dtype, kv_heads,
+                                                       kv_cache_dtype))
     if cap < per_seq:
         raise CacheTooSmallError(
             f"cache.memory_gib={memory_gib}: holds {cap} KV blocks of {block_size} tokens, but one "

@@ -2,6 +2,9 @@
 
 KV cache of one layer: ``kv[2, num_blocks, block_size, kv_heads, head_dim]`` (0 = keys, 1 = values).
 A step's batch is flat: ``T`` new tokens from ``S`` sequences, sequence after sequence.
+A low-bit cache (float8 or uint8 fp4_e2m1, ``megainfer.kernels.kv_quant``) is quantised as the
+new keys/values are written and dequantised after each step's gather (only the blocks of the
+step's sequences, never the whole cache).
 """
 from __future__ import annotations
 
@@ -12,6 +15,8 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
+
+from megainfer.kernels import kv_quant
 
 
 @dataclass
@@ -122,6 +127,21 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return out.transpose(0, 1)
 
 
+def store_kv_torch(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """k/v [T, Hkv, D] -> the cache at the flat slots; a low-bit cache quantises them first
+    (its per-layer scales set on the first non-zero write, ``kv_quant.update_scales``)."""
+    Hkv = k.shape[1]
+    flat = kv_cache.view(2, -1, Hkv, kv_cache.shape[-1])  # [2, NB*BS, Hkv, D or stored row]
+    fmt = kv_quant.format_of(kv_cache)
+    if fmt != "auto":
+        scales = kv_quant.scales_of(kv_cache)
+        kv_quant.update_scales(scales, fmt, k, v)
+        k, v = kv_quant.quantize(k, scales[0], fmt), kv_quant.quantize(v, scales[1], fmt)
+    flat[0, slot_mapping] = k.to(flat.dtype)  # same dtype: k itself
+    flat[1, slot_mapping] = v.to(flat.dtype)
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Write k/v of the new tokens into the cache, then attend over each sequence's context.
@@ -129,11 +149,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     q [T, Hq, D], k/v [T, Hkv, D], kv_cache [2, NB, BS, Hkv, D] -> out [T, Hq, D].
     Decode sequences (one new token) run as one padded batch; prefill chunks one by one.
     """
-    T, Hq, D = q.shape
-    Hkv = k.shape[1]
-    flat = kv_cache.view(2, -1, Hkv, D)  # [2, NB*BS, Hkv, D]
-    flat[0, meta.slot_mapping] = k
-    flat[1, meta.slot_mapping] = v
+    store_kv_torch(k, v, kv_cache, meta.slot_mapping)
     out = torch.empty_like(q)
     qlens, starts = meta.query_lens_list, meta.query_starts_list
     if meta.decode_seqs_list:
@@ -168,15 +184,25 @@ class _GatherScratch:
 _SCRATCH = _GatherScratch()
 
 
-def _gather_context(kv_cache: torch.Tensor, blocks: torch.Tensor, length: int):
+def _gather_context(kv_cache: torch.Tensor, blocks: torch.Tensor, length: int,
+                    dtype: torch.dtype = None):
     """blocks [..., nb] -> keys, values [..., nb*BS, Hkv, D] cut to ``length`` (views into
-    scratch buffers, valid until the next gather)."""
+    scratch buffers, valid until the next gather). A quantised cache: the gathered blocks
+    dequantised to ``dtype`` (new tensors)."""
     flat = blocks.reshape(-1)  # index_select: several times faster than advanced indexing on CPU
     kc, vc = _SCRATCH.take(kv_cache[0], flat.numel())  # [prod(...) * nb, BS, Hkv, D]
     torch.index_select(kv_cache[0], 0, flat, out=kc)
     torch.index_select(kv_cache[1], 0, flat, out=vc)
     shape = (*blocks.shape[:-1], -1, *kc.shape[-2:])
-    return kc.reshape(shape)[..., :length, :, :], vc.reshape(shape)[..., :length, :, :]
+    kc, vc = kc.reshape(shape)[..., :length, :, :], vc.reshape(shape)[..., :length, :, :]
+    fmt = kv_quant.format_of(kv_cache)
+    if fmt != "auto":
+        scales = kv_quant.scales_of(kv_cache)
+        kc = kv_quant.dequantize(kc, scales[0], fmt, dtype)
+        vc = kv_quant.dequantize(vc, scales[1], fmt, dtype)
+    elif dtype is not None and kc.dtype != dtype:  # a cache kept in another float dtype
+        kc, vc = kc.to(dtype), vc.to(dtype)
+    return kc, vc
 
 
 def _decode_batch(q, kv_cache, meta, scale, out):
@@ -185,7 +211,7 @@ def _decode_batch(q, kv_cache, meta, scale, out):
     L = max(meta.seq_lens_list[i] for i in meta.decode_seqs_list)
     idx, rows = meta.decode_seqs, meta.decode_rows  # [S_d], [S_d]
     blocks = meta.block_tables[idx, : math.ceil(L / BS)]  # [S_d, nb]
-    keys, vals = _gather_context(kv_cache, blocks, L)  # [S_d, L, Hkv, D]
+    keys, vals = _gather_context(kv_cache, blocks, L, q.dtype)  # [S_d, L, Hkv, D]
     qd = q[rows]  # [S_d, Hq, D]
     mask = torch.arange(L, device=q.device)[None, :] < meta.seq_lens[idx][:, None]  # [S_d, L]
     # enable_gqa: query head h reads kv head h // group, without materialising repeated K/V
@@ -200,7 +226,7 @@ def _prefill_one(q, kv_cache, meta, i, start, n, scale, out):
     L = meta.seq_lens_list[i]
     ctx = L - n
     blocks = meta.block_tables[i, : math.ceil(L / meta.block_size)]
-    keys, vals = _gather_context(kv_cache, blocks, L)  # [L, Hkv, D]
+    keys, vals = _gather_context(kv_cache, blocks, L, q.dtype)  # [L, Hkv, D]
     qpos = torch.arange(ctx, L, device=q.device)[:, None]
     mask = torch.arange(L, device=q.device)[None, :] <= qpos  # [n, L]
     o = F.scaled_dot_product_attention(q[start:start + n].transpose(0, 1), keys.transpose(0, 1),

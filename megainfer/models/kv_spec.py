@@ -5,6 +5,12 @@
 * ``mla``: one latent per token shared by every head, ``shape_per_token = (R + P,)`` =
   normalised ``c_kv`` (kv_lora_rank) then the rotated ``k_pe`` (qk_rope_head_dim); a layer's
   cache is ``[num_blocks, block_size, R + P]``. Every TP rank keeps the whole latent.
+
+``kv_format`` (``cache.kv_cache_dtype``, ``megainfer.kernels.kv_quant``): ``auto`` stores the
+model dtype; ``fp8_e4m3`` / ``fp8_e5m2`` store float8 elements (same shapes); ``fp4_e2m1``
+stores uint8 rows of ``D/2 + D/16`` bytes per ``D`` values (packed E2M1 codes + E4M3 block
+scales): GQA ``[2, NB, BS, Hkv, D/2 + D/16]``, MLA ``[NB, BS, R/2 + R/16 + P/2 + P/16]``.
+``bytes_per_token`` counts the block scales; the two float32 scales per layer are not per token.
 """
 from __future__ import annotations
 
@@ -13,6 +19,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from megainfer.kernels import kv_quant
 
 KINDS = ("gqa", "mla")
 
@@ -23,8 +31,13 @@ class KVCacheSpec:
     shape_per_token: tuple[int, ...]
     dtype: torch.dtype = torch.float32
     num_layers: int = 1
+    kv_format: str = "auto"  # cache.kv_cache_dtype
+    parts: tuple[int, ...] = ()  # mla: (R, P), quantised apart (own scale, own 16-blocks)
 
     def __post_init__(self):
+        if self.kv_format not in kv_quant.FORMATS:
+            raise ValueError(f"kv_cache_dtype={self.kv_format!r}: must be one of "
+                             f"{', '.join(kv_quant.FORMATS)}")
         if self.kind not in KINDS:
             raise ValueError(f"kv cache kind={self.kind!r}: must be one of {KINDS}")
         want = 3 if self.kind == "gqa" else 1
@@ -32,30 +45,60 @@ class KVCacheSpec:
             raise ValueError(f"kv cache shape_per_token={self.shape_per_token}: {self.kind} wants "
                              f"{want} positive sizes")
 
+    def stored_row(self) -> int:
+        """Storage elements of one row (GQA: one head's D; MLA: the latent)."""
+        f = self.kv_format
+        if self.kind == "gqa":
+            return kv_quant.stored_dim(f, self.shape_per_token[2])
+        parts = self.parts or self.shape_per_token
+        return sum(kv_quant.stored_dim(f, p) for p in parts)
+
     def layer_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         if self.kind == "gqa":
-            two, heads, dim = self.shape_per_token
-            return (two, num_blocks, block_size, heads, dim)
-        return (num_blocks, block_size, *self.shape_per_token)
+            two, heads, _ = self.shape_per_token
+            return (two, num_blocks, block_size, heads, self.stored_row())
+        return (num_blocks, block_size, self.stored_row())
+
+    def storage_dtype(self, dtype: Optional[torch.dtype] = None) -> torch.dtype:
+        return kv_quant.storage_dtype(self.kv_format, dtype or self.dtype)
 
     def bytes_per_token(self, dtype: Optional[torch.dtype] = None) -> int:
-        """All layers: what one cached token costs on this rank."""
-        elt = torch.empty(0, dtype=dtype or self.dtype).element_size()
-        return self.num_layers * math.prod(self.shape_per_token) * elt
+        """All layers: what one cached token costs on this rank (block scales included)."""
+        elt = torch.empty(0, dtype=self.storage_dtype(dtype)).element_size()
+        rows = math.prod(self.shape_per_token[:-1])
+        return self.num_layers * rows * self.stored_row() * elt
 
     def allocate(self, num_blocks: int, block_size: int, device="cpu",
                  dtype: Optional[torch.dtype] = None) -> list[torch.Tensor]:
-        """One zeroed cache tensor per layer."""
+        """One zeroed cache tensor per layer (a quantised one with fresh, unset scales)."""
         shape = self.layer_shape(num_blocks, block_size)
-        return [torch.zeros(shape, dtype=dtype or self.dtype, device=device)
-                for _ in range(self.num_layers)]
+        caches = [torch.zeros(shape, dtype=self.storage_dtype(dtype), device=device)
+                  for _ in range(self.num_layers)]
+        if self.kv_format != "auto":
+            for c in caches:
+                kv_quant.register(c)
+        return caches
 
 
 def kv_cache_spec_for(cfg, tp_size: int = 1, dtype: torch.dtype = torch.float32,
-                      kv_heads: Optional[int] = None) -> KVCacheSpec:
+                      kv_heads: Optional[int] = None, kv_format: str = "auto") -> KVCacheSpec:
     """The spec of a ``ModelConfig`` on one TP rank (GQA heads split over ranks; MLA: whole
     latent on every rank). ``kv_heads`` overrides the per-rank GQA head count."""
     if cfg.is_mla:
-        return KVCacheSpec("mla", (cfg.kv_lora_rank + cfg.qk_rope_head_dim,), dtype, cfg.num_layers)
+        R, P = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        return KVCacheSpec("mla", (R + P,), dtype, cfg.num_layers, kv_format, (R, P))
     heads = kv_heads or max(1, cfg.num_kv_heads // tp_size)
-    return KVCacheSpec("gqa", (2, heads, cfg.head_dim), dtype, cfg.num_layers)
+    return KVCacheSpec("gqa", (2, heads, cfg.head_dim), dtype, cfg.num_layers, kv_format)
+
+
+def kv_format_error(cfg, kv_format: str) -> Optional[str]:
+    """Why a model's cache cannot be stored in ``kv_format`` (None: it can)."""
+    if kv_format != "fp4_e2m1":
+        return None
+    sizes = ({"kv_lora_rank": cfg.kv_lora_rank, "qk_rope_head_dim": cfg.qk_rope_head_dim}
+             if cfg.is_mla else {"head_dim": cfg.head_dim})
+    bad = {k: v for k, v in sizes.items() if v % kv_quant.FP4_BLOCK}
+    if bad:
+        return ("fp4_e2m1 packs blocks of 16 values along the head dimension; this model's "
+                + ", ".join(f"{k}={v}" for k, v in bad.items()) + " is not a multiple of 16")
+    return None

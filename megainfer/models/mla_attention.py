@@ -12,6 +12,11 @@ With ``W = kv_b_proj.weight.view(H, N + V, R)``: ``W_UK = W[:, :N]``, ``W_UV = W
 
 A backend (``TorchMLA``, ``TritonMLA``) stores the new latents and attends; it is the seam the
 Triton kernels (``megainfer.kernels.triton_mla``: ``store_latent``, ``mla_decode``) plug into.
+
+A low-bit latent cache (``megainfer.kernels.kv_quant``; float8 or uint8 fp4_e2m1): ``c_kv`` and
+``k_pe`` are quantised apart (scales[0] / scales[1], and their own 16-blocks for fp4), the row
+stored as ``[q(c_kv) | q(k_pe)]``; reads dequantise only the gathered blocks of the step
+(``TritonMLA``: the decode kernel reads float8 itself; fp4 and the store use the torch code).
 """
 from __future__ import annotations
 
@@ -19,6 +24,8 @@ import logging
 import math
 
 import torch
+
+from megainfer.kernels import kv_quant
 
 log = logging.getLogger("megainfer.models")
 
@@ -34,6 +41,7 @@ def mla_decode_torch(q_latent: torch.Tensor, q_pe: torch.Tensor, latent_cache: t
     L = int(seq_lens.max()) if max_len is None else max_len
     nb = math.ceil(L / BS)
     lat = latent_cache[block_tables[:, :nb]].reshape(S, nb * BS, latent_cache.shape[-1])[:, :L]
+    lat = dequant_latent(lat, latent_cache, R, torch.float32)
     q = torch.cat((q_latent, q_pe), dim=-1)  # [S, H, R+P]
     scores = torch.einsum("shd,sld->shl", q.float(), lat.float()) * scale  # [S, H, L] fp32
     mask = torch.arange(L, device=q.device)[None, :] < seq_lens[:, None]  # [S, L]
@@ -42,9 +50,34 @@ def mla_decode_torch(q_latent: torch.Tensor, q_pe: torch.Tensor, latent_cache: t
     return torch.einsum("shl,slr->shr", p, lat[..., :R].float()).to(q_latent.dtype)
 
 
+def quant_latent(latent: torch.Tensor, cache: torch.Tensor, R: int) -> torch.Tensor:
+    """latent [T, R+P] -> the rows a quantised cache stores (scales set on the first write)."""
+    fmt = kv_quant.format_of(cache)
+    scales = kv_quant.scales_of(cache)
+    c_kv, k_pe = latent[:, :R], latent[:, R:]
+    kv_quant.update_scales(scales, fmt, c_kv, k_pe)
+    return torch.cat([kv_quant.quantize(c_kv, scales[0], fmt),
+                      kv_quant.quantize(k_pe, scales[1], fmt)], dim=-1)
+
+
+def dequant_latent(rows: torch.Tensor, cache: torch.Tensor, R: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """Gathered rows [..., W] of ``cache`` -> latents [..., R+P] in ``dtype`` (auto: cast only)."""
+    fmt = kv_quant.format_of(cache)
+    if fmt == "auto":
+        return rows
+    scales = kv_quant.scales_of(cache)
+    w = kv_quant.stored_dim(fmt, R)
+    return torch.cat([kv_quant.dequantize(rows[..., :w], scales[0], fmt, dtype),
+                      kv_quant.dequantize(rows[..., w:], scales[1], fmt, dtype)], dim=-1)
+
+
 def store_latent_torch(latent: torch.Tensor, cache: torch.Tensor,
-                       slot_mapping: torch.Tensor) -> None:
-    """latent [T, R+P] -> cache [NB, BS, R+P] at the flat slots (block * BS + offset)."""
+                       slot_mapping: torch.Tensor, R: int = 0) -> None:
+    """latent [T, R+P] -> cache [NB, BS, R+P] at the flat slots (block * BS + offset).
+    ``R`` (kv_lora_rank) is needed for a quantised cache only."""
+    if kv_quant.format_of(cache) != "auto":
+        latent = quant_latent(latent, cache, R)
     cache.view(-1, cache.shape[-1])[slot_mapping] = latent.to(cache.dtype)
 
 
@@ -68,9 +101,10 @@ def expanded_attention(mla, q_nope: torch.Tensor, q_pe: torch.Tensor, latents: t
     return torch.matmul(p, v.transpose(0, 1)).transpose(0, 1)  # [n, H, V]
 
 
-def _context(cache: torch.Tensor, blocks: torch.Tensor, L: int) -> torch.Tensor:
+def _context(cache: torch.Tensor, blocks: torch.Tensor, L: int, R: int = 0,
+             dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """blocks [nb] -> the first L latents of the sequence [L, R+P]."""
-    return cache[blocks].reshape(-1, cache.shape[-1])[:L]
+    return dequant_latent(cache[blocks].reshape(-1, cache.shape[-1])[:L], cache, R, dtype)
 
 
 class TorchMLA:
@@ -80,14 +114,14 @@ class TorchMLA:
     name = "torch"
     graphable = False  # sizes its work from the host lists of each step
 
-    def store(self, latent, cache, meta) -> None:
-        store_latent_torch(latent, cache, meta.slot_mapping)
+    def store(self, latent, cache, meta, R: int = 0) -> None:
+        store_latent_torch(latent, cache, meta.slot_mapping, R)
 
     def decode(self, q_latent, q_pe, cache, seq_lens, block_tables, scale, max_len):
         return mla_decode_torch(q_latent, q_pe, cache, seq_lens, block_tables, scale, max_len)
 
     def __call__(self, mla, q_nope, q_pe, latent, cache, meta) -> torch.Tensor:
-        self.store(latent, cache, meta)
+        self.store(latent, cache, meta, mla.kv_lora_rank)
         T, H, _ = q_nope.shape
         out = q_nope.new_empty(T, H, mla.v_head_dim)
         if meta.decode_seqs_list:
@@ -100,7 +134,8 @@ class TorchMLA:
         for i, n in enumerate(meta.query_lens_list):
             if n > 1:
                 L, s = meta.seq_lens_list[i], meta.query_starts_list[i]
-                lat = _context(cache, meta.block_tables[i, :math.ceil(L / meta.block_size)], L)
+                lat = _context(cache, meta.block_tables[i, :math.ceil(L / meta.block_size)], L,
+                               mla.kv_lora_rank, q_nope.dtype)
                 out[s:s + n] = expanded_attention(mla, q_nope[s:s + n], q_pe[s:s + n], lat, L - n)
         return out
 
@@ -114,12 +149,19 @@ class TritonMLA(TorchMLA):
     def __init__(self, kernels):
         self.kernels = kernels
 
-    def store(self, latent, cache, meta) -> None:
+    def store(self, latent, cache, meta, R: int = 0) -> None:
+        if kv_quant.format_of(cache) != "auto":  # quantised latents: the torch quantise + store
+            return super().store(latent, cache, meta, R)
         self.kernels.store_latent(latent, cache, meta.slot_mapping)
 
     def decode(self, q_latent, q_pe, cache, seq_lens, block_tables, scale, max_len):
+        fmt, scales = kv_quant.format_of(cache), None
+        if fmt == "fp4_e2m1":  # the kernel reads float8 at most: the torch decode (gathered only)
+            return super().decode(q_latent, q_pe, cache, seq_lens, block_tables, scale, max_len)
+        if fmt != "auto":  # float8: dequantised in the kernel's registers
+            scales = kv_quant.scales_of(cache)
         return self.kernels.mla_decode(q_latent.contiguous(), q_pe.contiguous(), cache, seq_lens,
-                                       block_tables, scale, q_latent.shape[-1])
+                                       block_tables, scale, q_latent.shape[-1], scales=scales)
 
 
 def make_mla_backend(name: str, R: int = 512, P: int = 64):

@@ -1,7 +1,9 @@
 """Run several disaggregated or colocated jobs in one mpiexec launch; rank 0 dumps outputs.
 
-    mpiexec -n K python runtime_job.py OUT.json A TP E MS CKPT[,CKPT...] [max_tokens]
+    mpiexec -n K python runtime_job.py OUT.json A TP E MS CKPT[,CKPT...] [max_tokens] [shared]
 MS is a comma list of micro-batch counts; E = 0 runs colocated mode over the A ranks.
+``shared``: the shared-prefix prompts (``shared_inputs``) on a pool small enough to preempt
+and evict, prefix caching on (``SHARED_CACHE``).
 OUT.json maps "<ckpt>|m=<m>" to {request id: token ids}. Prompts are fixed (seeded) so the
 single-mode reference is computed from the same ``prompts``.
 """
@@ -22,6 +24,7 @@ from megainfer.runtime.world import JobSpec, build_rank, run_rank  # noqa
 
 SCHED = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128)
 CACHE = CacheConfig(block_size=4, num_blocks=256)
+SHARED_CACHE = CacheConfig(block_size=4, num_blocks=40, enable_prefix_caching=True)
 
 
 def prompts(vocab: int):
@@ -36,22 +39,36 @@ def inputs(vocab: int, max_tokens: int):
             for i, p in enumerate(prompts(vocab))]
 
 
+def shared_inputs(vocab: int, max_tokens: int):
+    """12 prompts over 3 system prompts (13, 22, 8 tokens) with 1..6-token suffixes."""
+    g = torch.Generator().manual_seed(12)
+    systems = [torch.randint(3, vocab, (L,), generator=g).tolist() for L in (13, 22, 8)]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [PromptInput(f"s{i}", prompt_token_ids=systems[i % 3] + torch.randint(
+        3, vocab, (1 + i % 6,), generator=g).tolist(), params=params) for i in range(12)]
+
+
 def main():
     out, A, TP, E = sys.argv[1], *map(int, sys.argv[2:5])
     ms = [int(m) for m in sys.argv[5].split(",")]
     ckpts = sys.argv[6].split(",")
     max_tokens = int(sys.argv[7]) if len(sys.argv) > 7 else 12
+    shared = len(sys.argv) > 8 and sys.argv[8] == "shared"
+    make_inputs, cache = (shared_inputs, SHARED_CACHE) if shared else (inputs, CACHE)
     results = {}
     for ckpt in ckpts:
         cfg = ModelConfig.from_pretrained(ckpt)
         for m in ms:
             plan = DeployPlan(mode="disaggregated" if E else "colocated", attention_replicas=A,
                               attention_tp=TP, expert_ranks=E, micro_batches=m)
-            r = build_rank(JobSpec(cfg, LoadConfig(path=ckpt), SCHED, CACHE, plan,
+            r = build_rank(JobSpec(cfg, LoadConfig(path=ckpt), SCHED, cache, plan,
                                    CommConfig(timeout_s=120)))
-            stream = run_rank(r, inputs(cfg.vocab_size, max_tokens))
+            stream = run_rank(r, make_inputs(cfg.vocab_size, max_tokens))
             if stream is not None:
-                results[f"{ckpt}|m={m}"] = {o.request_id: o.outputs[0].token_ids for o in stream}
+                outs = list(stream)
+                results[f"{ckpt}|m={m}"] = {o.request_id: o.outputs[0].token_ids for o in outs}
+                if shared:  # prompt tokens the prefix cache served
+                    results[f"{ckpt}|m={m}|cached"] = sum(o.num_cached_tokens or 0 for o in outs)
             r.close()
     if results:
         with open(out, "w") as f:

@@ -1,0 +1,156 @@
+"""The paged KV cache in Triton: writing new keys/values through a slot mapping (quantised to
+the cache's format: model dtype, float8 with a per-layer scale, or packed fp4 with block scales)
+and reading a tile of cache rows back, dequantised in registers (``_kv_tile``, used by the
+attention kernels in ``triton_attention.py`` and ``triton_mla.py``). Formats: ``kv_quant.py``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .attention_ref import FP8_CACHE_DTYPES, check_attention_args
+from .dispatch import KernelInputError
+
+
+@triton.jit
+def _round_fp8(x, FMAX, MANT: tl.constexpr, EMIN: tl.constexpr):
+    """fp32 x -> the nearest float8 value (round half to even, saturated to +-FMAX), still in
+    fp32, so that the cast to the float8 type is exact (no reliance on the backend's rounding:
+    the interpreter's direct cast misrounds across binades). Exponent read from the bits."""
+    a = tl.minimum(tl.abs(x), FMAX)
+    e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    e = tl.maximum(e, EMIN)  # subnormals share the smallest normal binade's ulp
+    ulp = ((e - MANT + 127) << 23).to(tl.float32, bitcast=True)
+    r = ((a / ulp + 12582912.0) - 12582912.0) * ulp  # 1.5 * 2**23: fp32 add rounds to even
+    r = tl.minimum(r, FMAX)
+    return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def _fp4_tile(row, d, mask, D, gscale):
+    """An fp4_e2m1 tile (kernels/kv_quant.py): row [BN] uint8 pointers to each token's row of
+    D/2 packed codes then D/16 E4M3 block scales -> values [BN, BD] fp32 (x gscale)."""
+    byte = tl.load(row[:, None] + d[None, :] // 2, mask=mask, other=0).to(tl.int32)
+    code = (byte >> ((d[None, :] % 2) * 4)) & 0xF
+    m = code & 7
+    e = m >> 1
+    mag = tl.where(e == 0, m.to(tl.float32) * 0.5,
+                   (1.0 + 0.5 * (m & 1).to(tl.float32)) * tl.exp2((e - 1).to(tl.float32)))
+    sb = tl.load(row[:, None] + D // 2 + d[None, :] // 16, mask=mask, other=0)
+    bs = sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return tl.where(code >= 8, -mag, mag) * bs * gscale
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, sc_ptr, H, D, s_kt, s_kh, s_vt, s_vh,
+                     s_c2, s_cb, s_cs, s_ch, FMAX,
+                     BS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                     QUANT: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr):
+    """One program per token: k/v[t] [H, D] -> cache[0/1, slot // BS, slot % BS]
+    (QUANT: a float8 cache, x / scale saturated to +-FMAX; scales sc_ptr[0] keys, [1] values)."""
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    h = tl.arange(0, BLOCK_H)[:, None]  # [BH, 1]
+    d = tl.arange(0, BLOCK_D)[None, :]  # [1, BD]
+    mask = (h < H) & (d < D)
+    dst = cache_ptr + (slot // BS) * s_cb + (slot % BS) * s_cs + h * s_ch + d  # [BH, BD]
+    k = tl.load(k_ptr + t * s_kt + h * s_kh + d, mask=mask)
+    v = tl.load(v_ptr + t * s_vt + h * s_vh + d, mask=mask)
+    if QUANT:
+        ks = tl.load(sc_ptr)
+        vs = tl.load(sc_ptr + 1)
+        k_inv = tl.where(ks > 0, 1.0 / tl.where(ks > 0, ks, 1.0), 0.0)
+        v_inv = tl.where(vs > 0, 1.0 / tl.where(vs > 0, vs, 1.0), 0.0)
+        k = _round_fp8(k.to(tl.float32) * k_inv, FMAX, MANT, EMIN)
+        v = _round_fp8(v.to(tl.float32) * v_inv, FMAX, MANT, EMIN)
+    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + s_c2, v.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+def _quant_args(kv_cache: torch.Tensor, scales: Optional[torch.Tensor], like: torch.Tensor):
+    """(scales tensor, QUANT) for a float8 or fp4 (uint8) cache (scales: float32 [2], keys then
+    values)."""
+    if kv_cache.dtype not in FP8_CACHE_DTYPES + (torch.uint8,):
+        return like, False
+    if (scales is None or scales.dtype != torch.float32 or scales.numel() < 2
+            or scales.device != kv_cache.device):
+        raise KernelInputError("scales: a float8 kv_cache needs float32 [2] scales (keys, "
+                               f"values) on {kv_cache.device}")
+    return scales, True
+
+
+def _fp4(kv_cache: torch.Tensor) -> dict:
+    return dict(FP4=kv_cache.dtype == torch.uint8)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+             slot_mapping: torch.Tensor, scales: Optional[torch.Tensor] = None) -> None:
+    """k, v [T, Hkv, D] -> kv_cache [2, NB, BS, Hkv, D] at slot_mapping [T] (int; -1 skips).
+    A float8 cache stores saturate(x / scales[0 or 1]) (``kernels/kv_quant.py``); an fp4_e2m1
+    (uint8) cache takes k, v already packed by ``kv_quant.quant_fp4`` and copies the rows."""
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise KernelInputError(f"kv_cache: expected [2, num_blocks, block_size, Hkv, D], "
+                               f"got {tuple(kv_cache.shape)}")
+    _, NB, BS, Hkv, D = kv_cache.shape
+    T = k.shape[0] if k.dim() else 0
+    if kv_cache.dtype == torch.uint8:  # fp4_e2m1: rows already packed by kv_quant.quant_fp4
+        for name, t in (("k", k), ("v", v)):
+            if (tuple(t.shape) != (T, Hkv, D) or t.dtype != torch.uint8
+                    or t.device != kv_cache.device or t.stride(-1) != 1):
+                raise KernelInputError(
+                    f"{name}: an fp4_e2m1 cache takes rows packed by kv_quant.quant_fp4, uint8 "
+                    f"[{T}, {Hkv}, {D}] on {kv_cache.device}, got {tuple(t.shape)} {t.dtype}")
+        if T:  # a byte copy through the slot mapping (-1 skips: CUDA-graph padding rows)
+            _store_kv_kernel[(T,)](k, v, kv_cache, slot_mapping, k, Hkv, D, k.stride(0),
+                                   k.stride(1), v.stride(0), v.stride(1),
+                                   *kv_cache.stride()[:4], 0.0, BS=BS,
+                                   BLOCK_H=max(2, triton.next_power_of_2(Hkv)),
+                                   BLOCK_D=triton.next_power_of_2(D), QUANT=False, MANT=3,
+                                   EMIN=-6)
+        return
+    want = ((T, Hkv, D), k.dtype if kv_cache.dtype in FP8_CACHE_DTYPES else kv_cache.dtype,
+            kv_cache.device)
+    for name, t in (("k", k), ("v", v)):
+        if (tuple(t.shape), t.dtype, t.device) != want:
+            raise KernelInputError(f"{name}: expected [{T}, {Hkv}, {D}] {want[1]} on {want[2]}, "
+                                   f"got {tuple(t.shape)} {t.dtype} on {t.device}")
+        if t.stride(-1) != 1:
+            raise KernelInputError(f"{name}: head_dim must be contiguous (stride 1)")
+    check_attention_args(k, kv_cache)  # dtype, head_dim, layout
+    if (slot_mapping.shape != (T,) or slot_mapping.dtype not in (torch.int32, torch.int64)
+            or slot_mapping.device != k.device):
+        raise KernelInputError(f"slot_mapping: expected [{T}] int32/int64 on {k.device}, got "
+                               f"{tuple(slot_mapping.shape)} {slot_mapping.dtype} on "
+                               f"{slot_mapping.device}")
+    sc, quant = _quant_args(kv_cache, scales, k)
+    if T == 0:
+        return
+    fmax = float(torch.finfo(kv_cache.dtype).max) if quant else 0.0
+    mant, emin = (2, -14) if kv_cache.dtype == torch.float8_e5m2 else (3, -6)
+    _store_kv_kernel[(T,)](k, v, kv_cache, slot_mapping, sc, Hkv, D, k.stride(0), k.stride(1),
+                           v.stride(0), v.stride(1), *kv_cache.stride()[:4], fmax, BS=BS,
+                           BLOCK_H=max(2, triton.next_power_of_2(Hkv)),
+                           BLOCK_D=triton.next_power_of_2(D), QUANT=quant, MANT=mant,
+                           EMIN=emin)
+
+
+@triton.jit
+def _kv_tile(base, d, kv_mask, D, s_c2, sc_ptr, FP4: tl.constexpr, QUANT: tl.constexpr):
+    """Keys and values [BN, BD] of the cache rows at ``base`` [BN] (values ``s_c2`` further),
+    dequantised in registers: fp4_e2m1 codes and block scales unpacked, float8 times the
+    layer's scale (fp32 out); a model-dtype cache as it is."""
+    if FP4:
+        k = _fp4_tile(base, d, kv_mask, D, tl.load(sc_ptr))
+        v = _fp4_tile(base + s_c2, d, kv_mask, D, tl.load(sc_ptr + 1))
+    else:
+        k = tl.load(base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(base[:, None] + s_c2 + d[None, :], mask=kv_mask, other=0.0)
+        if QUANT:
+            k = k.to(tl.float32) * tl.load(sc_ptr)
+            v = v.to(tl.float32) * tl.load(sc_ptr + 1)
+    return k, v

@@ -1,0 +1,261 @@
+"""Low-bit KV cache (cache.kv_cache_dtype): formats, layout, attention paths, sizing, the LLM."""
+import math
+
+import pytest
+import torch
+
+from megainfer.config import CacheConfig, ConfigError, ModelConfig
+from megainfer.engine.sizing import check_kv_cache_dtype, derive_num_blocks
+from megainfer.kernels import kv_quant
+from megainfer.models.attention import AttentionMetadata, paged_attention
+from megainfer.models.kv_spec import KVCacheSpec, kv_cache_spec_for
+from megainfer.models.mla_attention import dequant_latent, store_latent_torch
+
+QUANT = ("fp8_e4m3", "fp8_e5m2", "fp4_e2m1")
+# relative (Frobenius) round-trip error on N(0, 1) and the attention output error bounds
+RT_BOUND = {"fp8_e4m3": 0.04, "fp8_e5m2": 0.08, "fp4_e2m1": 0.13}
+ATT_BOUND = {"fp8_e4m3": 0.05, "fp8_e5m2": 0.1, "fp4_e2m1": 0.17}
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def _tiny_cfg(**kw):
+    base = dict(family="qwen3_moe", vocab_size=64, hidden_size=64, num_layers=2, num_heads=4,
+                num_kv_heads=2, head_dim=16, num_experts=4, top_k=2, moe_intermediate_size=32,
+                max_position_embeddings=256)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+@pytest.mark.parametrize("fmt", QUANT)
+def test_round_trip_random(fmt):
+    torch.manual_seed(0)
+    x = torch.randn(64, 4, 128)
+    y = kv_quant.round_trip(x, fmt)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert _rel(y, x) < RT_BOUND[fmt]
+    if fmt == "fp4_e2m1":  # per element: at most one block scale (half the 4 -> 6 gap)
+        bmax = x.reshape(64, 4, 8, 16).abs().amax(-1, keepdim=True)
+        err = (y - x).abs().reshape(64, 4, 8, 16)
+        assert (err <= bmax / 6 * 1.07 + 1e-6).all()
+    else:  # normal range: half an ulp of the element's mantissa
+        mant = 3 if fmt == "fp8_e4m3" else 2
+        s = x.abs().amax() * kv_quant.SCALE_HEADROOM / kv_quant.format_max(fmt)
+        tiny = s * 2.0 ** (-6 if fmt == "fp8_e4m3" else -14)
+        assert ((y - x).abs() <= x.abs() * 2.0 ** -(mant + 1) + tiny).all()
+
+
+@pytest.mark.parametrize("fmt", QUANT)
+def test_round_trip_adversarial(fmt):
+    torch.manual_seed(1)
+    # zeros: stored as zeros, the scale stays unset until a non-zero write
+    z = torch.zeros(8, 32)
+    sc = torch.zeros(1)
+    kv_quant.update_scales(sc, fmt, z)
+    assert sc.item() == 0 and (kv_quant.round_trip(z, fmt, sc) == 0).all()
+    # subnormal float32 inputs: finite, tiny error
+    sub = torch.full((4, 32), 1e-40) * torch.randn(4, 32).sign()
+    y = kv_quant.round_trip(sub, fmt)
+    assert torch.isfinite(y).all() and (y - sub).abs().max() <= 2e-40
+    # mixed with ordinary values: the subnormals flush to (near) zero, the rest stays accurate
+    mix = torch.randn(4, 32)
+    mix[:, ::2] = 1e-40
+    y = kv_quant.round_trip(mix, fmt)
+    assert torch.isfinite(y).all() and _rel(y, mix) < RT_BOUND[fmt]
+    # outliers: one huge value per row; finite, error bounded by the outlier's scale
+    out = torch.randn(16, 64)
+    out[:, 5] = 1e4
+    y = kv_quant.round_trip(out, fmt)
+    assert torch.isfinite(y).all()
+    assert (y[:, 5] - 1e4).abs().max() <= 1e4 * 0.13
+    # values beyond the first write's headroom saturate, never inf/nan
+    sc = torch.zeros(1)
+    kv_quant.update_scales(sc, fmt, torch.ones(4))
+    big = kv_quant.dequantize(kv_quant.quantize(torch.full((32,), 1e6), sc[0], fmt), sc[0], fmt,
+                              torch.float32)
+    assert torch.isfinite(big).all() and big.max() <= kv_quant.SCALE_HEADROOM * 1.01
+
+
+def test_fp4_outliers_block_scales_beat_per_tensor():
+    torch.manual_seed(2)
+    x = torch.randn(64, 128)
+    x[:, 3] = 50.0  # one outlier per row: only its own block of 16 should lose precision
+    blk = kv_quant.round_trip(x, "fp4_e2m1")
+    try:
+        kv_quant.FP4_BLOCK_SCALES = False
+        flat = kv_quant.round_trip(x, "fp4_e2m1")
+    finally:
+        kv_quant.FP4_BLOCK_SCALES = True
+    rest = torch.ones_like(x, dtype=torch.bool)
+    rest[:, :16] = False
+    assert _rel(blk[rest], x[rest]) < 0.13 < 0.5 < _rel(flat[rest], x[rest])
+
+
+def test_fp4_packing_and_scale_layout():
+    mags = torch.tensor(kv_quant.E2M1_VALUES)
+    x = torch.cat([mags, -mags])  # codes 0..15 in order; block amax 6 -> block scale 1
+    g = torch.tensor(1.0)
+    q = kv_quant.quant_fp4(x[None], g)[0]
+    assert q.dtype == torch.uint8 and q.shape == (16 // 2 + 1,)
+    codes = list(range(8)) + [0] + list(range(9, 16))  # -0 is stored as +0
+    want = [codes[2 * j] | codes[2 * j + 1] << 4 for j in range(8)]
+    assert q[:8].tolist() == want
+    assert q[8].item() == 0x38  # E4M3 1.0
+    assert torch.equal(kv_quant.dequant_fp4(q[None], g, torch.float32)[0], x.abs() * x.sign()
+                       + 0.0)
+    # a second block with amax 12 -> block scale 2.0 (E4M3 0x40); the layout is [codes | scales]
+    y = torch.cat([x, 2 * x])
+    q2 = kv_quant.quant_fp4(y[None], g)[0]
+    assert q2.shape == (18,) and q2[16].item() == 0x38 and q2[17].item() == 0x40
+    assert torch.equal(q2[:8], q[:8]) and torch.equal(q2[8:16], q[:8])
+    with pytest.raises(ValueError):
+        kv_quant.stored_dim("fp4_e2m1", 24)
+
+
+def test_spec_shapes_and_bytes():
+    g = KVCacheSpec("gqa", (2, 2, 64), torch.bfloat16, 3)
+    assert g.bytes_per_token() == 3 * 2 * 2 * 64 * 2
+    f8 = KVCacheSpec("gqa", (2, 2, 64), torch.bfloat16, 3, "fp8_e4m3")
+    assert f8.bytes_per_token() == 3 * 2 * 2 * 64 and f8.layer_shape(5, 16) == (2, 5, 16, 2, 64)
+    f4 = KVCacheSpec("gqa", (2, 2, 64), torch.bfloat16, 3, "fp4_e2m1")
+    assert f4.layer_shape(5, 16) == (2, 5, 16, 2, 36)  # 32 packed + 4 scale bytes
+    assert f4.bytes_per_token() == 3 * 2 * 2 * 36
+    c = f4.allocate(5, 16)
+    assert len(c) == 3 and c[0].dtype == torch.uint8 and kv_quant.scales_of(c[0]).sum() == 0
+    m = KVCacheSpec("mla", (48,), torch.bfloat16, 2, "fp4_e2m1", (32, 16))
+    assert m.layer_shape(4, 16) == (4, 16, 16 + 2 + 8 + 1)
+    with pytest.raises(ValueError):
+        KVCacheSpec("gqa", (2, 2, 64), kv_format="int4")
+
+
+def test_capacity_ratios():
+    for cfg in (_tiny_cfg(), _tiny_cfg(head_dim=128)):
+        n = {f: derive_num_blocks(cfg, 256, 10**6, 16, 0.5, torch.bfloat16, kv_cache_dtype=f)
+             for f in ("auto",) + QUANT}
+        assert n["fp8_e4m3"] >= 1.9 * n["auto"] and n["fp8_e5m2"] >= 1.9 * n["auto"]
+        assert n["fp4_e2m1"] >= 3.5 * n["auto"]
+    mla = ModelConfig(family="deepseek_v3", vocab_size=64, hidden_size=64, num_layers=2,
+                      num_heads=4, num_kv_heads=4, num_experts=4, top_k=2,
+                      moe_intermediate_size=32, max_position_embeddings=256, kv_lora_rank=32,
+                      qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, n_group=1,
+                      topk_group=1, head_dim=32)
+    n = {f: derive_num_blocks(mla, 256, 10**6, 16, 0.5, torch.bfloat16, kv_cache_dtype=f)
+         for f in ("auto",) + QUANT}
+    assert n["fp8_e4m3"] >= 1.9 * n["auto"] and n["fp4_e2m1"] >= 3.5 * n["auto"]
+
+
+def test_config_errors():
+    with pytest.raises(ConfigError, match="cache.kv_cache_dtype"):
+        CacheConfig(kv_cache_dtype="int4")
+    odd = _tiny_cfg(head_dim=24)
+    with pytest.raises(ConfigError, match=r"cache\.kv_cache_dtype=fp4_e2m1.*head_dim=24"):
+        check_kv_cache_dtype(odd, "fp4_e2m1")
+    with pytest.raises(ConfigError, match="cache.kv_cache_dtype"):
+        derive_num_blocks(odd, 256, 4, 16, 0.1, torch.float32, kv_cache_dtype="fp4_e2m1")
+    check_kv_cache_dtype(odd, "fp8_e4m3", "triton")
+    check_kv_cache_dtype(_tiny_cfg(), "fp4_e2m1", "triton")  # the Triton kernels read fp4 too
+
+
+def _meta(BS=16):
+    # two sequences prefilled (one with cached context), then a decode step for both
+    return (AttentionMetadata.build([20, 7], [0, 9], [[3, 0], [1]], BS),
+            AttentionMetadata.build([1, 1], [20, 16], [[3, 0], [1, 2]], BS))
+
+
+def _run_paged(fmt, D=64, dtype=torch.float32, backend=None):
+    torch.manual_seed(3)
+    Hq, Hkv, BS = 4, 2, 16
+    spec = KVCacheSpec("gqa", (2, Hkv, D), dtype, 1, fmt)
+    cache = spec.allocate(5, BS)[0]
+    outs = []
+    for step, meta in enumerate(_meta(BS)):
+        T = meta.num_tokens
+        if step == 0:  # context of sequence 1: 9 tokens already cached in block 1
+            ctx = AttentionMetadata.build([9], [0], [[1]], BS)
+            kk, vv = torch.randn(9, Hkv, D, dtype=dtype), torch.randn(9, Hkv, D, dtype=dtype)
+            (backend or paged_attention)(torch.randn(9, Hq, D, dtype=dtype), kk, vv, cache, ctx,
+                                         D ** -0.5)
+        q = torch.randn(T, Hq, D, dtype=dtype)
+        k, v = torch.randn(T, Hkv, D, dtype=dtype), torch.randn(T, Hkv, D, dtype=dtype)
+        outs.append((backend or paged_attention)(q, k, v, cache, meta, D ** -0.5))
+    return outs, cache
+
+
+@pytest.mark.parametrize("fmt", QUANT)
+def test_torch_paged_attention_vs_full_precision(fmt):
+    ref, _ = _run_paged("auto")
+    got, cache = _run_paged(fmt)
+    assert cache.dtype == kv_quant.storage_dtype(fmt, torch.float32)
+    assert (kv_quant.scales_of(cache) > 0).all()
+    for r, g in zip(ref, got):
+        assert _rel(g, r) < ATT_BOUND[fmt]
+
+
+@pytest.mark.parametrize("fmt", QUANT)
+def test_mla_latent_cache_round_trip(fmt):
+    torch.manual_seed(4)
+    R, P = 32, 16
+    spec = kv_cache_spec_for(ModelConfig(
+        family="deepseek_v3", vocab_size=64, hidden_size=64, num_layers=1, num_heads=4,
+        num_kv_heads=4, num_experts=4, top_k=2, moe_intermediate_size=32,
+        max_position_embeddings=64, kv_lora_rank=R, qk_nope_head_dim=16, qk_rope_head_dim=P,
+        v_head_dim=16, n_group=1, topk_group=1, head_dim=32), kv_format=fmt)
+    cache = spec.allocate(3, 16)[0]
+    lat = torch.randn(20, R + P)
+    lat[:, R:] *= 10  # k_pe on another scale than c_kv: quantised apart
+    store_latent_torch(lat, cache, torch.arange(20), R)
+    back = dequant_latent(cache.view(-1, cache.shape[-1])[:20], cache, R, torch.float32)
+    assert _rel(back[:, :R], lat[:, :R]) < RT_BOUND[fmt]
+    assert _rel(back[:, R:], lat[:, R:]) < RT_BOUND[fmt]
+
+
+def _top1(pl):
+    return [next(t for t, lp in d.items() if lp.rank == 1) for d in pl[1:]]
+
+
+def test_llm_greedy_runs_per_format(tiny_ckpts):
+    from megainfer import LLM, SamplingParams
+    path = tiny_ckpts[("qwen3_moe", "base")]
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    # teacher forcing: the top-1 next token at every prompt position (prompt_logprobs)
+    forced = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+    text = "The paged KV cache stores keys and values of every token in blocks. " * 3
+    prompts = ["hello world", "the quick brown fox jumps"]
+    top1 = {}
+    for fmt in ("auto",) + QUANT:
+        llm = LLM(path, max_model_len=256, max_num_seqs=2, kv_cache_dtype=fmt)
+        assert llm.engine.kv_caches[0].dtype == kv_quant.storage_dtype(fmt, torch.float32)
+        outs = llm.generate(prompts, greedy, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+        top1[fmt] = _top1(llm.generate([text], forced, use_tqdm=False)[0].prompt_logprobs)
+    n = len(top1["auto"])
+    agree = {f: sum(a == b for a, b in zip(top1[f], top1["auto"])) / n for f in QUANT}
+    assert n > 150 and agree["fp8_e4m3"] >= 0.8 and agree["fp8_e5m2"] >= 0.6, agree
+
+
+def test_llm_capacity_follows_kv_cache_dtype():
+    from megainfer import LLM
+    cfg = _tiny_cfg()
+    n = {f: LLM(cfg, max_model_len=256, max_num_seqs=4096, kv_cache_memory_gib=0.01,
+                kv_cache_dtype=f).engine.cache_config.num_blocks for f in ("auto", "fp8_e5m2",
+                                                                             "fp4_e2m1")}
+    assert n["fp8_e5m2"] >= 1.9 * n["auto"] and n["fp4_e2m1"] >= 3.5 * n["auto"]
+    assert not math.isnan(n["auto"])
+
+
+def test_hydra_cache_kv_cache_dtype_sizes_the_cache():
+    from hydra import compose, initialize_config_module
+
+    from megainfer.launch.settings import settings_from_config
+
+    def settings(*overrides):
+        with initialize_config_module(config_module="megainfer.conf", version_base=None):
+            return settings_from_config(compose("config", overrides=list(overrides)), 1)
+    base = ["cache.memory_gib=0.001", "scheduler.max_num_seqs=4096"]
+    n = {f: settings(*base, f"cache.kv_cache_dtype={f}").cache for f in ("auto", "fp8_e4m3")}
+    assert n["fp8_e4m3"].kv_cache_dtype == "fp8_e4m3"
+    assert n["fp8_e4m3"].num_blocks >= 1.9 * n["auto"].num_blocks
+    with pytest.raises(ConfigError, match="cache.kv_cache_dtype"):
+        settings(*base, "cache.kv_cache_dtype=int3")

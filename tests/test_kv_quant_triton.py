@@ -1,0 +1,107 @@
+"""Triton paged attention over a float8 KV cache (interpreter or GPU) against the torch path
+over the same float8 cache (kernels/kv_quant.py, models/attention.py)."""
+import os
+
+import pytest
+import torch
+
+from megainfer.kernels import kv_quant
+from megainfer.models.attention_backends import TorchAttention, make_attention_backend
+from megainfer.models.kv_spec import KVCacheSpec
+
+from test_kv_quant import _rel, _run_paged
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and
+                                not torch.cuda.is_available(),
+                                reason="Triton needs a GPU or TRITON_INTERPRET=1")
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+
+
+@pytest.mark.parametrize("fmt", ("fp8_e4m3", "fp8_e5m2"))
+@pytest.mark.parametrize("D", (64, 40))
+def test_triton_fp8_matches_torch_fp8(fmt, D):
+    ref, ref_cache = _run_paged(fmt, D, backend=TorchAttention())
+    got, cache = _run_paged(fmt, D, backend=make_attention_backend("triton"))
+    assert cache.dtype == ref_cache.dtype
+    assert torch.equal(kv_quant.scales_of(cache), kv_quant.scales_of(ref_cache))
+    # the stored bytes are the same (one rounding, saturating), outputs agree in fp32
+    assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
+    for r, g in zip(ref, got):  # prefill (mixed, with context), then a pure decode step
+        assert (g - r).abs().max() < 1e-4
+    full, _ = _run_paged("auto", D)
+    assert _rel(got[-1], full[-1]) < 0.1
+
+
+@pytest.mark.parametrize("fmt", ("fp8_e4m3", "fp8_e5m2"))
+def test_triton_mla_fp8_decode_matches_torch(fmt):
+    from megainfer.kernels import triton_mla
+    from megainfer.models.mla_attention import mla_decode_torch, store_latent_torch
+    torch.manual_seed(5)
+    S, H, R, P, BS = 3, 4, 32, 16, 16
+    cache = KVCacheSpec("mla", (R + P,), torch.float32, 1, fmt, (R, P)).allocate(6, BS)[0]
+    lat = torch.randn(90, R + P)
+    lat[:, R:] *= 5
+    store_latent_torch(lat, cache, torch.arange(90), R)
+    tables = torch.tensor([[0, 1, 2], [3, 4, 0], [5, 0, 0]])
+    seq_lens = torch.tensor([40, 20, 9])
+    q_lat, q_pe = torch.randn(S, H, R), torch.randn(S, H, P)
+    ref = mla_decode_torch(q_lat, q_pe, cache, seq_lens, tables, 0.1)
+    got = triton_mla.mla_decode(q_lat, q_pe, cache, seq_lens, tables, 0.1, R,
+                                scales=kv_quant.scales_of(cache))
+    assert (got - ref).abs().max() < 1e-4
+    with pytest.raises(Exception, match="scales"):
+        triton_mla.mla_decode(q_lat, q_pe, cache, seq_lens, tables, 0.1, R)
+
+
+@pytest.mark.parametrize("family", ("mixtral", "deepseek_v3"))
+def test_triton_engine_fp8_matches_torch_engine_fp8(tiny_ckpts, tmp_path, family):
+    from megainfer import LLM, SamplingParams
+    from megainfer.config import ConfigError
+    if family == "deepseek_v3":
+        from megainfer.tools.make_tiny import make_tiny
+        path = make_tiny("deepseek_v3", str(tmp_path / "ds"))
+    else:
+        path = tiny_ckpts[(family, "base")]
+    kw = dict(dtype="float32", device=DEVICE, max_num_batched_tokens=24, max_num_seqs=4,
+              max_model_len=128, num_blocks=64, block_size=8, cuda_graphs=False,
+              kv_cache_dtype="fp8_e4m3")
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 31, 12)]
+    sp = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    tri = LLM(path, attention_backend="triton", **kw)
+    assert tri.engine.kv_caches[0].dtype == torch.float8_e4m3fn
+    got = [o.outputs[0].token_ids for o in tri.generate(prompts, sp, use_tqdm=False)]
+    ref = [o.outputs[0].token_ids for o in
+           LLM(path, attention_backend="torch", **kw).generate(prompts, sp, use_tqdm=False)]
+    assert got == ref
+    if family == "mixtral":  # fp4: the Triton kernels read it; a head size it cannot pack: refused
+        f4 = {**kw, "kv_cache_dtype": "fp4_e2m1"}
+        tri = LLM(path, attention_backend="triton", **f4)
+        assert tri.engine.kv_caches[0].dtype == torch.uint8
+        got = [o.outputs[0].token_ids for o in tri.generate(prompts, sp, use_tqdm=False)]
+        assert got == [o.outputs[0].token_ids for o in LLM(path, attention_backend="torch", **f4)
+                       .generate(prompts, sp, use_tqdm=False)]
+    else:
+        with pytest.raises(ConfigError, match="cache.kv_cache_dtype=fp4_e2m1.*qk_rope_head_dim"):
+            LLM(path, attention_backend="triton", **{**kw, "kv_cache_dtype": "fp4_e2m1"})
+
+
+@pytest.mark.parametrize("D", (64, 48))
+def test_triton_fp4_matches_torch_fp4(D):
+    ref, ref_cache = _run_paged("fp4_e2m1", D, backend=TorchAttention())
+    got, cache = _run_paged("fp4_e2m1", D, backend=make_attention_backend("triton"))
+    assert torch.equal(cache, ref_cache)  # written by the torch quantiser in both
+    from megainfer.kernels import triton_attention
+    from megainfer.kernels.dispatch import KernelInputError
+    with pytest.raises(KernelInputError, match="fp4_e2m1"):  # unpacked rows: refused
+        triton_attention.store_kv(torch.randn(1, 2, D), torch.randn(1, 2, D), cache,
+                                  torch.zeros(1, dtype=torch.long))
+    # packed rows: copied through the slot mapping, -1 (graph padding) writes nothing
+    before = cache.clone()
+    rows = torch.randint(0, 255, (2, 2, cache.shape[-1]), dtype=torch.uint8)
+    triton_attention.store_kv(rows, rows.flip(0), cache, torch.tensor([-1, 70]))
+    assert torch.equal(cache[0, 4, 6], rows[1]) and torch.equal(cache[1, 4, 6], rows[0])
+    cache[:, 4, 6] = before[:, 4, 6]
+    assert torch.equal(cache, before)
+    for r, g in zip(ref, got):
+        assert (g - r).abs().max() < 1e-4
