@@ -2,15 +2,16 @@
 # The one prepared script for a session that is lent a GPU (see /work/.library/device): it runs
 # from the repository root on the GPU machine and writes everything under $OUT.
 #
-# Default steps (STEPS="env tests attn gputests engine"; timeouts sum to 450 s, under 8 min):
+# Default steps (STEPS="env tests attn gputests engine"; timeouts sum to 460 s, under 8 min):
 #   env       nvidia-smi, torch / triton / transformers versions, which libnccl is found; mpi4py
 #             from the image, else the carried .whl/ wheels (mpi4py 4.1.2 + mpich 5.0.2);
 #   tests     the Triton MoE kernels compiled for real against their torch references
 #             (tests/test_kernels_triton.py, TRITON_INTERPRET=0) and the NCCL transport on one
 #             GPU (tests/test_comm_nccl.py: round trip, no host synchronisation per message);
-#   attn      the Triton paged-attention kernels compiled for real against their torch
-#             references (tests/test_attention_triton.py), and the whole engine with them
-#             against HF greedy (tests/test_engine_triton.py);
+#   attn      the Triton paged-attention, MLA and quantised-KV kernels compiled for real against
+#             their torch references (tests/test_attention_triton.py, test_mla_triton.py,
+#             test_kv_quant_triton.py), and the whole engine with them against HF greedy
+#             (tests/test_engine_triton.py);
 #   gputests  pytest -m gpu over tests/test_gpu_engine.py (the engine on cuda: greedy parity
 #             with HF fp32 / closeness in bf16, CUDA graphs on = off, Triton = torch attention,
 #             host syncs per decode step), the sampler's CPU = CUDA bits, the one-copy metadata
@@ -86,9 +87,9 @@ TUNED="$SRC/megainfer/kernels/tile_configs.json"
 
 step env 30 bash -c "cd $ROOT; nvidia-smi; $PY -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())'; $PY -c 'import transformers; print(\"transformers\", transformers.__version__)'; $PY -c 'from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])'; $PY -c 'from megainfer.comm import nccl; lib = nccl.load_nccl(); print(\"nccl\", nccl.nccl_version(lib), lib._name)'"
 step tests 90 bash -c "cd $ROOT && $PY -m pytest -q -rs -p no:cacheprovider -o timeout=80 ${TESTS:-tests/test_kernels_triton.py tests/test_comm_nccl.py}"
-step attn 80 bash -c "cd $ROOT && $PY -m pytest -q -rs -p no:cacheprovider -o timeout=70 tests/test_attention_triton.py tests/test_engine_triton.py"
+step attn 100 bash -c "cd $ROOT && $PY -m pytest -q -rs -p no:cacheprovider -o timeout=90 tests/test_attention_triton.py tests/test_engine_triton.py tests/test_mla_triton.py tests/test_kv_quant_triton.py"
 GPUTESTS=$(cd "$ROOT" && ls tests/test_gpu_engine.py tests/test_sampler.py tests/test_device_config.py tests/test_loader_memory.py 2>/dev/null)
-step gputests 110 bash -c "cd $ROOT && TRITON_INTERPRET=0 $PY -m pytest -q -rs -m gpu -p no:cacheprovider -o timeout=100 $(echo $GPUTESTS)"
+step gputests 100 bash -c "cd $ROOT && TRITON_INTERPRET=0 $PY -m pytest -q -rs -m gpu -p no:cacheprovider -o timeout=100 $(echo $GPUTESTS)"
 step engine 140 "$PY" perf/bench_gpu_engine.py --device cuda --budget-s 125 --out "$W/bench_gpu_engine_cuda.json"
 step nccl 60 "$PY" perf/bench_nccl_self.py --out "$W/bench_nccl_self.json"
 step tune1 90 "$PY" perf/tune_moe_kernels.py --space small --shape 8,14336,4096 --top-k 2 --m 4,32,256,2048,8192 --table "$TUNED" --log "$W/tune_mixtral.json"

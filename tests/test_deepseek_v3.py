@@ -321,6 +321,27 @@ def test_triton_mla_backend_same_tokens(ckpts):
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
 
 
+def _mpi_tools():
+    """(run_mpi, tests dir) with tests/mpi_progs importable."""
+    import sys
+    here = os.path.dirname(__file__)
+    sys.path.insert(0, os.path.join(here, "mpi_progs"))
+    from mpi_util import run_mpi
+    return run_mpi, here
+
+
+def _single_mode_tokens(path):
+    """{request id: greedy tokens} of tests/mpi_progs/runtime_job.py's prompts, single mode."""
+    _mpi_tools()
+    from runtime_job import CACHE, SCHED, inputs
+
+    from megainfer.engine.engine import LLMEngine
+    cfg = ModelConfig.from_pretrained(path)
+    engine = LLMEngine.from_model(_ours(path), SCHED, CACHE)
+    return {o.request_id: o.outputs[0].token_ids
+            for o in engine.generate_stream(inputs(cfg.vocab_size, 12))}
+
+
 # (attention replicas, tp, expert ranks); E=0: colocated
 MPI_LAYOUTS = [(1, 2, 1), (2, 1, 0), (1, 1, 2), (2, 1, 2)]
 
@@ -329,18 +350,8 @@ MPI_LAYOUTS = [(1, 2, 1), (2, 1, 0), (1, 1, 2), (2, 1, 2)]
 def test_multi_process_modes_equal_single_mode(ckpts, tmp_path, A, TP, E):
     """Disaggregated (TP=2 attention + an expert rank) and colocated runs under real mpiexec
     give single mode's greedy tokens: dense first layers, sigmoid router, shared experts."""
-    import sys
-    here = os.path.dirname(__file__)
-    sys.path.insert(0, os.path.join(here, "mpi_progs"))
-    from mpi_util import run_mpi
-    from runtime_job import CACHE, SCHED, inputs
-
-    from megainfer.engine.engine import LLMEngine
     path = ckpts[24]
-    cfg = ModelConfig.from_pretrained(path)
-    engine = LLMEngine.from_model(_ours(path), SCHED, CACHE)
-    want = {o.request_id: o.outputs[0].token_ids
-            for o in engine.generate_stream(inputs(cfg.vocab_size, 12))}
+    want, run_mpi, here = _single_mode_tokens(path), *_mpi_tools()
     out = tmp_path / "out.json"
     run_mpi(A * TP + E, os.path.join(here, "mpi_progs", "runtime_job.py"),
             [out, A, TP, E, "1,2", path], timeout=600)
@@ -353,23 +364,14 @@ def test_eplb_placements_keep_tokens(ckpts, tmp_path):
     """A shuffled static placement with redundant slots, then live rebalancing under the model's
     own routing groups (eplb.num_groups defaults to n_group=4): single mode's greedy tokens,
     and every slot ends up holding its logical expert's weights."""
-    import sys
-    here = os.path.dirname(__file__)
-    sys.path.insert(0, os.path.join(here, "mpi_progs"))
-    from mpi_util import run_mpi
-    from runtime_job import CACHE, SCHED, inputs
-
-    from megainfer.engine.engine import LLMEngine
     path = ckpts[24]
-    cfg = ModelConfig.from_pretrained(path)
-    engine = LLMEngine.from_model(_ours(path), SCHED, CACHE)
-    want = {o.request_id: o.outputs[0].token_ids
-            for o in engine.generate_stream(inputs(cfg.vocab_size, 12))}
+    want, run_mpi, here = _single_mode_tokens(path), *_mpi_tools()
     out = tmp_path / "eplb.json"
     run_mpi(3, os.path.join(here, "mpi_progs", "eplb_job.py"), [out, path], timeout=600)
     res = json.loads(out.read_text())
     static, live = res["static_shuffled"], res["live"]
     assert static["tokens"] == want and all(static["weights_ok"])
-    assert sorted(set(x for row in static["phy2log"] for x in row)) == list(range(cfg.num_experts))
+    experts = ModelConfig.from_pretrained(path).num_experts
+    assert sorted(set(x for row in static["phy2log"] for x in row)) == list(range(experts))
     assert live["tokens"] == want and all(live["weights_ok"])
     assert min(live["rebalances"]) >= 2 and sum(live["moved"]) > 0

@@ -20,9 +20,9 @@ from megainfer.config import CacheConfig, ConfigError, ModelConfig, SchedulerCon
 from megainfer.models.kv_spec import KVCacheSpec, kv_cache_spec_for
 
 from .block_manager import BlockManager
-from .errors import (CacheTooSmallError, DuplicateRequestError, EmptyPromptError,
-                     PromptTooLongError, RequestError, TokenIdError)
-from .outputs import CompletionOutput, Logprob, PromptInput, RequestMetrics, RequestOutput
+from .errors import CacheTooSmallError, DuplicateRequestError, RequestError
+from .intake import bad_words_token_ids, tokenize_prompt
+from .outputs import PromptInput, RequestOutput, logprob_dict, request_output
 from .request import Request
 from .sampler import PromptLogprobJob, Sampler, mix_seed
 from .sampling_params import SamplingParams
@@ -121,7 +121,8 @@ class LLMEngine:
             mode = getattr(self.executor, "deploy_mode", type(self.executor).__name__)
             raise RequestError(f"prompt_logprobs={params.prompt_logprobs}: not supported in "
                                f"deploy.mode={mode}")
-        text, ids = self._tokenize(prompt, prompt_token_ids)
+        text, ids = tokenize_prompt(self.tokenizer, prompt, prompt_token_ids,
+                                    self.model_config.vocab_size, self.max_model_len)
         seq_id = self._next_seq_id
         self._next_seq_id += params.n
         seed = params.seed if params.seed is not None else mix_seed(self.seed, seq_id)
@@ -132,7 +133,8 @@ class LLMEngine:
                 eos_token_ids=self.model_config.eos_token_id, max_model_len=self.max_model_len,
                 index=i, logprobs=None if params.logprobs is None else []))
         if params.bad_words:
-            bad = self._bad_words_token_ids(params.bad_words)
+            bad = bad_words_token_ids(self.tokenizer, params.bad_words,
+                                      self.model_config.vocab_size)
             for r in samples:
                 r.bad_words_token_ids = bad
         req = samples[0]
@@ -143,47 +145,6 @@ class LLMEngine:
         self.scheduler.add(req)
         return req
 
-    def _bad_words_token_ids(self, words) -> list[list[int]]:
-        """vLLM's encoding of ``bad_words``: each word as is and with a leading space (when that
-        gives a different first token and as many tokens), without special tokens."""
-        tok = getattr(self.tokenizer, "tok", None)  # HFTokenizer: encode without BOS/EOS
-        enc = (lambda t: tok.encode(t, add_special_tokens=False).ids) if tok is not None else \
-            self.tokenizer.encode
-        V, out = self.model_config.vocab_size, []
-        for w in words:
-            plain = enc(w.lstrip())
-            if plain:
-                out.append(plain)
-            spaced = enc(" " + w.lstrip())
-            if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
-                out.append(spaced)
-        return [ids for ids in out if all(0 <= t < V for t in ids)]
-
-    def _tokenize(self, prompt, prompt_token_ids) -> tuple[Optional[str], list[int]]:
-        if prompt_token_ids is None and not isinstance(prompt, str):
-            prompt, prompt_token_ids = None, prompt
-        if prompt is not None and prompt_token_ids is not None:
-            raise RequestError("prompt and prompt_token_ids: give exactly one")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise EmptyPromptError("prompt='': empty prompt")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            if prompt_token_ids is None or isinstance(prompt_token_ids, (str, bytes)):
-                raise RequestError(f"prompt={prompt_token_ids!r}: must be text or a list of token ids")
-            ids = list(prompt_token_ids)
-            if not ids:
-                raise EmptyPromptError("prompt_token_ids=[]: empty prompt")
-        V = self.model_config.vocab_size
-        for i, t in enumerate(ids):
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < V:
-                raise TokenIdError(f"prompt_token_ids[{i}]={t!r}: must be an integer in "
-                                   f"[0, vocab_size={V})")
-        if len(ids) > self.max_model_len:
-            raise PromptTooLongError(f"prompt length={len(ids)} tokens: exceeds "
-                                     f"max_model_len={self.max_model_len}")
-        return prompt, ids
-
     def abort_request(self, request_id) -> Optional[RequestOutput]:
         req = self.requests.pop(str(request_id), None)
         if req is None:
@@ -193,7 +154,7 @@ class LLMEngine:
             self.scheduler.finish(s)
             if not s.is_finished:
                 s.finish("abort")
-        return self._output(req)
+        return request_output(self.tokenizer, req)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -246,12 +207,12 @@ class LLMEngine:
         res = self.sampler.run(logits, sampled, rows, jobs) if sampled or jobs else None
         for req, recs in zip(job_reqs, res.prompt if res is not None else []):
             targets = req.prompt_token_ids[len(req.prompt_logprobs):]
-            req.prompt_logprobs += [self._logprob_dict(t, rec) for t, rec in zip(targets, recs)]
+            req.prompt_logprobs += [logprob_dict(self.tokenizer, t, rec) for t, rec in zip(targets, recs)]
         forked, finished = set(map(id, forks)), []
         for k, req in enumerate(sampled):
             tok, rec = res.tokens[k], res.logprobs[k]
             if rec is not None:
-                req.logprobs.append(self._logprob_dict(tok, rec))
+                req.logprobs.append(logprob_dict(self.tokenizer, tok, rec))
                 req.cumulative_logprob += rec[0]
             req.append_token(tok, now, self.tokenizer)
             if id(req) in forked and not req.is_finished:
@@ -261,22 +222,11 @@ class LLMEngine:
                 head = self.requests[req.request_id]
                 if not head.pending and all(s.is_finished for s in head.samples):
                     del self.requests[req.request_id]
-                    finished.append(self._output(head))
+                    finished.append(request_output(self.tokenizer, head))
         self.num_steps += 1
         self.num_generated_tokens += len(sampled)
         self.last_step_tokens = batch.num_tokens
         return finished
-
-    def _logprob_dict(self, token: int, rec) -> dict:
-        """vLLM's shape: {token: Logprob} with the sampled (or actual) token first, then the
-        top-k by rank (1 = most likely)."""
-        lp, rank, ids, vals = rec
-        dec = self.tokenizer.decode
-        out = {token: Logprob(lp, rank, dec([token]))}
-        for k, (t, v) in enumerate(zip(ids, vals), 1):
-            if t not in out:
-                out[t] = Logprob(v, k, dec([t]))
-        return out
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write of shared KV blocks, in the order they were decided (a block freed and
@@ -309,24 +259,6 @@ class LLMEngine:
             input_ids=torch.tensor(ids, dtype=torch.long),  # host tensors: the executor moves
             positions=torch.tensor(pos, dtype=torch.long), sample_rows=rows,  # them in one copy
             full_logits=full)
-
-    def _output(self, req: Request) -> RequestOutput:
-        """The request's (group head's) output: one ``CompletionOutput`` per sample."""
-        outs = []
-        for s in req.samples:
-            # a stop string cut the incrementally detokenized text; else decode it all
-            text = s.text if isinstance(s.stop_reason, str) else \
-                self.tokenizer.decode(s.output_token_ids)
-            outs.append(CompletionOutput(
-                s.index, text, list(s.output_token_ids), s.finish_reason, s.logprobs,
-                None if s.logprobs is None else s.cumulative_logprob, s.stop_reason))
-        ends = [s.finish_time for s in req.samples if s.finish_time is not None]
-        return RequestOutput(
-            req.request_id, req.prompt, req.prompt_token_ids, outs, True,
-            RequestMetrics(req.arrival_time, req.first_token_time, max(ends) if ends else None,
-                           sum(s.num_preemptions for s in req.samples)),
-            prompt_logprobs=req.prompt_logprobs,
-            num_cached_tokens=max(req.num_cached_tokens, 0))
 
     # ------------------------------------------------------------------ streaming
     def add_inputs(self, inputs: Iterable[PromptInput], warn: bool = True

@@ -1,4 +1,5 @@
-"""What goes in (``PromptInput``) and what comes out (``RequestOutput``), vLLM-shaped."""
+"""What goes in (``PromptInput``) and what comes out (``RequestOutput``, built from a finished
+request by ``request_output``; ``logprob_dict`` for one position), vLLM-shaped."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -86,3 +87,34 @@ class RequestOutput:
         return cls(request_id, prompt if isinstance(prompt, str) else None,
                    list(prompt_token_ids or []), [CompletionOutput(0, "", [], "error")], True,
                    None, msg)
+
+
+def logprob_dict(tokenizer, token: int, rec) -> dict:
+    """vLLM's shape: {token: Logprob} with the sampled (or actual) token first, then the
+    top-k by rank (1 = most likely)."""
+    lp, rank, ids, vals = rec
+    dec = tokenizer.decode
+    out = {token: Logprob(lp, rank, dec([token]))}
+    for k, (t, v) in enumerate(zip(ids, vals), 1):
+        if t not in out:
+            out[t] = Logprob(v, k, dec([t]))
+    return out
+
+
+def request_output(tokenizer, req) -> RequestOutput:
+    """The request's (group head's) output: one ``CompletionOutput`` per sample."""
+    outs = []
+    for s in req.samples:
+        # a stop string cut the incrementally detokenized text; else decode it all
+        text = s.text if isinstance(s.stop_reason, str) else \
+            tokenizer.decode(s.output_token_ids)
+        outs.append(CompletionOutput(
+            s.index, text, list(s.output_token_ids), s.finish_reason, s.logprobs,
+            None if s.logprobs is None else s.cumulative_logprob, s.stop_reason))
+    ends = [s.finish_time for s in req.samples if s.finish_time is not None]
+    return RequestOutput(
+        req.request_id, req.prompt, req.prompt_token_ids, outs, True,
+        RequestMetrics(req.arrival_time, req.first_token_time, max(ends) if ends else None,
+                       sum(s.num_preemptions for s in req.samples)),
+        prompt_logprobs=req.prompt_logprobs,
+        num_cached_tokens=max(req.num_cached_tokens, 0))

@@ -1,0 +1,52 @@
+"""A request's prompt as the engine takes it: text or token ids validated into token ids, and
+``bad_words`` encoded as vLLM does. Every refusal is a ``RequestError`` naming the culprit."""
+from __future__ import annotations
+
+from typing import Optional
+
+from .errors import EmptyPromptError, PromptTooLongError, RequestError, TokenIdError
+
+
+def tokenize_prompt(tokenizer, prompt, prompt_token_ids, V: int,
+                    max_model_len: int) -> tuple[Optional[str], list[int]]:
+    """Text or token ids -> (text or None, validated token ids); a ``RequestError`` names the
+    culprit (both given, empty, an id out of range, longer than max_model_len)."""
+    if prompt_token_ids is None and not isinstance(prompt, str):
+        prompt, prompt_token_ids = None, prompt
+    if prompt is not None and prompt_token_ids is not None:
+        raise RequestError("prompt and prompt_token_ids: give exactly one")
+    if isinstance(prompt, str):
+        if not prompt:
+            raise EmptyPromptError("prompt='': empty prompt")
+        ids = tokenizer.encode(prompt)
+    else:
+        if prompt_token_ids is None or isinstance(prompt_token_ids, (str, bytes)):
+            raise RequestError(f"prompt={prompt_token_ids!r}: must be text or a list of token ids")
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise EmptyPromptError("prompt_token_ids=[]: empty prompt")
+    for i, t in enumerate(ids):
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < V:
+            raise TokenIdError(f"prompt_token_ids[{i}]={t!r}: must be an integer in "
+                               f"[0, vocab_size={V})")
+    if len(ids) > max_model_len:
+        raise PromptTooLongError(f"prompt length={len(ids)} tokens: exceeds "
+                                 f"max_model_len={max_model_len}")
+    return prompt, ids
+
+
+def bad_words_token_ids(tokenizer, words, V: int) -> list[list[int]]:
+    """vLLM's encoding of ``bad_words``: each word as is and with a leading space (when that
+    gives a different first token and as many tokens), without special tokens."""
+    tok = getattr(tokenizer, "tok", None)  # HFTokenizer: encode without BOS/EOS
+    enc = (lambda t: tok.encode(t, add_special_tokens=False).ids) if tok is not None else \
+        tokenizer.encode
+    out = []
+    for w in words:
+        plain = enc(w.lstrip())
+        if plain:
+            out.append(plain)
+        spaced = enc(" " + w.lstrip())
+        if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return [ids for ids in out if all(0 <= t < V for t in ids)]
