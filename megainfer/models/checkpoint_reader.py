@@ -18,33 +18,12 @@ from typing import Optional
 
 import torch
 
+from .checkpoint_errors import (CheckpointError, ConfigMismatchError,
+                                CorruptCheckpointError, MissingTensorError, ShapeMismatchError,
+                                UnexpectedTensorError)
 from .fp8 import (FP8_DTYPES, QuantConfig, check_scale_shape, check_scale_values,
                   dequantize_blockwise, is_scale_name, scale_name, weight_name)
 from .safetensors_io import Scratch, SafetensorsFile, SafetensorsFormatError, TensorInfo
-
-
-class CheckpointError(ValueError):
-    """A checkpoint does not fit the model; the message names the tensor and the file."""
-
-
-class MissingTensorError(CheckpointError):
-    pass
-
-
-class UnexpectedTensorError(CheckpointError):
-    pass
-
-
-class ShapeMismatchError(CheckpointError):
-    pass
-
-
-class CorruptCheckpointError(CheckpointError):
-    pass
-
-
-class ConfigMismatchError(CheckpointError):
-    pass
 
 
 def _open_file(fn: str, name: Optional[str] = None) -> SafetensorsFile:

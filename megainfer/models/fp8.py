@@ -26,6 +26,8 @@ import torch
 
 from megainfer.config import ConfigError
 
+from .checkpoint_errors import CorruptCheckpointError, ShapeMismatchError
+
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FMTS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv; fused X.gate_up_proj -> ..._scale_inv
@@ -114,7 +116,6 @@ def expected_scale_shape(shape, block, row0: int = 0) -> tuple:
 def check_scale_shape(name: str, wshape, sshape, block, where: str = "", row0: int = 0,
                       sname: Optional[str] = None) -> None:
     """ShapeMismatchError naming the weight (and its scale) unless the scale fits the weight."""
-    from .checkpoint_reader import ShapeMismatchError
     loc = f" in {where}" if where else ""
     sname = sname or scale_name(name)
     if len(wshape) < 2:
@@ -130,7 +131,6 @@ def check_scale_shape(name: str, wshape, sshape, block, where: str = "", row0: i
 
 def check_scale_values(sname: str, scale: torch.Tensor, where: str = "") -> None:
     """CorruptCheckpointError naming the scale if any value is NaN, infinite or <= 0."""
-    from .checkpoint_reader import CorruptCheckpointError
     bad = ~(torch.isfinite(scale) & (scale > 0))
     if bool(bad.any()):
         idx = [int(i) for i in bad.nonzero()[0]]

@@ -24,15 +24,15 @@ from torch import nn
 
 from megainfer.config import LoadConfig, ModelConfig
 
+from .checkpoint_errors import (CheckpointError, ConfigMismatchError, CorruptCheckpointError,
+                                MissingTensorError, ShapeMismatchError, UnexpectedTensorError)
+from .checkpoint_reader import CheckpointReader, checkpoint_files
 from .deepseek_v3 import DEEPSEEK_V2, DEEPSEEK_V3
 from .layers import ParallelContext
 from .mixtral import MIXTRAL
 from .model import MoECausalLM
 from .qwen2_moe import QWEN2_MOE
 from .qwen3_moe import QWEN3_MOE
-from .checkpoint_reader import (CheckpointError, ConfigMismatchError,
-                                CorruptCheckpointError, MissingTensorError, ShapeMismatchError,
-                                UnexpectedTensorError, CheckpointReader, checkpoint_files)
 
 FAMILIES = {f.name: f for f in (MIXTRAL, QWEN3_MOE, QWEN2_MOE, DEEPSEEK_V2, DEEPSEEK_V3)}
 __all__ = ["build_model", "DTYPES", "FAMILIES", "CheckpointError", "ConfigMismatchError",
