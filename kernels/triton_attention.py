@@ -11,6 +11,7 @@ References: ``attention_ref.py``.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -20,7 +21,7 @@ import triton.language as tl
 from .attention_ref import check_attention_args, supported_head_dim
 from .dispatch import KernelInputError
 from .tile_configs import interpreting
-from .triton_dot import dot
+from .triton_dot import dot, dot_flags
 from .triton_kv_cache import _fp4, _kv_tile, _quant_args, store_kv
 
 __all__ = ["store_kv", "prefill_attention", "decode_attention", "choose_num_splits",
@@ -83,11 +84,6 @@ def _prefill_kernel(q_ptr, o_ptr, cache_ptr, qsl_ptr, sl_ptr, bt_ptr, sc_ptr, sc
              acc.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-def _flags(q: torch.Tensor) -> dict:
-    up = interpreting()
-    return dict(IEEE=q.dtype == torch.float32 or up, UPCAST=up and q.dtype != torch.float32)
-
-
 def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                       seq_lens: torch.Tensor, block_tables: torch.Tensor, max_query_len: int,
                       scale: float, out: Optional[torch.Tensor] = None,
@@ -117,7 +113,7 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: 
                           scale * LOG2E, D, q.stride(0), q.stride(1), out.stride(0),
                           out.stride(1), *kv_cache.stride()[:4], *block_tables.stride(),
                           G=G, BS=BS, BLOCK_M=BLOCK_M, BLOCK_Q=BLOCK_Q, BLOCK_N=BLOCK_N,
-                          BLOCK_D=BLOCK_D, **_flags(q), QUANT=quant, **_fp4(kv_cache),
+                          BLOCK_D=BLOCK_D, **dot_flags(q.dtype), QUANT=quant, **_fp4(kv_cache),
                           num_warps=4 if BLOCK_D <= 64 else 8,
                           num_stages=2)
     return out
@@ -195,9 +191,12 @@ def _decode_merge_kernel(mo_ptr, mlse_ptr, o_ptr, D, s_os, s_oh,
 
 
 def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 2
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _cuda_sm_count(device.index) if device.type == "cuda" else 2
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index) -> int:  # asked once per device, not per layer and step
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def choose_num_splits(S: int, Hkv: int, max_blocks: int, block_size: int,
@@ -239,7 +238,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Te
         q, kv_cache, seq_lens, block_tables, sc, mid_o, mid_lse, scale * LOG2E, D,
         q.stride(0), q.stride(1), *kv_cache.stride()[:4], *block_tables.stride(),
         G=G, BS=BS, NS=num_splits, BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_N=BLOCK_N,
-        BLOCK_D=BLOCK_D, **_flags(q), QUANT=quant, **_fp4(kv_cache), num_warps=4,
+        BLOCK_D=BLOCK_D, **dot_flags(q.dtype), QUANT=quant, **_fp4(kv_cache), num_warps=4,
         num_stages=2)
     _decode_merge_kernel[(S, Hq)](mid_o, mid_lse, out, D, out.stride(0), out.stride(1),
                                   NS=num_splits,

@@ -1,6 +1,9 @@
 """The one matmul-accumulate every Triton kernel here uses, with the interpreter's workaround."""
+import torch
 import triton
 import triton.language as tl
+
+from .tile_configs import interpreting
 
 
 @triton.jit
@@ -12,3 +15,10 @@ def dot(a, b, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     if IEEE:
         return tl.dot(a, b, acc, input_precision="ieee")
     return tl.dot(a, b, acc)
+
+
+def dot_flags(dtype: torch.dtype) -> dict:
+    """``dot``'s constexprs for inputs of ``dtype``: IEEE for fp32 (no TF32) and whenever the
+    interpreter runs (it computes in fp32); UPCAST bf16/fp16 data there."""
+    up = interpreting()
+    return dict(IEEE=dtype == torch.float32 or up, UPCAST=up and dtype != torch.float32)

@@ -24,7 +24,7 @@ from .dispatch import KernelInputError
 from .mla_ref import check_mla_args, check_store_latent_args, supported_mla_dims
 from .tile_configs import interpreting
 from .triton_attention import choose_num_splits
-from .triton_dot import dot
+from .triton_dot import dot, dot_flags
 
 __all__ = ["store_latent", "mla_decode", "choose_mla_num_splits", "check_mla_args",
            "supported_mla_dims"]
@@ -142,11 +142,6 @@ def _mla_merge_kernel(mo_ptr, mlse_ptr, o_ptr, H, R, s_os, s_oh,
     tl.store(o_ptr + s * s_os + h * s_oh + r, res.to(o_ptr.dtype.element_ty), mask=r_ok)
 
 
-def _flags(q: torch.Tensor) -> dict:
-    up = interpreting()
-    return dict(IEEE=q.dtype == torch.float32 or up, UPCAST=up and q.dtype != torch.float32)
-
-
 def choose_mla_num_splits(S: int, H: int, max_blocks: int, block_size: int,
                           device: torch.device) -> int:
     """Splits per (seq, head block) from host info only (``choose_num_splits`` with the head
@@ -198,7 +193,7 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
         cache.stride(0), cache.stride(1), *block_tables.stride(),
         BS=BS, NS=num_splits, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R,
-        BLOCK_P=BLOCK_P, **_flags(q_latent), QUANT=quant, num_warps=4, num_stages=2)
+        BLOCK_P=BLOCK_P, **dot_flags(q_latent.dtype), QUANT=quant, num_warps=4, num_stages=2)
     _mla_merge_kernel[(S, H)](mid_o, mid_lse, out, H, R, out.stride(0), out.stride(1),
                               NS=num_splits, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
                               BLOCK_R=BLOCK_R, num_warps=4)

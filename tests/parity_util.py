@@ -17,16 +17,20 @@ def _device(hf_model) -> torch.device:
     return next(hf_model.parameters()).device
 
 
-def hf_greedy(hf_model, prompt_ids: list[int], n: int) -> list[int]:
+def hf_greedy(hf_model, prompt_ids: list[int], n: int, **generation) -> list[int]:
     """HF generate, eos disabled like ignore_eos (an eos token is still emitted when it is the
-    argmax, unlike with min_new_tokens)."""
+    argmax, unlike with min_new_tokens); ``generation`` overrides generation-config fields
+    (``repetition_penalty=``, ``eos_token_id=`` with ``min_new_tokens=``, ...)."""
     gc = copy.deepcopy(hf_model.generation_config)
     # None would fall back to the model default: an id past the vocabulary never matches
     gc.eos_token_id, gc.pad_token_id, gc.do_sample, gc.max_new_tokens = 10**6, 0, False, n
+    for k, v in generation.items():
+        setattr(gc, k, v)
     ids = torch.tensor([list(prompt_ids)], device=_device(hf_model))
     with torch.no_grad():
         out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc)
-    assert out.shape[1] == len(prompt_ids) + n, out.shape
+    if "eos_token_id" not in generation:  # a real eos may end it early
+        assert out.shape[1] == len(prompt_ids) + n, out.shape
     return out[0, len(prompt_ids):].tolist()
 
 

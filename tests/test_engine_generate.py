@@ -1,11 +1,10 @@
 """End to end against the oracle: greedy parity with HF generate, batch invariance, chunked
 prefill on/off and preemption give the same tokens, seeded sampling is per request."""
-import copy
 import random
 
 import pytest
-import torch
 
+import parity_util
 from conftest import FAMILIES
 from megainfer import LLM, SamplingParams
 
@@ -22,16 +21,7 @@ def greedy(n=N_OUT):
 
 
 def hf_greedy(hf, ids, n=N_OUT):
-    """HF generate, one prompt at a time (no padding), eos disabled (like ignore_eos: an eos
-    token is still emitted when it is the argmax, unlike with min_new_tokens)."""
-    gc = copy.deepcopy(hf.generation_config)
-    # None would fall back to the model default: an id past the vocabulary never matches
-    gc.eos_token_id, gc.pad_token_id, gc.do_sample, gc.max_new_tokens = 10**6, 0, False, n
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                          generation_config=gc)
-    assert out.shape[1] == len(ids) + n
-    return out[0, len(ids):].tolist()
+    return parity_util.hf_greedy(hf, ids, n)
 
 
 def tokens(outs):

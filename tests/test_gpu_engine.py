@@ -9,15 +9,15 @@
 Tests that need transformers (the oracle, and the tiny checkpoints) skip without it.
 """
 import os
-import random
 import warnings
 
 import pytest
 import torch
 
 from conftest import FAMILIES
-from megainfer import LLM, SamplingParams
+from megainfer import LLM
 from parity_util import check_greedy_close, hf_greedy
+from test_engine_generate import greedy, prompts
 
 DEV = "cuda"
 pytestmark = [pytest.mark.gpu,
@@ -33,15 +33,6 @@ pytestmark = [pytest.mark.gpu,
 # Anything beyond (an .item() or .tolist() inside the model, sampler or MoE routing, a
 # torch.cuda.synchronize) stalls the launch queue each step and fails the test.
 SYNC_BUDGET = 2
-
-
-def prompts(n, seed, lo=1, hi=40, vocab=256):
-    g = random.Random(seed)
-    return [[g.randrange(3, vocab) for _ in range(g.randint(lo, hi))] for _ in range(n)]
-
-
-def greedy(n):
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
 def tokens(outs):

@@ -49,7 +49,7 @@ def check_cache_fits(cache: CacheConfig, max_model_len: int) -> None:
 class LLMEngine:
     def __init__(self, model_config: ModelConfig, scheduler_config: SchedulerConfig,
                  cache_config: CacheConfig, executor_factory: ExecutorFactory,
-                 tokenizer: Optional[Tokenizer] = None, *, kv_heads: Optional[int] = None,
+                 tokenizer: Optional[Tokenizer] = None, *,
                  kv_spec: Optional[KVCacheSpec] = None,
                  kv_dtype: torch.dtype = torch.float32, device: Union[str, torch.device] = "cpu",
                  seed: int = 0, log_prefix: str = "[attn dp0 tp0]"):
@@ -65,7 +65,7 @@ class LLMEngine:
                                    cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(scheduler_config, self.blocks)
         # the model's cache spec (GQA [2, NB, BS, Hkv, D] or MLA latent [NB, BS, R+P] per layer)
-        self.kv_spec = kv_spec or kv_cache_spec_for(model_config, dtype=kv_dtype, kv_heads=kv_heads)
+        self.kv_spec = kv_spec or kv_cache_spec_for(model_config, dtype=kv_dtype)
         if self.kv_spec.kv_format != cache_config.kv_cache_dtype:  # stored in cache.kv_cache_dtype
             check_kv_cache_dtype(model_config, cache_config.kv_cache_dtype)
             self.kv_spec = dataclasses.replace(self.kv_spec, kv_format=cache_config.kv_cache_dtype)
@@ -232,8 +232,7 @@ class LLMEngine:
         """Copy-on-write of shared KV blocks, in the order they were decided (a block freed and
         reused within one schedule is read before it is overwritten). The block axis: 0 for
         MLA latent caches, 1 for GQA ``[2, blocks, ...]``."""
-        spec = getattr(self, "kv_spec", None)
-        dim = 0 if getattr(spec, "kind", "gqa") == "mla" else 1
+        dim = 0 if self.kv_spec.kind == "mla" else 1
         for src, dst in copies:
             for kv in self.kv_caches:
                 kv.select(dim, dst).copy_(kv.select(dim, src))

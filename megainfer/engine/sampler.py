@@ -28,6 +28,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from megainfer.models.attention import to_device_once
+
 from .philox import MASK32, exponential, mix_seed
 from .request import Request
 
@@ -56,29 +58,22 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 
 
 class _HostBuffer:
-    """Segments of one fp64 host tensor, sent to the device in one copy."""
+    """Segments of fp64 host data, sent to the device in one copy (``to_device_once``)."""
 
     def __init__(self):
         self.parts: list[torch.Tensor] = []
-        self.size = 0
-        self.dev: Optional[torch.Tensor] = None
+        self.dev: list[torch.Tensor] = []
 
-    def add(self, rows, width: int) -> tuple[int, int, int]:
-        t = torch.tensor(rows, dtype=torch.float64).reshape(-1)
-        self.parts.append(t)
-        seg = (self.size, t.numel(), width)
-        self.size += t.numel()
-        return seg
+    def add(self, rows, width: int) -> tuple[int, int]:
+        self.parts.append(torch.tensor(rows, dtype=torch.float64).reshape(-1))
+        return len(self.parts) - 1, width
 
     def upload(self, device: torch.device) -> None:
-        host = torch.cat(self.parts) if len(self.parts) > 1 else self.parts[0]
-        if device.type == "cuda":
-            host = host.pin_memory()
-        self.dev = host.to(device, non_blocking=True)  # the step's one host->device copy
+        self.dev = to_device_once(self.parts, device)  # the step's one host->device copy
 
     def get(self, seg) -> torch.Tensor:
-        start, n, width = seg
-        return self.dev[start:start + n].view(-1, width)
+        i, width = seg
+        return self.dev[i].view(-1, width)
 
 
 @dataclass

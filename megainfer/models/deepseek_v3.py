@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .family import Family
-from .layers import ParallelContext, RMSNorm
+from .layers import ParallelContext, RMSNorm, rotate_half
 from .mla_attention import TorchMLA, expanded_attention
 
 DEEPSEEK_V3 = Family(
@@ -112,11 +112,7 @@ class MLARotary(nn.Module):
                 x1, x2 = x[..., 0::2], x[..., 1::2]
                 return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
             return rot(q), rot(k)
-
-        def rot_half(x):
-            x1, x2 = x.chunk(2, dim=-1)
-            return torch.cat((-x2, x1), dim=-1)
-        return q * cos + rot_half(q) * sin, k * cos + rot_half(k) * sin
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
 class MLAAttention(nn.Module):
