@@ -33,6 +33,7 @@ class LLM:
     visible); ``dtype``: ``float32`` | ``bfloat16`` | ``float16`` (default: bfloat16 on cuda,
     float32 on cpu); ``attention_backend``: ``torch`` | ``triton`` (default: triton on cuda,
     torch on cpu); ``cuda_graphs``: decode steps replay CUDA graphs (cuda with triton only).
+    ``host_kv_gib`` / ``kv_store_dir``: the prefix cache's second tier (docs/kv_cache.md).
     Bad settings raise ``ConfigError`` naming the key before any weight is loaded.
     """
 
@@ -44,6 +45,7 @@ class LLM:
                  enable_chunked_prefill: bool = True, block_size: int = 16,
                  num_blocks: Optional[int] = None, kv_cache_memory_gib: float = 4.0,
                  enable_prefix_caching: Optional[bool] = None, kv_cache_dtype: str = "auto",
+                 host_kv_gib: float = 0.0, kv_store_dir: Optional[str] = None,
                  tokenizer: Optional[Tokenizer] = None):
         path = model if isinstance(model, str) else None
         model_config = ModelConfig.from_pretrained(path) if path else model
@@ -62,7 +64,7 @@ class LLM:
                                            kv_cache_dtype=kv_cache_dtype)
         prefix = CacheConfig.enable_prefix_caching if enable_prefix_caching is None \
             else enable_prefix_caching
-        cache = CacheConfig(block_size, num_blocks, prefix, kv_cache_dtype)
+        cache = CacheConfig(block_size, num_blocks, prefix, kv_cache_dtype, host_kv_gib, kv_store_dir)
         self._build(model_config, load, scheduler, cache, dev, tokenizer, seed)
 
     @classmethod

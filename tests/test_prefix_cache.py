@@ -239,7 +239,6 @@ def test_disaggregated_with_caching_gives_single_mode_tokens(tiny_ckpts, tmp_pat
     """1 attention replica (TP 1 or 2: identical schedulers, the same keys) + 1 expert rank,
     prefix caching on, shared prefixes on a pool that preempts and evicts: the tokens of
     single mode with caching off."""
-    import dataclasses
     import json
     import os
     import sys
@@ -247,18 +246,11 @@ def test_disaggregated_with_caching_gives_single_mode_tokens(tiny_ckpts, tmp_pat
     from mpi_util import run_mpi
     here = os.path.dirname(__file__)
     sys.path.insert(0, os.path.join(here, "mpi_progs"))
-    from runtime_job import SCHED, SHARED_CACHE, shared_inputs
+    from runtime_job import shared_reference
 
-    from megainfer.config import LoadConfig, ModelConfig
-    from megainfer.engine.engine import LLMEngine
-    from megainfer.models import build_model
     ckpt = tiny_ckpts[("qwen3_moe", "base")]
-    cfg = ModelConfig.from_pretrained(ckpt)
-    off = dataclasses.replace(SHARED_CACHE, enable_prefix_caching=False)
-    eng = LLMEngine.from_model(build_model(cfg, LoadConfig(path=ckpt)), SCHED, off)
-    want = {o.request_id: o.outputs[0].token_ids
-            for o in eng.generate_stream(shared_inputs(cfg.vocab_size, 12))}
-    assert eng.num_preemptions > 0
+    want, preemptions = shared_reference(ckpt, 12)
+    assert preemptions > 0
     out = tmp_path / "out.json"
     run_mpi(TP + 1, os.path.join(here, "mpi_progs", "runtime_job.py"),
             [out, 1, TP, 1, "1,2", ckpt, 12, "shared"], timeout=600)
@@ -310,8 +302,14 @@ def test_bench_script_smoke(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["bench", "--systems", "2", "--per-system", "3",
                                       "--system-len", "32", "--suffix-len", "4",
                                       "--output-len", "2", "--max-num-batched-tokens", "40",
-                                      "--threads", "1", "--out", str(out)])
+                                      "--threads", "1", "--out", str(out), "--small-blocks", "6",
+                                      "--host-kv-gib", "0.01", "--routing-systems", "3",
+                                      "--routing-per-system", "2", "--routing-system-len", "32",
+                                      "--routing-output-len", "2", "--routing-blocks", "12"])
     bench.main()
     r = json.loads(out.read_text())
     assert r["greedy_token_agreement"] and r["prefill_work_ratio"] > 1.2
     assert r["results"]["caching on"]["hit_rate"] > 0.2
+    assert r["results"]["on, small pool + tier"]["hit_rate"] > 0.2
+    assert r["routing"]["greedy_token_agreement"]
+    assert sum(r["routing"]["cache_aware"]["assigned"]) == 6

@@ -23,6 +23,12 @@ block is the front of the never-used / uncached free list if any, else the least
 cached block (its key dropped). Full blocks are never written again, so copy-on-write only ever
 concerns a shared partial last block. Everything is ordered (deques, insertion-ordered dicts):
 the same calls give the same hits, evictions and block ids on every rank.
+
+Second tier (``tier``, ``megainfer.engine.kv_tier``): an evicted cached block is handed to the
+tier (``save``) before its block is reused; ``find_cached`` continues a run past the first tier
+with the tier's entries (same key, tokens and parent content id, bytes checked), returned as
+``TierEntry`` objects among the block ids; ``allocate`` gives each a fresh block, registered
+with the entry's identity, and asks the tier to copy it back (``load``) before the step.
 """
 from __future__ import annotations
 
@@ -44,9 +50,11 @@ def hash_block_tokens(parent: Optional[int], tokens: Sequence[int]) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 tier=None):
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.tier = tier  # the second tier (KVTier) or None
         self.free: deque[int] = deque(range(num_blocks))  # holding nothing reusable
         self.ref_counts = [0] * num_blocks
         self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst), in order
@@ -59,6 +67,22 @@ class BlockManager:
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, ref 0, LRU first
         self._next_uid = 1
         self.num_evictions = 0
+        self.key_events: Optional[list] = None  # (key, +1 / -1) once ``track_keys`` is called
+
+    def track_keys(self) -> None:
+        """Record the keys this cache (and its tier) gains and loses, for a router."""
+        self.key_events = []
+        if self.tier is not None:
+            self.tier.key_events = []
+
+    def take_key_events(self) -> list[tuple[int, int]]:
+        """The (key, +1 gained / -1 lost) events since the last call, first tier then tier."""
+        out = self.key_events or []
+        if self.key_events is not None:
+            self.key_events = []
+        if self.tier is not None and self.tier.key_events:
+            out, self.tier.key_events = out + self.tier.key_events, []
+        return out
 
     @property
     def num_free_blocks(self) -> int:
@@ -81,10 +105,11 @@ class BlockManager:
                                           req.token_slice(i * bs, (i + 1) * bs)))
         return keys
 
-    def find_cached(self, req: Request, max_tokens: Optional[int] = None) -> list[int]:
+    def find_cached(self, req: Request, max_tokens: Optional[int] = None) -> list:
         """The longest run of cached blocks holding the request's first full blocks (tokens and
         parent chain checked), leaving at least its last token (and anything at or beyond
-        ``max_tokens``) to compute. Changes nothing."""
+        ``max_tokens``) to compute: first-tier block ids, or second-tier ``TierEntry``s where
+        the first tier misses. Changes nothing (but drops a corrupt tier entry it meets)."""
         if not self.enable_prefix_caching:
             return []
         limit = req.num_tokens - 1 if max_tokens is None else min(req.num_tokens - 1, max_tokens)
@@ -93,10 +118,14 @@ class BlockManager:
             return []
         bs, hits, parent = self.block_size, [], 0
         for i, key in enumerate(self._keys(req, n)):
-            b = self.cached.get(key)
-            if b is None or self.block_parent_uid[b] != parent or \
-                    self.block_tokens[b] != tuple(req.token_slice(i * bs, (i + 1) * bs)):
-                break
+            b, tokens = self.cached.get(key), tuple(req.token_slice(i * bs, (i + 1) * bs))
+            if b is None or self.block_parent_uid[b] != parent or self.block_tokens[b] != tokens:
+                e = self.tier.lookup(key, tokens, parent) if self.tier is not None else None
+                if e is None:
+                    break
+                hits.append(e)
+                parent = e.uid
+                continue
             hits.append(b)
             parent = self.block_uid[b]
         return hits
@@ -126,16 +155,26 @@ class BlockManager:
                 if not same:  # a collision: the key is taken by other content
                     return
                 continue
-            self.cached[keys[i]] = b
-            self.block_key[b], self.block_tokens[b] = keys[i], tokens
-            self.block_uid[b], self.block_parent_uid[b] = self._next_uid, parent
-            self._next_uid += 1
-            uids.append(self.block_uid[b])
+            uid = self.tier.uid_for(keys[i], tokens, parent) if self.tier is not None else None
+            if uid is None:  # new content (else: the same content as a tier entry, its id)
+                uid, self._next_uid = self._next_uid, self._next_uid + 1
+            self._register(b, keys[i], tokens, uid, parent)
+            uids.append(uid)
+
+    def _register(self, b: int, key: int, tokens: tuple, uid: int, parent: int) -> None:
+        if key not in self.cached:
+            self.cached[key] = b
+            if self.key_events is not None:
+                self.key_events.append((key, 1))
+        self.block_key[b], self.block_tokens[b] = key, tokens
+        self.block_uid[b], self.block_parent_uid[b] = uid, parent
 
     def _uncache(self, b: int) -> None:
         key = self.block_key[b]
         if key is not None and self.cached.get(key) == b:
             del self.cached[key]
+            if self.key_events is not None:
+                self.key_events.append((key, -1))
         self.block_key[b] = self.block_tokens[b] = None
         self.block_uid[b] = self.block_parent_uid[b] = 0
 
@@ -144,6 +183,9 @@ class BlockManager:
         if self.free:
             return self.free.popleft()
         b, _ = self.evictable.popitem(last=False)
+        if self.tier is not None:  # down to the second tier (contents intact until the step)
+            self.tier.save(b, self.block_key[b], self.block_uid[b], self.block_parent_uid[b],
+                           self.block_tokens[b])
         self._uncache(b)
         self.num_evictions += 1
         return b
@@ -152,22 +194,30 @@ class BlockManager:
     def allocate(self, req: Request, num_tokens: int, cached: Sequence[int] = ()) -> bool:
         """Grow ``req.block_table`` to hold ``num_tokens`` tokens. ``cached``: blocks from
         ``find_cached`` for a request without blocks; they start its table (and its
-        ``num_computed_tokens``). False (and no change) if the free blocks are too few."""
+        ``num_computed_tokens``); a ``TierEntry`` among them gets a fresh block its bytes are
+        copied back into. False (and no change) if the free blocks are too few."""
         table = req.block_table
         if cached:
             if table or req.num_computed_tokens:
                 raise ValueError(f"request {req.request_id!r}: cache hits for a started request")
-            reserved = sum(1 for b in cached if self.ref_counts[b] == 0)
+            first = [b for b in cached if isinstance(b, int)]
+            reserved = sum(1 for b in first if self.ref_counts[b] == 0) + len(cached) - len(first)
             extra = self.blocks_needed(num_tokens) - len(cached)
             if max(extra, 0) + reserved > self.num_free_blocks:
                 return False
-            for b in cached:
+            for b in first:  # pinned first: taking fresh blocks below must not evict them
                 if self.ref_counts[b] == 0:
                     del self.evictable[b]
                 self.ref_counts[b] += 1
+            for b in cached:
+                if not isinstance(b, int):  # a second-tier hit: a fresh block, copied back
+                    e, b = b, self._take()
+                    self.ref_counts[b] = 1
+                    self._register(b, e.key, e.tokens, e.uid, e.parent_uid)
+                    self.tier.load(e, b)
                 table.append(b)
             req.num_computed_tokens = len(cached) * self.block_size
-            req.block_uids = [self.block_uid[b] for b in cached]
+            req.block_uids = [self.block_uid[b] for b in table]
             for _ in range(extra):
                 b = self._take()
                 self.ref_counts[b] = 1

@@ -20,6 +20,7 @@ from megainfer.config import CacheConfig, ConfigError, ModelConfig, SchedulerCon
 from megainfer.models.kv_spec import KVCacheSpec, kv_cache_spec_for
 
 from .block_manager import BlockManager
+from .kv_tier import make_kv_tier
 from .errors import CacheTooSmallError, DuplicateRequestError, RequestError
 from .intake import bad_words_token_ids, tokenize_prompt
 from .outputs import PromptInput, RequestOutput, logprob_dict, request_output
@@ -61,9 +62,6 @@ class LLMEngine:
                               f"max_position_embeddings={model_config.max_position_embeddings}")
         check_cache_fits(cache_config, self.max_model_len)
         self.tokenizer = tokenizer or ByteTokenizer(model_config.eos_token_id)
-        self.blocks = BlockManager(cache_config.num_blocks, cache_config.block_size,
-                                   cache_config.enable_prefix_caching)
-        self.scheduler = Scheduler(scheduler_config, self.blocks)
         # the model's cache spec (GQA [2, NB, BS, Hkv, D] or MLA latent [NB, BS, R+P] per layer)
         self.kv_spec = kv_spec or kv_cache_spec_for(model_config, dtype=kv_dtype)
         if self.kv_spec.kv_format != cache_config.kv_cache_dtype:  # stored in cache.kv_cache_dtype
@@ -71,7 +69,13 @@ class LLMEngine:
             self.kv_spec = dataclasses.replace(self.kv_spec, kv_format=cache_config.kv_cache_dtype)
         self.kv_caches = self.kv_spec.allocate(cache_config.num_blocks, cache_config.block_size,
                                                self.device, kv_dtype)
+        self.kv_tier = make_kv_tier(cache_config, self.kv_spec, self.kv_caches, log_prefix)
+        self.blocks = BlockManager(cache_config.num_blocks, cache_config.block_size,
+                                   cache_config.enable_prefix_caching, self.kv_tier)
+        self.scheduler = Scheduler(scheduler_config, self.blocks)
         self.executor = executor_factory(self.kv_caches)
+        if self.kv_tier is not None and isinstance(self.executor, LocalExecutor):
+            self.kv_tier.attach(self.executor.model.layers)  # cuda: a layer waits for its blocks
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}  # unfinished, by request id
         self.log_prefix = log_prefix
@@ -170,6 +174,8 @@ class LLMEngine:
         copies = self.blocks.take_copies()
         if copies:
             self._copy_blocks(copies)
+        if self.kv_tier is not None:  # second-tier hits back into their fresh blocks
+            self.kv_tier.apply_loads()
         step = self.build_step(batch)
         logits = self.executor.execute(step)  # [len(step.logit_token_list()), V]
         now = time.perf_counter()

@@ -1,20 +1,28 @@
 """The lockstep loop of all attention ranks, and rank 0's view of it as a stream of outputs.
 
-Rank 0 splits the requests over the replicas (request i -> replica i mod A) and sends each
-attention rank its replica's share. Then every iteration, on every attention rank:
-``engine.step()`` (an empty step when the replica is idle, so the expert ranks always get
-every (layer, micro-batch) message); replica leaders report finished outputs and whether they
-have work left to rank 0; rank 0 yields the outputs (the job writes them at once) and tells
-every attention rank to go on or stop. On stop, leaders send the expert ranks a stop message.
+Rank 0 keeps the requests and hands them out a few at a time through a ``Router``
+(``scheduler.routing``: ``round_robin`` | ``cache_aware``, megainfer/runtime/router.py): a first
+share before the loop (``TAG_REQUESTS``), then more every iteration. Every iteration, on every
+attention rank: ``engine.step()`` (an empty step when the replica is idle, so the expert ranks
+always get every (layer, micro-batch) message); replica leaders report to rank 0 their finished
+outputs, whether they have work left, their queue (waiting, running) and, for cache-aware
+routing, the prefix-cache keys they gained or lost (``TAG_STATUS``); rank 0 yields the outputs
+(the job writes them at once), routes, and tells every attention rank go or stop together with
+its replica's new requests (``TAG_GO``): the TP ranks of a replica get exactly what their leader
+gets, in the same order, so their schedulers stay identical. On stop, leaders send the expert
+ranks a stop message.
 """
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Optional
 
+from megainfer.engine.errors import RequestError
+from megainfer.engine.intake import tokenize_prompt
 from megainfer.engine.outputs import PromptInput, RequestOutput
 
 from .control import TAG_GO, TAG_REQUESTS, TAG_STATUS, ControlPlane
 from .roles import RankRole
+from .router import Router
 
 
 class ReplicaLoop:
@@ -24,14 +32,32 @@ class ReplicaLoop:
         self.exchange, self.first_moe_layer = exchange, first_moe_layer  # exchange: leaders only
         self.attn_ranks = list(range(plan.attention_ranks))
         self.leaders = [r * plan.attention_tp for r in range(plan.attention_replicas)]
+        sched, cache = engine.scheduler_config, engine.cache_config
+        # cache-aware routing needs the replicas' keys (decided alike on every rank)
+        self.track = (sched.routing == "cache_aware" and plan.attention_replicas > 1
+                      and cache.enable_prefix_caching)
+        if self.track and role.is_leader:
+            engine.blocks.track_keys()
+        self.router: Optional[Router] = None
+        if role.rank == 0:
+            self.router = Router(plan.attention_replicas, sched.routing, cache.block_size,
+                                 sched.max_num_seqs, self._tokens_of, use_keys=self.track)
+
+    def _tokens_of(self, inp: PromptInput) -> Optional[list[int]]:
+        """Rank 0: a request's prompt token ids for routing (None if invalid: the replica that
+        gets it reports the error)."""
+        e = self.engine
+        try:
+            return tokenize_prompt(e.tokenizer, inp.prompt, inp.prompt_token_ids,
+                                   e.model_config.vocab_size, e.max_model_len)[1]
+        except RequestError:
+            return None
 
     # ------------------------------------------------------------------ rank 0
     def generate_stream(self, inputs: Iterable[PromptInput]) -> Iterator[RequestOutput]:
-        """Rank 0 only: distribute, drive the loop, yield each output as it finishes."""
-        inputs = list(inputs)
-        share = {r: [] for r in range(self.plan.attention_replicas)}
-        for i, inp in enumerate(inputs):
-            share[i % self.plan.attention_replicas].append(inp)
+        """Rank 0 only: hand out, drive the loop, yield each output as it finishes."""
+        self.router.add(inputs)
+        share = self.router.route()
         for rank in self.attn_ranks[1:]:
             self.control.send(share[rank // self.plan.attention_tp], rank, TAG_REQUESTS)
         yield from self._loop(share[0])
@@ -51,24 +77,34 @@ class ReplicaLoop:
             finished = self.engine.step()
             for out in finished:
                 out.request_id = ids.pop(out.request_id, out.request_id)
-            done, go = self._sync(failed + finished)
-            failed = []
+            done, go, new = self._sync(failed + finished)
+            more, failed = self.engine.add_inputs(new, warn=self.role.is_leader)
+            ids.update(more)
             yield from done
         if self.exchange is not None:
             self.exchange.stop(self.engine.executor.iteration, self.first_moe_layer)
 
-    def _sync(self, finished: list[RequestOutput]) -> tuple[list[RequestOutput], bool]:
-        """Leaders report to rank 0; rank 0 answers go/stop to every attention rank."""
-        busy = self.engine.has_unfinished()
+    def _sync(self, finished: list[RequestOutput]) -> tuple[list[RequestOutput], bool, list]:
+        """Leaders report to rank 0; rank 0 routes and answers (go, new requests) to every
+        attention rank. Returns (outputs to yield, go, this rank's new requests)."""
+        e = self.engine
+        status = (finished, e.has_unfinished(), len(e.scheduler.waiting),
+                  len(e.scheduler.running), e.blocks.take_key_events() if self.track else [])
         if self.role.rank != 0:
             if self.role.is_leader:
-                self.control.send((finished, busy), 0, TAG_STATUS)
-            return [], self.control.recv(0, TAG_GO, "iteration sync (waiting for rank 0)")
-        done = list(finished)
-        for leader in self.leaders[1:]:
-            outs, b = self.control.recv(leader, TAG_STATUS, "iteration sync (replica status)")
+                self.control.send(status, 0, TAG_STATUS)
+            go, new = self.control.recv(0, TAG_GO, "iteration sync (waiting for rank 0)")
+            return [], go, new
+        done, busy = list(finished), status[1]
+        self.router.update(0, *status[2:])
+        for replica, leader in enumerate(self.leaders[1:], 1):
+            outs, b, waiting, running, events = self.control.recv(
+                leader, TAG_STATUS, "iteration sync (replica status)")
             done += outs
             busy = busy or b
+            self.router.update(replica, waiting, running, events)
+        share = self.router.route()
+        go = busy or bool(self.router.pending) or any(share)
         for rank in self.attn_ranks[1:]:
-            self.control.send(busy, rank, TAG_GO)
-        return done, busy
+            self.control.send((go, share[rank // self.plan.attention_tp]), rank, TAG_GO)
+        return done, go, share[0]

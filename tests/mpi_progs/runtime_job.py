@@ -48,6 +48,21 @@ def shared_inputs(vocab: int, max_tokens: int):
         3, vocab, (1 + i % 6,), generator=g).tolist(), params=params) for i in range(12)]
 
 
+def shared_reference(ckpt: str, max_tokens: int = 12):
+    """Single mode with prefix caching off on ``shared_inputs``: ({request id: greedy tokens},
+    the engine's preemption count). The oracle of the shared-prefix MPI tests."""
+    import dataclasses
+
+    from megainfer.engine.engine import LLMEngine
+    from megainfer.models import build_model
+    cfg = ModelConfig.from_pretrained(ckpt)
+    off = dataclasses.replace(SHARED_CACHE, enable_prefix_caching=False)
+    eng = LLMEngine.from_model(build_model(cfg, LoadConfig(path=ckpt)), SCHED, off)
+    want = {o.request_id: o.outputs[0].token_ids
+            for o in eng.generate_stream(shared_inputs(cfg.vocab_size, max_tokens))}
+    return want, eng.num_preemptions
+
+
 def main():
     out, A, TP, E = sys.argv[1], *map(int, sys.argv[2:5])
     ms = [int(m) for m in sys.argv[5].split(",")]

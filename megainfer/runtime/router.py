@@ -1,0 +1,137 @@
+"""Rank 0's hand-out of requests to attention replicas, a few at a time (``scheduler.routing``).
+
+Every iteration each replica reports its queue (waiting, running) and the prefix-cache block
+keys it gained or lost (first tier and second tier, ``BlockManager.take_key_events``); the
+router keeps, per replica, the keys it holds. Then it hands out pending requests, first come
+first served, while some replica *has room*: fewer than ``max_num_seqs + slack`` requests
+queued, so that a replica's batch stays full while routing decisions keep using fresh cache
+state (a request not yet handed out can still go where its prefix will be).
+
+* ``round_robin``: the next replica with room, in rotation.
+* ``cache_aware`` (SGLang's router, Dynamo's KV router): the replica holding the longest run of
+  the request's full prompt blocks (keys chained with ``hash_block_tokens``, the block
+  manager's function, so they are the keys the replicas report); a replica whose queue is
+  longer than the shortest one's by more than ``balance_abs`` is skipped. Ties (no match
+  included) go to the shortest queue, then in rotation. A request handed out counts its keys
+  as *expected* on its replica until the replica reports them computed (or ``expect_iters``
+  iterations pass): the requests of a new system prompt that arrive together follow the first.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+from megainfer.config.runtime import ROUTINGS
+from megainfer.engine.block_manager import hash_block_tokens
+
+
+@dataclass
+class ReplicaView:
+    """What rank 0 knows of one replica."""
+
+    waiting: int = 0
+    running: int = 0
+    held: dict = field(default_factory=dict)  # key -> holders (first tier, second tier)
+    expected: dict = field(default_factory=dict)  # key -> iteration it was routed
+
+    @property
+    def queue(self) -> int:
+        return self.waiting + self.running
+
+    def apply(self, events: Sequence[tuple[int, int]]) -> None:
+        for key, d in events:
+            n = self.held.get(key, 0) + d
+            if n > 0:
+                self.held[key] = n
+                self.expected.pop(key, None)
+            else:
+                self.held.pop(key, None)
+
+    def has(self, key: int) -> bool:
+        return key in self.held or key in self.expected
+
+
+class Router:
+    """``tokens_of(input) -> token ids or None`` (None: routed without a prefix match)."""
+
+    def __init__(self, num_replicas: int, policy: str, block_size: int, max_num_seqs: int,
+                 tokens_of: Callable, slack: Optional[int] = None,
+                 balance_abs: Optional[int] = None, expect_iters: int = 64,
+                 use_keys: bool = True):
+        if policy not in ROUTINGS:
+            raise ValueError(f"scheduler.routing={policy!r}: must be one of {', '.join(ROUTINGS)}")
+        self.policy, self.block_size, self.tokens_of = policy, block_size, tokens_of
+        self.use_keys = use_keys  # False: prefix caching is off, there are no keys to match
+        self.cap = max_num_seqs + (max(1, max_num_seqs // 4) if slack is None else slack)
+        self.balance_abs = max(2, max_num_seqs // 2) if balance_abs is None else balance_abs
+        self.expect_iters, self.iteration, self.next = expect_iters, 0, 0
+        self.replicas = [ReplicaView() for _ in range(num_replicas)]
+        self.pending: deque = deque()
+        self.assigned = [0] * num_replicas  # requests handed to each replica
+        self.matched_blocks = 0  # blocks of the routed prompts found on their replica
+
+    @property
+    def tracks_keys(self) -> bool:
+        """Whether the replicas must report their key events."""
+        return self.policy == "cache_aware" and len(self.replicas) > 1 and self.use_keys
+
+    def add(self, inputs) -> None:
+        self.pending.extend(inputs)
+
+    def update(self, replica: int, waiting: int, running: int, events=()) -> None:
+        v = self.replicas[replica]
+        v.waiting, v.running = waiting, running
+        v.apply(events)
+
+    def keys(self, inp) -> list[int]:
+        """The keys of the full blocks a replica could serve (never the last token's)."""
+        ids = self.tokens_of(inp) if self.tracks_keys else None
+        if not ids:
+            return []
+        bs, keys = self.block_size, []
+        for i in range((len(ids) - 1) // bs):
+            keys.append(hash_block_tokens(keys[-1] if keys else None, ids[i * bs:(i + 1) * bs]))
+        return keys
+
+    def route(self) -> list[list]:
+        """Hand out pending requests while some replica has room: per replica, its new ones."""
+        out = [[] for _ in self.replicas]
+        self.iteration += 1
+        for v in self.replicas:  # expectations never confirmed (the request failed, ...)
+            for k in [k for k, it in v.expected.items() if self.iteration - it > self.expect_iters]:
+                del v.expected[k]
+        while self.pending:
+            room = [r for r, v in enumerate(self.replicas) if v.queue < self.cap]
+            if not room:
+                break
+            inp = self.pending.popleft()
+            keys = self.keys(inp)
+            r, match = self._choose(room, keys)
+            out[r].append(inp)
+            v = self.replicas[r]
+            v.waiting += 1
+            for k in keys[match:]:
+                v.expected.setdefault(k, self.iteration)
+            self.assigned[r] += 1
+            self.matched_blocks += match
+        return out
+
+    def _choose(self, room: list[int], keys: list[int]) -> tuple[int, int]:
+        A = len(self.replicas)
+        order = sorted(room, key=lambda r: (r - self.next) % A)  # rotation from self.next
+        if self.policy == "round_robin":
+            self.next = (order[0] + 1) % A
+            return order[0], 0
+        shortest = min(self.replicas[r].queue for r in room)
+        fit = [r for r in order if self.replicas[r].queue <= shortest + self.balance_abs]
+        best, best_key = fit[0], None
+        for r in fit:
+            v, m = self.replicas[r], 0
+            while m < len(keys) and v.has(keys[m]):
+                m += 1
+            key = (-m, v.queue)  # longest match, then shortest queue, then rotation
+            if best_key is None or key < best_key:
+                best, best_key = r, key
+        self.next = (best + 1) % A
+        return best, -best_key[0]
