@@ -42,7 +42,7 @@ def _job_spec(s):
     from megainfer.runtime.world import JobSpec
     tok = load_tokenizer(s.load.path, s.model.eos_token_id)
     return JobSpec(s.model, s.load, s.scheduler, s.cache, s.deploy, s.comm, s.eplb, s.trace,
-                   tokenizer=tok, seed=s.seed)
+                   tokenizer=tok, seed=s.seed, device=s.device)
 
 
 def run_distributed(s, requests, output_path: str, run_dir: str) -> int:

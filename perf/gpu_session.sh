@@ -29,6 +29,23 @@
 #   bench     perf/bench_moe_kernels.py --device cuda: Triton (tuned and default config) vs the
 #             torch path, TFLOP/s against the measured dense bf16 matmul rate;
 #   m2n       the MPI layer on the machine's 16 cores (below).
+# The disaggregated runtime on the GPU (issue 18), a second set that fits one call on its own:
+#   STEPS="ipc tokens trace transport calib" bash perf/gpu_session.sh   (timeouts sum to 500 s)
+#   ipc       tests/test_runtime_gpu.py -k "round_trips or cudart": cuda_ipc and staged mpi
+#             round trips, mpirun -n 2 and -n 3 on the one GPU, both layouts (self-peers);
+#   tokens    tests/test_runtime_gpu.py -k tokens: -n 2 and -n 3, cuda_ipc and mpi: fp32 tokens
+#             identical to single mode on the GPU, bf16 identical between the transports, host
+#             syncs of a decode step on the attention rank within budget;
+#   trace     the traced-run test, then megainfer-launch under mpirun -n 3 (deploy=a1e2
+#             deploy.device=cuda, Mixtral-8x7B's shapes cut to 2 layers, bf16, cuda_ipc,
+#             trace.enabled): its merged trace.json and summary come back;
+#   transport perf/bench_transport_gpu.py: 2 KB / 64 KB / 8 MB one-way, cuda_ipc vs mpi staging
+#             vs the in-process copy floor, then NCCL with two ranks on the GPU tried and recorded;
+#   calib     megainfer-plan calibrate on the GPU (bench=megainfer_cuda: the project's own
+#             attention and fused-MoE layers, bf16, smoke sizes; link from the transport bench)
+#             -> h200_measured.yaml (commit it as conf/hardware/h200_measured.yaml).
+#   These launch MPICH's mpiexec: the carried .whl/ wheels (mpi4py 4.1.2 + mpich 5.0.2; carry
+#   [".whl"]) when present, else an mpiexec on PATH.
 #
 # The GPU image has torch, triton, transformers, pytest and the nvidia-nccl wheel but not this
 # package's pins, so the package is put on PYTHONPATH as setup.py lays it out (kernels/ and
@@ -107,5 +124,28 @@ if [[ " $STEPS " == *" m2n "* ]]; then
   # where the channel's time goes with a core per rank (on 2 cores: docs/comm.md)
   STEPS="$STEPS m2nladder" step m2nladder 120 env PYTHONPATH="$MPI_SITE:$PYTHONPATH" MPI4PY_LIBMPI="$LIBMPI" \
     "$PY" perf/bench_m2n_ladder.py --mpiexec "$MPICH_BIN/mpiexec" --out "$W/bench_m2n_ladder.json"
+fi
+# ---- issue 18: the disaggregated runtime on the GPU (STEPS="ipc tokens trace transport calib")
+if [[ " $STEPS " =~ " "(ipc|tokens|trace|transport|calib)" " ]]; then
+  if [ -d .whl ]; then
+    carried_mpi
+    export PYTHONPATH="$MPI_SITE:$PYTHONPATH" MPI4PY_LIBMPI="$LIBMPI" MPIEXEC="$MPICH_BIN/mpiexec"
+  else
+    export MPIEXEC=$(command -v mpiexec || echo "$(dirname "$(command -v "$PY")")/mpiexec")
+  fi
+  PYT="$PY -m pytest -q -rs -m gpu -p no:cacheprovider"
+  step ipc 80 bash -c "cd $ROOT && $PYT -o timeout=75 tests/test_runtime_gpu.py -k 'round_trips or cudart'"
+  step tokens 150 bash -c "cd $ROOT && $PYT -o timeout=145 tests/test_runtime_gpu.py -k tokens"
+  step trace 110 bash -c "cd $ROOT && $PYT -o timeout=60 tests/test_runtime_gpu.py -k traced; \
+    $MPIEXEC -n 3 $PY -m megainfer.launch.main model=mixtral_8x7b model.arch.num_layers=2 \
+      deploy=a1e2 deploy.device=cuda model.dtype=bfloat16 comm.transport=cuda_ipc \
+      trace.enabled=true sampling.max_tokens=8 hydra.run.dir=$W/trace_run \
+    && cp $W/trace_run/trace.json $W/trace_mixtral_n3.json"
+  step transport 60 "$PY" perf/bench_transport_gpu.py --mpiexec "$MPIEXEC" --iters 200 \
+    --out "$W/bench_transport_gpu.json"
+  step calib 100 env MEGAINFER_CALIBRATE_LINK="$W/bench_transport_gpu.json" bash -c "cd $ROOT && \
+    $PY -m megainfer.launch.plan calibrate model=mixtral_8x7b model.num_layers=2 \
+      calibrate.bench=megainfer_cuda calibrate.mpi=false calibrate.node=false calibrate.smoke=true \
+      calibrate.merge=false calibrate.out=$W/h200_measured.yaml"
 fi
 cat "$W/rc.txt"

@@ -27,18 +27,40 @@ from megainfer.calibration.node_bench import measure_node
 from megainfer.perfmodel.shapes import ModelShape
 
 
-def matmul_flops(n: int = 512, dtype=torch.float32) -> float:
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    t = time_fn(lambda: a @ b, repeats=5, min_time_s=0.05, clock="thread")
+def matmul_flops(n: int = 512, dtype=torch.float32, device: str = "cpu") -> float:
+    a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
+    t = time_fn(_synced(lambda: a @ b, device), repeats=5, min_time_s=0.05, clock=_clock(device))
     return 2 * n ** 3 / t
 
 
-def memcpy_bandwidth(nbytes: int = 64 << 20) -> float:
+def memcpy_bandwidth(nbytes: int = 64 << 20, device: str = "cpu") -> float:
     """Bytes moved (read + write) per second by a large tensor copy."""
-    src = torch.ones(nbytes // 4)
+    src = torch.ones(nbytes // 4, device=device)
     dst = torch.empty_like(src)
-    t = time_fn(lambda: dst.copy_(src), repeats=5, min_time_s=0.05, clock="thread")
+    t = time_fn(_synced(lambda: dst.copy_(src), device), repeats=5, min_time_s=0.05,
+                clock=_clock(device))
     return 2 * nbytes / t
+
+
+def _clock(device: str) -> str:
+    return "wall" if device == "cuda" else "thread"
+
+
+def _synced(fn, device: str):
+    if device != "cuda":
+        return fn
+    return lambda: (fn(), torch.cuda.synchronize())
+
+
+def transport_link(path: str) -> dict:
+    """intra_link from perf/bench_transport_gpu.py's JSON (``$MEGAINFER_CALIBRATE_LINK``):
+    the cuda_ipc rows' one-way times fitted like an MPI ping-pong."""
+    with open(path) as f:
+        rows = [r for r in json.load(f)["rows"] if r["method"] == "cuda_ipc"]
+    if not rows:
+        raise ConfigError(f"{path}: no cuda_ipc rows to calibrate the link from")
+    return fit_link(sorted(({"bytes": r["bytes"], "one_way_s": r["one_way_p50_us"] / 1e6}
+                            for r in rows), key=lambda p: p["bytes"]))
 
 
 def mpiexec_path() -> str:
@@ -81,28 +103,39 @@ def calibrate(shape: ModelShape, threads: int = 1, smoke: bool = False, bench: s
               clock: str = "thread", node: bool = True) -> dict:
     """Returns the profile as a dict (profile_from_dict reads it; write_profile saves it)."""
     torch.set_num_threads(threads)
+    device = "cuda" if bench.endswith("_cuda") else "cpu"  # GPU benches: wall clock, bf16
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    if device == "cuda":
+        clock = "wall"
     # cover the decode operating range (batches of hundreds, short and long contexts): the
     # runtime validation predicts b = 96..288 at ctx ~ 20, which a fit ending at 64 / 128 misses
     batches = (1, 2, 4) if smoke else (1, 2, 4, 8, 16, 32, 64, 128, 256)
     ctxs = (16, 32) if smoke else (32, 128, 512)
     experts = experts or max(1, shape.num_experts // 2)
-    layers = measure_layers(shape, batches, ctxs, experts, bench, rounds=1 if smoke else 5,
-                            repeats=1 if smoke else 3, clock=clock)
+    layers = measure_layers(shape, batches, ctxs, experts, bench, dtype=dtype,
+                            rounds=1 if smoke else 5, repeats=1 if smoke else 3, clock=clock)
     k1, k1c, k2 = fit_attention(*zip(*layers["attention"]), relative=True)
     k3, k4 = fit_line(*zip(*layers["expert"]), relative=True)
     link = fit_link(mpi_pingpong(1 << 16 if smoke else 1 << 24, 3 if smoke else 20)) if mpi else \
         {"latency_s": 5e-6, "bandwidth_Bps": 5e9}
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if os.environ.get("MEGAINFER_CALIBRATE_LINK"):
+        link = transport_link(os.environ["MEGAINFER_CALIBRATE_LINK"])
+    mem = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else \
+        os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     node_d = measure_node(shape, bench, experts, smoke) if node else {"cores": os.cpu_count() or 1}
     node_raw = node_d.pop("raw", {})
+    where = (f"{torch.cuda.get_device_name()}, " if device == "cuda" else "") + \
+        f"{platform.processor() or platform.machine()}"
     return {
-        "name": f"cpu_{platform.node() or 'node'}",
+        "name": f"{device}_{platform.node() or 'node'}",
         "source": (f"measured by megainfer-plan calibrate on {datetime.date.today()}, "
-                   f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+                   f"{where}, {os.cpu_count()} cores, "
                    f"torch threads={threads}, bench={bench}, clock={clock}; the machine was "
                    f"shared (load average {os.getloadavg()[0]:.1f})"),
-        "matmul_flops": {"float32": matmul_flops(256 if smoke else 512)},
-        "mem_bw_Bps": memcpy_bandwidth(8 << 20 if smoke else 64 << 20),
+        "matmul_flops": {"float32": matmul_flops(256 if smoke else 512, device=device),
+                         **({"bfloat16": matmul_flops(4096, torch.bfloat16, device)}
+                            if device == "cuda" else {})},
+        "mem_bw_Bps": memcpy_bandwidth(8 << 20 if smoke else 64 << 20, device),
         "mem_bytes": float(mem),
         "intra_link": dict(link), "inter_link": dict(link),
         "price_per_hour": price_per_hour,
@@ -110,7 +143,7 @@ def calibrate(shape: ModelShape, threads: int = 1, smoke: bool = False, bench: s
         "kernel_overhead_s": max(k4, 0.0), "mem_util": 0.5,  # ranks share the node's memory
         "node": node_d,
         "fits": {shape.name: {"k1": k1, "k2": k2, "k3": k3, "k4": k4, "k1_ctx": k1c,
-                              "ctx_ref": int(ctxs[-1]), "dtype": "float32"}},
+                              "ctx_ref": int(ctxs[-1]), "dtype": dtype}},
         "calibration": {"threads": threads, "experts_per_rank": experts, "batches": list(batches),
                         "attention": [list(x) for x in layers["attention"]],
                         "expert": [list(x) for x in layers["expert"]], "node": node_raw},

@@ -76,6 +76,7 @@ class Channel:
                     self._recv[s][p] = ring
                     if not self._ordered:
                         self._post_ahead(ring)
+        transport.connect()  # collective: every rank builds every channel, in the same order
 
     @property
     def policy(self) -> WaitPolicy:

@@ -29,19 +29,22 @@ def combine_spec(capacity: int, hidden: int, dtype: torch.dtype) -> S.MessageSpe
     return S.MessageSpec.of(capacity, out=((hidden,), dtype))
 
 
-def make_transports(kind: str, comm=None, fabric=None, rank: int = 0) -> tuple[Transport, Transport]:
-    """(dispatch transport, combine transport) for ``kind`` in mpi | nccl | loopback."""
-    if kind == "mpi":
-        from megainfer.comm.mpi import MpiTransport
-        t = MpiTransport(comm)
-        return t, t
-    if kind == "nccl":  # one communicator and stream per direction (see nccl.py)
-        from megainfer.comm.nccl import NcclTransport
-        return NcclTransport(comm), NcclTransport(comm)
+def make_transports(kind: str, comm=None, fabric=None, rank: int = 0,
+                    device=None) -> tuple[Transport, Transport]:
+    """(dispatch transport, combine transport) for ``kind`` in auto | mpi | cuda_ipc | nccl |
+    loopback, moving tensors of ``device`` (default cpu); see ``megainfer.comm.select``."""
     if kind == "loopback":
         t = fabric.endpoint(rank)
         return t, t
-    raise ValueError(f"comm transport={kind!r}: must be one of mpi, nccl, loopback")
+    if kind == "mpi" and (device is None or torch.device(device).type == "cpu"):
+        from megainfer.comm.mpi import MpiTransport  # the CPU path: no identity exchange
+        t = MpiTransport(comm)
+        return t, t
+    if kind == "nccl" and device is None:  # (before devices were named: this rank's GPU)
+        from megainfer.comm.nccl import NcclTransport
+        return NcclTransport(comm), NcclTransport(comm)
+    from megainfer.comm.select import make_device_transports
+    return make_device_transports(kind, comm, device if device is not None else "cpu")
 
 
 class M2N:
@@ -52,6 +55,7 @@ class M2N:
         """``streams`` tags per direction (default: one per micro-batch); ``depth`` messages
         in flight per (peer, stream) before a sender waits for its oldest to leave."""
         td, tc = transports
+        self.transports = (td, tc)
         streams = streams or micro_batches
         self.attn_ranks, self.expert_ranks = list(attn_ranks), list(expert_ranks)
         self.a2e = Channel(td, attn_ranks, expert_ranks, dispatch, streams=streams,
@@ -87,6 +91,12 @@ class M2N:
     def close(self) -> None:
         self.a2e.close()
         self.e2a.close()
+
+    def close_transports(self) -> None:
+        """Collective: close each transport once (after ``close``); frees device buffers,
+        IPC mappings and communicators."""
+        for t in {id(t): t for t in self.transports}.values():
+            t.close()
 
 
 def wait_all(handles: list) -> list[Optional[Message]]:

@@ -10,6 +10,10 @@ Semantics differ from MPI in two ways, both handled by ``Channel``:
   True and the channel posts a receive only when ``recv()`` is called, in the caller's order.
   A posted receive occupies the channel's stream until its send arrives, so give each
   direction its own transport (``M2N`` does): a rank then only sends or only receives on it.
+* One rank per GPU: NCCL refuses a communicator that holds a device twice. NCCL 2.30 added
+  ``NCCL_MULTI_RANK_GPU_ENABLE=1`` to allow it; ``megainfer.comm.select`` refuses shared GPUs
+  at start-up (naming the ranks) unless that variable is set on such a version, and
+  perf/bench_transport_gpu.py tries it and records what happened.
 * Send and receive counts must match, so every message moves the slot's full
   ``nbytes(capacity)``; the header (rows, ...) says how much of it is real.
 
@@ -24,14 +28,13 @@ this way (perf/bench_nccl_self.py on an H200, same run; docs/comm.md).
 from __future__ import annotations
 
 import ctypes
-import glob
-import os
 from typing import Optional
 
 import numpy as np
 import torch
 
 from megainfer.comm.errors import CommError
+from megainfer.comm.native_lib import library_candidates, load_first
 from megainfer.comm.transport import Buffer, Request, Transport
 
 NCCL_UINT8 = 1  # ncclUint8 in ncclDataType_t
@@ -47,19 +50,8 @@ class NcclUniqueId(ctypes.Structure):
 
 
 def _candidates() -> list[str]:
-    out = []
-    if os.environ.get("MEGAINFER_NCCL_LIB"):
-        out.append(os.environ["MEGAINFER_NCCL_LIB"])
-    try:  # nvidia-nccl-cu12/-cu13 wheels: nvidia/nccl/lib/ (or nvidia/<cuXY>/lib/) libnccl.so.2
-        import nvidia  # type: ignore  # a namespace package: one path per site directory
-        for d in list(getattr(nvidia, "__path__", [])):
-            out += sorted(glob.glob(os.path.join(d, "*", "lib", "libnccl.so*")))
-    except ImportError:
-        pass
-    torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
-    out += sorted(glob.glob(os.path.join(torch_lib, "libnccl.so*")))
-    out.append("libnccl.so.2")
-    return out
+    """libnccl.so.2: $MEGAINFER_NCCL_LIB, the nvidia-nccl-cu12/-cu13 wheels, torch's lib/."""
+    return library_candidates("nccl", "MEGAINFER_NCCL_LIB", ["libnccl.so.2"])
 
 
 _LIB: Optional[ctypes.CDLL] = None
@@ -70,13 +62,7 @@ def load_nccl(path: Optional[str] = None) -> ctypes.CDLL:
     global _LIB
     if _LIB is not None and path is None:
         return _LIB
-    tried, lib = [], None
-    for cand in ([path] if path else _candidates()):
-        try:
-            lib = ctypes.CDLL(cand)
-            break
-        except OSError as e:
-            tried.append(f"{cand}: {e}")
+    lib, tried = load_first([path] if path else _candidates())
     if lib is None:
         raise NcclUnavailableError("libnccl.so.2 not found; install the `nccl` extra "
                                    "(nvidia-nccl-cu12) or set MEGAINFER_NCCL_LIB. Tried: "

@@ -3,8 +3,9 @@
 A transport moves the bytes of one pre-allocated ``Buffer`` to a peer: ``isend``/``irecv``
 return a request with ``test()``; ``send_init``/``recv_init`` bind a slot's buffer and peer
 once so a message costs one ``start`` (persistent requests on MPI); ``Channel`` does the waiting, the headers and the rings.
-Three implementations: ``MpiTransport`` (mpi4py, CPU), ``NcclTransport`` (GPU, ctypes) and
-``LoopbackTransport`` (in-process, for unit tests).
+Implementations: ``MpiTransport`` (mpi4py, CPU), ``StagingTransport`` (MPI through pinned host
+mirrors of device buffers), ``CudaIpcTransport`` (one node, peers' slots written directly),
+``NcclTransport`` (GPU, ctypes) and ``LoopbackTransport`` (in-process, for unit tests).
 """
 from __future__ import annotations
 
@@ -90,6 +91,11 @@ class Transport:
         """Receives into ``buf`` from ``peer``, re-armed with ``start(nbytes, tag)`` once the
         previous one completed and was consumed."""
         return Reissue(self.irecv, buf, peer)
+
+    def connect(self) -> None:
+        """Called by every rank at the end of each channel's construction (collective): a
+        transport that must exchange something about the new slots does it here (CUDA IPC
+        handles); a no-op for the others."""
 
     def group(self):
         """Context in which sends/receives are issued together (NCCL group); a no-op here."""

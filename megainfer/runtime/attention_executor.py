@@ -20,6 +20,8 @@ from typing import Optional
 
 import torch
 
+from megainfer.models.attention import AttentionMetadata
+
 from .microbatch import split_by_tokens
 from .trace import Tracer
 
@@ -28,6 +30,7 @@ from .trace import Tracer
 class _MicroBatch:
     step: object  # StepInput of this micro-batch
     meta: object  # AttentionMetadata
+    positions: torch.Tensor  # [n] int64 on the model's device
     hidden: torch.Tensor  # [n, H] residual stream
     residual: Optional[torch.Tensor] = None
     shared: Optional[torch.Tensor] = None
@@ -57,6 +60,7 @@ class DisaggregatedExecutor:
         self.exchange, self.tp = exchange, tp_group  # exchange is None on TP non-leaders
         self.rebalancer = rebalancer  # leaders: replica choice (to_physical) and live EPLB
         self.first_moe = next(i for i, layer in enumerate(model.layers) if layer.is_moe)
+        self.device = next(model.parameters()).device
         self.tracer = tracer or Tracer(enabled=False)
         self.iteration = 0
         self.step_log: list[tuple[int, int, float]] = []  # (sequences, tokens, seconds) per step
@@ -76,7 +80,7 @@ class DisaggregatedExecutor:
                     self._attend_and_dispatch(layer, l, i, mb)
                 else:
                     with self.tracer.span("attention", f"dense L{l} mb{i}", self.iteration, l, i, mb.n):
-                        mb.hidden = layer(mb.hidden, mb.step.positions, mb.meta, self.kv[l])
+                        mb.hidden = layer(mb.hidden, mb.positions, mb.meta, self.kv[l])
         for i, mb in enumerate(mbs):
             self._finish(mb, i)
         hidden = torch.cat([mb.hidden for mb in mbs]) if mbs else None  # [T, H] in batch order
@@ -87,12 +91,15 @@ class DisaggregatedExecutor:
 
     # ------------------------------------------------------------------ pieces
     def _start(self, part) -> _MicroBatch:
-        meta = part.attention_metadata(self.block_size)
-        return _MicroBatch(part, meta, self.model.embed(part.input_ids))
+        """The micro-batch's metadata, ids and positions on the device in one copy."""
+        meta, (ids, pos) = AttentionMetadata.build_with(
+            part.query_lens, part.context_lens, part.block_tables, self.block_size, self.device,
+            extras=[part.input_ids, part.positions])
+        return _MicroBatch(part, meta, pos, self.model.embed(ids))
 
     def _attend_and_dispatch(self, layer, l: int, i: int, mb: _MicroBatch) -> None:
         with self.tracer.span("attention", f"attn L{l} mb{i}", self.iteration, l, i, mb.n):
-            x, mb.residual = layer.pre_mlp(mb.hidden, mb.step.positions, mb.meta, self.kv[l])
+            x, mb.residual = layer.pre_mlp(mb.hidden, mb.positions, mb.meta, self.kv[l])
             w, ids = layer.mlp.gate(x)  # [n, k]
             if self.rebalancer is not None:
                 ids = self.rebalancer.to_physical(l, ids)
@@ -119,7 +126,7 @@ class DisaggregatedExecutor:
         """Rows of ``step.logit_token_list()`` (each sampled sequence's last token, every token
         of a ``full_logits`` sequence), in that order, from `hidden` in micro-batch order."""
         if not step.sample_rows and not step.full_logits:
-            return torch.empty(0, self.model.config.vocab_size)
+            return torch.empty(0, self.model.config.vocab_size, device=self.device)
         start, base = {}, 0  # sequence index -> row of its first new token in `hidden`
         for g in groups:
             for s in g:
@@ -131,6 +138,8 @@ class DisaggregatedExecutor:
             elif s in want:
                 rows.append(start[s] + n - 1)
         rows = torch.tensor(rows, dtype=torch.long)
+        if self.device.type == "cuda":  # pinned: the copy does not wait for the device
+            rows = rows.pin_memory().to(self.device, non_blocking=True)
         h = self.model.model.norm(hidden[rows])  # [S_sample, H]
         if self.tp is not None and self.tp.size > 1:
             h = self.tp.broadcast_from_leader(h.contiguous(), "final hidden")

@@ -65,14 +65,17 @@ class ExpertWorker:
         experts = self.model.layers[l].mlp.experts
         with self.tracer.span("expert", f"expert L{l} mb{i}", iteration, l, i, n):
             if n:
+                # the messages are views into the transport's slots, on the experts' device
+                # (cuda_ipc, nccl, staged mpi) or the host (mpi on cpu)
                 x = torch.cat([b[0] for b in batch])  # [n, H]
                 ids = torch.cat([b[1] for b in batch]).long()  # [n, k] physical slots
                 w = torch.cat([b[2] for b in batch])  # [n, k]
                 if self.rebalancer is not None:
                     self.rebalancer.record(l, ids)
                 out = experts(x, w.to(x.dtype), ids)  # [n, H] partial sums over local slots
-            else:
-                out = torch.empty(0, experts.down_proj.shape[1])
+            else:  # on the experts' device and dtype, like a computed one
+                dp = experts.down_proj
+                out = torch.empty(0, dp.shape[1], dtype=dp.dtype, device=dp.device)
         if self.trace_comm:
             with self.tracer.span("E2A", f"E2A L{l} mb{i}", iteration, l, i, n):
                 self.exchange.reply(iteration, l, i, list(torch.split(out, counts)))

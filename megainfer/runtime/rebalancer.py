@@ -4,7 +4,8 @@ Every ``eplb.interval`` iterations, before the iteration's first message, each r
 sends every expert rank a REBALANCE control message on the dispatch channel. The expert ranks
 sum their load windows (each counts the tokens that reached its own slots, by logical
 expert), all compute the same new placement (``Placement.from_rebalance`` is deterministic),
-move weights point to point (staged into fresh buffers, then switched), and expert rank 0
+move weights point to point (staged into fresh host buffers, then switched: on a GPU they
+travel through host memory), and expert rank 0
 sends the new ``phy2log`` to the leaders, which switch their replica choice before sending the
 iteration's tokens. Physical slots stay on their rank, so ``expert_map`` never changes; only
 which logical expert a slot holds does.
@@ -103,9 +104,10 @@ class ExpertRebalancer:
         staged, reqs = {}, []
         for mv in sends:  # old weights of my slot src_slot go to rank mv.rank's slot dst_slot
             ex = layers[mv.layer].mlp.experts
-            buf = torch.cat([ex.gate_up_proj[mv.src_slot].flatten(), ex.down_proj[mv.src_slot].flatten()])
+            buf = _host(torch.cat([ex.gate_up_proj[mv.src_slot].flatten(),
+                                   ex.down_proj[mv.src_slot].flatten()]))
             tag = TAG_WEIGHTS + mv.layer * R + mv.rank * S + mv.dst_slot
-            reqs.append((self.comm.Isend(buf.numpy(), dest=mv.rank, tag=tag), mv.rank, buf))
+            reqs.append((self.comm.Isend(_np(buf), dest=mv.rank, tag=tag), mv.rank, buf))
         for mv in moves:
             ex = layers[mv.layer].mlp.experts
             gu, dn = ex.gate_up_proj[mv.dst_slot], ex.down_proj[mv.dst_slot]
@@ -113,15 +115,26 @@ class ExpertRebalancer:
                 staged[(mv.layer, mv.dst_slot)] = torch.cat([ex.gate_up_proj[mv.src_slot].flatten(),
                                                              ex.down_proj[mv.src_slot].flatten()])
                 continue
-            buf = torch.empty(gu.numel() + dn.numel(), dtype=gu.dtype)
+            buf = torch.empty(gu.numel() + dn.numel(), dtype=gu.dtype)  # host staging
             tag = TAG_WEIGHTS + mv.layer * R + self.index * S + mv.dst_slot
-            reqs.append((self.comm.Irecv(buf.numpy(), source=mv.src, tag=tag), mv.src, buf))
+            reqs.append((self.comm.Irecv(_np(buf), source=mv.src, tag=tag), mv.src, buf))
             staged[(mv.layer, mv.dst_slot)] = buf
         for req, peer, _ in reqs:
             self.control.wait(req, peer, "EPLB weight move")
         for (layer, slot), buf in staged.items():
             ex = layers[layer].mlp.experts
             n = ex.gate_up_proj[slot].numel()
-            ex.gate_up_proj.data[slot].copy_(buf[:n].view_as(ex.gate_up_proj[slot]))
-            ex.down_proj.data[slot].copy_(buf[n:].view_as(ex.down_proj[slot]))
+            ex.gate_up_proj.data[slot].copy_(buf[:n].view(ex.gate_up_proj[slot].shape))
+            ex.down_proj.data[slot].copy_(buf[n:].view(ex.down_proj[slot].shape))
         self.moved += sum(1 for mv in moves if not (mv.src == "self" and mv.src_slot == mv.dst_slot))
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """Weights MPI can read: on a GPU staged through host memory (a rebalance is rare and
+    waits anyway; docs/comm.md)."""
+    return t.cpu() if t.is_cuda else t
+
+
+def _np(t: torch.Tensor):
+    """A numpy view of a host tensor; bf16/fp16 as their 16-bit patterns (numpy has no bf16)."""
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()

@@ -1,4 +1,5 @@
-"""Tensor parallelism inside one attention replica over MPI (CPU): sum all-reduce for o_proj,
+"""Tensor parallelism inside one attention replica over MPI (device tensors staged through host
+memory; the CPU path is unchanged): sum all-reduce for o_proj,
 and leader-to-peers broadcast of what only the leader computes (routed expert output, final
 hidden rows). Every wait is bounded (``ControlPlane``)."""
 from __future__ import annotations
@@ -16,15 +17,24 @@ class TPGroup:
         self.leader_world_rank = leader_world_rank
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum over the TP ranks. t [.., H] float -> same shape, identical on every rank."""
-        t = t.contiguous()
-        req = self.comm.Iallreduce(MPI.IN_PLACE, t.numpy(), op=MPI.SUM)
+        """Sum over the TP ranks. t [.., H] float -> same shape, identical on every rank
+        (bf16/fp16 are summed in fp32, then rounded once)."""
+        h = _host(t.float() if t.dtype in (torch.bfloat16, torch.float16) else t)
+        req = self.comm.Iallreduce(MPI.IN_PLACE, h.numpy(), op=MPI.SUM)
         self.control.wait(req, self.leader_world_rank, "tensor-parallel all-reduce")
-        return t
+        return h.to(t.device, t.dtype, non_blocking=True)
 
     def broadcast_from_leader(self, t: torch.Tensor, what: str) -> torch.Tensor:
         """TP rank 0's t on every rank (shape must agree)."""
-        t = t.contiguous()
-        req = self.comm.Ibcast(t.numpy(), root=0)
+        h = _host(t)
+        bits = h.view(torch.int16) if h.dtype == torch.bfloat16 else h  # numpy has no bf16
+        req = self.comm.Ibcast(bits.numpy(), root=0)
         self.control.wait(req, self.leader_world_rank, f"tensor-parallel broadcast of {what}")
-        return t
+        return h.to(t.device, non_blocking=True)
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous host tensor MPI can read and write: t itself on cpu, a staged copy of a
+    device tensor (waits for the device: TP on GPUs goes through host staging, docs/comm.md)."""
+    t = t.contiguous()
+    return t.cpu() if t.is_cuda else t

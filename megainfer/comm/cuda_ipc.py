@@ -1,0 +1,303 @@
+"""CUDA IPC transport: ranks of one node (several may share a GPU) write straight into their
+peer's receive slots.
+
+* Memory. Every slot buffer is a raw ``cudaMalloc`` (an IPC handle covers a whole
+  allocation). The receiver owns its receive rings; at ``connect`` (the end of each channel's
+  construction, collective) it sends each sender the IPC handles of that sender's rings, and
+  the sender opens them once. A rank that is its own peer uses its pointers directly.
+* Data. ``start`` of a send makes the transport's comm stream wait for the caller's stream (a
+  local fence), then for the peer's *consumed* event of the target slot, copies
+  ``nbytes - 32`` bytes of fields into the peer slot and records the slot's *ready* event:
+  all on the device, the host never waits.
+* Headers, grants. The 32-byte header goes over MPI (host to host, like the handles) after
+  the ready event was recorded; the receiver's stream waits on that event once the header is
+  in (``cudaStreamWaitEvent``), so the fields are read after the copy, and the host knows the
+  row count without a device copy. Re-arming a receive slot (the channel does it after the
+  caller released the message) records the slot's consumed event on the caller's stream and
+  sends the sender a 4-byte *grant*: the k-th grant of a (peer, tag) ring frees slot
+  ``k % depth``; a send waits (without blocking: any poll of this transport pumps it) until
+  its grant is in. An interprocess event is recorded only by the process that created it
+  (ready: the sender; consumed: the receiver) and waited on by the other.
+"""
+from __future__ import annotations
+
+import ctypes
+from collections import deque
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from megainfer.comm.cudart import runtime, device_tensor, MEMCPY_DEFAULT
+from megainfer.comm.errors import CommError
+from megainfer.comm.select import check_cuda_ipc
+from megainfer.comm.spec import HEADER_BYTES
+from megainfer.comm.transport import Buffer, Request, Transport
+
+
+class IpcSetupError(CommError):
+    """The transport cannot work between some ranks (other nodes, a handle that won't open)."""
+
+
+def _cur(device) -> ctypes.c_void_p:
+    return ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
+
+
+def agree(comm, errors: list[str], what: str) -> None:
+    """Collective: raise on every rank if any rank found a problem, naming them all."""
+    every = comm.allgather(errors)
+    lines = [e for errs in every for e in errs]
+    if lines:
+        raise IpcSetupError(f"{what}: " + "; ".join(lines))
+
+
+class _Recv(Request):
+    __slots__ = ("io", "mpi", "done")
+
+    def __init__(self, io, mpi):
+        self.io, self.mpi, self.done = io, mpi, False
+
+    def test(self) -> bool:
+        if self.done:
+            return True
+        t = self.io.t
+        if t._queued:
+            t.progress()
+        if not self.mpi.Test():
+            return False
+        t.rt.check(t.rt.streamWaitEvent(_cur(t.device), self.io.ready, 0), "cudaStreamWaitEvent")
+        self.done = True
+        return True
+
+    def cancel(self) -> None:
+        if not self.done and not self.mpi.Test():
+            self.mpi.Cancel()
+            self.mpi.Wait()
+
+
+class _RecvSlot:
+    """One receive slot: its buffer, consumed event (ours), ready event (the sender's)."""
+
+    def __init__(self, t: "CudaIpcTransport", buf: Buffer, peer: int):
+        self.t, self.buf, self.peer, self.tag = t, buf, peer, None
+        self.consumed = t._event(ipc=True)
+        self.ready = None  # opened at connect
+        self.grant = np.zeros(1, dtype=np.int32)
+        self.grant_req = None
+        self.n = 0
+
+    def start(self, nbytes: int, tag: int) -> Request:
+        t = self.t
+        if self.tag is None:  # first post: this slot joins ring (peer, tag) in post order
+            self.tag = tag
+            t._new_rings.setdefault((self.peer, tag), []).append(self)
+        rt = t.rt
+        rt.check(rt.eventRecord(self.consumed, _cur(t.device)), "cudaEventRecord(consumed)")
+        req = t.comm.Irecv([self.buf.header, MPI.INT], self.peer, tag)
+        if self.grant_req is not None:
+            self.grant_req.Wait()  # 4 bytes, long sent
+        self.n += 1
+        self.grant[0] = self.n
+        self.grant_req = t.gcomm.Isend([self.grant, MPI.INT], self.peer, tag)
+        return _Recv(self, req)
+
+
+class _Send(Request):
+    __slots__ = ("slot", "nbytes", "tag", "issued", "ev", "mpi", "done")
+
+    def __init__(self, slot, nbytes: int, tag: int):
+        self.slot, self.nbytes, self.tag = slot, nbytes, tag
+        self.issued, self.ev, self.mpi, self.done = False, None, None, False
+
+    def test(self) -> bool:
+        if self.done:
+            return True
+        t = self.slot.t
+        if not self.issued:
+            t.progress()
+            if not self.issued:
+                return False
+        if self.mpi.Test() and t.rt.done(self.ev):
+            self.done = True
+        return self.done
+
+    def cancel(self) -> None:
+        if self.issued and not self.mpi.Test():
+            self.mpi.Cancel()
+            self.mpi.Wait()
+
+
+class _SendSlot:
+    def __init__(self, t: "CudaIpcTransport", buf: Buffer, peer: int):
+        self.t, self.buf, self.peer = t, buf, peer
+        self.fence = t._event(ipc=False)
+
+    def start(self, nbytes: int, tag: int) -> Request:
+        t = self.t
+        t.rt.check(t.rt.eventRecord(self.fence, _cur(t.device)), "cudaEventRecord(fence)")
+        req = _Send(self, nbytes, tag)
+        out = t._out.get((self.peer, tag))
+        if out is None:
+            raise CommError(f"[cuda_ipc rank {t.rank}] no receive ring of rank {self.peer} on "
+                            f"tag {tag}: channel built on some ranks only?")
+        out["queue"].append(req)
+        t._queued += 1
+        t._pump(out)
+        return req
+
+
+class CudaIpcTransport(Transport):
+    """Point to point between the ranks of one node, over CUDA IPC (see the module docstring)."""
+
+    def __init__(self, comm, device: torch.device):
+        super().__init__()
+        self.rt = runtime()
+        self.device = torch.device(device)
+        torch.cuda.set_device(self.device)
+        self.comm, self.gcomm = comm.Dup(), comm.Dup()  # headers; grants
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        check_cuda_ipc(self.comm.allgather(MPI.Get_processor_name()))  # all raise alike
+        self.stream = torch.cuda.Stream(device=self.device)
+        self._s = ctypes.c_void_p(self.stream.cuda_stream)
+        self._new_rings: dict = {}  # (sender, tag) -> [_RecvSlot] in ring order, since connect
+        self._rings: dict = {}  # all of them (self-sends look theirs up here)
+        self._out: dict = {}  # (receiver, tag) -> remote ring state
+        self._queued = 0  # sends waiting for a grant
+        self._allocs, self._opened, self._events = [], [], []
+
+    def _event(self, ipc: bool) -> ctypes.c_void_p:
+        if ipc:
+            ev = self.rt.ipc_event()
+        else:
+            e = ctypes.c_void_p()
+            self.rt.check(self.rt.eventCreateWithFlags(ctypes.byref(e), 0x2), "cudaEventCreate")
+            ev = e.value
+        self._events.append(ev)
+        return ctypes.c_void_p(ev)
+
+    def alloc(self, nbytes: int) -> Buffer:
+        ptr = self.rt.alloc(nbytes)
+        self._allocs.append(ptr)
+        data = device_tensor(ptr, nbytes, self.device)
+        return Buffer(data, np.zeros(8, dtype=np.int32), {"ptr": ptr})
+
+    def send_init(self, buf: Buffer, peer: int) -> _SendSlot:
+        return _SendSlot(self, buf, peer)
+
+    def recv_init(self, buf: Buffer, peer: int) -> _RecvSlot:
+        return _RecvSlot(self, buf, peer)
+
+    def isend(self, buf, nbytes, peer, tag):
+        return self.send_init(buf, peer).start(nbytes, tag)
+
+    def irecv(self, buf, nbytes, peer, tag):
+        raise CommError("cuda_ipc receives go through recv_init (slots are bound to rings)")
+
+    # ---- connecting a channel's rings (collective) ---------------------------------------
+    def connect(self) -> None:
+        rt, new, errors = self.rt, self._new_rings, []
+        self._rings.update(new)
+        self._new_rings = {}
+        to = [[] for _ in range(self.size)]  # per sender: (tag, [(mem, consumed) handles])
+        for (src, tag), slots in new.items():
+            if src == self.rank:
+                to[src].append((tag, None))
+            else:
+                to[src].append((tag, [(rt.mem_handle(s.buf.extra["ptr"]),
+                                       rt.event_handle(s.consumed.value)) for s in slots]))
+        back = [[] for _ in range(self.size)]  # per receiver: (tag, [ready handles])
+        for dst, rings in enumerate(self.comm.alltoall(to)):
+            for tag, handles in rings:
+                try:
+                    back[dst].append((tag, self._open_ring(dst, tag, handles)))
+                except CommError as e:
+                    errors.append(f"rank {self.rank} cannot open rank {dst}'s ring (tag {tag}): {e}")
+        agree(self.comm, errors, "cuda_ipc: IPC handles would not open (same node, same driver, "
+                                 "no container isolation between the ranks?)")
+        for src, rings in enumerate(self.comm.alltoall(back)):
+            for tag, readies in rings:
+                for slot, ready in zip(self._rings[(src, tag)], readies):
+                    if src != self.rank:
+                        ready = rt.open_event(ready)
+                        self._events.append(ready)  # imported events are destroyed too
+                    slot.ready = ctypes.c_void_p(ready)
+
+    def _open_ring(self, dst: int, tag: int, handles) -> list:
+        rt = self.rt
+        if handles is None:  # myself: my own slots and events
+            mine = self._rings[(self.rank, tag)]
+            ptrs, consumed = [s.buf.extra["ptr"] for s in mine], [s.consumed for s in mine]
+        else:
+            ptrs, consumed = [], []
+            for mem, ev in handles:
+                p = rt.open_mem(mem)
+                self._opened.append(p)
+                ptrs.append(p)
+                consumed.append(ctypes.c_void_p(rt.open_event(ev)))
+                self._events.append(consumed[-1].value)
+        ready = [self._event(ipc=dst != self.rank) for _ in ptrs]
+        gbuf = np.zeros(1, dtype=np.int32)
+        self._out[(dst, tag)] = {"ptrs": ptrs, "consumed": consumed, "ready": ready,
+                                 "queue": deque(), "sent": 0, "granted": 0, "peer": dst,
+                                 "tag": tag, "gbuf": gbuf,
+                                 "greq": self.gcomm.Irecv([gbuf, MPI.INT], dst, tag)}
+        return [e.value if dst == self.rank else self.rt.event_handle(e.value) for e in ready]
+
+    # ---- moving bytes --------------------------------------------------------------------
+    def _pump(self, out: dict) -> None:
+        """Issue queued sends of one remote ring whose grants are in (never waits)."""
+        q = out["queue"]
+        while q:
+            while out["granted"] <= out["sent"] and out["greq"].Test():
+                out["granted"] += 1
+                out["greq"] = self.gcomm.Irecv([out["gbuf"], MPI.INT], out["peer"], out["tag"])
+            if out["granted"] <= out["sent"]:
+                return
+            self._issue(out, q.popleft())
+            self._queued -= 1
+
+    def _issue(self, out: dict, req: _Send) -> None:
+        rt, s, slot = self.rt, self._s, req.slot
+        j = out["sent"] % len(out["ptrs"])
+        out["sent"] += 1
+        rt.check(rt.streamWaitEvent(s, slot.fence, 0), "cudaStreamWaitEvent(fence)")
+        rt.check(rt.streamWaitEvent(s, out["consumed"][j], 0), "cudaStreamWaitEvent(consumed)")
+        n = req.nbytes - HEADER_BYTES
+        if n > 0:
+            src = slot.buf.extra["ptr"] + HEADER_BYTES
+            rt.check(rt.memcpyAsync(ctypes.c_void_p(out["ptrs"][j] + HEADER_BYTES),
+                                    ctypes.c_void_p(src), n, MEMCPY_DEFAULT, s), "cudaMemcpyAsync")
+        ev = out["ready"][j]
+        rt.check(rt.eventRecord(ev, s), "cudaEventRecord(ready)")
+        req.ev = ev.value
+        req.mpi = self.comm.Isend([slot.buf.header, MPI.INT], out["peer"], req.tag)
+        req.issued = True
+
+    def progress(self) -> None:
+        if self._queued:
+            for out in self._out.values():
+                if out["queue"]:
+                    self._pump(out)
+
+    def close(self) -> None:
+        """Collective. Cancels grant receives, unmaps peers' memory, frees ours."""
+        for out in self._out.values():
+            if not out["greq"].Test():
+                out["greq"].Cancel()
+                out["greq"].Wait()
+        for slots in self._rings.values():
+            for s in slots:
+                if s.grant_req is not None:
+                    s.grant_req.Wait()
+        torch.cuda.synchronize(self.device)
+        self.comm.Barrier()
+        for p in self._opened:
+            self.rt.ipcCloseMemHandle(ctypes.c_void_p(p))
+        self.comm.Barrier()  # nobody maps our memory any more
+        for p in self._allocs:
+            self.rt.free(ctypes.c_void_p(p))
+        for ev in self._events:
+            self.rt.eventDestroy(ctypes.c_void_p(ev))
+        self._opened, self._allocs, self._events = [], [], []
+        self.comm.Free()
+        self.gcomm.Free()
