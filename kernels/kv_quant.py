@@ -121,20 +121,25 @@ def dequant_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tor
 
 
 # ---- fp4 (NVFP4) ----
-_CONST: dict = {}  # per device: made once (the first call runs before any CUDA-graph capture)
+# per device: made once (the first call runs before any CUDA-graph capture). "lut": E2M1 value
+# by 4-bit code (code = sign << 3 | magnitude index); "pairs": the two values of a packed byte
+_CONST: dict = {}
 
 
 def _const(name: str, device) -> torch.Tensor:
     key = (name, str(device))
     t = _CONST.get(key)
     if t is None:
-        vals = {"lut": E2M1_VALUES + tuple(-v for v in E2M1_VALUES), "bounds": _E2M1_BOUNDS}[name]
-        t = _CONST[key] = torch.tensor(vals, dtype=torch.float32, device=device)
+        if name == "pairs":  # byte -> its two values (low nibble first): one gather per byte
+            lut = _const("lut", "cpu")
+            b = torch.arange(256)
+            t = torch.stack([lut[b & 0xF], lut[b >> 4]], dim=-1).to(device)  # [256, 2]
+        else:
+            vals = {"lut": E2M1_VALUES + tuple(-v for v in E2M1_VALUES),
+                    "bounds": _E2M1_BOUNDS}[name]
+            t = torch.tensor(vals, dtype=torch.float32, device=device)
+        _CONST[key] = t
     return t
-
-
-def _e2m1_lut(device) -> torch.Tensor:
-    return _const("lut", device)  # code = sign << 3 | magnitude index
 
 
 def quant_fp4(x: torch.Tensor, gscale: torch.Tensor,
@@ -167,8 +172,8 @@ def dequant_fp4(q: torch.Tensor, gscale: torch.Tensor, dtype: torch.dtype) -> to
     D = value_dim("fp4_e2m1", W)
     nb = D // FP4_BLOCK
     packed, bs = q[..., :D // 2], q[..., D // 2:]
-    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*lead, nb, FP4_BLOCK)
-    vals = _e2m1_lut(q.device)[codes.long()]  # [..., nb, 16]
+    vals = torch.index_select(_const("pairs", q.device), 0, packed.reshape(-1).int())
+    vals = vals.view(*lead, nb, FP4_BLOCK)  # [..., nb, 16]: element 2j low nibble, 2j+1 high
     scale = bs.contiguous().view(torch.float8_e4m3fn).float() * gscale.float()  # [..., nb]
     return (vals * scale[..., None]).reshape(*lead, D).to(dtype)
 

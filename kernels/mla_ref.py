@@ -48,13 +48,14 @@ def _check_cache(cache: torch.Tensor, kv_lora_rank: int) -> int:
         raise KernelInputError(f"cache: expected [num_blocks, block_size, R + P], "
                                f"got {tuple(cache.shape)}")
     R = int(kv_lora_rank)
-    P = cache.shape[2] - R
+    # fp4_e2m1 (uint8, kernels/kv_quant.py): 9 bytes per 16 values, c_kv and k_pe packed apart
+    P = cache.shape[2] * 16 // 9 - R if cache.dtype == torch.uint8 else cache.shape[2] - R
     if not supported_mla_dims(R, P):
         raise KernelInputError(
             f"kv_lora_rank: R={R} with cache width {cache.shape[2]} gives P={P}; the kernels "
             f"take 1 <= R <= {MAX_KV_LORA_RANK} and 1 <= P <= {MAX_ROPE_DIM} (R + P == width)")
-    if cache.dtype not in DTYPES + (torch.float8_e4m3fn, torch.float8_e5m2):
-        raise KernelInputError(f"cache: dtype {cache.dtype} not in fp32/bf16/fp16/float8")
+    if cache.dtype not in DTYPES + (torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8):
+        raise KernelInputError(f"cache: dtype {cache.dtype} not in fp32/bf16/fp16/float8/fp4")
     if cache.numel() and cache.stride(-1) != 1:
         raise KernelInputError("cache: last dim must be contiguous (stride 1)")
     return P
@@ -106,7 +107,7 @@ def check_mla_args(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tens
     for name, t in (("q_pe", q_pe), ("cache", cache)):
         # a float8 latent cache (kernels/kv_quant.py) is dequantised in the decode kernel
         if t.dtype != q_latent.dtype and not (name == "cache" and t.dtype in (
-                torch.float8_e4m3fn, torch.float8_e5m2)):
+                torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8)):
             raise KernelInputError(f"{name}: dtype {t.dtype} != q_latent dtype {q_latent.dtype}")
         if t.device != q_latent.device:
             raise KernelInputError(f"{name}: on {t.device}, q_latent on {q_latent.device}")

@@ -45,6 +45,63 @@ def _fp4_tile(row, d, mask, D, gscale):
 
 
 @triton.jit
+def _quant_fp4_row(src, dst, D, gscale, NBP: tl.constexpr):
+    """One row of D fp values at ``src`` -> fp4_e2m1 at ``dst`` (uint8: D/2 packed codes, then
+    D/16 E4M3 block scales), as ``kv_quant.quant_fp4`` writes it, bit for bit: block scale =
+    E4M3(amax / 6 / gscale) (saturated at 448), codes = E2M1 of x / (block scale x gscale),
+    ties rounded towards zero. Element 2j is the low nibble of byte j. NBP: blocks, padded to a
+    power of two; the tile is [NBP, 8] bytes (even and odd elements loaded apart)."""
+    b = tl.arange(0, NBP)[:, None]
+    i = tl.arange(0, 8)[None, :]
+    j = b * 8 + i  # [NBP, 8] byte index
+    ok = j < D // 2
+    xe = tl.load(src + 2 * j, mask=ok, other=0.0).to(tl.float32)
+    xo = tl.load(src + 2 * j + 1, mask=ok, other=0.0).to(tl.float32)
+    # IEEE-rounded divisions (div_rn), as torch's: a GPU's default fp32 division is not
+    ginv = tl.where(gscale > 0, tl.math.div_rn(1.0, tl.where(gscale > 0, gscale, 1.0)), 0.0)
+    amax = tl.max(tl.maximum(tl.abs(xe), tl.abs(xo)), 1)  # [NBP]
+    bs = _round_fp8(tl.minimum(tl.math.div_rn(amax, 6.0) * ginv, 448.0), 448.0, 3, -6)
+    eff = bs * gscale  # bs: exact E4M3 values in fp32
+    inv = tl.where(eff > 0, tl.math.div_rn(1.0, tl.where(eff > 0, eff, 1.0)), 0.0)[:, None]
+    code = _e2m1_code(xe * inv) | (_e2m1_code(xo * inv) << 4)
+    tl.store(dst + j, code.to(tl.uint8), mask=ok)
+    bb = tl.arange(0, NBP)
+    tl.store(dst + D // 2 + bb, bs.to(tl.float8e4nv).to(tl.uint8, bitcast=True),
+             mask=bb < D // 16)
+
+
+@triton.jit
+def _e2m1_code(y):
+    """fp32 y (already divided by its scale) -> 4-bit E2M1 code (int32): magnitude index = the
+    rounding boundaries (kv_quant._E2M1_BOUNDS) strictly below |y| (saturating at 6), sign bit 8
+    for negative non-zero codes."""
+    a = tl.abs(y)
+    m = ((a > 0.25).to(tl.int32) + (a > 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+         + (a > 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a > 3.5).to(tl.int32)
+         + (a > 5.0).to(tl.int32))
+    return tl.where((y < 0) & (m > 0), m | 8, m)
+
+
+@triton.jit
+def _store_kv_fp4_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, sc_ptr, D, s_kt, s_kh, s_vt, s_vh,
+                         s_c2, s_cb, s_cs, s_ch, BS: tl.constexpr, NBP: tl.constexpr):
+    """Program (token, KV head): k/v[t, h] [D] -> fp4_e2m1 rows at cache[0/1, slot // BS,
+    slot % BS, h] (scales sc_ptr[0] keys, [1] values; slot -1 skips)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    dst = cache_ptr + (slot // BS) * s_cb + (slot % BS) * s_cs + h * s_ch
+    _quant_fp4_row(k_ptr + t * s_kt + h * s_kh, dst, D, tl.load(sc_ptr), NBP)
+    _quant_fp4_row(v_ptr + t * s_vt + h * s_vh, dst + s_c2, D, tl.load(sc_ptr + 1), NBP)
+
+
+def fp4_blocks_padded(D: int) -> int:
+    return max(2, triton.next_power_of_2(D // 16))
+
+
+@triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, sc_ptr, H, D, s_kt, s_kh, s_vt, s_vh,
                      s_c2, s_cb, s_cs, s_ch, FMAX,
                      BS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -64,8 +121,8 @@ def _store_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, sc_ptr, H, D, s_kt, s_kh
     if QUANT:
         ks = tl.load(sc_ptr)
         vs = tl.load(sc_ptr + 1)
-        k_inv = tl.where(ks > 0, 1.0 / tl.where(ks > 0, ks, 1.0), 0.0)
-        v_inv = tl.where(vs > 0, 1.0 / tl.where(vs > 0, vs, 1.0), 0.0)
+        k_inv = tl.where(ks > 0, tl.math.div_rn(1.0, tl.where(ks > 0, ks, 1.0)), 0.0)
+        v_inv = tl.where(vs > 0, tl.math.div_rn(1.0, tl.where(vs > 0, vs, 1.0)), 0.0)
         k = _round_fp8(k.to(tl.float32) * k_inv, FMAX, MANT, EMIN)
         v = _round_fp8(v.to(tl.float32) * v_inv, FMAX, MANT, EMIN)
     tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
@@ -92,12 +149,32 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
              slot_mapping: torch.Tensor, scales: Optional[torch.Tensor] = None) -> None:
     """k, v [T, Hkv, D] -> kv_cache [2, NB, BS, Hkv, D] at slot_mapping [T] (int; -1 skips).
     A float8 cache stores saturate(x / scales[0 or 1]) (``kernels/kv_quant.py``); an fp4_e2m1
-    (uint8) cache takes k, v already packed by ``kv_quant.quant_fp4`` and copies the rows."""
+    (uint8) cache [2, NB, BS, Hkv, D/2 + D/16] quantises k, v [T, Hkv, D] (float) in the kernel
+    with ``scales`` (bit-identical to ``kv_quant.quant_fp4``), or copies uint8 rows already
+    packed by it."""
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
         raise KernelInputError(f"kv_cache: expected [2, num_blocks, block_size, Hkv, D], "
                                f"got {tuple(kv_cache.shape)}")
     _, NB, BS, Hkv, D = kv_cache.shape
     T = k.shape[0] if k.dim() else 0
+    if kv_cache.dtype == torch.uint8 and k.dtype != torch.uint8:  # fp4: quantised here
+        Dv = D * 16 // 9
+        for name, t in (("k", k), ("v", v)):
+            if (tuple(t.shape) != (T, Hkv, Dv) or not t.is_floating_point()
+                    or t.device != kv_cache.device or (t.numel() and t.stride(-1) != 1)):
+                raise KernelInputError(
+                    f"{name}: an fp4_e2m1 cache of rows {D} takes float [{T}, {Hkv}, {Dv}] on "
+                    f"{kv_cache.device} (or packed uint8 rows), got {tuple(t.shape)} {t.dtype}")
+        sc, _ = _quant_args(kv_cache, scales, k)
+        if (slot_mapping.shape != (T,) or slot_mapping.dtype not in (torch.int32, torch.int64)
+                or slot_mapping.device != k.device):
+            raise KernelInputError(f"slot_mapping: expected [{T}] int32/int64 on {k.device}")
+        if T:
+            _store_kv_fp4_kernel[(T, Hkv)](k, v, kv_cache, slot_mapping, sc, Dv, k.stride(0),
+                                           k.stride(1), v.stride(0), v.stride(1),
+                                           *kv_cache.stride()[:4], BS=BS,
+                                           NBP=fp4_blocks_padded(Dv))
+        return
     if kv_cache.dtype == torch.uint8:  # fp4_e2m1: rows already packed by kv_quant.quant_fp4
         for name, t in (("k", k), ("v", v)):
             if (tuple(t.shape) != (T, Hkv, D) or t.dtype != torch.uint8

@@ -24,6 +24,7 @@ from .dispatch import KernelInputError
 from .mla_ref import check_mla_args, check_store_latent_args, supported_mla_dims
 from .tile_configs import interpreting
 from .triton_attention import choose_num_splits
+from .triton_kv_cache import _fp4_tile, _quant_fp4_row, _round_fp8, fp4_blocks_padded
 from .triton_dot import dot, dot_flags
 
 __all__ = ["store_latent", "mla_decode", "choose_mla_num_splits", "check_mla_args",
@@ -47,9 +48,73 @@ def _store_latent_kernel(x_ptr, cache_ptr, slot_ptr, W, s_xt, s_cb, s_cs,
              tl.load(x_ptr + t * s_xt + w, mask=mask), mask=mask)
 
 
-def store_latent(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+@triton.jit
+def _store_latent_q_kernel(x_ptr, cache_ptr, slot_ptr, sc_ptr, R, P, WR, s_xt, s_cb, s_cs, FMAX,
+                           BS: tl.constexpr, FP4: tl.constexpr, BLOCK_W: tl.constexpr,
+                           NBR: tl.constexpr, NBP: tl.constexpr, MANT: tl.constexpr,
+                           EMIN: tl.constexpr):
+    """One program per token: latent[t] [R + P] -> a quantised row (kernels/kv_quant.py), c_kv
+    with scale sc_ptr[0], k_pe with sc_ptr[1]: float8 (saturate(x / scale)) or fp4_e2m1 (c_kv's
+    R/2 + R/16 bytes at 0, k_pe's at WR)."""
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    src = x_ptr + t * s_xt
+    dst = cache_ptr + (slot // BS) * s_cb + (slot % BS) * s_cs
+    if FP4:
+        _quant_fp4_row(src, dst, R, tl.load(sc_ptr), NBR)
+        _quant_fp4_row(src + R, dst + WR, P, tl.load(sc_ptr + 1), NBP)
+    else:
+        w = tl.arange(0, BLOCK_W)
+        mask = w < R + P
+        sc = tl.where(w < R, tl.load(sc_ptr), tl.load(sc_ptr + 1))
+        inv = tl.where(sc > 0, tl.math.div_rn(1.0, tl.where(sc > 0, sc, 1.0)), 0.0)
+        x = tl.load(src + w, mask=mask, other=0.0).to(tl.float32)
+        y = _round_fp8(x * inv, FMAX, MANT, EMIN)
+        tl.store(dst + w, y.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+def _store_latent_quantised(latent, cache, slot_mapping, scales, R: int) -> None:
+    fp4 = cache.dtype == torch.uint8
+    W = cache.shape[-1]
+    RP = W * 16 // 9 if fp4 else W
+    if R is None or not 0 < R < RP or (fp4 and (R % 16 or (RP - R) % 16 or W % 9)):
+        raise KernelInputError(f"kv_lora_rank: R={R} does not split a {cache.dtype} row of {W}")
+    if (latent.dim() != 2 or latent.shape[1] != RP or not latent.is_floating_point()
+            or latent.device != cache.device or (latent.numel() and latent.stride(-1) != 1)):
+        raise KernelInputError(f"latent: a quantised cache takes float [T, {RP}] on "
+                               f"{cache.device}, got {tuple(latent.shape)} {latent.dtype}")
+    if (scales is None or scales.dtype != torch.float32 or scales.numel() < 2
+            or scales.device != cache.device):
+        raise KernelInputError(f"scales: a quantised cache needs float32 [2] scales (c_kv, "
+                               f"k_pe) on {cache.device}")
+    T = latent.shape[0]
+    if (slot_mapping.shape != (T,) or slot_mapping.dtype not in (torch.int32, torch.int64)
+            or slot_mapping.device != cache.device):
+        raise KernelInputError(f"slot_mapping: expected [{T}] int32/int64 on {cache.device}")
+    if T == 0:
+        return
+    P = RP - R
+    e5m2 = cache.dtype == torch.float8_e5m2
+    fmax = 0.0 if fp4 else float(torch.finfo(cache.dtype).max)
+    _store_latent_q_kernel[(T,)](
+        latent, cache, slot_mapping, scales, R, P, R // 2 + R // 16, latent.stride(0),
+        cache.stride(0), cache.stride(1), fmax, BS=cache.shape[1], FP4=fp4,
+        BLOCK_W=triton.next_power_of_2(RP), NBR=fp4_blocks_padded(R),
+        NBP=fp4_blocks_padded(P), MANT=2 if e5m2 else 3, EMIN=-14 if e5m2 else -6)
+
+
+def store_latent(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 scales: Optional[torch.Tensor] = None,
+                 kv_lora_rank: Optional[int] = None) -> None:
     """latent [T, R + P] (c_kv ++ k_pe) -> cache [NB, BS, R + P] at slot_mapping [T] (int32/int64;
-    -1 skips the row). latent must be in the cache's dtype; its row stride is free."""
+    -1 skips the row). latent must be in the cache's dtype; its row stride is free.
+    A quantised cache (float8, or uint8 fp4_e2m1 rows of R/2 + R/16 + P/2 + P/16 bytes;
+    kernels/kv_quant.py): latent in any float dtype, quantised here with ``scales`` float32 [2]
+    (c_kv, k_pe) and ``kv_lora_rank`` = R, bit-identical to ``kv_quant.quantize`` per part."""
+    if cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8):
+        return _store_latent_quantised(latent, cache, slot_mapping, scales, kv_lora_rank)
     check_store_latent_args(latent, cache, slot_mapping)
     T = latent.shape[0]
     if T == 0:
@@ -65,10 +130,13 @@ def _mla_split_kernel(ql_ptr, qp_ptr, cache_ptr, sl_ptr, bt_ptr, sc_ptr, mo_ptr,
                       scale_log2, H, R, P, s_ls, s_lh, s_ps, s_ph, s_cb, s_cs, s_bt, s_bn,
                       BS: tl.constexpr, NS: tl.constexpr, BLOCK_H: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-                      IEEE: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr):
+                      IEEE: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr,
+                      FP4: tl.constexpr, WR):
     """Program (seq, head block, split): BLOCK_H heads over rows [lo, hi) of one split ->
     mid_o [S, H, NS, R] = acc / l (fp32), mid_lse [S, H, NS] = m + log2(l) (-inf: empty).
-    QUANT: a float8 cache, c_kv times sc_ptr[0] and k_pe times sc_ptr[1] in registers."""
+    QUANT: a float8 cache, c_kv times sc_ptr[0] and k_pe times sc_ptr[1] in registers; FP4: an
+    fp4_e2m1 cache (c_kv's codes and block scales at 0, k_pe's at byte WR), unpacked in
+    registers."""
     s = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     split = tl.program_id(2)
@@ -95,11 +163,17 @@ def _mla_split_kernel(ql_ptr, qp_ptr, cache_ptr, sl_ptr, bt_ptr, sc_ptr, mo_ptr,
         ok = pos < hi
         blk = tl.load(bt_row + (pos // BS) * s_bn, mask=ok, other=0).to(tl.int64)  # [BN]
         base = cache_ptr + blk * s_cb + (pos % BS).to(tl.int64) * s_cs  # [BN]
-        c_kv = tl.load(base[:, None] + r[None, :], mask=ok[:, None] & r_ok[None, :],
-                       other=0.0)  # [BN, BR]: keys and values at once
-        k_pe = tl.load(base[:, None] + R + p[None, :], mask=ok[:, None] & p_ok[None, :],
-                       other=0.0)  # [BN, BP]
-        if QUANT:
+        if FP4:
+            c_kv = _fp4_tile(base, r, ok[:, None] & r_ok[None, :], R,
+                             tl.load(sc_ptr)).to(q_lat.dtype)
+            k_pe = _fp4_tile(base + WR, p, ok[:, None] & p_ok[None, :], P,
+                             tl.load(sc_ptr + 1)).to(q_lat.dtype)
+        else:
+            c_kv = tl.load(base[:, None] + r[None, :], mask=ok[:, None] & r_ok[None, :],
+                           other=0.0)  # [BN, BR]: keys and values at once
+            k_pe = tl.load(base[:, None] + R + p[None, :], mask=ok[:, None] & p_ok[None, :],
+                           other=0.0)  # [BN, BP]
+        if QUANT and not FP4:
             c_kv = (c_kv.to(tl.float32) * tl.load(sc_ptr)).to(q_lat.dtype)
             k_pe = (k_pe.to(tl.float32) * tl.load(sc_ptr + 1)).to(q_lat.dtype)
         qk = dot(q_lat, tl.trans(c_kv), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), IEEE, UPCAST)
@@ -161,17 +235,22 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
     gives zeros. Program (seq, head block, split) writes a partial softmax to fp32 scratch
     [S, H, num_splits, R]; a merge kernel combines the splits. num_splits=None:
     ``choose_mla_num_splits`` (host info only, so the call can be captured in a CUDA graph).
-    A float8 cache (kernels/kv_quant.py): ``scales`` float32 [2] (c_kv, k_pe).
+    A float8 or fp4_e2m1 (uint8) cache (kernels/kv_quant.py): ``scales`` float32 [2] (c_kv,
+    k_pe); fp4 rows are R/2 + R/16 bytes of c_kv then P/2 + P/16 of k_pe (R, P multiples of 16).
     """
     check_mla_args(q_latent, q_pe, cache, kv_lora_rank, block_tables, seq_lens, out)
-    quant = cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    fp4 = cache.dtype == torch.uint8
+    quant = fp4 or cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     if quant and (scales is None or scales.dtype != torch.float32 or scales.numel() < 2
                   or scales.device != cache.device):
-        raise KernelInputError(f"scales: a float8 cache needs float32 [2] scales (c_kv, k_pe) "
+        raise KernelInputError(f"scales: a quantised cache needs float32 [2] scales (c_kv, k_pe) "
                                f"on {cache.device}")
     S, H, R = q_latent.shape
     NB, BS, W = cache.shape
-    P = W - R
+    P = q_pe.shape[-1]
+    if fp4 and (R % 16 or P % 16 or W != (R + P) * 9 // 16):
+        raise KernelInputError(f"cache: fp4_e2m1 rows of R={R} + P={P} (multiples of 16) are "
+                               f"{(R + P) * 9 // 16} bytes, got {W}")
     out = torch.empty_like(q_latent) if out is None else out
     if S == 0 or H == 0:
         return out
@@ -193,7 +272,8 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
         cache.stride(0), cache.stride(1), *block_tables.stride(),
         BS=BS, NS=num_splits, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R,
-        BLOCK_P=BLOCK_P, **dot_flags(q_latent.dtype), QUANT=quant, num_warps=4, num_stages=2)
+        BLOCK_P=BLOCK_P, **dot_flags(q_latent.dtype), QUANT=quant, FP4=fp4,
+        WR=R // 2 + R // 16, num_warps=4, num_stages=2)
     _mla_merge_kernel[(S, H)](mid_o, mid_lse, out, H, R, out.stride(0), out.stride(1),
                               NS=num_splits, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
                               BLOCK_R=BLOCK_R, num_warps=4)

@@ -1,19 +1,28 @@
-"""Low-bit KV cache: accuracy against the full-precision cache, and capacity at a fixed budget.
+"""Low-bit KV cache: accuracy against the full-precision cache, capacity at a fixed budget, and
+job time at a KV-bound batch, in one run.
 
-    python perf/bench_kv_quant.py [--positions 512 --big-positions 512 --chunk 128]
+    python perf/bench_kv_quant.py [--seqs 8 --positions 512 --big-seqs 4 --big-positions 512
+                                   --chunk 128 --job-requests 16 ...] [--no-job]
 
-For each family's tiny model (``megainfer.tools.make_tiny``; DeepSeek with qk_rope_head_dim=16
-so that fp4 can pack its k_pe) and a ~49M-parameter Mixtral-shaped one (conf/model/bench50m.yaml,
-dummy weights), one random token sequence is teacher-forced through the paged cache in chunks
-of ``--chunk`` tokens (every attention read goes through the cache: the first chunk sets the
-per-layer scales, later chunks read quantised context). Per ``cache.kv_cache_dtype``, against
-the full-precision cache of the same run: top-1 agreement of the next token, mean KL(full ||
-quantised) of the next-token distribution, max |logit error|. ``fp4_e2m1/per-tensor`` is the
-ablation: the same 4-bit codes with the per-tensor scale alone (block scales fixed).
-``bf16-cache`` (GQA models) is the reference point for how sensitive these random-weight models
-are: the fp32 cache rounded to bf16.
+Accuracy: for each family's tiny model (``megainfer.tools.make_tiny``; DeepSeek with
+qk_rope_head_dim=16 so that fp4 can pack its k_pe) and a ~49M-parameter Mixtral-shaped one
+(conf/model/bench50m.yaml, dummy weights), ``--seqs`` random token sequences (a few thousand
+positions) are teacher-forced through the paged cache in chunks of ``--chunk`` tokens (every
+attention read goes through the cache: the first chunk sets the per-layer scales, later chunks
+read quantised context). Per ``cache.kv_cache_dtype``, against the full-precision cache of the
+same run: top-1 agreement of the next token, mean KL(full || quantised), max |logit error|, the
+logit error's RMS sigma and top-1 agreement where the reference's top-1/top-2 margin exceeds
+3 sigma (``perf/kv_quant_accuracy.py``: why top-1 is fragile on near-flat random models; the
+goal is still judged on all positions). Ablations: ``fp4_e2m1/per-tensor`` (the same 4-bit codes
+with the per-tensor scale alone, block scales fixed); ``fp8_e4m3/per-token (emu)`` (FP8 with one
+scale per token and KV head, emulated, GQA models) beside ``fp8_e4m3/per-layer (emu)`` (the
+stored format's policy, emulated the same way: must match ``fp8_e4m3``);
+``fp4_e2m1/mse-scales (emu)`` (the same NVFP4 layout, each block's scale chosen for the least
+squared error). ``bf16-cache`` (GQA
+models): the fp32 cache rounded to bf16, how sensitive these models are to any rounding.
 Capacity: KV blocks and max concurrent max_model_len sequences in ``--budget-gib`` with a bf16
-model (``derive_num_blocks``). Writes ``perf/results/bench_kv_quant.json``.
+model (``derive_num_blocks``). Job: ``perf/kv_quant_job.py`` (engine on CPU, same budget per
+format, batch bound by KV blocks). Writes ``perf/results/bench_kv_quant.json``.
 """
 from __future__ import annotations
 
@@ -34,11 +43,13 @@ from results_io import write_json  # noqa: E402
 from megainfer.config import LoadConfig, ModelConfig  # noqa: E402
 from megainfer.engine.sizing import derive_num_blocks  # noqa: E402
 from megainfer.kernels import kv_quant  # noqa: E402
-from megainfer.models.attention import AttentionMetadata  # noqa: E402
-from megainfer.models.kv_spec import kv_cache_spec_for, kv_format_error  # noqa: E402
+from megainfer.models.kv_spec import kv_format_error  # noqa: E402
 from megainfer.models.loader import build_model  # noqa: E402
+from kv_quant_accuracy import compare, emulate, forced_logits, margin_quantiles  # noqa: E402
+from kv_quant_job import print_job, run_job  # noqa: E402
 
 VARIANTS = ("fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "fp4_e2m1/per-tensor")
+EMULATED = ("fp8_e4m3/per-token (emu)", "fp8_e4m3/per-layer (emu)", "fp4_e2m1/mse-scales (emu)")
 FLOOR = "bf16-cache"  # reference point: the same cache rounded to bf16 (what a bf16 model caches)
 GOALS = {"fp8_e4m3": 0.99, "fp8_e5m2": 0.99, "fp4_e2m1": 0.95}
 
@@ -59,29 +70,6 @@ def models(tmp: str):
     yield "bench50m-mixtral", cfg, LoadConfig(load_format="dummy", dtype="float32", seed=0)
 
 
-def forced_logits(model, cfg, ids: torch.Tensor, fmt: str, chunk: int, BS: int = 16,
-                  dtype: torch.dtype = torch.float32):
-    """Teacher forcing through a paged cache in ``fmt`` (auto: ``dtype``): logits [N, V] fp32."""
-    N = ids.shape[0]
-    nb = -(-N // BS)
-    caches = kv_cache_spec_for(cfg, dtype=dtype, kv_format=fmt).allocate(nb, BS)
-    table, out = [list(range(nb))], []
-    with torch.inference_mode():
-        for s in range(0, N, chunk):
-            n = min(chunk, N - s)
-            meta = AttentionMetadata.build([n], [s], table, BS)
-            h = model(ids[s:s + n], torch.arange(s, s + n), meta, caches)
-            out.append(model.compute_logits(h))
-    return torch.cat(out)
-
-
-def compare(ref: torch.Tensor, got: torch.Tensor) -> dict:
-    lp, lq = torch.log_softmax(ref, -1), torch.log_softmax(got, -1)
-    kl = (lp.exp() * (lp - lq)).sum(-1)
-    return {"top1_agreement": (ref.argmax(-1) == got.argmax(-1)).float().mean().item(),
-            "mean_kl": kl.mean().item(), "max_logit_err": (ref - got).abs().max().item()}
-
-
 def capacity(cfg, budget: float, max_model_len: int, BS: int = 16) -> dict:
     out = {}
     for fmt in ("auto",) + VARIANTS[:3]:
@@ -98,67 +86,108 @@ def capacity(cfg, budget: float, max_model_len: int, BS: int = 16) -> dict:
     return out
 
 
+def accuracy(model, cfg, seqs, chunk: int) -> dict:
+    """Every variant's comparison with the fp32 cache of the same model and sequences."""
+    ref = forced_logits(model, cfg, seqs, "auto", chunk)
+    res = {"positions": ref.shape[0], "logit_std": ref.std().item(),
+           "ref_margin": margin_quantiles(ref), "formats": {}}
+    variants = [(FLOOR, "auto", None)] if not cfg.is_mla else []  # MLA computes in its own dtype
+    variants += [(v, v.split("/")[0], None) for v in VARIANTS]
+    if not cfg.is_mla:
+        variants += [(v, "auto", v.split("/")[1].split()[0]) for v in EMULATED]
+    for var, fmt, emu in variants:
+        if kv_format_error(cfg, fmt):
+            res["formats"][var] = None
+            continue
+        kv_quant.FP4_BLOCK_SCALES = not var.endswith("per-tensor")
+        try:
+            with emulate(emu):
+                got = forced_logits(model, cfg, seqs, fmt, chunk,
+                                    dtype=torch.bfloat16 if var == FLOOR else torch.float32)
+        finally:
+            kv_quant.FP4_BLOCK_SCALES = True
+        res["formats"][var] = compare(ref, got)
+    return res
+
+
+def print_accuracy(results: dict) -> None:
+    print(f"\n{'model':<18}{'kv_cache_dtype':<26}{'top1':>7}{'mean KL':>10}{'max|dl|':>8}"
+          f"{'sigma':>8}{'m>3s':>6}{'top1|m>3s':>10}{'top1|m<=3s':>11}{'blocks x':>9}")
+    for name, r in results.items():
+        q = r["ref_margin"]
+        print(f"{name}: {r['positions']} positions, logit std {r['logit_std']:.3f}, reference "
+              f"top1-top2 margin p5/p10/p25/p50 = " + "/".join(f"{v:.3f}" for v in q.values()))
+        for var, m in r["formats"].items():
+            cap = r["capacity"].get(var)
+            ratio = f"{cap['ratio_vs_bf16']:.2f}" if cap else ""
+            if m is None:
+                print(f"{'':<18}{var:<26}{'n/a (head dims not a multiple of 16)':>40}")
+                continue
+            print(f"{'':<18}{var:<26}{m['top1_agreement']:>7.4f}{m['mean_kl']:>10.2e}"
+                  f"{m['max_logit_err']:>8.3f}{m['logit_err_rms']:>8.4f}"
+                  f"{m['frac_margin_gt_3sigma']:>6.2f}{m['top1_agreement_margin_gt_3sigma']:>10.4f}"
+                  f"{m['top1_agreement_margin_le_3sigma']:>11.4f}{ratio:>9}")
+
+
+def judge(results: dict) -> dict:
+    goals = {}
+    for var, g in GOALS.items():
+        vals = {n: r["formats"][var]["top1_agreement"] for n, r in results.items()
+                if r["formats"].get(var)}
+        goals[var] = {"goal_top1": g, "min_top1": min(vals.values()),
+                      "met_on": sorted(n for n, v in vals.items() if v >= g),
+                      "met": min(vals.values()) >= g}
+    with_fp4 = [r for r in results.values() if r["formats"].get("fp4_e2m1")]
+    for key, name in (("mean_kl", "kl"), ("top1_agreement", "top1")):
+        sign = 1 if key == "mean_kl" else -1
+        goals[f"fp4_block_scales_beat_per_tensor_{name}"] = all(
+            sign * r["formats"]["fp4_e2m1"][key] < sign * r["formats"]["fp4_e2m1/per-tensor"][key]
+            for r in with_fp4)
+    emu = [r for r in results.values() if r["formats"].get(EMULATED[0])]
+    goals["fp8_per_token_beats_per_layer_kl"] = all(
+        r["formats"][EMULATED[0]]["mean_kl"] < r["formats"]["fp8_e4m3"]["mean_kl"] for r in emu)
+    return goals
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--positions", type=int, default=512, help="teacher-forced tokens (tiny)")
+    ap.add_argument("--seqs", type=int, default=8, help="teacher-forced sequences (tiny)")
+    ap.add_argument("--positions", type=int, default=512, help="tokens per sequence (tiny)")
+    ap.add_argument("--big-seqs", type=int, default=4, help="idem, bench50m")
     ap.add_argument("--big-positions", type=int, default=512, help="idem, bench50m")
     ap.add_argument("--chunk", type=int, default=128, help="prefill chunk (tokens)")
     ap.add_argument("--budget-gib", type=float, default=1.0)
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--no-job", action="store_true", help="skip the engine job")
+    ap.add_argument("--job-requests", type=int, default=16)
+    ap.add_argument("--job-prompt", type=int, default=16)
+    ap.add_argument("--job-output", type=int, default=48)
+    ap.add_argument("--job-auto-seqs", type=int, default=4,
+                    help="whole requests the full-precision cache holds (sets the budget)")
+    ap.add_argument("--job-batched-tokens", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (1: steadier on a shared box)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "bench_kv_quant.json"))
     a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     t0 = time.time()
-    rows, results = [], {}
+    results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, cfg, load in models(tmp):
-            model = build_model(cfg, load).eval()
-            N = a.big_positions if name.startswith("bench") else a.positions
-            N = min(N, cfg.max_position_embeddings)
-            ids = torch.randint(0, cfg.vocab_size, (N,), generator=torch.Generator().manual_seed(1))
             t = time.time()
-            ref = forced_logits(model, cfg, ids, "auto", a.chunk)
-            res = {"positions": N, "logit_std": ref.std().item(),
-                   "capacity": capacity(cfg, a.budget_gib, a.max_model_len), "formats": {}}
-            if not cfg.is_mla:  # (the MLA torch path computes in the latent's own dtype)
-                m = compare(ref, forced_logits(model, cfg, ids, "auto", a.chunk,
-                                               dtype=torch.bfloat16))
-                res["formats"][FLOOR] = m
-                rows.append((name, FLOOR, m))
-            for var in VARIANTS:
-                fmt = var.split("/")[0]
-                if kv_format_error(cfg, fmt):
-                    res["formats"][var] = None
-                    rows.append((name, var, None))
-                    continue
-                kv_quant.FP4_BLOCK_SCALES = not var.endswith("per-tensor")
-                try:
-                    m = compare(ref, forced_logits(model, cfg, ids, fmt, a.chunk))
-                finally:
-                    kv_quant.FP4_BLOCK_SCALES = True
-                res["formats"][var] = m
-                rows.append((name, var, m))
+            model = build_model(cfg, load).eval()
+            big = name.startswith("bench")
+            n = a.big_seqs if big else a.seqs
+            N = min(a.big_positions if big else a.positions, cfg.max_position_embeddings)
+            seqs = torch.randint(0, cfg.vocab_size, (n, N),
+                                 generator=torch.Generator().manual_seed(1))
+            res = accuracy(model, cfg, seqs, a.chunk)
+            res["capacity"] = capacity(cfg, a.budget_gib, a.max_model_len)
             res["seconds"] = time.time() - t
             results[name] = res
-    print(f"\n{'model':<20}{'kv_cache_dtype':<22}{'top1':>8}{'mean KL':>11}{'max|dlogit|':>13}"
-          f"{'blocks x':>10}")
-    for name, var, m in rows:
-        cap = results[name]["capacity"].get(var)
-        ratio = f"{cap['ratio_vs_bf16']:.2f}" if cap else ""
-        if m is None:
-            print(f"{name:<20}{var:<22}{'n/a (head dims not a multiple of 16)':>42}")
-            continue
-        print(f"{name:<20}{var:<22}{m['top1_agreement']:>8.4f}{m['mean_kl']:>11.2e}"
-              f"{m['max_logit_err']:>13.4f}{ratio:>10}")
-    goals = {}
-    for var, g in GOALS.items():
-        vals = [r["formats"][var]["top1_agreement"] for r in results.values()
-                if r["formats"].get(var)]
-        goals[var] = {"goal_top1": g, "min_top1": min(vals), "met": min(vals) >= g}
-    blk_beats = all(r["formats"]["fp4_e2m1"]["mean_kl"]
-                    < r["formats"]["fp4_e2m1/per-tensor"]["mean_kl"]
-                    for r in results.values() if r["formats"].get("fp4_e2m1"))
-    goals["fp4_block_scales_beat_per_tensor_kl"] = blk_beats
+    print_accuracy(results)
+    goals = judge(results)
     print("\ngoals:", {k: (v["met"], round(v["min_top1"], 4)) if isinstance(v, dict) else v
                        for k, v in goals.items()})
     print(f"capacity at {a.budget_gib} GiB, bf16 model, max_model_len={a.max_model_len}:")
@@ -166,13 +195,17 @@ def main(argv=None):
         caps = r["capacity"].items()
         print(f"  {name:<20}" + "  ".join(
             f"{f}={c['blocks']} blocks/{c['max_seqs']} seqs" for f, c in caps if c))
+    job = None
+    if not a.no_job:
+        job = run_job(a)
+        print_job(job)
     elapsed = time.time() - t0
     print(f"total {elapsed:.1f}s")
     write_json(a.out, {"bench": "kv_quant", "date": datetime.datetime.utcnow().isoformat() + "Z",
                        "host": platform.node(), "torch": torch.__version__, "args": vars(a),
                        "scale_policy": f"per-layer float32, set once from the first write's amax "
                                        f"x {kv_quant.SCALE_HEADROOM}",
-                       "models": results, "goals": goals, "seconds": elapsed})
+                       "models": results, "goals": goals, "job": job, "seconds": elapsed})
 
 
 if __name__ == "__main__":

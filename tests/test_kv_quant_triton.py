@@ -90,12 +90,17 @@ def test_triton_engine_fp8_matches_torch_engine_fp8(tiny_ckpts, tmp_path, family
 def test_triton_fp4_matches_torch_fp4(D):
     ref, ref_cache = _run_paged("fp4_e2m1", D, backend=TorchAttention())
     got, cache = _run_paged("fp4_e2m1", D, backend=make_attention_backend("triton"))
-    assert torch.equal(cache, ref_cache)  # written by the torch quantiser in both
+    # the Triton store quantised what the torch quantiser packed: the same bytes
+    assert torch.equal(kv_quant.scales_of(cache), kv_quant.scales_of(ref_cache))
+    assert torch.equal(cache, ref_cache)
     from megainfer.kernels import triton_attention
     from megainfer.kernels.dispatch import KernelInputError
-    with pytest.raises(KernelInputError, match="fp4_e2m1"):  # unpacked rows: refused
+    with pytest.raises(KernelInputError, match="scales"):  # float rows without scales: refused
         triton_attention.store_kv(torch.randn(1, 2, D), torch.randn(1, 2, D), cache,
                                   torch.zeros(1, dtype=torch.long))
+    with pytest.raises(KernelInputError, match="fp4_e2m1"):  # rows of the wrong size: refused
+        triton_attention.store_kv(torch.randn(1, 2, D + 16), torch.randn(1, 2, D + 16), cache,
+                                  torch.zeros(1, dtype=torch.long), kv_quant.scales_of(cache))
     # packed rows: copied through the slot mapping, -1 (graph padding) writes nothing
     before = cache.clone()
     rows = torch.randint(0, 255, (2, 2, cache.shape[-1]), dtype=torch.uint8)
@@ -105,3 +110,76 @@ def test_triton_fp4_matches_torch_fp4(D):
     assert torch.equal(cache, before)
     for r, g in zip(ref, got):
         assert (g - r).abs().max() < 1e-4
+
+
+def test_triton_fp4_store_bit_identical_adversarial():
+    """Outliers, zeros, tiny (subnormal-scale) blocks and saturation: the in-kernel quantiser
+    writes the bytes kv_quant.quant_fp4 writes; -1 slots write nothing."""
+    from megainfer.kernels import triton_attention
+    torch.manual_seed(11)
+    T, H, D = 6, 2, 32
+    k = torch.randn(T, H, D) * torch.logspace(-4, 1, D)
+    k[2, 1, 5] = 300.0  # an outlier beyond the scale's headroom: saturates
+    v = torch.randn(T, H, D)
+    v[0] = 0.0
+    v[1, 0, :16] = 1e-30
+    cache = KVCacheSpec("gqa", (2, H, D), torch.float32, 1, "fp4_e2m1").allocate(3, 4)[0]
+    sc = kv_quant.scales_of(cache)
+    kv_quant.update_scales(sc, "fp4_e2m1", k[3:], v[3:])  # scales from other tokens
+    slots = torch.tensor([3, -1, 0, 11, 5, 6])
+    triton_attention.store_kv(k, v, cache, slots, sc)
+    ref = torch.zeros_like(cache)
+    flat, ok = ref.view(2, -1, H, ref.shape[-1]), slots >= 0
+    flat[0, slots[ok]] = kv_quant.quantize(k[ok], sc[0], "fp4_e2m1")
+    flat[1, slots[ok]] = kv_quant.quantize(v[ok], sc[1], "fp4_e2m1")
+    assert torch.equal(cache, ref)
+
+
+@pytest.mark.parametrize("fmt", ("fp4_e2m1", "fp8_e4m3"))
+def test_triton_mla_quantised_store_and_decode_match_torch(fmt):
+    from megainfer.kernels import triton_mla
+    from megainfer.kernels.dispatch import KernelInputError
+    from megainfer.models.mla_attention import mla_decode_torch, store_latent_torch
+    torch.manual_seed(5)
+    S, H, R, P, BS = 3, 4, 32, 16, 16
+    spec = KVCacheSpec("mla", (R + P,), torch.float32, 1, fmt, (R, P))
+    ref_cache, cache = spec.allocate(6, BS)[0], spec.allocate(6, BS)[0]
+    lat = torch.randn(90, R + P)
+    lat[:, R:] *= 5
+    slots = torch.arange(90)
+    slots[7] = -1  # CUDA-graph padding: skipped
+    store_latent_torch(lat[slots >= 0], ref_cache, slots[slots >= 0], R)
+    sc = kv_quant.scales_of(cache)
+    sc.copy_(kv_quant.scales_of(ref_cache))
+    triton_mla.store_latent(lat, cache, slots, sc, R)  # quantised in the kernel
+    assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
+    tables = torch.tensor([[0, 1, 2], [3, 4, 0], [5, 0, 0]])
+    seq_lens = torch.tensor([40, 20, 9])
+    q_lat, q_pe = torch.randn(S, H, R), torch.randn(S, H, P)
+    ref = mla_decode_torch(q_lat, q_pe, ref_cache, seq_lens, tables, 0.1)
+    got = triton_mla.mla_decode(q_lat, q_pe, cache, seq_lens, tables, 0.1, R, scales=sc)
+    assert (got - ref).abs().max() < 1e-4  # dequantised in registers, never gathered whole
+    with pytest.raises(KernelInputError, match="scales"):
+        triton_mla.mla_decode(q_lat, q_pe, cache, seq_lens, tables, 0.1, R)
+    with pytest.raises(KernelInputError, match="scales"):
+        triton_mla.store_latent(lat, cache, slots, None, R)
+
+
+def test_triton_engine_deepseek_fp4_matches_torch_engine(tmp_path):
+    """The fp4 latent cache through the Triton MLA store and decode kernels gives the torch
+    path's greedy tokens (tiny DeepSeek-V3 with qk_rope_head_dim=16, which fp4 can pack)."""
+    from megainfer import LLM, SamplingParams
+    from megainfer.tools.make_tiny import make_tiny
+    path = make_tiny("deepseek_v3", str(tmp_path / "ds"), qk_rope_head_dim=16)
+    kw = dict(dtype="float32", device=DEVICE, max_num_batched_tokens=24, max_num_seqs=4,
+              max_model_len=64, num_blocks=32, block_size=8, cuda_graphs=False,
+              kv_cache_dtype="fp4_e2m1")
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 19)]
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    tri = LLM(path, attention_backend="triton", **kw)
+    assert tri.engine.kv_caches[0].dtype == torch.uint8
+    got = [o.outputs[0].token_ids for o in tri.generate(prompts, sp, use_tqdm=False)]
+    ref = [o.outputs[0].token_ids for o in
+           LLM(path, attention_backend="torch", **kw).generate(prompts, sp, use_tqdm=False)]
+    assert got == ref

@@ -16,8 +16,8 @@ host-side sizes, so it needs no host synchronisation and can be captured in a CU
 A low-bit cache (``cache.kv_cache_dtype``, ``megainfer.kernels.kv_quant``): the torch path
 quantises on store and dequantises the gathered blocks; the Triton kernels store float8 and
 multiply each loaded K/V tile by its per-layer scale in registers, and read fp4_e2m1 (codes
-unpacked and E4M3 block scales applied in registers); fp4 rows are packed by the torch
-quantiser and copied in by the Triton store (which skips the -1 slots of CUDA-graph padding).
+unpacked and E4M3 block scales applied in registers); the Triton store quantises fp4 rows
+itself, bit-identical to the torch quantiser (and skips the -1 slots of CUDA-graph padding).
 """
 from __future__ import annotations
 
@@ -49,16 +49,10 @@ class TritonAttention:
                  meta: AttentionMetadata, scale: float) -> torch.Tensor:
         kern = self.kernels
         fmt, scales = kv_quant.format_of(kv_cache), None
-        if fmt == "fp4_e2m1":  # torch packs (block amax per 16), the Triton store copies rows
+        if fmt != "auto":  # float8 / fp4: quantised in the store kernel
             scales = kv_quant.scales_of(kv_cache)
-            kv_quant.update_scales(scales, fmt, k, v)
-            kern.store_kv(kv_quant.quantize(k, scales[0], fmt),
-                          kv_quant.quantize(v, scales[1], fmt), kv_cache, meta.slot_mapping)
-        else:
-            if fmt != "auto":
-                scales = kv_quant.scales_of(kv_cache)
-                kv_quant.update_scales(scales, fmt, k, v)  # device-side, set once
-            kern.store_kv(k, v, kv_cache, meta.slot_mapping, scales)
+            kv_quant.update_scales(scales, fmt, k, v)  # device-side, set once
+        kern.store_kv(k, v, kv_cache, meta.slot_mapping, scales)
         if meta.max_query_len == 1:  # pure decode: q is [S, Hq, D], one row per sequence
             return kern.decode_attention(q, kv_cache, meta.seq_lens, meta.block_tables, scale,
                                          scales=scales)

@@ -16,7 +16,7 @@ Triton kernels (``megainfer.kernels.triton_mla``: ``store_latent``, ``mla_decode
 A low-bit latent cache (``megainfer.kernels.kv_quant``; float8 or uint8 fp4_e2m1): ``c_kv`` and
 ``k_pe`` are quantised apart (scales[0] / scales[1], and their own 16-blocks for fp4), the row
 stored as ``[q(c_kv) | q(k_pe)]``; reads dequantise only the gathered blocks of the step
-(``TritonMLA``: the decode kernel reads float8 itself; fp4 and the store use the torch code).
+(``TritonMLA``: the store kernel quantises and the decode kernel dequantises in registers).
 """
 from __future__ import annotations
 
@@ -150,15 +150,15 @@ class TritonMLA(TorchMLA):
         self.kernels = kernels
 
     def store(self, latent, cache, meta, R: int = 0) -> None:
-        if kv_quant.format_of(cache) != "auto":  # quantised latents: the torch quantise + store
-            return super().store(latent, cache, meta, R)
-        self.kernels.store_latent(latent, cache, meta.slot_mapping)
+        fmt, scales = kv_quant.format_of(cache), None
+        if fmt != "auto":  # quantised in the store kernel; scales set once, device-side
+            scales = kv_quant.scales_of(cache)
+            kv_quant.update_scales(scales, fmt, latent[:, :R], latent[:, R:])
+        self.kernels.store_latent(latent, cache, meta.slot_mapping, scales, R)
 
     def decode(self, q_latent, q_pe, cache, seq_lens, block_tables, scale, max_len):
         fmt, scales = kv_quant.format_of(cache), None
-        if fmt == "fp4_e2m1":  # the kernel reads float8 at most: the torch decode (gathered only)
-            return super().decode(q_latent, q_pe, cache, seq_lens, block_tables, scale, max_len)
-        if fmt != "auto":  # float8: dequantised in the kernel's registers
+        if fmt != "auto":  # float8 / fp4: dequantised in the kernel's registers
             scales = kv_quant.scales_of(cache)
         return self.kernels.mla_decode(q_latent.contiguous(), q_pe.contiguous(), cache, seq_lens,
                                        block_tables, scale, q_latent.shape[-1], scales=scales)

@@ -30,7 +30,8 @@ class RooflineTimes:
                  kv_dtype: str | None = None):
         self.hw, self.shape, self.dtype = hw, shape, dtype
         self.wb = dtype_bytes(dtype)
-        self.kvb = dtype_bytes(kv_dtype or dtype)
+        # bytes per cached KV element: shape.kv_cache_dtype (auto: dtype's), unless kv_dtype
+        self.kvb = dtype_bytes(kv_dtype) if kv_dtype else shape.kv_elem_bytes(dtype)
         self.flops = hw.flops(dtype) * hw.matmul_efficiency
         self.bw = hw.mem_bw_Bps * hw.mem_efficiency
 
@@ -72,7 +73,9 @@ class RooflineTimes:
 
 
 class FittedTimes(RooflineTimes):
-    """Calibrated fits for this exact model shape; TP splits the per-token slope."""
+    """Calibrated fits for this exact model shape; TP splits the per-token slope. The context
+    slope k1_ctx is as measured (with a model-dtype cache): a low-bit ``kv_cache_dtype`` changes
+    the KV memory (``kvb``), not the fitted time."""
 
     kind = "fitted"
 

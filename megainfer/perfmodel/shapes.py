@@ -3,6 +3,12 @@
 Parameter counts are per layer unless named otherwise. Attention-side per layer: q/k/v/o
 projections and the router (plus shared experts, which run on attention ranks). Expert side:
 one routed expert = gate, up, down = 3 * hidden * moe_intermediate.
+
+KV bytes follow ``kv_cache_dtype`` (``cache.kv_cache_dtype``, docs/kv_cache.md) exactly as the
+engine's cache stores them: ``auto`` the model dtype; ``fp8_e4m3`` / ``fp8_e5m2`` one byte per
+element; ``fp4_e2m1`` (NVFP4) a row of D values is D/2 packed bytes + D/16 E4M3 block-scale
+bytes, i.e. 9/16 byte per element (rows of a multiple of 16). The two float32 scales per layer
+are not per token and are not counted.
 """
 from __future__ import annotations
 
@@ -11,6 +17,9 @@ from dataclasses import dataclass
 from megainfer.config import ConfigError
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
+# cache.kv_cache_dtype -> bytes per cached element (None: the model dtype); fp4: (D/2 + D/16) / D
+KV_CACHE_BYTES = {"auto": None, "fp8_e4m3": 1.0, "fp8_e5m2": 1.0, "fp4_e2m1": 9 / 16}
+FP4_BLOCK = 16  # values per E4M3 block scale along a KV row
 
 
 @dataclass(frozen=True)
@@ -28,6 +37,7 @@ class ModelShape:
     shared_intermediate_size: int = 0  # total width of shared experts (0: none)
     attn_params_override: int = 0  # per layer, e.g. MLA; 0: GQA q/k/v/o from the dims
     kv_elems_override: int = 0  # KV-cache elements per token per layer; 0: 2*kv_heads*head_dim
+    kv_cache_dtype: str = "auto"  # cache.kv_cache_dtype: how the KV cache stores its elements
     source: str = ""
 
     def __post_init__(self):
@@ -40,6 +50,16 @@ class ModelShape:
             raise ConfigError(f"model.top_k={self.top_k}: must be <= num_experts={self.num_experts}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"model.num_kv_heads={self.num_kv_heads}: must divide num_heads={self.num_heads}")
+        if self.kv_cache_dtype not in KV_CACHE_BYTES:
+            raise ConfigError(f"cache.kv_cache_dtype={self.kv_cache_dtype!r}: must be one of "
+                              f"{', '.join(KV_CACHE_BYTES)}")
+        if self.kv_cache_dtype == "fp4_e2m1":  # the 4-bit layout packs rows of 16-value blocks
+            key, row = (("kv_elems_override", self.kv_elems_override) if self.kv_elems_override
+                        else ("head_dim", self.head_dim))
+            if row % FP4_BLOCK:
+                raise ConfigError(f"cache.kv_cache_dtype=fp4_e2m1: packs blocks of {FP4_BLOCK} "
+                                  f"values along a KV row; model.{key}={row} is not a multiple "
+                                  f"of {FP4_BLOCK}")
 
     # ---- parameter counts ----
     @property
@@ -68,6 +88,18 @@ class ModelShape:
     def kv_elems(self) -> int:
         """KV-cache elements per token per layer (whole model, before TP split)."""
         return self.kv_elems_override or 2 * self.num_kv_heads * self.head_dim
+
+    def kv_elem_bytes(self, dtype: str = "bfloat16") -> float:
+        """Bytes one cached KV element costs in ``kv_cache_dtype`` (``auto``: ``dtype``'s),
+        block scales included (fp4: 9/16)."""
+        b = KV_CACHE_BYTES[self.kv_cache_dtype]
+        return float(dtype_bytes(dtype)) if b is None else b
+
+    def kv_bytes_per_token(self, dtype: str = "bfloat16", tp: int = 1) -> float:
+        """All layers' KV bytes of one cached token on one attention rank of a TP group of
+        ``tp`` (GQA heads split over min(tp, kv_heads) ranks; an MLA latent is whole on each)."""
+        split = 1 if self.kv_elems_override else min(tp, self.num_kv_heads)
+        return self.num_layers * self.kv_elems / split * self.kv_elem_bytes(dtype)
 
     def attention_side_params(self) -> int:
         """Everything an attention replica holds: layers' attention + router + shared, embeddings."""
