@@ -48,6 +48,9 @@ class JobSummary:
     output: str = ""
     cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache
     prefix_hit_rate: Optional[float] = None  # cached_prompt_tokens / prompt_tokens
+    # prefill replicas (docs/pd.md): prefill end -> decode start over the requests handed off
+    kv_handoff_p50_ms: Optional[float] = None
+    kv_handoff_p99_ms: Optional[float] = None
 
     def table(self) -> str:
         def ms(v):
@@ -63,6 +66,9 @@ class JobSummary:
                 ("TTFT p50 / p99 (ms)", f"{ms(self.ttft_p50_ms)} / {ms(self.ttft_p99_ms)}"),
                 ("TPOT p50 / p99 (ms)", f"{ms(self.tpot_p50_ms)} / {ms(self.tpot_p99_ms)}"),
                 ("output", self.output)]
+        if self.kv_handoff_p50_ms is not None:
+            rows.insert(-1, ("prefill end -> decode start p50 / p99 (ms)",
+                             f"{ms(self.kv_handoff_p50_ms)} / {ms(self.kv_handoff_p99_ms)}"))
         w = max(len(k) for k, _ in rows)
         return "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)
 
@@ -102,6 +108,8 @@ def output_record(out: RequestOutput) -> dict:
     if m is not None:
         rec.update(ttft_s=m.ttft, tpot_s=m.tpot(len(c.token_ids)), latency_s=m.latency,
                    num_preemptions=m.num_preemptions)
+        if m.kv_handoff_s is not None:
+            rec["kv_handoff_s"] = m.kv_handoff_s
     return rec
 
 
@@ -155,7 +163,7 @@ def run_offline_job(requests: list[PromptInput], generator: Generator, output_pa
                     "refuses the file instead); the first: %s", len(bad), bad[0].error)
     bar = _bar(len(todo) + len(bad), progress)
     n_ok = n_err = p_tok = o_tok = c_tok = 0
-    ttft, tpot = [], []
+    ttft, tpot, handoff = [], [], []
     t0 = time.perf_counter()
     with f:
         for out in _chain((_bad_line_output(b) for b in bad), generator.generate_stream(todo)):
@@ -173,6 +181,8 @@ def run_offline_job(requests: list[PromptInput], generator: Generator, output_pa
                     ttft.append(rec["ttft_s"])
                 if rec.get("tpot_s") is not None:
                     tpot.append(rec["tpot_s"])
+                if rec.get("kv_handoff_s") is not None:
+                    handoff.append(rec["kv_handoff_s"])
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix_str(f"output {o_tok / max(time.perf_counter() - t0, 1e-9):.1f} "
@@ -183,7 +193,8 @@ def run_offline_job(requests: list[PromptInput], generator: Generator, output_pa
     return JobSummary(n_ok, n_err, skipped, p_tok, o_tok, dt, n_ok / dt, o_tok / dt,
                       _pct(ttft, 50), _pct(ttft, 99), _pct(tpot, 50), _pct(tpot, 99),
                       output=output_path, cached_prompt_tokens=c_tok,
-                      prefix_hit_rate=c_tok / p_tok if p_tok else None)
+                      prefix_hit_rate=c_tok / p_tok if p_tok else None,
+                      kv_handoff_p50_ms=_pct(handoff, 50), kv_handoff_p99_ms=_pct(handoff, 99))
 
 
 def _bad_line_output(b: BadLine) -> RequestOutput:

@@ -50,6 +50,7 @@ class RequestMetrics:
     first_token_time: Optional[float]
     finished_time: Optional[float]
     num_preemptions: int = 0
+    kv_handoff_s: Optional[float] = None  # prefill end -> decode start (prefill replicas, docs/pd.md)
 
     @property
     def ttft(self) -> Optional[float]:

@@ -21,8 +21,8 @@ import torch
 from mpi4py import MPI
 
 from megainfer.comm.wait import WaitPolicy
-from megainfer.config import (CacheConfig, CommConfig, ConfigError, DeployPlan, EplbConfig,
-                              LoadConfig, ModelConfig, SchedulerConfig, TraceConfig)
+from megainfer.config import (CacheConfig, CommConfig, ConfigError, DeployPlan, DeviceConfig,
+                              EplbConfig, LoadConfig, ModelConfig, SchedulerConfig, TraceConfig)
 from megainfer.models import ParallelContext, build_model
 
 from .attention_executor import DisaggregatedExecutor
@@ -55,6 +55,7 @@ class JobSpec:
     trace: TraceConfig = TraceConfig()
     tokenizer: object = None
     seed: int = 0
+    device: DeviceConfig = DeviceConfig()  # cuda: every rank on GPU local_rank % visible
 
 
 @dataclass
@@ -73,6 +74,9 @@ class Rank:
 
 
 def build_rank(job: JobSpec, comm=MPI.COMM_WORLD) -> Rank:
+    if job.plan.prefill_replicas:  # prefill ranks after the rest (docs/pd.md)
+        from .pd_world import build_pd_rank
+        return build_pd_rank(job, comm, build_rank)
     rank, world = comm.Get_rank(), comm.Get_size()
     plan, cfg = job.plan, job.model
     role = assign_role(plan, rank, world)
@@ -87,18 +91,24 @@ def build_rank(job: JobSpec, comm=MPI.COMM_WORLD) -> Rank:
                         timeout_s=job.comm.timeout_s * (1 if role.is_attention else 2))
     # one clock: rank 0's monotonic clock reading is every rank's trace epoch (CLOCK_MONOTONIC is
     # shared by the processes of one node; across nodes this is as good as the hosts' clocks)
+    dev = job.device.torch_device
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)  # Triton launches, streams and IPC all on this rank's GPU
     epoch = comm.bcast(time.perf_counter(), root=0)
-    tracer = Tracer(enabled=job.trace.enabled, rank=rank, name=role.tag, mode=plan.mode, epoch=epoch)
+    tracer = Tracer(enabled=job.trace.enabled, rank=rank, name=role.tag, mode=plan.mode, epoch=epoch,
+                    device=dev)
     leaders = leader_ranks(plan)
     experts = leaders if colocated else expert_rank_ids(plan)
     m2n = make_m2n(comm, leaders, experts, cfg.hidden_size, cfg.top_k,
                    job.sched.max_num_batched_tokens, plan.micro_batches, DTYPES[job.load.dtype],
-                   policy, job.comm.transport)
+                   policy, job.comm.transport, dev)
     placement = initial_placement(cfg.num_layers, cfg.num_experts, len(experts), job.eplb)
     # the attention ranks of one replica share a TP communicator; others get their own colour
     tp_comm = comm.Split(role.replica if role.is_attention else plan.attention_replicas + rank, rank)
     side_comm = comm.Split(0 if role.is_attention else 1, rank)  # expert ranks among themselves
     out = Rank(role, tracer, closers=[m2n.close])
+    if dev.type == "cuda":  # device buffers, IPC mappings, NCCL communicators (collective)
+        out.closers.append(m2n.close_transports)
     control = ControlPlane(comm, role.tag, policy)
     if colocated:
         _build_colocated(job, out, m2n, placement, control, tracer)
@@ -108,33 +118,36 @@ def build_rank(job: JobSpec, comm=MPI.COMM_WORLD) -> Rank:
     else:
         me = role.expert_index
         model = build_model(cfg, job.load, role="experts", phy2log=placement.phy2log.tolist(),
-                            expert_slots=[list(placement.slots_of_rank(me))] * cfg.num_layers)
+                            expert_slots=[list(placement.slots_of_rank(me))] * cfg.num_layers,
+                            device=dev)
         rebalancer = ExpertRebalancer(model, placement, me, side_comm, control, leaders, job.eplb)
         out.worker = ExpertWorker(model, plan.micro_batches, ExpertExchange(m2n), role.tag, tracer,
                                   rebalancer)
     return out
 
 
-def _slot_owner(placement) -> torch.Tensor:
-    """[num_slots] -> index of the expert rank holding the slot (fixed by the contiguous split)."""
-    return placement.rank_of_slot(torch.arange(placement.num_replicas))
+def _slot_owner(placement, device) -> torch.Tensor:
+    """[num_slots] -> index of the expert rank holding the slot (fixed by the contiguous split),
+    on the device the router's ids are on."""
+    return placement.rank_of_slot(torch.arange(placement.num_replicas)).to(device)
 
 
 def _engine(job: JobSpec, role, model, make_executor):
     from megainfer.engine.engine import LLMEngine
     return LLMEngine(job.model, job.sched, job.cache, make_executor, job.tokenizer,
                      kv_spec=model.kv_cache_spec(DTYPES[job.load.dtype]),
-                     kv_dtype=DTYPES[job.load.dtype],
+                     kv_dtype=DTYPES[job.load.dtype], device=job.device.torch_device,
                      seed=job.seed, log_prefix=role.tag)
 
 
 def _build_attention(job, out, m2n, placement, control, tp, tracer):
     role, plan, cfg = out.role, job.plan, job.model
     par = ParallelContext(role.tp_rank, plan.attention_tp, tp.all_reduce if tp.size > 1 else None)
-    model = build_model(cfg, job.load, par, role="attention")
+    model = build_model(cfg, job.load, par, role="attention", device=job.device.torch_device)
+    model.set_attention_backend(job.device.attention_backend)
     exchange = rebalancer = None
     if role.is_leader:
-        exchange = AttentionExchange(m2n, _slot_owner(placement), tracer)
+        exchange = AttentionExchange(m2n, _slot_owner(placement, job.device.torch_device), tracer)
         rebalancer = AttentionRebalancer(placement, job.eplb, control, m2n,
                                          expert_rank_ids(plan)[0], role.replica)
     engine = _engine(job, role, model, lambda kv: DisaggregatedExecutor(
@@ -146,9 +159,12 @@ def _build_colocated(job, out, m2n, placement, control, tracer):
     role, plan, cfg = out.role, job.plan, job.model
     mine = list(placement.slots_of_rank(role.replica))
     model = build_model(cfg, job.load, role="full", expert_slots=[mine] * cfg.num_layers,
-                        phy2log=placement.phy2log.tolist())
-    exchange = AttentionExchange(m2n, _slot_owner(placement), tracer, lanes=("dispatch", "combine"))
-    worker = ExpertWorker(model, plan.micro_batches, ExpertExchange(m2n), role.tag, tracer,
+                        phy2log=placement.phy2log.tolist(), device=job.device.torch_device)
+    model.set_attention_backend(job.device.attention_backend)
+    expert_side = ExpertExchange(m2n)  # its receives and sends are grouped with the attention
+    exchange = AttentionExchange(m2n, _slot_owner(placement, job.device.torch_device), tracer,
+                                 lanes=("dispatch", "combine"), partner=expert_side)  # side's
+    worker = ExpertWorker(model, plan.micro_batches, expert_side, role.tag, tracer,
                           trace_comm=False)
     rebalancer = AttentionRebalancer(placement, job.eplb, control, m2n, 0, role.replica)
     engine = _engine(job, role, model, lambda kv: ColocatedExecutor(

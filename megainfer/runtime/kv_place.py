@@ -1,0 +1,55 @@
+"""Placing a transferred layer of KV blocks into a decode replica's paged cache (docs/pd.md).
+
+Model-dtype caches: a plain copy into the reserved blocks. Quantised caches
+(``cache.kv_cache_dtype`` fp8 / fp4, docs/kv_cache.md): the bytes arrive as the prefill rank
+stored them, with its two per-layer float32 scales. Where the decode cache's scale for a part
+(keys / values; MLA ``c_kv`` / ``k_pe``) is unset, it adopts the sender's and the bytes are
+placed as they are (lossless; the usual case, since a decode replica's cache is first written
+by transfers); equal scales: the same; a part whose scale differs is dequantised with the
+sender's scale and quantised with the decode cache's (``kv_quant``). The cache is never widened
+to full precision.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megainfer.kernels import kv_quant
+
+
+def sender_scales(kv: torch.Tensor):
+    """The layer's float32 [2] scales (a quantised cache), else None."""
+    return None if kv_quant.format_of(kv) == "auto" else kv_quant.scales_of(kv)
+
+
+def place(kv: torch.Tensor, kind: str, blocks: list[int], buf: torch.Tensor,
+          src_scales: Optional[torch.Tensor], parts: tuple = ()) -> None:
+    """Staged blocks ``buf`` (the cache's storage format) into ``blocks`` of ``kv``. A quantised
+    part whose scale differs from the sender's is requantised (module docstring)."""
+    dim = 1 if kind == "gqa" else 0
+    idx = torch.tensor(blocks, dtype=torch.long, device=kv.device)
+    buf = buf.to(kv.device)
+    if src_scales is not None:
+        fmt, dst = kv_quant.format_of(kv), kv_quant.scales_of(kv)
+        src = src_scales.to(dst.device)
+        dst.copy_(torch.where(dst > 0, dst, src))  # unset: adopt the sender's
+        if not torch.equal(dst, src):
+            buf = _requant(buf, kind, fmt, src, dst, parts)
+    if kv.element_size() == 1:
+        kv, buf = kv.view(torch.uint8), buf.view(torch.uint8)
+    kv.index_copy_(dim, idx, buf)
+
+
+def _requant(buf, kind, fmt, src, dst, parts):
+    """Dequantise with the sender's scale, quantise with this cache's, part by part (only the
+    parts whose scales differ); stacked as bytes (float8 tensors do not stack on every device)."""
+    def redo(x, i):
+        if src[i] == dst[i]:
+            return x.view(torch.uint8)
+        y = kv_quant.dequantize(x, src[i], fmt, torch.float32)
+        return kv_quant.quantize(y, dst[i], fmt).to(buf.dtype).view(torch.uint8)
+    if kind == "gqa":
+        return torch.stack([redo(buf[i], i) for i in range(2)]).view(buf.dtype)
+    w = kv_quant.stored_dim(fmt, parts[0])
+    return torch.cat([redo(buf[..., :w], 0), redo(buf[..., w:], 1)], dim=-1).view(buf.dtype)

@@ -1,0 +1,311 @@
+"""Layer-wise KV streaming from a prefill rank to the ranks of a decode replica (docs/pd.md).
+
+One *transfer* moves one request's prompt KV: for every layer, the request's first
+``ceil(P / block_size)`` blocks of that layer's paged cache, as raw bytes of the cache's storage
+format (model dtype, fp8 elements or packed fp4 rows with their block scales). Positions at or
+past the prompt length P in the last block are zeroed, so a transfer's bytes depend only on the
+prompt. A decode TP rank gets its own KV heads (GQA: heads ``t*H//tp ..``, as
+``layers.SelfAttention`` splits them; MLA: the whole latent, every TP rank keeps one).
+
+A transfer is cut into *segments* of ``S = max_num_batched_tokens // block_size`` blocks (about
+one prefill chunk), one message per (layer, segment), so a prompt prefilled in several chunks
+streams each segment in the step that completes it, not everything in its last step.
+
+* ``KVSender`` (prefill rank): ``begin`` names the segments a step completes (all full blocks;
+  the last one, partial block included, in the step that completes the prompt); ``send_layer``
+  gathers a layer's blocks of those segments into one contiguous, block-major buffer per
+  destination and posts a non-blocking ``Isend`` right after the layer ran, so the transfer of
+  layer l overlaps the compute of layer l+1; ``poll`` completes them.
+* ``KVReceiver`` (decode rank): ``post`` opens one ``Irecv`` per (layer, segment) into its slice
+  of a staging buffer (one tag each: layers and segments may complete in any order); ``wait``
+  bounds the wait by ``comm.timeout_s`` and names the prefill rank and the request; ``scatter``
+  copies every layer into the blocks the decode engine reserved.
+
+Quantised caches (``cache.kv_cache_dtype`` fp8 / fp4): the bytes travel as stored, followed by
+the layer's two float32 scales (same tag: MPI keeps their order); ``kv_place.place`` puts them
+into the cache (adopting, or requantising to, the decode cache's scales).
+
+Every message travels on a communicator of its own (``comm.Dup()``), so its tags never meet
+the control plane's or the M2N channels'.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from mpi4py import MPI
+
+from megainfer.comm.wait import WaitPolicy, wait_until
+
+from .control import RankFailure
+from .kv_place import place, sender_scales
+
+TAG_BASE = 1000
+
+
+@dataclass(frozen=True)
+class Segments:
+    """How a transfer is cut: ``blocks`` blocks per segment; ``max_count`` segments at most
+    (a prompt of ``max_model_len``), which spaces the tags."""
+
+    blocks: int
+    max_count: int
+
+    @classmethod
+    def for_job(cls, max_model_len: int, block_size: int, max_num_batched_tokens: int):
+        per = max(1, max_num_batched_tokens // block_size)
+        return cls(per, -(-(-(-max_model_len // block_size)) // per))
+
+    def count(self, num_blocks: int) -> int:
+        return -(-num_blocks // self.blocks)
+
+    def span(self, j: int, num_blocks: int) -> tuple[int, int]:
+        return j * self.blocks, min((j + 1) * self.blocks, num_blocks)
+
+
+def kv_tag(xfer: int, layer: int, seg: int, num_layers: int, segs: Segments, tag_ub: int) -> int:
+    """The MPI tag of (transfer, layer, segment): distinct for every transfer in flight."""
+    return TAG_BASE + ((xfer * num_layers + layer) * segs.max_count + seg) % (tag_ub - TAG_BASE)
+
+
+def head_slice(num_kv_heads: int, tp: int, tp_rank: int) -> tuple[int, int]:
+    """(first KV head, count) a decode TP rank holds (replicated when tp > num_kv_heads)."""
+    return tp_rank * num_kv_heads // tp, max(1, num_kv_heads // tp)
+
+
+def _bytes(t: torch.Tensor):
+    """A contiguous host tensor as a uint8 numpy view (any storage dtype, bf16 and fp8 too)."""
+    t = t.contiguous()
+    if t.is_cuda:
+        t = t.cpu()
+    return t.view(-1).view(torch.uint8).numpy()
+
+
+def gather_blocks(kv: torch.Tensor, kind: str, blocks: list[int], num_tokens: int,
+                  heads: Optional[tuple[int, int]] = None) -> torch.Tensor:
+    """One layer's cache -> the request's blocks, contiguous, positions >= num_tokens zeroed.
+    GQA [2, NB, BS, H, D] -> [2, n, BS, h, D] (``heads``: (first, count) or all); MLA
+    [NB, BS, R] -> [n, BS, R]."""
+    idx = torch.tensor(blocks, dtype=torch.long, device=kv.device)
+    if kv.element_size() == 1:  # float8 / packed fp4: gather and zero as bytes
+        kv = kv.view(torch.uint8)
+    if kind == "gqa":
+        g = kv.index_select(1, idx)
+        if heads is not None:
+            g = g[:, :, :, heads[0]:heads[0] + heads[1]]
+        g = g.contiguous()
+        g.view(2, -1, *g.shape[3:])[:, num_tokens:] = 0
+    else:
+        g = kv.index_select(0, idx).contiguous()
+        g.view(-1, g.shape[-1])[num_tokens:] = 0
+    return g
+
+
+def staging_shape(kind: str, layer_shape: tuple, num_blocks: int) -> tuple:
+    """The receive buffer of one layer, block-major (a segment is a contiguous slice): GQA
+    ``[n, 2, BS, H, D]``, MLA ``[n, BS, R]``."""
+    if kind == "gqa":
+        return (num_blocks, layer_shape[0], *layer_shape[2:])
+    return (num_blocks, *layer_shape[1:])
+
+
+@dataclass
+class Dest:
+    rank: int  # world rank (of the KV communicator) of a decode TP rank
+    heads: Optional[tuple[int, int]]  # GQA head slice; None: everything (MLA)
+
+
+@dataclass
+class Outgoing:
+    """One request's transfer on the prefill side."""
+
+    xfer: int
+    request_id: str
+    dests: list[Dest]
+    num_tokens: int  # the prompt's
+    blocks: list[int] = field(default_factory=list)  # its block table (refreshed every step)
+    sent: set = field(default_factory=set)  # segments posted
+    step_segs: list = field(default_factory=list)  # segments this step posts
+    final: bool = False  # this step completes the prompt
+    layers_this_step: int = 0
+    reqs: list = field(default_factory=list)  # MPI requests
+    bufs: list = field(default_factory=list)  # kept alive until the sends complete
+    nbytes: int = 0
+    t_first: float = 0.0  # first Isend posted
+    t_compute_end: float = 0.0  # the forward of the step completing the prompt ended
+    t_done: float = 0.0  # every send observed complete
+
+
+class KVSender:
+    def __init__(self, comm: MPI.Comm, num_layers: int, kind: str, me: str, policy: WaitPolicy,
+                 segs: Segments, block_size: int):
+        self.comm, self.L, self.kind, self.me, self.policy = comm, num_layers, kind, me, policy
+        self.segs, self.bs = segs, block_size
+        self.tag_ub = comm.Get_attr(MPI.TAG_UB)
+        self.active: list[Outgoing] = []  # posting this step: every layer hook sends for them
+        self.open: list[Outgoing] = []  # some segments posted, the prompt not complete yet
+        self.inflight: list[Outgoing] = []  # every segment posted, not all complete
+        self.done: list[Outgoing] = []  # complete (the owner takes them for its stats)
+        self.bytes_sent = 0
+
+    def begin(self, o: Outgoing, blocks: list[int], computed: int, final: bool) -> None:
+        """A step computes the request up to ``computed`` tokens (``final``: its prompt is
+        then complete): post the segments that step completes."""
+        o.blocks, o.final, o.layers_this_step = blocks, final, 0
+        nblk = -(-o.num_tokens // self.bs)
+        ready = nblk if final else computed // self.bs
+        o.step_segs = [j for j in range(self.segs.count(nblk))
+                       if j not in o.sent and self.segs.span(j, nblk)[1] <= ready]
+        if o.step_segs or final:
+            self.active.append(o)
+
+    def send_layer(self, layer: int, kv: torch.Tensor) -> None:
+        """After ``layer`` ran: post its KV for every active transfer, then nudge MPI."""
+        now = time.perf_counter()
+        sc = sender_scales(kv)
+        for o in self.active:
+            nblk = -(-o.num_tokens // self.bs)
+            for j in o.step_segs:
+                b0, b1 = self.segs.span(j, nblk)
+                g = gather_blocks(kv, self.kind, o.blocks[b0:b1], o.num_tokens - b0 * self.bs)
+                if self.kind == "gqa":
+                    g = g.transpose(0, 1)  # block-major [n, 2, BS, H, D]
+                tag = kv_tag(o.xfer, layer, j, self.L, self.segs, self.tag_ub)
+                for d in o.dests:
+                    part = g if d.heads is None else g[:, :, :, d.heads[0]:d.heads[0] + d.heads[1]]
+                    buf = _bytes(part)
+                    o.bufs.append(buf)
+                    o.reqs.append(self.comm.Isend([buf, MPI.BYTE], dest=d.rank, tag=tag))
+                    o.nbytes += buf.nbytes
+                    if sc is not None:  # after the bytes, same tag: received in this order
+                        sbuf = _bytes(sc.clone())
+                        o.bufs.append(sbuf)
+                        o.reqs.append(self.comm.Isend([sbuf, MPI.BYTE], dest=d.rank, tag=tag))
+                if not o.t_first:
+                    o.t_first = now
+            o.layers_this_step += 1
+        self.poll()
+
+    def end_step(self) -> None:
+        """The step's forward is over: its segments have every layer posted."""
+        now = time.perf_counter()
+        for o in self.active:
+            if o.step_segs and o.layers_this_step != self.L:
+                raise RuntimeError(f"{self.me} request {o.request_id!r}: {o.layers_this_step} "
+                                   f"of {self.L} layers sent")
+            o.sent.update(o.step_segs)
+            o.step_segs = []
+            if o.final:
+                o.t_compute_end = now
+                if o in self.open:
+                    self.open.remove(o)
+                self.inflight.append(o)
+            elif o not in self.open:
+                self.open.append(o)
+        self.active = []
+        self.poll()
+
+    def poll(self) -> None:
+        """Complete what MPI has completed (progress for every posted send)."""
+        still = []
+        for o in self.inflight:
+            if MPI.Request.Testall(o.reqs):
+                o.t_done, o.bufs, o.reqs = time.perf_counter(), [], []
+                self.bytes_sent += o.nbytes
+                self.done.append(o)
+            else:
+                still.append(o)
+        self.inflight = still
+        for o in self.active + self.open:  # progress for the segments already posted
+            MPI.Request.Testall(o.reqs)
+
+    def drain(self) -> None:
+        """Wait (bounded) until every posted transfer completed; names the decode rank."""
+        for o in list(self.inflight):
+            waited = wait_until(lambda: MPI.Request.Testall(o.reqs), self.policy)
+            if waited < 0:
+                raise RankFailure(self.me, o.dests[0].rank,
+                                  f"KV transfer of request {o.request_id!r}", -waited)
+        self.poll()
+
+
+@dataclass
+class Incoming:
+    """One request's transfer on a decode rank: a staging buffer and a receive per layer."""
+
+    xfer: int
+    src: int
+    request_id: str
+    bufs: list  # per layer: staging tensor (block-major)
+    reqs: list  # per (layer, segment): MPI request(s)
+    scales: list  # per layer: the sender's float32 [2] scales (quantised caches), else None
+    t_posted: float = 0.0
+    t_received: float = 0.0
+
+    def test(self) -> bool:
+        if not self.t_received and MPI.Request.Testall(self.reqs):
+            self.t_received = time.perf_counter()
+        return bool(self.t_received)
+
+
+class KVReceiver:
+    def __init__(self, comm: MPI.Comm, kind: str, layer_shape: tuple, dtype: torch.dtype,
+                 num_layers: int, me: str, policy: WaitPolicy, segs: Segments, parts: tuple = ()):
+        self.comm, self.kind, self.layer_shape, self.dtype = comm, kind, layer_shape, dtype
+        self.segs = segs
+        self.parts = parts  # MLA: (R, P), quantised apart
+        self.quantised = torch.empty(0, dtype=dtype).element_size() == 1
+        self.L, self.me, self.policy = num_layers, me, policy
+        self.tag_ub = comm.Get_attr(MPI.TAG_UB)
+        self.bytes_received = 0
+
+    def post(self, xfer: int, src: int, num_blocks: int, request_id: str,
+             order: Optional[list[int]] = None) -> Incoming:
+        """One ``Irecv`` per (layer, segment) (``order``: the layers' posting order, for tests;
+        any order works). Every segment carries the layer's scales (quantised caches): they are
+        set once, so the last one received is as good as any."""
+        shape = staging_shape(self.kind, self.layer_shape, num_blocks)
+        bufs = [torch.empty(shape, dtype=self.dtype) for _ in range(self.L)]
+        scales = [torch.zeros(2, dtype=torch.float32) if self.quantised else None
+                  for _ in range(self.L)]
+        reqs = []
+        for l in (order if order is not None else range(self.L)):
+            for j in range(self.segs.count(num_blocks)):
+                b0, b1 = self.segs.span(j, num_blocks)
+                tag = kv_tag(xfer, l, j, self.L, self.segs, self.tag_ub)
+                reqs.append(self.comm.Irecv([_bytes(bufs[l][b0:b1]), MPI.BYTE], source=src,
+                                            tag=tag))
+                if scales[l] is not None:
+                    reqs.append(self.comm.Irecv([_bytes(scales[l]), MPI.BYTE], source=src,
+                                                tag=tag))
+        return Incoming(xfer, src, request_id, bufs, reqs, scales, time.perf_counter())
+
+    def wait(self, inc: Incoming) -> None:
+        waited = wait_until(inc.test, self.policy)
+        if waited < 0:
+            raise RankFailure(self.me, inc.src, f"KV transfer of request {inc.request_id!r} "
+                              f"(prefill rank {inc.src} sent {self._layers_in(inc)} of "
+                              f"{self.L} layers)", -waited)
+
+    def _layers_in(self, inc: Incoming) -> int:
+        per = len(inc.reqs) // self.L  # messages per layer
+        return sum(1 for r in inc.reqs if r.Test()) // per
+
+    def scatter(self, inc: Incoming, kv_caches: list[torch.Tensor], blocks: list[int]) -> None:
+        """Every layer's staged blocks into the reserved ``blocks`` of the paged cache."""
+        for kv, buf, sc in zip(kv_caches, inc.bufs, inc.scales):
+            if self.kind == "gqa":
+                buf = buf.transpose(0, 1)  # block-major -> the cache's [2, n, BS, H, D]
+            place(kv, self.kind, blocks, buf, sc, self.parts)
+            self.bytes_received += buf.numel() * buf.element_size()
+        inc.bufs = []
+
+    def cancel(self, inc: Incoming) -> None:
+        """The prefill rank will send nothing (the request was refused there)."""
+        for r in inc.reqs:
+            if not r.Test():
+                r.Cancel()
+                r.Wait()
+        inc.bufs = []

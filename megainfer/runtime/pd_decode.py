@@ -1,0 +1,90 @@
+"""A decode rank's side of prefill-decode disaggregation (docs/pd.md): what rank 0's go message
+tells it about transfers, applied at the same iteration on every TP rank of the replica, so
+their schedulers stay identical.
+
+* ``("expect", xfer, src, num_tokens, request_id)``: post one receive per layer from prefill
+  rank ``src`` (the KV may start arriving at once), and reserve the prompt's blocks (first come
+  first served; when too few blocks are free, retried every iteration).
+* ``("start", xfer, state)``: the prefill rank sampled the first token; once the blocks are
+  reserved, wait (bounded) for every layer, scatter them into the blocks and start the request.
+* ``("drop", xfer, sent)``: the request finished (or was refused) at the prefill rank: take the
+  KV if it was sent (else cancel the receives) and give the blocks back.
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional
+
+from megainfer.engine.kv_handoff import release, reserve, start
+
+from .kv_stream import Incoming, KVReceiver
+
+
+@dataclass
+class _Expect:
+    inc: Incoming
+    num_tokens: int
+    placeholder: object = None  # the reserved blocks (a placeholder Request)
+    kind: Optional[str] = None  # "start" | "drop" once rank 0 says
+    payload: object = None  # HandoffState (start) or whether KV was sent (drop)
+
+
+class DecodeSide:
+    def __init__(self, engine, receiver: KVReceiver, tracer=None):
+        self.engine, self.receiver, self.tracer = engine, receiver, tracer
+        self.expects: "OrderedDict[int, _Expect]" = OrderedDict()
+        self.handoff_s: dict[str, float] = {}  # request id -> prefill end to decode start
+        self.num_started = 0
+
+    @property
+    def pending(self) -> int:
+        return len(self.expects)
+
+    def apply(self, msgs: list) -> None:
+        for m in msgs:
+            if m[0] == "expect":
+                _, xfer, src, n, rid = m
+                bs = self.engine.cache_config.block_size
+                inc = self.receiver.post(xfer, src, -(-n // bs), rid)
+                self.expects[xfer] = _Expect(inc, n)
+            else:
+                e = self.expects[m[1]]
+                e.kind, e.payload = m[0], m[2]
+        self._advance()
+
+    def _advance(self) -> None:
+        engine = self.engine
+        for xfer, e in list(self.expects.items()):
+            if e.kind == "drop":
+                if e.payload:
+                    self.receiver.wait(e.inc)
+                else:
+                    self.receiver.cancel(e.inc)
+                if e.placeholder is not None:
+                    release(engine, e.placeholder)
+                del self.expects[xfer]
+                continue
+            if e.placeholder is None:
+                e.placeholder = reserve(engine, e.num_tokens, f"pd{xfer}")
+                if e.placeholder is None:
+                    break  # first come first served: the later ones wait too
+            if e.kind == "start":
+                self.receiver.wait(e.inc)
+                self.receiver.scatter(e.inc, engine.kv_caches, e.placeholder.block_table)
+                req = start(engine, e.payload, e.placeholder)
+                now = time.perf_counter()
+                self.handoff_s[req.request_id] = now - e.payload.t_prefill_end
+                self.num_started += 1
+                if self.tracer is not None:
+                    ep = self.tracer.epoch
+                    self.tracer.add("KV recv", f"KV {req.request_id}", (e.inc.t_posted - ep) * 1e6,
+                                    (e.inc.t_received - e.inc.t_posted) * 1e6, -1, -1, 0,
+                                    e.num_tokens)
+                del self.expects[xfer]
+
+    def poll(self) -> None:
+        """Progress for the receives in flight (called once per iteration)."""
+        for e in self.expects.values():
+            e.inc.test()

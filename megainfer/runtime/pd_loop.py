@@ -1,0 +1,74 @@
+"""The decode replicas' lockstep loop when prefill replicas exist (docs/pd.md).
+
+The same loop as ``ReplicaLoop`` (every attention rank steps every iteration; leaders report to
+rank 0; rank 0 answers go or stop), but rank 0 hands requests to prefill ranks through a
+``PDRouter`` instead of to the replicas, and its go message carries each replica's transfer
+messages (expect / start / drop) instead of new requests; every rank of a replica applies them
+(``DecodeSide``) at the same iteration. A leader's report adds the transfers pending on its
+replica, which count in its load. When no replica has anything to decode, rank 0 waits a little
+for a prefill report before the next (empty) iteration instead of spinning.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Iterator, Optional
+
+from megainfer.engine.outputs import PromptInput, RequestOutput
+
+from .control import TAG_GO, TAG_REQUESTS, TAG_STATUS
+from .pd_decode import DecodeSide
+from .pd_router import PDRouter
+from .replica_loop import ReplicaLoop
+
+
+class PDReplicaLoop(ReplicaLoop):
+    def __init__(self, engine, role, plan, control, exchange, first_moe_layer: int,
+                 decode: DecodeSide, router: Optional[PDRouter]):
+        super().__init__(engine, role, plan, control, exchange, first_moe_layer)
+        self.decode, self.pd = decode, router
+        self.track = False  # decode replicas are not routed by prefix: no key events
+        blocks = engine.blocks
+        blocks.key_events = None  # the base loop may have turned them on
+        if blocks.tier is not None:
+            blocks.tier.key_events = None
+
+    def generate_stream(self, inputs: Iterable[PromptInput]) -> Iterator[RequestOutput]:
+        self.pd.add(inputs)
+        for rank in self.attn_ranks[1:]:
+            self.control.send([], rank, TAG_REQUESTS)
+        yield from self._loop([])
+
+    def _sync(self, finished: list[RequestOutput]) -> tuple[list[RequestOutput], bool, list]:
+        e, d = self.engine, self.decode
+        for out in finished:
+            if out.metrics is not None:
+                out.metrics.kv_handoff_s = d.handoff_s.pop(out.request_id, None)
+        d.poll()
+        status = (finished, e.has_unfinished() or d.pending > 0, len(e.scheduler.waiting),
+                  len(e.scheduler.running), d.pending)
+        if self.role.rank != 0:
+            if self.role.is_leader:
+                self.control.send(status, 0, TAG_STATUS)
+            go, msgs = self.control.recv(0, TAG_GO, "iteration sync (waiting for rank 0)")
+            d.apply(msgs)
+            return [], go, []
+        done, busy = list(finished), status[1]
+        loads = [status[2] + status[3] + status[4]]
+        for leader in self.leaders[1:]:
+            outs, b, waiting, running, pending = self.control.recv(
+                leader, TAG_STATUS, "iteration sync (replica status)")
+            done += outs
+            busy = busy or b
+            loads.append(waiting + running + pending)
+        msgs, prefilled = self.pd.iterate(loads)
+        for out in done:
+            out.request_id = self.pd.caller_id(out.request_id)
+        done += prefilled
+        go = busy or self.pd.busy
+        for rank in self.attn_ranks[1:]:
+            self.control.send((go, msgs[rank // self.plan.attention_tp]), rank, TAG_GO)
+        d.apply(msgs[0])
+        if not go:
+            self.pd.stop()
+        elif not busy and not any(msgs):
+            self.pd.wait()
+        return done, go, []

@@ -1,0 +1,170 @@
+"""Rank 0's side of prefill-decode disaggregation (docs/pd.md): it keeps the pending requests,
+hands each to a prefill rank together with the decode replica that will run it, and turns the
+prefill ranks' reports into messages for the decode replicas.
+
+Hand-out, every iteration, first come first served while the decode replicas have room (each
+under ``max_num_seqs`` requests running + waiting + transfers pending + handed out this
+iteration): the prefill rank is chosen by the attention replicas' ``Router``
+(``scheduler.routing``, megainfer/runtime/router.py) over the prefill ranks: with
+``cache_aware`` and prefix caching, the prefill rank holding the longest run of the prompt's
+blocks (the prefill ranks report their cache's key events), else the shortest queue, in
+rotation; the decode replica is the least loaded (ties in rotation): its KV comes whole from
+the prefill rank, so a prefix there saves nothing. The decode replica gets ``expect`` at once
+(it reserves the blocks and posts its receives before the first layer is sent); the prefill
+rank's report later becomes ``start`` (or ``drop``).
+
+A prefill rank with requests outstanding that has said nothing for ``comm.timeout_s`` (it
+reports after every step) is declared failed: ``RankFailure`` names it and a request.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Optional
+
+from mpi4py import MPI
+
+from megainfer.comm.wait import WaitPolicy, wait_until
+from megainfer.engine.errors import RequestError
+from megainfer.engine.intake import tokenize_prompt
+from megainfer.engine.outputs import RequestOutput
+
+from .control import RankFailure
+from .prefill_worker import STOP, TAG_PD_DONE, TAG_PD_WORK
+from .router import Router
+
+
+@dataclass
+class _InFlight:
+    prefill: int  # index into prefill ranks
+    replica: int  # decode replica
+    request_id: str
+
+
+class PDRouter:
+    def __init__(self, comm: MPI.Comm, prefill_ranks: list[int], num_replicas: int, engine,
+                 me: str, policy: WaitPolicy, cap: Optional[int] = None):
+        self.comm, self.prefill_ranks, self.A = comm, prefill_ranks, num_replicas
+        self.engine, self.me, self.policy = engine, me, policy  # engine: tokenizer and limits
+        sched, cache = engine.scheduler_config, engine.cache_config
+        self.cap = cap or sched.max_num_seqs
+        self.router = Router(len(prefill_ranks), sched.routing, cache.block_size,
+                             sched.max_num_seqs, self._tokens_of,
+                             use_keys=cache.enable_prefix_caching)
+        self.pending: deque = deque()
+        self.inflight: dict[int, _InFlight] = {}
+        self.outstanding = [0] * len(prefill_ranks)
+        self.last_heard = [time.perf_counter()] * len(prefill_ranks)
+        self.ids: dict[str, object] = {}  # engine request id -> the caller's id
+        self.next_xfer = self.next_d = 0
+        self.assigned = [0] * num_replicas  # requests handed to each decode replica
+        self.prefilled = [0] * len(prefill_ranks)
+        self.outbox: list = []  # hand-outs in flight
+        self.idle_wait = WaitPolicy(mode=policy.mode, timeout_s=min(0.05, policy.timeout_s / 4))
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.pending or self.router.pending or self.inflight)
+
+    @property
+    def tracks_keys(self) -> bool:
+        """Whether the prefill ranks must report their prefix-cache key events."""
+        return self.router.tracks_keys
+
+    def _tokens_of(self, inp) -> Optional[list[int]]:
+        e = self.engine
+        try:
+            return tokenize_prompt(e.tokenizer, inp.prompt, inp.prompt_token_ids,
+                                   e.model_config.vocab_size, e.max_model_len)[1]
+        except RequestError:
+            return None
+
+    def add(self, inputs) -> None:
+        self.pending.extend(inputs)
+
+    def iterate(self, loads: list[int]) -> tuple[list[list], list[RequestOutput]]:
+        """``loads[d]``: decode replica d's queue (running + waiting + transfers pending). Returns
+        (per decode replica, its messages; outputs finished without decoding)."""
+        msgs, done = [[] for _ in range(self.A)], []
+        self._collect(msgs, done)
+        self._hand_out(list(loads), msgs, done)
+        self._check_silence()
+        return msgs, done
+
+    def wait(self) -> None:
+        """Nothing to decode: wait a little (bounded, well under the go timeout) for a report."""
+        wait_until(lambda: self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_PD_DONE), self.idle_wait)
+
+    def stop(self) -> None:
+        for r in self.prefill_ranks:
+            self._send(STOP, r)
+        MPI.Request.Waitall(self.outbox)  # small, and every prefill rank is alive to take it
+
+    def _send(self, msg, rank: int) -> None:
+        """Non-blocking: the prefill rank may be sending its report at the same time."""
+        self.outbox = [r for r in self.outbox if not r.Test()]
+        self.outbox.append(self.comm.isend(msg, dest=rank, tag=TAG_PD_WORK))
+
+    def _collect(self, msgs, done) -> None:
+        st = MPI.Status()
+        while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_PD_DONE, status=st):
+            src = st.Get_source()
+            report, waiting, running, events = self.comm.recv(source=src, tag=TAG_PD_DONE)
+            p = self.prefill_ranks.index(src)
+            self.last_heard[p] = time.perf_counter()
+            self.router.update(p, waiting, running, events)
+            for xfer, kind, payload in report:
+                f = self.inflight.pop(xfer)
+                self.outstanding[p] -= 1
+                self.prefilled[p] += 1
+                if kind == "state":
+                    msgs[f.replica].append(("start", xfer, payload))
+                else:  # finished at its first token, or refused: nothing to decode
+                    payload.request_id = self.ids.pop(f.request_id, payload.request_id)
+                    done.append(payload)
+                    msgs[f.replica].append(("drop", xfer, kind == "output"))
+
+    def _hand_out(self, loads, msgs, done) -> None:
+        room = sum(max(0, self.cap - n) for n in loads)  # what the decode replicas can take
+        while self.pending and len(self.router.pending) < room:
+            self.router.add([self.pending.popleft()])
+        work = [[] for _ in self.prefill_ranks]
+        e = self.engine
+        for p, items in enumerate(self.router.route()):
+            for inp in items:
+                try:
+                    _, ids = tokenize_prompt(e.tokenizer, inp.prompt, inp.prompt_token_ids,
+                                             e.model_config.vocab_size, e.max_model_len)
+                except RequestError as err:
+                    done.append(RequestOutput.failed(inp.request_id, inp.prompt,
+                                                     inp.prompt_token_ids, err))
+                    continue
+                d = min(range(self.A), key=lambda r: (loads[r], (r - self.next_d) % self.A))
+                xfer, self.next_xfer = self.next_xfer, self.next_xfer + 1
+                rid = str(inp.request_id)
+                self.ids[rid] = inp.request_id
+                self.inflight[xfer] = _InFlight(p, d, rid)
+                if not self.outstanding[p]:
+                    self.last_heard[p] = time.perf_counter()  # the silence clock starts now
+                self.outstanding[p] += 1
+                loads[d] += 1
+                self.assigned[d] += 1
+                self.next_d = (d + 1) % self.A
+                msgs[d].append(("expect", xfer, self.prefill_ranks[p], len(ids), rid))
+                work[p].append((xfer, inp, d))
+        for p, items in enumerate(work):
+            if items:
+                self._send(items, self.prefill_ranks[p])
+
+    def _check_silence(self) -> None:
+        now = time.perf_counter()
+        for p, n in enumerate(self.outstanding):
+            if n and now - self.last_heard[p] > self.policy.timeout_s:
+                rid = next(f.request_id for f in self.inflight.values() if f.prefill == p)
+                raise RankFailure(self.me, self.prefill_ranks[p], f"prefill of request {rid!r} "
+                                  f"({n} outstanding on prefill {p})", now - self.last_heard[p])
+
+    def caller_id(self, rid):
+        """The caller's id of a request decoded here (outputs carry the engine's str id)."""
+        return self.ids.pop(rid, rid)

@@ -1,0 +1,189 @@
+"""A prefill replica (docs/pd.md): the whole model on one rank, experts local (as single mode),
+running whole prompts (chunked by its scheduler), sampling each request's first token, and
+handing the request to the decode replica rank 0 chose.
+
+``PrefillExecutor`` is single mode's ``LocalExecutor`` plus a forward hook on every decoder
+layer: in a step that computes part of a request's prompt, the moment layer l has run (its KV
+is in the cache), that layer's blocks of the segments the step completed are posted to the
+decode ranks (``KVSender``), while layer l+1 computes. ``PrefillWorker`` is the rank's loop:
+
+    rank 0 --TAG_PD_WORK [(xfer, input, decode replica)] | STOP--> prefill rank
+    prefill rank --TAG_PD_DONE ([(xfer, kind, payload)], waiting, running, key events)--> rank 0
+
+after every step (a heartbeat too: rank 0 declares a silent prefill rank with work failed after
+``comm.timeout_s``; the key events are its prefix cache's, for cache-aware routing over the
+prefill ranks). ``kind`` is ``state`` (a ``HandoffState``: decode starts the request),
+``output`` (finished at its first token: the KV was sent, decode drops it) or ``failed`` (refused
+here, nothing was sent: decode cancels its receives).
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from mpi4py import MPI
+
+from megainfer.comm.wait import WaitPolicy, wait_until
+from megainfer.engine.errors import RequestError
+from megainfer.engine.kv_handoff import detach, export_state
+from megainfer.engine.outputs import RequestOutput
+from megainfer.engine.step import LocalExecutor
+
+from .control import RankFailure
+from .kv_stream import KVSender, Outgoing
+
+log = logging.getLogger("megainfer.runtime")
+TAG_PD_WORK, TAG_PD_DONE = 201, 202
+STOP = "stop"
+
+
+class PrefillExecutor(LocalExecutor):
+    """``LocalExecutor`` that streams each completed prompt's KV out layer by layer."""
+
+    def __init__(self, model, kv_caches, block_size: int, sender: KVSender):
+        super().__init__(model, kv_caches, block_size)
+        self.sender = sender
+        self.planned: dict[int, Outgoing] = {}  # seq_id -> its transfer, until its prompt is done
+        for l, layer in enumerate(model.layers):
+            layer.register_forward_hook(self._hook(l))
+
+    def _hook(self, l: int):
+        def after_layer(module, args, output):
+            if self.sender.active:
+                self.sender.send_layer(l, self.kv_caches[l])
+        return after_layer
+
+    @torch.inference_mode()
+    def execute(self, step):
+        final = set(step.sample_rows)  # sampled here = its prompt completes in this step
+        for i, sid in enumerate(step.seq_ids):
+            o = self.planned.get(sid)
+            if o is not None:
+                self.sender.begin(o, step.block_tables[i],
+                                  step.context_lens[i] + step.query_lens[i], i in final)
+                if i in final:
+                    del self.planned[sid]
+        logits = super().execute(step)
+        self.sender.end_step()
+        return logits
+
+
+class PrefillWorker:
+    def __init__(self, engine, executor: PrefillExecutor, comm: MPI.Comm, dests: list, tag: str,
+                 policy: WaitPolicy, tracer=None, track_keys: bool = False):
+        self.engine, self.executor, self.comm, self.tag = engine, executor, comm, tag
+        self.dests = dests  # per decode replica: [Dest] of its TP ranks
+        self.policy = policy
+        self.idle_policy = WaitPolicy(mode=policy.mode, timeout_s=min(0.05, policy.timeout_s))
+        self.tracer = tracer
+        self.xfer_of: dict[str, int] = {}  # engine request id -> transfer id
+        self.transfers: list[Outgoing] = []  # completed, for the stats
+        self.steps = 0
+        self.outbox: list = []  # reports to rank 0 in flight
+        self.track = track_keys
+        if track_keys:
+            engine.blocks.track_keys()
+
+    def run(self) -> int:
+        """Serve rank 0 until it says stop; returns the number of steps run."""
+        while True:
+            work = self._receive(block=not self.engine.has_unfinished())
+            if work == STOP:
+                MPI.Request.Waitall(self.outbox)  # rank 0 took every report before stopping
+                self.executor.sender.drain()
+                self._collect()
+                return self.steps
+            report = [self._add(*item) for item in work]
+            report = [r for r in report if r is not None]
+            stepped = self.engine.has_unfinished()
+            if stepped:
+                report += self._step()
+            if stepped or report:  # after every step: a heartbeat too
+                self._report(report)
+            self._check_sends()
+
+    def _report(self, report: list) -> None:
+        """Non-blocking: rank 0 may be sending us work at the same time (no send waits on a
+        receive that waits on it)."""
+        s, b = self.engine.scheduler, self.engine.blocks
+        msg = (report, len(s.waiting), len(s.running), b.take_key_events() if self.track else [])
+        self.outbox = [r for r in self.outbox if not r.Test()]
+        self.outbox.append(self.comm.isend(msg, dest=0, tag=TAG_PD_DONE))
+
+    def _receive(self, block: bool):
+        """Everything rank 0 sent since the last call (a list of items, or STOP)."""
+        items = []
+        while True:
+            st = MPI.Status()
+            if not self.comm.Iprobe(source=0, tag=TAG_PD_WORK, status=st):
+                if items or not block:
+                    return items
+                self.executor.sender.poll()
+                self._check_sends()
+                wait_until(lambda: self.comm.Iprobe(source=0, tag=TAG_PD_WORK), self.idle_policy)
+                continue  # idle is legitimate (decode may run long); rank 0 ends us with STOP
+            msg = self.comm.recv(source=0, tag=TAG_PD_WORK)
+            if msg == STOP:
+                return STOP
+            items += msg
+
+    def _add(self, xfer: int, inp, replica: int):
+        try:
+            if inp.params is not None and inp.params.n > 1:
+                raise RequestError(f"n={inp.params.n}: not supported with prefill replicas "
+                                   "(deploy.prefill_replicas > 0)")
+            req = self.engine.add_request(inp.request_id, inp.prompt, inp.params,
+                                          prompt_token_ids=inp.prompt_token_ids)
+        except RequestError as e:
+            log.warning("%s request %r refused: %s", self.tag, inp.request_id, e)
+            return xfer, "failed", RequestOutput.failed(inp.request_id, inp.prompt,
+                                                        inp.prompt_token_ids, e)
+        self.xfer_of[req.request_id] = xfer
+        self.executor.planned[req.seq_id] = Outgoing(xfer, req.request_id, self.dests[replica],
+                                                     req.num_prompt_tokens)
+        return None
+
+    def _step(self) -> list:
+        t0 = time.perf_counter()
+        finished = self.engine.step()
+        self.steps += 1
+        report = [(self.xfer_of.pop(out.request_id), "output", out) for out in finished]
+        for req in [r for r in self.engine.requests.values() if r.output_token_ids]:
+            state = export_state(req)
+            detach(self.engine, req)
+            report.append((self.xfer_of.pop(req.request_id), "state", state))
+        if self.tracer is not None:
+            self.tracer.add("prefill", f"prefill step {self.steps}", (t0 - self.tracer.epoch) * 1e6,
+                            (time.perf_counter() - t0) * 1e6, self.steps, -1, 0,
+                            self.engine.last_step_tokens)
+        self._collect()
+        return report
+
+    def _collect(self) -> None:
+        s = self.executor.sender
+        s.poll()
+        for o in s.done:
+            if self.tracer is not None:
+                self.tracer.add("KV send", f"KV {o.request_id}", (o.t_first - self.tracer.epoch) * 1e6,
+                                (o.t_done - o.t_first) * 1e6, self.steps, -1, 0, o.num_tokens)
+        self.transfers += s.done
+        s.done = []
+
+    def _check_sends(self) -> None:
+        """A send not complete ``timeout_s`` after its step: the decode rank is gone."""
+        now = time.perf_counter()
+        for o in self.executor.sender.inflight:
+            if now - o.t_compute_end > self.policy.timeout_s:
+                raise RankFailure(self.tag, o.dests[0].rank,
+                                  f"KV transfer of request {o.request_id!r}",
+                                  now - o.t_compute_end)
+
+    def stats(self) -> dict:
+        """KV bytes sent and the share of transfer time hidden behind prefill compute."""
+        ts = self.transfers
+        window = sum(o.t_done - o.t_first for o in ts)
+        exposed = sum(max(0.0, o.t_done - o.t_compute_end) for o in ts)
+        return {"transfers": len(ts), "kv_bytes_sent": sum(o.nbytes for o in ts),
+                "transfer_s": window, "exposed_s": exposed,
+                "hidden_fraction": None if window <= 0 else 1 - exposed / window}

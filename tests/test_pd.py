@@ -1,0 +1,138 @@
+"""Prefill-decode disaggregation (docs/pd.md) under real mpiexec: the rank order, greedy
+tokens identical to single mode with prefill ranks (layouts, MLA, quantised caches, a small
+decode pool), cache-aware routing over prefill ranks, and a failed prefill rank ending the job.
+The streaming itself: tests/test_kv_stream.py; megainfer-launch: tests/test_pd_launch.py."""
+import json
+import os
+import time
+
+import pytest
+
+from conftest import FAMILIES
+from mpi_util import run_mpi
+
+from megainfer.config import ConfigError, DeployPlan
+from megainfer.runtime.roles import assign_role, prefill_rank_ids
+
+JOB = os.path.join(os.path.dirname(__file__), "mpi_progs", "pd_job.py")
+
+
+def test_rank_order_prefill_last():
+    plan = DeployPlan(mode="disaggregated", attention_replicas=2, attention_tp=1, expert_ranks=2,
+                      prefill_replicas=2)
+    assert plan.world_size == 6
+    kinds = [assign_role(plan, r, 6).kind for r in range(6)]
+    assert kinds == ["attention", "attention", "expert", "expert", "prefill", "prefill"]
+    assert assign_role(plan, 5, 6).tag == "[prefill 1]"
+    assert prefill_rank_ids(plan) == [4, 5]
+    assert DeployPlan(mode="disaggregated", expert_ranks=2).world_size == 3  # unchanged
+    with pytest.raises(ConfigError, match="deploy.prefill_tp"):
+        DeployPlan(mode="disaggregated", expert_ranks=1, prefill_replicas=1, prefill_tp=2)
+    with pytest.raises(ConfigError, match="deploy.prefill_replicas"):
+        DeployPlan(mode="colocated", attention_replicas=2, prefill_replicas=1)
+    with pytest.raises(ConfigError, match="deploy.prefill_replicas"):
+        DeployPlan(mode="disaggregated", expert_ranks=1, prefill_replicas=-1)
+
+
+LAYOUTS = [  # (decode replicas, decode tp, expert ranks, prefill ranks, families)
+    (1, 1, 2, 1, FAMILIES), (1, 1, 1, 2, FAMILIES), (1, 2, 1, 1, ("mixtral",)),
+    (2, 1, 1, 1, ("mixtral",))]
+
+
+@pytest.mark.parametrize("A,TP,E,P,fams", LAYOUTS,
+                         ids=[f"{p}p_a{a}tp{t}e{e}" for a, t, e, p, _ in LAYOUTS])
+def test_greedy_tokens_equal_single_mode(tiny_ckpts, single_mode_tokens, tmp_path,
+                                         A, TP, E, P, fams):
+    ckpts = [tiny_ckpts[(fam, "base")] for fam in fams]
+    out = tmp_path / "out.json"
+    run_mpi(A * TP + E + P, JOB, [out, A, TP, E, P, "2", ",".join(ckpts)], timeout=600)
+    got = json.loads(out.read_text())
+    for ckpt in ckpts:
+        assert got[f"{ckpt}|m=2"] == single_mode_tokens[ckpt], ckpt
+        stats = got[f"{ckpt}|m=2|stats"]
+        assert stats["handoffs"] == 7  # every request was prefilled elsewhere and handed over
+        assert sum(stats["prefilled"]) == 7 and min(stats["prefilled"]) > 0
+        assert min(stats["assigned"]) > 0
+
+
+def test_hung_prefill_rank_aborts_naming_it(tiny_ckpts, tmp_path):
+    ckpt = tiny_ckpts[("mixtral", "base")]
+    t0 = time.process_time()
+    with pytest.raises(AssertionError) as e:
+        run_mpi(4, JOB, [tmp_path / "o.json", 1, 1, 2, 1, "2", ckpt, "fault=hang"], timeout=300)
+    msg = str(e.value)
+    assert "exited" in msg  # it ended by itself, not by the test's timeout
+    assert "rank 3 did not answer within" in msg and "prefill of request 'r" in msg
+    assert time.process_time() - t0 < 60
+
+
+def test_killed_prefill_rank_ends_the_job(tiny_ckpts, tmp_path):
+    ckpt = tiny_ckpts[("mixtral", "base")]
+    with pytest.raises(AssertionError) as e:
+        run_mpi(4, JOB, [tmp_path / "o.json", 1, 1, 2, 1, "2", ckpt, "fault=kill"], timeout=300)
+    assert "exited" in str(e.value) and not (tmp_path / "o.json").exists()
+
+
+def _single_mode(path: str, kv_cache_dtype: str, shared: bool = False) -> dict:
+    import dataclasses
+    import sys
+    sys.path.insert(0, os.path.dirname(JOB))
+    import runtime_job
+    from runtime_job import CACHE, SCHED
+    make_inputs = runtime_job.shared_inputs if shared else runtime_job.inputs
+
+    from megainfer.config import LoadConfig, ModelConfig
+    from megainfer.engine.engine import LLMEngine
+    from megainfer.models import build_model
+    cfg = ModelConfig.from_pretrained(path)
+    engine = LLMEngine.from_model(build_model(cfg, LoadConfig(path=path)), SCHED,
+                                  dataclasses.replace(CACHE, kv_cache_dtype=kv_cache_dtype))
+    return {o.request_id: o.outputs[0].token_ids
+            for o in engine.generate_stream(make_inputs(cfg.vocab_size, 12))}
+
+
+CACHES = [("deepseek_v3", "auto", 2), ("deepseek_v3", "fp8_e4m3", 1), ("mixtral", "fp4_e2m1", 2)]
+
+
+@pytest.mark.parametrize("fam,kv,TP", CACHES, ids=[f"{f}-{k}-tp{t}" for f, k, t in CACHES])
+def test_mla_and_quantised_caches_equal_single_mode(tiny_ckpts, tmp_path_factory, tmp_path,
+                                                    fam, kv, TP):
+    """The MLA latent (every decode TP rank gets the whole latent) and quantised caches. With
+    one prefill rank its first prefill step is single mode's, so its per-layer scales are single
+    mode's, and the decode replica adopts them with the first transfer: the tokens match."""
+    if fam == "deepseek_v3":
+        from megainfer.tools.make_tiny import make_tiny
+        ckpt = make_tiny("deepseek_v3", str(tmp_path_factory.mktemp("dsv3") / "c"), seed=1)
+    else:
+        ckpt = tiny_ckpts[(fam, "base")]
+    out = tmp_path / "out.json"
+    run_mpi(TP + 2, JOB, [out, 1, TP, 1, 1, "2", ckpt, f"kv={kv}"], timeout=600)
+    assert json.loads(out.read_text())[f"{ckpt}|m=2"] == _single_mode(ckpt, kv)
+
+
+def test_small_decode_pool_waits_to_reserve_and_preempts(tiny_ckpts, single_mode_tokens,
+                                                         tmp_path):
+    """34 blocks of 4: the decode replica cannot reserve every prompt at once (reservations
+    wait their turn) and preempts; preempted handed-off requests recompute there."""
+    ckpt = tiny_ckpts[("mixtral", "base")]
+    out = tmp_path / "out.json"
+    run_mpi(3, JOB, [out, 1, 1, 1, 1, "2", ckpt, "blocks=34"], timeout=600)
+    got = json.loads(out.read_text())
+    assert got[f"{ckpt}|m=2"] == single_mode_tokens[ckpt]
+    assert got[f"{ckpt}|m=2|stats"]["preemptions"] > 0
+
+
+def test_cache_aware_routing_over_prefill_ranks(tiny_ckpts, tmp_path):
+    """Shared-prefix prompts over 2 prefill ranks: cache-aware routing (the prefill ranks report
+    their cache's keys) serves at least as many prompt tokens from the prefix caches as
+    round-robin, and both give single mode's tokens."""
+    ckpt = tiny_ckpts[("mixtral", "base")]
+    want, cached = _single_mode(ckpt, "auto", shared=True), {}
+    for routing in ("round_robin", "cache_aware"):
+        out = tmp_path / f"{routing}.json"
+        run_mpi(4, JOB, [out, 1, 1, 1, 2, "2", ckpt, "prompts=shared", f"routing={routing}"],
+                timeout=600)
+        got = json.loads(out.read_text())
+        assert got[f"{ckpt}|m=2"] == want, routing
+        cached[routing] = got[f"{ckpt}|m=2|stats"]["cached"]
+    assert cached["cache_aware"] >= cached["round_robin"] > 0, cached
