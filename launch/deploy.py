@@ -9,6 +9,7 @@ from megainfer.config import ConfigError, DeployPlan
 
 
 COUNTS = ("attention_replicas", "attention_tp", "expert_ranks")
+DEFAULT_MICRO_BATCHES = 2  # deploy.micro_batches=null outside the planner's choice
 
 
 def _deploy_error(mode: str, world: int, have: dict, why: str, fixes: list[str]) -> ConfigError:
@@ -92,12 +93,22 @@ def _disaggregated(d: dict, world: int) -> dict:
     raise _deploy_error("disaggregated", world, have, why, _fixes(world, reps, tp, exp))
 
 
+def _prefill_ranks(d: dict) -> int:
+    """``prefill_replicas x prefill_tp`` (docs/pd.md) when valid (DeployPlan names bad ones)."""
+    p, tp = d.get("prefill_replicas") or 0, d.get("prefill_tp") or 1
+    ok = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (p, tp))
+    return p * tp if ok else 0
+
+
 def plan_for_world(d: dict, world_size: int) -> DeployPlan:
     """``deploy.*`` -> DeployPlan. The counts (attention_replicas, attention_tp, expert_ranks)
-    may be null: ``auto`` picks single for one process, else disaggregated; colocated takes one
+    may be null: ``auto`` picks single for one process, else disaggregated (with N > 1 ranks
+    ``launch/auto_plan.py`` has already filled in the planner's choice); colocated takes one
     replica per rank; disaggregated fills what is not given where the world size leaves one
     choice. A plan that does not fit the world size names an override that would."""
     d = dict(d)
+    if d.get("micro_batches") is None:  # not chosen by the planner (launch/auto_plan.py)
+        d["micro_batches"] = DEFAULT_MICRO_BATCHES
     mode = d.get("mode", "auto")
     if mode in (None, "auto"):
         given = any(d.get(k) is not None for k in ("attention_replicas", "expert_ranks")) or \
@@ -114,7 +125,15 @@ def plan_for_world(d: dict, world_size: int) -> DeployPlan:
     elif mode == "colocated":
         d = _colocated(d, world_size)
     elif mode == "disaggregated":
-        d = _disaggregated(d, world_size)
+        pre = _prefill_ranks(d)  # prefill ranks come last: the rest is sized as without them
+        try:
+            d = _disaggregated(d, world_size - pre)
+        except ConfigError as e:
+            if not pre:
+                raise
+            raise ConfigError(f"{e} (counting the ranks left after deploy.prefill_replicas x "
+                              f"prefill_tp = {pre} prefill ranks, of {world_size} in all; "
+                              f"add {pre} to any mpirun -n named)") from e
     d = {k: v for k, v in d.items() if v is not None}
     plan = DeployPlan(**d)
     if plan.world_size != world_size:
@@ -129,5 +148,6 @@ def plan_for_world(d: dict, world_size: int) -> DeployPlan:
             f"world size {world_size} does not match deploy plan {plan}: it needs "
             f"{plan.world_size} ranks ({plan.attention_replicas} attention replicas x tp "
             f"{plan.attention_tp}" + (f" + {plan.expert_ranks} expert ranks" if plan.mode ==
-                                      "disaggregated" else "") + ")" + fix)
+                                      "disaggregated" else "")
+            + (f" + {plan.prefill_ranks} prefill ranks" if plan.prefill_ranks else "") + ")" + fix)
     return plan

@@ -20,6 +20,7 @@ CONF_DIR = os.path.dirname(os.path.abspath(megainfer.conf.__file__))
 def _shape(cfg: DictConfig):
     from megainfer.perfmodel.shapes import ModelShape
     d = OmegaConf.to_container(cfg.model, resolve=True)
+    d.setdefault("kv_cache_dtype", cfg.get("cache", {}).get("kv_cache_dtype", "auto"))
     return ModelShape.from_dict({k: v for k, v in d.items() if k != "name"}, d.get("name", "model"))
 
 
@@ -69,8 +70,47 @@ def _run(cfg: DictConfig) -> None:
                       timeline=bool(cfg.out.timeline), timeline_layers=int(cfg.out.timeline_layers),
                       jitter_s=float(cfg.sim.jitter_us) / 1e6, routing=cfg.sim.routing,
                       skew=float(cfg.sim.skew), seed=int(cfg.sim.seed))
+    if cfg.workload.get("arrival_rate") is not None or cfg.workload.get("trace"):
+        _run_goodput(cfg, shape, profiles[0], space, opt)
+        return
     run_plan(shape, profiles, Workload(int(cfg.workload.input_len), int(cfg.workload.output_len)),
              space, opt)
+
+
+def _run_goodput(cfg: DictConfig, shape, hw, space, opt) -> None:
+    from megainfer.perfmodel.api import run_goodput
+    from megainfer.perfmodel.events import LengthDist, poisson_requests, read_request_trace
+    from megainfer.perfmodel.goodput import Slo
+    from megainfer.perfmodel.goodput_search import GoodputSpace, Roles
+    from megainfer.perfmodel.hardware import load_hardware
+    w, g, s = cfg.workload, cfg.goodput, cfg.slo
+    slo = Slo(float(s.ttft_ms) / 1e3, float(s.tpot_ms) / 1e3, float(s.percentile))
+    if w.get("trace"):
+        reqs = read_request_trace(str(w.trace))
+    else:
+        rate = float(w.arrival_rate)
+        if not (rate > 0):
+            raise ConfigError(f"workload.arrival_rate={w.arrival_rate!r}: must be > 0 requests/s")
+
+        def dist(key, value):
+            d = dict(OmegaConf.to_container(w[key], resolve=True))
+            try:
+                return LengthDist(value=float(value), **d)
+            except ConfigError as e:
+                raise ConfigError(f"workload.{key}: {e}") from None
+        reqs = poisson_requests(int(w.num_requests), rate, dist("prompt", w.input_len),
+                                dist("output", w.output_len), int(cfg.sim.seed))
+    r = cfg.role_hardware
+    roles = Roles(*(load_hardware(str(r[k])) if r.get(k) else hw
+                    for k in ("prefill", "attention", "experts")))
+    gs = GoodputSpace(tp_choices=space.tp_choices, replica_choices=tuple(g.replica_choices),
+                      prefill_replicas=tuple(g.prefill_replicas), micro_batches=space.micro_batches,
+                      expert_ranks=space.expert_ranks, max_batch=int(g.max_batch),
+                      devices_per_node=space.devices_per_node,
+                      max_num_batched_tokens=int(g.max_num_batched_tokens), max_sims=int(g.max_sims),
+                      keep=int(g.keep), families=tuple(g.families))
+    run_goodput(shape, roles, reqs, slo, gs, opt.dtype, opt.use_fit, opt.top, opt.out_dir,
+                int(cfg.sim.seed))
 
 
 def _print_node(prof: dict) -> None:

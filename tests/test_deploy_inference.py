@@ -15,7 +15,7 @@ def plan(*overrides, world):
 
 GOOD = [  # (overrides, world, (mode, replicas, tp, experts, micro_batches))
     ([], 1, ("single", 1, 1, 0, 1)),
-    ([], 3, ("disaggregated", 1, 1, 2, 2)),
+    (["deploy.mode=disaggregated"], 3, ("disaggregated", 1, 1, 2, 2)),
     (["deploy.mode=colocated"], 3, ("colocated", 3, 1, 0, 2)),
     (["deploy.mode=colocated", "deploy.micro_batches=1"], 2, ("colocated", 2, 1, 0, 1)),
     (["deploy.mode=disaggregated"], 4, ("disaggregated", 1, 1, 3, 2)),
@@ -24,7 +24,10 @@ GOOD = [  # (overrides, world, (mode, replicas, tp, experts, micro_batches))
     (["deploy.mode=disaggregated", "deploy.expert_ranks=2", "deploy.attention_tp=2"], 6,
      ("disaggregated", 2, 2, 2, 2)),
     (["deploy.mode=disaggregated", "deploy.expert_ranks=1"], 4, ("disaggregated", 3, 1, 1, 2)),
-    (["deploy.attention_replicas=2"], 6, ("disaggregated", 2, 1, 4, 2)),  # auto with a count given
+    (["deploy.mode=disaggregated", "deploy.attention_replicas=2"], 6, ("disaggregated", 2, 1, 4, 2)),
+    # auto with every count given: the planner has nothing to choose but m (pinned here too)
+    (["deploy.attention_replicas=2", "deploy.attention_tp=1", "deploy.expert_ranks=4",
+      "deploy.micro_batches=2"], 6, ("disaggregated", 2, 1, 4, 2)),
     (["deploy.mode=single"], 1, ("single", 1, 1, 0, 2)),
     # presets keep their behaviour
     (["deploy=a1e2"], 3, ("disaggregated", 1, 1, 2, 2)),

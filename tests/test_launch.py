@@ -57,8 +57,9 @@ def test_overrides_and_presets(tiny_ckpts):
     assert s.workload.kind == "random"
     s = settings("deploy=a1e2", world=3)
     assert s.deploy.mode == "disaggregated" and s.deploy.expert_ranks == 2
-    s = settings(world=3)  # auto: 1 attention + 2 expert ranks
-    assert (s.deploy.mode, s.deploy.attention_ranks, s.deploy.expert_ranks) == ("disaggregated", 1, 2)
+    s = settings(world=3)  # auto: the planner's plan over exactly 3 ranks
+    assert s.deploy.mode == "disaggregated"
+    assert s.deploy.attention_ranks + s.deploy.expert_ranks == 3 and s.deploy.expert_ranks >= 1
 
 
 BAD = [  # (overrides, world, message fragment)

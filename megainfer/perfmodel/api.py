@@ -77,3 +77,40 @@ def run_plan(shape: ModelShape, profiles: list[HardwareProfile], workload: Workl
     with open(os.path.join(opt.out_dir, "plans.json"), "w") as f:
         json.dump(result, f, indent=1)
     return result
+
+
+def run_goodput(shape: ModelShape, roles, reqs, slo, space, dtype: str, use_fit: bool, top: int,
+                out_dir: str, seed: int = 0, echo=print) -> dict:
+    """Goodput planning (``workload.arrival_rate`` or ``workload.trace`` given): the search of
+    ``goodput_search``, printed as the chosen plan, the runners-up and why the best is bound
+    where it is; ``<out_dir>/goodput.json``."""
+    from megainfer.perfmodel.goodput_search import search_goodput, why_bound
+    span = float(reqs.arrival_s.max() - reqs.arrival_s.min())
+    echo(f"[goodput] model={shape.name} prefill={roles.prefill.name} attention={roles.attention.name} "
+         f"experts={roles.experts.name}; {len(reqs)} requests over {span:.3g} s, prompt mean "
+         f"{reqs.prompt_len.mean():.0f}, output mean {reqs.output_len.mean():.0f}; SLO TTFT "
+         f"{slo.ttft_s * 1e3:g} ms, TPOT {slo.tpot_s * 1e3:g} ms at p{slo.percentile:g}")
+    out = search_goodput(shape, roles, reqs, slo, space, dtype, use_fit, seed)
+    echo(f"[goodput] {len(out.candidates)} candidates after the closed-form prune, "
+         f"{out.simulated} simulated, {len(out.ranked)} attain the SLOs"
+         + (f", {out.unsimulated} left unsimulated (goodput.max_sims)" if out.unsimulated else ""))
+    hdr = (f"{'#':>2} {'family':<6} {'plan':<72} {'dev':>4} {'$/h':>7} {'goodput/s':>9} "
+           f"{'req/$':>8} {'req/dev-h':>9} {'TTFT p ms':>9} {'TPOT p ms':>9}")
+    rows = [hdr]
+    for i, c in enumerate(out.ranked[:top]):
+        r = c.result
+        rows.append(f"{i:>2} {c.family:<6} {c.label():<72} {c.devices:>4} {c.cost_per_hour:7.2f} "
+                    f"{r.goodput_req_s:9.3g} {c.per_dollar():8.4g} {r.goodput_req_s * 3600 / c.devices:9.4g} "
+                    f"{r.ttft_p * 1e3:9.4g} {r.tpot_p * 1e3:9.4g}")
+    echo("\n".join(rows))
+    for line in why_bound(out, slo):
+        echo(f"[goodput] {line}")
+    res = {"model": shape.name, "plans": [
+        {"family": c.family, "label": c.label(), "devices": c.devices, "cost_per_hour": c.cost_per_hour,
+         "goodput_req_s": c.result.goodput_req_s, "requests_per_dollar": c.per_dollar(),
+         "ttft_p_s": c.result.ttft_p, "tpot_p_s": c.result.tpot_p, "attained": c.result.fraction}
+        for c in out.ranked[:top]], "ruled_out": out.ruled, "simulated": out.simulated}
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "goodput.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    return res

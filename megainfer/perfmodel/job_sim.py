@@ -30,6 +30,7 @@ import numpy as np
 
 from megainfer.config import ConfigError
 from megainfer.perfmodel.events import Requests, Routing, draw_counts, makespan_outer
+from megainfer.perfmodel.job_result import JobResult  # noqa: F401  (re-exported)
 from megainfer.perfmodel.layer_times import FittedTimes
 from megainfer.perfmodel.model import DisaggModel, Plan
 from megainfer.perfmodel.trace import TraceWriter
@@ -43,8 +44,11 @@ class JobConfig:
     seed: int = 0
     max_iterations: int = 1_000_000
     trace_iterations: int = 0  # spans of the first N iterations into JobResult.trace
+    iteration_overhead_s: float = 0.0  # host work per iteration (sampling, scheduling, inputs)
 
     def __post_init__(self):
+        if not (self.iteration_overhead_s >= 0 and np.isfinite(self.iteration_overhead_s)):
+            raise ConfigError(f"job.iteration_overhead_s={self.iteration_overhead_s!r}: must be >= 0")
         for n in ("max_num_seqs", "max_num_batched_tokens", "max_iterations"):
             v = getattr(self, n)
             if not (isinstance(v, int) and v >= 1):
@@ -161,54 +165,6 @@ class Pipeline:
         return float(ends.max())
 
 
-@dataclass
-class JobResult:
-    arrival_s: np.ndarray
-    first_token_s: np.ndarray  # NaN: never got one (max_iterations hit)
-    finish_s: np.ndarray
-    output_len: np.ndarray
-    iteration_s: list  # (start, duration, tokens) per iteration
-    trace: TraceWriter | None = None
-
-    @property
-    def ttft_s(self) -> np.ndarray:
-        return self.first_token_s - self.arrival_s
-
-    @property
-    def tpot_s(self) -> np.ndarray:
-        """(finish - first token) / (output_len - 1); NaN for 1-token outputs."""
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return np.where(self.output_len > 1, (self.finish_s - self.first_token_s)
-                            / (self.output_len - 1), np.nan)
-
-    @property
-    def latency_s(self) -> np.ndarray:
-        return self.finish_s - self.arrival_s
-
-    @property
-    def makespan_s(self) -> float:
-        return float(np.nanmax(self.finish_s) - self.arrival_s.min())
-
-    @property
-    def throughput_tok_s(self) -> float:
-        done = ~np.isnan(self.finish_s)
-        return float(self.output_len[done].sum() / self.makespan_s) if self.makespan_s > 0 else 0.0
-
-    @property
-    def throughput_req_s(self) -> float:
-        return float((~np.isnan(self.finish_s)).sum() / self.makespan_s) if self.makespan_s > 0 else 0.0
-
-    def summary(self, percentiles=(50, 90, 99)) -> dict:
-        out = {"requests": len(self.arrival_s), "finished": int((~np.isnan(self.finish_s)).sum()),
-               "iterations": len(self.iteration_s), "makespan_s": self.makespan_s,
-               "throughput_tok_s": self.throughput_tok_s, "throughput_req_s": self.throughput_req_s}
-        for name, v in (("ttft_s", self.ttft_s), ("tpot_s", self.tpot_s), ("latency_s", self.latency_s)):
-            v = v[~np.isnan(v)]
-            for q in percentiles:
-                out[f"{name}_p{q}"] = float(np.percentile(v, q)) if len(v) else float("nan")
-        return out
-
-
 def _split(n: np.ndarray, m: int) -> np.ndarray:
     """Micro-batch of each scheduled sequence (runtime/microbatch.split_by_tokens)."""
     tot = n.sum()
@@ -221,8 +177,23 @@ def _split(n: np.ndarray, m: int) -> np.ndarray:
 def simulate_job(model: DisaggModel, plan: Plan, requests: Requests,
                  cfg: JobConfig = JobConfig()) -> JobResult:
     """Run ``requests`` to completion on ``plan``; request k goes to replica k mod n_a."""
-    n_a, m, s = plan.n_a, plan.m, model.shape
-    pipe = Pipeline(model, plan)
+    tw = TraceWriter() if cfg.trace_iterations else None
+    if tw:
+        for a in range(plan.n_a):
+            for q in range(plan.tp_a):
+                tw.process(a * plan.tp_a + q, f"[attn dp{a} tp{q}]")
+        for r in range(plan.n_e):
+            for q in range(plan.tp_e):
+                tw.process(plan.n_a * plan.tp_a + r * plan.tp_e + q,
+                           f"[expert {r}]" + (f" tp{q}" if plan.tp_e > 1 else ""))
+    return run_scheduler(Pipeline(model, plan), plan.n_a, plan.m, model.shape, requests, cfg, tw)
+
+
+def run_scheduler(pipe, n_a: int, m: int, s, requests: Requests, cfg: JobConfig,
+                  tw: TraceWriter | None = None) -> JobResult:
+    """The job loop shared by every layout: per-replica continuous batching (see the module
+    docstring), each iteration timed by ``pipe.iteration(t0, tok, ctx, rows, counts, trace, it)``
+    with tok / ctx / rows [n_a, m] and counts [layers, m, E] (``s``: the ModelShape)."""
     rng = np.random.default_rng(cfg.seed)
     probs = cfg.routing.probabilities(s.num_layers, s.num_experts, rng)
     n = len(requests)
@@ -231,15 +202,6 @@ def simulate_job(model: DisaggModel, plan: Plan, requests: Requests,
     first, fin = np.full(n, np.nan), np.full(n, np.nan)
     waiting = [deque() for _ in range(n_a)]
     running = [[] for _ in range(n_a)]
-    tw = TraceWriter() if cfg.trace_iterations else None
-    if tw:
-        for a in range(n_a):
-            for q in range(plan.tp_a):
-                tw.process(a * plan.tp_a + q, f"[attn dp{a} tp{q}]")
-        for r in range(plan.n_e):
-            for q in range(plan.tp_e):
-                tw.process(n_a * plan.tp_a + r * plan.tp_e + q,
-                           f"[expert {r}]" + (f" tp{q}" if plan.tp_e > 1 else ""))
     t, nxt, iters, left = 0.0, 0, [], n
     for _ in range(cfg.max_iterations):
         if left == 0:
@@ -283,6 +245,7 @@ def simulate_job(model: DisaggModel, plan: Plan, requests: Requests,
         counts = draw_counts(probs, tok.sum(axis=0), s.top_k, s.num_experts, s.num_layers, rng)
         ik = len(iters)
         t_end = pipe.iteration(t, tok, ctx, rows, counts, tw if ik < cfg.trace_iterations else None, ik)
+        t_end += cfg.iteration_overhead_s
         iters.append((t, t_end - t, float(tok.sum())))
         t = t_end
         for a, (ids, ns) in enumerate(sched):

@@ -1,0 +1,199 @@
+"""``deploy=auto`` with N > 1 ranks: the performance model picks the plan (docs/perfmodel.md,
+"The planner at launch").
+
+The composed config -> this job as the planner sees it (the model's shape from its config.json
+or preset, the prompt lengths of ``io.input`` or the workload, ``sampling.max_tokens``, the
+scheduler's per-replica sequence limit) and this machine's hardware profile -> the fastest
+split of exactly N ranks (``megainfer/perfmodel/world_plan.py``), logged with its predicted
+iteration time and the runner-up. Explicit ``deploy.*`` counts pin their dimension; with all
+of them given the planner is not asked.
+
+Hardware: ``deploy.hardware=<preset or .yaml path>``; else this machine's calibrated profile
+(``$MEGAINFER_HARDWARE_PROFILE``, else ``~/.cache/megainfer/hardware/<hostname>.yaml``, written
+by ``megainfer-plan calibrate calibrate.out=<that path>``); else the ``cpu_node`` preset, logged.
+Every rank computes the same plan from the same inputs (pure arithmetic, no communication).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+from dataclasses import asdict, replace
+
+from megainfer.config import ConfigError, ModelConfig
+
+log = logging.getLogger("megainfer.launch")
+
+FALLBACK_PROFILE = "cpu_node"
+COUNT_KEYS = ("attention_replicas", "attention_tp", "expert_ranks", "micro_batches")
+MAX_LINES = 100_000  # prompt lengths are estimated from at most this many input lines
+
+
+def machine_profile_path() -> str:
+    return os.environ.get("MEGAINFER_HARDWARE_PROFILE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "megainfer", "hardware", f"{socket.gethostname()}.yaml")
+
+
+def _gpu_preset(device) -> str | None:
+    """The conf/hardware datasheet preset named in this machine's GPU name (deploy.device=cuda)."""
+    if device != "cuda":
+        return None
+    try:
+        import torch
+        if not torch.cuda.is_available():
+            return None
+        gpu = torch.cuda.get_device_name(0).lower().replace("-", "").replace(" ", "")
+    except Exception:  # no usable CUDA: the CPU fallback below
+        return None
+    from megainfer.perfmodel.hardware import known_hardware
+    hits = [n for n in known_hardware() if n.split("_")[0] in gpu]
+    return max(hits, key=len) if hits else None
+
+
+def hardware_for(name, device=None) -> tuple:
+    """(HardwareProfile, where it came from)."""
+    from megainfer.perfmodel.hardware import load_hardware
+    if name:
+        return load_hardware(str(name)), f"deploy.hardware={name}"
+    path = machine_profile_path()
+    if os.path.isfile(path):
+        return load_hardware(path), f"calibrated profile {path}"
+    gpu = _gpu_preset(device)
+    if gpu:
+        return load_hardware(gpu), (f"no calibrated profile for this machine at {path}: using the "
+                                    f"{gpu} datasheet preset for its GPU")
+    return load_hardware(FALLBACK_PROFILE), (
+        f"no calibrated profile for this machine at {path}: using the {FALLBACK_PROFILE} preset "
+        f"(run `megainfer-plan calibrate calibrate.out={path}` to make one)")
+
+
+def model_config_of(m: dict) -> ModelConfig:
+    if m.get("path"):
+        return ModelConfig.from_pretrained(os.path.expanduser(str(m["path"])))
+    if m.get("arch"):
+        from .settings import model_config_from_arch
+        return model_config_from_arch(m["arch"])
+    raise ConfigError("model.path=None: give a checkpoint directory or a preset with model.arch")
+
+
+def shape_of(cfg: ModelConfig, hw):
+    """ModelShape; named after a plan_model preset with the same numbers when the profile has a
+    calibrated fit under that name (so the fit, not the roofline, times it)."""
+    import yaml
+    from megainfer.perfmodel.hardware import hardware_dir
+    from megainfer.perfmodel.shapes import ModelShape
+    shape = ModelShape.from_model_config(cfg, "model")
+    mine = {k: v for k, v in asdict(shape).items() if k not in ("name", "source")}
+    presets = os.path.join(os.path.dirname(hardware_dir()), "plan_model")
+    for name in sorted(hw.fits):
+        p = os.path.join(presets, f"{name}.yaml")
+        if not os.path.isfile(p):
+            continue
+        with open(p) as f:
+            d = yaml.safe_load(f) or {}
+        d.pop("name", None)
+        try:
+            other = ModelShape.from_dict(d, name)
+        except ConfigError:
+            continue
+        if {k: v for k, v in asdict(other).items() if k not in ("name", "source")} == mine:
+            return ModelShape.from_model_config(cfg, name)
+    return shape
+
+
+def _text_tokens(s: str) -> int:
+    return max(1, len(s.encode()) // 4)  # ~4 bytes a token: an estimate, logged as one
+
+
+def _line_tokens(line: str, path: str) -> int | None:
+    if path.endswith(".txt"):
+        return _text_tokens(line) if line.strip() else None
+    try:
+        d = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(d, dict):
+        return None
+    if isinstance(d.get("prompt_token_ids"), list):
+        return max(1, len(d["prompt_token_ids"]))
+    if isinstance(d.get("prompt"), str):
+        return _text_tokens(d["prompt"])
+    if isinstance(d.get("messages"), list):
+        return _text_tokens(" ".join(str(x.get("content", "")) for x in d["messages"]
+                                     if isinstance(x, dict)))
+    return None
+
+
+def prompt_lengths(c: dict) -> tuple[list, str]:
+    """Prompt lengths in tokens (estimated for text) and where they came from."""
+    path = (c.get("io") or {}).get("input")
+    if path:
+        lens = []
+        try:
+            with open(os.path.expanduser(str(path)), encoding="utf-8", errors="replace") as f:
+                for i, line in enumerate(f):
+                    if i >= MAX_LINES:
+                        break
+                    n = _line_tokens(line, str(path))
+                    if n is not None:
+                        lens.append(n)
+        except OSError:
+            pass  # job_requests reports an unreadable input with its own error
+        return lens, f"io.input={path}"
+    w = c.get("workload") or {}
+    if w.get("kind") == "random":
+        return [int(w.get("input_len") or 1)] * max(1, int(w.get("num_prompts") or 1)), "workload"
+    return [_text_tokens(p) for p in (w.get("prompts") or [])], "workload prompts"
+
+
+def auto_deploy(c: dict, world: int) -> dict:
+    """The ``deploy`` dict to resolve: with ``deploy.mode=auto`` and world > 1, the planner's
+    choice filled into the counts the user left null; otherwise ``deploy`` unchanged."""
+    from megainfer.perfmodel.model import Workload
+    from megainfer.perfmodel.world_plan import JobLoad, NoWorldPlanError, Pins, plan_world
+    d = dict(c.get("deploy") or {})
+    hw_name = d.pop("hardware", None)
+    if d.get("mode", "auto") not in (None, "auto") or world < 2:
+        return d
+    pins = {k: d.get(k) for k in COUNT_KEYS}
+    if all(v is not None for v in pins.values()):
+        return d
+    if any(v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1)
+           for v in pins.values()):
+        return d  # DeployPlan names the bad value
+    hw, hw_from = hardware_for(hw_name, d.get("device"))
+    cfg = model_config_of(c.get("model") or {})
+    shape = shape_of(cfg, hw)
+    kv_dtype = (c.get("cache") or {}).get("kv_cache_dtype")
+    if kv_dtype not in (None, "auto"):  # the KV-memory bound follows the cache format
+        shape = replace(shape, kv_cache_dtype=kv_dtype)
+    lens, src = prompt_lengths(c)
+    samp, sched = c.get("sampling") or {}, c.get("scheduler") or {}
+    wl = Workload(max(1, round(sum(lens) / len(lens))) if lens else 16,
+                  max(1, int(samp.get("max_tokens") or 16)))
+    n_seqs = max(1, len(lens)) * max(1, int(samp.get("n") or 1))
+    job = JobLoad(n_seqs, int(sched.get("max_num_seqs") or 64), wl)
+    dtype = (c.get("model") or {}).get("dtype")
+    if dtype in (None, "auto"):
+        dtype = "bfloat16" if d.get("device") == "cuda" else "float32"
+    dtype = dtype if dtype in hw.matmul_flops else (
+        "float32" if "float32" in hw.matmul_flops else sorted(hw.matmul_flops)[0])
+    try:
+        ranked = plan_world(shape, hw, job, world, Pins(**pins), dtype)
+    except NoWorldPlanError as e:  # deploy.py then fills the counts or names a fix
+        log.info("[plan] %s; the counts are inferred from the world size instead", e)
+        return d
+    best = ranked[0]
+    timing = "calibrated fit" if shape.name in hw.fits else "roofline"
+    log.info("[plan] deploy=auto over %d ranks: hardware %s (%s); %s timed by %s; job %d "
+             "sequences, prompt ~%d tokens (%s), max_tokens %d", world, hw.name, hw_from,
+             shape.name, timing, n_seqs, wl.input_len, src, wl.output_len)
+    log.info("[plan] chosen: %s", best.describe())
+    if len(ranked) > 1:
+        r = ranked[1]
+        log.info("[plan] runner-up: %s (predicted %.1f%% slower)", r.describe(),
+                 100 * (best.pred.tokens_per_s / r.pred.tokens_per_s - 1))
+    p = best.plan
+    return dict(d, mode="disaggregated", attention_replicas=p.n_a, attention_tp=p.tp_a,
+                expert_ranks=p.n_e, micro_batches=p.m)

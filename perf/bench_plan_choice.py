@@ -1,0 +1,141 @@
+"""Does ``deploy=auto`` pick a fast plan? The planner's choice vs the plans one would try by hand.
+
+    python perf/bench_plan_choice.py [--ranks 4 --repeats 2 --prompts 32 --input-len 64 --max-tokens 32]
+
+Runs ``mpiexec -n N megainfer-launch`` on one job (the pipeline_bench shape of
+conf/plan_model/pipeline_bench.yaml, dummy weights, random prompts, eos ignored): first with
+``deploy=auto`` (the planner chooses; its "[plan] chosen:" log line is read back), then with
+each hand-tried split pinned by ``deploy.*`` keys. Rounds alternate over the plans; the table
+shows each plan's median output tokens/s (the job summary's; the chosen plan's median pools
+its pinned and its deploy=auto runs) and the model's predicted iteration time; the plan order
+rotates each round so no plan always runs in the same slot. Writes ``perf/results/bench_plan_choice.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from mpi_launch import MPIEXEC, run_ranks  # noqa: E402
+from results_io import write_json  # noqa: E402
+
+LAUNCH = os.path.join(os.path.dirname(sys.executable), "megainfer-launch")
+SHAPE = {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 8, "head_dim": 64,
+         "num_experts": 4, "top_k": 2, "moe_intermediate_size": 896, "vocab_size": 512}
+
+
+def hand_plans(n: int) -> list[tuple]:
+    """(attention_replicas, attention_tp, expert_ranks, m): every tp-1 split at m = 1 and 2,
+    and tp 2 with the rest experts."""
+    out = [(a, 1, n - a, m) for a in range(1, n) for m in (1, 2)]
+    if n >= 3:
+        out += [(1, 2, n - 2, m) for m in (1, 2)]
+    return out
+
+
+def job_args(a, run_dir: str) -> list[str]:
+    return ([f"model.arch.{k}={v}" for k, v in SHAPE.items()]
+            + ["model.arch.max_position_embeddings=1024", "workload=random",
+               f"workload.num_prompts={a.prompts}", f"workload.input_len={a.input_len}",
+               f"sampling.max_tokens={a.max_tokens}", "sampling.ignore_eos=true",
+               "io.progress=false", "io.resume=false", "deploy.hardware=cpu_node",
+               f"hydra.run.dir={run_dir}"])
+
+
+def run(a, plan, tmp: str, tag: str) -> dict:
+    run_dir = os.path.join(tmp, tag)
+    pins = [] if plan is None else [f"deploy.attention_replicas={plan[0]}",
+                                    f"deploy.attention_tp={plan[1]}",
+                                    f"deploy.expert_ranks={plan[2]}", f"deploy.micro_batches={plan[3]}"]
+    p = run_ranks([MPIEXEC, "-n", str(a.ranks), LAUNCH, *job_args(a, run_dir), *pins],
+                  a.timeout, capture=True)
+    if p.returncode:
+        raise RuntimeError(f"launch {tag} failed:\n{p.stderr[-3000:]}")
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        s = json.load(f)
+    text = p.stdout + p.stderr
+    for name in os.listdir(run_dir):
+        if name.endswith(".log"):
+            with open(os.path.join(run_dir, name)) as f:
+                text += f.read()
+    return {"tok_s": s["output_tokens_per_s"], "elapsed_s": s["elapsed_s"], "log": text}
+
+
+def parse_choice(log: str) -> tuple:
+    m = re.search(r"\[plan\] chosen: A(\d+)x tp(\d+) \+ E(\d+)x tp1 m=(\d+).*iteration ([\d.e+-]+) ms", log)
+    if not m:
+        raise RuntimeError("no '[plan] chosen:' line in the deploy=auto log:\n" + log[-2000:])
+    return tuple(int(x) for x in m.groups()[:4]), float(m.group(5))
+
+
+def predicted(a, plan) -> float:
+    """The model's iteration time (ms) for a pinned plan (the same search, one candidate)."""
+    from megainfer.perfmodel.hardware import load_hardware
+    from megainfer.perfmodel.model import Workload
+    from megainfer.perfmodel.shapes import ModelShape
+    from megainfer.perfmodel.world_plan import JobLoad, Pins, plan_world
+    shape = ModelShape(name="pipeline_bench", **SHAPE)
+    r = plan_world(shape, load_hardware("cpu_node"), JobLoad(a.prompts, 64, Workload(a.input_len, a.max_tokens)),
+                   a.ranks, Pins(*plan))
+    return r[0].pred.t_iter * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--input-len", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--timeout", type=int, default=600)
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "bench_plan_choice.json"))
+    a = ap.parse_args()
+    plans = hand_plans(a.ranks)
+    runs: dict = {"auto": []}
+    runs.update({p: [] for p in plans})
+    chosen = None
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(a.repeats):
+            res = run(a, None, tmp, f"auto{r}")
+            c, t_pred = parse_choice(res["log"])
+            if chosen not in (None, c):
+                raise RuntimeError(f"deploy=auto chose {chosen} then {c}")
+            chosen = c
+            runs["auto"].append(res["tok_s"])
+            for p in plans[r % len(plans):] + plans[:r % len(plans)]:  # rotate: no fixed slot
+                runs[p].append(run(a, p, tmp, f"{'_'.join(map(str, p))}_{r}")["tok_s"])
+                print(f"round {r} plan {p}: {runs[p][-1]:.1f} tok/s", flush=True)
+            print(f"round {r} auto {chosen}: {runs['auto'][-1]:.1f} tok/s", flush=True)
+    if chosen in runs:  # deploy=auto ran the same plan as this pinned one: pool their runs
+        runs[chosen] = runs[chosen] + runs["auto"]
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    fastest = max(plans, key=lambda p: med[p])
+    rows = []
+    print(f"\n{'plan (A x tp + E, m)':<26} {'tok/s':>8} {'vs fastest':>10} {'pred iter ms':>12}")
+    for p in sorted(plans, key=lambda p: -med[p]):
+        pr = predicted(a, p)
+        mark = "  <- chosen" if p == chosen else ""
+        print(f"A{p[0]}x tp{p[1]} + E{p[2]}, m={p[3]:<10} {med[p]:8.1f} {med[p] / med[fastest]:10.3f} "
+              f"{pr:12.1f}{mark}")
+        rows.append({"plan": p, "tok_s": runs[p], "median_tok_s": med[p], "predicted_iter_ms": pr})
+    ratio = med.get(chosen, med["auto"]) / med[fastest]  # the chosen plan's runs, auto ones included
+    ok = ratio >= 0.9
+    print(f"\ndeploy=auto chose A{chosen[0]}x tp{chosen[1]} + E{chosen[2]} m={chosen[3]} (predicted "
+          f"iteration {t_pred:.1f} ms): {med.get(chosen, med['auto']):.1f} tok/s (median of its pinned and auto runs) = {ratio:.3f} of the fastest hand plan "
+          f"(A{fastest[0]}x tp{fastest[1]} + E{fastest[2]} m={fastest[3]}); within 10%: {ok}")
+    write_json(a.out, {"date": datetime.datetime.utcnow().isoformat(timespec="seconds"),
+                       "host": platform.node(), "cpus": os.cpu_count(), "args": vars(a),
+                       "chosen": chosen, "auto_tok_s": runs["auto"], "auto_median_tok_s": med["auto"],
+                       "fastest": fastest, "auto_over_fastest": ratio, "within_10pct": ok, "plans": rows})
+
+
+if __name__ == "__main__":
+    main()
