@@ -19,6 +19,7 @@ from megainfer.engine.sizing import (check_kv_cache_dtype, derive_num_blocks,
                                      resolve_max_model_len)
 from megainfer.models.loader import DTYPES
 
+from .auto_plan import auto_deploy
 from .deploy import plan_for_world
 
 log = logging.getLogger("megainfer.launch")
@@ -170,7 +171,8 @@ def _model(d: dict, device: DeviceConfig) -> tuple[ModelConfig, LoadConfig]:
 
 def resolve_device(c: dict, local_rank: int, distributed: bool) -> DeviceConfig:
     """``deploy.device``, ``model.attention_backend``, ``engine.cuda_graphs`` -> DeviceConfig.
-    ``auto`` is cuda when one is visible, except for the distributed modes (cpu only so far)."""
+    ``auto`` is cuda when one is visible, except for the distributed modes (cpu unless
+    ``deploy.device=cuda`` is named: each rank then takes GPU ``local_rank % visible``)."""
     e = _take("engine", c.get("engine") or {}, {"cuda_graphs"})
     device = (c.get("deploy") or {}).get("device")
     if distributed and device in (None, "auto"):
@@ -183,9 +185,10 @@ def resolve_device(c: dict, local_rank: int, distributed: bool) -> DeviceConfig:
 def resolve_deploy(d: dict, world_size: int) -> DeployPlan:
     """``deploy.*`` (checked key by key) -> a DeployPlan for ``world_size`` ranks
     (``launch/deploy.py``)."""
-    d = _take("deploy", d, _names(DeployPlan) | {"cpu_threads", "device"})
+    d = _take("deploy", d, _names(DeployPlan) | {"cpu_threads", "device", "hardware"})
     d.pop("cpu_threads", None)
     d.pop("device", None)
+    d.pop("hardware", None)  # the planner's profile (launch/auto_plan.py)
     return plan_for_world(d, world_size)
 
 
@@ -199,6 +202,13 @@ def _sampling(d: dict) -> tuple[SamplingParams, int]:
         raise ConfigError(f"sampling.{e}") from e
 
 
+def _prefill_ranks(d: dict) -> int:
+    """``deploy.prefill_replicas x prefill_tp`` when both are valid (DeployPlan names bad ones)."""
+    p, tp = d.get("prefill_replicas") or 0, d.get("prefill_tp") or 1
+    ok = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (p, tp))
+    return p * tp if ok else 0
+
+
 def settings_from_config(cfg, world_size: int = 1, local_ranks: int = 1,
                          local_rank: int = 0) -> JobSettings:
     """The composed config (DictConfig or dict) -> JobSettings, validated. ``local_ranks``:
@@ -207,18 +217,18 @@ def settings_from_config(cfg, world_size: int = 1, local_ranks: int = 1,
     c = _plain(cfg)
     c.pop("hydra", None)
     _take("config", c, set(GROUPS))
-    deploy = resolve_deploy(c.get("deploy", {}), world_size)
+    _take("deploy", c.get("deploy") or {}, _names(DeployPlan) | {"cpu_threads", "device", "hardware"})
+    # deploy=auto: the planner sizes the decode side over the ranks prefill ranks leave (docs/pd.md)
+    deploy = resolve_deploy(auto_deploy(c, world_size - _prefill_ranks(c.get("deploy") or {})),
+                            world_size)
     device = resolve_device(c, local_rank, distributed=deploy.mode != "single")
     model, load = _model(c.get("model", {}), device)
-    if device.device == "cuda" and deploy.mode != "single":
-        raise ConfigError(f"deploy.device=cuda with deploy.mode={deploy.mode}: the distributed "
-                          "runtime runs on cpu so far (only single mode runs on a GPU); use "
-                          "deploy.device=cpu, or one process for single mode")
     s = _take("scheduler", c.get("scheduler", {}), _names(SchedulerConfig))
     s["max_model_len"] = resolve_max_model_len(model, s.get("max_model_len"))
     scheduler = SchedulerConfig(**s)
     k = _take("cache", c.get("cache", {}), {"block_size", "num_blocks", "memory_gib",
-                                            "enable_prefix_caching", "kv_cache_dtype"})
+                                            "enable_prefix_caching", "kv_cache_dtype",
+                                            "host_kv_gib", "kv_store_dir"})
     block_size = k.get("block_size", 16)
     num_blocks = k.get("num_blocks")
     if num_blocks is None:
@@ -231,7 +241,8 @@ def settings_from_config(cfg, world_size: int = 1, local_ranks: int = 1,
                                        CacheConfig(kv_cache_dtype=k.get("kv_cache_dtype", "auto")
                                                    ).kv_cache_dtype)  # validated first
     cache = CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                        **{f: k[f] for f in ("enable_prefix_caching", "kv_cache_dtype") if f in k})
+                        **{f: k[f] for f in ("enable_prefix_caching", "kv_cache_dtype",
+                                             "host_kv_gib", "kv_store_dir") if f in k})
     check_kv_cache_dtype(model, cache.kv_cache_dtype, device.attention_backend)
     check_cache_fits(cache, scheduler.max_model_len)
     sampling, seed = _sampling(c.get("sampling", {}))

@@ -257,3 +257,20 @@ def test_sampler_on_cuda_is_sync_free():
     assert out.device.type == "cuda"
     # same noise bits; float rounding could only flip an exact near-tie
     assert out.tolist() == Sampler()(logits, reqs)
+
+
+def test_logprobs_are_raw_when_rows_are_selected_and_masked():
+    """Logprobs come from the raw logits even when the sampled rows are a selection (``rows``)
+    and a min_tokens mask is written afterwards: the mask must not reach the logprob rows."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 8)
+    p = SamplingParams(temperature=0.0, logprobs=2, min_tokens=4, stop_token_ids=[5])
+    reqs = [_req(p), _req(p)]
+    out = Sampler().run(logits, reqs, rows=[2, 0])
+    for req_row, i in ((2, 0), (0, 1)):
+        want = logits[req_row].log_softmax(-1)
+        lp, rank, ids, lps = out.logprobs[i]
+        assert ids == want.topk(2).indices.tolist()
+        assert lps == pytest.approx(want.topk(2).values.tolist(), abs=1e-6)
+        assert lp == pytest.approx(want[out.tokens[i]].item(), abs=1e-6)
+        assert out.tokens[i] != 5  # the mask still applies to sampling

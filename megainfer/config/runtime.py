@@ -110,6 +110,8 @@ class CacheConfig:
     num_blocks: int = 512
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
+    host_kv_gib: float = 0.0  # the prefix cache's second tier (0: off; docs/kv_cache.md)
+    kv_store_dir: Optional[str] = None  # cpu: the second tier's files (None: a temp dir)
 
     def __post_init__(self):
         _require(self.block_size > 0, "cache.block_size", self.block_size, "must be > 0")
@@ -118,6 +120,15 @@ class CacheConfig:
                  self.enable_prefix_caching, "must be true or false")
         _require(self.kv_cache_dtype in KV_CACHE_DTYPES, "cache.kv_cache_dtype",
                  self.kv_cache_dtype, f"must be one of {', '.join(KV_CACHE_DTYPES)}")
+        _require(isinstance(self.host_kv_gib, (int, float)) and not isinstance(
+            self.host_kv_gib, bool) and self.host_kv_gib >= 0, "cache.host_kv_gib",
+            self.host_kv_gib, "must be a number >= 0 (0: no second tier)")
+        _require(self.kv_store_dir is None or (isinstance(self.kv_store_dir, str)
+                                               and self.kv_store_dir != ""),
+                 "cache.kv_store_dir", self.kv_store_dir, "must be null or a directory path")
+
+
+ROUTINGS = ("round_robin", "cache_aware")
 
 
 @dataclass(frozen=True)
@@ -128,11 +139,14 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
+    routing: str = "cache_aware"  # requests over attention replicas (runtime/router.py)
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             v = getattr(self, name)
             _require(isinstance(v, int) and v > 0, f"scheduler.{name}", v, "must be a positive integer")
+        _require(self.routing in ROUTINGS, "scheduler.routing", self.routing,
+                 f"must be one of {', '.join(ROUTINGS)}")
         if not self.enable_chunked_prefill:
             _require(self.max_num_batched_tokens >= self.max_model_len,
                      "scheduler.max_num_batched_tokens", self.max_num_batched_tokens,
@@ -151,6 +165,8 @@ class DeployPlan:
     attention_tp: int = 1
     expert_ranks: int = 0
     micro_batches: int = 1
+    prefill_replicas: int = 0  # prefill-decode disaggregation (docs/pd.md); 0: off
+    prefill_tp: int = 1
 
     def __post_init__(self):
         _require(self.mode in DEPLOY_MODES, "deploy.mode", self.mode,
@@ -166,6 +182,13 @@ class DeployPlan:
         if self.mode == "colocated":
             _require(self.attention_tp == 1, "deploy.attention_tp", self.attention_tp,
                      "colocated mode runs data parallel attention only (attention_tp=1)")
+        _require(isinstance(self.prefill_replicas, int) and self.prefill_replicas >= 0,
+                 "deploy.prefill_replicas", self.prefill_replicas, "must be an integer >= 0")
+        _require(self.prefill_tp == 1, "deploy.prefill_tp", self.prefill_tp,
+                 "prefill replicas run with prefill_tp=1 only (tensor-parallel prefill: not yet)")
+        if self.prefill_replicas:
+            _require(self.mode == "disaggregated", "deploy.prefill_replicas", self.prefill_replicas,
+                     f"prefill replicas hand off to disaggregated decode (deploy.mode={self.mode})")
         if self.mode == "single":
             _require(self.world_size == 1, "deploy.mode", self.mode,
                      "single mode runs one process: attention_replicas=1, attention_tp=1, expert_ranks=0")
@@ -175,10 +198,14 @@ class DeployPlan:
         return self.attention_replicas * self.attention_tp
 
     @property
+    def prefill_ranks(self) -> int:
+        return self.prefill_replicas * self.prefill_tp
+
+    @property
     def world_size(self) -> int:
         if self.mode == "colocated":
             return self.attention_ranks
-        return self.attention_ranks + self.expert_ranks
+        return self.attention_ranks + self.expert_ranks + self.prefill_ranks
 
     def check_world_size(self, world: int) -> None:
         if world != self.world_size:
@@ -186,7 +213,8 @@ class DeployPlan:
                 f"world size {world} does not match deploy plan {self}: it needs "
                 f"{self.world_size} ranks ({self.attention_replicas} attention replicas x tp "
                 f"{self.attention_tp}" + (f" + {self.expert_ranks} expert ranks" if self.mode ==
-                                          "disaggregated" else "") + ")")
+                                          "disaggregated" else "")
+                + (f" + {self.prefill_ranks} prefill ranks" if self.prefill_ranks else "") + ")")
 
 
 @dataclass(frozen=True)
@@ -230,15 +258,15 @@ class CommConfig:
 
     timeout_s: float = 30.0  # a peer silent for longer is declared failed; the job aborts
     wait_mode: str = "backoff"  # spin | yield | backoff (megainfer.comm.wait)
-    transport: str = "mpi"  # mpi (CPU) | nccl (GPU)
+    transport: str = "auto"  # auto | mpi | cuda_ipc | nccl (megainfer.comm.select; auto: mpi on cpu)
 
     def __post_init__(self):
         _require(isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0, "comm.timeout_s",
                  self.timeout_s, "must be > 0")
         _require(self.wait_mode in ("spin", "yield", "backoff"), "comm.wait_mode", self.wait_mode,
                  "must be spin, yield or backoff")
-        _require(self.transport in ("mpi", "nccl"), "comm.transport", self.transport,
-                 "must be mpi or nccl")
+        _require(self.transport in ("auto", "mpi", "cuda_ipc", "nccl"), "comm.transport",
+                 self.transport, "must be auto, mpi, cuda_ipc or nccl")
 
 
 @dataclass(frozen=True)

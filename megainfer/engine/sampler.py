@@ -198,7 +198,8 @@ class Sampler:
                                 t[:, 1].long(), K)
 
         if seg_mask is not None or seg_pen is not None:
-            x = x.clone() if x is logits else x
+            # masks write in place: never into the caller's logits or the raw-logprob rows
+            x = x.clone() if x is logits or (lp is not None and lp[0] is x) else x
             if seg_mask is not None:
                 m = H.get(seg_mask).long()
                 x.index_put_((m[:, 0], m[:, 1]), x.new_full((), float("-inf")))
