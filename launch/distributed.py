@@ -9,8 +9,8 @@ disk, and rerunning the same command resumes. (The file is there because a proce
 what a rank printed just before ``MPI_Abort``; we wait ``ABORT_GRACE_S`` to make that rare.) A
 rank that dies outright is reported by the process manager (MPICH: "BAD TERMINATION ... PID n"),
 which ends the others at once; rank 0's start-up log line maps each pid to its rank and role.
-(With ``mpiexec -disable-auto-cleanup`` the survivors instead time out and name the rank
-themselves.)
+(MPICH 5.0.2 ends the job on a killed rank even with ``mpiexec -disable-auto-cleanup``; a rank
+that hangs instead of dying is what the survivors time out on and name themselves.)
 """
 from __future__ import annotations
 

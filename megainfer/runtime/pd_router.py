@@ -32,7 +32,7 @@ from megainfer.engine.outputs import RequestOutput
 
 from .control import RankFailure
 from .prefill_worker import STOP, TAG_PD_DONE, TAG_PD_WORK
-from .router import Router
+from .router import Router, prompt_tokens_of
 
 
 @dataclass
@@ -50,7 +50,7 @@ class PDRouter:
         sched, cache = engine.scheduler_config, engine.cache_config
         self.cap = cap or sched.max_num_seqs
         self.router = Router(len(prefill_ranks), sched.routing, cache.block_size,
-                             sched.max_num_seqs, self._tokens_of,
+                             sched.max_num_seqs, prompt_tokens_of(engine),
                              use_keys=cache.enable_prefix_caching)
         self.pending: deque = deque()
         self.inflight: dict[int, _InFlight] = {}
@@ -71,14 +71,6 @@ class PDRouter:
     def tracks_keys(self) -> bool:
         """Whether the prefill ranks must report their prefix-cache key events."""
         return self.router.tracks_keys
-
-    def _tokens_of(self, inp) -> Optional[list[int]]:
-        e = self.engine
-        try:
-            return tokenize_prompt(e.tokenizer, inp.prompt, inp.prompt_token_ids,
-                                   e.model_config.vocab_size, e.max_model_len)[1]
-        except RequestError:
-            return None
 
     def add(self, inputs) -> None:
         self.pending.extend(inputs)

@@ -16,13 +16,11 @@ from __future__ import annotations
 
 from typing import Iterable, Iterator, Optional
 
-from megainfer.engine.errors import RequestError
-from megainfer.engine.intake import tokenize_prompt
 from megainfer.engine.outputs import PromptInput, RequestOutput
 
 from .control import TAG_GO, TAG_REQUESTS, TAG_STATUS, ControlPlane
 from .roles import RankRole
-from .router import Router
+from .router import Router, prompt_tokens_of
 
 
 class ReplicaLoop:
@@ -41,17 +39,8 @@ class ReplicaLoop:
         self.router: Optional[Router] = None
         if role.rank == 0:
             self.router = Router(plan.attention_replicas, sched.routing, cache.block_size,
-                                 sched.max_num_seqs, self._tokens_of, use_keys=self.track)
-
-    def _tokens_of(self, inp: PromptInput) -> Optional[list[int]]:
-        """Rank 0: a request's prompt token ids for routing (None if invalid: the replica that
-        gets it reports the error)."""
-        e = self.engine
-        try:
-            return tokenize_prompt(e.tokenizer, inp.prompt, inp.prompt_token_ids,
-                                   e.model_config.vocab_size, e.max_model_len)[1]
-        except RequestError:
-            return None
+                                 sched.max_num_seqs, prompt_tokens_of(engine),
+                                 use_keys=self.track)
 
     # ------------------------------------------------------------------ rank 0
     def generate_stream(self, inputs: Iterable[PromptInput]) -> Iterator[RequestOutput]:

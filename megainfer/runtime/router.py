@@ -24,6 +24,20 @@ from typing import Callable, Optional, Sequence
 
 from megainfer.config.runtime import ROUTINGS
 from megainfer.engine.block_manager import hash_block_tokens
+from megainfer.engine.errors import RequestError
+from megainfer.engine.intake import tokenize_prompt
+
+
+def prompt_tokens_of(engine) -> Callable:
+    """Rank 0's view of a request for routing: its prompt token ids, or None when it is invalid
+    (the replica that gets it reports the error)."""
+    def tokens(inp) -> Optional[list[int]]:
+        try:
+            return tokenize_prompt(engine.tokenizer, inp.prompt, inp.prompt_token_ids,
+                                   engine.model_config.vocab_size, engine.max_model_len)[1]
+        except RequestError:
+            return None
+    return tokens
 
 
 @dataclass
