@@ -68,19 +68,14 @@ def test_triton_engine_fp8_matches_torch_engine_fp8(tiny_ckpts, tmp_path, family
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 31, 12)]
     sp = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
-    tri = LLM(path, attention_backend="triton", **kw)
+    tri, got, ref = _greedy_on_both_backends(path, kw, prompts, sp)
     assert tri.engine.kv_caches[0].dtype == torch.float8_e4m3fn
-    got = [o.outputs[0].token_ids for o in tri.generate(prompts, sp, use_tqdm=False)]
-    ref = [o.outputs[0].token_ids for o in
-           LLM(path, attention_backend="torch", **kw).generate(prompts, sp, use_tqdm=False)]
     assert got == ref
     if family == "mixtral":  # fp4: the Triton kernels read it; a head size it cannot pack: refused
         f4 = {**kw, "kv_cache_dtype": "fp4_e2m1"}
-        tri = LLM(path, attention_backend="triton", **f4)
+        tri, got, ref = _greedy_on_both_backends(path, f4, prompts, sp)
         assert tri.engine.kv_caches[0].dtype == torch.uint8
-        got = [o.outputs[0].token_ids for o in tri.generate(prompts, sp, use_tqdm=False)]
-        assert got == [o.outputs[0].token_ids for o in LLM(path, attention_backend="torch", **f4)
-                       .generate(prompts, sp, use_tqdm=False)]
+        assert got == ref
     else:
         with pytest.raises(ConfigError, match="cache.kv_cache_dtype=fp4_e2m1.*qk_rope_head_dim"):
             LLM(path, attention_backend="triton", **{**kw, "kv_cache_dtype": "fp4_e2m1"})
@@ -168,7 +163,7 @@ def test_triton_mla_quantised_store_and_decode_match_torch(fmt):
 def test_triton_engine_deepseek_fp4_matches_torch_engine(tmp_path):
     """The fp4 latent cache through the Triton MLA store and decode kernels gives the torch
     path's greedy tokens (tiny DeepSeek-V3 with qk_rope_head_dim=16, which fp4 can pack)."""
-    from megainfer import LLM, SamplingParams
+    from megainfer import SamplingParams
     from megainfer.tools.make_tiny import make_tiny
     path = make_tiny("deepseek_v3", str(tmp_path / "ds"), qk_rope_head_dim=16)
     kw = dict(dtype="float32", device=DEVICE, max_num_batched_tokens=24, max_num_seqs=4,
@@ -177,9 +172,17 @@ def test_triton_engine_deepseek_fp4_matches_torch_engine(tmp_path):
     g = torch.Generator().manual_seed(8)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 19)]
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    tri = LLM(path, attention_backend="triton", **kw)
+    tri, got, ref = _greedy_on_both_backends(path, kw, prompts, sp)
     assert tri.engine.kv_caches[0].dtype == torch.uint8
+    assert got == ref
+
+
+
+def _greedy_on_both_backends(path, kw, prompts, sp):
+    """(the Triton-backend LLM, its greedy tokens, the torch backend's tokens)."""
+    from megainfer import LLM
+    tri = LLM(path, attention_backend="triton", **kw)
     got = [o.outputs[0].token_ids for o in tri.generate(prompts, sp, use_tqdm=False)]
     ref = [o.outputs[0].token_ids for o in
            LLM(path, attention_backend="torch", **kw).generate(prompts, sp, use_tqdm=False)]
-    assert got == ref
+    return tri, got, ref

@@ -126,28 +126,7 @@ def test_expert_rank_failure_is_bounded_and_resumable(tmp_path, tiny_ckpts, faul
             f"io.output={out}", "sampling.max_tokens=40", "sampling.ignore_eos=true",
             "scheduler.max_num_seqs=4", "comm.timeout_s=5", "io.progress=false",
             f"hydra.run.dir={tmp_path}/run"]
-    mark = uuid.uuid4().hex
-    proc = subprocess.Popen([mpiexec_path(), *args], cwd=tmp_path, env=_env(mark), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    victim = None
-    try:
-        victim = _pid_of_rank(mark, 2, time.time() + 60)
-        while len(_lines(out)) < 2 and proc.poll() is None:
-            time.sleep(0.05)
-        assert proc.poll() is None, "the job finished before the fault could be injected"
-        os.kill(victim, signal.SIGSTOP if fault == "hang" else signal.SIGKILL)
-        t0 = time.time()
-        stdout, err = proc.communicate(timeout=60)
-        took = time.time() - t0
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        if victim is not None:
-            for sig in (signal.SIGCONT, signal.SIGKILL):
-                try:
-                    os.kill(victim, sig)
-                except ProcessLookupError:
-                    pass
+    proc, stdout, err, victim, took = _launch_and_fault(args, tmp_path, out, 2, fault, 60)
     assert proc.returncode != 0
     assert took < 45, f"exit took {took:.1f}s"
     assert f"2 [expert 1] pid {victim}" in stdout  # rank 0's start-up line maps pids to ranks
@@ -161,6 +140,40 @@ def test_expert_rank_failure_is_bounded_and_resumable(tmp_path, tiny_ckpts, faul
         assert "Traceback (most recent call last)" in report
     else:  # a dead process: MPICH's process manager reports it and ends the others at once
         assert "BAD TERMINATION" in stdout + err
+    _check_resume(args, tmp_path, out, ckpt, prompts)
+
+
+def _launch_and_fault(args, tmp_path, out, rank: int, fault: str, timeout: float):
+    """Start the job, stop (``hang``) or kill rank ``rank`` once two lines are written, and wait
+    for the job to end: (process, stdout, stderr, the victim's pid, seconds to exit)."""
+    mark = uuid.uuid4().hex
+    proc = subprocess.Popen([mpiexec_path(), *args], cwd=tmp_path, env=_env(mark), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    victim = None
+    try:
+        victim = _pid_of_rank(mark, rank, time.time() + 60)
+        while len(_lines(out)) < 2 and proc.poll() is None:
+            time.sleep(0.05)
+        assert proc.poll() is None, "the job finished before the fault could be injected"
+        os.kill(victim, signal.SIGSTOP if fault == "hang" else signal.SIGKILL)
+        t0 = time.time()
+        stdout, err = proc.communicate(timeout=timeout)
+        took = time.time() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        if victim is not None:
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.kill(victim, sig)
+                except ProcessLookupError:
+                    pass
+    return proc, stdout, err, victim, took
+
+
+def _check_resume(args, tmp_path, out, ckpt, prompts):
+    """After a failed run: the same command resumes, keeps what was written, finishes every
+    request, with single mode's tokens."""
     done = _lines(out)
     assert 2 <= len(done) < 24
     p = _launch(args, tmp_path, timeout=300)  # the same command resumes

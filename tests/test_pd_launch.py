@@ -2,8 +2,6 @@
 summary's handoff figures, the KV trace lanes, and a prefill rank stopped or killed mid-job
 (bounded exit, lines on disk kept, the same command resumes)."""
 import json
-import os
-import time
 
 import pytest
 
@@ -38,12 +36,7 @@ def test_launch_with_a_prefill_rank_summary_trace_and_tokens(tmp_path, tiny_ckpt
 
 @pytest.mark.parametrize("fault", ["hang", "kill"])
 def test_launch_prefill_rank_failure_is_bounded_and_resumable(tmp_path, tiny_ckpts, fault):
-    import signal
-    import subprocess
-    import uuid
-    from test_launch_mpi import (LAUNCH, _check_tokens_match_single_mode, _env, _launch, _lines,
-                                 _pid_of_rank, _write_prompts)
-    from mpi_util import mpiexec_path
+    from test_launch_mpi import LAUNCH, _check_resume, _launch_and_fault, _write_prompts
     ckpt = tiny_ckpts[("mixtral", "base")]
     prompts, out = tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"
     _write_prompts(prompts)
@@ -51,26 +44,7 @@ def test_launch_prefill_rank_failure_is_bounded_and_resumable(tmp_path, tiny_ckp
             f"io.output={out}", "sampling.max_tokens=40", "sampling.ignore_eos=true",
             "scheduler.max_num_seqs=4", "comm.timeout_s=5", "io.progress=false",
             f"hydra.run.dir={tmp_path}/run"]
-    mark = uuid.uuid4().hex
-    proc = subprocess.Popen([mpiexec_path(), *args], cwd=tmp_path, env=_env(mark), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    victim = None
-    try:
-        victim = _pid_of_rank(mark, 3, time.time() + 60)
-        while len(_lines(out)) < 2 and proc.poll() is None:
-            time.sleep(0.05)
-        assert proc.poll() is None, "the job finished before the fault could be injected"
-        os.kill(victim, signal.SIGSTOP if fault == "hang" else signal.SIGKILL)
-        stdout, err = proc.communicate(timeout=90)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        if victim is not None:
-            for sig in (signal.SIGCONT, signal.SIGKILL):
-                try:
-                    os.kill(victim, sig)
-                except ProcessLookupError:
-                    pass
+    proc, stdout, err, victim, _ = _launch_and_fault(args, tmp_path, out, 3, fault, 90)
     assert proc.returncode != 0
     assert f"3 [prefill 0] pid {victim}" in stdout
     if fault == "hang":
@@ -79,11 +53,4 @@ def test_launch_prefill_rank_failure_is_bounded_and_resumable(tmp_path, tiny_ckp
         assert "rank 3 did not answer within" in line and "prefill of request 'q" in line
     else:
         assert "BAD TERMINATION" in stdout + err
-    done = _lines(out)
-    assert 2 <= len(done) < 24
-    p = _launch(args, tmp_path, timeout=300)  # the same command resumes
-    assert p.returncode == 0, p.stderr[-3000:]
-    final = _lines(out)
-    assert sorted(r["id"] for r in final) == sorted(f"q{i}" for i in range(24))
-    assert final[:len(done)] == done
-    _check_tokens_match_single_mode(ckpt, prompts, final)
+    _check_resume(args, tmp_path, out, ckpt, prompts)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict, deque
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from .request import Request
 
@@ -47,6 +47,16 @@ def hash_block_tokens(parent: Optional[int], tokens: Sequence[int]) -> int:
     h.update((0 if parent is None else parent + 1).to_bytes(9, "little", signed=False))
     h.update(struct.pack(f"<{len(tokens)}q", *tokens))
     return int.from_bytes(h.digest(), "little")
+
+
+def chain_block_keys(keys: list[int], block_tokens: Callable[[int], Sequence[int]],
+                     n: int) -> list[int]:
+    """Extend ``keys`` (the chained keys of the first ``len(keys)`` full blocks) to ``n`` keys;
+    ``block_tokens(i)`` gives block i's token ids. The one definition of a prefix's keys, shared
+    by the block manager and rank 0's router."""
+    while len(keys) < n:
+        keys.append(hash_block_tokens(keys[-1] if keys else None, block_tokens(len(keys))))
+    return keys
 
 
 class BlockManager:
@@ -98,12 +108,8 @@ class BlockManager:
     # ------------------------------------------------------------------ prefix cache
     def _keys(self, req: Request, n: int) -> list[int]:
         """The keys of the request's first ``n`` full blocks (content only: memoized)."""
-        keys, bs = req.block_hashes, self.block_size
-        while len(keys) < n:
-            i = len(keys)
-            keys.append(hash_block_tokens(keys[-1] if keys else None,
-                                          req.token_slice(i * bs, (i + 1) * bs)))
-        return keys
+        bs = self.block_size
+        return chain_block_keys(req.block_hashes, lambda i: req.token_slice(i * bs, (i + 1) * bs), n)
 
     def find_cached(self, req: Request, max_tokens: Optional[int] = None) -> list:
         """The longest run of cached blocks holding the request's first full blocks (tokens and

@@ -179,13 +179,7 @@ def simulate_job(model: DisaggModel, plan: Plan, requests: Requests,
     """Run ``requests`` to completion on ``plan``; request k goes to replica k mod n_a."""
     tw = TraceWriter() if cfg.trace_iterations else None
     if tw:
-        for a in range(plan.n_a):
-            for q in range(plan.tp_a):
-                tw.process(a * plan.tp_a + q, f"[attn dp{a} tp{q}]")
-        for r in range(plan.n_e):
-            for q in range(plan.tp_e):
-                tw.process(plan.n_a * plan.tp_a + r * plan.tp_e + q,
-                           f"[expert {r}]" + (f" tp{q}" if plan.tp_e > 1 else ""))
+        tw.name_ranks(plan.n_a, plan.tp_a, plan.n_e, plan.tp_e)
     return run_scheduler(Pipeline(model, plan), plan.n_a, plan.m, model.shape, requests, cfg, tw)
 
 

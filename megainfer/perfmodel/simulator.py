@@ -83,12 +83,7 @@ def simulate(cfg: SimConfig, t_attn: Callable[[float], float],
     tw = TraceWriter() if trace else None
     pid_e0 = cfg.n_a * cfg.tp_a
     if tw:
-        for a in range(cfg.n_a):
-            for t in range(cfg.tp_a):
-                tw.process(a * cfg.tp_a + t, f"[attn dp{a} tp{t}]")
-        for r in range(cfg.n_e):
-            for t in range(cfg.tp_e):
-                tw.process(pid_e0 + r * cfg.tp_e + t, f"[expert {r}]" + (f" tp{t}" if cfg.tp_e > 1 else ""))
+        tw.name_ranks(cfg.n_a, cfg.tp_a, cfg.n_e, cfg.tp_e)
 
     def jit(n):
         return rng.exponential(cfg.jitter_s, n) if cfg.jitter_s > 0 else np.zeros(n)

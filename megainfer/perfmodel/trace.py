@@ -22,6 +22,17 @@ class TraceWriter:
     def process(self, pid: int, name: str) -> None:
         self.names[pid] = name
 
+    def name_ranks(self, n_a: int, tp_a: int, n_e: int, tp_e: int) -> None:
+        """Name every rank of a disaggregated layout as the runtime's logs do (rank order:
+        attention replica-major, then expert ranks, each ``tp_e`` wide)."""
+        for a in range(n_a):
+            for t in range(tp_a):
+                self.process(a * tp_a + t, f"[attn dp{a} tp{t}]")
+        for r in range(n_e):
+            for t in range(tp_e):
+                self.process(n_a * tp_a + r * tp_e + t,
+                             f"[expert {r}]" + (f" tp{t}" if tp_e > 1 else ""))
+
     def span(self, pid: int, cat: str, start_s: float, end_s: float, it: int, layer: int, mb: int,
              tokens: float) -> None:
         self.events.append({

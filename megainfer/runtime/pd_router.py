@@ -32,7 +32,7 @@ from megainfer.engine.outputs import RequestOutput
 
 from .control import RankFailure
 from .prefill_worker import STOP, TAG_PD_DONE, TAG_PD_WORK
-from .router import Router, prompt_tokens_of
+from .router import Router
 
 
 @dataclass
@@ -50,7 +50,7 @@ class PDRouter:
         sched, cache = engine.scheduler_config, engine.cache_config
         self.cap = cap or sched.max_num_seqs
         self.router = Router(len(prefill_ranks), sched.routing, cache.block_size,
-                             sched.max_num_seqs, prompt_tokens_of(engine),
+                             sched.max_num_seqs, lambda item: item[1],  # (input, prompt ids)
                              use_keys=cache.enable_prefix_caching)
         self.pending: deque = deque()
         self.inflight: dict[int, _InFlight] = {}
@@ -119,19 +119,20 @@ class PDRouter:
 
     def _hand_out(self, loads, msgs, done) -> None:
         room = sum(max(0, self.cap - n) for n in loads)  # what the decode replicas can take
-        while self.pending and len(self.router.pending) < room:
-            self.router.add([self.pending.popleft()])
-        work = [[] for _ in self.prefill_ranks]
         e = self.engine
+        while self.pending and len(self.router.pending) < room:
+            inp = self.pending.popleft()
+            try:  # tokenized once: the router's keys and the decode side's block count
+                _, ids = tokenize_prompt(e.tokenizer, inp.prompt, inp.prompt_token_ids,
+                                         e.model_config.vocab_size, e.max_model_len)
+            except RequestError as err:
+                done.append(RequestOutput.failed(inp.request_id, inp.prompt,
+                                                 inp.prompt_token_ids, err))
+                continue
+            self.router.add([(inp, ids)])
+        work = [[] for _ in self.prefill_ranks]
         for p, items in enumerate(self.router.route()):
-            for inp in items:
-                try:
-                    _, ids = tokenize_prompt(e.tokenizer, inp.prompt, inp.prompt_token_ids,
-                                             e.model_config.vocab_size, e.max_model_len)
-                except RequestError as err:
-                    done.append(RequestOutput.failed(inp.request_id, inp.prompt,
-                                                     inp.prompt_token_ids, err))
-                    continue
+            for inp, ids in items:
                 d = min(range(self.A), key=lambda r: (loads[r], (r - self.next_d) % self.A))
                 xfer, self.next_xfer = self.next_xfer, self.next_xfer + 1
                 rid = str(inp.request_id)

@@ -9,7 +9,7 @@ state (a request not yet handed out can still go where its prefix will be).
 
 * ``round_robin``: the next replica with room, in rotation.
 * ``cache_aware`` (SGLang's router, Dynamo's KV router): the replica holding the longest run of
-  the request's full prompt blocks (keys chained with ``hash_block_tokens``, the block
+  the request's full prompt blocks (keys chained with ``chain_block_keys``, the block
   manager's function, so they are the keys the replicas report); a replica whose queue is
   longer than the shortest one's by more than ``balance_abs`` is skipped. Ties (no match
   included) go to the shortest queue, then in rotation. A request handed out counts its keys
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from megainfer.config.runtime import ROUTINGS
-from megainfer.engine.block_manager import hash_block_tokens
+from megainfer.engine.block_manager import chain_block_keys
 from megainfer.engine.errors import RequestError
 from megainfer.engine.intake import tokenize_prompt
 
@@ -103,10 +103,8 @@ class Router:
         ids = self.tokens_of(inp) if self.tracks_keys else None
         if not ids:
             return []
-        bs, keys = self.block_size, []
-        for i in range((len(ids) - 1) // bs):
-            keys.append(hash_block_tokens(keys[-1] if keys else None, ids[i * bs:(i + 1) * bs]))
-        return keys
+        bs = self.block_size
+        return chain_block_keys([], lambda i: ids[i * bs:(i + 1) * bs], (len(ids) - 1) // bs)
 
     def route(self) -> list[list]:
         """Hand out pending requests while some replica has room: per replica, its new ones."""
