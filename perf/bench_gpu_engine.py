@@ -213,7 +213,7 @@ def main(argv=None):
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: 2 layers, batch 1 and 4, "
                     "16 in / 8 out (smoke test)")
     ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--systems", default="megainfer,hf,megainfer-eager")
+    ap.add_argument("--systems", default="megainfer,megainfer-eager,hf")
     for opt in ("--layers", "--input-len", "--output-len"):
         ap.add_argument(opt, type=int)
     ap.add_argument("--batches")
@@ -256,49 +256,50 @@ def main(argv=None):
         res["rows"].append(row)
         res["ratios"] = ratios(res["rows"])
         write_json(out, res, quiet=True)  # after every row: a crash keeps what finished
-    for name in a.models.split(","):
-        cfg = model_config(name, a.layers, tiny)
-        res["models"][name] = dataclasses.asdict(cfg)
-        for system in a.systems.split(","):
-            base, run = dict(model=name, system=system), None
+    cfgs = {name: model_config(name, a.layers, tiny) for name in a.models.split(",")}
+    res["models"] = {name: dataclasses.asdict(cfg) for name, cfg in cfgs.items()}
+    # systems outermost: a budget cut loses the last system (HF by default) on every model,
+    # not every system on the last model
+    for system, (name, cfg) in ((s, m) for s in a.systems.split(",") for m in cfgs.items()):
+        base, run = dict(model=name, system=system), None
+        try:
+            if system == "hf" and hf_missing:
+                raise Skip(hf_missing)
+            if over_budget():
+                raise Skip("time budget spent")
+            t = time.perf_counter()
+            run, info = build(system, cfg, a)
+            sync()
+            base.update(info, build_s=time.perf_counter() - t)
+        except Exception as e:  # noqa: BLE001 - recorded; the other systems still run
+            why = str(e) if isinstance(e, Skip) else f"{type(e).__name__}: {e}"[:300]
+            for b in a.batches:
+                add(dict(base, batch=b, **{"skipped" if isinstance(e, Skip) else "error": why}))
+            free(sync)
+            continue
+        for b in a.batches:
+            row = dict(base, batch=b)
+            prompts = torch.randint(3, cfg.vocab_size, (b, P),
+                                    generator=torch.Generator().manual_seed(1000 + b))
             try:
-                if system == "hf" and hf_missing:
-                    raise Skip(hf_missing)
                 if over_budget():
                     raise Skip("time budget spent")
-                t = time.perf_counter()
-                run, info = build(system, cfg, a)
-                sync()
-                base.update(info, build_s=time.perf_counter() - t)
-            except Exception as e:  # noqa: BLE001 - recorded; the other systems still run
-                why = str(e) if isinstance(e, Skip) else f"{type(e).__name__}: {e}"[:300]
-                for b in a.batches:
-                    add(dict(base, batch=b, **{"skipped" if isinstance(e, Skip) else "error": why}))
-                free(sync)
-                continue
-            for b in a.batches:
-                row = dict(base, batch=b)
-                prompts = torch.randint(3, cfg.vocab_size, (b, P),
-                                        generator=torch.Generator().manual_seed(1000 + b))
-                try:
-                    if over_budget():
-                        raise Skip("time budget spent")
-                    row.update(measure(run, prompts.to(dev) if system == "hf" else prompts,
-                                       O, a.repeats, sync))
-                    roof = row["roofline"] = decode_roofline(cfg, b, P + O / 2, a.torch_dtype.itemsize)
-                    roof["roofline_step_s"] = roof["bytes_per_step"] / bw["bw_rw"]
-                    roof["roofline_frac"] = roof["roofline_step_s"] / row["decode_step_s"]
-                    print(f"[bench] {name} {system} b={b}: total {row['total_s']:.2f} s, "
-                          f"{row['output_tok_s']:.0f} tok/s, decode {1e3 * row['decode_step_s']:.2f}"
-                          f" ms/step ({100 * roof['roofline_frac']:.0f}% of roofline)", flush=True)
-                except Exception as e:  # noqa: BLE001 - an OOM at one batch keeps the rest
-                    key = "skipped" if isinstance(e, Skip) else "error"
-                    row[key] = str(e) if isinstance(e, Skip) else f"{type(e).__name__}: {e}"[:300]
-                    print(f"[bench] {name} {system} b={b}: {row[key]}", flush=True)
-                add(row)
-                free(sync)
-            del run
+                row.update(measure(run, prompts.to(dev) if system == "hf" else prompts,
+                                   O, a.repeats, sync))
+                roof = row["roofline"] = decode_roofline(cfg, b, P + O / 2, a.torch_dtype.itemsize)
+                roof["roofline_step_s"] = roof["bytes_per_step"] / bw["bw_rw"]
+                roof["roofline_frac"] = roof["roofline_step_s"] / row["decode_step_s"]
+                print(f"[bench] {name} {system} b={b}: total {row['total_s']:.2f} s, "
+                      f"{row['output_tok_s']:.0f} tok/s, decode {1e3 * row['decode_step_s']:.2f}"
+                      f" ms/step ({100 * roof['roofline_frac']:.0f}% of roofline)", flush=True)
+            except Exception as e:  # noqa: BLE001 - an OOM at one batch keeps the rest
+                key = "skipped" if isinstance(e, Skip) else "error"
+                row[key] = str(e) if isinstance(e, Skip) else f"{type(e).__name__}: {e}"[:300]
+                print(f"[bench] {name} {system} b={b}: {row[key]}", flush=True)
+            add(row)
             free(sync)
+        del run
+        free(sync)
     print_table(res)
     print(f"[bench] wrote {out} ({time.monotonic() - t_start:.0f} s)")
     return res

@@ -6,7 +6,10 @@
 Launches itself under ``mpiexec -n 2`` (both ranks on GPU 0) and times a ping-pong of one
 message each way through megainfer.comm's Channel (reserve + post, then recv + wait, then the
 receiving stream synchronised: the bytes are on the device when the clock stops):
-  cuda_ipc   CudaIpcTransport: the sender copies into the peer's slot, IPC events, MPI headers
+  cuda_ipc   CudaIpcTransport: the sender copies into the peer's slot, MPI headers; as ranks
+             share the GPU, host-fenced (its ``auto``: headers after the copy completed)
+  cuda_ipc_device  the same with device-side waits on the peer's IPC events (sync=device:
+             1.34 ms flat per message on the first H200 run, hence host-fenced on a shared GPU)
   mpi        StagingTransport: device -> pinned host -> MPI -> pinned host -> device
   floor      one process, one cudaMemcpy device -> device of the same bytes + synchronise
              (the baseline, measured in the same run by rank 0)
@@ -50,6 +53,9 @@ def pingpong(kind: str, comm, size: int, iters: int, dev) -> list[float]:
     if kind == "staging":
         from megainfer.comm.staging import StagingTransport
         t = StagingTransport(comm, dev)
+    elif kind == "cuda_ipc_device":
+        from megainfer.comm.cuda_ipc import CudaIpcTransport
+        t = CudaIpcTransport(comm, dev, sync="device")
     elif kind == "nccl":  # straight to NCCL (select.check_nccl would refuse a shared GPU first)
         from megainfer.comm.nccl import NcclTransport
         t = NcclTransport(comm, dev)
@@ -126,7 +132,7 @@ def worker(args) -> None:
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     res = {"date": str(datetime.date.today()), "ranks": comm.Get_size(), "rows": [],
            "device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu (smoke)"}
-    kinds = ("cuda_ipc", "staging") if dev.type == "cuda" else ("staging",)
+    kinds = ("cuda_ipc", "cuda_ipc_device", "staging") if dev.type == "cuda" else ("staging",)
     for size in sizes:
         for kind in kinds:
             xs = pingpong(kind, comm, size, args.iters if size < 1 << 20 else args.iters // 4, dev)
@@ -143,9 +149,9 @@ def worker(args) -> None:
 
 def report(res: dict) -> None:
     rows = res["rows"]
-    print(f"{'method':>9} {'bytes':>9} {'p50 us':>9} {'p90 us':>9} {'GB/s':>8}")
+    print(f"{'method':>15} {'bytes':>9} {'p50 us':>9} {'p90 us':>9} {'GB/s':>8}")
     for r in rows:
-        print(f"{r['method']:>9} {r['bytes']:>9} {r['one_way_p50_us']:>9.1f} "
+        print(f"{r['method']:>15} {r['bytes']:>9} {r['one_way_p50_us']:>9.1f} "
               f"{r['one_way_p90_us']:>9.1f} {r['GBps']:>8.2f}")
     by = {(r["method"], r["bytes"]): r for r in rows}
     small, big = min(r["bytes"] for r in rows), max(r["bytes"] for r in rows)

@@ -2,58 +2,53 @@
 # The one prepared script for a session that is lent a GPU (see /work/.library/device): it runs
 # from the repository root on the GPU machine and writes everything under $OUT.
 #
-# Default steps (STEPS="env tests attn gputests engine"; timeouts sum to 460 s, under 8 min):
-#   env       nvidia-smi, torch / triton / transformers versions, which libnccl is found; mpi4py
-#             from the image, else the carried .whl/ wheels (mpi4py 4.1.2 + mpich 5.0.2);
-#   tests     the Triton MoE kernels compiled for real against their torch references
-#             (tests/test_kernels_triton.py, TRITON_INTERPRET=0) and the NCCL transport on one
-#             GPU (tests/test_comm_nccl.py: round trip, no host synchronisation per message);
-#   attn      the Triton paged-attention, MLA and quantised-KV kernels compiled for real against
-#             their torch references (tests/test_attention_triton.py, test_mla_triton.py,
-#             test_kv_quant_triton.py), and the whole engine with them against HF greedy
-#             (tests/test_engine_triton.py);
-#   gputests  pytest -m gpu over tests/test_gpu_engine.py (the engine on cuda: greedy parity
-#             with HF fp32 / closeness in bf16, CUDA graphs on = off, Triton = torch attention,
-#             host syncs per decode step), the sampler's CPU = CUDA bits, the one-copy metadata
-#             and a CUDA load against a host load;
-#   engine    perf/bench_gpu_engine.py --device cuda: megainfer (CUDA graphs on and off) vs HF
-#             generate, Mixtral-8x7B and Qwen3-30B-A3B shapes cut to 8 layers, bf16, batch 1 /
-#             64 / 256, 256 tokens in and out; decode step time against its HBM roofline. Its
-#             JSON is written into the archive's folder row by row (--budget-s stops it cleanly
-#             before the step's timeout).
-# Not in the default STEPS (name them to run them, e.g. STEPS="nccl bench"):
-#   nccl      perf/bench_nccl_self.py: Channel over NCCL vs raw NCCL vs a device copy, 2 KB - 8 MB;
-#   tune1/2   perf/tune_moe_kernels.py --space small: tile configs for the kernel benchmark's
-#             shapes, written into the package's table and to $OUT. A tuned table is committed
-#             (kernels/tile_configs.json, from the 2026-11-29 session), so they left the default;
-#   bench     perf/bench_moe_kernels.py --device cuda: Triton (tuned and default config) vs the
-#             torch path, TFLOP/s against the measured dense bf16 matmul rate;
-#   m2n       the MPI layer on the machine's 16 cores (below).
-# The disaggregated runtime on the GPU (issue 18), a second set that fits one call on its own:
-#   STEPS="ipc tokens trace transport calib" bash perf/gpu_session.sh   (timeouts sum to 500 s)
-#   ipc       tests/test_runtime_gpu.py -k "round_trips or cudart": cuda_ipc and staged mpi
-#             round trips, mpirun -n 2 and -n 3 on the one GPU, both layouts (self-peers);
-#   tokens    tests/test_runtime_gpu.py -k tokens: -n 2 and -n 3, cuda_ipc and mpi: fp32 tokens
-#             identical to single mode on the GPU, bf16 identical between the transports, host
-#             syncs of a decode step on the attention rank within budget;
-#   trace     the traced-run test, then megainfer-launch under mpirun -n 3 (deploy=a1e2
-#             deploy.device=cuda, Mixtral-8x7B's shapes cut to 2 layers, bf16, cuda_ipc,
-#             trace.enabled): its merged trace.json and summary come back;
-#   transport perf/bench_transport_gpu.py: 2 KB / 64 KB / 8 MB one-way, cuda_ipc vs mpi staging
-#             vs the in-process copy floor, then NCCL with two ranks on the GPU tried and recorded;
-#   calib     megainfer-plan calibrate on the GPU (bench=megainfer_cuda: the project's own
-#             attention and fused-MoE layers, bf16, smoke sizes; link from the transport bench)
-#             -> h200_measured.yaml (commit it as conf/hardware/h200_measured.yaml).
-#   These launch MPICH's mpiexec: the carried .whl/ wheels (mpi4py 4.1.2 + mpich 5.0.2; carry
-#   [".whl"]) when present, else an mpiexec on PATH.
+# Default steps (STEPS="env attn gputests ipc tokens trace engine transport", about 7.5 min).
+# The correctness steps (PAR_STEPS) run at the same time, sharing the GPU and the 16 cores;
+# then the figures run one by one, alone on the GPU.
+#   env       nvidia-smi, torch / triton / transformers versions, mpi4py's MPI, libnccl;
+#   tests     the Triton MoE kernels compiled for real against their torch references and the
+#             NCCL transport on one GPU (tests/test_kernels_triton.py, test_comm_nccl.py);
+#   attn      the Triton paged-attention, MLA and quantised-KV kernels against their torch
+#             references, and the whole engine with them against HF greedy (ATTN_TESTS=files);
+#   gputests  pytest -m gpu: the engine on cuda (fp32 greedy = HF, bf16 within HF's top-5,
+#             past position 2000, CUDA graphs = eager, Triton = torch attention, host syncs of
+#             a decode step), the sampler on cuda, a CUDA load against a host load;
+#   ipc       tests/test_runtime_gpu.py: cuda_ipc and staged mpi round trips, mpiexec -n 2 / 3
+#             on the one GPU, both layouts (self-peers), and the CUDA runtime wrapper;
+#   tokens    the runtime on the GPU, -n 2 / 3, cuda_ipc and mpi: fp32 tokens = single mode,
+#             bf16 equal across transports, host syncs of the attention rank's decode step;
+#   trace     the traced-run test, then megainfer-launch under mpiexec -n 3 (deploy=a1e2,
+#             Mixtral-8x7B's shapes cut to 2 layers, bf16, cuda_ipc, traced);
+#   engine    perf/bench_gpu_engine.py: megainfer (graphs on, ENGINE_SYSTEMS also
+#             megainfer-eager) vs HF generate, Mixtral-8x7B / Qwen3-30B-A3B shapes cut to 8
+#             layers (ENGINE_MODELS), bf16, batch 1 / 64 / 256, 256 in and out, against the HBM
+#             roofline; --budget-s (ENGINE_S - 15) stops it between rows;
+#   transport perf/bench_transport_gpu.py: 2 KB / 64 KB / 8 MB one-way, cuda_ipc (host-fenced,
+#             as on a shared GPU) and cuda_ipc_device vs mpi staging vs the copy floor; NCCL
+#             with two ranks on one GPU tried and recorded.
+# Named on demand (STEPS="calib nccl ..."):
+#   calib     megainfer-plan calibrate on the GPU (bench=megainfer_cuda, smoke sizes, link from
+#             the transport bench) -> h200_measured.yaml;
+#   nccl      perf/bench_nccl_self.py: Channel over NCCL vs raw NCCL vs a device copy;
+#   tune1/2   perf/tune_moe_kernels.py --space small (kernels/tile_configs.json is committed);
+#   bench     perf/bench_moe_kernels.py --device cuda: Triton vs the torch path, TFLOP/s;
+#   m2n       the MPI layer on the machine's 16 cores (bench_m2n, bench_m2n_ladder).
 #
-# The GPU image has torch, triton, transformers, pytest and the nvidia-nccl wheel but not this
-# package's pins, so the package is put on PYTHONPATH as setup.py lays it out (kernels/ and
-# launch/ inside megainfer/) instead of pip-installed. Without transformers the tests that need
-# HF skip and the engine benchmark records its HF rows as skipped. Each step has its own timeout
-# and the script goes on after a failure; rc.txt records each step's exit status. Every step
-# writes its JSON as it goes, so a timeout keeps what finished.
-# Usage (device tool, carry [".whl"]): bash perf/gpu_session.sh   (<= 7.5 min; timeout_s 590)
+# Carried wheels (the image has torch, triton, transformers, pytest, nccl, Open MPI's mpi4py):
+#   .whl/     mpi4py 4.1.2 (cp312) + mpich 5.0.2: the MPI steps (ipc tokens trace transport
+#             calib m2n) run under MPICH, as on the dev box;
+#   .whl/py/  hydra-core 1.3.8, omegaconf 2.3.1, antlr4-python3-runtime 4.9.3 (pure Python):
+#             the launcher and the hydra-composing tests. Fetch both once:
+#     pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 --platform manylinux1_x86_64 -d .whl mpi4py==4.1.2 mpich==5.0.2
+#     pip download --no-deps -d .whl/py hydra-core==1.3.8 omegaconf==2.3.1
+#     pip wheel --no-deps -w .whl/py antlr4-python3-runtime==4.9.3
+# The package is put on PYTHONPATH as setup.py lays it out (kernels/ and launch/ inside
+# megainfer/). Each step has a timeout and the script goes on after a failure; rc.txt records
+# each step's exit status; every step writes its JSON as it goes.
+# Usage (device tool, carry [".whl"]; when others edit the tree meanwhile, run from a snapshot:
+#   git archive HEAD | tar -x -C .snap, carry [".snap", ".whl"], cd .snap && ln -s ../.whl .whl):
+#   bash perf/gpu_session.sh          (timeout_s 480)
 # Everything comes back in $OUT/gpu_session.tgz: a log per step, rc.txt, the JSON results.
 set -u
 OUT=${OUT:-/tmp/megainfer_gpu_out}
@@ -65,24 +60,55 @@ SRC=$ROOT/src      # where no unassembled megainfer/ shadows the assembled one
 mkdir -p "$SRC"
 cp -r megainfer "$SRC/" && cp -r kernels "$SRC/megainfer/kernels" \
   && cp -r launch "$SRC/megainfer/launch" && cp -r conf "$SRC/megainfer/conf" && cp -r tests "$ROOT/"
-export PYTHONPATH="$SRC:$ROOT/tests" PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 HF_HUB_OFFLINE=1
+if ls .whl/py/*.whl >/dev/null 2>&1; then  # pure-Python packages the image lacks (hydra-core,
+  # omegaconf, antlr4: the launcher and tests/test_device_config.py need them)
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$ROOT/pyext" \
+    .whl/py/*.whl && PY_EXTRA="$ROOT/pyext${PY_EXTRA:+:$PY_EXTRA}"
+fi
+export PYTHONPATH="$SRC:$ROOT/tests${PY_EXTRA:+:$PY_EXTRA}" PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 HF_HUB_OFFLINE=1
 
-STEPS=${STEPS:-env tests attn gputests engine}  # a rerun can name others (and TESTS=files)
-step() {  # step NAME TIMEOUT CMD...: run, log to $W/NAME.log, record the exit status
+STEPS=${STEPS:-env attn gputests ipc tokens trace engine transport}  # or name others
+# Correctness steps in PAR_STEPS run at the same time (the GPU and 16 cores are shared; their
+# timings are not figures); the rest run alone, one after the other, in the order below.
+PAR_STEPS=${PAR_STEPS:-tests attn gputests ipc tokens trace}
+PIDS=()
+wanted() { case " $STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
+concurrent() { case " $PAR_STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
+run_step() {  # NAME TIMEOUT CMD...: run, log to $W/NAME.log, record the exit status
   local name=$1 limit=$2
   shift 2
-  case " $STEPS " in *" $name "*) ;; *) return ;; esac
-  echo "== $name: $*"
   timeout "$limit" "$@" >"$W/$name.log" 2>&1
-  local rc=$?
-  echo "$name $rc" >>"$W/rc.txt"
-  tail -n 25 "$W/$name.log"
-  case $name in  # what this step wrote outside $W
+  echo "$name $?" >>"$W/rc.txt"
+}
+report() {  # NAME: the log's end, what it wrote outside $W, re-pack the archive
+  tail -n "${TAIL:-12}" "$W/$1.log"
+  case $1 in
     tune*) cp "$TUNED" "$W/tile_configs.json" ;;
     bench) cp perf/results/bench_moe_kernels_cuda.json "$W/" 2>/dev/null ;;
     # engine: bench_gpu_engine.py writes its JSON straight into $W, row by row
   esac
   tar czf "$OUT/gpu_session.tgz" -C "$W" .  # the device tool returns at most 8 files
+}
+step() {  # step NAME TIMEOUT CMD...: a concurrent step starts in the background
+  wanted "$1" || return 0
+  echo "== $1 ($(date +%T), limit $2 s): ${*:3}" | cut -c1-200
+  if concurrent "$1"; then
+    run_step "$@" &
+    PIDS+=("$!:$1")
+    return 0
+  fi
+  join
+  run_step "$@"
+  report "$1"
+}
+join() {  # wait for the concurrent steps started so far, then report each
+  local p
+  for p in "${PIDS[@]}"; do
+    wait "${p%%:*}"
+    echo "== ${p#*:} done ($(date +%T))"
+    report "${p#*:}"
+  done
+  PIDS=()
 }
 
 carried_mpi() {  # unpack the carried mpi4py 4.1.2 + MPICH 5.0.2 wheels into $ROOT/mpi
@@ -102,12 +128,46 @@ if ! timeout 60 "$PY" -c "from mpi4py import MPI; MPI.COMM_SELF.Get_size()" >"$W
 fi
 TUNED="$SRC/megainfer/kernels/tile_configs.json"
 
+# The issue-18 steps launch MPICH's mpiexec: the carried .whl/ wheels (mpi4py 4.1.2 + mpich
+# 5.0.2; carry [".whl"]) when present, else an mpiexec on PATH. Their environment is set per step
+# (R18 below), so the other steps keep the image's own mpi4py.
+R18=(env)
+if [[ " $STEPS " =~ " "(ipc|tokens|trace|transport|calib)" " ]]; then
+  if [ -d .whl ]; then
+    carried_mpi
+    R18=(env PYTHONPATH="$MPI_SITE:$PYTHONPATH" MPI4PY_LIBMPI="$LIBMPI" MPIEXEC="$MPICH_BIN/mpiexec")
+    MPIEXEC="$MPICH_BIN/mpiexec"
+  else
+    MPIEXEC=$(command -v mpiexec || echo "$(dirname "$(command -v "$PY")")/mpiexec")
+    R18=(env MPIEXEC="$MPIEXEC")
+  fi
+fi
+PYT="$PY -m pytest -q -rs -m gpu -p no:cacheprovider --continue-on-collection-errors"
+
 step env 30 bash -c "cd $ROOT; nvidia-smi; $PY -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())'; $PY -c 'import transformers; print(\"transformers\", transformers.__version__)'; $PY -c 'from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])'; $PY -c 'from megainfer.comm import nccl; lib = nccl.load_nccl(); print(\"nccl\", nccl.nccl_version(lib), lib._name)'"
-step tests 90 bash -c "cd $ROOT && $PY -m pytest -q -rs -p no:cacheprovider -o timeout=80 ${TESTS:-tests/test_kernels_triton.py tests/test_comm_nccl.py}"
-step attn 100 bash -c "cd $ROOT && $PY -m pytest -q -rs -p no:cacheprovider -o timeout=90 tests/test_attention_triton.py tests/test_engine_triton.py tests/test_mla_triton.py tests/test_kv_quant_triton.py"
+# ---- correctness (concurrent, PAR_STEPS)
+step tests 150 bash -c "cd $ROOT && $PY -m pytest -q -rs -p no:cacheprovider -o timeout=120 ${TESTS:-tests/test_kernels_triton.py tests/test_comm_nccl.py}"
+step attn 170 bash -c "cd $ROOT && $PY -m pytest -q -rs -p no:cacheprovider -o timeout=120 ${ATTN_TESTS:-tests/test_attention_triton.py tests/test_engine_triton.py tests/test_mla_triton.py tests/test_kv_quant_triton.py}"
 GPUTESTS=$(cd "$ROOT" && ls tests/test_gpu_engine.py tests/test_sampler.py tests/test_device_config.py tests/test_loader_memory.py 2>/dev/null)
-step gputests 100 bash -c "cd $ROOT && TRITON_INTERPRET=0 $PY -m pytest -q -rs -m gpu -p no:cacheprovider -o timeout=100 $(echo $GPUTESTS)"
-step engine 140 "$PY" perf/bench_gpu_engine.py --device cuda --budget-s 125 --out "$W/bench_gpu_engine_cuda.json"
+step gputests 170 bash -c "cd $ROOT && $PYT -o timeout=120 $(echo $GPUTESTS)"
+# issue 18: the disaggregated runtime on the GPU, every rank on the one GPU
+step ipc 120 "${R18[@]}" bash -c "cd $ROOT && $PYT -o timeout=100 tests/test_runtime_gpu.py -k 'round_trips or cudart'"
+step tokens 170 "${R18[@]}" bash -c "cd $ROOT && $PYT -o timeout=160 tests/test_runtime_gpu.py -k tokens"
+step trace 170 "${R18[@]}" bash -c "cd $ROOT && $PYT -o timeout=80 tests/test_runtime_gpu.py -k traced; \
+    \$MPIEXEC -n 3 $PY -m megainfer.launch.main model=mixtral_8x7b model.arch.num_layers=2 \
+      deploy=a1e2 deploy.device=cuda model.dtype=bfloat16 comm.transport=cuda_ipc \
+      trace.enabled=true sampling.max_tokens=8 hydra.run.dir=$W/trace_run \
+    && cp $W/trace_run/trace.json $W/trace_mixtral_n3.json"
+# ---- figures (each alone on the GPU)
+step engine ${ENGINE_S:-200} "$PY" perf/bench_gpu_engine.py --device cuda --budget-s $(( ${ENGINE_S:-200} - 15 )) \
+  --models "${ENGINE_MODELS:-mixtral_8x7b,qwen3_30b_a3b}" \
+  --systems "${ENGINE_SYSTEMS:-megainfer,megainfer-eager,hf}" --out "$W/bench_gpu_engine_cuda.json"
+step transport 60 "${R18[@]}" "$PY" perf/bench_transport_gpu.py --mpiexec "$MPIEXEC" --iters 200 \
+  --out "$W/bench_transport_gpu.json"
+step calib 100 "${R18[@]}" MEGAINFER_CALIBRATE_LINK="$W/bench_transport_gpu.json" bash -c "cd $ROOT && \
+  $PY -m megainfer.launch.plan calibrate model=mixtral_8x7b model.num_layers=2 \
+    calibrate.bench=megainfer_cuda calibrate.mpi=false calibrate.node=false calibrate.smoke=true \
+    calibrate.merge=false calibrate.out=$W/h200_measured.yaml"
 step nccl 60 "$PY" perf/bench_nccl_self.py --out "$W/bench_nccl_self.json"
 step tune1 90 "$PY" perf/tune_moe_kernels.py --space small --shape 8,14336,4096 --top-k 2 --m 4,32,256,2048,8192 --table "$TUNED" --log "$W/tune_mixtral.json"
 step tune2 80 "$PY" perf/tune_moe_kernels.py --space small --shape 64,1408,2048 --top-k 6 --m 10,85,682,5461 --table "$TUNED" --log "$W/tune_dsv2lite.json"
@@ -125,27 +185,7 @@ if [[ " $STEPS " == *" m2n "* ]]; then
   STEPS="$STEPS m2nladder" step m2nladder 120 env PYTHONPATH="$MPI_SITE:$PYTHONPATH" MPI4PY_LIBMPI="$LIBMPI" \
     "$PY" perf/bench_m2n_ladder.py --mpiexec "$MPICH_BIN/mpiexec" --out "$W/bench_m2n_ladder.json"
 fi
-# ---- issue 18: the disaggregated runtime on the GPU (STEPS="ipc tokens trace transport calib")
-if [[ " $STEPS " =~ " "(ipc|tokens|trace|transport|calib)" " ]]; then
-  if [ -d .whl ]; then
-    carried_mpi
-    export PYTHONPATH="$MPI_SITE:$PYTHONPATH" MPI4PY_LIBMPI="$LIBMPI" MPIEXEC="$MPICH_BIN/mpiexec"
-  else
-    export MPIEXEC=$(command -v mpiexec || echo "$(dirname "$(command -v "$PY")")/mpiexec")
-  fi
-  PYT="$PY -m pytest -q -rs -m gpu -p no:cacheprovider"
-  step ipc 80 bash -c "cd $ROOT && $PYT -o timeout=75 tests/test_runtime_gpu.py -k 'round_trips or cudart'"
-  step tokens 150 bash -c "cd $ROOT && $PYT -o timeout=145 tests/test_runtime_gpu.py -k tokens"
-  step trace 110 bash -c "cd $ROOT && $PYT -o timeout=60 tests/test_runtime_gpu.py -k traced; \
-    $MPIEXEC -n 3 $PY -m megainfer.launch.main model=mixtral_8x7b model.arch.num_layers=2 \
-      deploy=a1e2 deploy.device=cuda model.dtype=bfloat16 comm.transport=cuda_ipc \
-      trace.enabled=true sampling.max_tokens=8 hydra.run.dir=$W/trace_run \
-    && cp $W/trace_run/trace.json $W/trace_mixtral_n3.json"
-  step transport 60 "$PY" perf/bench_transport_gpu.py --mpiexec "$MPIEXEC" --iters 200 \
-    --out "$W/bench_transport_gpu.json"
-  step calib 100 env MEGAINFER_CALIBRATE_LINK="$W/bench_transport_gpu.json" bash -c "cd $ROOT && \
-    $PY -m megainfer.launch.plan calibrate model=mixtral_8x7b model.num_layers=2 \
-      calibrate.bench=megainfer_cuda calibrate.mpi=false calibrate.node=false calibrate.smoke=true \
-      calibrate.merge=false calibrate.out=$W/h200_measured.yaml"
-fi
+join
+echo "== summary"
+grep -h -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)|error" "$W"/{tests,attn,gputests,ipc,tokens,trace}.log 2>/dev/null | cut -c1-220 | tail -n 40
 cat "$W/rc.txt"

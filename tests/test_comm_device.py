@@ -159,6 +159,16 @@ def test_cudart_is_looked_up_lazily():
             cudart.runtime()
 
 
+def test_ipc_handle_keeps_all_64_bytes_zeros_included():
+    """CUDA IPC handles hold zero bytes; reading the ctypes char-array field would cut them at
+    the first one (the bug the first H200 run found: 2- and 4-byte handles)."""
+    from megainfer.comm.cudart import IPC_HANDLE_BYTES, IpcHandle
+    want = bytes([0x7F, 0x02, 0, 0, 0x10] + [0] * 50 + list(range(1, 10)))
+    h = IpcHandle.from_buffer_copy(want)
+    assert len(want) == IPC_HANDLE_BYTES and h.raw() == want
+    assert IpcHandle.from_buffer_copy(h.raw()).raw() == want
+
+
 def _settings(*overrides, world=1):
     from hydra import compose, initialize_config_module
     from megainfer.launch.settings import settings_from_config
@@ -200,8 +210,9 @@ class _FakeRuntime:
     the cuda_ipc protocol (rings, grants, queued sends, headers over MPI, self-peers) run on a
     CPU box in one process; the CUDA calls themselves are checked on a GPU."""
 
-    def __init__(self):
+    def __init__(self, slow=False):
         self.keep, self.n, self.copies = [], 0, 0
+        self.slow, self.queries = slow, 0  # slow: every other completion query says not yet
 
     def alloc(self, nbytes):
         a = (__import__("ctypes").c_uint8 * nbytes)()
@@ -226,28 +237,32 @@ class _FakeRuntime:
         assert rc == 0, what
 
     def done(self, ev):
-        return True
+        self.queries += 1
+        return not (self.slow and self.queries % 2)
 
     eventRecord = streamWaitEvent = lambda self, *a: 0
     free = eventDestroy = ipcCloseMemHandle = lambda self, *a: 0
 
 
-def test_cuda_ipc_protocol_on_a_fake_runtime(monkeypatch):
+@pytest.mark.parametrize("sync", ["device", "host"])
+def test_cuda_ipc_protocol_on_a_fake_runtime(monkeypatch, sync):
     """Self-peer rings over CudaIpcTransport with host memory: messages arrive intact, a send
-    whose grant has not come is queued and issued once the receiver re-posts the slot."""
+    whose grant has not come is queued and issued once the receiver re-posts the slot.
+    Host-fenced: headers and grants wait for their events, which complete late here."""
     import ctypes
     import numpy as np
     from mpi4py import MPI
-    from megainfer.comm import cuda_ipc
-    rt = _FakeRuntime()
+    from megainfer.comm import cuda_ipc, ipc_slots
+    rt = _FakeRuntime(slow=sync == "host")
     monkeypatch.setattr(cuda_ipc, "runtime", lambda: rt)
-    monkeypatch.setattr(cuda_ipc, "_cur", lambda device: ctypes.c_void_p(0))
+    monkeypatch.setattr(ipc_slots, "_cur", lambda device: ctypes.c_void_p(0))
     monkeypatch.setattr(cuda_ipc, "device_tensor", lambda ptr, n, dev: torch.from_numpy(
         np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(ptr))))
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: None)
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: type("S", (), {"cuda_stream": 0})())
-    t = cuda_ipc.CudaIpcTransport(MPI.COMM_SELF, "cpu")
+    t = cuda_ipc.CudaIpcTransport(MPI.COMM_SELF, "cpu", sync=sync)
+    assert t.host_sync == (sync == "host")
     H, k = 8, 2
     m2n = M2N((t, t), [0], [0], dispatch_spec(16, H, k, torch.float32),
               combine_spec(16, H, torch.float32), micro_batches=1, depth=2)
@@ -260,6 +275,8 @@ def test_cuda_ipc_protocol_on_a_fake_runtime(monkeypatch):
     sent = [msg(i) for i in range(3)]
     m2n.dispatch(0, iteration=0, layer=0, micro_batch=0, **sent[0])
     m2n.dispatch(0, iteration=0, layer=1, micro_batch=0, **sent[1])
+    t.progress()
+    t.progress()  # host-fenced: the grants of the first posts go once their events completed
     assert t._queued == 0  # two grants from the receive ring's first posts
     got = m2n.recv_dispatch(0, layer=0, micro_batch=0, iteration=0).wait()
     assert all(torch.equal(got[f], sent[0][f]) for f in sent[0])
@@ -272,6 +289,8 @@ def test_cuda_ipc_protocol_on_a_fake_runtime(monkeypatch):
         assert all(torch.equal(got[f], sent[layer][f]) for f in sent[layer]), layer
         got.release()
     assert t._queued == 0 and rt.copies == 2  # (message 0 has no rows: nothing to copy)
+    if sync == "host":
+        assert rt.queries > 1  # headers and grants waited on completions (half said not yet)
     for it in range(4):  # combine direction, and many laps of the rings
         m2n.combine(0, iteration=it, layer=0, micro_batch=0, out=torch.full((3, H), float(it)))
         out = m2n.recv_combine(0, layer=0, micro_batch=0, iteration=it).wait()

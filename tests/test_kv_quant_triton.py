@@ -17,8 +17,17 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 
 
+@pytest.fixture
+def on_device():
+    """Kernel-level tests build their tensors on DEVICE (the default device inside): the
+    compiled kernels take device pointers only; under the interpreter that is the CPU."""
+    with torch.device(DEVICE):
+        yield
+
+
 @pytest.mark.parametrize("fmt", ("fp8_e4m3", "fp8_e5m2"))
 @pytest.mark.parametrize("D", (64, 40))
+@pytest.mark.usefixtures("on_device")
 def test_triton_fp8_matches_torch_fp8(fmt, D):
     ref, ref_cache = _run_paged(fmt, D, backend=TorchAttention())
     got, cache = _run_paged(fmt, D, backend=make_attention_backend("triton"))
@@ -33,6 +42,7 @@ def test_triton_fp8_matches_torch_fp8(fmt, D):
 
 
 @pytest.mark.parametrize("fmt", ("fp8_e4m3", "fp8_e5m2"))
+@pytest.mark.usefixtures("on_device")
 def test_triton_mla_fp8_decode_matches_torch(fmt):
     from megainfer.kernels import triton_mla
     from megainfer.models.mla_attention import mla_decode_torch, store_latent_torch
@@ -82,6 +92,7 @@ def test_triton_engine_fp8_matches_torch_engine_fp8(tiny_ckpts, tmp_path, family
 
 
 @pytest.mark.parametrize("D", (64, 48))
+@pytest.mark.usefixtures("on_device")
 def test_triton_fp4_matches_torch_fp4(D):
     ref, ref_cache = _run_paged("fp4_e2m1", D, backend=TorchAttention())
     got, cache = _run_paged("fp4_e2m1", D, backend=make_attention_backend("triton"))
@@ -107,6 +118,7 @@ def test_triton_fp4_matches_torch_fp4(D):
         assert (g - r).abs().max() < 1e-4
 
 
+@pytest.mark.usefixtures("on_device")
 def test_triton_fp4_store_bit_identical_adversarial():
     """Outliers, zeros, tiny (subnormal-scale) blocks and saturation: the in-kernel quantiser
     writes the bytes kv_quant.quant_fp4 writes; -1 slots write nothing."""
@@ -131,6 +143,7 @@ def test_triton_fp4_store_bit_identical_adversarial():
 
 
 @pytest.mark.parametrize("fmt", ("fp4_e2m1", "fp8_e4m3"))
+@pytest.mark.usefixtures("on_device")
 def test_triton_mla_quantised_store_and_decode_match_torch(fmt):
     from megainfer.kernels import triton_mla
     from megainfer.kernels.dispatch import KernelInputError

@@ -32,6 +32,11 @@ class CudaUnavailableError(CommError):
 class IpcHandle(ctypes.Structure):
     _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_BYTES)]
 
+    def raw(self) -> bytes:
+        """All 64 bytes. (``bytes(h.reserved)`` would not do: ctypes reads a ``c_char`` array
+        field as a C string, cut at its first zero byte.)"""
+        return ctypes.string_at(ctypes.addressof(self), IPC_HANDLE_BYTES)
+
 
 def candidates() -> list[str]:
     """Where libcudart may be, best first (see the module docstring)."""
@@ -90,7 +95,7 @@ class CudaRuntime:
     def mem_handle(self, ptr: int) -> bytes:
         h = IpcHandle()
         self.check(self.ipcGetMemHandle(ctypes.byref(h), ctypes.c_void_p(ptr)), "cudaIpcGetMemHandle")
-        return bytes(h.reserved)
+        return h.raw()
 
     def open_mem(self, handle: bytes) -> int:
         """The peer's allocation in this process; raises with the CUDA reason."""
@@ -110,7 +115,7 @@ class CudaRuntime:
     def event_handle(self, ev: int) -> bytes:
         h = IpcHandle()
         self.check(self.ipcGetEventHandle(ctypes.byref(h), ctypes.c_void_p(ev)), "cudaIpcGetEventHandle")
-        return bytes(h.reserved)
+        return h.raw()
 
     def open_event(self, handle: bytes) -> int:
         ev = ctypes.c_void_p()

@@ -68,9 +68,10 @@ class KVCacheSpec:
         rows = math.prod(self.shape_per_token[:-1])
         return self.num_layers * rows * self.stored_row() * elt
 
-    def allocate(self, num_blocks: int, block_size: int, device="cpu",
+    def allocate(self, num_blocks: int, block_size: int, device=None,
                  dtype: Optional[torch.dtype] = None) -> list[torch.Tensor]:
-        """One zeroed cache tensor per layer (a quantised one with fresh, unset scales)."""
+        """One zeroed cache tensor per layer (a quantised one with fresh, unset scales), on
+        ``device`` (None: torch's default device)."""
         shape = self.layer_shape(num_blocks, block_size)
         caches = [torch.zeros(shape, dtype=self.storage_dtype(dtype), device=device)
                   for _ in range(self.num_layers)]
