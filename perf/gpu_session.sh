@@ -27,7 +27,8 @@
 #             as on a shared GPU) and cuda_ipc_device vs mpi staging vs the copy floor; NCCL
 #             with two ranks on one GPU tried and recorded.
 # Named on demand (STEPS="calib nccl ..."):
-#   calib     megainfer-plan calibrate on the GPU (bench=megainfer_cuda, smoke sizes, link from
+#   calib     megainfer-plan calibrate on the GPU (bench=megainfer_cuda, full sizes unless
+#             CALIB_SMOKE=true: the 2026-11-30 smoke run was too small to use; link from
 #             the transport bench) -> h200_measured.yaml;
 #   nccl      perf/bench_nccl_self.py: Channel over NCCL vs raw NCCL vs a device copy;
 #   tune1/2   perf/tune_moe_kernels.py --space small (kernels/tile_configs.json is committed);
@@ -164,9 +165,9 @@ step engine ${ENGINE_S:-200} "$PY" perf/bench_gpu_engine.py --device cuda --budg
   --systems "${ENGINE_SYSTEMS:-megainfer,megainfer-eager,hf}" --out "$W/bench_gpu_engine_cuda.json"
 step transport 60 "${R18[@]}" "$PY" perf/bench_transport_gpu.py --mpiexec "$MPIEXEC" --iters 200 \
   --out "$W/bench_transport_gpu.json"
-step calib 100 "${R18[@]}" MEGAINFER_CALIBRATE_LINK="$W/bench_transport_gpu.json" bash -c "cd $ROOT && \
+step calib 200 "${R18[@]}" MEGAINFER_CALIBRATE_LINK="$W/bench_transport_gpu.json" bash -c "cd $ROOT && \
   $PY -m megainfer.launch.plan calibrate model=mixtral_8x7b model.num_layers=2 \
-    calibrate.bench=megainfer_cuda calibrate.mpi=false calibrate.node=false calibrate.smoke=true \
+    calibrate.bench=megainfer_cuda calibrate.mpi=false calibrate.node=false calibrate.smoke=${CALIB_SMOKE:-false} \
     calibrate.merge=false calibrate.out=$W/h200_measured.yaml"
 step nccl 60 "$PY" perf/bench_nccl_self.py --out "$W/bench_nccl_self.json"
 step tune1 90 "$PY" perf/tune_moe_kernels.py --space small --shape 8,14336,4096 --top-k 2 --m 4,32,256,2048,8192 --table "$TUNED" --log "$W/tune_mixtral.json"
