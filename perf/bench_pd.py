@@ -3,14 +3,16 @@ without prefill ranks on the same number of ranks, the KV bytes sent, and the sh
 time hidden behind prefill compute.
 
     python perf/bench_pd.py [--ranks 4 --num 8 --long-prompt 256 --long-output 4
-                             --short-prompt 16 --short-output 32 --m 2]
+                             --short-prompt 16 --short-output 32 --m 2 --prefill-tp 1]
 
 Two workloads (greedy, eos ignored, random prompts, all requests at once): ``long_prompt``
 (``--num`` prompts of ``--long-prompt`` tokens, ``--long-output`` new tokens) and
 ``short_prompt`` (``--short-prompt`` / ``--short-output``). Model: the ~49M-parameter
 Mixtral-shaped bench50m (dummy weights, fp32, one thread per rank). Layouts on ``--ranks``
 ranks: the baseline, 1 attention replica + ``ranks-1`` expert ranks (it prefills and decodes),
-and PD, 1 prefill rank + 1 decode attention replica + ``ranks-2`` expert ranks. Each layout is
+PD, 1 prefill rank + 1 decode attention replica + ``ranks-2`` expert ranks, and with
+``--prefill-tp N`` > 1 also PD with one prefill replica of N TP ranks (experts split over them)
++ 1 decode attention replica + ``ranks-1-N`` expert ranks. Each layout is
 one mpiexec launch (``perf/pd_bench_job.py``) running a warm-up job, then each workload.
 
 Figures: TTFT (arrival at the engine that prefills it -> first token), TPOT (mean time per
@@ -18,7 +20,7 @@ output token after the first), prefill end -> decode start (``kv_handoff_s``: th
 rank's step end to the decode replica starting the request), KV bytes sent, and the hidden
 share: per transfer, 1 - (its last send completing after the prefill step's forward ended) /
 (first layer posted -> last send complete), summed over transfers (completion is observed when
-the prefill rank polls, so the exposed part is an upper bound). Greedy tokens of both layouts
+the prefill rank polls, so the exposed part is an upper bound). Greedy tokens of all layouts
 must agree. Writes ``perf/results/bench_pd.json``.
 """
 from __future__ import annotations
@@ -67,6 +69,7 @@ def main():
     ap.add_argument("--short-prompt", type=int, default=16)
     ap.add_argument("--short-output", type=int, default=32)
     ap.add_argument("--m", type=int, default=2)
+    ap.add_argument("--prefill-tp", type=int, default=1)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "bench_pd.json"))
     a = ap.parse_args()
     workloads = [dict(name="long_prompt", num=a.num, prompt_len=a.long_prompt,
@@ -76,12 +79,16 @@ def main():
     base = dict(m=a.m, max_num_seqs=16, max_num_batched_tokens=512, block_size=16,
                 num_blocks=512, workloads=workloads)
     layouts = {"baseline": dict(A=1, E=a.ranks - 1, P=0), "pd": dict(A=1, E=a.ranks - 2, P=1)}
+    if a.prefill_tp > 1:  # a prefill replica of that many TP ranks, fewer expert ranks
+        layouts[f"pd_tp{a.prefill_tp}"] = dict(A=1, E=a.ranks - 1 - a.prefill_tp, P=1,
+                                               PTP=a.prefill_tp)
     raw, rows = {}, []
     for name, lay in layouts.items():
         raw[name] = run_job(a.ranks, "pd_bench_job.py", f"/tmp/bench_pd_{name}.json",
                             [json.dumps(dict(base, **lay))])
     for w in workloads:
-        same = raw["baseline"][w["name"]]["tokens"] == raw["pd"][w["name"]]["tokens"]
+        same = all(raw["baseline"][w["name"]]["tokens"] == raw[n][w["name"]]["tokens"]
+                   for n in layouts)
         for name in layouts:
             s = summarise(raw[name][w["name"]])
             rows.append(dict(workload=w["name"], layout=name, tokens_match=same, **s))

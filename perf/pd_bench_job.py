@@ -4,6 +4,8 @@ time, per-request TTFT / TPOT / prefill-end-to-decode-start, and the prefill ran
 figures (bytes sent, transfer time, the part of it not hidden behind prefill compute).
 
     mpiexec -n K python perf/pd_bench_job.py OUT.json '{"A": 1, "E": 2, "P": 1, "m": 2, ...}'
+
+``PTP``: deploy.prefill_tp (default 1); every TP rank of a prefill replica reports its stats.
 """
 import json
 import os
@@ -35,7 +37,8 @@ def inputs(w: dict, seed: int):
 
 def run(a: dict, cfg, w: dict, seed: int):
     plan = DeployPlan(mode="disaggregated", attention_replicas=a["A"], expert_ranks=a["E"],
-                      micro_batches=a["m"], prefill_replicas=a["P"])
+                      micro_batches=a["m"], prefill_replicas=a["P"],
+                      prefill_tp=a.get("PTP", 1))
     sched = SchedulerConfig(a["max_num_seqs"], a["max_num_batched_tokens"],
                             w["prompt_len"] + w["output_len"])
     r = build_rank(JobSpec(cfg, LoadConfig(load_format="dummy"), sched,

@@ -27,7 +27,10 @@ def test_rank_order_prefill_last():
     assert prefill_rank_ids(plan) == [4, 5]
     assert DeployPlan(mode="disaggregated", expert_ranks=2).world_size == 3  # unchanged
     with pytest.raises(ConfigError, match="deploy.prefill_tp"):
-        DeployPlan(mode="disaggregated", expert_ranks=1, prefill_replicas=1, prefill_tp=2)
+        DeployPlan(mode="disaggregated", expert_ranks=1, prefill_replicas=1, prefill_tp=0)
+    tp = DeployPlan(mode="disaggregated", expert_ranks=1, prefill_replicas=2, prefill_tp=2)
+    assert tp.world_size == 6 and prefill_rank_ids(tp) == [2, 4]
+    assert [assign_role(tp, r, 6).prefill_index for r in range(2, 6)] == [0, 0, 1, 1]
     with pytest.raises(ConfigError, match="deploy.prefill_replicas"):
         DeployPlan(mode="colocated", attention_replicas=2, prefill_replicas=1)
     with pytest.raises(ConfigError, match="deploy.prefill_replicas"):

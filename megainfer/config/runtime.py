@@ -184,8 +184,8 @@ class DeployPlan:
                      "colocated mode runs data parallel attention only (attention_tp=1)")
         _require(isinstance(self.prefill_replicas, int) and self.prefill_replicas >= 0,
                  "deploy.prefill_replicas", self.prefill_replicas, "must be an integer >= 0")
-        _require(self.prefill_tp == 1, "deploy.prefill_tp", self.prefill_tp,
-                 "prefill replicas run with prefill_tp=1 only (tensor-parallel prefill: not yet)")
+        _require(isinstance(self.prefill_tp, int) and self.prefill_tp >= 1, "deploy.prefill_tp",
+                 self.prefill_tp, "must be an integer >= 1")
         if self.prefill_replicas:
             _require(self.mode == "disaggregated", "deploy.prefill_replicas", self.prefill_replicas,
                      f"prefill replicas hand off to disaggregated decode (deploy.mode={self.mode})")

@@ -23,6 +23,10 @@ from .sampling_params import SamplingParams
 
 @dataclass
 class HandoffState:
+    """A request (its group head, sample 0) as decoding needs it; ``samples``: the states of
+    samples 1..n-1 (``SamplingParams.n > 1``), each with its own seed and first token, some
+    maybe finished already (eos at the first token)."""
+
     request_id: str
     prompt: Optional[str]
     prompt_token_ids: list[int]
@@ -41,21 +45,37 @@ class HandoffState:
     bad_words_token_ids: list = field(default_factory=list)
     num_preemptions: int = 0
     t_prefill_end: float = 0.0  # perf_counter when the prefill step ended (same node clock)
+    index: int = 0
+    finish_reason: Optional[str] = None  # a sample finished at its first token
+    stop_reason: object = None
+    finish_time: Optional[float] = None
+    samples: list = field(default_factory=list)
 
 
 def export_state(req: Request) -> HandoffState:
+    """The group head ``req`` and its samples."""
+    state = _state(req)
+    state.samples = [_state(s) for s in req.samples[1:]]
+    return state
+
+
+def _state(req: Request) -> HandoffState:
     return HandoffState(
         req.request_id, req.prompt, list(req.prompt_token_ids), req.params, req.seed,
         list(req.output_token_ids), req.arrival_time, req.first_token_time,
         max(req.num_cached_tokens, 0), req.logprobs, req.cumulative_logprob, req.prompt_logprobs,
         req.text, req.prefix_offset, req.read_offset, req.bad_words_token_ids,
-        req.num_preemptions, time.perf_counter())
+        req.num_preemptions, time.perf_counter(), req.index,
+        req.finish_reason if req.is_finished else None, req.stop_reason, req.finish_time)
 
 
 def detach(engine, req: Request) -> None:
-    """Take a running request (its first token sampled) out of the engine, blocks freed."""
-    engine.scheduler.running.remove(req)
-    engine.blocks.free_request(req)
+    """Take a request (its first tokens sampled) out of the engine, every sample's blocks
+    freed (a sample finished at its first token gave its blocks back already)."""
+    for s in req.samples or [req]:
+        if s in engine.scheduler.running:
+            engine.scheduler.running.remove(s)
+        engine.blocks.free_request(s)
     engine.requests.pop(req.request_id, None)
 
 
@@ -73,24 +93,42 @@ def release(engine, placeholder: Request) -> None:
 
 
 def start(engine, state: HandoffState, placeholder: Request) -> Request:
-    """The request, running in ``engine`` with its prompt's KV in ``placeholder``'s blocks."""
-    cfg = engine.model_config
+    """The request, running in ``engine`` with its prompt's KV in ``placeholder``'s blocks. Its
+    unfinished samples share those blocks (as single mode's forks do; copy on write), in
+    sample order after the head, as single mode queues its forks."""
+    states = [state] + list(state.samples)
     seq_id = engine._next_seq_id
-    engine._next_seq_id += 1
+    engine._next_seq_id += len(states)
+    reqs = [_request(engine, s, seq_id + i) for i, s in enumerate(states)]
+    head = reqs[0]
+    head.samples, head.pending = reqs, []
+    head.prompt_logprobs = state.prompt_logprobs
+    live = [r for r in reqs if not r.is_finished]
+    owner = live[0]  # the prefill rank reports a request whose samples all finished as output
+    owner.block_table, placeholder.block_table = placeholder.block_table, []
+    engine.blocks.cache_full_blocks(owner)  # its full prompt blocks join this replica's cache
+    for r in live[1:]:
+        engine.blocks.fork(owner, r)
+    engine.requests[head.request_id] = head
+    engine.scheduler.running.extend(live)
+    return head
+
+
+def _request(engine, state: HandoffState, seq_id: int) -> Request:
+    cfg = engine.model_config
     req = Request(seq_id, state.request_id, state.prompt, state.prompt_token_ids, state.params,
                   seed=state.seed, eos_token_ids=cfg.eos_token_id,
-                  max_model_len=engine.max_model_len, logprobs=state.logprobs)
+                  max_model_len=engine.max_model_len, logprobs=state.logprobs, index=state.index)
     req.output_token_ids = list(state.output_token_ids)
     req.arrival_time, req.first_token_time = state.arrival_time, state.first_token_time
-    req.cumulative_logprob, req.prompt_logprobs = state.cumulative_logprob, state.prompt_logprobs
+    req.cumulative_logprob = state.cumulative_logprob
     req.text, req.prefix_offset, req.read_offset = state.text, state.prefix_offset, state.read_offset
     req.bad_words_token_ids, req.num_preemptions = state.bad_words_token_ids, state.num_preemptions
     req.num_cached_tokens = state.num_cached_tokens
-    req.block_table, placeholder.block_table = placeholder.block_table, []
+    req.stop_reason = state.stop_reason
+    if state.finish_reason is not None:
+        req.finish(state.finish_reason, state.finish_time)
+        return req
     req.num_computed_tokens = len(state.prompt_token_ids)
-    req.samples, req.pending = [req], []
     req.status = RequestStatus.RUNNING
-    engine.requests[req.request_id] = req
-    engine.scheduler.running.append(req)
-    engine.blocks.cache_full_blocks(req)  # its full prompt blocks join this replica's cache
     return req

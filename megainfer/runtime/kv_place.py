@@ -24,9 +24,12 @@ def sender_scales(kv: torch.Tensor):
 
 
 def place(kv: torch.Tensor, kind: str, blocks: list[int], buf: torch.Tensor,
-          src_scales: Optional[torch.Tensor], parts: tuple = ()) -> None:
-    """Staged blocks ``buf`` (the cache's storage format) into ``blocks`` of ``kv``. A quantised
-    part whose scale differs from the sender's is requantised (module docstring)."""
+          src_scales: Optional[torch.Tensor], parts: tuple = (),
+          heads: Optional[tuple[int, int]] = None) -> None:
+    """Staged blocks ``buf`` (the cache's storage format) into ``blocks`` of ``kv`` (GQA
+    ``heads``: (first, count) of the cache's heads ``buf`` holds, the rest left alone; several
+    prefill TP ranks each send a run). A quantised part whose scale differs from the sender's
+    is requantised (module docstring)."""
     dim = 1 if kind == "gqa" else 0
     idx = torch.tensor(blocks, dtype=torch.long, device=kv.device)
     buf = buf.to(kv.device)
@@ -38,6 +41,8 @@ def place(kv: torch.Tensor, kind: str, blocks: list[int], buf: torch.Tensor,
             buf = _requant(buf, kind, fmt, src, dst, parts)
     if kv.element_size() == 1:
         kv, buf = kv.view(torch.uint8), buf.view(torch.uint8)
+    if heads is not None:
+        kv = kv.narrow(3, heads[0], heads[1])  # a view: the copy lands in the cache
     kv.index_copy_(dim, idx, buf)
 
 

@@ -5,7 +5,9 @@ One *transfer* moves one request's prompt KV: for every layer, the request's fir
 format (model dtype, fp8 elements or packed fp4 rows with their block scales). Positions at or
 past the prompt length P in the last block are zeroed, so a transfer's bytes depend only on the
 prompt. A decode TP rank gets its own KV heads (GQA: heads ``t*H//tp ..``, as
-``layers.SelfAttention`` splits them; MLA: the whole latent, every TP rank keeps one).
+``layers.SelfAttention`` splits them; MLA: the whole latent, every TP rank keeps one). From a
+tensor-parallel prefill replica each prefill TP rank sends the runs of those heads it holds
+(``kv_routes``): a decode rank may then receive one layer segment from several senders.
 
 A transfer is cut into *segments* of ``S = max_num_batched_tokens // block_size`` blocks (about
 one prefill chunk), one message per (layer, segment), so a prompt prefilled in several chunks
@@ -16,8 +18,8 @@ streams each segment in the step that completes it, not everything in its last s
   gathers a layer's blocks of those segments into one contiguous, block-major buffer per
   destination and posts a non-blocking ``Isend`` right after the layer ran, so the transfer of
   layer l overlaps the compute of layer l+1; ``poll`` completes them.
-* ``KVReceiver`` (decode rank): ``post`` opens one ``Irecv`` per (layer, segment) into its slice
-  of a staging buffer (one tag each: layers and segments may complete in any order); ``wait``
+* ``KVReceiver`` (decode rank): ``post`` opens one ``Irecv`` per (layer, segment, sender) into
+  its slice of that sender's staging buffer (one tag each: layers and segments may complete in any order); ``wait``
   bounds the wait by ``comm.timeout_s`` and names the prefill rank and the request; ``scatter``
   copies every layer into the blocks the decode engine reserved.
 
@@ -41,7 +43,10 @@ from megainfer.comm.wait import WaitPolicy, wait_until
 
 from .control import RankFailure
 from .kv_place import place, sender_scales
+from .kv_routes import head_slice
 
+__all__ = ["Dest", "Incoming", "KVReceiver", "KVSender", "Outgoing", "Segments", "gather_blocks",
+           "head_slice", "kv_tag", "staging_shape"]  # head_slice: from kv_routes
 TAG_BASE = 1000
 
 
@@ -68,11 +73,6 @@ class Segments:
 def kv_tag(xfer: int, layer: int, seg: int, num_layers: int, segs: Segments, tag_ub: int) -> int:
     """The MPI tag of (transfer, layer, segment): distinct for every transfer in flight."""
     return TAG_BASE + ((xfer * num_layers + layer) * segs.max_count + seg) % (tag_ub - TAG_BASE)
-
-
-def head_slice(num_kv_heads: int, tp: int, tp_rank: int) -> tuple[int, int]:
-    """(first KV head, count) a decode TP rank holds (replicated when tp > num_kv_heads)."""
-    return tp_rank * num_kv_heads // tp, max(1, num_kv_heads // tp)
 
 
 def _bytes(t: torch.Tensor):
@@ -103,11 +103,13 @@ def gather_blocks(kv: torch.Tensor, kind: str, blocks: list[int], num_tokens: in
     return g
 
 
-def staging_shape(kind: str, layer_shape: tuple, num_blocks: int) -> tuple:
-    """The receive buffer of one layer, block-major (a segment is a contiguous slice): GQA
-    ``[n, 2, BS, H, D]``, MLA ``[n, BS, R]``."""
+def staging_shape(kind: str, layer_shape: tuple, num_blocks: int,
+                  heads: Optional[int] = None) -> tuple:
+    """The receive buffer of one layer from one sender, block-major (a segment is a contiguous
+    slice): GQA ``[n, 2, BS, h, D]`` (``heads``: h, else the cache's), MLA ``[n, BS, R]``."""
     if kind == "gqa":
-        return (num_blocks, layer_shape[0], *layer_shape[2:])
+        h = layer_shape[3] if heads is None else heads
+        return (num_blocks, layer_shape[0], layer_shape[2], h, *layer_shape[4:])
     return (num_blocks, *layer_shape[1:])
 
 
@@ -233,14 +235,16 @@ class KVSender:
 
 @dataclass
 class Incoming:
-    """One request's transfer on a decode rank: a staging buffer and a receive per layer."""
+    """One request's transfer on a decode rank: staging buffers and a receive per layer segment.
+    Several senders (a tensor-parallel prefill replica) each send a run of this rank's heads."""
 
     xfer: int
-    src: int
+    src: int  # the first sender's rank (named when the transfer is late)
     request_id: str
-    bufs: list  # per layer: staging tensor (block-major)
-    reqs: list  # per (layer, segment): MPI request(s)
-    scales: list  # per layer: the sender's float32 [2] scales (quantised caches), else None
+    bufs: list  # per layer: per sender, staging tensor (block-major)
+    reqs: list  # per (layer, segment, sender): MPI request(s)
+    scales: list  # per layer: per sender, its float32 [2] scales (quantised caches), else None
+    heads: list = field(default_factory=list)  # per sender: (first head here, count) or None
     t_posted: float = 0.0
     t_received: float = 0.0
 
@@ -261,26 +265,35 @@ class KVReceiver:
         self.tag_ub = comm.Get_attr(MPI.TAG_UB)
         self.bytes_received = 0
 
-    def post(self, xfer: int, src: int, num_blocks: int, request_id: str,
+    def post(self, xfer: int, src, num_blocks: int, request_id: str,
              order: Optional[list[int]] = None) -> Incoming:
-        """One ``Irecv`` per (layer, segment) (``order``: the layers' posting order, for tests;
-        any order works). Every segment carries the layer's scales (quantised caches): they are
-        set once, so the last one received is as good as any."""
-        shape = staging_shape(self.kind, self.layer_shape, num_blocks)
-        bufs = [torch.empty(shape, dtype=self.dtype) for _ in range(self.L)]
-        scales = [torch.zeros(2, dtype=torch.float32) if self.quantised else None
+        """One ``Irecv`` per (layer, segment, sender) (``order``: the layers' posting order, for
+        tests; any order works). ``src``: the sender's rank, or ``[(rank, heads)]`` in the order
+        of this rank's heads (``heads``: how many of them that sender sends; None: all). Every
+        segment carries the layer's scales (quantised caches): they are set once per sender, so
+        the last one received is as good as any."""
+        srcs = [(src, None)] if isinstance(src, int) else list(src)
+        heads, h0 = [], 0
+        for _, n in srcs:
+            heads.append(None if n is None else (h0, n))
+            h0 += n or 0
+        bufs = [[torch.empty(staging_shape(self.kind, self.layer_shape, num_blocks, n),
+                             dtype=self.dtype) for _, n in srcs] for _ in range(self.L)]
+        scales = [[torch.zeros(2, dtype=torch.float32) if self.quantised else None for _ in srcs]
                   for _ in range(self.L)]
         reqs = []
         for l in (order if order is not None else range(self.L)):
             for j in range(self.segs.count(num_blocks)):
                 b0, b1 = self.segs.span(j, num_blocks)
                 tag = kv_tag(xfer, l, j, self.L, self.segs, self.tag_ub)
-                reqs.append(self.comm.Irecv([_bytes(bufs[l][b0:b1]), MPI.BYTE], source=src,
-                                            tag=tag))
-                if scales[l] is not None:
-                    reqs.append(self.comm.Irecv([_bytes(scales[l]), MPI.BYTE], source=src,
-                                                tag=tag))
-        return Incoming(xfer, src, request_id, bufs, reqs, scales, time.perf_counter())
+                for k, (rank, _) in enumerate(srcs):
+                    reqs.append(self.comm.Irecv([_bytes(bufs[l][k][b0:b1]), MPI.BYTE],
+                                                source=rank, tag=tag))
+                    if scales[l][k] is not None:
+                        reqs.append(self.comm.Irecv([_bytes(scales[l][k]), MPI.BYTE],
+                                                    source=rank, tag=tag))
+        return Incoming(xfer, srcs[0][0], request_id, bufs, reqs, scales, heads,
+                        time.perf_counter())
 
     def wait(self, inc: Incoming) -> None:
         waited = wait_until(inc.test, self.policy)
@@ -294,12 +307,14 @@ class KVReceiver:
         return sum(1 for r in inc.reqs if r.Test()) // per
 
     def scatter(self, inc: Incoming, kv_caches: list[torch.Tensor], blocks: list[int]) -> None:
-        """Every layer's staged blocks into the reserved ``blocks`` of the paged cache."""
-        for kv, buf, sc in zip(kv_caches, inc.bufs, inc.scales):
-            if self.kind == "gqa":
-                buf = buf.transpose(0, 1)  # block-major -> the cache's [2, n, BS, H, D]
-            place(kv, self.kind, blocks, buf, sc, self.parts)
-            self.bytes_received += buf.numel() * buf.element_size()
+        """Every layer's staged blocks into the reserved ``blocks`` of the paged cache (each
+        sender's into its heads, with its scales)."""
+        for kv, bufs, scs in zip(kv_caches, inc.bufs, inc.scales):
+            for buf, sc, heads in zip(bufs, scs, inc.heads):
+                if self.kind == "gqa":
+                    buf = buf.transpose(0, 1)  # block-major -> the cache's [2, n, BS, h, D]
+                place(kv, self.kind, blocks, buf, sc, self.parts, heads)
+                self.bytes_received += buf.numel() * buf.element_size()
         inc.bufs = []
 
     def cancel(self, inc: Incoming) -> None:

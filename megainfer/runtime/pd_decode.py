@@ -2,8 +2,9 @@
 tells it about transfers, applied at the same iteration on every TP rank of the replica, so
 their schedulers stay identical.
 
-* ``("expect", xfer, src, num_tokens, request_id)``: post one receive per layer from prefill
-  rank ``src`` (the KV may start arriving at once), and reserve the prompt's blocks (first come
+* ``("expect", xfer, src, num_tokens, request_id)``: post one receive per layer from each rank
+  of the prefill replica starting at rank ``src`` that holds some of this rank's KV heads (the
+  KV may start arriving at once), and reserve the prompt's blocks (first come
   first served; when too few blocks are free, retried every iteration).
 * ``("start", xfer, state)``: the prefill rank sampled the first token; once the blocks are
   reserved, wait (bounded) for every layer, scatter them into the blocks and start the request.
@@ -32,8 +33,10 @@ class _Expect:
 
 
 class DecodeSide:
-    def __init__(self, engine, receiver: KVReceiver, tracer=None):
+    def __init__(self, engine, receiver: KVReceiver, tracer=None, sources=None):
         self.engine, self.receiver, self.tracer = engine, receiver, tracer
+        # prefill replica's first rank -> [(rank, heads)] this rank receives from (kv_routes)
+        self.sources = sources or (lambda leader: leader)
         self.expects: "OrderedDict[int, _Expect]" = OrderedDict()
         self.handoff_s: dict[str, float] = {}  # request id -> prefill end to decode start
         self.num_started = 0
@@ -47,7 +50,7 @@ class DecodeSide:
             if m[0] == "expect":
                 _, xfer, src, n, rid = m
                 bs = self.engine.cache_config.block_size
-                inc = self.receiver.post(xfer, src, -(-n // bs), rid)
+                inc = self.receiver.post(xfer, self.sources(src), -(-n // bs), rid)
                 self.expects[xfer] = _Expect(inc, n)
             else:
                 e = self.expects[m[1]]

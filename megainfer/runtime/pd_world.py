@@ -3,9 +3,11 @@
 Rank order: decode attention ranks, expert ranks (as without prefill ranks), then the prefill
 ranks. The decode attention ranks and expert ranks build exactly what they build without prefill
 ranks, on a communicator of their own (``comm.Split``: same rank numbers, prefill ranks last),
-and the attention ranks' loop becomes ``PDReplicaLoop``. A prefill rank builds the whole model
-(experts local), an engine whose executor streams KV out (``PrefillExecutor``) and a
-``PrefillWorker``. KV and the prefill messages travel on a duplicate of the world communicator.
+and the attention ranks' loop becomes ``PDReplicaLoop``. A prefill replica is
+``deploy.prefill_tp`` consecutive ranks; each builds the whole model (attention split over the
+replica's TP ranks, experts split over them), an engine whose executor streams its KV heads out
+(``PrefillExecutor``, routes from ``kv_routes``) and a ``PrefillWorker``. KV and the prefill
+messages travel on a duplicate of the world communicator.
 """
 from __future__ import annotations
 
@@ -13,56 +15,93 @@ import dataclasses
 import time
 
 from megainfer.comm.wait import WaitPolicy
-from megainfer.models import build_model
+from megainfer.config import ConfigError
+from megainfer.models import ParallelContext, build_model
 
-from .kv_stream import Dest, KVReceiver, KVSender, Segments, head_slice
+from .control import ControlPlane
+from .kv_routes import check_prefill_tp, routes_to
+from .kv_stream import Dest, KVReceiver, KVSender, Segments
 from .pd_decode import DecodeSide
 from .pd_loop import PDReplicaLoop
 from .pd_router import PDRouter
+from .prefill_experts import expert_slots_of, split_experts
 from .prefill_worker import PrefillExecutor, PrefillWorker
 from .roles import assign_role, prefill_rank_ids
+from .tp_group import TPGroup
 from .trace import Tracer
 
 
 def build_pd_rank(job, comm, build_rank):
-    from .world import DTYPES, Rank, _engine
     plan, cfg = job.plan, job.model
     rank, world = comm.Get_rank(), comm.Get_size()
     role = assign_role(plan, rank, world)
+    why = check_prefill_tp(cfg.num_heads, cfg.num_kv_heads, cfg.is_mla, plan.prefill_tp,
+                           cfg.num_experts)
+    if why is not None:  # every rank raises the same, before any collective call
+        raise ConfigError(f"deploy.prefill_tp={plan.prefill_tp}: {why}")
     epoch = comm.bcast(time.perf_counter(), root=0)
     kv_comm = comm.Dup()
     core = comm.Split(1 if role.is_prefill else 0, rank)
     policy = WaitPolicy(mode=job.comm.wait_mode, timeout_s=job.comm.timeout_s)
-    L, tp = cfg.num_layers, plan.attention_tp
     segs = Segments.for_job(job.sched.max_model_len, job.cache.block_size,
                             job.sched.max_num_batched_tokens)
     if role.is_prefill:
-        dev = job.device.torch_device
-        tracer = Tracer(enabled=job.trace.enabled, rank=rank, name=role.tag, epoch=epoch,
-                        device=dev)
-        model = build_model(cfg, job.load, role="full", device=dev)
-        model.set_attention_backend(job.device.attention_backend)
-        kind = model.kv_cache_spec(DTYPES[job.load.dtype]).kind
-        dests = [[Dest(r * tp + t, head_slice(cfg.num_kv_heads, tp, t) if kind == "gqa" else None)
-                  for t in range(tp)] for r in range(plan.attention_replicas)]
-        sender = KVSender(kv_comm, L, kind, role.tag, policy, segs, job.cache.block_size)
-        engine = _engine(job, role, model, lambda kv: PrefillExecutor(
-            model, kv, job.cache.block_size, sender))
-        track = (job.sched.routing == "cache_aware" and plan.prefill_replicas > 1
-                 and job.cache.enable_prefix_caching)  # as rank 0's Router.tracks_keys
-        worker = PrefillWorker(engine, engine.executor, kv_comm, dests, role.tag, policy, tracer,
-                               track_keys=track)
-        return Rank(role, tracer, worker=worker)
+        return _build_prefill(job, role, core, kv_comm, policy, segs, epoch)
     r = build_rank(dataclasses.replace(job, plan=dataclasses.replace(plan, prefill_replicas=0)),
                    core)
     if r.loop is not None:
         lp, e = r.loop, r.loop.engine
         kv0 = e.kv_caches[0]
-        receiver = KVReceiver(kv_comm, e.kv_spec.kind, tuple(kv0.shape), kv0.dtype, L, lp.role.tag,
-                              policy, segs, e.kv_spec.parts)
-        decode = DecodeSide(e, receiver, r.tracer if job.trace.enabled else None)
+        receiver = KVReceiver(kv_comm, e.kv_spec.kind, tuple(kv0.shape), kv0.dtype,
+                              cfg.num_layers, lp.role.tag, policy, segs, e.kv_spec.parts)
+        rts = routes_to(e.kv_spec.kind, cfg.num_kv_heads, plan.prefill_tp, plan.attention_tp,
+                        role.tp_rank)
+        decode = DecodeSide(e, receiver, r.tracer if job.trace.enabled else None,
+                            lambda leader: [(leader + x.src, x.count) for x in rts])
         router = PDRouter(kv_comm, prefill_rank_ids(plan), plan.attention_replicas, e,
                           lp.role.tag, policy) if rank == 0 else None
         r.loop = PDReplicaLoop(e, lp.role, lp.plan, lp.control, lp.exchange, lp.first_moe_layer,
                                decode, router)
     return r
+
+
+def _build_prefill(job, role, core, kv_comm, policy, segs, epoch):
+    """One TP rank of a prefill replica: the whole model (attention split over the replica's
+    TP ranks as a decode replica's, the routed experts split over them too (``prefill_experts``),
+    every other weight on every rank), its engine (identical on every TP rank: they get the same
+    work at the same iteration), and the KV routes from this rank's heads to every decode TP
+    rank."""
+    from .world import DTYPES, Rank, _engine
+    plan, cfg, rank = job.plan, job.model, role.rank
+    tp = plan.prefill_tp
+    tp_rank = (rank - plan.attention_ranks - plan.expert_ranks) % tp
+    tag = role.tag if tp == 1 else f"[prefill {role.prefill_index} tp{tp_rank}]"
+    tp_comm = core.Split(role.prefill_index, rank)  # this prefill replica's TP ranks
+    par, slots = ParallelContext(), None
+    if tp > 1:
+        named = rank + 1 if tp_rank == 0 else rank - tp_rank  # who a late all-reduce names
+        group = TPGroup(tp_comm, ControlPlane(tp_comm, tag, policy), named)
+        par = ParallelContext(tp_rank, tp, group.all_reduce)
+        slots = [expert_slots_of(cfg.num_experts, tp, tp_rank)] * cfg.num_layers
+    dev = job.device.torch_device
+    tracer = Tracer(enabled=job.trace.enabled, rank=rank, name=tag, epoch=epoch, device=dev)
+    model = build_model(cfg, job.load, par, role="full", expert_slots=slots, device=dev)
+    if tp > 1:
+        split_experts(model, group.all_reduce)  # this rank's experts, partial sums all-reduced
+    model.set_attention_backend(job.device.attention_backend)
+    kind = model.kv_cache_spec(DTYPES[job.load.dtype]).kind
+    dests = []  # per decode replica: what this rank sends to which of its TP ranks
+    for r in range(plan.attention_replicas):
+        dests.append([Dest(r * plan.attention_tp + t, x.sender_heads(cfg.num_kv_heads, tp))
+                      for t in range(plan.attention_tp)
+                      for x in routes_to(kind, cfg.num_kv_heads, tp, plan.attention_tp, t)
+                      if x.src == tp_rank])
+    sender = KVSender(kv_comm, cfg.num_layers, kind, tag, policy, segs, job.cache.block_size)
+    engine = _engine(job, role, model, lambda kv: PrefillExecutor(
+        model, kv, job.cache.block_size, sender))
+    track = (job.sched.routing == "cache_aware" and plan.prefill_replicas > 1
+             and job.cache.enable_prefix_caching)  # as rank 0's Router.tracks_keys
+    worker = PrefillWorker(engine, engine.executor, kv_comm, dests, tag, policy, tracer,
+                           track_keys=track and tp_rank == 0,
+                           peers=tp_comm if tp > 1 else None)
+    return Rank(role, tracer, worker=worker)

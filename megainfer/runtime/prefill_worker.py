@@ -1,6 +1,10 @@
-"""A prefill replica (docs/pd.md): the whole model on one rank, experts local (as single mode),
-running whole prompts (chunked by its scheduler), sampling each request's first token, and
-handing the request to the decode replica rank 0 chose.
+"""A prefill replica (docs/pd.md): the whole model, experts local (as single mode), on one rank
+or split over ``deploy.prefill_tp`` ranks (attention heads split as a decode replica's, routed
+experts split too, ``prefill_experts``), running whole prompts (chunked by its scheduler),
+sampling each request's first token (each sample's, ``SamplingParams.n > 1``), and handing the
+request to the decode replica rank 0 chose. Under TP, TP rank 0 (the leader) talks to rank 0 and forwards each
+iteration's work to the other TP ranks, whose engines stay identical to its own; every TP rank
+streams its own KV heads.
 
 ``PrefillExecutor`` is single mode's ``LocalExecutor`` plus a forward hook on every decoder
 layer: in a step that computes part of a request's prompt, the moment layer l has run (its KV
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Optional
 
 import torch
 from mpi4py import MPI
@@ -71,8 +76,12 @@ class PrefillExecutor(LocalExecutor):
 
 class PrefillWorker:
     def __init__(self, engine, executor: PrefillExecutor, comm: MPI.Comm, dests: list, tag: str,
-                 policy: WaitPolicy, tracer=None, track_keys: bool = False):
+                 policy: WaitPolicy, tracer=None, track_keys: bool = False,
+                 peers: Optional[MPI.Comm] = None):
         self.engine, self.executor, self.comm, self.tag = engine, executor, comm, tag
+        self.peers = peers  # this prefill replica's TP ranks (None: one rank)
+        self.leader = peers is None or peers.Get_rank() == 0
+        self.peer_outbox: list = []  # the leader's forwards in flight
         self.dests = dests  # per decode replica: [Dest] of its TP ranks
         self.policy = policy
         self.idle_policy = WaitPolicy(mode=policy.mode, timeout_s=min(0.05, policy.timeout_s))
@@ -88,9 +97,14 @@ class PrefillWorker:
     def run(self) -> int:
         """Serve rank 0 until it says stop; returns the number of steps run."""
         while True:
-            work = self._receive(block=not self.engine.has_unfinished())
+            if self.leader:
+                work = self._receive(block=not self.engine.has_unfinished())
+                self._forward(work)
+            else:
+                work = self._from_leader()
             if work == STOP:
                 MPI.Request.Waitall(self.outbox)  # rank 0 took every report before stopping
+                MPI.Request.Waitall(self.peer_outbox)
                 self.executor.sender.drain()
                 self._collect()
                 return self.steps
@@ -99,9 +113,29 @@ class PrefillWorker:
             stepped = self.engine.has_unfinished()
             if stepped:
                 report += self._step()
-            if stepped or report:  # after every step: a heartbeat too
+            if self.leader and (stepped or report):  # after every step: a heartbeat too
                 self._report(report)
             self._check_sends()
+
+    def _forward(self, work) -> None:
+        """Leader: this iteration's work (maybe none) or STOP to the replica's other TP ranks,
+        so every one adds the same requests and steps at the same iteration (their engines stay
+        identical; the steps' all-reduces keep them in lockstep)."""
+        if self.peers is None:
+            return
+        self.peer_outbox = [r for r in self.peer_outbox if not r.Test()]
+        for t in range(1, self.peers.Get_size()):
+            self.peer_outbox.append(self.peers.isend(work, dest=t, tag=TAG_PD_WORK))
+
+    def _from_leader(self):
+        """A TP rank other than the leader: the leader's next message (idle is legitimate, as
+        the leader's own wait for rank 0; a dead leader ends the job through the process
+        manager, or rank 0 notices the silent prefill replica)."""
+        while not self.peers.Iprobe(source=0, tag=TAG_PD_WORK):
+            self.executor.sender.poll()
+            self._check_sends()
+            wait_until(lambda: self.peers.Iprobe(source=0, tag=TAG_PD_WORK), self.idle_policy)
+        return self.peers.recv(source=0, tag=TAG_PD_WORK)
 
     def _report(self, report: list) -> None:
         """Non-blocking: rank 0 may be sending us work at the same time (no send waits on a
@@ -130,9 +164,6 @@ class PrefillWorker:
 
     def _add(self, xfer: int, inp, replica: int):
         try:
-            if inp.params is not None and inp.params.n > 1:
-                raise RequestError(f"n={inp.params.n}: not supported with prefill replicas "
-                                   "(deploy.prefill_replicas > 0)")
             req = self.engine.add_request(inp.request_id, inp.prompt, inp.params,
                                           prompt_token_ids=inp.prompt_token_ids)
         except RequestError as e:
@@ -140,8 +171,9 @@ class PrefillWorker:
             return xfer, "failed", RequestOutput.failed(inp.request_id, inp.prompt,
                                                         inp.prompt_token_ids, e)
         self.xfer_of[req.request_id] = xfer
-        self.executor.planned[req.seq_id] = Outgoing(xfer, req.request_id, self.dests[replica],
-                                                     req.num_prompt_tokens)
+        if self.dests[replica]:  # a TP rank whose heads go elsewhere (MLA: rank 0's) sends none
+            self.executor.planned[req.seq_id] = Outgoing(xfer, req.request_id,
+                                                         self.dests[replica], req.num_prompt_tokens)
         return None
 
     def _step(self) -> list:

@@ -1,15 +1,20 @@
 """Disaggregated jobs with prefill replicas in one mpiexec launch; rank 0 dumps outputs.
 
     mpiexec -n K python pd_job.py OUT.json A TP E P MS CKPT[,CKPT...] [key=value ...]
-keys: ``max_tokens`` (12), ``fault`` (kill | hang), ``kv`` (cache.kv_cache_dtype, auto),
+keys: ``max_tokens`` (12), ``fault`` (kill | hang | hang_peer), ``kv`` (cache.kv_cache_dtype, auto),
 ``blocks`` (cache.num_blocks of every engine, runtime_job's by default: a small pool makes the
 decode replica wait to reserve, and preempt), ``prompts=shared`` (``runtime_job.shared_inputs``
-with prefix caching on, ``SHARED_CACHE``'s block size), ``routing`` (scheduler.routing).
-A decode attention replicas x TP, E expert ranks, P prefill ranks (K = A*TP + E + P); MS a
+with prefix caching on, ``SHARED_CACHE``'s block size), ``routing`` (scheduler.routing),
+``ptp`` (deploy.prefill_tp, 1: P is then prefill replicas of ``ptp`` ranks each), ``n``
+(``sampled_inputs``: seeded sampling with that many samples per request; OUT.json then maps
+each request to its samples' token ids).
+A decode attention replicas x TP, E expert ranks, P prefill replicas (K = A*TP + E + P*ptp); MS a
 comma list of micro-batch counts. Prompts and configs are ``runtime_job``'s, so the single-mode
 reference is the same. ``fault=kill``: every prefill rank kills itself (SIGKILL) at its first step
 (the process manager ends the job); ``fault=hang``: it stops answering instead (sleeps), so rank 0 must
-notice within comm.timeout_s (3 s here) and abort the job naming it. Both with comm.timeout_s=3.
+notice within comm.timeout_s (3 s here) and abort the job naming it; ``fault=hang_peer``: only
+the prefill TP ranks other than a replica's leader sleep at their first step (the leader's
+all-reduce waits for them). All with comm.timeout_s=3.
 OUT.json maps "<ckpt>|m=<m>" to {request id: token ids}, and "<ckpt>|m=<m>|stats" to rank 0's
 counts (requests handed to each decode replica and prefilled by each prefill rank, the KV
 handoff times seen).
@@ -33,12 +38,37 @@ from megainfer.runtime.prefill_worker import PrefillWorker  # noqa: E402
 from megainfer.runtime.world import JobSpec, build_rank, run_rank  # noqa: E402
 
 
+def sampled_inputs(vocab: int, max_tokens: int, n: int):
+    """runtime_job's prompts, sampled (temperature 0.8, top-k 20, a seed per request), ``n``
+    samples each. r3 (max_tokens=1) finishes every sample at its first token; r5 stops at every
+    third token id: with its seed (for the tiny Mixtral of the tests), sample 0 (the group's
+    head) finishes at its first token while the others go on."""
+    from megainfer.engine.outputs import PromptInput
+    from megainfer.engine.sampling_params import SamplingParams
+    from runtime_job import prompts
+    out = []
+    for i, p in enumerate(prompts(vocab)):
+        params = SamplingParams(temperature=0.8, top_k=20, seed=104 if i == 5 else 100 + i, n=n,
+                                ignore_eos=True, max_tokens=1 if i == 3 else max_tokens - (i % 3),
+                                stop_token_ids=list(range(3, vocab, 3)) if i == 5 else None)
+        out.append(PromptInput(f"r{i}", prompt_token_ids=p, params=params))
+    return out
+
+
 def _die_at_first_step(self):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _hang_at_first_step(self):
     time.sleep(3600)
+
+
+def _hang_unless_leader(step):
+    def hang_peer(self):
+        if not self.leader:
+            time.sleep(3600)
+        return step(self)
+    return hang_peer
 
 
 def main():
@@ -49,24 +79,32 @@ def main():
     max_tokens, fault = int(opts.get("max_tokens", 12)), opts.get("fault")
     shared = opts.get("prompts") == "shared"
     make_inputs, base = (shared_inputs, SHARED_CACHE) if shared else (inputs, CACHE)
+    ptp, n = int(opts.get("ptp", 1)), int(opts.get("n", 0))
+    if n:
+        make_inputs = lambda vocab, mt: sampled_inputs(vocab, mt, n)  # noqa: E731
     cache = dataclasses.replace(base, kv_cache_dtype=opts.get("kv", "auto"),
                                 num_blocks=int(opts.get("blocks", CACHE.num_blocks)))
     sched = dataclasses.replace(SCHED, routing=opts.get("routing", SCHED.routing))
-    kill = fault in ("kill", "hang")
-    if kill:
+    kill = fault in ("kill", "hang", "hang_peer")  # comm.timeout_s=3
+    if fault == "hang_peer":  # TP rank 1 of a prefill replica sleeps at its first step
+        PrefillWorker._step = _hang_unless_leader(PrefillWorker._step)
+    elif kill:
         PrefillWorker._step = _die_at_first_step if fault == "kill" else _hang_at_first_step
     results = {}
     for ckpt in ckpts:
         cfg = ModelConfig.from_pretrained(ckpt)
         for m in ms:
             plan = DeployPlan(mode="disaggregated", attention_replicas=A, attention_tp=TP,
-                              expert_ranks=E, micro_batches=m, prefill_replicas=P)
+                              expert_ranks=E, micro_batches=m, prefill_replicas=P,
+                              prefill_tp=ptp)
             r = build_rank(JobSpec(cfg, LoadConfig(path=ckpt), sched, cache, plan,
                                    CommConfig(timeout_s=3 if kill else 120, transport="mpi")))
             stream = run_rank(r, make_inputs(cfg.vocab_size, max_tokens))
             if stream is not None:
                 outs = list(stream)
-                results[f"{ckpt}|m={m}"] = {o.request_id: o.outputs[0].token_ids for o in outs}
+                results[f"{ckpt}|m={m}"] = {
+                    o.request_id: [c.token_ids for c in o.outputs] if n else o.outputs[0].token_ids
+                    for o in outs}
                 results[f"{ckpt}|m={m}|stats"] = dict(
                     assigned=r.loop.pd.assigned, prefilled=r.loop.pd.prefilled,
                     handoffs=sum(o.metrics.kv_handoff_s is not None for o in outs),
