@@ -21,7 +21,7 @@ import os
 import socket
 from dataclasses import asdict, replace
 
-from megainfer.config import ConfigError, ModelConfig
+from megainfer.config import ConfigError, ModelConfig, SchedulerConfig
 
 log = logging.getLogger("megainfer.launch")
 
@@ -147,21 +147,45 @@ def prompt_lengths(c: dict) -> tuple[list, str]:
     return [_text_tokens(p) for p in (w.get("prompts") or [])], "workload prompts"
 
 
-def auto_deploy(c: dict, world: int) -> dict:
-    """The ``deploy`` dict to resolve: with ``deploy.mode=auto`` and world > 1, the planner's
-    choice filled into the counts the user left null; otherwise ``deploy`` unchanged."""
-    from megainfer.perfmodel.model import Workload
-    from megainfer.perfmodel.world_plan import JobLoad, NoWorldPlanError, Pins, plan_world
+def auto_plan(c: dict, world: int) -> tuple[dict, dict]:
+    """(``deploy``, ``scheduler``) dicts to resolve. ``deploy``: with ``deploy.mode=auto`` and
+    world > 1, the planner's choice filled into the counts the user left null; otherwise
+    ``deploy`` unchanged. ``scheduler``: the scheduler section with ``max_num_seqs`` lowered to the chosen plan's batch limit per
+    replica when the KV memory of the profile is what bounds that batch (the requests and
+    ``max_num_seqs`` bounds are already the runtime's own); otherwise both unchanged."""
+    sched = dict(c.get("scheduler") or {})
     d = dict(c.get("deploy") or {})
     hw_name = d.pop("hardware", None)
     if d.get("mode", "auto") not in (None, "auto") or world < 2:
-        return d
+        return d, sched
     pins = {k: d.get(k) for k in COUNT_KEYS}
     if all(v is not None for v in pins.values()):
-        return d
+        return d, sched
     if any(v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1)
            for v in pins.values()):
-        return d  # DeployPlan names the bad value
+        return d, sched  # DeployPlan names the bad value
+    best = _ranked(c, d, hw_name, pins, world)
+    if best is None:
+        return d, sched
+    p = best.plan
+    if best.binding == "kv_memory" and best.batch_limit < _max_seqs(sched):
+        log.info("[plan] batch limit applied: scheduler.max_num_seqs %d -> %d per replica (the "
+                 "KV memory of the profile bounds the plan's batch)", _max_seqs(sched),
+                 best.batch_limit)
+        sched["max_num_seqs"] = best.batch_limit
+    return dict(d, mode="disaggregated", attention_replicas=p.n_a, attention_tp=p.tp_a,
+                expert_ranks=p.n_e, micro_batches=p.m), sched
+
+
+def _max_seqs(sched: dict) -> int:
+    return int(sched.get("max_num_seqs") or SchedulerConfig.max_num_seqs)
+
+
+def _ranked(c: dict, d: dict, hw_name, pins: dict, world: int):
+    """The planner's best WorldChoice for this job (logged with its runner-up), or None when
+    no split fits (deploy.py then infers the counts and names a fix)."""
+    from megainfer.perfmodel.model import Workload
+    from megainfer.perfmodel.world_plan import JobLoad, NoWorldPlanError, Pins, plan_world
     hw, hw_from = hardware_for(hw_name, d.get("device"))
     cfg = model_config_of(c.get("model") or {})
     shape = shape_of(cfg, hw)
@@ -173,7 +197,7 @@ def auto_deploy(c: dict, world: int) -> dict:
     wl = Workload(max(1, round(sum(lens) / len(lens))) if lens else 16,
                   max(1, int(samp.get("max_tokens") or 16)))
     n_seqs = max(1, len(lens)) * max(1, int(samp.get("n") or 1))
-    job = JobLoad(n_seqs, int(sched.get("max_num_seqs") or 64), wl)
+    job = JobLoad(n_seqs, _max_seqs(sched), wl)
     dtype = (c.get("model") or {}).get("dtype")
     if dtype in (None, "auto"):
         dtype = "bfloat16" if d.get("device") == "cuda" else "float32"
@@ -183,7 +207,7 @@ def auto_deploy(c: dict, world: int) -> dict:
         ranked = plan_world(shape, hw, job, world, Pins(**pins), dtype)
     except NoWorldPlanError as e:  # deploy.py then fills the counts or names a fix
         log.info("[plan] %s; the counts are inferred from the world size instead", e)
-        return d
+        return None
     best = ranked[0]
     timing = "calibrated fit" if shape.name in hw.fits else "roofline"
     log.info("[plan] deploy=auto over %d ranks: hardware %s (%s); %s timed by %s; job %d "
@@ -194,6 +218,4 @@ def auto_deploy(c: dict, world: int) -> dict:
         r = ranked[1]
         log.info("[plan] runner-up: %s (predicted %.1f%% slower)", r.describe(),
                  100 * (best.pred.tokens_per_s / r.pred.tokens_per_s - 1))
-    p = best.plan
-    return dict(d, mode="disaggregated", attention_replicas=p.n_a, attention_tp=p.tp_a,
-                expert_ranks=p.n_e, micro_batches=p.m)
+    return best

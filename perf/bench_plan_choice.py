@@ -1,6 +1,7 @@
 """Does ``deploy=auto`` pick a fast plan? The planner's choice vs the plans one would try by hand.
 
     python perf/bench_plan_choice.py [--ranks 4 --repeats 2 --prompts 32 --input-len 64 --max-tokens 32]
+    python perf/bench_plan_choice.py --pool perf/results/bench_plan_choice*.json --out X.json  # no runs
 
 Runs ``mpiexec -n N megainfer-launch`` on one job (the pipeline_bench shape of
 conf/plan_model/pipeline_bench.yaml, dummy weights, random prompts, eos ignored): first with
@@ -8,7 +9,10 @@ conf/plan_model/pipeline_bench.yaml, dummy weights, random prompts, eos ignored)
 each hand-tried split pinned by ``deploy.*`` keys. Rounds alternate over the plans; the table
 shows each plan's median output tokens/s (the job summary's; the chosen plan's median pools
 its pinned and its deploy=auto runs) and the model's predicted iteration time; the plan order
-rotates each round so no plan always runs in the same slot. Writes ``perf/results/bench_plan_choice.json``.
+rotates each round so no plan always runs in the same slot. Also printed: the paired figure,
+per plan the median over rounds of deploy=auto's tok/s over that plan's tok/s in the same round
+(load drifts over minutes on a shared machine; a round's runs share it), and the load average
+per round. Writes ``perf/results/bench_plan_choice.json``.
 """
 from __future__ import annotations
 
@@ -88,6 +92,34 @@ def predicted(a, plan) -> float:
     return r[0].pred.t_iter * 1e3
 
 
+def paired_ratios(runs: dict, plans: list) -> dict:
+    """Per plan, the median over rounds of (deploy=auto's run / the plan's run in the same
+    round): the load of this shared machine drifts over minutes, and a round's runs share it,
+    so the per-round ratio cancels most of what a ratio of medians keeps. The chosen plan
+    itself gets its pinned run's ratio (two runs of one plan: the noise floor)."""
+    return {p: statistics.median(a / b for a, b in zip(runs["auto"], runs[p])) for p in plans}
+
+
+def pooled(paths: list, ranks: int) -> dict:
+    """Every round of several result files, each plan's run divided by that round's median
+    over the plans (load cancels within a round); per plan the median and mean over rounds,
+    beside the model's predicted iteration and its choice today."""
+    norm: dict = {}
+    for path in paths:
+        with open(path) as f:
+            d = json.load(f)
+        for r in range(len(d["auto_tok_s"])):  # the first len(auto) runs of each plan are pinned
+            row = {tuple(p["plan"]): p["tok_s"][r] for p in d["plans"] if len(p["tok_s"]) > r}
+            mid = statistics.median(row.values())
+            for p, v in row.items():
+                norm.setdefault(p, []).append(v / mid)
+    a = argparse.Namespace(prompts=32, input_len=64, max_tokens=24, ranks=ranks)
+    rows = sorted(({"plan": p, "rounds": len(v), "median": statistics.median(v), "mean": statistics.mean(v),
+                    "predicted_iter_ms": predicted(a, p)} for p, v in norm.items()),
+                  key=lambda r: -r["median"])
+    return {"files": [os.path.basename(x) for x in paths], "rows": rows}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks", type=int, default=4)
@@ -97,9 +129,22 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--timeout", type=int, default=600)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "bench_plan_choice.json"))
+    ap.add_argument("--pool", nargs="+", help="result files to pool (no runs): each plan's tok/s "
+                    "over its round's median, median and mean over every round")
     a = ap.parse_args()
+    if a.pool:
+        res = pooled(a.pool, a.ranks)
+        best = res["rows"][0]
+        print(f"{'plan (A x tp + E, m)':<26} {'rounds':>6} {'median':>7} {'mean':>6} {'vs best':>7} {'pred iter ms':>12}")
+        for r in res["rows"]:
+            p = r["plan"]
+            print(f"A{p[0]}x tp{p[1]} + E{p[2]}, m={p[3]:<10} {r['rounds']:6d} {r['median']:7.3f} {r['mean']:6.3f} "
+                  f"{r['median'] / best['median']:7.3f} {r['predicted_iter_ms']:12.1f}")
+        write_json(a.out, {"date": datetime.datetime.utcnow().isoformat(timespec="seconds"), **res})
+        return
     plans = hand_plans(a.ranks)
     runs: dict = {"auto": []}
+    loads: list = []  # 1-min load average at the end of each round
     runs.update({p: [] for p in plans})
     chosen = None
     with tempfile.TemporaryDirectory() as tmp:
@@ -114,6 +159,8 @@ def main() -> None:
                 runs[p].append(run(a, p, tmp, f"{'_'.join(map(str, p))}_{r}")["tok_s"])
                 print(f"round {r} plan {p}: {runs[p][-1]:.1f} tok/s", flush=True)
             print(f"round {r} auto {chosen}: {runs['auto'][-1]:.1f} tok/s", flush=True)
+            loads.append(os.getloadavg()[0])
+    paired = paired_ratios(runs, plans)
     if chosen in runs:  # deploy=auto ran the same plan as this pinned one: pool their runs
         runs[chosen] = runs[chosen] + runs["auto"]
     med = {k: statistics.median(v) for k, v in runs.items()}
@@ -128,13 +175,20 @@ def main() -> None:
         rows.append({"plan": p, "tok_s": runs[p], "median_tok_s": med[p], "predicted_iter_ms": pr})
     ratio = med.get(chosen, med["auto"]) / med[fastest]  # the chosen plan's runs, auto ones included
     ok = ratio >= 0.9
+    worst = min(paired, key=lambda p: paired[p])
+    print(f"paired (per round: deploy=auto's run / that plan's run, median over rounds): worst "
+          f"{paired[worst]:.3f} vs A{worst[0]}x tp{worst[1]} + E{worst[2]} m={worst[3]}; load average "
+          f"per round {', '.join(f'{x:.1f}' for x in loads)}")
     print(f"\ndeploy=auto chose A{chosen[0]}x tp{chosen[1]} + E{chosen[2]} m={chosen[3]} (predicted "
           f"iteration {t_pred:.1f} ms): {med.get(chosen, med['auto']):.1f} tok/s (median of its pinned and auto runs) = {ratio:.3f} of the fastest hand plan "
           f"(A{fastest[0]}x tp{fastest[1]} + E{fastest[2]} m={fastest[3]}); within 10%: {ok}")
     write_json(a.out, {"date": datetime.datetime.utcnow().isoformat(timespec="seconds"),
                        "host": platform.node(), "cpus": os.cpu_count(), "args": vars(a),
                        "chosen": chosen, "auto_tok_s": runs["auto"], "auto_median_tok_s": med["auto"],
-                       "fastest": fastest, "auto_over_fastest": ratio, "within_10pct": ok, "plans": rows})
+                       "fastest": fastest, "auto_over_fastest": ratio, "within_10pct": ok,
+                       "paired_auto_over_plan": {"_".join(map(str, p)): v for p, v in paired.items()},
+                       "paired_worst": paired[worst], "paired_within_10pct": paired[worst] >= 0.9,
+                       "load_average_per_round": loads, "plans": rows})
 
 
 if __name__ == "__main__":

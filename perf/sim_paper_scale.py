@@ -13,11 +13,12 @@ proposes deployments; the closed form's own figure is printed beside the simulat
 3. Disaggregated vs colocated, tokens/s per GPU: each side's best plan under the SLO, simulated
    (colocated: perfmodel/job_sim_colocated.py).
 4. Heterogeneous (H20 attention + L40S experts) vs homogeneous (H20) tokens per dollar.
-5. PD goodput vs a non-PD plan at the same SLOs: hook ``pd_goodput_vs_non_pd`` (planner work).
+5. PD goodput vs a non-PD plan at the same SLOs: the goodput search once per family (AE, PD),
+   both simulated (PD as one job: perfmodel/pd_sim.py), by goodput per dollar.
 
 Beside each figure, the paper's where the MegaScale-Infer write-up in the seeds reports one.
 
-  python perf/sim_paper_scale.py            -> tables + perf/results/sim_paper_scale.json
+  python perf/sim_paper_scale.py [--only pd_goodput_vs_non_pd ...]  -> tables + perf/results/sim_paper_scale.json
 """
 from __future__ import annotations
 
@@ -217,22 +218,90 @@ def heterogeneous_cost() -> dict:
     return out
 
 
-def pd_goodput_vs_non_pd():
-    """Hook: PD goodput vs a non-PD plan at the same SLOs (issue 22, planner part: e.g.
-    ``perfmodel.goodput_search.search_goodput`` over PD and AE families for these models, both
-    answers simulated). Until that is wired in, the JSON says so rather than a number."""
-    return {"status": "not computed: needs the planner's goodput search (PD splits)"}
+PD_CASES = [("mixtral_8x22b", "h100")]
+PD_JOB = dict(requests=100, rate=4.0, prompt=2048, output=256)  # Poisson arrivals
+PD_SLOS = [(1.0, 0.100), (0.4, 0.060)]  # (TTFT, TPOT) seconds, p90
+
+
+def pd_goodput_vs_non_pd() -> dict:
+    """5) The goodput search (``perfmodel.goodput_search.search_goodput``) once per family at
+    the same workload and SLOs: the best PD plan (a prefill pool feeding an AE decode pool,
+    simulated as one job, ``perfmodel/pd_sim.py``) vs the best non-PD (AE) plan, each by
+    goodput per dollar; every figure is a simulated job."""
+    from megainfer.perfmodel.goodput import Slo
+    from megainfer.perfmodel.goodput_search import GoodputSpace, Roles, search_goodput
+    j = PD_JOB
+    print(f"\n5) PD vs non-PD (AE) at the same SLOs: goodput search per family, simulated; "
+          f"{j['requests']} requests, Poisson {j['rate']}/s, prompt {j['prompt']}, output "
+          f"{j['output']}. Paper: (none in seeds)")
+    reqs = poisson_requests(j["requests"], j["rate"], LengthDist("fixed", j["prompt"]),
+                            LengthDist("fixed", j["output"]), seed=0)
+    out = {"workload": j, "paper": None, "rows": []}
+    for name, hwn in PD_CASES:
+        shape, hw = load_shape(name), load_hardware(hwn)
+        for ttft, tpot in PD_SLOS:
+            slo = Slo(ttft, tpot, 90)
+            row = {"model": name, "hardware": hwn, "slo_ttft_s": ttft, "slo_tpot_s": tpot, "p": 90}
+            for fam in ("AE", "PD"):
+                space = GoodputSpace(tp_choices=(2, 4, 8), replica_choices=(1, 2, 3, 4, 6, 8),
+                                     prefill_replicas=(1, 2, 4), micro_batches=(2, 3), max_sims=20,
+                                     families=(fam,))
+                try:
+                    b = search_goodput(shape, Roles(hw, hw, hw), reqs, slo, space).ranked[0]
+                except PlanError as e:
+                    row[fam] = {"status": f"no feasible plan: {e}"}
+                    print(f"  {name}/{hwn} SLO {ttft * 1e3:g}/{tpot * 1e3:g} ms {fam}: no feasible plan")
+                    continue
+                row[fam] = {"plan": b.label(), "devices": b.devices, "goodput_req_s": b.result.goodput_req_s,
+                            "req_per_dollar": b.per_dollar(),
+                            "goodput_per_device": b.result.goodput_req_s / b.devices,
+                            "ttft_p90_s": b.result.ttft_p, "tpot_p90_s": b.result.tpot_p,
+                            "attained": b.result.fraction}
+                print(f"  {name}/{hwn} SLO {ttft * 1e3:g}/{tpot * 1e3:g} ms {fam}: {b.label()} "
+                      f"({b.devices} GPUs): goodput {b.result.goodput_req_s:.2f} req/s, "
+                      f"{b.per_dollar():.0f} req/$, TTFT p90 {b.result.ttft_p * 1e3:.0f} ms, "
+                      f"TPOT p90 {b.result.tpot_p * 1e3:.1f} ms")
+            if "plan" in row.get("AE", {}) and "plan" in row.get("PD", {}):
+                row["pd_over_ae_req_per_dollar"] = row["PD"]["req_per_dollar"] / row["AE"]["req_per_dollar"]
+                row["pd_over_ae_goodput_per_device"] = (row["PD"]["goodput_per_device"]
+                                                        / row["AE"]["goodput_per_device"])
+                print(f"    PD / AE: {row['pd_over_ae_req_per_dollar']:.2f}x requests per dollar, "
+                      f"{row['pd_over_ae_goodput_per_device']:.2f}x goodput per GPU")
+            out["rows"].append(row)
+    out["note"] = ("each family's search simulates at most 20 candidates (goodput.max_sims), cheapest "
+                   "first, stopping when no unsimulated candidate can beat the third best")
+    return out
+
+
+SECTIONS = {"m_trend": lambda: m_trend(), "ae_choice": lambda: ae_choice(),
+            "disagg_vs_colocated": lambda: disagg_vs_colocated(),
+            "heterogeneous_cost": lambda: heterogeneous_cost(),
+            "pd_goodput_vs_non_pd": lambda: pd_goodput_vs_non_pd()}
 
 
 def main() -> None:
-    res = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-           "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count()},
-           "note": "whole-job simulator with datasheet profiles (conf/hardware); planner only proposes "
-                   "plans; figures are simulated decode throughput", "paper": PAPER,
-           "workload": {"prompt": PROMPT, "output": OUTPUT, "tpot_slo_s": SLO},
-           "m_trend": m_trend(), "ae_choice": ae_choice(), "disagg_vs_colocated": disagg_vs_colocated(),
-           "heterogeneous_cost": heterogeneous_cost(), "pd_goodput_vs_non_pd": pd_goodput_vs_non_pd()}
-    write_json(os.path.join(HERE, "results", "sim_paper_scale.json"), res)
+    import argparse
+    import json
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", nargs="+", choices=sorted(SECTIONS),
+                    help="rerun these sections and keep the others from the existing JSON")
+    a = ap.parse_args()
+    path = os.path.join(HERE, "results", "sim_paper_scale.json")
+    res = {}
+    if a.only and os.path.isfile(path):
+        with open(path) as f:
+            res = json.load(f)
+    res.update({"date": datetime.datetime.now().isoformat(timespec="seconds"),
+                "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count()},
+                "note": "whole-job simulator with datasheet profiles (conf/hardware); planner only proposes "
+                        "plans; figures are simulated decode throughput, PD vs AE simulated goodput",
+                "paper": PAPER, "workload": {"prompt": PROMPT, "output": OUTPUT, "tpot_slo_s": SLO}})
+    for key, fn in SECTIONS.items():
+        if not a.only or key in a.only:
+            res[key] = fn()
+            if a.only:
+                res.setdefault("sections_dated", {})[key] = res["date"]
+    write_json(path, res)
 
 
 if __name__ == "__main__":

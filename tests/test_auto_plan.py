@@ -100,3 +100,36 @@ def test_job_prompt_lengths_reach_the_planner(tmp_path):
     assert lens == [100, 101, 102] and "io.input" in src
     lens, _ = prompt_lengths({"workload": {"kind": "random", "num_prompts": 5, "input_len": 77}})
     assert lens == [77] * 5
+
+
+def _small_memory_profile(tmp_path, mem_bytes: float) -> str:
+    import os
+
+    import yaml
+    from megainfer.perfmodel.hardware import hardware_dir
+    with open(os.path.join(hardware_dir(), "cpu_node.yaml")) as f:
+        d = yaml.safe_load(f)
+    d.update(name="small_mem", mem_bytes=mem_bytes)
+    p = tmp_path / "small_mem.yaml"
+    p.write_text(yaml.safe_dump(d))
+    return str(p)
+
+
+def test_the_plans_kv_batch_limit_is_applied(tmp_path, caplog):
+    """When the profile's KV memory bounds the chosen plan's batch, the scheduler runs no more
+    sequences per replica than that; otherwise max_num_seqs is left as given."""
+    caplog.set_level("INFO", logger="megainfer.launch")
+    job = ("workload=random", "workload.num_prompts=64", "workload.input_len=200")
+    small = _settings(f"deploy.hardware={_small_memory_profile(tmp_path, 4e6)}", *job, world=4)
+    line = caplog.text.split("[plan] chosen: ")[1].splitlines()[0]
+    assert "kv_memory" in line
+    limit = int(line.split("/replica")[0].rsplit("(", 1)[1])
+    assert 1 <= limit < 64 and small.scheduler.max_num_seqs == limit
+    assert f"scheduler.max_num_seqs 64 -> {limit}" in caplog.text
+    caplog.clear()
+    roomy = _settings(f"deploy.hardware={_small_memory_profile(tmp_path, 1e12)}", *job, world=4)
+    assert roomy.scheduler.max_num_seqs == 64 and "batch limit applied" not in caplog.text
+    pinned = _settings(f"deploy.hardware={_small_memory_profile(tmp_path, 4e6)}", *job,
+                       "deploy.attention_replicas=1", "deploy.attention_tp=1",
+                       "deploy.expert_ranks=3", "deploy.micro_batches=1", world=4)
+    assert pinned.scheduler.max_num_seqs == 64  # the planner was not asked

@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_module
 from megainfer.config import ConfigError
 from megainfer.perfmodel.events import LengthDist, Requests, poisson_requests
 from megainfer.perfmodel.goodput import (PrefillPool, Slo, attainment, decode_model,
-                                         kv_transfer_s, simulate_pd)
+                                         kv_transfer_s, simulate_pd_composed)
 from megainfer.perfmodel.goodput_search import GoodputSpace, Roles, search_goodput, why_bound
 from megainfer.perfmodel.job_sim import JobConfig
 from megainfer.perfmodel.model import Plan, Workload
@@ -48,13 +48,13 @@ def test_impossible_slo_names_the_key(kw, key):
         Slo(**kw)
 
 
-def test_pd_single_request_matches_the_closed_form():
+def test_composed_pd_single_request_matches_the_closed_form():
     hw = synthetic_hw(mem=4e7)
     pool = PrefillPool(TINY, hw, 1, 1)
     model = decode_model(TINY, hw, hw, Workload(64, 16), "bfloat16", True, prompt_shift=64.0)
     plan = Plan(1, 1, 1, 2, 1, 1, hw.name, hw.name)
     reqs = Requests(np.array([0.5]), np.array([64]), np.array([9]))
-    t = simulate_pd(pool, model, plan, reqs, JobConfig(), "bfloat16")
+    t = simulate_pd_composed(pool, model, plan, reqs, JobConfig(), "bfloat16")
     assert t.ttft_s[0] == pytest.approx(pool.t_prefill(64))
     kv = kv_transfer_s(TINY, np.array([64]), pool, hw, 1, "bfloat16")[0]
     # 8 decode steps of one sequence, its context growing from 65: the closed form at ctx_mean

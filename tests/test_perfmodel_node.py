@@ -152,3 +152,24 @@ def test_merge_keeps_other_fits_and_node_only_keeps_the_rest(tmp_path):
     assert hw.node.shared and hw.fits["other"].k4 == 4.0 and hw.matmul_flops["float32"] == 1e9
     notes = yaml.safe_load(open(path))["calibration_notes"]
     assert "fits.other: kept" in notes and "node: old" not in notes and notes[-1].startswith("node:")
+
+
+def test_a_tp_group_waits_for_its_all_reduce_on_a_shared_node():
+    """TP > 1 on a CPU node: one all-reduce per (layer, micro-batch), noticed wake_latency_s
+    late, added to the stage time unstretched; TP 1 and GPU profiles (cores 0) pay nothing."""
+    def model(node):
+        hw = dataclasses.replace(synthetic_hw(mem=4e7), node=node)
+        t = layer_times_for(hw, TINY, "bfloat16", False)
+        return DisaggModel(TINY, t, t, Workload(64, 16))
+    woke, still = model(NODE), model(dataclasses.replace(NODE, wake_latency_s=0.0))
+    w = NODE.wake_latency_s
+    for plan, extra_a, extra_e in ((Plan(1, 2, 1, 2, 2, 16), 0, 0), (Plan(2, 1, 1, 2, 2, 16), w, 0),
+                                   (Plan(1, 2, 2, 1, 2, 16), 0, w), (Plan(2, 1, 2, 1, 1, 16), w, w)):
+        h_a, h_e, d_a, d_e = woke.node_terms(plan, 1e-3, 2e-3)
+        g_a, g_e, c_a, c_e = still.node_terms(plan, 1e-3, 2e-3)
+        assert (d_a, d_e) == (c_a, c_e)  # the wait does not change who computes at once
+        assert (1e-3 + h_a) * d_a - (1e-3 + g_a) * c_a == pytest.approx(extra_a)
+        assert (2e-3 + h_e) * d_e - (2e-3 + g_e) * c_e == pytest.approx(extra_e)
+    gpu = DisaggModel(TINY, *(2 * [layer_times_for(synthetic_hw(mem=4e7), TINY, "bfloat16", False)]),
+                      Workload(64, 16))
+    assert gpu.node_terms(Plan(2, 1, 2, 1, 2, 16), 1e-3, 1e-3) == (0.0, 0.0, 1.0, 1.0)

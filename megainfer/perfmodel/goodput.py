@@ -1,22 +1,26 @@
-"""SLOs, goodput, and the prefill/decode (PD) split as two composed simulations.
+"""SLOs, goodput, the prefill pool, and a PD split's simulation.
 
 * ``Slo`` (``slo.ttft_ms``, ``slo.tpot_ms``, ``slo.percentile``) and ``attainment``: a request
   meets the SLOs when its TTFT and its TPOT are both within them (a one-token output has no
   TPOT and meets that half; an unfinished request meets neither). Goodput is requests meeting
   both per second of offered load (met / arrival span; an all-at-once batch: met / makespan).
   A plan *attains* the SLOs when at least ``percentile`` % of the requests meet both.
-* ``PrefillPool``: ``n_p`` prefill replicas, each a whole-model TP group of ``tp_p`` devices;
-  a prompt of P tokens takes the closed form's per-layer attention (P tokens, mean context
-  P / 2) plus every expert's share of the P * top_k token slots, times the layers, plus the
-  lm_head; requests queue FCFS for the first free replica, one prompt at a time.
-* ``simulate_pd``: job_sim has no prefill-only pool and no pre-filled requests, so a PD plan is
-  two simulations composed: the prefill pool's queue at the arrival times gives each request's
-  first token; its KV cache (P * KV bytes per token) then crosses one link of the slower side's
-  inter-node bandwidth (no contention between transfers), and the request joins the decode
-  pool (``job_sim.simulate_job`` on the decode plan) as a 1-token prompt with output_len - 1
-  tokens to go; the decode pool's attention sees the prompt's context through a context shift
-  of the mean prompt length. TTFT = prefill wait + prefill; TPOT = (decode finish - first
-  token) / (output_len - 1), KV transfer and decode queueing included.
+* ``PrefillPool``: ``n_p`` prefill replicas, each a whole-model TP group of ``tp_p`` devices
+  (its layer times; ``t_prefill`` of one prompt of P tokens: the closed form's per-layer
+  attention at mean context P / 2 plus every expert's share of the P * top_k token slots, times
+  the layers, plus the lm_head; ``serve``: one prompt at a time per replica, FCFS, the search's
+  cheap TTFT prune).
+* ``simulate_pd``: a PD plan as one simulation (``pd_sim.simulate_pd_job``: prefill replicas
+  with their own chunked-prefill schedulers, KV transfers sharing links, the decode pool, on
+  one clock).
+* ``simulate_pd_composed``: the older model, kept as its baseline: the prefill pool's queue at
+  the arrival times gives each request's first token; its KV cache (P * KV bytes per token)
+  then crosses one link of the slower side's inter-node bandwidth (no contention between
+  transfers), and the request joins the decode pool (``job_sim.simulate_job`` on the decode
+  plan) as a 1-token prompt with output_len - 1 tokens to go; the decode pool's attention sees
+  the prompt's context through a context shift of the mean prompt length (``decode_model``'s
+  ``prompt_shift``). TTFT = prefill wait + prefill; TPOT = (decode finish - first token) /
+  (output_len - 1), KV transfer and decode queueing included.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ from megainfer.perfmodel.hardware import HardwareProfile
 from megainfer.perfmodel.job_sim import JobConfig, simulate_job
 from megainfer.perfmodel.layer_times import layer_times_for
 from megainfer.perfmodel.model import DisaggModel, Plan, Workload
+from megainfer.perfmodel.pd_sim import simulate_pd_job
 from megainfer.perfmodel.shapes import ModelShape
 
 
@@ -185,7 +190,16 @@ def simulate_ae(model: DisaggModel, plan: Plan, reqs: Requests, cfg: JobConfig) 
 
 def simulate_pd(pool: PrefillPool, model: DisaggModel, plan: Plan, reqs: Requests,
                 cfg: JobConfig, dtype: str) -> JobTimes:
-    """The composed PD simulation (module docstring)."""
+    """A PD plan as one simulation (``pd_sim.simulate_pd_job``: prefill replicas, KV transfers
+    sharing links, the decode pool, on one clock); ``model`` without a context shift."""
+    r = simulate_pd_job(pool, model, plan, reqs, cfg, dtype)
+    return JobTimes(r.arrival_s, r.ttft_s, r.tpot_s, r.finish_s)
+
+
+def simulate_pd_composed(pool: PrefillPool, model: DisaggModel, plan: Plan, reqs: Requests,
+                         cfg: JobConfig, dtype: str) -> JobTimes:
+    """The composed PD model (module docstring): ``simulate_pd``'s baseline; ``model`` with
+    ``prompt_shift`` = the mean prompt."""
     first = pool.serve(reqs.arrival_s, reqs.prompt_len)
     ready = first + kv_transfer_s(pool.shape, reqs.prompt_len, pool, model.hw_a, plan.tp_a, dtype)
     fin = first.copy()

@@ -2,7 +2,8 @@
 the job simulator (docs/perfmodel.md, "Goodput planning").
 
 Two families: AE (attention/expert disaggregation, prefill chunked into the decode batches on
-the same ranks) and PD (a prefill pool feeding an AE decode pool, ``goodput.simulate_pd``).
+the same ranks) and PD (a prefill pool feeding an AE decode pool, simulated as one job:
+``goodput.simulate_pd`` -> ``pd_sim.simulate_pd_job``).
 Every decode split (tp_a, n_a, tp_e, n_e, m) first goes through the closed form: expert and
 attention memory, the largest batch whose iteration meets the TPOT SLO (the decode pool's batch
 limit, ``scheduler.max_num_seqs``), and the token rate it sustains at that batch against the
@@ -206,8 +207,6 @@ def search_goodput(shape: ModelShape, roles: Roles, reqs: Requests, slo: Slo,
         cands += [Candidate("PD", p, pool, t, decode_cost=c) for (p, t, c), pool
                   in itertools.product(splits, pools)]
     ae_model = decode_model(shape, roles.attention, roles.experts, wl, dtype, use_fit)
-    pd_model = decode_model(shape, roles.attention, roles.experts, wl, dtype, use_fit,
-                            prompt_shift=float(reqs.prompt_len.mean()))
     tops: list = []  # requests per dollar of the best ``space.keep`` feasible plans so far
     order = sorted(cands, key=lambda c: (c.cost_per_hour, c.devices, c.label()))
     for c in _alternate(order, fams):
@@ -220,7 +219,7 @@ def search_goodput(shape: ModelShape, roles: Roles, reqs: Requests, slo: Slo,
         cfg = JobConfig(max_num_seqs=max(1, c.decode.batch // c.decode.n_a),
                         max_num_batched_tokens=space.max_num_batched_tokens, seed=seed,
                         max_iterations=200_000)
-        t = (simulate_pd(c.pool, pd_model, c.decode, reqs, cfg, dtype) if c.pool else
+        t = (simulate_pd(c.pool, ae_model, c.decode, reqs, cfg, dtype) if c.pool else
              simulate_ae(ae_model, c.decode, reqs, cfg))
         out.simulated += 1
         c.result = attainment(t.arrival_s, t.ttft_s, t.tpot_s, t.finish_s, slo)

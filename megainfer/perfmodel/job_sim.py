@@ -117,9 +117,12 @@ class Pipeline:
                 tw.span(q, "E2A", float(s4[r]), float(e2a_end), it, l, i, float(etok[r]))
 
     def iteration(self, t0: float, tok: np.ndarray, ctx: np.ndarray, rows: np.ndarray,
-                  counts: np.ndarray, trace: TraceWriter | None = None, it: int = 0) -> float:
+                  counts: np.ndarray, trace: TraceWriter | None = None, it: int = 0,
+                  ingress_free: np.ndarray | None = None) -> float:
         """End time of one iteration. tok, ctx, rows: [n_a, m] tokens, mean context and sampled
-        rows per (replica, micro-batch); counts: [layers, m, E] tokens per expert."""
+        rows per (replica, micro-batch); counts: [layers, m, E] tokens per expert;
+        ingress_free: [n_a] when each replica's ingress link is free of other traffic (PD's KV
+        transfers, ``pd_sim``), so its E2A messages queue behind it."""
         p, L = self.plan, counts.shape[0]
         n_a, n_e, tp_a, tp_e = p.n_a, p.n_e, p.tp_a, p.tp_e
         act = np.flatnonzero(tok.sum(axis=0) > 0)  # empty micro-batches are skipped
@@ -139,7 +142,8 @@ class Pipeline:
         w_e = recv / tp_e / rate_e  # s per unit share of replica traffic on expert rank's ingress
         w_a = frac / tp_a / rate_a  # s per byte of expert traffic on replica's ingress  [n_a, m]
         ready = np.full((n_a, counts.shape[1]), t0)
-        attn_free, in_a = np.full(n_a, t0), np.full(n_a, t0)
+        attn_free = np.full(n_a, t0)
+        in_a = np.full(n_a, t0) if ingress_free is None else np.maximum(ingress_free, t0)
         exp_free, in_e = np.full(n_e, t0), np.full(n_e, t0)
         a2e_free = e2a_free = t0  # each side's NICs send a step's messages together: one lane
         lat_a, lat_e, wake = self.la.latency_s, self.le.latency_s, self.wake

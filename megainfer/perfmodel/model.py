@@ -133,8 +133,10 @@ class DisaggModel:
         with m >= 2 attention of micro-batch i+1 runs while the experts run micro-batch i, so
         phi_a = min(1, T_e / T_a), phi_e = min(1, T_a / T_e). Both sides share a node only
         when they run on the same hardware profile; ``plan.ranks_per_node`` < all ranks puts
-        that share of each side's ranks on a node. Profiles with node.cores = 0 (one GPU per
-        rank) give (0, 0, 1, 1): no sharing.
+        that share of each side's ranks on a node. A side with TP > 1 also waits once per
+        (layer, micro-batch) for its all-reduce, noticed ``node.wake_latency_s`` late (added
+        as wake / d to its overhead, so it is not stretched). Profiles with node.cores = 0
+        (one GPU per rank) give (0, 0, 1, 1): no sharing.
         """
         na_, ne_ = self.hw_a.node, self.hw_e.node
         h_a = na_.hop_overhead("attention", plan.n_e)
@@ -148,6 +150,12 @@ class DisaggModel:
         phi_e = min(1.0, ta / te) if plan.m > 1 and same and te > 0 else 0.0
         d_a = (1 - phi_a) * na_.dilation("attention", own_a) + phi_a * na_.dilation("attention", own_a + own_e)
         d_e = (1 - phi_e) * ne_.dilation("expert", own_e) + phi_e * ne_.dilation("expert", own_a + own_e)
+        # a TP group's all-reduce (one per layer and micro-batch) is a wait for the peers' parts,
+        # noticed node.wake_latency_s late like any message: a wait, so not stretched by d
+        if plan.tp_a > 1 and na_.cores > 0:
+            h_a += na_.wake_latency_s / d_a
+        if plan.tp_e > 1 and ne_.cores > 0:
+            h_e += ne_.wake_latency_s / d_e
         return h_a, h_e, d_a, d_e
 
     def plan_node_terms(self, plan: Plan) -> tuple[float, float, float, float]:

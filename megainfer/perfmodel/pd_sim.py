@@ -1,0 +1,217 @@
+"""One event loop for a prefill/decode (PD) split: prefill replicas, KV transfers, decode pool.
+
+What ``runtime/pd_router.py``, ``runtime/prefill_worker.py`` and ``runtime/pd_decode.py`` do
+(docs/pd.md), as a discrete-event simulation over one clock:
+
+* **Admission** (rank 0): arrived requests wait in one FCFS queue and are handed out while a
+  decode replica has room (fewer than ``max_num_seqs`` requests handed to it and unfinished);
+  the decode replica is the least loaded (ties in rotation), the prefill replica the one with
+  the fewest unfinished prompts (ties in rotation).
+* **Prefill replicas** (``PrefillPool``: the whole model, experts local, ``tp_p`` devices) each
+  run their own chunked-prefill scheduler: unfinished prompts first, then their queue FCFS,
+  within ``prefill_tokens`` tokens and ``max_num_seqs`` prompts a step. A step of n tokens at
+  mean context c takes, per layer, ``T_a(n, c)`` plus every expert's time for its token count
+  (a ``Routing`` draw), plus the lm_head over the prompts it completes; a completed prompt's
+  first token is sampled at the step's end (TTFT) and it leaves the prefill replica.
+* **KV transfers**: each step's new KV (tokens x ``kv_bytes_per_token``) streams layer by layer
+  to the request's decode replica during the step. A transfer holds the prefill replica's
+  egress (``tp_p`` NICs) and the decode replica's ingress (``tp_a`` NICs) at the slower of the
+  two bandwidths, FIFO on both: it starts when both links are free (not before the step
+  starts) and ends no earlier than the step's end plus its last layer's share, plus the link
+  latency. Transfers into one decode replica therefore queue behind each other.
+* **Decode pool**: the AE pipeline of ``job_sim`` (``Pipeline.iteration``), replicas in lock
+  step. A request starts decoding at the first iteration that begins after its first token and
+  its whole KV have arrived, with its prompt already computed (decode contexts are exact: P + j);
+  a replica's E2A messages at an iteration's start wait for the KV message in flight on its
+  ingress link (a transfer is sent as one message per layer, so at most one layer's share of
+  it). The pool is idle until something is runnable.
+
+Events are prefill step ends, decode iteration ends, arrivals and KV arrivals; at each event
+time the loop first applies what ended, then admits, starts idle prefill replicas, and starts a
+decode iteration if the pool is idle (so everything ready at t is seen by what starts at t).
+Not modelled: the decode pool's own A2E/E2A traffic delaying a later KV transfer on the same
+link; prefix caching on the prefill ranks; KV blocks (no preemption); node terms on prefill
+ranks. ``goodput.simulate_pd_composed`` is the older two-simulation composition, kept as this
+simulator's baseline (tests/test_job_sim_pd.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from megainfer.perfmodel.events import Requests, draw_counts
+from megainfer.perfmodel.job_result import JobResult
+from megainfer.perfmodel.job_sim import JobConfig, Pipeline, _split, expert_times
+from megainfer.perfmodel.model import DisaggModel, Plan
+
+
+@dataclass
+class PdJobResult(JobResult):
+    """JobResult (decode iterations in ``iteration_s``) plus the prefill side."""
+
+    prefill_steps: list = field(default_factory=list)  # (replica, start, duration, tokens)
+    kv_ready_s: np.ndarray | None = None  # when each request's whole KV had arrived
+
+    @property
+    def handoff_s(self) -> np.ndarray:
+        """First token to KV arrived (0 when the transfer was hidden behind prefill)."""
+        return np.maximum(self.kv_ready_s - self.first_token_s, 0.0)
+
+
+class _Prefill:
+    """Step times of one prefill replica of ``pool``."""
+
+    def __init__(self, pool, probs, rng):
+        self.pool, self.probs, self.rng = pool, probs, rng
+        s = pool.shape
+        self.L, self.K, self.E = s.num_layers, s.top_k, s.num_experts
+
+    def step_s(self, n: int, ctx: float, rows: int) -> float:
+        t, tp = self.pool.t, self.pool.tp_p
+        counts = draw_counts(self.probs, np.array([n]), self.K, self.E, self.L, self.rng)[:, 0, :]
+        te = float(expert_times(t, counts, tp).sum())
+        return self.L * t.t_attn(n, ctx, tp) + te + (t.t_head(rows, tp) if rows else 0.0)
+
+
+def simulate_pd_job(pool, model: DisaggModel, plan: Plan, requests: Requests,
+                    cfg: JobConfig = JobConfig(), dtype: str = "bfloat16",
+                    prefill_tokens: int | None = None) -> PdJobResult:
+    """Run ``requests`` through ``pool`` (``goodput.PrefillPool``) and the decode ``plan``."""
+    rng = np.random.default_rng(cfg.seed)
+    s = model.shape
+    probs = cfg.routing.probabilities(s.num_layers, s.num_experts, rng)
+    pre = _Prefill(pool, probs, rng)
+    budget = prefill_tokens or cfg.max_num_batched_tokens
+    pipe = Pipeline(model, plan)
+    n, n_a, n_p, m = len(requests), plan.n_a, pool.n_p, plan.m
+    A, P, O = requests.arrival_s, requests.prompt_len, requests.output_len
+    order = np.argsort(A, kind="stable")
+    kvb = s.kv_bytes_per_token(dtype)
+    bw = min(pool.hw.inter_link.bandwidth_Bps * pool.tp_p, model.hw_a.inter_link.bandwidth_Bps * plan.tp_a)
+    lat = max(pool.hw.inter_link.latency_s, model.hw_a.inter_link.latency_s)
+    egress, ingress, msg = np.zeros(n_p), np.zeros(n_a), np.zeros(n_a)
+    computed, gen = np.zeros(n, np.int64), np.zeros(n, np.int64)
+    first, fin, ready = np.full(n, np.nan), np.full(n, np.nan), np.full(n, np.nan)
+    dec_of, pre_of = np.full(n, -1), np.full(n, -1)
+    load, pload = np.zeros(n_a, np.int64), np.zeros(n_p, np.int64)
+    pending: list = []  # arrived, not yet handed out (FCFS)
+    p_queue = [[] for _ in range(n_p)]  # handed to prefill replica p, prompt unfinished
+    p_busy = [None] * n_p  # (end, start, [(k, ns)]) of the step running on p
+    d_wait = [[] for _ in range(n_a)]  # handed to decode replica a, not yet decoding
+    d_run = [[] for _ in range(n_a)]
+    d_busy = None  # (end, [(a, ids)]) of the decode iteration in flight
+    nxt, left, t, rot_a, rot_p = 0, n, 0.0, 0, 0
+    iters, psteps = [], []
+    for _ in range(cfg.max_iterations * 4):
+        if left == 0:
+            break
+        # 1. what ended at t
+        while nxt < n and A[order[nxt]] <= t:
+            pending.append(int(order[nxt]))
+            nxt += 1
+        for p in range(n_p):
+            if p_busy[p] is not None and p_busy[p][0] <= t:
+                end, start, work = p_busy[p]
+                p_busy[p] = None
+                for k, ns in work:
+                    computed[k] += ns
+                    a = dec_of[k]
+                    nbytes = ns * kvb
+                    go = max(start, egress[p], ingress[a])
+                    done = max(go + nbytes / bw, end + nbytes / (s.num_layers * bw))
+                    egress[p] = ingress[a] = done
+                    msg[a] = nbytes / (s.num_layers * bw)  # one layer's message of it
+                    if computed[k] >= P[k]:  # prompt done: first token, leave the prefill rank
+                        first[k], ready[k] = end, max(end, done + lat)
+                        gen[k] = 1
+                        p_queue[p].remove(k)
+                        pload[p] -= 1
+                        if O[k] <= 1:
+                            fin[k] = end
+                            load[a] -= 1
+                            left -= 1
+                        else:
+                            d_wait[a].append(k)
+        if d_busy is not None and d_busy[0] <= t:
+            end, work = d_busy
+            d_busy = None
+            for a, ids in work:
+                computed[ids] += 1
+                gen[ids] += 1
+                done = ids[gen[ids] >= O[ids]]
+                fin[done] = end
+                left -= len(done)
+                load[a] -= len(done)
+                if len(done):
+                    dset = set(done.tolist())
+                    d_run[a] = [k for k in d_run[a] if k not in dset]
+        if left == 0:
+            break
+        # 2. admission (rank 0): FCFS while a decode replica has room
+        while pending:
+            room = np.flatnonzero(load < cfg.max_num_seqs)
+            if not len(room):
+                break
+            a = int(room[np.argmin((load[room] * n_a + (room - rot_a) % n_a))])
+            q = np.arange(n_p)
+            p = int(q[np.argmin(pload * n_p + (q - rot_p) % n_p)])
+            rot_a, rot_p = (a + 1) % n_a, (p + 1) % n_p
+            k = pending.pop(0)
+            dec_of[k], pre_of[k] = a, p
+            load[a] += 1
+            pload[p] += 1
+            p_queue[p].append(k)
+        # 3. idle prefill replicas take a step
+        for p in range(n_p):
+            if p_busy[p] is not None or not p_queue[p]:
+                continue
+            work, room, tok, ctxw, rows = [], budget, 0, 0.0, 0
+            for k in p_queue[p][:cfg.max_num_seqs]:
+                if room <= 0:
+                    break
+                ns = int(min(P[k] - computed[k], room))
+                work.append((k, ns))
+                room -= ns
+                tok += ns
+                ctxw += ns * (computed[k] + (ns + 1) / 2)
+                rows += int(computed[k] + ns >= P[k])
+            dt = pre.step_s(tok, ctxw / tok, rows) + cfg.iteration_overhead_s
+            p_busy[p] = (t + dt, t, work)
+            psteps.append((p, t, dt, tok))
+        # 4. an idle decode pool starts an iteration with what is runnable at t
+        if d_busy is None:
+            for a in range(n_a):
+                go = [k for k in d_wait[a] if ready[k] <= t]
+                if go:
+                    d_wait[a] = [k for k in d_wait[a] if ready[k] > t]
+                    d_run[a].extend(go)
+            if any(d_run):
+                tok, ctx, rows = np.zeros((n_a, m)), np.zeros((n_a, m)), np.zeros((n_a, m))
+                work = []
+                for a in range(n_a):
+                    ids = np.array(d_run[a][:cfg.max_num_batched_tokens], np.int64)
+                    if len(ids):
+                        mb = _split(np.ones(len(ids)), m)
+                        tok[a] = np.bincount(mb, minlength=m)
+                        ctx[a] = np.bincount(mb, computed[ids] + 1.0, m)
+                        rows[a] = tok[a]
+                    work.append((a, ids))
+                ctx = np.divide(ctx, tok, out=np.zeros_like(ctx), where=tok > 0)
+                counts = draw_counts(probs, tok.sum(axis=0), s.top_k, s.num_experts, s.num_layers, rng)
+                busy = np.minimum(ingress, t + msg)  # E2A waits for the KV message in flight
+                end = pipe.iteration(t, tok, ctx, rows, counts, ingress_free=busy) + cfg.iteration_overhead_s
+                iters.append((t, end - t, float(tok.sum())))
+                d_busy = (end, work)
+        # 5. the next event
+        cand = [b[0] for b in p_busy if b is not None]
+        if d_busy is not None:
+            cand.append(d_busy[0])
+        else:
+            cand += [ready[k] for w in d_wait for k in w]
+        if nxt < n:
+            cand.append(float(A[order[nxt]]))
+        if not cand:
+            break
+        t = max(t, min(cand))
+    return PdJobResult(A, first, fin, O, iters, None, psteps, ready)
