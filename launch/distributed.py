@@ -42,7 +42,8 @@ def _job_spec(s):
     from megainfer.runtime.world import JobSpec
     tok = load_tokenizer(s.load.path, s.model.eos_token_id)
     return JobSpec(s.model, s.load, s.scheduler, s.cache, s.deploy, s.comm, s.eplb, s.trace,
-                   tokenizer=tok, seed=s.seed, device=s.device)
+                   tokenizer=tok, seed=s.seed, device=s.device,
+                   replan=s.replan)
 
 
 def run_distributed(s, requests, output_path: str, run_dir: str) -> int:
@@ -62,6 +63,7 @@ def run_distributed(s, requests, output_path: str, run_dir: str) -> int:
         if comm.Get_rank() == 0:
             summary = run_offline_job(requests, _ReplicaStream(rank), output_path,
                                       resume=s.io.resume, progress=s.io.progress)
+            summary.replans = rank.parts.get("replans", [])  # re-plans of the split, if any
         else:
             run_rank(rank)
         if s.trace.enabled:

@@ -14,7 +14,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Iterable, Iterator, Optional, Protocol
 
 import numpy as np
@@ -51,6 +51,7 @@ class JobSummary:
     # prefill replicas (docs/pd.md): prefill end -> decode start over the requests handed off
     kv_handoff_p50_ms: Optional[float] = None
     kv_handoff_p99_ms: Optional[float] = None
+    replans: list = field(default_factory=list)  # re-plans of the split (docs/replan.md)
 
     def table(self) -> str:
         def ms(v):
@@ -69,6 +70,12 @@ class JobSummary:
         if self.kv_handoff_p50_ms is not None:
             rows.insert(-1, ("prefill end -> decode start p50 / p99 (ms)",
                              f"{ms(self.kv_handoff_p50_ms)} / {ms(self.kv_handoff_p99_ms)}"))
+        for r in self.replans:
+            rows.insert(-1, (f"re-plan at iteration {r['iteration']}",
+                             f"{r['old']} -> {r['new']} ({r['reason']}), switch {r['seconds']:.3f} s"
+                             + ("" if r.get("measured_gain") is None or r["measured_gain"] !=
+                                r["measured_gain"] else
+                                f", measured gain {100 * r['measured_gain']:.1f}%")))
         w = max(len(k) for k, _ in rows)
         return "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)
 

@@ -12,20 +12,21 @@ import os
 from typing import Any, Mapping, Optional
 
 from megainfer.config import (CacheConfig, CommConfig, ConfigError, DeployPlan, DeviceConfig,
-                              EplbConfig, LoadConfig, ModelConfig, SchedulerConfig, TraceConfig)
+                              EplbConfig, LoadConfig, ModelConfig, ReplanConfig, SchedulerConfig,
+                              TraceConfig)
 from megainfer.engine import SamplingParams, check_cache_fits
 from megainfer.engine.errors import SamplingParamsError
 from megainfer.engine.sizing import (check_kv_cache_dtype, derive_num_blocks,
                                      resolve_max_model_len)
 from megainfer.models.loader import DTYPES
 
-from .auto_plan import auto_deploy
+from .auto_plan import auto_plan
 from .deploy import plan_for_world
 
 log = logging.getLogger("megainfer.launch")
 
 GROUPS = ("model", "deploy", "scheduler", "cache", "sampling", "io", "workload", "comm", "trace",
-          "eplb", "engine")
+          "eplb", "engine", "replan")
 
 
 class OutputFileError(ConfigError):
@@ -104,6 +105,7 @@ class JobSettings:
     trace: TraceConfig = TraceConfig()
     eplb: EplbConfig = EplbConfig()
     device: DeviceConfig = DeviceConfig()
+    replan: ReplanConfig = ReplanConfig()  # online re-planning (docs/replan.md)
 
 
 def auto_cpu_threads(model: ModelConfig, local_ranks: int) -> int:
@@ -219,11 +221,11 @@ def settings_from_config(cfg, world_size: int = 1, local_ranks: int = 1,
     _take("config", c, set(GROUPS))
     _take("deploy", c.get("deploy") or {}, _names(DeployPlan) | {"cpu_threads", "device", "hardware"})
     # deploy=auto: the planner sizes the decode side over the ranks prefill ranks leave (docs/pd.md)
-    deploy = resolve_deploy(auto_deploy(c, world_size - _prefill_ranks(c.get("deploy") or {})),
-                            world_size)
+    planned, sched = auto_plan(c, world_size - _prefill_ranks(c.get("deploy") or {}))
+    deploy = resolve_deploy(planned, world_size)
     device = resolve_device(c, local_rank, distributed=deploy.mode != "single")
     model, load = _model(c.get("model", {}), device)
-    s = _take("scheduler", c.get("scheduler", {}), _names(SchedulerConfig))
+    s = _take("scheduler", sched, _names(SchedulerConfig))  # the plan's batch limit applied
     s["max_model_len"] = resolve_max_model_len(model, s.get("max_model_len"))
     scheduler = SchedulerConfig(**s)
     k = _take("cache", c.get("cache", {}), {"block_size", "num_blocks", "memory_gib",
@@ -259,7 +261,8 @@ def settings_from_config(cfg, world_size: int = 1, local_ranks: int = 1,
     elif not isinstance(threads, int) or threads < 1:
         raise ConfigError(f"deploy.cpu_threads={threads!r}: must be a positive integer or null")
     extra = {g: cls(**_take(g, c.get(g) or {}, _names(cls)))
-             for g, cls in (("comm", CommConfig), ("trace", TraceConfig), ("eplb", EplbConfig))}
+             for g, cls in (("comm", CommConfig), ("trace", TraceConfig), ("eplb", EplbConfig),
+                                          ("replan", ReplanConfig))}
     cores = os.cpu_count() or 1
     if extra["comm"].wait_mode == "spin" and local_ranks > cores:
         log.warning("comm.wait_mode=spin with %d ranks on %d cores: a spinning wait holds a core "

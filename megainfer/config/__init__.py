@@ -4,16 +4,18 @@ Hydra is only the front door (``megainfer.launch``): it composes YAML and turns 
 these objects. Nothing under ``megainfer/`` imports Hydra. Every validation failure is a
 ``ConfigError`` (a ``ValueError``) whose message names the offending field and value.
 
-``model.py``: the checkpoint's architecture; ``runtime.py``: how a job runs it; ``base.py``:
-the error type and the fixed vocabularies.
+``model.py``: the checkpoint's architecture; ``runtime.py``: how a job runs it; ``replan.py``:
+online re-planning; ``base.py``: the error type and the fixed vocabularies.
 """
 from .base import (ATTENTION_BACKENDS, DEVICES, DTYPE_NAMES, MLA_FAMILIES,
                    SUPPORTED_FAMILIES, ConfigError)
 from .model import ModelConfig, YarnScaling
 from .runtime import (DEPLOY_MODES, KV_CACHE_DTYPES, CacheConfig, CommConfig, DeployPlan,
-                      DeviceConfig, EplbConfig, LoadConfig, SchedulerConfig, TraceConfig)
+                      DeviceConfig, EplbConfig, LoadConfig, SchedulerConfig,
+                      TraceConfig)
+from .replan import ReplanConfig
 
 __all__ = ["ConfigError", "YarnScaling", "ModelConfig", "LoadConfig", "DeviceConfig",
            "CacheConfig", "SchedulerConfig", "DeployPlan", "EplbConfig", "CommConfig",
-           "TraceConfig", "ATTENTION_BACKENDS", "DEVICES", "DTYPE_NAMES", "MLA_FAMILIES",
-           "SUPPORTED_FAMILIES", "DEPLOY_MODES", "KV_CACHE_DTYPES"]
+           "TraceConfig", "ReplanConfig", "ATTENTION_BACKENDS", "DEVICES", "DTYPE_NAMES",
+           "MLA_FAMILIES", "SUPPORTED_FAMILIES", "DEPLOY_MODES", "KV_CACHE_DTYPES"]

@@ -11,6 +11,10 @@ routing, the prefix-cache keys they gained or lost (``TAG_STATUS``); rank 0 yiel
 its replica's new requests (``TAG_GO``): the TP ranks of a replica get exactly what their leader
 gets, in the same order, so their schedulers stay identical. On stop, leaders send the expert
 ranks a stop message.
+
+Re-planning (docs/replan.md): rank 0's ``replan_hook`` may end the loop at an iteration
+boundary with an order (``self.order``) instead of a stop; the ranks then switch roles and
+the loops that remain go on with ``resume``/``resume_stream``, nothing finished lost.
 """
 from __future__ import annotations
 
@@ -37,6 +41,9 @@ class ReplicaLoop:
         if self.track and role.is_leader:
             engine.blocks.track_keys()
         self.router: Optional[Router] = None
+        self.ids: dict = {}  # engine request id -> the caller's id (kept across re-plans)
+        self.replan_hook = None  # rank 0: (loop, work left) -> re-plan order or None (replan_runner)
+        self.order = None  # the order that ended the last _loop (None: the job is over)
         if role.rank == 0:
             self.router = Router(plan.attention_replicas, sched.routing, cache.block_size,
                                  sched.max_num_seqs, prompt_tokens_of(engine),
@@ -58,10 +65,20 @@ class ReplicaLoop:
         for _ in self._loop(mine):
             pass
 
+    def resume(self) -> None:
+        """After a re-plan, attention ranks other than 0: go on until told to stop again."""
+        for _ in self._loop([]):
+            pass
+
+    def resume_stream(self) -> Iterator[RequestOutput]:
+        """After a re-plan, rank 0: go on driving the loop, yielding outputs."""
+        yield from self._loop([])
+
     # ------------------------------------------------------------------ shared
     def _loop(self, inputs: list[PromptInput]) -> Iterator[RequestOutput]:
         ids, failed = self.engine.add_inputs(inputs, warn=self.role.is_leader)
-        go = True
+        self.ids.update(ids)
+        ids, go, self.order = self.ids, True, None
         while go:
             finished = self.engine.step()
             for out in finished:
@@ -92,8 +109,13 @@ class ReplicaLoop:
             done += outs
             busy = busy or b
             self.router.update(replica, waiting, running, events)
-        share = self.router.route()
-        go = busy or bool(self.router.pending) or any(share)
+        work = busy or bool(self.router.pending)
+        self.order = self.replan_hook(self, work) if self.replan_hook is not None else None
+        if self.order is not None:  # end this loop here: no hand-out, the ranks switch roles
+            share, go = [[] for _ in self.leaders], False
+        else:
+            share = self.router.route()
+            go = work or any(share)
         for rank in self.attn_ranks[1:]:
             self.control.send((go, share[rank // self.plan.attention_tp]), rank, TAG_GO)
         return done, go, share[0]

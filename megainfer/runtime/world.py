@@ -22,7 +22,8 @@ from mpi4py import MPI
 
 from megainfer.comm.wait import WaitPolicy
 from megainfer.config import (CacheConfig, CommConfig, ConfigError, DeployPlan, DeviceConfig,
-                              EplbConfig, LoadConfig, ModelConfig, SchedulerConfig, TraceConfig)
+                              EplbConfig, LoadConfig, ModelConfig, ReplanConfig, SchedulerConfig,
+                              TraceConfig)
 from megainfer.models import ParallelContext, build_model
 
 from .attention_executor import DisaggregatedExecutor
@@ -56,6 +57,7 @@ class JobSpec:
     tokenizer: object = None
     seed: int = 0
     device: DeviceConfig = DeviceConfig()  # cuda: every rank on GPU local_rank % visible
+    replan: ReplanConfig = ReplanConfig()  # online re-planning (docs/replan.md)
 
 
 @dataclass
@@ -67,6 +69,7 @@ class Rank:
     loop: Optional[ReplicaLoop] = None
     worker: Optional[ExpertWorker] = None
     closers: list = field(default_factory=list)
+    parts: dict = field(default_factory=dict)  # what a re-plan rebuilds (runtime/replan_switch.py)
 
     def close(self) -> None:
         for c in self.closers:
@@ -74,6 +77,9 @@ class Rank:
 
 
 def build_rank(job: JobSpec, comm=MPI.COMM_WORLD) -> Rank:
+    if job.replan.enabled:  # before anything collective: every rank refuses alike
+        from .replan_switch import check_replan
+        check_replan(job, comm.Get_size())
     if job.plan.prefill_replicas:  # prefill ranks after the rest (docs/pd.md)
         from .pd_world import build_pd_rank
         return build_pd_rank(job, comm, build_rank)
@@ -95,7 +101,9 @@ def build_rank(job: JobSpec, comm=MPI.COMM_WORLD) -> Rank:
     if dev.type == "cuda":
         torch.cuda.set_device(dev)  # Triton launches, streams and IPC all on this rank's GPU
     epoch = comm.bcast(time.perf_counter(), root=0)
-    tracer = Tracer(enabled=job.trace.enabled, rank=rank, name=role.tag, mode=plan.mode, epoch=epoch,
+    traced = job.trace.enabled or (job.replan.enabled and not job.replan.force_schedule and
+                                   (rank == 0 or not role.is_attention))  # replan_measure.py
+    tracer = Tracer(enabled=traced, rank=rank, name=role.tag, mode=plan.mode, epoch=epoch,
                     device=dev)
     leaders = leader_ranks(plan)
     experts = leaders if colocated else expert_rank_ids(plan)
@@ -116,14 +124,22 @@ def build_rank(job: JobSpec, comm=MPI.COMM_WORLD) -> Rank:
         _build_attention(job, out, m2n, placement, control, TPGroup(tp_comm, control, role.replica *
                                                                     plan.attention_tp), tracer)
     else:
-        me = role.expert_index
+        _build_expert(job, out, m2n, placement, control, side_comm, tracer)
+    out.parts = dict(job=job, comm=comm, m2n=m2n, policy=policy, control=control)
+    return out
+
+
+def _build_expert(job, out, m2n, placement, control, side_comm, tracer, model=None):
+    """An expert rank's model (``model``: one whose slots are already filled) and worker."""
+    me, cfg, plan = out.role.expert_index, job.model, job.plan
+    if model is None:
         model = build_model(cfg, job.load, role="experts", phy2log=placement.phy2log.tolist(),
                             expert_slots=[list(placement.slots_of_rank(me))] * cfg.num_layers,
-                            device=dev)
-        rebalancer = ExpertRebalancer(model, placement, me, side_comm, control, leaders, job.eplb)
-        out.worker = ExpertWorker(model, plan.micro_batches, ExpertExchange(m2n), role.tag, tracer,
-                                  rebalancer)
-    return out
+                            device=job.device.torch_device)
+    rebalancer = ExpertRebalancer(model, placement, me, side_comm, control, leader_ranks(plan),
+                                  job.eplb)
+    out.worker = ExpertWorker(model, plan.micro_batches, ExpertExchange(m2n), out.role.tag, tracer,
+                              rebalancer)
 
 
 def _slot_owner(placement, device) -> torch.Tensor:
@@ -140,18 +156,28 @@ def _engine(job: JobSpec, role, model, make_executor):
                      seed=job.seed, log_prefix=role.tag)
 
 
-def _build_attention(job, out, m2n, placement, control, tp, tracer):
+def _build_attention(job, out, m2n, placement, control, tp, tracer, engine=None):
+    """An attention rank's model, engine and loop; ``engine``: keep this one (its model, KV
+    cache and requests) and only rewire its executor to the new channels (a re-plan)."""
     role, plan, cfg = out.role, job.plan, job.model
-    par = ParallelContext(role.tp_rank, plan.attention_tp, tp.all_reduce if tp.size > 1 else None)
-    model = build_model(cfg, job.load, par, role="attention", device=job.device.torch_device)
-    model.set_attention_backend(job.device.attention_backend)
+    if engine is None:
+        par = ParallelContext(role.tp_rank, plan.attention_tp,
+                              tp.all_reduce if tp.size > 1 else None)
+        model = build_model(cfg, job.load, par, role="attention", device=job.device.torch_device)
+        model.set_attention_backend(job.device.attention_backend)
+    else:
+        model = engine.executor.model
     exchange = rebalancer = None
     if role.is_leader:
         exchange = AttentionExchange(m2n, _slot_owner(placement, job.device.torch_device), tracer)
         rebalancer = AttentionRebalancer(placement, job.eplb, control, m2n,
                                          expert_rank_ids(plan)[0], role.replica)
-    engine = _engine(job, role, model, lambda kv: DisaggregatedExecutor(
-        model, kv, job.cache.block_size, plan.micro_batches, exchange, tp, rebalancer, tracer))
+    if engine is None:
+        engine = _engine(job, role, model, lambda kv: DisaggregatedExecutor(
+            model, kv, job.cache.block_size, plan.micro_batches, exchange, tp, rebalancer, tracer))
+    else:
+        ex = engine.executor
+        ex.exchange, ex.rebalancer, ex.tp = exchange, rebalancer, tp
     out.loop = ReplicaLoop(engine, role, plan, control, exchange, cfg.moe_layers()[0])
 
 
@@ -174,6 +200,9 @@ def _build_colocated(job, out, m2n, placement, control, tracer):
 
 def run_rank(r: Rank, inputs: Optional[Iterable] = None):
     """Rank 0: a generator of outputs. Others: serve until stopped, then return None."""
+    if r.parts.get("job") is not None and r.parts["job"].replan.enabled:
+        from .replan_runner import run_replanning
+        return run_replanning(r, inputs)
     if r.role.rank == 0:
         return r.loop.generate_stream(inputs or [])
     if r.loop is not None:

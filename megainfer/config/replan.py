@@ -1,0 +1,60 @@
+"""Online re-planning's section of the config tree (``replan.*``, docs/replan.md)."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+from .base import _require
+
+
+@dataclass(frozen=True)
+class ReplanConfig:
+    """Online re-planning of the attention:expert split (``replan.*``, docs/replan.md). With
+    ``enabled``, every ``interval`` iterations rank 0 refits the per-layer model from the
+    measured times and switches ranks between the attention and expert roles when the planner
+    predicts more than ``min_gain`` (a fraction of the remaining job time) after the switch's
+    own cost. ``force_schedule``: ((iteration, "aNeM"), ...) switches at those iterations
+    regardless (tests, benchmarks). ``kv_transfer``: a leaving replica's running requests keep
+    their KV (``move``), recompute it (``recompute``), or the cheaper of the two (``auto``).
+    ``link_gbps``: the bandwidth the switch cost is counted at."""
+
+    enabled: bool = False
+    interval: int = 64
+    min_gain: float = 0.10
+    force_schedule: tuple = ()
+    kv_transfer: str = "auto"
+    link_gbps: float = 10.0
+
+    def __post_init__(self):
+        _require(isinstance(self.enabled, bool), "replan.enabled", self.enabled,
+                 "must be true or false")
+        _require(isinstance(self.interval, int) and not isinstance(self.interval, bool)
+                 and self.interval >= 1, "replan.interval", self.interval, "must be an integer >= 1")
+        _require(isinstance(self.min_gain, (int, float)) and not isinstance(self.min_gain, bool)
+                 and 0 <= self.min_gain < 1, "replan.min_gain", self.min_gain,
+                 "must be a number in [0, 1)")
+        _require(self.kv_transfer in ("auto", "move", "recompute"), "replan.kv_transfer",
+                 self.kv_transfer, "must be auto, move or recompute")
+        _require(isinstance(self.link_gbps, (int, float)) and not isinstance(self.link_gbps, bool)
+                 and self.link_gbps > 0, "replan.link_gbps", self.link_gbps, "must be > 0")
+        sched = []
+        for item in self.force_schedule or ():
+            ok = isinstance(item, (list, tuple)) and len(item) == 2
+            it, plan = item if ok else (None, None)
+            _require(ok and isinstance(it, int) and not isinstance(it, bool) and it >= 1
+                     and parse_split(plan) is not None, "replan.force_schedule", item,
+                     "each entry must be [iteration >= 1, 'aNeM'] (e.g. [8, 'a2e2'])")
+            sched.append((it, str(plan)))
+        its = [it for it, _ in sched]
+        _require(its == sorted(set(its)), "replan.force_schedule", self.force_schedule,
+                 "iterations must be strictly increasing")
+        object.__setattr__(self, "force_schedule", tuple(sched))
+
+
+def parse_split(label) -> Optional[tuple[int, int]]:
+    """'a2e2' -> (attention replicas, expert ranks); None when it is not such a label."""
+    m = re.fullmatch(r"a(\d+)e(\d+)", str(label)) if isinstance(label, str) else None
+    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+        return None
+    return int(m.group(1)), int(m.group(2))

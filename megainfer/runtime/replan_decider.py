@@ -1,0 +1,151 @@
+"""Measured layer times + the work left -> whether to switch the attention:expert split now.
+
+Rank 0 calls ``decide`` every ``replan.interval`` iterations (docs/replan.md) with what the
+ranks measured since the last decision:
+
+* ``attn``: one ``(tokens, mean context, seconds)`` per attention span of one (layer,
+  micro-batch); ``expert``: one ``(token-expert pairs, seconds)`` per expert span, on a rank
+  holding ``experts_on_rank`` slots; ``t_c``: the measured one-way A2E time (nan: unknown).
+
+The per-layer model is refitted from them (``perfmodel.insitu.fit_in_situ``: the same k1..k4
+the planner's fitted times use), the measured T_c replaces the link's latency, and the planner
+(``perfmodel.world_plan.plan_world``) ranks every split of the same world for the work left
+(``JobState``), with the replica TP and the micro-batch count held. The current plan's
+remaining time is compared with the best plan's remaining time plus the switch's own cost:
+the weights to move (expert slots of every rank whose role changes, attention weights for a
+new replica) and the KV to re-home (the running sequences of a leaving replica) over
+``replan.link_gbps``, plus one drained iteration. It switches only when the gain, as a
+fraction of the current plan's remaining time, beats ``replan.min_gain``.
+
+Pure arithmetic (no torch, no MPI): unit-tested with synthetic measurements.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from megainfer.config import ConfigError
+from megainfer.perfmodel.hardware import HardwareProfile, LayerFit
+from megainfer.perfmodel.insitu import fit_in_situ
+from megainfer.perfmodel.model import Workload
+from megainfer.perfmodel.shapes import ModelShape, dtype_bytes
+from megainfer.perfmodel.world_plan import JobLoad, NoWorldPlanError, Pins, plan_world
+
+
+@dataclass(frozen=True)
+class Measurements:
+    attn: tuple  # ((tokens, context, seconds), ...) per attention (layer, micro-batch)
+    expert: tuple  # ((token-expert pairs, seconds), ...) per expert (layer, micro-batch)
+    experts_on_rank: int  # slots an expert rank held while measured
+    t_c: float = float("nan")  # seconds, one-way A2E; nan: not observed
+
+
+@dataclass(frozen=True)
+class JobState:
+    """The work left, as rank 0 sees it."""
+
+    requests: int  # running + waiting + not yet handed out
+    context: int  # mean tokens a sequence attends over now
+    output_left: int  # mean tokens each request has still to generate
+    max_seqs_per_replica: int
+    running_per_replica: tuple = ()  # sequences running on each replica now (KV to re-home)
+
+
+@dataclass(frozen=True)
+class Decision:
+    switch: bool
+    current: tuple  # (attention replicas, expert ranks)
+    best: tuple
+    t_current: float  # predicted seconds left on the current plan
+    t_best: float  # predicted seconds left on the best plan, without the switch
+    cost: float  # predicted seconds the switch costs
+    gain: float  # (t_current - t_best - cost) / t_current
+    reason: str
+
+    @property
+    def label(self) -> str:
+        return f"a{self.best[0]}e{self.best[1]}"
+
+    def describe(self) -> str:
+        return (f"a{self.current[0]}e{self.current[1]} -> a{self.best[0]}e{self.best[1]}: "
+                f"{self.t_current:.3g} s left vs {self.t_best:.3g} s + switch {self.cost:.3g} s, "
+                f"gain {100 * self.gain:.1f}% ({self.reason})")
+
+
+def refit(meas: Measurements, dtype: str) -> LayerFit:
+    """The per-layer fit of the measured spans (ConfigError: too few distinct sizes)."""
+    k = fit_in_situ(list(meas.attn), list(meas.expert), meas.experts_on_rank)
+    ctx = [c for _, c, _ in meas.attn]
+    return LayerFit(k1=max(k["k1"], 0.0), k2=max(k["k2"], 0.0), k3=max(k["k3"], 0.0),
+                    k4=max(k["k4"], 0.0), k1_ctx=max(k["k1_ctx"], 0.0),
+                    ctx_ref=int(sum(ctx) / len(ctx)) if ctx else 0, dtype=dtype)
+
+
+def measured_hardware(hw: HardwareProfile, shape: ModelShape, meas: Measurements,
+                      dtype: str) -> HardwareProfile:
+    """``hw`` with the refitted layer times for ``shape`` and the measured T_c as latency."""
+    out = replace(hw, fits={**hw.fits, shape.name: refit(meas, dtype)})
+    if math.isfinite(meas.t_c) and meas.t_c > 0:
+        out = replace(out, inter_link=replace(hw.inter_link, latency_s=meas.t_c))
+    return out
+
+
+def switch_cost(shape: ModelShape, old: tuple, new: tuple, state: JobState, t_iter: float,
+                link_Bps: float, dtype: str) -> float:
+    """Seconds: weights and KV that move when ``old`` (n_a, n_e) becomes ``new``, plus one
+    drained iteration. Ranks keep their order: ranks [min(n_a), max(n_a)) change role."""
+    (a0, e0), (a1, e1) = old, new
+    if (a0, e0) == (a1, e1):
+        return 0.0
+    wb, E = dtype_bytes(dtype), shape.num_experts
+    expert = shape.num_layers * shape.expert_params * wb  # one expert, all layers
+    changed = abs(a1 - a0)
+    moved = changed * expert * (math.ceil(E / e0) + math.ceil(E / e1))  # out of / into them
+    if a1 > a0:  # expert -> attention: attention weights read in
+        moved += changed * shape.attention_side_params() * wb
+    else:  # attention -> expert: the leaving replicas' running sequences' KV
+        leaving = sum(state.running_per_replica[a1:a0]) if state.running_per_replica else 0
+        moved += leaving * state.context * shape.num_layers * shape.kv_bytes_per_token(dtype)
+    return moved / link_Bps + t_iter
+
+
+def _choices(shape, hw, state: JobState, world: int, pins: Pins, dtype: str):
+    wl = Workload(max(1, int(state.context)), max(1, int(state.output_left)))
+    job = JobLoad(max(1, state.requests), state.max_seqs_per_replica, wl)
+    return plan_world(shape, hw, job, world, pins, dtype)
+
+
+def decide(meas: Measurements, state: JobState, shape: ModelShape, hw: HardwareProfile,
+           world: int, current: tuple, micro_batches: int, min_gain: float,
+           link_gbps: float = 10.0, dtype: str = "float32") -> Decision:
+    """Switch to the planner's best split of ``world`` when it wins by more than ``min_gain``."""
+    def stay(why: str, t: float = float("nan")) -> Decision:
+        return Decision(False, current, current, t, t, 0.0, 0.0, why)
+    if state.requests < 1 or state.output_left < 1:
+        return stay("no work left")
+    try:
+        hw_m = measured_hardware(hw, shape, meas, dtype)
+    except ConfigError as e:
+        return stay(f"cannot refit: {e}")
+    fixed = dict(attention_tp=1, micro_batches=micro_batches)
+    try:
+        ranked = _choices(shape, hw_m, state, world, Pins(**fixed), dtype)
+        now = _choices(shape, hw_m, state, world, Pins(attention_replicas=current[0],
+                                                       expert_ranks=current[1], **fixed), dtype)[0]
+    except NoWorldPlanError as e:
+        return stay(f"planner: {e}")
+    tokens = state.requests * state.output_left
+    t_now = tokens / now.pred.tokens_per_s
+    best = ranked[0]
+    target = (best.plan.n_a, best.plan.n_e)
+    t_best = tokens / best.pred.tokens_per_s
+    if target == tuple(current):
+        return Decision(False, current, target, t_now, t_best, 0.0, 0.0, "current plan is best")
+    cost = switch_cost(shape, tuple(current), target, state, now.pred.t_iter,
+                       link_gbps * 1e9 / 8, dtype)
+    gain = (t_now - t_best - cost) / t_now
+    ok = gain > min_gain
+    why = (f"gain above min_gain {min_gain:.2f}" if ok else
+           f"gain below min_gain {min_gain:.2f}")
+    return Decision(ok, tuple(current), target, t_now, t_best, cost, gain, why)
+

@@ -1,0 +1,86 @@
+"""What a re-planning decision is made from: the layer spans the ranks traced since the last
+decision (docs/replan.md, docs/trace_format.md).
+
+* attention (rank 0, its own spans): ``(tokens, context, seconds)`` per ``attn`` span of one
+  (layer, micro-batch); the context is the mean computed length of rank 0's running
+  sequences in that iteration (recorded by the controller every iteration).
+* experts (every expert rank, sent to rank 0 every ``replan.interval`` iterations with
+  ``TAG_SAMPLES``): ``(token-expert pairs, seconds)`` per ``expert`` span; the pairs of a span
+  are its rows times the iteration's pairs per row on that rank (the EPLB load counter's).
+
+With ``trace.enabled=false`` rank 0 and the expert ranks record only the last
+``SAMPLE_ITERS`` iterations before each decision, and the events read are dropped (memory stays
+bounded, the tracing cost is a few iterations an interval); with traces on, every iteration is
+recorded and the events stay for ``trace.json``.
+"""
+from __future__ import annotations
+
+from mpi4py import MPI
+
+TAG_SAMPLES = 107  # expert rank -> rank 0, on the job's communicator
+SAMPLE_ITERS = 4  # iterations recorded before each decision (all of them with trace.enabled)
+
+
+def records(iteration: int, interval: int) -> bool:
+    """Whether ``iteration`` is among the last ``SAMPLE_ITERS`` before a decision (at a
+    multiple of ``interval``): spans are recorded only then, so a steady job pays for a few
+    iterations' tracing an interval, not every iteration's."""
+    return iteration % interval >= interval - min(SAMPLE_ITERS, interval)
+
+
+def take_events(tracer, start: int, keep: bool) -> tuple[list, int]:
+    """Complete events recorded since index ``start``; returns them and the next start."""
+    tracer.resolve()
+    ev = tracer.events[start:]
+    if keep:
+        return ev, len(tracer.events)
+    tracer.events = []
+    return ev, 0
+
+
+def attention_samples(events: list, ctx_of_iter: dict) -> list:
+    out = []
+    for e in events:
+        a = e.get("args", {})
+        if e["cat"] == "attention" and e["name"].startswith("attn") and a.get("tokens", 0) > 0:
+            ctx = ctx_of_iter.get(a["iter"])
+            if ctx:
+                out.append((a["tokens"], ctx, e["dur"] / 1e6))
+    return out
+
+
+def expert_samples(events: list, pairs_of_iter: dict) -> list:
+    rows: dict = {}
+    spans = [e for e in events if e["cat"] == "expert" and e["args"].get("tokens", 0) > 0]
+    for e in spans:
+        rows[e["args"]["iter"]] = rows.get(e["args"]["iter"], 0) + e["args"]["tokens"]
+    out = []
+    for e in spans:
+        it, n = e["args"]["iter"], e["args"]["tokens"]
+        if pairs_of_iter.get(it) and rows.get(it):
+            out.append((n * pairs_of_iter[it] / rows[it], e["dur"] / 1e6))
+    return out
+
+
+class ExpertReporter:
+    """An expert rank's ``ExpertWorker.on_iteration``: every ``interval`` iterations, its
+    samples since the last report go to rank 0 (non-blocking; rank 0 takes them at the same
+    iteration's decision)."""
+
+    def __init__(self, comm: MPI.Comm, tracer, interval: int, keep_events: bool):
+        self.comm, self.tracer, self.interval, self.keep = comm, tracer, interval, keep_events
+        self.start, self.pending = len(tracer.events), []
+
+    def __call__(self, worker) -> None:
+        self.tracer.enabled = self.keep or records(worker.iteration, self.interval)
+        if worker.iteration % self.interval:
+            return
+        reb = worker.rebalancer
+        first = worker.iteration - len(reb.tokens_per_iteration)
+        pairs = {first + i: n for i, n in enumerate(reb.tokens_per_iteration)}
+        ev, self.start = take_events(self.tracer, self.start, self.keep)
+        samples = expert_samples(ev, pairs)
+        self.pending = [r for r in self.pending if not r.Test()]
+        self.pending.append(self.comm.isend((worker.iteration, samples,
+                                             reb.placement.slots_per_rank), dest=0,
+                                            tag=TAG_SAMPLES))

@@ -1,0 +1,219 @@
+"""Run a job whose attention:expert split may change while it runs (``replan.enabled``,
+docs/replan.md).
+
+A job runs in phases. In each, the ranks run as at launch (the attention ranks' lockstep loop,
+the expert ranks' workers) until rank 0 ends the loop: at the job's end, or with a
+``ReplanOrder`` from its ``ReplanController`` (a forced switch of ``replan.force_schedule``,
+or a decision of ``replan_decider.decide`` every ``replan.interval`` iterations). Rank 0 then
+sends every rank the order (``TAG_REPLAN``; None: the job is over), all switch
+(``replan_switch.switch``) and the next phase starts. Rank 0 logs each re-plan (old plan, new
+plan, predicted gain, the switch's cost, and at the next re-plan or the end the measured
+gain: the job's decode tokens per second over the iterations before and after) and keeps the
+list in
+``Rank.parts["replans"]``.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+
+from megainfer.config.replan import parse_split
+
+from .replan_measure import (TAG_SAMPLES, ExpertReporter, attention_samples, records,
+                             take_events)
+from .replan_switch import TAG_REPLAN, ReplanOrder, switch
+
+log = logging.getLogger("megainfer.runtime")
+WINDOW = 16  # steps before / after a switch the measured gain compares
+KEEP = 1024  # latest span samples a decision refits from
+
+
+def run_replanning(r, inputs):
+    """Rank 0: a generator of outputs. Others: serve phases until the job is over."""
+    if r.role.rank == 0:
+        return _rank0(r, inputs)
+    _serve(r)
+    return None
+
+
+def _auto(r) -> bool:
+    return not r.parts["job"].replan.force_schedule
+
+
+def _attach_reporter(r) -> None:
+    if r.worker is not None and _auto(r):
+        job = r.parts["job"]
+        r.worker.on_iteration = ExpertReporter(r.parts["comm"], r.tracer, job.replan.interval,
+                                               job.trace.enabled)
+
+
+def _serve(r) -> None:
+    fresh = True
+    while True:
+        _attach_reporter(r)
+        if r.loop is not None:
+            r.loop.serve() if fresh else r.loop.resume()
+        else:
+            r.worker.run()
+        fresh = False
+        order = r.parts["control"].recv(0, TAG_REPLAN, "re-plan order (waiting for rank 0)")
+        if order is None:
+            return
+        switch(r, order)
+
+
+def _rank0(r, inputs):
+    ctl = ReplanController(r)
+    r.loop.replan_hook = ctl.hook
+    stream = r.loop.generate_stream(inputs)
+    world = r.parts["comm"].Get_size()
+    while True:
+        yield from stream
+        order = r.loop.order
+        for k in range(1, world):
+            r.parts["control"].send(order, k, TAG_REPLAN)
+        if order is None:
+            break
+        ctl.switching(order)
+        rec = switch(r, order)
+        ctl.switched(rec)
+        stream = r.loop.resume_stream()
+    ctl.finish()
+
+
+def _tokens_per_s(clock) -> float:
+    """Decode tokens per second over consecutive iteration syncs [(time, sequences running
+    after that sync)]: each of them gains a token in the next iteration (prefill chunks aside)."""
+    if len(clock) < 2 or clock[-1][0] <= clock[0][0]:
+        return float("nan")
+    return sum(n for _, n in clock[:-1]) / (clock[-1][0] - clock[0][0])
+
+
+class ReplanController:
+    """Rank 0's ``ReplicaLoop.replan_hook``: forced switches, or measured decisions."""
+
+    def __init__(self, r):
+        self.r = r
+        self.cfg = self.job.replan
+        self.forced = list(self.cfg.force_schedule)
+        self.records: list[dict] = []
+        r.parts["replans"] = self.records
+        self.decisions: list[dict] = []  # every measured decision, switched or not
+        r.parts["replan_decisions"] = self.decisions
+        self.ctx: dict = {}  # iteration -> mean computed length of rank 0's running sequences
+        self.start = len(r.tracer.events)
+        self.attn, self.expert, self.slots = [], [], 1
+        self.hw, self.shape = None, None
+        self.clock: list = []  # per iteration: (perf_counter at its sync, sequences running)
+
+    @property
+    def job(self):  # the plan in it changes at each switch
+        return self.r.parts["job"]
+
+    # ------------------------------------------------------------------ the hook
+    def hook(self, loop, work: bool):
+        it = loop.engine.executor.iteration
+        plan = self.job.plan
+        cur = (plan.attention_replicas, plan.expert_ranks)
+        self.clock.append((time.perf_counter(), sum(v.running for v in loop.router.replicas)))
+        running = loop.engine.scheduler.running
+        if running:
+            self.ctx[it - 1] = sum(q.num_computed_tokens for q in running) / len(running)
+        if not self.forced:  # measured decisions: record the spans of the next step or not
+            self.r.tracer.enabled = self.job.trace.enabled or records(it, self.cfg.interval)
+        if self.forced:
+            if not work or self.forced[0][0] > it:
+                return None
+            _, label = self.forced.pop(0)
+            new = parse_split(label)
+            if new == cur:
+                log.info("[replan] forced switch at iteration %d: already %s", it, label)
+                return None
+            return ReplanOrder(it, cur, new, "forced")
+        if it % self.cfg.interval:
+            return None
+        self._collect(it)
+        return self._decide(loop, it, cur) if work else None
+
+    def _collect(self, it: int) -> None:
+        ev, self.start = take_events(self.r.tracer, self.start, self.job.trace.enabled)
+        # a sliding window: a steady decode gives one batch size an interval, the fit needs two
+        self.attn = (self.attn + attention_samples(ev, self.ctx))[-KEEP:]
+        control = self.r.parts["control"]
+        for k in range(self.job.plan.attention_replicas, self.r.parts["comm"].Get_size()):
+            at, samples, self.slots = control.recv(k, TAG_SAMPLES, "re-plan samples")
+            if at != it:
+                raise RuntimeError(f"[replan] expert rank {k} reported iteration {at}, rank 0 is "
+                                   f"at {it}")
+            self.expert = (self.expert + samples)[-KEEP:]
+        self.ctx = {i: c for i, c in self.ctx.items() if i >= it}
+
+    def _decide(self, loop, it: int, cur: tuple):
+        from .replan_decider import JobState, Measurements, decide
+        hw, shape = self._model()
+        router, sched = loop.router, loop.engine.scheduler
+        views = router.replicas
+        reqs = [q for q in list(sched.running) + list(sched.waiting)]
+        ctx = sum(q.num_tokens for q in reqs) / len(reqs) if reqs else 1
+        left = [q.params.max_tokens - len(q.output_token_ids) for q in reqs]
+        left += [getattr(p.params, "max_tokens", 16) or 16 for p in router.pending]
+        state = JobState(sum(v.queue for v in views) + len(router.pending), max(1, int(ctx)),
+                         max(1, int(sum(left) / len(left))) if left else 0,
+                         self.job.sched.max_num_seqs, tuple(v.running for v in views))
+        meas = Measurements(tuple(self.attn), tuple(self.expert), self.slots)
+        d = decide(meas, state, shape, hw, self.r.parts["comm"].Get_size(), cur,
+                   self.job.plan.micro_batches, self.cfg.min_gain, self.cfg.link_gbps,
+                   self.job.load.dtype)
+        log.info("[replan] iteration %d: %s", it, d.describe())
+        self.decisions.append(dict(iteration=it, switch=d.switch, best=d.label, gain=d.gain,
+                                   reason=d.reason, attention_samples=len(self.attn),
+                                   expert_samples=len(self.expert)))
+        if not d.switch:
+            return None
+        return ReplanOrder(it, cur, d.best, f"measured: {d.reason}", d.gain)
+
+    def _model(self):
+        if self.hw is None:
+            from megainfer.perfmodel.hardware import load_hardware
+            from megainfer.perfmodel.shapes import ModelShape
+            path = os.environ.get("MEGAINFER_HARDWARE_PROFILE")
+            self.hw = load_hardware(path if path and os.path.isfile(path) else "cpu_node")
+            self.shape = ModelShape.from_model_config(self.job.model, "replan_measured")
+        return self.hw, self.shape
+
+    # ------------------------------------------------------------------ records
+    def switching(self, order) -> None:
+        self._measure_last()  # the previous switch's "after" ends here
+        self.before = _tokens_per_s(self.clock[-WINDOW - 1:])
+        self.clock = []
+
+    def switched(self, rec: dict) -> None:
+        self._measure_last()
+        self.expert = []  # an expert rank now holds another number of slots
+        rec["tokens_per_s_before"] = self.before
+        self.records.append(rec)
+        self.clock = []  # the switch itself is not an iteration of the new plan
+        log.info("[replan] iteration %d: %s -> %s (%s), predicted gain %s, switch %.3f s, "
+                 "expert weights moved %d bytes, requests handed over: %d with KV (%d bytes), "
+                 "%d recomputed, %d not started", rec["iteration"], rec["old"], rec["new"],
+                 rec["reason"], "n/a" if math.isnan(rec["predicted_gain"]) else
+                 f"{100 * rec['predicted_gain']:.1f}%", rec["seconds"], rec["weight_bytes"],
+                 rec["move"], rec["kv_bytes"], rec["recompute"], rec["waiting"])
+
+    def _measure_last(self) -> None:
+        if not self.records or "tokens_per_s_after" in self.records[-1]:
+            return
+        last = self.records[-1]
+        after = _tokens_per_s(self.clock[:WINDOW + 1])
+        last["tokens_per_s_after"] = after
+        last["measured_gain"] = after / last["tokens_per_s_before"] - 1
+
+    def finish(self) -> None:
+        self._measure_last()
+        for rec in self.records:
+            log.info("[replan] summary: iteration %d %s -> %s, switch %.3f s, measured gain %s",
+                     rec["iteration"], rec["old"], rec["new"], rec["seconds"],
+                     "n/a" if math.isnan(rec.get("measured_gain", float("nan")))
+                     else f"{100 * rec['measured_gain']:.1f}%")

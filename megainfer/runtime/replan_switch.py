@@ -1,0 +1,227 @@
+"""Switch the attention:expert split of a running job without a restart (docs/replan.md).
+
+Every rank calls ``switch`` with the same ``ReplanOrder`` once rank 0 ended the iteration
+loop at a boundary (the pipeline is drained: every micro-batch of the last step came back and
+the expert ranks got a stop). Ranks keep their order (docs/design_rules.md, "Rank order"), so
+going from ``aXeY`` to ``aX'eY'`` turns ranks between X and X' from one role into the other.
+On a communicator of its own (a duplicate of the job's) the switch then:
+
+1. sums the old expert ranks' load windows and computes EPLB's placement for the new expert
+   count (``replan_weights.new_placement``);
+2. hands the requests of leaving replicas to the staying ones, KV moved or recomputed
+   (``replan_requests.migrate``); when replicas are added, step 5 has the old ones give the new
+   ones their newest requests beyond a fair share (after the rebuild: the new ones need an
+   engine first);
+3. moves expert weights point to point into the new expert ranks' slots
+   (``replan_weights.move_expert_weights``);
+4. closes the old channels and builds the new ones for the new sender and receiver sets (one
+   collective construction, as at launch), and rebuilds every rank's part: a staying replica
+   keeps its engine (model, KV cache, requests) and only rewires its executor; a new replica
+   loads the attention weights from the checkpoint and allocates its KV cache; an expert rank
+   takes the model filled in step 3.
+
+Every wait is bounded by ``comm.timeout_s`` and a failure names the rank and the phase.
+Restrictions: ``deploy.attention_tp=1``, no prefill ranks (``check_replan``).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+
+import numpy as np
+from mpi4py import MPI
+
+from megainfer.comm.wait import WaitPolicy
+from megainfer.config import ConfigError
+from megainfer.config.replan import parse_split
+
+from .control import ControlPlane
+from .exchange import make_m2n
+from .replan_requests import balance_shares, migrate
+from .replan_weights import move_expert_weights, new_placement
+from .roles import assign_role, expert_rank_ids, leader_ranks
+from .tp_group import TPGroup
+
+log = logging.getLogger("megainfer.runtime")
+TAG_REPLAN = 106  # rank 0 -> every rank: the order ending a loop (None: the job is over)
+TAG_CHECKPOINT = 3  # on the switch communicator
+COUNTED = ("move", "recompute", "waiting", "kv_bytes")  # requests handed over, by choice
+
+
+@dataclass(frozen=True)
+class ReplanOrder:
+    iteration: int  # the iteration the new plan starts at (every rank's counter)
+    old: tuple  # (attention replicas, expert ranks)
+    new: tuple
+    reason: str  # "forced" or the decision's description
+    predicted_gain: float = float("nan")
+
+    @property
+    def label(self) -> str:
+        return f"a{self.old[0]}e{self.old[1]} -> a{self.new[0]}e{self.new[1]}"
+
+
+def check_replan(job, world: int) -> None:
+    """Refuse, before any work, a job re-planning cannot run."""
+    p, r = job.plan, job.replan
+    if p.mode != "disaggregated" or p.attention_tp != 1 or p.prefill_replicas:
+        raise ConfigError(f"replan.enabled=true: re-planning runs in deploy.mode=disaggregated "
+                          f"with attention_tp=1 and no prefill replicas (got mode={p.mode}, "
+                          f"attention_tp={p.attention_tp}, prefill_replicas={p.prefill_replicas})")
+    for it, label in r.force_schedule:
+        a, e = parse_split(label)
+        if a + e != world or e > job.model.num_experts:
+            raise ConfigError(f"replan.force_schedule=[{it}, {label!r}]: {a} attention + {e} "
+                              f"expert ranks must make the world size {world} "
+                              f"(and at most {job.model.num_experts} expert ranks)")
+
+
+def checkpoint(control, phase: str) -> None:
+    """A barrier whose wait is bounded and names the first rank that did not arrive (each rank
+    sends every other a token, then waits for theirs in rank order): a rank hung in a phase of
+    the switch is named before the next collective call, which would wait for it forever."""
+    comm = control.comm
+    me, n = comm.Get_rank(), comm.Get_size()
+    token = np.zeros(1, dtype=np.int8)
+    sends = [comm.Isend(token, dest=k, tag=TAG_CHECKPOINT) for k in range(n) if k != me]
+    for k in range(n):
+        if k != me:
+            got = np.empty(1, dtype=np.int8)
+            control.wait(comm.Irecv(got, source=k, tag=TAG_CHECKPOINT), k, phase)
+    for req in sends:
+        control.wait(req, None, phase)
+
+
+def _placement_of(r):
+    if r.worker is not None:
+        return r.worker.rebalancer.placement
+    return r.loop.engine.executor.rebalancer.placement
+
+
+def switch(r, order: ReplanOrder) -> dict:
+    """Collective: turn this rank into its role under ``order.new``. Returns a record of what
+    moved (this rank's share; rank 0 logs the job's)."""
+    t0 = time.perf_counter()
+    job, comm = r.parts["job"], r.parts["comm"]
+    rank, world, cfg = comm.Get_rank(), comm.Get_size(), job.model
+    old_plan = job.plan
+    new_plan = replace(old_plan, attention_replicas=order.new[0], expert_ranks=order.new[1])
+    new_role = assign_role(new_plan, rank, world)
+    sw = comm.Dup()
+    policy = WaitPolicy(mode=job.comm.wait_mode, timeout_s=job.comm.timeout_s * 2)
+    control = ControlPlane(sw, f"{r.role.tag} re-plan", policy)
+    t_start = r.tracer.now_us()
+    # 1. the new placement, from the load the old expert ranks counted
+    checkpoint(control, "re-plan start")
+    old_p = _placement_of(r)
+    load = (r.worker.rebalancer.window.load().numpy().astype(np.int64) if r.worker is not None
+            else np.zeros((cfg.num_layers, cfg.num_experts), dtype=np.int64))
+    total = np.empty_like(load)
+    control.wait(sw.Iallreduce(load, total, op=MPI.SUM), None, "re-plan load all-reduce")
+    new_p = new_placement(cfg, job.eplb, total, new_plan.expert_ranks)
+    checkpoint(control, "re-plan expert placement")
+    # 2. requests of leaving replicas to the staying ones
+    a0, a1 = old_plan.attention_replicas, new_plan.attention_replicas
+    leaving, staying = list(range(a1, a0)), list(range(min(a0, a1)))
+    moved = migrate(control, r.loop, leaving, staying, job.replan.kv_transfer,
+                    job.replan.link_gbps * 1e9 / 8, r.role.tag) if leaving else {}
+    checkpoint(control, "re-plan request hand-over")
+    # 3. expert weights into the new expert ranks' slots
+    old_model = r.worker.model if r.worker is not None else None
+    model, weight_bytes = move_expert_weights(sw, control, cfg, job.load.dtype,
+                                              job.device.torch_device, old_model, old_p, new_p,
+                                              a0, a1)
+    checkpoint(control, "re-plan expert weight moves")  # the channels' rebuild is collective
+    # 4. new channels, new parts
+    keep = r.loop if (r.loop is not None and new_role.is_attention) else None
+    _rebuild(r, job, replace(job, plan=new_plan), new_role, new_p, model, keep, order)
+    if a1 > a0:  # 5. new replicas: the old ones give them their newest requests beyond a fair share
+        mine = np.zeros(world, dtype=np.int64)
+        if r.loop is not None and rank < a0:
+            sched = r.loop.engine.scheduler
+            mine[rank] = len(sched.running) + len(sched.waiting)
+        held = np.empty_like(mine)
+        control.wait(sw.Iallreduce(mine, held, op=MPI.SUM), None, "re-plan request counts")
+        give = balance_shares(held.tolist(), a0, a1)
+        if any(give):
+            moved = migrate(control, r.loop, list(range(a0)), list(range(a0, a1)),
+                            job.replan.kv_transfer, job.replan.link_gbps * 1e9 / 8, r.role.tag,
+                            limit=dict(enumerate(give)))
+    mine = np.array([weight_bytes] + [moved.get(k, 0) for k in COUNTED], dtype=np.int64)
+    job_total = np.empty_like(mine)  # the job's totals, for the log and the summary
+    control.wait(sw.Iallreduce(mine, job_total, op=MPI.SUM), None, "re-plan totals")
+    sw.Free()
+    dt = time.perf_counter() - t0
+    r.tracer.add("replan", f"replan {order.label}", t_start, r.tracer.now_us() - t_start,
+                 order.iteration, -1, -1, 0)
+    rec = dict(iteration=order.iteration, old=f"a{order.old[0]}e{order.old[1]}",
+               new=f"a{order.new[0]}e{order.new[1]}", reason=order.reason,
+               predicted_gain=order.predicted_gain, seconds=dt, weight_bytes=int(job_total[0]),
+               **{k: int(v) for k, v in zip(COUNTED, job_total[1:])})
+    if any(moved.get(k) for k in ("move", "recompute", "waiting")):  # a staying replica
+        log.info("%s re-plan: requests taken in: %d with their KV, %d to recompute, %d not "
+                 "started", r.role.tag, moved["move"], moved["recompute"], moved["waiting"])
+    return rec
+
+
+def _rebuild(r, job, new_job, role, placement, expert_model, keep, order) -> None:
+    from .world import _build_attention, _build_expert  # world imports this module lazily
+    comm, plan = r.parts["comm"], new_job.plan
+    rank, was_attention = comm.Get_rank(), r.role.is_attention
+    r.parts["m2n"].close()  # the old channels: cancel what is posted ahead
+    r.parts["m2n"].close_transports()  # collective: frees their communicators
+    if r.worker is not None:
+        r.worker.rebalancer.comm.Free()  # the old expert ranks' side communicator
+    dev = new_job.device.torch_device
+    policy = WaitPolicy(mode=job.comm.wait_mode,
+                        timeout_s=job.comm.timeout_s * (1 if role.is_attention else 2))
+    m2n = make_m2n(comm, leader_ranks(plan), expert_rank_ids(plan), job.model.hidden_size,
+                   job.model.top_k, job.sched.max_num_batched_tokens, plan.micro_batches,
+                   _dtype(job), policy, job.comm.transport, dev)
+    tp_comm = comm.Split(role.replica if role.is_attention else plan.attention_replicas + rank,
+                         rank)
+    side_comm = comm.Split(0 if role.is_attention else 1, rank)
+    control = ControlPlane(comm, role.tag, policy)
+    old_loop = r.loop
+    r.role, r.loop, r.worker = role, None, None
+    r.tracer.name = role.tag
+    if not job.trace.enabled and rank != 0:  # measured decisions sample rank 0 and experts only
+        r.tracer.enabled = not job.replan.force_schedule and not role.is_attention
+        if role.is_attention:
+            r.tracer.events = []
+    r.closers = [m2n.close]
+    if dev.type == "cuda":
+        r.closers.append(m2n.close_transports)
+    if role.is_attention:
+        tp = TPGroup(tp_comm, control, role.replica * plan.attention_tp)
+        _build_attention(new_job, r, m2n, placement, control, tp, r.tracer,
+                         engine=keep.engine if keep is not None else None)
+        r.loop.engine.executor.iteration = order.iteration
+        if keep is not None:
+            r.loop.ids = keep.ids
+            if keep.router is not None:  # rank 0: what is not handed out yet stays queued
+                _carry_router(keep.router, r.loop.router)
+            r.loop.replan_hook = keep.replan_hook
+    else:
+        _build_expert(new_job, r, m2n, placement, control, side_comm, r.tracer, model=expert_model)
+        r.worker.iteration = order.iteration
+    if was_attention and old_loop is not None and old_loop is not keep:
+        old_loop.engine = None  # a replica that became an expert rank: its KV cache goes
+        if dev.type == "cuda":
+            import torch
+            torch.cuda.empty_cache()
+    r.parts.update(job=new_job, m2n=m2n, policy=policy, control=control)
+
+
+def _carry_router(old, new) -> None:
+    new.pending = old.pending
+    new.iteration, new.matched_blocks = old.iteration, old.matched_blocks
+    for i in range(min(len(old.replicas), len(new.replicas))):
+        new.replicas[i] = old.replicas[i]
+        new.assigned[i] = old.assigned[i]
+
+
+def _dtype(job):
+    from .world import DTYPES
+    return DTYPES[job.load.dtype]

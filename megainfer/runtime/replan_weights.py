@@ -1,0 +1,114 @@
+"""A re-plan's expert side: the new placement over the new expert ranks, and its weights moved
+point to point from the ranks that held them (docs/replan.md).
+
+The placement is EPLB's (``Placement.from_rebalance``) over the load the old expert ranks
+counted (their windows summed), with the slots padded to a multiple of the new rank count as
+at launch (``runtime/placement.py``); with no load counted yet, the launch placement for that
+count. Every rank computes the same move list: each slot of each new expert rank takes its
+logical expert from itself when it held it, else from one old holder (the holders take turns,
+as in ``eplb.weight_moves``). Weights travel as one buffer per (layer, slot), staged on the
+host like live rebalancing's; the receiving rank builds an experts-role model with empty
+slots and fills every slot from what arrived.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from megainfer.eplb import Placement
+from megainfer.models import ParallelContext
+from megainfer.models.loader import DTYPES, _materialize, _on_meta
+from megainfer.models.model import MoECausalLM
+
+from .placement import initial_placement
+from .rebalancer import _host, _np
+
+TAG_EXPERT = 2000  # + layer * new slots per rank + local slot, on the switch communicator
+
+
+def new_placement(cfg, eplb, load: np.ndarray, num_ranks: int) -> Placement:
+    """[L, E] summed token counts -> the placement over ``num_ranks`` expert ranks."""
+    start = initial_placement(cfg.num_layers, cfg.num_experts, num_ranks, eplb)
+    if load.sum() <= 0:
+        return start
+    weight = torch.from_numpy(load).double() + 1.0  # an expert never seen still gets a slot
+    return Placement.from_rebalance(weight, start.num_replicas, eplb.groups_for(cfg),
+                                    eplb.num_nodes, num_ranks)
+
+
+def plan_moves(old: Placement, new: Placement, old_first: int, new_first: int, moe_layers):
+    """[(layer, dst world rank, dst local slot, src world rank, src local slot)] for every slot
+    of every new expert rank; ranks are world ranks (expert ranks start at ``*_first``)."""
+    S0, S1 = old.slots_per_rank, new.slots_per_rank
+    moves = []
+    for j in range(new.num_ranks):
+        dst = new_first + j
+        for layer in moe_layers:
+            for t in range(S1):
+                e = int(new.phy2log[layer, j * S1 + t])
+                holders = {}  # old expert index -> first local slot holding e
+                for p in old.log2phy[layer, e].tolist():
+                    if p >= 0:
+                        holders.setdefault(p // S0, p % S0)
+                me = dst - old_first
+                if me in holders:
+                    src, slot = me, holders[me]
+                else:
+                    order = sorted(holders.items())
+                    src, slot = order[j % len(order)]
+                moves.append((layer, dst, t, old_first + src, slot))
+    return moves
+
+
+def _empty_experts(cfg, dtype, slots, num_slots, device) -> MoECausalLM:
+    """An experts-role model holding ``slots`` with uninitialised weights (filled by the moves)."""
+    with _on_meta():
+        model = MoECausalLM(cfg, ParallelContext(), "experts", [list(slots)] * cfg.num_layers,
+                            num_slots)
+    _materialize(model, dtype, device)
+    return model.eval().requires_grad_(False)
+
+
+def move_expert_weights(sw: MPI.Comm, control, cfg, load_dtype: str, device, old_model,
+                        old: Placement, new: Placement, old_first: int, new_first: int):
+    """Collective over ``sw``: every rank sends the slots it owes; a new expert rank returns
+    its filled model (others None) and the bytes it received from peers."""
+    me = sw.Get_rank()
+    moe = cfg.moe_layers()
+    moves = plan_moves(old, new, old_first, new_first, moe)
+    S1 = new.slots_per_rank
+    reqs, staged = [], {}
+    for layer, dst, t, src, slot in moves:
+        if src == me and dst != me:  # my old slot -> a peer's new slot
+            ex = old_model.layers[layer].mlp.experts
+            buf = _host(torch.cat([ex.gate_up_proj[slot].flatten(), ex.down_proj[slot].flatten()]))
+            reqs.append((sw.Isend(_np(buf), dest=dst, tag=TAG_EXPERT + layer * S1 + t), dst, buf))
+    j = me - new_first
+    model, received = None, 0
+    if 0 <= j < new.num_ranks:
+        slots = new.slots_of_rank(j)
+        model = _empty_experts(cfg, DTYPES[load_dtype], slots, new.num_replicas, device)
+        for layer, dst, t, src, slot in moves:
+            if dst != me:
+                continue
+            ex = model.layers[layer].mlp.experts
+            if src == me:
+                old_ex = old_model.layers[layer].mlp.experts
+                staged[(layer, t)] = torch.cat([old_ex.gate_up_proj[slot].flatten(),
+                                                old_ex.down_proj[slot].flatten()]).clone()
+                continue
+            n = ex.gate_up_proj[t].numel() + ex.down_proj[t].numel()
+            buf = torch.empty(n, dtype=ex.gate_up_proj.dtype)
+            reqs.append((sw.Irecv(_np(buf), source=src, tag=TAG_EXPERT + layer * S1 + t), src, buf))
+            staged[(layer, t)] = buf
+            received += buf.numel() * buf.element_size()
+    for req, peer, _ in reqs:
+        control.wait(req, peer, "re-plan expert weight move")
+    if model is not None:
+        for (layer, t), buf in staged.items():
+            ex = model.layers[layer].mlp.experts
+            n = ex.gate_up_proj[t].numel()
+            ex.gate_up_proj.data[t].copy_(buf[:n].view(ex.gate_up_proj[t].shape))
+            ex.down_proj.data[t].copy_(buf[n:].view(ex.down_proj[t].shape))
+    return model, received

@@ -1,0 +1,74 @@
+"""Re-planning in the running system (real mpiexec -n 4): switches forced a1e3 -> a2e2 -> a1e3
+while requests run leave the greedy tokens unchanged, hand running requests over with their
+KV or to recompute (with live EPLB moving weights too), and leave every expert slot holding its
+checkpoint weights; a rank hung in a switch ends the job, named."""
+import json
+import os
+import sys
+
+import pytest
+
+from mpi_util import run_mpi
+
+JOB = os.path.join(os.path.dirname(__file__), "mpi_progs", "replan_job.py")
+
+
+def test_forced_switches_both_ways_keep_tokens_and_weights(tiny_ckpts, tmp_path):
+    sys.path.insert(0, os.path.dirname(JOB))
+    from replan_job import FORCE, reference
+    ckpt = tiny_ckpts[("mixtral", "base")]
+    out = tmp_path / "replan.json"
+    run_mpi(4, JOB, [out, ckpt], timeout=600)
+    res = json.loads(out.read_text())
+    want = reference(ckpt)
+    for mode in ("move", "recompute"):
+        run = res[mode]
+        assert run["tokens"] == want, mode
+        recs = run["records"]
+        assert [(r["iteration"], r["old"], r["new"]) for r in recs] == \
+            [(FORCE[0][0], "a1e3", "a2e2"), (FORCE[1][0], "a2e2", "a1e3")]
+        assert run["marks"] == 2  # one trace mark per switch on rank 0
+        assert recs[0]["weight_bytes"] > 0 and recs[1]["weight_bytes"] > 0
+        # the new replica got its share of replica 0's requests at once
+        assert recs[0]["move"] + recs[0]["recompute"] + recs[0]["waiting"] >= 1, recs[0]
+        # requests in flight on the leaving replica were handed over, as asked
+        handed = recs[1]["move"] if mode == "move" else recs[1]["recompute"]
+        assert handed >= 1, recs[1]
+        assert (recs[1]["kv_bytes"] > 0) == (mode == "move")
+        # rank 1: expert -> attention -> expert; ranks 2, 3 stay expert ranks
+        assert [c[0] for c in run["checks"][1]] == ["attention", "expert"]
+        assert run["final"][0] == ["attention", None, 0]
+        for rank in (1, 2, 3):
+            assert all(ok for kind, ok in run["checks"][rank] if kind == "expert"), run["checks"]
+            assert run["final"][rank][:2] == ["expert", True]
+    # the recompute run also rebalances live (EPLB every 3 iterations) between the switches
+    assert min(f[2] for f in res["recompute"]["final"][1:]) >= 1
+
+
+def test_measured_decisions_refit_from_traced_spans_and_keep_tokens(tiny_ckpts, tmp_path):
+    """replan.interval=3, min_gain=0: rank 0 gathers every expert rank's spans and its own each
+    interval, refits and decides; whatever it decides, the tokens stay the single-mode ones."""
+    sys.path.insert(0, os.path.dirname(JOB))
+    from replan_job import reference
+    ckpt = tiny_ckpts[("mixtral", "base")]
+    out = tmp_path / "replan_auto.json"
+    run_mpi(4, JOB, [out, ckpt, "auto"], timeout=600)
+    run = json.loads(out.read_text())["auto"]
+    assert run["tokens"] == reference(ckpt)
+    ds = run["decisions"]
+    assert ds and [d["iteration"] for d in ds] == list(range(3, 3 * len(ds) + 1, 3))
+    assert ds[0]["attention_samples"] > 0 and ds[0]["expert_samples"] > 0
+    refitted = [d for d in ds if not d["reason"].startswith("cannot refit")]
+    assert refitted  # at least one decision had the two batch sizes a fit needs
+    assert len(run["records"]) == sum(d["switch"] for d in ds) == run["marks"]
+    for rec in run["records"]:
+        assert rec["reason"].startswith("measured") and rec["predicted_gain"] > 0
+
+
+def test_a_rank_hung_in_a_switch_ends_the_job_naming_it_and_the_phase(tiny_ckpts, tmp_path):
+    ckpt = tiny_ckpts[("mixtral", "base")]
+    with pytest.raises(AssertionError) as e:  # run_mpi: the job exited non-zero, not a timeout
+        run_mpi(4, JOB, [tmp_path / "hang.json", ckpt, "hang"], timeout=300)
+    msg = str(e.value)
+    assert "timed out" not in msg.splitlines()[0]
+    assert "rank 2 did not answer" in msg and "during re-plan expert placement" in msg, msg[-3000:]
