@@ -25,3 +25,17 @@ def test_greedy_tokens_equal_single_mode(tiny_ckpts, single_mode_tokens, tmp_pat
     for ckpt in ckpts:
         for m in ms.split(","):
             assert got[f"{ckpt}|m={m}"] == single_mode_tokens[ckpt], (ckpt, m)
+
+
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp4_e2m1"])
+def test_tp2_quantised_cache_equals_single_mode(tiny_ckpts, tmp_path, kv):
+    """Attention TP 2 over a quantised cache: each TP rank holds one of the two KV heads, and
+    the ranks agree on each layer's scales from both heads (models.layers.agree_kv_scales), so
+    they store the bytes single mode stores: the tokens match single mode's. (m = 1: with two
+    micro-batches a layer's scales come from the first micro-batch's tokens, not the whole
+    step's, so quantised caches are not micro-batch invariant: docs/kv_cache.md.)"""
+    from test_pd import _single_mode as single_mode_kv
+    ckpt = tiny_ckpts[("mixtral", "base")]
+    out = tmp_path / "out.json"
+    run_mpi(3, JOB, [out, 1, 2, 1, "1", ckpt, 12, f"kv={kv}"], timeout=600)
+    assert json.loads(out.read_text())[f"{ckpt}|m=1"] == single_mode_kv(ckpt, kv)

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megainfer.kernels import kv_quant
+
 from .attention import AttentionMetadata, causal_attention
 from .attention_backends import TorchAttention
 
@@ -142,8 +144,28 @@ class SelfAttention(nn.Module):
         if meta is None:
             o = causal_attention(q, k, v, self.scale)
         else:
+            if self.par.tp_size > 1 and kv_cache is not None:
+                agree_kv_scales(kv_cache, k, v, self.par)
             o = self.attn_backend(q, k, v, kv_cache, meta, self.scale)
         out = self.o_proj(o.reshape(T, self.q_heads * D))  # [T, H], partial sum under TP
         if self.par.tp_size > 1:
             out = self.par.all_reduce(out)
         return out
+
+
+def agree_kv_scales(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    par: ParallelContext) -> None:
+    """A quantised cache's per-layer scales under TP: on the layer's first write, each rank's
+    keys/values amax [2] are gathered over the TP group and the unset scales are set from
+    their max: what one rank holding every head sets (tensor-parallel replicas then store the
+    bytes TP 1 stores, and PD senders the bytes single mode stores). Once per cache tensor, at
+    the same step on every rank (TP ranks run the same steps): collective-safe."""
+    if kv_quant.format_of(cache) == "auto" or getattr(cache, "kv_scales_agreed", False):
+        return
+    cache.kv_scales_agreed = True
+    local = torch.stack([x.detach().abs().amax().float() if x.numel() else
+                         x.new_zeros((), dtype=torch.float32) for x in (k, v)])
+    rows = local.new_zeros(par.tp_size, 2)
+    rows[par.tp_rank] = local
+    amax = par.all_reduce(rows).amax(0)  # [2]: every rank's, summed into its own row
+    kv_quant.update_scales(kv_quant.scales_of(cache), kv_quant.format_of(cache), amax[0], amax[1])

@@ -1,9 +1,9 @@
 """Run several disaggregated or colocated jobs in one mpiexec launch; rank 0 dumps outputs.
 
-    mpiexec -n K python runtime_job.py OUT.json A TP E MS CKPT[,CKPT...] [max_tokens] [shared]
+    mpiexec -n K python runtime_job.py OUT.json A TP E MS CKPT[,CKPT...] [max_tokens] [shared|kv=FMT]
 MS is a comma list of micro-batch counts; E = 0 runs colocated mode over the A ranks.
 ``shared``: the shared-prefix prompts (``shared_inputs``) on a pool small enough to preempt
-and evict, prefix caching on (``SHARED_CACHE``).
+and evict, prefix caching on (``SHARED_CACHE``); ``kv=FMT``: cache.kv_cache_dtype FMT.
 OUT.json maps "<ckpt>|m=<m>" to {request id: token ids}. Prompts are fixed (seeded) so the
 single-mode reference is computed from the same ``prompts``.
 """
@@ -68,8 +68,12 @@ def main():
     ms = [int(m) for m in sys.argv[5].split(",")]
     ckpts = sys.argv[6].split(",")
     max_tokens = int(sys.argv[7]) if len(sys.argv) > 7 else 12
-    shared = len(sys.argv) > 8 and sys.argv[8] == "shared"
+    opt = sys.argv[8] if len(sys.argv) > 8 else ""
+    shared = opt == "shared"
     make_inputs, cache = (shared_inputs, SHARED_CACHE) if shared else (inputs, CACHE)
+    if opt.startswith("kv="):
+        import dataclasses
+        cache = dataclasses.replace(cache, kv_cache_dtype=opt[3:])
     results = {}
     for ckpt in ckpts:
         cfg = ModelConfig.from_pretrained(ckpt)
