@@ -233,3 +233,13 @@ def test_hung_prefill_tp_peer_aborts_the_job_in_bounded_time(tiny_ckpts, tmp_pat
     assert "tensor-parallel all-reduce" in msg or "prefill of request 'r" in msg, msg[-2000:]
     assert not (tmp_path / "o.json").exists()
     assert time.process_time() - t0 < 60
+
+
+def test_a_late_tp_collective_names_the_rank_waited_on():
+    """Followers name their leader; the leader of a pair names its follower (it used to name
+    itself); a leader of three or more cannot know which peer is late and says so."""
+    from megainfer.runtime.control import RankFailure
+    from megainfer.runtime.tp_group import late_peer
+    assert [late_peer(4, r, 2) for r in (0, 1)] == [5, 4]
+    assert [late_peer(0, r, 4) for r in range(4)] == [None, 0, 0, 0]
+    assert "a peer rank did not answer" in str(RankFailure("[attn dp0 tp0]", None, "x", 1.0))

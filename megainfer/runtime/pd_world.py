@@ -27,7 +27,7 @@ from .pd_router import PDRouter
 from .prefill_experts import expert_slots_of, split_experts
 from .prefill_worker import PrefillExecutor, PrefillWorker
 from .roles import assign_role, prefill_rank_ids
-from .tp_group import TPGroup
+from .tp_group import TPGroup, late_peer
 from .trace import Tracer
 
 
@@ -79,7 +79,7 @@ def _build_prefill(job, role, core, kv_comm, policy, segs, epoch):
     tp_comm = core.Split(role.prefill_index, rank)  # this prefill replica's TP ranks
     par, slots = ParallelContext(), None
     if tp > 1:
-        named = rank + 1 if tp_rank == 0 else rank - tp_rank  # who a late all-reduce names
+        named = late_peer(rank - tp_rank, tp_rank, tp)  # who a late all-reduce names
         group = TPGroup(tp_comm, ControlPlane(tp_comm, tag, policy), named)
         par = ParallelContext(tp_rank, tp, group.all_reduce)
         slots = [expert_slots_of(cfg.num_experts, tp, tp_rank)] * cfg.num_layers

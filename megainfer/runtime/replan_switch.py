@@ -41,7 +41,7 @@ from .exchange import make_m2n
 from .replan_requests import balance_shares, migrate
 from .replan_weights import move_expert_weights, new_placement
 from .roles import assign_role, expert_rank_ids, leader_ranks
-from .tp_group import TPGroup
+from .tp_group import TPGroup, late_peer
 
 log = logging.getLogger("megainfer.runtime")
 TAG_REPLAN = 106  # rank 0 -> every rank: the order ending a loop (None: the job is over)
@@ -194,7 +194,8 @@ def _rebuild(r, job, new_job, role, placement, expert_model, keep, order) -> Non
     if dev.type == "cuda":
         r.closers.append(m2n.close_transports)
     if role.is_attention:
-        tp = TPGroup(tp_comm, control, role.replica * plan.attention_tp)
+        tp = TPGroup(tp_comm, control, late_peer(role.replica * plan.attention_tp, role.tp_rank,
+                                                 plan.attention_tp))
         _build_attention(new_job, r, m2n, placement, control, tp, r.tracer,
                          engine=keep.engine if keep is not None else None)
         r.loop.engine.executor.iteration = order.iteration

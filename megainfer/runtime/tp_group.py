@@ -4,14 +4,26 @@ and leader-to-peers broadcast of what only the leader computes (routed expert ou
 hidden rows). Every wait is bounded (``ControlPlane``)."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from mpi4py import MPI
 
 from .control import ControlPlane
 
 
+def late_peer(leader: int, tp_rank: int, tp: int) -> Optional[int]:
+    """The rank a timed-out TP wait names: a follower waits on the leader; the leader of a pair
+    on its one follower; a leader of three or more cannot tell which one is late (None: "a peer
+    rank"). TP ranks of a replica are consecutive from ``leader``."""
+    if tp_rank:
+        return leader
+    return leader + 1 if tp == 2 else None
+
+
 class TPGroup:
-    def __init__(self, comm: MPI.Comm, control: ControlPlane, leader_world_rank: int):
+    def __init__(self, comm: MPI.Comm, control: ControlPlane, leader_world_rank: Optional[int]):
+        """``leader_world_rank``: the rank a late collective names (``late_peer``)."""
         self.comm, self.control = comm, control  # comm: this replica's TP ranks
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.leader_world_rank = leader_world_rank

@@ -35,7 +35,7 @@ from .placement import initial_placement
 from .rebalancer import AttentionRebalancer, ExpertRebalancer
 from .replica_loop import ReplicaLoop
 from .roles import assign_role, expert_rank_ids, leader_ranks
-from .tp_group import TPGroup
+from .tp_group import TPGroup, late_peer
 from .trace import Tracer
 
 log = logging.getLogger("megainfer.runtime")
@@ -121,8 +121,9 @@ def build_rank(job: JobSpec, comm=MPI.COMM_WORLD) -> Rank:
     if colocated:
         _build_colocated(job, out, m2n, placement, control, tracer)
     elif role.is_attention:
-        _build_attention(job, out, m2n, placement, control, TPGroup(tp_comm, control, role.replica *
-                                                                    plan.attention_tp), tracer)
+        named = late_peer(role.replica * plan.attention_tp, role.tp_rank, plan.attention_tp)
+        _build_attention(job, out, m2n, placement, control, TPGroup(tp_comm, control, named),
+                         tracer)
     else:
         _build_expert(job, out, m2n, placement, control, side_comm, tracer)
     out.parts = dict(job=job, comm=comm, m2n=m2n, policy=policy, control=control)
