@@ -81,7 +81,6 @@ class CudaIpcTransport(Transport):
             sync = "host" if len(set(gpus)) < len(gpus) else "device"
         self.host_sync = sync == "host"
         self._headers_due, self._grants_due = deque(), deque()  # host-fenced, in issue order
-        self._due = 0  # len of both
         self._allocs, self._opened, self._events = [], [], []
 
     def _bus_id(self) -> str:
@@ -196,10 +195,8 @@ class CudaIpcTransport(Transport):
         ev = out["ready"][j]
         rt.check(rt.eventRecord(ev, s), "cudaEventRecord(ready)")
         req.ev = ev.value
-        req.issued = True
         if self.host_sync:
             self._headers_due.append((req, out["peer"]))
-            self._due += 1
         else:
             req.mpi = self.comm.Isend([slot.buf.header, MPI.INT], out["peer"], req.tag)
 
@@ -208,8 +205,13 @@ class CudaIpcTransport(Transport):
             for out in self._out.values():
                 if out["queue"]:
                     self._pump(out)
-        if self._due:
+        if self.due:
             self._pump_due()
+
+    @property
+    def due(self) -> bool:
+        """Host-fenced headers or grants still waiting for their events."""
+        return bool(self._headers_due or self._grants_due)
 
     def _pump_due(self) -> None:
         """Host-fenced: headers of copies that completed, grants of slots consumed (in order:
@@ -218,14 +220,12 @@ class CudaIpcTransport(Transport):
         while hq and rt.done(hq[0][0].ev):
             req, peer = hq.popleft()
             req.mpi = self.comm.Isend([req.slot.buf.header, MPI.INT], peer, req.tag)
-            self._due -= 1
         while gq and rt.done(gq[0].consumed.value):
             gq.popleft().send_grant()
-            self._due -= 1
 
     def close(self) -> None:
         """Collective. Cancels grant receives, unmaps peers' memory, frees ours."""
-        if self._due:  # host-fenced leftovers: every event completes after a synchronize
+        if self.due:  # host-fenced leftovers: every event completes after a synchronize
             torch.cuda.synchronize(self.device)
             self._pump_due()
         for out in self._out.values():

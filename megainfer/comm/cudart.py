@@ -92,10 +92,13 @@ class CudaRuntime:
         self.check(self.memset(ptr, 0, max(nbytes, 1)), "cudaMemset")
         return ptr.value
 
-    def mem_handle(self, ptr: int) -> bytes:
+    def _handle(self, get, ptr: int, what: str) -> bytes:
         h = IpcHandle()
-        self.check(self.ipcGetMemHandle(ctypes.byref(h), ctypes.c_void_p(ptr)), "cudaIpcGetMemHandle")
+        self.check(get(ctypes.byref(h), ctypes.c_void_p(ptr)), what)
         return h.raw()
+
+    def mem_handle(self, ptr: int) -> bytes:
+        return self._handle(self.ipcGetMemHandle, ptr, "cudaIpcGetMemHandle")
 
     def open_mem(self, handle: bytes) -> int:
         """The peer's allocation in this process; raises with the CUDA reason."""
@@ -113,9 +116,7 @@ class CudaRuntime:
         return ev.value
 
     def event_handle(self, ev: int) -> bytes:
-        h = IpcHandle()
-        self.check(self.ipcGetEventHandle(ctypes.byref(h), ctypes.c_void_p(ev)), "cudaIpcGetEventHandle")
-        return h.raw()
+        return self._handle(self.ipcGetEventHandle, ev, "cudaIpcGetEventHandle")
 
     def open_event(self, handle: bytes) -> int:
         ev = ctypes.c_void_p()

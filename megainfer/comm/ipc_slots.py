@@ -31,7 +31,7 @@ class Recv(Request):
         if self.done:
             return True
         t = self.io.t
-        if t._queued or t._due:
+        if t._queued or t.due:
             t.progress()
         if not self.mpi.Test():
             return False
@@ -68,7 +68,6 @@ class RecvSlot:
         req = t.comm.Irecv([self.buf.header, MPI.INT], self.peer, tag)
         if t.host_sync:  # the grant goes once the consumed event has completed
             t._grants_due.append(self)
-            t._due += 1
             t.progress()
         else:
             self.send_grant()
@@ -83,11 +82,11 @@ class RecvSlot:
 
 
 class Send(Request):
-    __slots__ = ("slot", "nbytes", "tag", "issued", "ev", "mpi", "done")
+    __slots__ = ("slot", "nbytes", "tag", "ev", "mpi", "done")
 
     def __init__(self, slot, nbytes: int, tag: int):
         self.slot, self.nbytes, self.tag = slot, nbytes, tag
-        self.issued, self.ev, self.mpi, self.done = False, None, None, False
+        self.ev, self.mpi, self.done = None, None, False
 
     def test(self) -> bool:
         if self.done:

@@ -160,7 +160,8 @@ def agree_kv_scales(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     their max: what one rank holding every head sets (tensor-parallel replicas then store the
     bytes TP 1 stores, and PD senders the bytes single mode stores). Once per cache tensor, at
     the same step on every rank (TP ranks run the same steps): collective-safe."""
-    if kv_quant.format_of(cache) == "auto" or getattr(cache, "kv_scales_agreed", False):
+    fmt = kv_quant.format_of(cache)
+    if fmt == "auto" or getattr(cache, "kv_scales_agreed", False):
         return
     cache.kv_scales_agreed = True
     local = torch.stack([x.detach().abs().amax().float() if x.numel() else
@@ -168,4 +169,4 @@ def agree_kv_scales(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     rows = local.new_zeros(par.tp_size, 2)
     rows[par.tp_rank] = local
     amax = par.all_reduce(rows).amax(0)  # [2]: every rank's, summed into its own row
-    kv_quant.update_scales(kv_quant.scales_of(cache), kv_quant.format_of(cache), amax[0], amax[1])
+    kv_quant.update_scales(kv_quant.scales_of(cache), fmt, amax[0], amax[1])

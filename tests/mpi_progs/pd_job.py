@@ -20,7 +20,6 @@ counts (requests handed to each decode replica and prefilled by each prefill ran
 handoff times seen).
 """
 import dataclasses
-import json
 import os
 import signal
 import sys
@@ -31,7 +30,7 @@ import torch
 torch.set_num_threads(1)
 
 from abort_on_error import run_or_abort  # noqa: E402
-from runtime_job import CACHE, SCHED, SHARED_CACHE, inputs, shared_inputs  # noqa: E402
+from runtime_job import CACHE, SCHED, SHARED_CACHE, dump_results, inputs, shared_inputs  # noqa: E402
 
 from megainfer.config import CommConfig, DeployPlan, LoadConfig, ModelConfig  # noqa: E402
 from megainfer.runtime.prefill_worker import PrefillWorker  # noqa: E402
@@ -111,9 +110,7 @@ def main():
                     preemptions=r.loop.engine.num_preemptions,
                     cached=sum(o.num_cached_tokens or 0 for o in outs))
             r.close()
-    if results:
-        with open(out, "w") as f:
-            json.dump(results, f)
+    dump_results(out, results)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ the router found on the replica it chose, "preemptions" and "tier_loaded": rank 
 replica's}.
 """
 import dataclasses
-import json
 import sys
 
 import torch
@@ -19,7 +18,7 @@ import torch
 torch.set_num_threads(1)
 
 from abort_on_error import run_or_abort  # noqa: E402
-from runtime_job import SCHED, SHARED_CACHE, shared_inputs  # noqa: E402
+from runtime_job import SCHED, SHARED_CACHE, dump_results, shared_inputs  # noqa: E402
 
 from megainfer.config import CommConfig, DeployPlan, LoadConfig, ModelConfig  # noqa: E402
 from megainfer.runtime.world import JobSpec, build_rank, run_rank  # noqa: E402
@@ -50,9 +49,7 @@ def main():
                     preemptions=r.loop.engine.num_preemptions,
                     tier_loaded=r.loop.engine.kv_tier.num_loaded if caching else 0)
             r.close()
-    if results:
-        with open(out, "w") as f:
-            json.dump(results, f)
+    dump_results(out, results)
 
 
 if __name__ == "__main__":

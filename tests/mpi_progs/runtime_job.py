@@ -63,6 +63,13 @@ def shared_reference(ckpt: str, max_tokens: int = 12):
     return want, eng.num_preemptions
 
 
+def dump_results(out: str, results: dict) -> None:
+    """Rank 0's results (other ranks have none) as OUT.json."""
+    if results:
+        with open(out, "w") as f:
+            json.dump(results, f)
+
+
 def main():
     out, A, TP, E = sys.argv[1], *map(int, sys.argv[2:5])
     ms = [int(m) for m in sys.argv[5].split(",")]
@@ -89,9 +96,7 @@ def main():
                 if shared:  # prompt tokens the prefix cache served
                     results[f"{ckpt}|m={m}|cached"] = sum(o.num_cached_tokens or 0 for o in outs)
             r.close()
-    if results:
-        with open(out, "w") as f:
-            json.dump(results, f)
+    dump_results(out, results)
 
 
 if __name__ == "__main__":
