@@ -23,6 +23,8 @@ from dataclasses import asdict, replace
 
 from megainfer.config import ConfigError, ModelConfig, SchedulerConfig
 
+from .model_source import model_config_of
+
 log = logging.getLogger("megainfer.launch")
 
 FALLBACK_PROFILE = "cpu_node"
@@ -66,15 +68,6 @@ def hardware_for(name, device=None) -> tuple:
     return load_hardware(FALLBACK_PROFILE), (
         f"no calibrated profile for this machine at {path}: using the {FALLBACK_PROFILE} preset "
         f"(run `megainfer-plan calibrate calibrate.out={path}` to make one)")
-
-
-def model_config_of(m: dict) -> ModelConfig:
-    if m.get("path"):
-        return ModelConfig.from_pretrained(os.path.expanduser(str(m["path"])))
-    if m.get("arch"):
-        from .settings import model_config_from_arch
-        return model_config_from_arch(m["arch"])
-    raise ConfigError("model.path=None: give a checkpoint directory or a preset with model.arch")
 
 
 def shape_of(cfg: ModelConfig, hw):

@@ -6,10 +6,10 @@ struct mode already refuses ``group.key=value`` overrides of missing keys; this 
 """
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import dataclass
 import logging
 import os
-from typing import Any, Mapping, Optional
+from typing import Optional
 
 from megainfer.config import (CacheConfig, CommConfig, ConfigError, DeployPlan, DeviceConfig,
                               EplbConfig, LoadConfig, ModelConfig, ReplanConfig, SchedulerConfig,
@@ -21,7 +21,9 @@ from megainfer.engine.sizing import (check_kv_cache_dtype, derive_num_blocks,
 from megainfer.models.loader import DTYPES
 
 from .auto_plan import auto_plan
+from .config_keys import field_names, take
 from .deploy import plan_for_world
+from .model_source import model_config_of
 
 log = logging.getLogger("megainfer.launch")
 
@@ -126,42 +128,11 @@ def _plain(cfg) -> dict:
     return dict(cfg)
 
 
-def _take(group: str, d: Mapping, known: set) -> dict:
-    d = dict(d or {})
-    for k in d:
-        if k not in known:
-            raise ConfigError(f"{group}.{k}={d[k]!r}: unknown config key (known: "
-                              f"{', '.join(sorted(known))})")
-    return d
-
-
-def _names(cls) -> set:
-    return {f.name for f in fields(cls)}
-
-
-def model_config_from_arch(arch: Mapping[str, Any]) -> ModelConfig:
-    """``model.arch`` (ModelConfig field names) -> ModelConfig; lists become tuples."""
-    d = _take("model.arch", arch, _names(ModelConfig))
-    for k in ("mlp_only_layers", "eos_token_id"):
-        if k in d:
-            v = d[k]
-            d[k] = tuple(v) if isinstance(v, (list, tuple)) else (() if v is None else (v,))
-    missing = [f.name for f in fields(ModelConfig) if f.name not in d and f.default is MISSING]
-    if missing:
-        raise ConfigError(f"model.arch: missing {', '.join(missing)}")
-    return ModelConfig(**d)
-
-
 def _model(d: dict, device: DeviceConfig) -> tuple[ModelConfig, LoadConfig]:
-    d = _take("model", d, {"path", "load_format", "dtype", "seed", "arch", "attention_backend"})
+    d = take("model", d, {"path", "load_format", "dtype", "seed", "arch", "attention_backend"})
+    cfg = model_config_of(d)
     path, fmt = d.get("path"), d.get("load_format", "auto")
-    if path:
-        path = os.path.expanduser(str(path))
-        cfg = ModelConfig.from_pretrained(path)
-    elif d.get("arch"):
-        cfg = model_config_from_arch(d["arch"])
-    else:
-        raise ConfigError("model.path=None: give a checkpoint directory or a preset with model.arch")
+    path = os.path.expanduser(str(path)) if path else path
     if fmt == "auto":
         fmt = "safetensors" if path else "dummy"
     dtype = d.get("dtype", "auto")
@@ -175,7 +146,7 @@ def resolve_device(c: dict, local_rank: int, distributed: bool) -> DeviceConfig:
     """``deploy.device``, ``model.attention_backend``, ``engine.cuda_graphs`` -> DeviceConfig.
     ``auto`` is cuda when one is visible, except for the distributed modes (cpu unless
     ``deploy.device=cuda`` is named: each rank then takes GPU ``local_rank % visible``)."""
-    e = _take("engine", c.get("engine") or {}, {"cuda_graphs"})
+    e = take("engine", c.get("engine") or {}, {"cuda_graphs"})
     device = (c.get("deploy") or {}).get("device")
     if distributed and device in (None, "auto"):
         device = "cpu"
@@ -187,7 +158,7 @@ def resolve_device(c: dict, local_rank: int, distributed: bool) -> DeviceConfig:
 def resolve_deploy(d: dict, world_size: int) -> DeployPlan:
     """``deploy.*`` (checked key by key) -> a DeployPlan for ``world_size`` ranks
     (``launch/deploy.py``)."""
-    d = _take("deploy", d, _names(DeployPlan) | {"cpu_threads", "device", "hardware"})
+    d = take("deploy", d, field_names(DeployPlan) | {"cpu_threads", "device", "hardware"})
     d.pop("cpu_threads", None)
     d.pop("device", None)
     d.pop("hardware", None)  # the planner's profile (launch/auto_plan.py)
@@ -195,7 +166,7 @@ def resolve_deploy(d: dict, world_size: int) -> DeployPlan:
 
 
 def _sampling(d: dict) -> tuple[SamplingParams, int]:
-    d = _take("sampling", d, _names(SamplingParams))
+    d = take("sampling", d, field_names(SamplingParams))
     seed = d.pop("seed", 0)
     seed = 0 if seed is None else seed
     try:
@@ -218,40 +189,42 @@ def settings_from_config(cfg, world_size: int = 1, local_ranks: int = 1,
     process's index among them (on cuda it takes that GPU, modulo the visible ones)."""
     c = _plain(cfg)
     c.pop("hydra", None)
-    _take("config", c, set(GROUPS))
-    _take("deploy", c.get("deploy") or {}, _names(DeployPlan) | {"cpu_threads", "device", "hardware"})
+    take("config", c, set(GROUPS))
+    take("deploy", c.get("deploy") or {}, field_names(DeployPlan) | {"cpu_threads", "device", "hardware"})
     # deploy=auto: the planner sizes the decode side over the ranks prefill ranks leave (docs/pd.md)
     planned, sched = auto_plan(c, world_size - _prefill_ranks(c.get("deploy") or {}))
     deploy = resolve_deploy(planned, world_size)
     device = resolve_device(c, local_rank, distributed=deploy.mode != "single")
     model, load = _model(c.get("model", {}), device)
-    s = _take("scheduler", sched, _names(SchedulerConfig))  # the plan's batch limit applied
+    s = take("scheduler", sched, field_names(SchedulerConfig))  # the plan's batch limit applied
     s["max_model_len"] = resolve_max_model_len(model, s.get("max_model_len"))
     scheduler = SchedulerConfig(**s)
-    k = _take("cache", c.get("cache", {}), {"block_size", "num_blocks", "memory_gib",
+    k = take("cache", c.get("cache", {}), {"block_size", "num_blocks", "memory_gib",
                                             "enable_prefix_caching", "kv_cache_dtype",
-                                            "host_kv_gib", "kv_store_dir"})
+                                            "host_kv_gib", "kv_store_dir", "kv_scale_granularity"})
     block_size = k.get("block_size", 16)
     num_blocks = k.get("num_blocks")
     if num_blocks is None:
         if not isinstance(block_size, int) or block_size < 1:
             raise ConfigError(f"cache.block_size={block_size!r}: must be a positive integer")
         kv_heads = max(1, model.num_kv_heads // deploy.attention_tp)
+        fmt = CacheConfig(**{f: k[f] for f in ("kv_cache_dtype", "kv_scale_granularity")
+                             if f in k})  # validated first
         num_blocks = derive_num_blocks(model, scheduler.max_model_len, scheduler.max_num_seqs,
                                        block_size, float(k.get("memory_gib", 4.0)),
-                                       DTYPES[load.dtype], kv_heads,
-                                       CacheConfig(kv_cache_dtype=k.get("kv_cache_dtype", "auto")
-                                                   ).kv_cache_dtype)  # validated first
+                                       DTYPES[load.dtype], kv_heads, fmt.kv_cache_dtype,
+                                       fmt.kv_scale_granularity)
     cache = CacheConfig(block_size=block_size, num_blocks=num_blocks,
                         **{f: k[f] for f in ("enable_prefix_caching", "kv_cache_dtype",
-                                             "host_kv_gib", "kv_store_dir") if f in k})
+                                             "host_kv_gib", "kv_store_dir",
+                                             "kv_scale_granularity") if f in k})
     check_kv_cache_dtype(model, cache.kv_cache_dtype, device.attention_backend)
     check_cache_fits(cache, scheduler.max_model_len)
     sampling, seed = _sampling(c.get("sampling", {}))
-    io = IOSettings(**_take("io", c.get("io", {}), _names(IOSettings)))
+    io = IOSettings(**take("io", c.get("io", {}), field_names(IOSettings)))
     if io.output:
         check_output_path(io.output)
-    w = _take("workload", c.get("workload", {}), _names(WorkloadSettings))
+    w = take("workload", c.get("workload", {}), field_names(WorkloadSettings))
     if "prompts" in w:
         w["prompts"] = tuple(w["prompts"] or ())
     workload = WorkloadSettings(**w)
@@ -260,7 +233,7 @@ def settings_from_config(cfg, world_size: int = 1, local_ranks: int = 1,
         threads = auto_cpu_threads(model, local_ranks)
     elif not isinstance(threads, int) or threads < 1:
         raise ConfigError(f"deploy.cpu_threads={threads!r}: must be a positive integer or null")
-    extra = {g: cls(**_take(g, c.get(g) or {}, _names(cls)))
+    extra = {g: cls(**take(g, c.get(g) or {}, field_names(cls)))
              for g, cls in (("comm", CommConfig), ("trace", TraceConfig), ("eplb", EplbConfig),
                                           ("replan", ReplanConfig))}
     cores = os.cpu_count() or 1

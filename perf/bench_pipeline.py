@@ -33,6 +33,15 @@ CONFIGS = ["disaggregated:1", "disaggregated:2", "disaggregated:3", "disaggregat
 # that their time scales with tokens: 4 experts top-2, 8 layers, batch 192 (extra args override)
 BENCH_SHAPE = ["--batch", "192", "--experts", "4", "--inter", "896", "--layers", "8",
                "--vocab", "512", "--kv-heads", "8", "--decode", "12"]
+PROMPT, DECODE = 16, 12  # the runtime runs' prompt and decode lengths (measure_runtime_runs)
+
+
+def job_args(batch: int, replicas: int = 1) -> list:
+    """pipeline_job.py arguments after its configs: BENCH_SHAPE at this batch and replica count."""
+    return [*BENCH_SHAPE, "--batch", batch, "--replicas", replicas, "--prompt", PROMPT,
+            "--decode", DECODE]
+
+
 TRACED = ["disaggregated:1:trace", "disaggregated:2:trace", "disaggregated:3:trace",
           "colocated:1:trace", "colocated:2:trace"]
 

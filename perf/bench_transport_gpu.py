@@ -15,7 +15,9 @@ receiving stream synchronised: the bytes are on the device when the clock stops)
              (the baseline, measured in the same run by rank 0)
 One-way time = round trip / 2 (median and p90 over --iters). Then NCCL with two ranks on the
 one GPU is tried (NCCL_MULTI_RANK_GPU_ENABLE=1; NCCL >= 2.30 may allow it) and what happened
-is recorded, with a ping-pong if it worked. Targets (issue: cuda_ipc <= 3x the floor at 2 KB,
+is recorded, with a ping-pong if it worked. Last, the TP all-reduce of bf16 [rows, 4096]
+(rows 1, 64, 256) both ways a replica can run it: point to point over cuda_ipc
+(``comm.tp_collectives=channel``) and MPI through host memory (``mpi``). Targets (issue: cuda_ipc <= 3x the floor at 2 KB,
 >= 50% of its bandwidth at 8 MB) are printed beside the table. The JSON is written after each
 part, so a timeout keeps what finished.
 """
@@ -102,6 +104,38 @@ def floor(size: int, iters: int, dev) -> list[float]:
     return out
 
 
+def tp_allreduce(kind, comm, rows: int, hidden: int, iters: int, dev) -> list[float]:
+    """Seconds per TP all-reduce of bf16 [rows, hidden] between the two ranks: ``mpi`` (the
+    host path, runtime.tp_group.TPGroup) or ``channel`` (runtime.tp_channel over cuda_ipc on
+    cuda, the MPI transport on cpu); the result is on the device when the clock stops."""
+    import torch
+    from megainfer.comm import WaitPolicy, make_transports
+    from megainfer.runtime.control import ControlPlane
+    from megainfer.runtime.tp_channel import TPChannel
+    from megainfer.runtime.tp_group import TPGroup
+    pol = WaitPolicy(mode="spin", timeout_s=60)
+    ctl = ControlPlane(comm, f"[tp{comm.Get_rank()}]", pol)
+    ch = t = None
+    if kind == "channel":
+        t = make_transports("cuda_ipc" if dev.type == "cuda" else "mpi", comm, device=dev)[0]
+        ch = TPChannel(t, hidden, torch.bfloat16, rows, pol, [0, 1], ctl.me)
+    group = TPGroup(comm, ctl, None, ch)
+    x = torch.randn(rows, hidden, device=dev).to(torch.bfloat16)
+    sync = torch.cuda.current_stream(dev).synchronize if dev.type == "cuda" else (lambda: None)
+    out = []
+    for i in range(iters + 5):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        group.all_reduce(x)
+        sync()
+        if i >= 5:
+            out.append(time.perf_counter() - t0)
+    if ch is not None:
+        ch.close()
+        t.close()
+    return out
+
+
 def row(method, size, xs) -> dict:
     med = statistics.median(xs)
     return {"method": method, "bytes": size, "one_way_p50_us": med * 1e6,
@@ -140,6 +174,13 @@ def worker(args) -> None:
         if comm.Get_rank() == 0:
             res["rows"].append(row("floor", size, floor(size, args.iters, dev)))
             write_json(args.out, res, quiet=True)
+    res["tp_allreduce"] = []  # bf16 [rows, 4096]: decode micro-batches of a 4096-wide model
+    for rows in (1, 64, 256):
+        for kind in ("channel", "mpi"):
+            xs = tp_allreduce(kind, comm, rows, 4096, args.iters // 2, dev)
+            res["tp_allreduce"].append(row(f"tp_{kind}", rows * 4096 * 2, xs) | {"rows": rows})
+        if comm.Get_rank() == 0:
+            write_json(args.out, res, quiet=True)
     res["nccl_multi_rank"] = (try_nccl(comm, sizes[0], 50, dev) if dev.type == "cuda"
                               else {"result": "not tried (cpu)"})
     if comm.Get_rank() == 0:
@@ -162,6 +203,9 @@ def report(res: dict) -> None:
                           "bandwidth_frac_floor": bw, "bandwidth_ok": bw >= 0.5}
         print(f"cuda_ipc at {small} B: {lat:.2f}x the copy floor (target <= 3x); at {big} B: "
               f"{100 * bw:.0f}% of its bandwidth (target >= 50%)")
+    for r in res.get("tp_allreduce", []):  # "one_way" here: one whole all-reduce
+        print(f"{r['method']:>15} {r['rows']:>5} rows {r['one_way_p50_us']:>9.1f} us p50 "
+              f"{r['one_way_p90_us']:>9.1f} us p90")
     print("NCCL two ranks on one GPU:", res["nccl_multi_rank"].get("result"))
 
 

@@ -25,7 +25,7 @@ import yaml
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from measure_runtime_runs import PROMPT, job_args  # noqa: E402
+from bench_pipeline import PROMPT, job_args  # noqa: E402
 from mpi_launch import run_job  # noqa: E402
 from validate_perfmodel import load_shape  # noqa: E402
 

@@ -2,7 +2,7 @@
 # The one prepared script for a session that is lent a GPU (see /work/.library/device): it runs
 # from the repository root on the GPU machine and writes everything under $OUT.
 #
-# Default steps (STEPS="env attn gputests ipc tokens trace engine transport", about 7.5 min).
+# Default steps (STEPS="env attn gputests ipc tokens tp trace engine transport", about 7.5 min).
 # The correctness steps (PAR_STEPS) run at the same time, sharing the GPU and the 16 cores;
 # then the figures run one by one, alone on the GPU.
 #   env       nvidia-smi, torch / triton / transformers versions, mpi4py's MPI, libnccl;
@@ -17,6 +17,9 @@
 #             on the one GPU, both layouts (self-peers), and the CUDA runtime wrapper;
 #   tokens    the runtime on the GPU, -n 2 / 3, cuda_ipc and mpi: fp32 tokens = single mode,
 #             bf16 equal across transports, host syncs of the attention rank's decode step;
+#   tp        attention TP 2 + 1 expert rank on the one GPU: TP collectives point to point over
+#             cuda_ipc (runtime/tp_channel.py) and through host memory (mpi): fp32 tokens =
+#             single mode, bf16 equal across the two;
 #   trace     the traced-run test, then megainfer-launch under mpiexec -n 3 (deploy=a1e2,
 #             Mixtral-8x7B's shapes cut to 2 layers, bf16, cuda_ipc, traced);
 #   engine    perf/bench_gpu_engine.py: megainfer (graphs on, ENGINE_SYSTEMS also
@@ -25,7 +28,8 @@
 #             roofline; --budget-s (ENGINE_S - 15) stops it between rows;
 #   transport perf/bench_transport_gpu.py: 2 KB / 64 KB / 8 MB one-way, cuda_ipc (host-fenced,
 #             as on a shared GPU) and cuda_ipc_device vs mpi staging vs the copy floor; NCCL
-#             with two ranks on one GPU tried and recorded.
+#             with two ranks on one GPU tried and recorded; the TP all-reduce of bf16
+#             [1 / 64 / 256, 4096] over cuda_ipc vs through host memory.
 # Named on demand (STEPS="calib nccl ..."):
 #   calib     megainfer-plan calibrate on the GPU (bench=megainfer_cuda, full sizes unless
 #             CALIB_SMOKE=true: the 2026-11-30 smoke run was too small to use; link from
@@ -68,10 +72,10 @@ if ls .whl/py/*.whl >/dev/null 2>&1; then  # pure-Python packages the image lack
 fi
 export PYTHONPATH="$SRC:$ROOT/tests${PY_EXTRA:+:$PY_EXTRA}" PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 HF_HUB_OFFLINE=1
 
-STEPS=${STEPS:-env attn gputests ipc tokens trace engine transport}  # or name others
+STEPS=${STEPS:-env attn gputests ipc tokens tp trace engine transport}  # or name others
 # Correctness steps in PAR_STEPS run at the same time (the GPU and 16 cores are shared; their
 # timings are not figures); the rest run alone, one after the other, in the order below.
-PAR_STEPS=${PAR_STEPS:-tests attn gputests ipc tokens trace}
+PAR_STEPS=${PAR_STEPS:-tests attn gputests ipc tokens tp trace}
 PIDS=()
 wanted() { case " $STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
 concurrent() { case " $PAR_STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
@@ -133,7 +137,7 @@ TUNED="$SRC/megainfer/kernels/tile_configs.json"
 # 5.0.2; carry [".whl"]) when present, else an mpiexec on PATH. Their environment is set per step
 # (R18 below), so the other steps keep the image's own mpi4py.
 R18=(env)
-if [[ " $STEPS " =~ " "(ipc|tokens|trace|transport|calib)" " ]]; then
+if [[ " $STEPS " =~ " "(ipc|tokens|tp|trace|transport|calib)" " ]]; then
   if [ -d .whl ]; then
     carried_mpi
     R18=(env PYTHONPATH="$MPI_SITE:$PYTHONPATH" MPI4PY_LIBMPI="$LIBMPI" MPIEXEC="$MPICH_BIN/mpiexec")
@@ -153,7 +157,8 @@ GPUTESTS=$(cd "$ROOT" && ls tests/test_gpu_engine.py tests/test_sampler.py tests
 step gputests 170 bash -c "cd $ROOT && $PYT -o timeout=120 $(echo $GPUTESTS)"
 # issue 18: the disaggregated runtime on the GPU, every rank on the one GPU
 step ipc 120 "${R18[@]}" bash -c "cd $ROOT && $PYT -o timeout=100 tests/test_runtime_gpu.py -k 'round_trips or cudart'"
-step tokens 170 "${R18[@]}" bash -c "cd $ROOT && $PYT -o timeout=160 tests/test_runtime_gpu.py -k tokens"
+step tokens 170 "${R18[@]}" bash -c "cd $ROOT && $PYT -o timeout=160 tests/test_runtime_gpu.py -k 'tokens and not tp2'"
+step tp 170 "${R18[@]}" bash -c "cd $ROOT && $PYT -o timeout=160 tests/test_runtime_gpu.py -k tp2"
 step trace 170 "${R18[@]}" bash -c "cd $ROOT && $PYT -o timeout=80 tests/test_runtime_gpu.py -k traced; \
     \$MPIEXEC -n 3 $PY -m megainfer.launch.main model=mixtral_8x7b model.arch.num_layers=2 \
       deploy=a1e2 deploy.device=cuda model.dtype=bfloat16 comm.transport=cuda_ipc \
@@ -163,7 +168,7 @@ step trace 170 "${R18[@]}" bash -c "cd $ROOT && $PYT -o timeout=80 tests/test_ru
 step engine ${ENGINE_S:-200} "$PY" perf/bench_gpu_engine.py --device cuda --budget-s $(( ${ENGINE_S:-200} - 15 )) \
   --models "${ENGINE_MODELS:-mixtral_8x7b,qwen3_30b_a3b}" \
   --systems "${ENGINE_SYSTEMS:-megainfer,megainfer-eager,hf}" --out "$W/bench_gpu_engine_cuda.json"
-step transport 60 "${R18[@]}" "$PY" perf/bench_transport_gpu.py --mpiexec "$MPIEXEC" --iters 200 \
+step transport 75 "${R18[@]}" "$PY" perf/bench_transport_gpu.py --mpiexec "$MPIEXEC" --iters 200 \
   --out "$W/bench_transport_gpu.json"
 step calib 200 "${R18[@]}" MEGAINFER_CALIBRATE_LINK="$W/bench_transport_gpu.json" bash -c "cd $ROOT && \
   $PY -m megainfer.launch.plan calibrate model=mixtral_8x7b model.num_layers=2 \
@@ -188,5 +193,5 @@ if [[ " $STEPS " == *" m2n "* ]]; then
 fi
 join
 echo "== summary"
-grep -h -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)|error" "$W"/{tests,attn,gputests,ipc,tokens,trace}.log 2>/dev/null | cut -c1-220 | tail -n 40
+grep -h -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)|error" "$W"/{tests,attn,gputests,ipc,tokens,tp,trace}.log 2>/dev/null | cut -c1-220 | tail -n 40
 cat "$W/rc.txt"

@@ -25,19 +25,12 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_pipeline import BENCH_SHAPE  # noqa: E402
+from bench_pipeline import DECODE, PROMPT, job_args  # noqa: E402
 from mpi_launch import run_job  # noqa: E402
 
 # (attention replicas, expert ranks, global batch, micro-batch counts)
 RUNS = [(1, 1, 192, (1, 2, 3, 4)), (1, 1, 288, (1, 2)), (1, 1, 96, (1, 2)),
         (1, 2, 192, (1, 2)), (2, 1, 192, (1, 2))]
-PROMPT, DECODE = 16, 12
-
-
-def job_args(batch: int, replicas: int = 1) -> list:
-    """pipeline_job.py arguments after its configs: the pipeline_bench shape at this batch."""
-    return [*BENCH_SHAPE, "--batch", batch, "--replicas", replicas, "--prompt", PROMPT,
-            "--decode", DECODE]
 
 
 def launch(A: int, E: int, B: int, ms, tmp: str) -> list[dict]:

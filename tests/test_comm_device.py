@@ -10,8 +10,9 @@ import torch
 
 from megainfer.comm import M2N, LoopbackFabric, combine_spec, dispatch_spec
 from megainfer.comm.loopback import LoopbackTransport
-from megainfer.comm.select import (TransportChoiceError, check_cuda_ipc, check_nccl, pair_plan,
-                                   resolve, shared_gpus)
+from megainfer.comm.cuda_ipc import check_cuda_ipc
+from megainfer.comm.errors import TransportChoiceError
+from megainfer.comm.select import check_nccl, pair_plan, resolve, shared_gpus
 from megainfer.config import CommConfig, ConfigError
 from megainfer.runtime.exchange import AttentionExchange, ExpertExchange, rows_per_rank
 from megainfer.runtime.trace import Tracer

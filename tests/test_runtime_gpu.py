@@ -71,6 +71,22 @@ def test_tokens_on_gpu_match_single_mode_and_across_transports(tiny_ckpts, tmp_p
         assert worst <= sync_budget(L, m), (m, worst, L, steps)
 
 
+def test_tp2_replica_tokens_on_gpu_match_single_mode_over_both_tp_paths(tiny_ckpts, tmp_path):
+    """Attention TP 2 + 1 expert rank on the one GPU: with cuda_ipc the TP all-reduces and
+    broadcasts go point to point between the two processes (runtime/tp_channel.py), with mpi
+    through host memory; fp32 tokens equal single mode's, bf16 tokens agree between the two."""
+    ckpt = tiny_ckpts[(FAMILIES[0], "base")]
+    mpi_util.run_mpi(3, os.path.join(HERE, "gpu_runtime_job.py"),
+                     [tmp_path, ckpt, "cuda_ipc,mpi", "float32,bfloat16", "1,2", "tp2"],
+                     timeout=300)
+    got = json.loads((tmp_path / "result.json").read_text())
+    for m in (1, 2):
+        for t in ("cuda_ipc", "mpi"):
+            assert got[f"{t}|float32|m={m}"] == got["single|float32"], (t, m)
+        assert got[f"cuda_ipc|bfloat16|m={m}"] == got[f"mpi|bfloat16|m={m}"], m
+        assert got[f"tp_sent|cuda_ipc|float32|m={m}"] > 0 and got[f"tp_sent|mpi|float32|m={m}"] == 0
+
+
 def test_traced_run_has_the_four_lanes_on_the_device_clock(tiny_ckpts, tmp_path):
     ckpt = tiny_ckpts[(FAMILIES[0], "base")]
     mpi_util.run_mpi(3, os.path.join(HERE, "gpu_runtime_job.py"),

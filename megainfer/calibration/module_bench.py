@@ -1,7 +1,7 @@
 """Calibration benches that time the project's own modules (``calibrate.bench=megainfer``):
 one decode micro-batch through a ``DecoderLayer``'s attention half over a paged KV cache plus
 the router, and ``RoutedExperts`` (``megainfer.kernels.fused_moe``) with ``b`` tokens on each
-local expert. Same signatures as the plain-torch benches in ``layer_bench``. ``megainfer_cuda``:
+local expert. Same signatures as the plain-torch benches in ``torch_ops_bench``. ``megainfer_cuda``:
 the same on the current GPU (Triton attention and fused MoE), each run synchronised."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from .layer_bench import _DT, _rotating, register_bench
+from .torch_ops_bench import DTYPES, rotating
 
 
 def _config(shape, experts: int):
@@ -24,7 +24,7 @@ def _config(shape, experts: int):
 
 def module_attention(shape, b: int, ctx: int, dtype: str = "float32", copies: int = 1,
                      device: str = "cpu") -> Callable[[], None]:
-    return _rotating([_attention_copy(shape, b, ctx, _DT[dtype], s, device) for s in range(copies)])
+    return rotating([_attention_copy(shape, b, ctx, DTYPES[dtype], s, device) for s in range(copies)])
 
 
 def _sync(device: str):
@@ -61,7 +61,7 @@ def _attention_copy(shape, b, ctx, dt, seed, device="cpu"):
 
 def module_experts(shape, b: int, experts: int, dtype: str = "float32", copies: int = 1,
                    device: str = "cpu") -> Callable[[], None]:
-    return _rotating([_experts_copy(shape, b, experts, _DT[dtype], s, device) for s in range(copies)])
+    return rotating([_experts_copy(shape, b, experts, DTYPES[dtype], s, device) for s in range(copies)])
 
 
 def _experts_copy(shape, b, experts, dt, seed, device="cpu"):
@@ -83,8 +83,3 @@ def _experts_copy(shape, b, experts, dt, seed, device="cpu"):
         sync()
     return run
 
-
-register_bench("megainfer", module_attention, module_experts)
-# the same modules on the GPU (``calibrate.bench=megainfer_cuda``: wall clock, bf16)
-register_bench("megainfer_cuda", lambda *a, **k: module_attention(*a, **k, device="cuda"),
-               lambda *a, **k: module_experts(*a, **k, device="cuda"))

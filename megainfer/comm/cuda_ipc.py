@@ -36,9 +36,8 @@ import torch
 from mpi4py import MPI
 
 from megainfer.comm.cudart import runtime, device_tensor, MEMCPY_DEFAULT
-from megainfer.comm.errors import CommError
+from megainfer.comm.errors import CommError, TransportChoiceError
 from megainfer.comm.ipc_slots import RecvSlot, Send, SendSlot
-from megainfer.comm.select import check_cuda_ipc
 from megainfer.comm.spec import HEADER_BYTES
 from megainfer.comm.transport import Buffer, Transport
 
@@ -53,6 +52,17 @@ def agree(comm, errors: list[str], what: str) -> None:
     lines = [e for errs in every for e in errs]
     if lines:
         raise IpcSetupError(f"{what}: " + "; ".join(lines))
+
+
+def check_cuda_ipc(hosts: list[str]) -> None:
+    """Raise on every rank alike unless all ranks (their host names) are on one node."""
+    if len(set(hosts)) > 1:
+        by: dict = {}
+        for r, h in enumerate(hosts):
+            by.setdefault(h, []).append(r)
+        raise TransportChoiceError(
+            "comm.transport=cuda_ipc needs every rank on one node; ranks are on "
+            + ", ".join(f"{h} (ranks {v})" for h, v in by.items()) + ": use nccl or auto")
 
 
 class CudaIpcTransport(Transport):

@@ -26,3 +26,7 @@ class MessageTooLargeError(CommError, ValueError):
 
 class CommProtocolError(CommError):
     """A received header does not match what the receiver expected (wrong stream, bad magic)."""
+
+
+class TransportChoiceError(CommError):
+    """``comm.transport`` cannot work for these ranks; the message says which and why."""

@@ -12,7 +12,8 @@ auto       cpu: mpi. cuda: cuda_ipc when every rank is on one node, else nccl (r
 Every check is collective and fails on every rank alike, naming the ranks and the reason, at
 start-up: cuda_ipc across nodes, NCCL with two ranks on one GPU (NCCL refuses a communicator
 that holds a device twice unless ``NCCL_MULTI_RANK_GPU_ENABLE=1`` on NCCL >= 2.30, which is
-then tried), an IPC handle that will not open (``CudaIpcTransport.connect``).
+then tried), an IPC handle that will not open (``CudaIpcTransport.connect``); cuda_ipc checks its own
+precondition (every rank on one node: ``cuda_ipc.check_cuda_ipc``).
 """
 from __future__ import annotations
 
@@ -22,16 +23,12 @@ from typing import Optional
 
 import torch
 
-from megainfer.comm.errors import CommError
+from megainfer.comm.errors import CommError, TransportChoiceError
 from megainfer.comm.transport import Transport
 
 log = logging.getLogger("megainfer.comm")
 KINDS = ("auto", "mpi", "cuda_ipc", "nccl", "loopback")
 MULTI_RANK_GPU_NCCL = 23000  # NCCL 2.30.0: NCCL_MULTI_RANK_GPU_ENABLE
-
-
-class TransportChoiceError(CommError):
-    """``comm.transport`` cannot work for these ranks; the message says which and why."""
 
 
 def pair_plan(hosts: list[str]) -> dict[tuple[int, int], str]:
@@ -63,16 +60,6 @@ def check_nccl(hosts: list[str], gpus: list[str], version: Optional[int], env=os
         f"comm.transport=nccl: NCCL refuses a communicator that holds one GPU twice ({where}; "
         f"NCCL {version or 'not found'}); use comm.transport=cuda_ipc or mpi on one node, or one "
         f"rank per GPU (NCCL_MULTI_RANK_GPU_ENABLE=1 needs NCCL >= 2.30)")
-
-
-def check_cuda_ipc(hosts: list[str]) -> None:
-    if len(set(hosts)) > 1:
-        by: dict = {}
-        for r, h in enumerate(hosts):
-            by.setdefault(h, []).append(r)
-        raise TransportChoiceError(
-            "comm.transport=cuda_ipc needs every rank on one node; ranks are on "
-            + ", ".join(f"{h} (ranks {v})" for h, v in by.items()) + ": use nccl or auto")
 
 
 def resolve(kind: str, device: torch.device, hosts: list[str], gpus: list[str]) -> str:

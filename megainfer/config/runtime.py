@@ -11,6 +11,7 @@ from .model import ModelConfig
 
 # the cache's storage formats (auto: the model dtype; docs/kv_cache.md, kernels/kv_quant.py)
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1")
+KV_SCALE_GRANULARITIES = ("tensor", "token_head")  # cache.kv_scale_granularity (docs/kv_cache.md)
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,7 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
     host_kv_gib: float = 0.0  # the prefix cache's second tier (0: off; docs/kv_cache.md)
     kv_store_dir: Optional[str] = None  # cpu: the second tier's files (None: a temp dir)
+    kv_scale_granularity: str = "token_head"  # quantised caches: tensor | token_head scales
 
     def __post_init__(self):
         _require(self.block_size > 0, "cache.block_size", self.block_size, "must be > 0")
@@ -126,6 +128,8 @@ class CacheConfig:
         _require(self.kv_store_dir is None or (isinstance(self.kv_store_dir, str)
                                                and self.kv_store_dir != ""),
                  "cache.kv_store_dir", self.kv_store_dir, "must be null or a directory path")
+        _require(self.kv_scale_granularity in KV_SCALE_GRANULARITIES, "cache.kv_scale_granularity",
+                 self.kv_scale_granularity, f"must be one of {', '.join(KV_SCALE_GRANULARITIES)}")
 
 
 ROUTINGS = ("round_robin", "cache_aware")
@@ -259,6 +263,9 @@ class CommConfig:
     timeout_s: float = 30.0  # a peer silent for longer is declared failed; the job aborts
     wait_mode: str = "backoff"  # spin | yield | backoff (megainfer.comm.wait)
     transport: str = "auto"  # auto | mpi | cuda_ipc | nccl (megainfer.comm.select; auto: mpi on cpu)
+    # TP all-reduce/broadcast in a replica: auto (cuda: point to point over cuda_ipc when the job's
+    # transport is auto or cuda_ipc; else MPI on host memory) | mpi | channel (runtime/tp_channel.py)
+    tp_collectives: str = "auto"
 
     def __post_init__(self):
         _require(isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0, "comm.timeout_s",
@@ -267,6 +274,8 @@ class CommConfig:
                  "must be spin, yield or backoff")
         _require(self.transport in ("auto", "mpi", "cuda_ipc", "nccl"), "comm.transport",
                  self.transport, "must be auto, mpi, cuda_ipc or nccl")
+        _require(self.tp_collectives in ("auto", "mpi", "channel"), "comm.tp_collectives",
+                 self.tp_collectives, "must be auto, mpi or channel")
 
 
 @dataclass(frozen=True)

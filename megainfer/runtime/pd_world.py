@@ -26,6 +26,7 @@ from .pd_loop import PDReplicaLoop
 from .pd_router import PDRouter
 from .prefill_experts import expert_slots_of, split_experts
 from .prefill_worker import PrefillExecutor, PrefillWorker
+from .rank_parts import DTYPES, Rank, make_engine
 from .roles import assign_role, prefill_rank_ids
 from .tp_group import TPGroup, late_peer
 from .trace import Tracer
@@ -71,7 +72,6 @@ def _build_prefill(job, role, core, kv_comm, policy, segs, epoch):
     every other weight on every rank), its engine (identical on every TP rank: they get the same
     work at the same iteration), and the KV routes from this rank's heads to every decode TP
     rank."""
-    from .world import DTYPES, Rank, _engine
     plan, cfg, rank = job.plan, job.model, role.rank
     tp = plan.prefill_tp
     tp_rank = (rank - plan.attention_ranks - plan.expert_ranks) % tp
@@ -97,7 +97,7 @@ def _build_prefill(job, role, core, kv_comm, policy, segs, epoch):
                       for x in routes_to(kind, cfg.num_kv_heads, tp, plan.attention_tp, t)
                       if x.src == tp_rank])
     sender = KVSender(kv_comm, cfg.num_layers, kind, tag, policy, segs, job.cache.block_size)
-    engine = _engine(job, role, model, lambda kv: PrefillExecutor(
+    engine = make_engine(job, role, model, lambda kv: PrefillExecutor(
         model, kv, job.cache.block_size, sender))
     track = (job.sched.routing == "cache_aware" and plan.prefill_replicas > 1
              and job.cache.enable_prefix_caching)  # as rank 0's Router.tracks_keys

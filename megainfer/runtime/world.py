@@ -8,74 +8,30 @@ Every rank builds both channels in the same order (channel ids are a counter). T
 * colocated: every rank builds a full model with its expert-parallel slice of the experts and
   an engine whose executor dispatches to / serves for all ranks (``ColocatedExecutor``).
 
+The parts themselves (models, engines, loops, workers) are built in ``rank_parts``.
 ``run_rank`` returns rank 0's output stream, or None on other ranks.
 """
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 import torch
 from mpi4py import MPI
 
 from megainfer.comm.wait import WaitPolicy
-from megainfer.config import (CacheConfig, CommConfig, ConfigError, DeployPlan, DeviceConfig,
-                              EplbConfig, LoadConfig, ModelConfig, ReplanConfig, SchedulerConfig,
-                              TraceConfig)
-from megainfer.models import ParallelContext, build_model
+from megainfer.config import ConfigError
 
-from .attention_executor import DisaggregatedExecutor
-from .colocated_executor import ColocatedExecutor
 from .control import ControlPlane
-from .exchange import AttentionExchange, ExpertExchange, make_m2n
-from .expert_worker import ExpertWorker
+from .exchange import make_m2n
 from .placement import initial_placement
-from .rebalancer import AttentionRebalancer, ExpertRebalancer
-from .replica_loop import ReplicaLoop
+from .rank_parts import DTYPES, JobSpec, Rank, build_attention, build_colocated, build_expert
 from .roles import assign_role, expert_rank_ids, leader_ranks
-from .tp_group import TPGroup, late_peer
+from .tp_group import late_peer, make_tp_group
 from .trace import Tracer
 
 log = logging.getLogger("megainfer.runtime")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class JobSpec:
-    """Everything a rank needs to build its part."""
-
-    model: ModelConfig
-    load: LoadConfig
-    sched: SchedulerConfig
-    cache: CacheConfig
-    plan: DeployPlan
-    comm: CommConfig = CommConfig()
-    eplb: EplbConfig = EplbConfig()
-    trace: TraceConfig = TraceConfig()
-    tokenizer: object = None
-    seed: int = 0
-    device: DeviceConfig = DeviceConfig()  # cuda: every rank on GPU local_rank % visible
-    replan: ReplanConfig = ReplanConfig()  # online re-planning (docs/replan.md)
-
-
-@dataclass
-class Rank:
-    """What one rank built; ``loop`` (attention side) or ``worker`` (expert rank) runs it."""
-
-    role: object
-    tracer: Tracer
-    loop: Optional[ReplicaLoop] = None
-    worker: Optional[ExpertWorker] = None
-    closers: list = field(default_factory=list)
-    parts: dict = field(default_factory=dict)  # what a re-plan rebuilds (runtime/replan_switch.py)
-
-    def close(self) -> None:
-        for c in self.closers:
-            c()
-
-
 def build_rank(job: JobSpec, comm=MPI.COMM_WORLD) -> Rank:
     if job.replan.enabled:  # before anything collective: every rank refuses alike
         from .replan_switch import check_replan
@@ -118,85 +74,18 @@ def build_rank(job: JobSpec, comm=MPI.COMM_WORLD) -> Rank:
     if dev.type == "cuda":  # device buffers, IPC mappings, NCCL communicators (collective)
         out.closers.append(m2n.close_transports)
     control = ControlPlane(comm, role.tag, policy)
+    tp = None
     if colocated:
-        _build_colocated(job, out, m2n, placement, control, tracer)
+        build_colocated(job, out, m2n, placement, control, tracer)
     elif role.is_attention:
         named = late_peer(role.replica * plan.attention_tp, role.tp_rank, plan.attention_tp)
-        _build_attention(job, out, m2n, placement, control, TPGroup(tp_comm, control, named),
-                         tracer)
+        tp = make_tp_group(tp_comm, control, named, job, DTYPES[job.load.dtype],
+                           role.replica * plan.attention_tp, out.closers)
+        build_attention(job, out, m2n, placement, control, tp, tracer)
     else:
-        _build_expert(job, out, m2n, placement, control, side_comm, tracer)
-    out.parts = dict(job=job, comm=comm, m2n=m2n, policy=policy, control=control)
+        build_expert(job, out, m2n, placement, control, side_comm, tracer)
+    out.parts = dict(job=job, comm=comm, m2n=m2n, policy=policy, control=control, tp=tp)
     return out
-
-
-def _build_expert(job, out, m2n, placement, control, side_comm, tracer, model=None):
-    """An expert rank's model (``model``: one whose slots are already filled) and worker."""
-    me, cfg, plan = out.role.expert_index, job.model, job.plan
-    if model is None:
-        model = build_model(cfg, job.load, role="experts", phy2log=placement.phy2log.tolist(),
-                            expert_slots=[list(placement.slots_of_rank(me))] * cfg.num_layers,
-                            device=job.device.torch_device)
-    rebalancer = ExpertRebalancer(model, placement, me, side_comm, control, leader_ranks(plan),
-                                  job.eplb)
-    out.worker = ExpertWorker(model, plan.micro_batches, ExpertExchange(m2n), out.role.tag, tracer,
-                              rebalancer)
-
-
-def _slot_owner(placement, device) -> torch.Tensor:
-    """[num_slots] -> index of the expert rank holding the slot (fixed by the contiguous split),
-    on the device the router's ids are on."""
-    return placement.rank_of_slot(torch.arange(placement.num_replicas)).to(device)
-
-
-def _engine(job: JobSpec, role, model, make_executor):
-    from megainfer.engine.engine import LLMEngine
-    return LLMEngine(job.model, job.sched, job.cache, make_executor, job.tokenizer,
-                     kv_spec=model.kv_cache_spec(DTYPES[job.load.dtype]),
-                     kv_dtype=DTYPES[job.load.dtype], device=job.device.torch_device,
-                     seed=job.seed, log_prefix=role.tag)
-
-
-def _build_attention(job, out, m2n, placement, control, tp, tracer, engine=None):
-    """An attention rank's model, engine and loop; ``engine``: keep this one (its model, KV
-    cache and requests) and only rewire its executor to the new channels (a re-plan)."""
-    role, plan, cfg = out.role, job.plan, job.model
-    if engine is None:
-        par = ParallelContext(role.tp_rank, plan.attention_tp,
-                              tp.all_reduce if tp.size > 1 else None)
-        model = build_model(cfg, job.load, par, role="attention", device=job.device.torch_device)
-        model.set_attention_backend(job.device.attention_backend)
-    else:
-        model = engine.executor.model
-    exchange = rebalancer = None
-    if role.is_leader:
-        exchange = AttentionExchange(m2n, _slot_owner(placement, job.device.torch_device), tracer)
-        rebalancer = AttentionRebalancer(placement, job.eplb, control, m2n,
-                                         expert_rank_ids(plan)[0], role.replica)
-    if engine is None:
-        engine = _engine(job, role, model, lambda kv: DisaggregatedExecutor(
-            model, kv, job.cache.block_size, plan.micro_batches, exchange, tp, rebalancer, tracer))
-    else:
-        ex = engine.executor
-        ex.exchange, ex.rebalancer, ex.tp = exchange, rebalancer, tp
-    out.loop = ReplicaLoop(engine, role, plan, control, exchange, cfg.moe_layers()[0])
-
-
-def _build_colocated(job, out, m2n, placement, control, tracer):
-    role, plan, cfg = out.role, job.plan, job.model
-    mine = list(placement.slots_of_rank(role.replica))
-    model = build_model(cfg, job.load, role="full", expert_slots=[mine] * cfg.num_layers,
-                        phy2log=placement.phy2log.tolist(), device=job.device.torch_device)
-    model.set_attention_backend(job.device.attention_backend)
-    expert_side = ExpertExchange(m2n)  # its receives and sends are grouped with the attention
-    exchange = AttentionExchange(m2n, _slot_owner(placement, job.device.torch_device), tracer,
-                                 lanes=("dispatch", "combine"), partner=expert_side)  # side's
-    worker = ExpertWorker(model, plan.micro_batches, expert_side, role.tag, tracer,
-                          trace_comm=False)
-    rebalancer = AttentionRebalancer(placement, job.eplb, control, m2n, 0, role.replica)
-    engine = _engine(job, role, model, lambda kv: ColocatedExecutor(
-        model, kv, job.cache.block_size, plan.micro_batches, exchange, worker, rebalancer, tracer))
-    out.loop = ReplicaLoop(engine, role, plan, control, None, cfg.moe_layers()[0])
 
 
 def run_rank(r: Rank, inputs: Optional[Iterable] = None):

@@ -2,12 +2,15 @@
 in process), then disaggregated runs (rank 0 attention, the others expert ranks) for every
 transport x dtype x micro-batch count, all in one launch.
 
-    mpiexec -n K python gpu_runtime_job.py OUT_DIR CKPT TRANSPORTS DTYPES MS [trace]
+    mpiexec -n K python gpu_runtime_job.py OUT_DIR CKPT TRANSPORTS DTYPES MS [trace|tp2]
 
 Writes OUT_DIR/result.json: {"single|<dtype>": {rid: tokens}, "<transport>|<dtype>|m=<m>":
 {rid: tokens}, "syncs|<transport>|<dtype>|m=<m>": [[seqs, tokens, host syncs] per step]}.
 Host syncs: torch's synchronizing calls on rank 0 per engine step (set_sync_debug_mode). With
-``trace``, the last run is traced and every rank writes OUT_DIR/trace.rank<r>.json.
+``trace``, the last run is traced and every rank writes OUT_DIR/trace.rank<r>.json. With
+``tp2``, ranks 0 and 1 are one attention replica with TP 2 (comm.tp_collectives=auto: point to
+point over cuda_ipc when that is the transport); "tp_sent|<run>" counts rank 0's collectives
+that went point to point.
 """
 import json
 import os
@@ -69,8 +72,9 @@ def main():
     transports, dtypes = sys.argv[3].split(","), sys.argv[4].split(",")
     ms = [int(m) for m in sys.argv[5].split(",")]
     traced = len(sys.argv) > 6 and sys.argv[6] == "trace"
+    tp = 2 if len(sys.argv) > 6 and sys.argv[6] == "tp2" else 1
     cfg = ModelConfig.from_pretrained(ckpt)
-    me, E = WORLD.Get_rank(), WORLD.Get_size() - 1
+    me, E = WORLD.Get_rank(), WORLD.Get_size() - tp
     results = {}
     if me == 0:
         for dtype in dtypes:
@@ -79,7 +83,7 @@ def main():
     runs = [(t, d, m) for t in transports for d in dtypes for m in ms]
     for i, (transport, dtype, m) in enumerate(runs):
         trace = traced and i == len(runs) - 1
-        plan = DeployPlan(mode="disaggregated", attention_replicas=1, attention_tp=1,
+        plan = DeployPlan(mode="disaggregated", attention_replicas=1, attention_tp=tp,
                           expert_ranks=E, micro_batches=m)
         job = JobSpec(cfg, LoadConfig(path=ckpt, dtype=dtype), SCHED, CACHE, plan,
                       CommConfig(timeout_s=60, transport=transport), trace=TraceConfig(enabled=trace),
@@ -93,6 +97,8 @@ def main():
         if stream is not None:
             results[key] = {o.request_id: o.outputs[0].token_ids for o in stream}
             results[f"syncs|{key}"] = syncs
+            channel = r.parts["tp"].channel if r.parts.get("tp") is not None else None
+            results[f"tp_sent|{key}"] = channel.sent if channel is not None else 0
         if trace:
             r.tracer.write(out_dir)
         WORLD.Barrier()

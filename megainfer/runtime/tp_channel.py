@@ -1,0 +1,130 @@
+"""Tensor-parallel collectives point to point over the job's device transport, so a replica's
+partial sums and broadcasts stay on the GPU (``comm.tp_collectives``; docs/comm.md).
+
+One ``Channel`` among the replica's TP ranks (every rank a sender and a receiver, one stream)
+carries ``part [n, H]`` in the model dtype:
+
+* all-reduce: each rank sends its partial to every other rank, receives theirs, and adds all
+  of them **in TP-rank order** in float32, rounding once to the partial's dtype. Every rank
+  adds the same numbers in the same order, so every rank holds the same bits (the same sum as
+  the host path's float32 MPI all-reduce for TP 2, where the order cannot matter);
+* broadcast from the leader: TP rank 0 sends its tensor to every follower.
+
+Messages larger than ``capacity`` rows (prefill chunks), or tensors of another shape or dtype
+(a layer's KV amax rows), take the host path (``TPGroup``'s MPI collectives); every rank
+decides alike from the tensor's shape. The header's iteration field carries a sequence number
+of the collective, so a rank that fell out of step is caught by the header check. A silent
+peer ends the wait within ``comm.timeout_s``, named by its world rank (``RankFailure``).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megainfer.comm.channel import Channel
+from megainfer.comm.errors import CommTimeoutError
+from megainfer.comm.spec import MessageSpec
+from megainfer.comm.transport import Transport
+from megainfer.comm.wait import WaitPolicy
+
+from .control import RankFailure
+
+MAX_MESSAGE_BYTES = 8 << 20  # the largest part sent point to point (vLLM's custom all-reduce: 8 MiB)
+SEQ_MOD = 1 << 30  # the header's int32 iteration field holds the collective's sequence number
+
+
+def tp_capacity(hidden: int, dtype: torch.dtype, max_bytes: int = MAX_MESSAGE_BYTES) -> int:
+    """Rows of ``[n, hidden]`` in ``dtype`` one message may carry (at least 1)."""
+    return max(1, max_bytes // (hidden * torch.empty(0, dtype=dtype).element_size()))
+
+
+class TPChannel:
+    """Point-to-point all-reduce and broadcast among the ranks of one TP communicator.
+
+    ``world_ranks[r]``: the job rank of TP rank ``r`` (what a timeout names). Collective to
+    build (every TP rank, same order), as every channel is."""
+
+    def __init__(self, transport: Transport, hidden: int, dtype: torch.dtype, capacity: int,
+                 wait: WaitPolicy, world_ranks: list[int], me: str):
+        self.t, self.hidden, self.dtype, self.capacity = transport, hidden, dtype, capacity
+        self.rank, self.size = transport.rank, transport.size
+        self.world_ranks, self.me = list(world_ranks), me
+        ranks = list(range(self.size))
+        self.ch = Channel(transport, ranks, ranks, MessageSpec.of(capacity, part=((hidden,), dtype)),
+                          streams=1, depth=2, wait=wait, name="tp")
+        self.seq = 0
+        self.sent = 0  # collectives that went point to point (tests, logs)
+
+    def fits(self, t: torch.Tensor) -> bool:
+        """True when ``t`` goes point to point; the same answer on every rank for the same
+        collective (shape and dtype agree across TP ranks)."""
+        return (t.dim() == 2 and t.shape[1] == self.hidden and t.dtype == self.dtype
+                and t.shape[0] <= self.capacity)
+
+    def _next(self) -> int:
+        self.seq = (self.seq + 1) % SEQ_MOD
+        self.sent += 1
+        return self.seq
+
+    def _recv(self, peer: int, seq: int, what: str):
+        try:
+            return self.ch.recv(peer, layer=0, micro_batch=0, iteration=seq).wait()
+        except CommTimeoutError as e:
+            raise RankFailure(self.me, self.world_ranks[peer], what, e.waited_s) from e
+
+    def _wait_sends(self, sends: list, what: str) -> None:
+        for peer, h in sends:
+            try:
+                h.wait()
+            except CommTimeoutError as e:
+                raise RankFailure(self.me, self.world_ranks[peer], what, e.waited_s) from e
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """t [n, H] (this rank's partial) -> the sum over TP ranks, same bits on every rank."""
+        seq, t = self._next(), t.contiguous()
+        what = "tensor-parallel all-reduce"
+        sends = [(p, self.ch.send(p, iteration=seq, layer=0, micro_batch=0, part=t))
+                 for p in range(self.size) if p != self.rank]
+        total = None
+        for r in range(self.size):  # TP-rank order: every rank adds alike
+            if r == self.rank:
+                x, msg = t.float(), None
+            else:
+                msg = self._recv(r, seq, what)
+                x = msg["part"].float()
+            total = x.clone() if total is None else total.add_(x)
+            if msg is not None:
+                msg.release()
+        self._wait_sends(sends, what)
+        return total.to(t.dtype)
+
+    def broadcast_from_leader(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        """TP rank 0's t [n, H] on every rank (the followers' t gives only the shape)."""
+        seq, phase = self._next(), f"tensor-parallel broadcast of {what}"
+        if self.rank == 0:
+            t = t.contiguous()
+            sends = [(p, self.ch.send(p, iteration=seq, layer=0, micro_batch=0, part=t))
+                     for p in range(1, self.size)]
+            self._wait_sends(sends, phase)
+            return t
+        msg = self._recv(0, seq, phase)
+        out = msg["part"].clone()
+        msg.release()
+        return out
+
+    def close(self) -> None:
+        self.ch.close()
+
+
+def tp_collectives_kind(choice: str, device: torch.device, transport: str) -> Optional[str]:
+    """``comm.tp_collectives`` -> the transport kind the TP channel runs on, or None for the
+    host path (MPI collectives). ``auto``: ``cuda_ipc`` on cuda when the job's transport is
+    ``auto`` or ``cuda_ipc`` (one node), else the host; ``channel``: the device transport on
+    cuda (cuda_ipc: TP ranks of a replica share a node), the MPI transport on cpu (tests)."""
+    if choice == "mpi":
+        return None
+    cuda = device.type == "cuda"
+    if choice == "auto":
+        return "cuda_ipc" if cuda and transport in ("auto", "cuda_ipc") else None
+    return "cuda_ipc" if cuda else "mpi"
