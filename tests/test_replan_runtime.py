@@ -45,6 +45,48 @@ def test_forced_switches_both_ways_keep_tokens_and_weights(tiny_ckpts, tmp_path)
     assert min(f[2] for f in res["recompute"]["final"][1:]) >= 1
 
 
+def test_requests_of_two_seeded_samples_move_whole_and_sample_as_in_single_mode(tiny_ckpts,
+                                                                                tmp_path):
+    """Half the requests ask for n=2 seeded samples (temperature 0.8): groups in flight on the
+    leaving replica at a2e2 -> a1e3 move whole (both samples, KV moved or recomputed) and every
+    sample's tokens equal single mode's."""
+    sys.path.insert(0, os.path.dirname(JOB))
+    from replan_job import FORCE, reference
+    ckpt = tiny_ckpts[("mixtral", "base")]
+    out = tmp_path / "replan_n2.json"
+    run_mpi(4, JOB, [out, ckpt, "n2,n2r"], timeout=600)
+    res = json.loads(out.read_text())
+    want = reference(ckpt, n2=True)
+    assert sum(isinstance(t[0], list) for t in want.values()) == 6  # 6 requests of 2 samples
+    for mode in ("n2", "n2r"):
+        run = res[mode]
+        assert run["tokens"] == want, mode
+        recs = run["records"]
+        assert [(r["iteration"], r["new"]) for r in recs] == [(f[0], f[1]) for f in FORCE]
+        # the leaving replica handed over samples of n=2 requests, as asked
+        assert recs[1]["multi"] >= 2, recs[1]
+        handed = recs[1]["move"] if mode == "n2" else recs[1]["recompute"]
+        assert handed >= 2 and (recs[1]["kv_bytes"] > 0) == (mode == "n2"), recs[1]
+
+
+def test_forced_switches_that_change_the_micro_batch_count_keep_tokens_and_weights(
+        tiny_ckpts, tmp_path):
+    """a1e3 (m=2) -> a1e3m3 (the count alone) -> a2e2m1 -> a1e3m2, requests in flight."""
+    sys.path.insert(0, os.path.dirname(JOB))
+    from replan_job import reference
+    ckpt = tiny_ckpts[("mixtral", "base")]
+    out = tmp_path / "replan_m.json"
+    run_mpi(4, JOB, [out, ckpt, "m"], timeout=600)
+    run = json.loads(out.read_text())["m"]
+    assert run["tokens"] == reference(ckpt)
+    assert [(r["iteration"], r["old"], r["new"], r["micro_batches"]) for r in run["records"]] == [
+        (4, "a1e3m2", "a1e3m3", [2, 3]), (8, "a1e3m3", "a2e2m1", [3, 1]),
+        (13, "a2e2m1", "a1e3m2", [1, 2])]
+    for rank in (1, 2, 3):
+        assert all(ok for kind, ok in run["checks"][rank] if kind == "expert"), run["checks"]
+    assert [c[0] for c in run["checks"][1]] == ["expert", "attention", "expert"]
+
+
 def test_measured_decisions_refit_from_traced_spans_and_keep_tokens(tiny_ckpts, tmp_path):
     """replan.interval=3, min_gain=0: rank 0 gathers every expert rank's spans and its own each
     interval, refits and decides; whatever it decides, the tokens stay the single-mode ones."""
@@ -58,6 +100,8 @@ def test_measured_decisions_refit_from_traced_spans_and_keep_tokens(tiny_ckpts, 
     ds = run["decisions"]
     assert ds and [d["iteration"] for d in ds] == list(range(3, 3 * len(ds) + 1, 3))
     assert ds[0]["attention_samples"] > 0 and ds[0]["expert_samples"] > 0
+    # T_c traced (rank 0's combine waits against the expert ranks' reply times) reaches the model
+    assert ds[0]["comm_samples"] > 0 and 0 < ds[0]["t_c"] < 1.0, ds[0]
     refitted = [d for d in ds if not d["reason"].startswith("cannot refit")]
     assert refitted  # at least one decision had the two batch sizes a fit needs
     assert len(run["records"]) == sum(d["switch"] for d in ds) == run["marks"]
@@ -65,10 +109,16 @@ def test_measured_decisions_refit_from_traced_spans_and_keep_tokens(tiny_ckpts, 
         assert rec["reason"].startswith("measured") and rec["predicted_gain"] > 0
 
 
-def test_a_rank_hung_in_a_switch_ends_the_job_naming_it_and_the_phase(tiny_ckpts, tmp_path):
+@pytest.mark.parametrize("where, phase", [
+    ("hang", "during re-plan expert placement"),
+    # the others are inside collective calls there: bounded too, and rank 2 named
+    ("hang_dup", "during re-plan start (communicator duplication)"),
+    ("hang_channels", "during re-plan channel rebuild (all-gather)")])  # transport auto's first
+def test_a_rank_hung_in_a_switch_ends_the_job_naming_it_and_the_phase(tiny_ckpts, tmp_path,
+                                                                      where, phase):
     ckpt = tiny_ckpts[("mixtral", "base")]
     with pytest.raises(AssertionError) as e:  # run_mpi: the job exited non-zero, not a timeout
-        run_mpi(4, JOB, [tmp_path / "hang.json", ckpt, "hang"], timeout=300)
+        run_mpi(4, JOB, [tmp_path / "hang.json", ckpt, where], timeout=300)
     msg = str(e.value)
     assert "timed out" not in msg.splitlines()[0]
-    assert "rank 2 did not answer" in msg and "during re-plan expert placement" in msg, msg[-3000:]
+    assert "rank 2 did not answer within 4.0s" in msg and phase in msg, msg[-3000:]

@@ -17,7 +17,9 @@ class ReplanConfig:
     own cost. ``force_schedule``: ((iteration, "aNeM"), ...) switches at those iterations
     regardless (tests, benchmarks). ``kv_transfer``: a leaving replica's running requests keep
     their KV (``move``), recompute it (``recompute``), or the cheaper of the two (``auto``).
-    ``link_gbps``: the bandwidth the switch cost is counted at."""
+    ``link_gbps``: the bandwidth the switch cost is counted at. ``micro_batches``: ``plan``
+    (a switch may also change the micro-batch count to the planner's best) or ``hold`` (the
+    launch's count stays). A forced plan ``aNeMmK`` sets the count to K too."""
 
     enabled: bool = False
     interval: int = 64
@@ -25,6 +27,7 @@ class ReplanConfig:
     force_schedule: tuple = ()
     kv_transfer: str = "auto"
     link_gbps: float = 10.0
+    micro_batches: str = "plan"
 
     def __post_init__(self):
         _require(isinstance(self.enabled, bool), "replan.enabled", self.enabled,
@@ -36,6 +39,8 @@ class ReplanConfig:
                  "must be a number in [0, 1)")
         _require(self.kv_transfer in ("auto", "move", "recompute"), "replan.kv_transfer",
                  self.kv_transfer, "must be auto, move or recompute")
+        _require(self.micro_batches in ("plan", "hold"), "replan.micro_batches",
+                 self.micro_batches, "must be plan or hold")
         _require(isinstance(self.link_gbps, (int, float)) and not isinstance(self.link_gbps, bool)
                  and self.link_gbps > 0, "replan.link_gbps", self.link_gbps, "must be > 0")
         sched = []
@@ -44,7 +49,8 @@ class ReplanConfig:
             it, plan = item if ok else (None, None)
             _require(ok and isinstance(it, int) and not isinstance(it, bool) and it >= 1
                      and parse_split(plan) is not None, "replan.force_schedule", item,
-                     "each entry must be [iteration >= 1, 'aNeM'] (e.g. [8, 'a2e2'])")
+                     "each entry must be [iteration >= 1, 'aNeM' or 'aNeMmK'] (e.g. [8, "
+                     "'a2e2'] or [8, 'a2e2m3'])")
             sched.append((it, str(plan)))
         its = [it for it, _ in sched]
         _require(its == sorted(set(its)), "replan.force_schedule", self.force_schedule,
@@ -53,8 +59,15 @@ class ReplanConfig:
 
 
 def parse_split(label) -> Optional[tuple[int, int]]:
-    """'a2e2' -> (attention replicas, expert ranks); None when it is not such a label."""
-    m = re.fullmatch(r"a(\d+)e(\d+)", str(label)) if isinstance(label, str) else None
-    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+    """'a2e2' or 'a2e2m3' -> (attention replicas, expert ranks); None when it is not such a
+    label."""
+    p = parse_plan(label)
+    return None if p is None else p[:2]
+
+
+def parse_plan(label) -> Optional[tuple[int, int, Optional[int]]]:
+    """'a2e2m3' -> (2, 2, 3); 'a2e2' -> (2, 2, None): the micro-batch count unchanged."""
+    m = re.fullmatch(r"a(\d+)e(\d+)(?:m(\d+))?", label) if isinstance(label, str) else None
+    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1 or m.group(3) == "0":
         return None
-    return int(m.group(1)), int(m.group(2))
+    return int(m.group(1)), int(m.group(2)), None if m.group(3) is None else int(m.group(3))

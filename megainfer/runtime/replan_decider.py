@@ -5,12 +5,15 @@ ranks measured since the last decision:
 
 * ``attn``: one ``(tokens, mean context, seconds)`` per attention span of one (layer,
   micro-batch); ``expert``: one ``(token-expert pairs, seconds)`` per expert span, on a rank
-  holding ``experts_on_rank`` slots; ``t_c``: the measured one-way A2E time (nan: unknown).
+  holding ``experts_on_rank`` slots; ``t_c``: the traced one-way time of a message between
+  the sides (``replan_measure.comm_samples``; nan: not traced, the link model's).
 
 The per-layer model is refitted from them (``perfmodel.insitu.fit_in_situ``: the same k1..k4
-the planner's fitted times use), the measured T_c replaces the link's latency, and the planner
+the planner's fitted times use), the traced T_c replaces the link's latency (and the node's
+wake-up, which it includes), and the planner
 (``perfmodel.world_plan.plan_world``) ranks every split of the same world for the work left
-(``JobState``), with the replica TP and the micro-batch count held. The current plan's
+(``JobState``), with the replica TP held and the micro-batch count held or free (``vary_m``:
+``replan.micro_batches=plan``; the best plan may then have another count). The current plan's
 remaining time is compared with the best plan's remaining time plus the switch's own cost:
 the weights to move (expert slots of every rank whose role changes, attention weights for a
 new replica) and the KV to re-home (the running sequences of a leaving replica) over
@@ -61,13 +64,18 @@ class Decision:
     cost: float  # predicted seconds the switch costs
     gain: float  # (t_current - t_best - cost) / t_current
     reason: str
+    micro_batches: tuple = (0, 0)  # (current, best); 0: not given
+
+    def _name(self, split: tuple, m: int) -> str:
+        changes = self.micro_batches[0] != self.micro_batches[1]
+        return f"a{split[0]}e{split[1]}" + (f"m{m}" if changes else "")
 
     @property
     def label(self) -> str:
-        return f"a{self.best[0]}e{self.best[1]}"
+        return self._name(self.best, self.micro_batches[1])
 
     def describe(self) -> str:
-        return (f"a{self.current[0]}e{self.current[1]} -> a{self.best[0]}e{self.best[1]}: "
+        return (f"{self._name(self.current, self.micro_batches[0])} -> {self.label}: "
                 f"{self.t_current:.3g} s left vs {self.t_best:.3g} s + switch {self.cost:.3g} s, "
                 f"gain {100 * self.gain:.1f}% ({self.reason})")
 
@@ -83,10 +91,14 @@ def refit(meas: Measurements, dtype: str) -> LayerFit:
 
 def measured_hardware(hw: HardwareProfile, shape: ModelShape, meas: Measurements,
                       dtype: str) -> HardwareProfile:
-    """``hw`` with the refitted layer times for ``shape`` and the measured T_c as latency."""
+    """``hw`` with the refitted layer times for ``shape`` and, when traced, the measured T_c as
+    the link's latency; the node's wake-up latency is then 0 (the traced time includes it: it
+    runs to when the waiting rank had the message), so the planner's T_c of the current plan is
+    the traced one plus the payload's time on the link."""
     out = replace(hw, fits={**hw.fits, shape.name: refit(meas, dtype)})
     if math.isfinite(meas.t_c) and meas.t_c > 0:
-        out = replace(out, inter_link=replace(hw.inter_link, latency_s=meas.t_c))
+        out = replace(out, inter_link=replace(hw.inter_link, latency_s=meas.t_c),
+                      node=replace(hw.node, wake_latency_s=0.0))
     return out
 
 
@@ -117,35 +129,41 @@ def _choices(shape, hw, state: JobState, world: int, pins: Pins, dtype: str):
 
 def decide(meas: Measurements, state: JobState, shape: ModelShape, hw: HardwareProfile,
            world: int, current: tuple, micro_batches: int, min_gain: float,
-           link_gbps: float = 10.0, dtype: str = "float32") -> Decision:
-    """Switch to the planner's best split of ``world`` when it wins by more than ``min_gain``."""
+           link_gbps: float = 10.0, dtype: str = "float32", vary_m: bool = False) -> Decision:
+    """Switch to the planner's best split of ``world`` when it wins by more than ``min_gain``;
+    ``vary_m``: the best plan may have another micro-batch count (else it is held)."""
+    m0 = micro_batches
+
     def stay(why: str, t: float = float("nan")) -> Decision:
-        return Decision(False, current, current, t, t, 0.0, 0.0, why)
+        return Decision(False, current, current, t, t, 0.0, 0.0, why, (m0, m0))
     if state.requests < 1 or state.output_left < 1:
         return stay("no work left")
     try:
         hw_m = measured_hardware(hw, shape, meas, dtype)
     except ConfigError as e:
         return stay(f"cannot refit: {e}")
-    fixed = dict(attention_tp=1, micro_batches=micro_batches)
     try:
-        ranked = _choices(shape, hw_m, state, world, Pins(**fixed), dtype)
-        now = _choices(shape, hw_m, state, world, Pins(attention_replicas=current[0],
-                                                       expert_ranks=current[1], **fixed), dtype)[0]
+        ranked = _choices(shape, hw_m, state, world, Pins(attention_tp=1, micro_batches=None
+                                                          if vary_m else m0), dtype)
+        now = _choices(shape, hw_m, state, world, Pins(attention_tp=1, micro_batches=m0,
+                                                       attention_replicas=current[0],
+                                                       expert_ranks=current[1]), dtype)[0]
     except NoWorldPlanError as e:
         return stay(f"planner: {e}")
     tokens = state.requests * state.output_left
     t_now = tokens / now.pred.tokens_per_s
     best = ranked[0]
-    target = (best.plan.n_a, best.plan.n_e)
+    target, ms = (best.plan.n_a, best.plan.n_e), (m0, best.plan.m)
     t_best = tokens / best.pred.tokens_per_s
-    if target == tuple(current):
-        return Decision(False, current, target, t_now, t_best, 0.0, 0.0, "current plan is best")
+    if target == tuple(current) and ms[1] == m0:
+        return Decision(False, current, target, t_now, t_best, 0.0, 0.0, "current plan is best",
+                        ms)
+    # the split's cost (weights, KV, a drained iteration); the micro-batch count alone: a drain
     cost = switch_cost(shape, tuple(current), target, state, now.pred.t_iter,
-                       link_gbps * 1e9 / 8, dtype)
+                       link_gbps * 1e9 / 8, dtype) if target != tuple(current) else now.pred.t_iter
     gain = (t_now - t_best - cost) / t_now
     ok = gain > min_gain
     why = (f"gain above min_gain {min_gain:.2f}" if ok else
            f"gain below min_gain {min_gain:.2f}")
-    return Decision(ok, tuple(current), target, t_now, t_best, cost, gain, why)
+    return Decision(ok, tuple(current), target, t_now, t_best, cost, gain, why, ms)
 

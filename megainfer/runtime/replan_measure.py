@@ -7,6 +7,12 @@ decision (docs/replan.md, docs/trace_format.md).
 * experts (every expert rank, sent to rank 0 every ``replan.interval`` iterations with
   ``TAG_SAMPLES``): ``(token-expert pairs, seconds)`` per ``expert`` span; the pairs of a span
   are its rows times the iteration's pairs per row on that rank (the EPLB load counter's).
+* communication, T_c (one-way, E2A): each expert rank also sends when its reply of each
+  (iteration, layer, micro-batch) left (the end of its ``E2A`` span); rank 0's own ``E2A`` span
+  of the same key is its wait for every expert rank's reply. When rank 0 was already waiting as
+  the last reply left, the message took ``wait end - last reply's send end`` to be seen: one
+  sample (the wake-up of the waiting rank included). Ranks share one trace clock
+  (docs/trace_format.md). The median of the samples is the decision's ``t_c``.
 
 With ``trace.enabled=false`` rank 0 and the expert ranks record only the last
 ``SAMPLE_ITERS`` iterations before each decision, and the events read are dropped (memory stays
@@ -62,6 +68,37 @@ def expert_samples(events: list, pairs_of_iter: dict) -> list:
     return out
 
 
+def reply_ends(events: list) -> list:
+    """An expert rank's ``(iteration, layer, micro-batch, end us)`` per reply (``E2A`` span)."""
+    return [(e["args"]["iter"], e["args"]["layer"], e["args"]["mb"], e["ts"] + e["dur"])
+            for e in events if e["cat"] == "E2A"]
+
+
+def comm_samples(events: list, replies: list, expert_ranks: int) -> list:
+    """Rank 0's events + every expert rank's ``reply_ends`` (one list per rank) -> one-way E2A
+    seconds, one per (iteration, layer, micro-batch) that every expert rank answered while rank 0
+    was waiting."""
+    last: dict = {}
+    count: dict = {}
+    for per_rank in replies:
+        for it, layer, mb, end in per_rank:
+            k = (it, layer, mb)
+            last[k] = max(last.get(k, end), end)
+            count[k] = count.get(k, 0) + 1
+    out = []
+    for e in events:
+        if e["cat"] != "E2A":
+            continue
+        a = e["args"]
+        k = (a["iter"], a["layer"], a["mb"])
+        if count.get(k) != expert_ranks:
+            continue
+        end = e["ts"] + e["dur"]
+        if e["ts"] < last[k] < end:
+            out.append((end - last[k]) / 1e6)
+    return out
+
+
 class ExpertReporter:
     """An expert rank's ``ExpertWorker.on_iteration``: every ``interval`` iterations, its
     samples since the last report go to rank 0 (non-blocking; rank 0 takes them at the same
@@ -82,5 +119,5 @@ class ExpertReporter:
         samples = expert_samples(ev, pairs)
         self.pending = [r for r in self.pending if not r.Test()]
         self.pending.append(self.comm.isend((worker.iteration, samples,
-                                             reb.placement.slots_per_rank), dest=0,
-                                            tag=TAG_SAMPLES))
+                                             reb.placement.slots_per_rank, reply_ends(ev)),
+                                            dest=0, tag=TAG_SAMPLES))

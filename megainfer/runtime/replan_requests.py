@@ -10,7 +10,11 @@ fresh blocks, copies them in and the request goes on decoding where it stopped) 
 steps recompute prompt + generated tokens). ``replan.kv_transfer=auto`` picks the cheaper:
 its KV bytes over ``replan.link_gbps`` against its computed tokens at the replica's measured
 seconds per token. A request not started yet just moves. The choice of each is counted and
-logged. Sampling state travels with the request (seed, outputs, logprobs), so the tokens that
+logged. A request of several samples (``SamplingParams.n``) moves as one group: every sample
+in the scheduler with its own choice (forked samples share their prompt's blocks here; each
+brings its own copy, so the receiver holds them unshared), samples already finished or not
+forked yet inside the head. Sampling state travels with the request objects (seed, outputs,
+logprobs; the sampler's noise depends only on the seed and the output index), so the tokens that
 follow are the ones it would have produced where it was.
 """
 from __future__ import annotations
@@ -24,10 +28,6 @@ from megainfer.engine.request import RequestStatus
 
 log = logging.getLogger("megainfer.runtime")
 TAG_HEADERS, TAG_KV = 1, 2  # on the switch communicator
-
-
-class ReplanError(RuntimeError):
-    """A re-plan cannot go on; names the rank and what it could not move."""
 
 
 def _block_dim(engine) -> int:
@@ -67,69 +67,93 @@ def _import_kv(engine, table: list[int], buf: np.ndarray) -> None:
         off += n
 
 
-def _newest(sched, limit: int) -> list:
-    """Up to ``limit`` single-sample requests from the back of the queue (waiting ones first,
-    then the most recently started), returned in queue order."""
+def _groups(engine, limit=None) -> list:
+    """The unfinished request groups (a request and its samples, ``SamplingParams.n``) in
+    queue order (running first, then waiting): [(head, [its samples in the scheduler, in queue
+    order])]. With ``limit``: the ``limit`` newest groups (waiting ones first, then the most
+    recently started), still in queue order."""
+    sched = engine.scheduler
     queue = list(sched.running) + list(sched.waiting)
-    picked = [r for r in reversed(queue) if len(r.samples) <= 1 and not r.pending][:limit]
-    chosen = set(map(id, picked))
-    return [r for r in queue if id(r) in chosen]
+    members: dict = {}
+    for s in queue:
+        members.setdefault(s.request_id, []).append(s)
+    order = list(members)
+    if limit is not None:
+        last = {s.request_id: i for i, s in enumerate(queue)}
+        keep = set(sorted(order, key=last.__getitem__, reverse=True)[:limit])
+        order = [rid for rid in order if rid in keep]
+    return [(engine.requests[rid], members[rid]) for rid in order]
+
+
+def group_count(engine) -> int:
+    """How many request groups ``engine`` holds unfinished (what ``balance_shares`` counts)."""
+    sched = engine.scheduler
+    return len({s.request_id for s in list(sched.running) + list(sched.waiting)})
 
 
 def hand_out(engine, ids: dict, dests: list[int], mode: str, link_Bps: float, tag: str,
              limit=None):
-    """Take unfinished requests out of ``engine``: every one (a leaving replica), or the
-    ``limit`` newest (a replica giving some to a new one). Returns {dest rank: [(header, kv
-    bytes or None)]} in queue order, and the counts per choice."""
-    sched, bs = engine.scheduler, engine.cache_config.block_size
-    reqs = list(sched.running) + list(sched.waiting) if limit is None else _newest(sched, limit)
+    """Take unfinished request groups out of ``engine``: every one (a leaving replica), or the
+    ``limit`` newest (a replica giving some to a new one). A group travels whole: its head (the
+    ``Request`` that holds every sample, finished ones and samples not forked yet included) and,
+    per sample in the scheduler, the choice made for it (its KV moved, recomputed, or not
+    started). Returns {dest rank: [((head, caller id, [(sample index, choice, computed
+    tokens)]), [kv bytes or None per sample])]} in queue order, and the counts per choice
+    (``multi``: samples of requests with n > 1)."""
+    bs = engine.cache_config.block_size
     per_tok = _seconds_per_token(engine)
-    out, counts = {d: [] for d in dests}, {"move": 0, "recompute": 0, "waiting": 0}
-    for j, req in enumerate(reqs):
-        if len(req.samples) > 1 or req.pending:
-            raise ReplanError(f"{tag}: request {req.request_id!r} has n={req.params.n} samples; "
-                              "moving a request of several samples is not supported")
-        n = req.num_computed_tokens
-        blocks = -(-n // bs)
-        choice = "waiting" if n == 0 else mode
-        if choice == "auto":
-            move_s = _kv_bytes(engine, blocks) / link_Bps
-            choice = "move" if move_s <= n * per_tok else "recompute"
-        kv = _export_kv(engine, req.block_table[:blocks]) if choice == "move" else None
-        if req in sched.running:
-            sched.running.remove(req)
-        else:
-            sched.waiting.remove(req)
-        engine.blocks.free_request(req)
-        engine.requests.pop(req.request_id, None)
-        req.block_table, req.block_uids = [], []
-        header = (req, ids.pop(req.request_id, req.request_id), choice, n)
-        out[dests[j % len(dests)]].append((header, kv))
-        counts[choice] += 1
+    out = {d: [] for d in dests}
+    counts = {"move": 0, "recompute": 0, "waiting": 0, "multi": 0}
+    for j, (head, members) in enumerate(_groups(engine, limit)):
+        plan, kvs = [], []
+        for s in members:
+            n = s.num_computed_tokens
+            blocks = -(-n // bs)
+            choice = "waiting" if n == 0 else mode
+            if choice == "auto":
+                move_s = _kv_bytes(engine, blocks) / link_Bps
+                choice = "move" if move_s <= n * per_tok else "recompute"
+            kvs.append(_export_kv(engine, s.block_table[:blocks]) if choice == "move" else None)
+            engine.scheduler.finish(s)  # out of the queue, its blocks freed (shared ones kept)
+            s.block_table, s.block_uids = [], []
+            plan.append((s.index, choice, n))
+            counts[choice] += 1
+            counts["multi"] += len(head.samples) > 1
+        engine.requests.pop(head.request_id, None)
+        header = (head, ids.pop(head.request_id, head.request_id), plan)
+        out[dests[j % len(dests)]].append((header, kvs))
     return out, counts
 
 
 def take_in(engine, ids: dict, items: list, tag: str) -> dict:
-    """Staying replica: install the requests a leaving replica handed over (in its order)."""
-    sched, counts, back = engine.scheduler, {"move": 0, "recompute": 0, "waiting": 0}, []
-    for (req, caller_id, choice, n), kv in items:
-        req.seq_id = engine._next_seq_id
-        engine._next_seq_id += 1
-        engine.requests[req.request_id] = req
-        ids[req.request_id] = caller_id
-        if choice == "move" and engine.blocks.allocate(req, n):
-            _import_kv(engine, req.block_table, kv)
-            req.num_computed_tokens, req.status = n, RequestStatus.RUNNING
-            sched.running.append(req)
-            engine.blocks.cache_full_blocks(req)
-        else:
-            if choice == "move":
-                log.info("%s re-plan: no free blocks for request %r's KV; recomputing it",
-                         tag, req.request_id)
-                choice = "recompute"
-            req.num_computed_tokens, req.status = 0, RequestStatus.WAITING
-            back.append(req)
-        counts[choice] += 1
+    """Staying or new replica: install the request groups another replica handed over (in its
+    order). Samples whose KV came are running again where they stopped (fresh blocks, not
+    shared: a group's samples each bring theirs); the others wait, ahead of what never started
+    here. Seeds, outputs and log-probabilities are the request objects' own: they came too."""
+    sched, back = engine.scheduler, []
+    counts = {"move": 0, "recompute": 0, "waiting": 0, "multi": 0}
+    for (head, caller_id, plan), kvs in items:
+        engine.requests[head.request_id] = head
+        ids[head.request_id] = caller_id
+        for k, s in enumerate(head.samples):  # fresh seq ids here, one per sample
+            s.seq_id = engine._next_seq_id + k
+        engine._next_seq_id += len(head.samples)
+        for (index, choice, n), kv in zip(plan, kvs):
+            s = head.samples[index]
+            if choice == "move" and engine.blocks.allocate(s, n):
+                _import_kv(engine, s.block_table, kv)
+                s.num_computed_tokens, s.status = n, RequestStatus.RUNNING
+                sched.running.append(s)
+                engine.blocks.cache_full_blocks(s)
+            else:
+                if choice == "move":
+                    log.info("%s re-plan: no free blocks for request %r sample %d's KV; "
+                             "recomputing it", tag, s.request_id, index)
+                    choice = "recompute"
+                s.num_computed_tokens, s.status = 0, RequestStatus.WAITING
+                back.append(s)
+            counts[choice] += 1
+            counts["multi"] += len(head.samples) > 1
     sched.waiting.extendleft(reversed(back))  # ahead of what never started here
     return counts
 
@@ -145,11 +169,11 @@ def migrate(control, loop_or_none, leaving: list[int], staying: list[int], mode:
             link_Bps: float, tag: str, limit=None) -> dict:
     """Collective over ``control.comm`` (every rank calls it): ``leaving`` replicas send (all
     their requests, or the ``limit[rank]`` newest), ``staying`` ones receive, every wait
-    bounded. Returns this rank's counts: the KV bytes it sent, the requests it took in by
-    choice (move, recompute, waiting)."""
+    bounded. Returns this rank's counts: the KV bytes it sent, the sequences it took in by
+    choice (move, recompute, waiting) and how many of them are samples of n > 1 requests."""
     sw = control.comm
     me = sw.Get_rank()
-    counts = {"move": 0, "recompute": 0, "waiting": 0, "kv_bytes": 0}
+    counts = {"move": 0, "recompute": 0, "waiting": 0, "multi": 0, "kv_bytes": 0}
     if me in leaving:  # counts the bytes it sent; the receivers count the requests
         engine = loop_or_none.engine
         out, c = hand_out(engine, loop_or_none.ids, staying, mode, link_Bps, tag,
@@ -159,10 +183,11 @@ def migrate(control, loop_or_none, leaving: list[int], staying: list[int], mode:
         reqs = []
         for dest in staying:
             control.send([h for h, _ in out[dest]], dest, TAG_HEADERS)
-            for _, kv in out[dest]:
-                if kv is not None:
-                    reqs.append((sw.Isend(kv, dest=dest, tag=TAG_KV), dest))
-                    counts["kv_bytes"] += kv.nbytes
+            for _, kvs in out[dest]:
+                for kv in kvs:
+                    if kv is not None:
+                        reqs.append((sw.Isend(kv, dest=dest, tag=TAG_KV), dest))
+                        counts["kv_bytes"] += kv.nbytes
         for req, dest in reqs:
             control.wait(req, dest, "re-plan KV hand-over (sending)")
     elif me in staying:
@@ -171,13 +196,16 @@ def migrate(control, loop_or_none, leaving: list[int], staying: list[int], mode:
             headers = control.recv(src, TAG_HEADERS, "re-plan request hand-over")
             items = []
             for h in headers:
-                kv = None
-                if h[2] == "move":
-                    blocks = -(-h[3] // engine.cache_config.block_size)
-                    kv = np.empty(_kv_bytes(engine, blocks), dtype=np.uint8)
-                    control.wait(sw.Irecv(kv, source=src, tag=TAG_KV), src,
-                                 "re-plan KV hand-over (receiving)")
-                items.append((h, kv))
+                kvs = []
+                for _, choice, n in h[2]:
+                    kv = None
+                    if choice == "move":
+                        blocks = -(-n // engine.cache_config.block_size)
+                        kv = np.empty(_kv_bytes(engine, blocks), dtype=np.uint8)
+                        control.wait(sw.Irecv(kv, source=src, tag=TAG_KV), src,
+                                     "re-plan KV hand-over (receiving)")
+                    kvs.append(kv)
+                items.append((h, kvs))
             c = take_in(engine, loop_or_none.ids, items, tag)
             for k, v in c.items():
                 counts[k] += v

@@ -17,12 +17,13 @@ from __future__ import annotations
 import logging
 import math
 import os
+import statistics
 import time
 
-from megainfer.config.replan import parse_split
+from megainfer.config.replan import parse_plan
 
-from .replan_measure import (TAG_SAMPLES, ExpertReporter, attention_samples, records,
-                             take_events)
+from .replan_measure import (TAG_SAMPLES, ExpertReporter, attention_samples, comm_samples,
+                             records, take_events)
 from .replan_switch import TAG_REPLAN, ReplanOrder, switch
 
 log = logging.getLogger("megainfer.runtime")
@@ -104,7 +105,7 @@ class ReplanController:
         r.parts["replan_decisions"] = self.decisions
         self.ctx: dict = {}  # iteration -> mean computed length of rank 0's running sequences
         self.start = len(r.tracer.events)
-        self.attn, self.expert, self.slots = [], [], 1
+        self.attn, self.expert, self.comm, self.slots = [], [], [], 1
         self.hw, self.shape = None, None
         self.clock: list = []  # per iteration: (perf_counter at its sync, sequences running)
 
@@ -116,18 +117,19 @@ class ReplanController:
     def hook(self, loop, work: bool):
         it = loop.engine.executor.iteration
         plan = self.job.plan
-        cur = (plan.attention_replicas, plan.expert_ranks)
+        cur = (plan.attention_replicas, plan.expert_ranks, plan.micro_batches)
         self.clock.append((time.perf_counter(), sum(v.running for v in loop.router.replicas)))
         running = loop.engine.scheduler.running
         if running:
             self.ctx[it - 1] = sum(q.num_computed_tokens for q in running) / len(running)
-        if not self.forced:  # measured decisions: record the spans of the next step or not
+        if not self.cfg.force_schedule:  # measured decisions: record the next step's spans?
             self.r.tracer.enabled = self.job.trace.enabled or records(it, self.cfg.interval)
-        if self.forced:
-            if not work or self.forced[0][0] > it:
+        else:  # forced switches only (no measurements are sent), also once all are done
+            if not self.forced or not work or self.forced[0][0] > it:
                 return None
             _, label = self.forced.pop(0)
-            new = parse_split(label)
+            a, e, m = parse_plan(label)
+            new = (a, e, m or cur[2])
             if new == cur:
                 log.info("[replan] forced switch at iteration %d: already %s", it, label)
                 return None
@@ -141,13 +143,16 @@ class ReplanController:
         ev, self.start = take_events(self.r.tracer, self.start, self.job.trace.enabled)
         # a sliding window: a steady decode gives one batch size an interval, the fit needs two
         self.attn = (self.attn + attention_samples(ev, self.ctx))[-KEEP:]
-        control = self.r.parts["control"]
-        for k in range(self.job.plan.attention_replicas, self.r.parts["comm"].Get_size()):
-            at, samples, self.slots = control.recv(k, TAG_SAMPLES, "re-plan samples")
+        control, replies = self.r.parts["control"], []
+        experts = range(self.job.plan.attention_replicas, self.r.parts["comm"].Get_size())
+        for k in experts:
+            at, samples, self.slots, ends = control.recv(k, TAG_SAMPLES, "re-plan samples")
             if at != it:
                 raise RuntimeError(f"[replan] expert rank {k} reported iteration {at}, rank 0 is "
                                    f"at {it}")
             self.expert = (self.expert + samples)[-KEEP:]
+            replies.append(ends)
+        self.comm = (self.comm + comm_samples(ev, replies, len(experts)))[-KEEP:]
         self.ctx = {i: c for i, c in self.ctx.items() if i >= it}
 
     def _decide(self, loop, it: int, cur: tuple):
@@ -162,17 +167,21 @@ class ReplanController:
         state = JobState(sum(v.queue for v in views) + len(router.pending), max(1, int(ctx)),
                          max(1, int(sum(left) / len(left))) if left else 0,
                          self.job.sched.max_num_seqs, tuple(v.running for v in views))
-        meas = Measurements(tuple(self.attn), tuple(self.expert), self.slots)
-        d = decide(meas, state, shape, hw, self.r.parts["comm"].Get_size(), cur,
-                   self.job.plan.micro_batches, self.cfg.min_gain, self.cfg.link_gbps,
-                   self.job.load.dtype)
-        log.info("[replan] iteration %d: %s", it, d.describe())
+        t_c = statistics.median(self.comm) if self.comm else float("nan")  # traced E2A
+        meas = Measurements(tuple(self.attn), tuple(self.expert), self.slots, t_c)
+        d = decide(meas, state, shape, hw, self.r.parts["comm"].Get_size(), cur[:2], cur[2],
+                   self.cfg.min_gain, self.cfg.link_gbps, self.job.load.dtype,
+                   vary_m=self.cfg.micro_batches == "plan")
+        log.info("[replan] iteration %d: %s; T_c %s", it, d.describe(),
+                 f"{t_c * 1e3:.3g} ms traced" if self.comm else "not traced: the link model's")
         self.decisions.append(dict(iteration=it, switch=d.switch, best=d.label, gain=d.gain,
                                    reason=d.reason, attention_samples=len(self.attn),
-                                   expert_samples=len(self.expert)))
+                                   expert_samples=len(self.expert), t_c=t_c,
+                                   comm_samples=len(self.comm)))
         if not d.switch:
             return None
-        return ReplanOrder(it, cur, d.best, f"measured: {d.reason}", d.gain)
+        return ReplanOrder(it, cur, (*d.best, d.micro_batches[1]), f"measured: {d.reason}",
+                           d.gain)
 
     def _model(self):
         if self.hw is None:
@@ -191,16 +200,17 @@ class ReplanController:
 
     def switched(self, rec: dict) -> None:
         self._measure_last()
-        self.expert = []  # an expert rank now holds another number of slots
+        self.expert, self.comm = [], []  # an expert rank now holds another number of slots
         rec["tokens_per_s_before"] = self.before
         self.records.append(rec)
         self.clock = []  # the switch itself is not an iteration of the new plan
         log.info("[replan] iteration %d: %s -> %s (%s), predicted gain %s, switch %.3f s, "
-                 "expert weights moved %d bytes, requests handed over: %d with KV (%d bytes), "
-                 "%d recomputed, %d not started", rec["iteration"], rec["old"], rec["new"],
-                 rec["reason"], "n/a" if math.isnan(rec["predicted_gain"]) else
+                 "expert weights moved %d bytes, sequences handed over: %d with KV (%d bytes), "
+                 "%d recomputed, %d not started (%d of them samples of n > 1 requests)",
+                 rec["iteration"], rec["old"], rec["new"], rec["reason"],
+                 "n/a" if math.isnan(rec["predicted_gain"]) else
                  f"{100 * rec['predicted_gain']:.1f}%", rec["seconds"], rec["weight_bytes"],
-                 rec["move"], rec["kv_bytes"], rec["recompute"], rec["waiting"])
+                 rec["move"], rec["kv_bytes"], rec["recompute"], rec["waiting"], rec["multi"])
 
     def _measure_last(self) -> None:
         if not self.records or "tokens_per_s_after" in self.records[-1]:

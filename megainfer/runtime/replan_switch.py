@@ -20,7 +20,8 @@ On a communicator of its own (a duplicate of the job's) the switch then:
    loads the attention weights from the checkpoint and allocates its KV cache; an expert rank
    takes the model filled in step 3.
 
-Every wait is bounded by ``comm.timeout_s`` and a failure names the rank and the phase.
+Every wait is bounded by ``comm.timeout_s`` (twice it here) and a failure names the rank and
+the phase; the collective calls without a non-blocking form too (``replan_bounded``).
 Restrictions: ``deploy.attention_tp=1``, no prefill ranks (``check_replan``).
 """
 from __future__ import annotations
@@ -38,7 +39,9 @@ from megainfer.config.replan import parse_split
 
 from .control import ControlPlane
 from .exchange import make_m2n
-from .replan_requests import balance_shares, migrate
+from .rank_parts import DTYPES, build_attention, build_expert
+from .replan_bounded import BoundedComm
+from .replan_requests import balance_shares, group_count, migrate
 from .replan_weights import move_expert_weights, new_placement
 from .roles import assign_role, expert_rank_ids, leader_ranks
 from .tp_group import TPGroup, late_peer
@@ -46,20 +49,24 @@ from .tp_group import TPGroup, late_peer
 log = logging.getLogger("megainfer.runtime")
 TAG_REPLAN = 106  # rank 0 -> every rank: the order ending a loop (None: the job is over)
 TAG_CHECKPOINT = 3  # on the switch communicator
-COUNTED = ("move", "recompute", "waiting", "kv_bytes")  # requests handed over, by choice
+COUNTED = ("move", "recompute", "waiting", "multi", "kv_bytes")  # sequences handed over
 
 
 @dataclass(frozen=True)
 class ReplanOrder:
     iteration: int  # the iteration the new plan starts at (every rank's counter)
-    old: tuple  # (attention replicas, expert ranks)
+    old: tuple  # (attention replicas, expert ranks, micro-batches)
     new: tuple
     reason: str  # "forced" or the decision's description
     predicted_gain: float = float("nan")
 
+    def name(self, p: tuple) -> str:
+        """'a2e2', or 'a2e2m3' when the order changes the micro-batch count."""
+        return f"a{p[0]}e{p[1]}" + (f"m{p[2]}" if self.old[2] != self.new[2] else "")
+
     @property
     def label(self) -> str:
-        return f"a{self.old[0]}e{self.old[1]} -> a{self.new[0]}e{self.new[1]}"
+        return f"{self.name(self.old)} -> {self.name(self.new)}"
 
 
 def check_replan(job, world: int) -> None:
@@ -106,10 +113,12 @@ def switch(r, order: ReplanOrder) -> dict:
     job, comm = r.parts["job"], r.parts["comm"]
     rank, world, cfg = comm.Get_rank(), comm.Get_size(), job.model
     old_plan = job.plan
-    new_plan = replace(old_plan, attention_replicas=order.new[0], expert_ranks=order.new[1])
+    new_plan = replace(old_plan, attention_replicas=order.new[0], expert_ranks=order.new[1],
+                       micro_batches=order.new[2])
     new_role = assign_role(new_plan, rank, world)
-    sw = comm.Dup()
     policy = WaitPolicy(mode=job.comm.wait_mode, timeout_s=job.comm.timeout_s * 2)
+    bounded = BoundedComm(comm, f"{r.role.tag} re-plan", policy, "re-plan start")
+    sw = bounded.Dup()
     control = ControlPlane(sw, f"{r.role.tag} re-plan", policy)
     t_start = r.tracer.now_us()
     # 1. the new placement, from the load the old expert ranks counted
@@ -135,12 +144,11 @@ def switch(r, order: ReplanOrder) -> dict:
     checkpoint(control, "re-plan expert weight moves")  # the channels' rebuild is collective
     # 4. new channels, new parts
     keep = r.loop if (r.loop is not None and new_role.is_attention) else None
-    _rebuild(r, job, replace(job, plan=new_plan), new_role, new_p, model, keep, order)
+    _rebuild(r, job, replace(job, plan=new_plan), new_role, new_p, model, keep, order, bounded)
     if a1 > a0:  # 5. new replicas: the old ones give them their newest requests beyond a fair share
         mine = np.zeros(world, dtype=np.int64)
         if r.loop is not None and rank < a0:
-            sched = r.loop.engine.scheduler
-            mine[rank] = len(sched.running) + len(sched.waiting)
+            mine[rank] = group_count(r.loop.engine)
         held = np.empty_like(mine)
         control.wait(sw.Iallreduce(mine, held, op=MPI.SUM), None, "re-plan request counts")
         give = balance_shares(held.tolist(), a0, a1)
@@ -151,12 +159,12 @@ def switch(r, order: ReplanOrder) -> dict:
     mine = np.array([weight_bytes] + [moved.get(k, 0) for k in COUNTED], dtype=np.int64)
     job_total = np.empty_like(mine)  # the job's totals, for the log and the summary
     control.wait(sw.Iallreduce(mine, job_total, op=MPI.SUM), None, "re-plan totals")
-    sw.Free()
+    bounded.free("the switch's communicator freed", sw)
     dt = time.perf_counter() - t0
     r.tracer.add("replan", f"replan {order.label}", t_start, r.tracer.now_us() - t_start,
                  order.iteration, -1, -1, 0)
-    rec = dict(iteration=order.iteration, old=f"a{order.old[0]}e{order.old[1]}",
-               new=f"a{order.new[0]}e{order.new[1]}", reason=order.reason,
+    rec = dict(iteration=order.iteration, old=order.name(order.old), new=order.name(order.new),
+               micro_batches=[order.old[2], order.new[2]], reason=order.reason,
                predicted_gain=order.predicted_gain, seconds=dt, weight_bytes=int(job_total[0]),
                **{k: int(v) for k, v in zip(COUNTED, job_total[1:])})
     if any(moved.get(k) for k in ("move", "recompute", "waiting")):  # a staying replica
@@ -165,23 +173,26 @@ def switch(r, order: ReplanOrder) -> dict:
     return rec
 
 
-def _rebuild(r, job, new_job, role, placement, expert_model, keep, order) -> None:
-    from .world import _build_attention, _build_expert  # world imports this module lazily
+def _rebuild(r, job, new_job, role, placement, expert_model, keep, order, bounded) -> None:
     comm, plan = r.parts["comm"], new_job.plan
     rank, was_attention = comm.Get_rank(), r.role.is_attention
     r.parts["m2n"].close()  # the old channels: cancel what is posted ahead
-    r.parts["m2n"].close_transports()  # collective: frees their communicators
-    if r.worker is not None:
-        r.worker.rebalancer.comm.Free()  # the old expert ranks' side communicator
+    bounded.phase = "re-plan channel rebuild"  # every collective call below: bounded, named
+    old_side = r.worker.rebalancer.comm if r.worker is not None else None  # old expert ranks'
+    bounded.call("old channels closed", r.parts["m2n"].close_transports)
+    bounded.free("old expert ranks' communicator freed", old_side)
     dev = new_job.device.torch_device
     policy = WaitPolicy(mode=job.comm.wait_mode,
                         timeout_s=job.comm.timeout_s * (1 if role.is_attention else 2))
-    m2n = make_m2n(comm, leader_ranks(plan), expert_rank_ids(plan), job.model.hidden_size,
-                   job.model.top_k, job.sched.max_num_batched_tokens, plan.micro_batches,
-                   _dtype(job), policy, job.comm.transport, dev)
-    tp_comm = comm.Split(role.replica if role.is_attention else plan.attention_replicas + rank,
-                         rank)
-    side_comm = comm.Split(0 if role.is_attention else 1, rank)
+    # the channels: their transports' own collective calls on ``bounded`` are bounded and named
+    # one by one; the whole set-up (a device transport's handle exchange too) within twice that
+    m2n = bounded.call("channels' set-up", make_m2n, bounded, leader_ranks(plan),
+                       expert_rank_ids(plan), job.model.hidden_size, job.model.top_k,
+                       job.sched.max_num_batched_tokens, plan.micro_batches, _dtype(job), policy,
+                       job.comm.transport, dev, scale=2.0)
+    tp_comm = bounded.Split(role.replica if role.is_attention else plan.attention_replicas + rank,
+                            rank)
+    side_comm = bounded.Split(0 if role.is_attention else 1, rank)
     control = ControlPlane(comm, role.tag, policy)
     old_loop = r.loop
     r.role, r.loop, r.worker = role, None, None
@@ -196,16 +207,17 @@ def _rebuild(r, job, new_job, role, placement, expert_model, keep, order) -> Non
     if role.is_attention:
         tp = TPGroup(tp_comm, control, late_peer(role.replica * plan.attention_tp, role.tp_rank,
                                                  plan.attention_tp))
-        _build_attention(new_job, r, m2n, placement, control, tp, r.tracer,
+        build_attention(new_job, r, m2n, placement, control, tp, r.tracer,
                          engine=keep.engine if keep is not None else None)
         r.loop.engine.executor.iteration = order.iteration
+        r.loop.engine.executor.m = plan.micro_batches  # a kept engine: the new count too
         if keep is not None:
             r.loop.ids = keep.ids
             if keep.router is not None:  # rank 0: what is not handed out yet stays queued
                 _carry_router(keep.router, r.loop.router)
             r.loop.replan_hook = keep.replan_hook
     else:
-        _build_expert(new_job, r, m2n, placement, control, side_comm, r.tracer, model=expert_model)
+        build_expert(new_job, r, m2n, placement, control, side_comm, r.tracer, model=expert_model)
         r.worker.iteration = order.iteration
     if was_attention and old_loop is not None and old_loop is not keep:
         old_loop.engine = None  # a replica that became an expert rank: its KV cache goes
@@ -224,5 +236,4 @@ def _carry_router(old, new) -> None:
 
 
 def _dtype(job):
-    from .world import DTYPES
     return DTYPES[job.load.dtype]

@@ -3,9 +3,12 @@
     mpiexec -n 4 python replan_job.py OUT.json CKPT [RUNS]
 RUNS (comma list, default move,recompute): the forced switches with a leaving replica's
 requests keeping their KV (``move``) or recomputing it (``recompute``, with live EPLB every 3
-iterations); ``auto``: measured decisions every 3 iterations, min_gain 0 (it switches whenever
-the refitted model predicts any gain); ``hang``: rank 2 hangs in the first switch (the job must
-end naming it). Traces on. OUT.json per run: rank 0's tokens, its re-plan records and
+iterations); ``n2``/``n2r``: as ``move``/``recompute`` with half the requests asking for 2 seeded
+samples; ``m``: switches that change the micro-batch count too (``FORCE_M``); ``auto``:
+measured decisions every 3 iterations, min_gain 0 (it switches whenever the refitted model
+predicts any gain); ``hang``, ``hang_dup``, ``hang_channels``: rank 2 hangs in the first
+switch, in the placement, before the communicator duplication or in the channels' rebuild (the
+job must end naming it). Traces on. OUT.json per run: rank 0's tokens, its re-plan records and
 decisions, the number of re-plan marks in its trace, and per switch per rank the role it took
 and, on expert ranks, whether every slot holds its logical expert's checkpoint weights.
 """
@@ -34,26 +37,37 @@ from megainfer.runtime.world import JobSpec, build_rank, run_rank  # noqa: E402
 SCHED = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128)
 CACHE = CacheConfig(block_size=4, num_blocks=256)
 FORCE = ((5, "a2e2"), (12, "a1e3"))
+FORCE_M = ((4, "a1e3m3"), (8, "a2e2m1"), (13, "a1e3m2"))  # launched with 2 micro-batches
 MAX_TOKENS = 14
 
 
-def inputs(vocab: int):
+def inputs(vocab: int, n2: bool = False):
     """12 prompts of 2..30 tokens; with 4 sequences a replica (+1 queued), some wait for the
-    second replica the first switch starts."""
+    second replica the first switch starts. ``n2``: the odd ones ask for 2 seeded samples
+    each (temperature 0.8), so such groups run on every replica across both switches."""
     g = torch.Generator().manual_seed(21)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     lens = torch.randint(2, 31, (12,), generator=g).tolist()
-    return [PromptInput(f"q{i}", params=params,
-                        prompt_token_ids=torch.randint(3, vocab, (n,), generator=g).tolist())
+    return [PromptInput(f"q{i}", params=SamplingParams(
+                n=2, temperature=0.8, seed=100 + i, max_tokens=MAX_TOKENS, ignore_eos=True)
+                if n2 and i % 2 else params,
+                prompt_token_ids=torch.randint(3, vocab, (n,), generator=g).tolist())
             for i, n in enumerate(lens)]
 
 
-def reference(ckpt: str) -> dict:
-    """Single mode, same prompts: {request id: greedy tokens}."""
+def tokens_of(out) -> list:
+    """A request's tokens: its one sample's, or every sample's (n > 1) in index order."""
+    if len(out.outputs) == 1:
+        return out.outputs[0].token_ids
+    return [c.token_ids for c in sorted(out.outputs, key=lambda c: c.index)]
+
+
+def reference(ckpt: str, n2: bool = False) -> dict:
+    """Single mode, same prompts: {request id: tokens}."""
     from megainfer.engine.engine import LLMEngine
     cfg = ModelConfig.from_pretrained(ckpt)
     eng = LLMEngine.from_model(build_model(cfg, LoadConfig(path=ckpt)), SCHED, CACHE)
-    return {o.request_id: o.outputs[0].token_ids for o in eng.generate_stream(inputs(cfg.vocab_size))}
+    return {o.request_id: tokens_of(o) for o in eng.generate_stream(inputs(cfg.vocab_size, n2))}
 
 
 def main():
@@ -72,9 +86,12 @@ def main():
     result = {}
     runs = {"move": ReplanConfig(enabled=True, force_schedule=FORCE, kv_transfer="move"),
             "recompute": ReplanConfig(enabled=True, force_schedule=FORCE, kv_transfer="recompute"),
-            "auto": ReplanConfig(enabled=True, interval=3, min_gain=0.0)}
-    if len(sys.argv) > 3 and sys.argv[3] == "hang":  # expert rank 2 hangs inside the switch
-        return hang(cfg, load, plan)
+            "auto": ReplanConfig(enabled=True, interval=3, min_gain=0.0),
+            "n2": ReplanConfig(enabled=True, force_schedule=FORCE, kv_transfer="move"),
+            "n2r": ReplanConfig(enabled=True, force_schedule=FORCE, kv_transfer="recompute"),
+            "m": ReplanConfig(enabled=True, force_schedule=FORCE_M, kv_transfer="auto")}
+    if len(sys.argv) > 3 and sys.argv[3].startswith("hang"):  # rank 2 hangs inside the switch
+        return hang(cfg, load, plan, sys.argv[3])
     for mode in sys.argv[3].split(",") if len(sys.argv) > 3 else ("move", "recompute"):
         checks.clear()
         replan = runs[mode]
@@ -82,8 +99,8 @@ def main():
             if mode == "recompute" else EplbConfig()  # live EPLB around the switches too
         r = build_rank(JobSpec(cfg, load, SCHED, CACHE, plan, CommConfig(timeout_s=120), eplb,
                                trace=TraceConfig(enabled=True), replan=replan))
-        stream = run_rank(r, inputs(cfg.vocab_size))
-        tokens = {o.request_id: o.outputs[0].token_ids for o in stream} if stream else None
+        stream = run_rank(r, inputs(cfg.vocab_size, n2=mode.startswith("n2")))
+        tokens = {o.request_id: tokens_of(o) for o in stream} if stream else None
         final = (r.role.kind, weights_ok(r, cfg, load) if r.worker is not None else None,
                  r.worker.rebalancer.rebalances if r.worker is not None else 0)
         gathered = comm.gather((list(checks), final), root=0)
@@ -98,14 +115,18 @@ def main():
             json.dump(result, f)
 
 
-def hang(cfg, load, plan):
-    """Rank 2 stops answering while computing the new placement: the others must end the job
-    within comm.timeout_s (doubled in the switch), naming rank 2 and the phase."""
+def hang(cfg, load, plan, where):
+    """Rank 2 stops answering inside the switch: ``hang`` while computing the new placement,
+    ``hang_dup`` just before the switch's communicator duplication, ``hang_channels`` while
+    building the new channels (the others are inside the collective calls then). The others must
+    end the job within comm.timeout_s (doubled in the switch), naming rank 2 and the phase."""
     import time
 
     from megainfer.runtime import replan_switch
     if MPI.COMM_WORLD.Get_rank() == 2:
-        replan_switch.new_placement = lambda *a, **k: time.sleep(3600)
+        name = {"hang": "new_placement", "hang_dup": "assign_role",
+                "hang_channels": "make_m2n"}[where]
+        setattr(replan_switch, name, lambda *a, **k: time.sleep(3600))
     replan = ReplanConfig(enabled=True, force_schedule=FORCE[:1])
     r = build_rank(JobSpec(cfg, load, SCHED, CACHE, plan, CommConfig(timeout_s=2), replan=replan))
     stream = run_rank(r, inputs(cfg.vocab_size))

@@ -1,0 +1,104 @@
+"""A re-plan's collective MPI calls (communicator duplication and split, the channels' set-up,
+communicators freed), each bounded by ``comm.timeout_s`` and naming the late rank
+(docs/replan.md, "Switch").
+
+A blocking collective call cannot time out: one rank hung before reaching it keeps every other
+inside it forever. ``BoundedComm`` runs each such call on a helper thread (the job runs MPI
+with ``MPI_THREAD_MULTIPLE``) while the rank's own thread waits, bounded, for it to return.
+Just before the call every rank sends every other an arrival token (on the job's
+communicator, ``TAG_ARRIVE``, in call order: tokens match calls first in, first out), and the
+waiting thread takes the peers' tokens as they come. When the bound passes, the first peer whose
+token did not come is named (``RankFailure``: "rank 2 did not answer within 4.0s during re-plan
+channel rebuild (communicator duplication)"); if every peer arrived the call itself hung, and
+the failure names the phase and says so. The job then aborts as on any ``RankFailure``, with
+every finished line on disk; the helper thread, still inside the call, goes with the process.
+
+``BoundedComm`` stands in for the communicator where a callee makes the collective calls
+itself (``make_m2n``'s transports duplicate the communicator they are given): ``Dup``, ``Split``
+and ``allgather`` are bounded, anything else is the communicator's own.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from megainfer.comm.wait import WaitPolicy, wait_until
+
+from .control import RankFailure
+
+TAG_ARRIVE = 108  # every rank -> every other, on the job's communicator: "I reached call k"
+
+
+class BoundedComm:
+    def __init__(self, comm: MPI.Comm, me: str, policy: WaitPolicy, phase: str):
+        self.comm, self.me, self.policy, self.phase = comm, me, policy, phase
+
+    def __getattr__(self, name):  # point-to-point and queries: the communicator's own
+        return getattr(self.comm, name)
+
+    def call(self, what: str, fn, *args, phase: str = None, scale: float = 1.0):
+        """``fn(*args)``, a collective every rank of the communicator calls in the same order
+        (a rank with nothing to do calls a no-op), bounded by ``scale`` times the policy's
+        timeout. Returns its result; raises its exception, or ``RankFailure`` on time-out."""
+        comm, phase = self.comm, f"{phase or self.phase} ({what})"
+        me, n = comm.Get_rank(), comm.Get_size()
+        peers = [k for k in range(n) if k != me]
+        token = np.zeros(1, dtype=np.int8)
+        got = np.empty(max(1, len(peers)), dtype=np.int8)
+        sends = [comm.Isend(token, dest=k, tag=TAG_ARRIVE) for k in peers]
+        recvs = {k: comm.Irecv(got[i:i + 1], source=k, tag=TAG_ARRIVE)
+                 for i, k in enumerate(peers)}
+        box: dict = {}
+        cuda = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+
+        def run():
+            if cuda is not None:  # the current device is per thread: the caller's
+                torch.cuda.set_device(cuda)
+            try:
+                box["out"] = fn(*args)
+            except BaseException as e:  # noqa: BLE001 -- re-raised on the rank's own thread
+                box["err"] = e
+        helper = threading.Thread(target=run, name=f"re-plan {what}", daemon=True)
+        helper.start()
+        arrived: set = set()
+
+        def poll() -> bool:
+            for k in peers:
+                if k not in arrived and recvs[k].Test():
+                    arrived.add(k)
+            return not helper.is_alive() and len(arrived) == len(peers)
+        policy = WaitPolicy(mode=self.policy.mode, timeout_s=self.policy.timeout_s * scale)
+        waited = wait_until(poll, policy)
+        if waited < 0:
+            late = [k for k in peers if k not in arrived]
+            if late:
+                raise RankFailure(self.me, late[0], phase, -waited)
+            raise RankFailure(self.me, None, phase + ", inside the call: every rank reached it",
+                              -waited)
+        helper.join()
+        for req in sends:  # small: gone already, but every request is completed
+            req.Wait()
+        if "err" in box:
+            raise box["err"]
+        return box.get("out")
+
+    # ------------------------------------------------------------------ what callees call
+    def Dup(self, *args):
+        return self.call("communicator duplication", self.comm.Dup, *args)
+
+    def Split(self, color: int = 0, key: int = 0):
+        return self.call("communicator split", self.comm.Split, color, key)
+
+    def allgather(self, obj):
+        return self.call("all-gather", self.comm.allgather, obj)
+
+    def free(self, what: str, *comms) -> None:
+        """Free ``comms`` (communicators this rank holds; None: none), as one bounded call."""
+        def free_all():
+            for c in comms:
+                if c is not None and c != MPI.COMM_NULL:
+                    c.Free()
+        self.call(what, free_all)
