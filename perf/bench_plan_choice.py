@@ -80,16 +80,79 @@ def parse_choice(log: str) -> tuple:
     return tuple(int(x) for x in m.groups()[:4]), float(m.group(5))
 
 
-def predicted(a, plan) -> float:
-    """The model's iteration time (ms) for a pinned plan (the same search, one candidate)."""
-    from megainfer.perfmodel.hardware import load_hardware
+def predicted(a, plan, background: float = 0.0) -> float:
+    """The model's iteration time (ms) for a pinned plan (the same search, one candidate), with
+    ``background`` other runnable threads on the node (``node.background_load``)."""
+    from megainfer.perfmodel.hardware import load_hardware, with_background_load
     from megainfer.perfmodel.model import Workload
     from megainfer.perfmodel.shapes import ModelShape
     from megainfer.perfmodel.world_plan import JobLoad, Pins, plan_world
     shape = ModelShape(name="pipeline_bench", **SHAPE)
-    r = plan_world(shape, load_hardware("cpu_node"), JobLoad(a.prompts, 64, Workload(a.input_len, a.max_tokens)),
-                   a.ranks, Pins(*plan))
+    hw = with_background_load(load_hardware("cpu_node"), background)
+    r = plan_world(shape, hw, JobLoad(a.prompts, 64, Workload(a.input_len, a.max_tokens)), a.ranks, Pins(*plan))
     return r[0].pred.t_iter * 1e3
+
+
+def m_ratio_check(paths: list, ranks: int) -> dict:
+    """What m = 2 costs: per split (A, tp, E) and round with a recorded load average, the m = 2
+    run's tok/s over the m = 1 run's, measured and predicted; the prediction alone on the node
+    (background 0) and with node.background_load = max(0, load average - ranks) (the load average
+    counts this job's ranks too). Per split the median over rounds of each."""
+    a = argparse.Namespace(prompts=32, input_len=64, max_tokens=24, ranks=ranks)
+    per: dict = {}
+    for path in paths:
+        with open(path) as f:
+            d = json.load(f)
+        for r, load in enumerate(d.get("load_average_per_round") or []):
+            row = {tuple(p["plan"]): p["tok_s"][r] for p in d["plans"] if len(p["tok_s"]) > r}
+            b = max(0.0, load - ranks)
+            for p in row:
+                if p[3] == 2 and p[:3] + (1,) in row:
+                    one = p[:3] + (1,)
+                    per.setdefault(p[:3], []).append((row[p] / row[one], predicted(a, one) / predicted(a, p),
+                                                      predicted(a, one, b) / predicted(a, p, b)))
+    out = {"job_time": job_time_check(paths, ranks)}
+    for split, v in per.items():
+        meas, alone, bg = (statistics.median(x[k] for x in v) for k in range(3))
+        out["A%dx tp%d + E%d" % split] = {"rounds": len(v), "measured": meas, "model_alone": alone,
+                                          "model_background": bg, "err_alone": alone / meas - 1,
+                                          "err_background": bg / meas - 1}
+    return out
+
+
+def job_time_check(paths: list, ranks: int) -> dict:
+    """Each run's job time (32 x 24 output tokens / its tok/s) against the job simulator's
+    (32 prompts of 64 tokens at t = 0, scheduler 64 seqs / 512 tokens), alone on the node and
+    with background load = max(0, load average - ranks): median error and median |error|."""
+    import numpy as np
+    from megainfer.perfmodel.events import Requests
+    from megainfer.perfmodel.hardware import load_hardware, with_background_load
+    from megainfer.perfmodel.job_sim import JobConfig, simulate_job
+    from megainfer.perfmodel.layer_times import layer_times_for
+    from megainfer.perfmodel.model import DisaggModel, Plan, Workload
+    from megainfer.perfmodel.shapes import ModelShape
+    from megainfer.perfmodel.world_plan import _slots
+    shape, hw0 = ModelShape(name="pipeline_bench", **SHAPE), load_hardware("cpu_node")
+    reqs = Requests(np.zeros(32), np.full(32, 64), np.full(32, 24))
+
+    def sim(p, b):
+        hw = with_background_load(hw0, b)
+        s = _slots(shape, p[2])
+        t = layer_times_for(hw, s, "float32", True)
+        r = simulate_job(DisaggModel(s, t, t, Workload(64, 24), "float32"),
+                         Plan(p[1], p[0], 1, p[2], p[3], 32, hw.name, hw.name), reqs, JobConfig(64, 512))
+        return float(np.nanmax(r.finish_s))
+    err: dict = {"alone": [], "background": []}
+    for path in paths:
+        with open(path) as f:
+            d = json.load(f)
+        for r, load in enumerate(d.get("load_average_per_round") or []):
+            for p in d["plans"]:
+                meas = 32 * 24 / p["tok_s"][r]
+                err["alone"].append(sim(p["plan"], 0.0) / meas - 1)
+                err["background"].append(sim(p["plan"], max(0.0, load - ranks)) / meas - 1)
+    return {k: {"runs": len(v), "median_err": float(np.median(v)), "median_abs_err": float(np.median(np.abs(v)))}
+            for k, v in err.items() if v}
 
 
 def paired_ratios(runs: dict, plans: list) -> dict:
@@ -140,7 +203,18 @@ def main() -> None:
             p = r["plan"]
             print(f"A{p[0]}x tp{p[1]} + E{p[2]}, m={p[3]:<10} {r['rounds']:6d} {r['median']:7.3f} {r['mean']:6.3f} "
                   f"{r['median'] / best['median']:7.3f} {r['predicted_iter_ms']:12.1f}")
-        write_json(a.out, {"date": datetime.datetime.utcnow().isoformat(timespec="seconds"), **res})
+        chk = m_ratio_check(a.pool, a.ranks)
+        print("\nm = 2 / m = 1 tok/s per split, median over rounds with a load average (model: alone | "
+              "with background load = load average - ranks)")
+        jt = chk.pop("job_time")
+        for k, v in jt.items():
+            print(f"job time vs the job simulator, {k}: median error {100 * v['median_err']:+.0f} %, "
+                  f"median |error| {100 * v['median_abs_err']:.0f} % ({v['runs']} runs)")
+        for k, v in chk.items():
+            print(f"{k:<18} rounds {v['rounds']}  measured {v['measured']:.2f}  model {v['model_alone']:.2f} "
+                  f"({100 * v['err_alone']:+.0f} %) | {v['model_background']:.2f} ({100 * v['err_background']:+.0f} %)")
+        write_json(a.out, {"date": datetime.datetime.utcnow().isoformat(timespec="seconds"), **res,
+                           "m2_over_m1": chk, "job_time_vs_sim": jt})
         return
     plans = hand_plans(a.ranks)
     runs: dict = {"auto": []}

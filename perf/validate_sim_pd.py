@@ -11,6 +11,11 @@ and the PD / baseline ratios, and writes ``perf/results/validate_sim_pd.json``. 
 the calibrated CPU one; bench50m has no calibrated layer fit there, so its layer times are
 the profile's roofline (absolute times are expected to be low: docs/perfmodel.md,
 "Validation"), and what the comparison can check is where PD moves TTFT and TPOT.
+
+Other tenants' threads time-share the cores with the job's ranks (``node.background_load``):
+where ``perf/results/pd_load_average.json`` ({result file: 1-min load average read around
+its run}) has the run, it is simulated with background load = max(0, load - ranks) (the
+load average counts the run's own ranks too), else with none.
 """
 from __future__ import annotations
 
@@ -29,7 +34,7 @@ from results_io import write_json  # noqa: E402
 
 from megainfer.perfmodel.events import Requests  # noqa: E402
 from megainfer.perfmodel.goodput import PrefillPool, decode_model, simulate_pd_composed  # noqa: E402
-from megainfer.perfmodel.hardware import load_hardware  # noqa: E402
+from megainfer.perfmodel.hardware import load_hardware, with_background_load  # noqa: E402
 from megainfer.perfmodel.job_sim import JobConfig, simulate_job  # noqa: E402
 from megainfer.perfmodel.model import Plan, Workload  # noqa: E402
 from megainfer.perfmodel.pd_sim import simulate_pd_job  # noqa: E402
@@ -80,7 +85,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--profile", default="cpu_node")
     a = ap.parse_args()
-    hw = load_hardware(a.profile)
+    hw0 = load_hardware(a.profile)
+    lp = os.path.join(HERE, "results", "pd_load_average.json")
+    loads = json.load(open(lp)) if os.path.isfile(lp) else {}
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "profile": a.profile, "runs": {}}
     print(f"{'run':<22} {'workload':<13} {'':<10} {'TTFT p50 ms':>12} {'TPOT p50 ms':>12}   "
@@ -88,8 +95,11 @@ def main() -> None:
     for path in sorted(glob.glob(os.path.join(HERE, "results", "bench_pd*.json"))):
         with open(path) as f:
             d = json.load(f)
-        rows = simulate(d, hw)
-        res["runs"][os.path.basename(path)] = {"measured_at": d.get("date"), "rows": rows}
+        load = loads.get(os.path.basename(path))
+        bg = 0.0 if load is None else max(0.0, load - d["args"]["ranks"])
+        rows = simulate(d, with_background_load(hw0, bg))
+        res["runs"][os.path.basename(path)] = {"measured_at": d.get("date"), "load_average": load,
+                                               "background_load": bg, "rows": rows}
         for r in rows:
             for label, key, ratio in (("measured", ("measured", "pd"), "measured"),
                                       ("one loop", ("pd_one_loop",), "one_loop"),
@@ -98,6 +108,14 @@ def main() -> None:
                 q = r[f"pd_over_baseline_{ratio}"]
                 print(f"{os.path.basename(path):<22} {r['workload']:<13} {label:<10} {v['ttft_p50_ms']:12.1f} "
                       f"{v['tpot_p50_ms']:12.1f}   {q['ttft_p50_ms']:.2f}x, {q['tpot_p50_ms']:.2f}x")
+    errs = {src: [r[f"pd_over_baseline_{src}"][k] / r["pd_over_baseline_measured"][k] - 1
+                  for run in res["runs"].values() for r in run["rows"] for k in ("ttft_p50_ms", "tpot_p50_ms")]
+            for src in ("one_loop", "composed")}
+    res["ratio_error"] = {src: {"max_abs": float(np.max(np.abs(e))), "median_abs": float(np.median(np.abs(e)))}
+                          for src, e in errs.items()}
+    for src, e in res["ratio_error"].items():
+        print(f"PD / baseline ratio error, {src}: max |err| {100 * e['max_abs']:.1f} %, median "
+              f"{100 * e['median_abs']:.1f} % (goal: 20 % / 10 %)")
     write_json(os.path.join(HERE, "results", "validate_sim_pd.json"), res)
 
 

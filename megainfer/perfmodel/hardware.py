@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import yaml
 
@@ -103,16 +103,21 @@ class NodeProfile:
                      "expert" (receive, gather, split, reply): seconds = base + per_peer * peers
     wake_latency_s   mean delay between a message arriving and a rank waiting for it noticing
                      (the runtime's wait policy polls, then sleeps between polls); added to T_c
+    background_load  mean runnable threads of other tenants on the node (0: the job has the
+                     cores to itself); they time-share the cores with the job's busy ranks
     """
 
     cores: int = 0
     contention: dict = field(default_factory=dict)  # kind -> slowdown at 2 concurrent (>= 1)
     hop_overhead_s: dict = field(default_factory=dict)  # side -> {"base": s, "per_peer": s}
     wake_latency_s: float = 0.0
+    background_load: float = 0.0
 
     def __post_init__(self):
-        if not (self.wake_latency_s >= 0 and math.isfinite(self.wake_latency_s)):
-            raise ConfigError(f"node.wake_latency_s={self.wake_latency_s!r}: must be >= 0")
+        for key in ("wake_latency_s", "background_load"):
+            v = getattr(self, key)
+            if not (isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)):
+                raise ConfigError(f"node.{key}={v!r}: must be >= 0")
         if not (isinstance(self.cores, int) and self.cores >= 0):
             raise ConfigError(f"node.cores={self.cores!r}: must be an integer >= 0")
         for k, v in self.contention.items():
@@ -137,12 +142,14 @@ class NodeProfile:
 
     def dilation(self, kind: str, busy: float) -> float:
         """Wall / alone-CPU time of a ``kind`` kernel while ``busy`` ranks (itself included)
-        compute on this node: cores split evenly when busy > cores (OS time sharing), and each
-        extra process computing on another core at the same time adds (contention - 1)."""
-        if not self.shared or busy <= 1:
+        compute on this node: cores split evenly over the busy ranks and ``background_load``
+        other tenants' threads when they outnumber the cores (OS time sharing), and each extra
+        process of the job computing on another core at the same time adds (contention - 1)."""
+        if not self.shared or busy + self.background_load <= 1:
             return 1.0
-        running = min(busy, self.cores)
-        return max(1.0, busy / self.cores) * (1.0 + (self.contention.get(kind, 1.0) - 1.0) * (running - 1))
+        running = min(max(busy, 1.0), self.cores)
+        share = max(1.0, (max(busy, 1.0) + self.background_load) / self.cores)
+        return share * (1.0 + (self.contention.get(kind, 1.0) - 1.0) * (running - 1))
 
 
 @dataclass(frozen=True)
@@ -210,13 +217,22 @@ def _node(d, name: str) -> NodeProfile:
         return NodeProfile()
     if not isinstance(d, dict):
         raise ConfigError(f"hardware[{name}].node={d!r}: must be a mapping (cores, contention, hop_overhead_s)")
-    unknown = set(d) - {"cores", "contention", "hop_overhead_s", "wake_latency_s"}
+    unknown = set(d) - {"cores", "contention", "hop_overhead_s", "wake_latency_s", "background_load"}
     if unknown:
         raise ConfigError(f"hardware[{name}].node: unknown keys {sorted(unknown)}")
     return NodeProfile(cores=d.get("cores", 0), contention={k: float(v) for k, v in (d.get("contention") or {}).items()},
                        hop_overhead_s={k: {n: float(x) for n, x in (v or {}).items()} if isinstance(v, dict) else v
                                        for k, v in (d.get("hop_overhead_s") or {}).items()},
-                       wake_latency_s=float(d.get("wake_latency_s", 0.0)))
+                       wake_latency_s=float(d.get("wake_latency_s", 0.0)),
+                       background_load=float(d.get("background_load", 0.0)))
+
+
+def with_background_load(hw: HardwareProfile, load: float) -> HardwareProfile:
+    """``hw`` with ``node.background_load`` = ``load`` (e.g. the node's run-queue length less
+    the job's own ranks, read where the job starts); GPU profiles (no shared cores) unchanged."""
+    if not hw.node.shared:
+        return hw
+    return replace(hw, node=replace(hw.node, background_load=max(0.0, float(load))))
 
 
 def hardware_dir() -> str:

@@ -23,6 +23,7 @@ take seconds. A fixed batch with balanced routing reproduces ``DisaggModel.predi
 """
 from __future__ import annotations
 
+import copy
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -31,6 +32,7 @@ import numpy as np
 from megainfer.config import ConfigError
 from megainfer.perfmodel.events import Requests, Routing, draw_counts, makespan_outer
 from megainfer.perfmodel.job_result import JobResult  # noqa: F401  (re-exported)
+from megainfer.perfmodel.hardware import with_background_load
 from megainfer.perfmodel.layer_times import FittedTimes
 from megainfer.perfmodel.model import DisaggModel, Plan
 from megainfer.perfmodel.trace import TraceWriter
@@ -93,10 +95,12 @@ def expert_times(times, counts: np.ndarray, tp: int) -> np.ndarray:
 class Pipeline:
     """One plan's stage times and links; ``iteration`` runs one step's pipeline from t0."""
 
-    def __init__(self, model: DisaggModel, plan: Plan):
+    def __init__(self, model: DisaggModel, plan: Plan, others_busy: float = 0.0):
+        """``others_busy``: ranks of other roles on the decode ranks' node (PD's prefill ranks)
+        computing through this plan's iterations: they time-share its cores (node terms)."""
         self.model, self.plan, s = model, plan, model.shape
         self.el = model.experts_per_rank(plan.n_e)
-        self.h_a, self.h_e, self.d_a, self.d_e = model.plan_node_terms(plan)
+        self.h_a, self.h_e, self.d_a, self.d_e = _with_others(model, others_busy).plan_node_terms(plan)
         self.la, self.le = model.hw_a.inter_link, model.hw_e.inter_link
         self.wake = max(model.hw_a.node.wake_latency_s, model.hw_e.node.wake_latency_s)
         self.tok_bytes = s.hidden_size * model.act_b
@@ -167,6 +171,16 @@ class Pipeline:
                                exp_free, s4, back.max(), cr[l, i].sum(axis=-1))
         ends = ready[:, act].max(axis=1) + head if len(act) else np.full(n_a, t0)
         return float(ends.max())
+
+
+def _with_others(model: DisaggModel, busy: float) -> DisaggModel:
+    """``model`` whose nodes also run ``busy`` more computing ranks (as background load)."""
+    if busy <= 0 or not (model.hw_a.node.shared or model.hw_e.node.shared):
+        return model
+    m = copy.copy(model)
+    m.hw_a = with_background_load(model.hw_a, model.hw_a.node.background_load + busy)
+    m.hw_e = with_background_load(model.hw_e, model.hw_e.node.background_load + busy)
+    return m
 
 
 def _split(n: np.ndarray, m: int) -> np.ndarray:

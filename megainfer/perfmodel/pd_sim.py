@@ -29,9 +29,12 @@ What ``runtime/pd_router.py``, ``runtime/prefill_worker.py`` and ``runtime/pd_de
 Events are prefill step ends, decode iteration ends, arrivals and KV arrivals; at each event
 time the loop first applies what ended, then admits, starts idle prefill replicas, and starts a
 decode iteration if the pool is idle (so everything ready at t is seen by what starts at t).
-Not modelled: the decode pool's own A2E/E2A traffic delaying a later KV transfer on the same
-link; prefix caching on the prefill ranks; KV blocks (no preemption); node terms on prefill
-ranks. ``goodput.simulate_pd_composed`` is the older two-simulation composition, kept as this
+On a node whose cores are shared (CPU profiles: ``node.cores`` > 0) prefill and decode ranks
+of the same profile time-share them (``_Node``): a prefill step progresses at a rate set by
+what computes beside it, recomputed at every event; a decode iteration is stretched by the
+prefill ranks busy at its start. Not modelled: the decode pool's own A2E/E2A traffic delaying
+a later KV transfer on the same link; prefix caching on the prefill ranks; KV blocks (no
+preemption). ``goodput.simulate_pd_composed`` is the older two-simulation composition, kept as this
 simulator's baseline (tests/test_job_sim_pd.py).
 """
 from __future__ import annotations
@@ -67,11 +70,64 @@ class _Prefill:
         s = pool.shape
         self.L, self.K, self.E = s.num_layers, s.top_k, s.num_experts
 
-    def step_s(self, n: int, ctx: float, rows: int) -> float:
+    def step_s(self, n: int, ctx: float, rows: int) -> tuple[float, float]:
+        """(attention + lm_head, experts) seconds of one step of ``n`` tokens, alone on its cores."""
         t, tp = self.pool.t, self.pool.tp_p
         counts = draw_counts(self.probs, np.array([n]), self.K, self.E, self.L, self.rng)[:, 0, :]
         te = float(expert_times(t, counts, tp).sum())
-        return self.L * t.t_attn(n, ctx, tp) + te + (t.t_head(rows, tp) if rows else 0.0)
+        return self.L * t.t_attn(n, ctx, tp) + (t.t_head(rows, tp) if rows else 0.0), te
+
+
+class _Node:
+    """Core sharing between the prefill replicas and the decode pool (the node terms of
+    docs/perfmodel.md, "Ranks sharing a node"). Prefill and decode ranks share a node when they
+    run on the same hardware profile (``plan.ranks_per_node`` < all ranks: that share of each
+    role's ranks on a node). A prefill step is stretched by ``NodeProfile.dilation`` of the ranks
+    computing beside it: its own TP group and the other busy prefill replicas, and, while a
+    decode iteration is in flight, the decode side's ranks for the fraction of the iteration
+    each side computes (u = m L T_side / T_total at the plan's balanced load; with m = 1 the
+    two sides alternate, with m >= 2 they overlap independently). A decode iteration sees the
+    prefill ranks busy at its start as extra ranks on its node (``Pipeline(others_busy=)``).
+    GPU profiles (node.cores = 0) share nothing."""
+
+    def __init__(self, pool, model: DisaggModel, plan: Plan):
+        self.node = nd = pool.hw.node
+        tot = pool.devices + plan.devices
+        share = min(1.0, plan.ranks_per_node / tot) if plan.ranks_per_node else 1.0
+        self.tp = pool.tp_p * share
+        same_a, same_e = pool.hw.name == model.hw_a.name, pool.hw.name == model.hw_e.name
+        self.shared = nd.shared and (same_a or same_e)
+        self.states = [(1.0, 0.0)]  # (probability, decode ranks computing) while decode runs
+        if self.shared and plan.batch > 0:
+            pr = model.predict(plan)
+            L = model.shape.num_layers
+            u_a = min(1.0, plan.m * L * pr.t_a / pr.t_total) if pr.t_total > 0 else 0.0
+            u_e = min(1.0, plan.m * L * pr.t_e / pr.t_total) if pr.t_total > 0 else 0.0
+            r_a = plan.n_a * plan.tp_a * share if same_a else 0.0
+            r_e = plan.n_e * plan.tp_e * share if same_e else 0.0
+            if plan.m == 1:
+                u_e = min(u_e, 1.0 - u_a)
+                self.states = [(1.0 - u_a - u_e, 0.0), (u_a, r_a), (u_e, r_e)]
+            else:
+                self.states = [((1 - u_a) * (1 - u_e), 0.0), (u_a * (1 - u_e), r_a),
+                               ((1 - u_a) * u_e, r_e), (u_a * u_e, r_a + r_e)]
+        self.pipes: dict = {}
+
+    def rate(self, attn_s: float, exp_s: float, prefill_busy: int, decoding: bool) -> float:
+        """Progress per second of a step with these alone-times (1: no sharing)."""
+        if not self.shared or attn_s + exp_s <= 0:
+            return 1.0
+        own = self.tp * prefill_busy
+        states = self.states if decoding else [(1.0, 0.0)]
+        d_a = sum(p * self.node.dilation("attention", own + r) for p, r in states)
+        d_e = sum(p * self.node.dilation("expert", own + r) for p, r in states)
+        return (attn_s + exp_s) / (attn_s * d_a + exp_s * d_e)
+
+    def pipeline(self, model: DisaggModel, plan: Plan, prefill_busy: int) -> Pipeline:
+        x = self.tp * prefill_busy if self.shared else 0.0
+        if x not in self.pipes:
+            self.pipes[x] = Pipeline(model, plan, others_busy=x)
+        return self.pipes[x]
 
 
 def simulate_pd_job(pool, model: DisaggModel, plan: Plan, requests: Requests,
@@ -82,8 +138,8 @@ def simulate_pd_job(pool, model: DisaggModel, plan: Plan, requests: Requests,
     s = model.shape
     probs = cfg.routing.probabilities(s.num_layers, s.num_experts, rng)
     pre = _Prefill(pool, probs, rng)
+    node = _Node(pool, model, plan)
     budget = prefill_tokens or cfg.max_num_batched_tokens
-    pipe = Pipeline(model, plan)
     n, n_a, n_p, m = len(requests), plan.n_a, pool.n_p, plan.m
     A, P, O = requests.arrival_s, requests.prompt_len, requests.output_len
     order = np.argsort(A, kind="stable")
@@ -97,7 +153,8 @@ def simulate_pd_job(pool, model: DisaggModel, plan: Plan, requests: Requests,
     load, pload = np.zeros(n_a, np.int64), np.zeros(n_p, np.int64)
     pending: list = []  # arrived, not yet handed out (FCFS)
     p_queue = [[] for _ in range(n_p)]  # handed to prefill replica p, prompt unfinished
-    p_busy = [None] * n_p  # (end, start, [(k, ns)]) of the step running on p
+    # p's step: [end, start, [(k, ns)], alone-seconds left, rate, last update, attn_s, exp_s, its psteps row]
+    p_busy = [None] * n_p
     d_wait = [[] for _ in range(n_a)]  # handed to decode replica a, not yet decoding
     d_run = [[] for _ in range(n_a)]
     d_busy = None  # (end, [(a, ids)]) of the decode iteration in flight
@@ -110,9 +167,14 @@ def simulate_pd_job(pool, model: DisaggModel, plan: Plan, requests: Requests,
         while nxt < n and A[order[nxt]] <= t:
             pending.append(int(order[nxt]))
             nxt += 1
+        for b in p_busy:  # a step progresses at its rate since the last event
+            if b is not None:
+                b[3] -= (t - b[5]) * b[4]
+                b[5] = t
         for p in range(n_p):
             if p_busy[p] is not None and p_busy[p][0] <= t:
-                end, start, work = p_busy[p]
+                end, start, work = p_busy[p][:3]
+                p_busy[p][8][2] = end - start  # the step's duration, stretched by sharing
                 p_busy[p] = None
                 for k, ns in work:
                     computed[k] += ns
@@ -176,9 +238,10 @@ def simulate_pd_job(pool, model: DisaggModel, plan: Plan, requests: Requests,
                 tok += ns
                 ctxw += ns * (computed[k] + (ns + 1) / 2)
                 rows += int(computed[k] + ns >= P[k])
-            dt = pre.step_s(tok, ctxw / tok, rows) + cfg.iteration_overhead_s
-            p_busy[p] = (t + dt, t, work)
-            psteps.append((p, t, dt, tok))
+            ta, te = pre.step_s(tok, ctxw / tok, rows)
+            ta += cfg.iteration_overhead_s
+            psteps.append([p, t, ta + te, tok])
+            p_busy[p] = [t + ta + te, t, work, ta + te, 1.0, t, ta, te, psteps[-1]]
         # 4. an idle decode pool starts an iteration with what is runnable at t
         if d_busy is None:
             for a in range(n_a):
@@ -200,10 +263,17 @@ def simulate_pd_job(pool, model: DisaggModel, plan: Plan, requests: Requests,
                 ctx = np.divide(ctx, tok, out=np.zeros_like(ctx), where=tok > 0)
                 counts = draw_counts(probs, tok.sum(axis=0), s.top_k, s.num_experts, s.num_layers, rng)
                 busy = np.minimum(ingress, t + msg)  # E2A waits for the KV message in flight
+                pipe = node.pipeline(model, plan, sum(b is not None for b in p_busy))
                 end = pipe.iteration(t, tok, ctx, rows, counts, ingress_free=busy) + cfg.iteration_overhead_s
                 iters.append((t, end - t, float(tok.sum())))
                 d_busy = (end, work)
-        # 5. the next event
+        # 5. prefill steps' rates under what now runs beside them; the next event
+        n_busy = sum(b is not None for b in p_busy)
+        for b in p_busy:
+            if b is not None:
+                r = node.rate(b[6], b[7], n_busy, d_busy is not None)
+                if r != b[4]:
+                    b[4], b[0] = r, t + b[3] / r
         cand = [b[0] for b in p_busy if b is not None]
         if d_busy is not None:
             cand.append(d_busy[0])
@@ -214,4 +284,4 @@ def simulate_pd_job(pool, model: DisaggModel, plan: Plan, requests: Requests,
         if not cand:
             break
         t = max(t, min(cand))
-    return PdJobResult(A, first, fin, O, iters, None, psteps, ready)
+    return PdJobResult(A, first, fin, O, iters, None, [tuple(x) for x in psteps], ready)
