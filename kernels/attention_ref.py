@@ -44,6 +44,18 @@ def _index(name: str, t: torch.Tensor, want: tuple, device) -> None:
 FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
+def token_head_cache(kv_cache: torch.Tensor, D: Optional[int] = None) -> bool:
+    """A GQA cache whose rows carry their own scale (``cache.kv_scale_granularity=token_head``,
+    kernels/kv_quant.py): marked when allocated, or told by the row width: fp4 rows of
+    D/2 + D/16 + 1 bytes (not a multiple of 9), float8 rows of D + 2 for head dim ``D``."""
+    g = getattr(kv_cache, "kv_granularity", None)
+    if g is not None:
+        return g == "token_head" and kv_cache.dtype in FP8_CACHE_DTYPES + (torch.uint8,)
+    if kv_cache.dtype == torch.uint8:
+        return kv_cache.shape[-1] % 9 != 0
+    return kv_cache.dtype in FP8_CACHE_DTYPES and D is not None and kv_cache.shape[-1] == D + 2
+
+
 def check_attention_args(q: torch.Tensor, kv_cache: torch.Tensor,
                          block_tables: Optional[torch.Tensor] = None,
                          seq_lens: Optional[torch.Tensor] = None,
@@ -61,12 +73,13 @@ def check_attention_args(q: torch.Tensor, kv_cache: torch.Tensor,
         raise KernelInputError(f"kv_cache: expected [2, num_blocks, block_size, Hkv, D], "
                                f"got {tuple(kv_cache.shape)}")
     Hkv = kv_cache.shape[3]
+    rows = int(token_head_cache(kv_cache, D))  # token_head: + the row's inline scale
     if kv_cache.dtype == torch.uint8:  # fp4_e2m1 (kernels/kv_quant.py): D/2 codes + D/16 scales
-        if D % 16 or kv_cache.shape[4] != D // 2 + D // 16:
+        if D % 16 or kv_cache.shape[4] != D // 2 + D // 16 + rows:
             raise KernelInputError(f"kv_cache: an fp4_e2m1 cache of head_dim {D} has rows of "
-                                   f"{D // 2 + D // 16} bytes (D % 16 == 0), got "
+                                   f"{D // 2 + D // 16 + rows} bytes (D % 16 == 0), got "
                                    f"{kv_cache.shape[4]}")
-    elif kv_cache.shape[4] != D:
+    elif kv_cache.shape[4] != D + 2 * rows:
         raise KernelInputError(f"q: head_dim {D} != kv_cache head_dim {kv_cache.shape[4]}")
     if not supported_head_dim(D):
         raise KernelInputError(f"q: head_dim {D} not supported (1..{MAX_HEAD_DIM})")

@@ -14,7 +14,18 @@ Formats (docs/kv_cache.md):
   bits), ``uint8 [..., D/2 + D/16]``: the scales travel with the token (block copies, prefix
   reuse and transfers move them with the values). value = E2M1(code) * E4M3(block) * global.
 
-The per-layer float32 scales are set **once, from the first non-zero write** (a prefill, or
+Scale granularity (``cache.kv_scale_granularity``):
+
+* ``tensor``: the per-layer float32 scales below (vLLM's ``k_scale`` / ``v_scale``).
+* ``token_head``: every stored row (one token's keys or values of one KV head; MLA: one part
+  of one token's latent) carries its own scale inline, after its values, so a row's bytes
+  depend only on that row (not on the batch, micro-batch, TP split or transfer). fp8: the row's
+  ``D`` elements then a bfloat16 scale (2 bytes, ``bf16(amax / fmt_max)``), ``D + 2`` storage
+  elements. fp4: ``D/2 + D/16`` bytes then one E8M0 byte ``e + 127`` replacing the per-tensor
+  float32 scale with ``2**e``, the least power of two >= amax / (6 x 448): the row's largest E4M3
+  block scale lands in (224, 448]. The per-layer scales stay registered (zero, unused).
+
+The per-layer float32 scales (``tensor``) are set **once, from the first non-zero write** (a prefill, or
 whatever a CUDA-graph warm-up stores first) and then kept: ``scale = SCALE_HEADROOM * amax /
 fmt_max`` (fp8: the format's max; fp4: 6 x 448, so that a block as large as the first amax x
 headroom gets the largest E4M3 block scale). Values beyond the headroom saturate; nothing is
@@ -29,6 +40,8 @@ from typing import Optional
 import torch
 
 FORMATS = ("auto", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1")
+GRANULARITIES = ("tensor", "token_head")  # cache.kv_scale_granularity
+ROW_SCALE_BYTES = {"fp8": 2, "fp4_e2m1": 1}  # token_head: bf16 (fp8) / E8M0 (fp4) per row
 FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 FP4_BLOCK = 16
 E4M3_MAX = 448.0
@@ -60,17 +73,27 @@ def storage_dtype(fmt: str, model_dtype: torch.dtype) -> torch.dtype:
     raise ValueError(f"kv_cache_dtype={fmt!r}: must be one of {', '.join(FORMATS)}")
 
 
-def stored_dim(fmt: str, dim: int) -> int:
-    """Storage elements for a row of ``dim`` values (fp4: packed bytes + block-scale bytes)."""
+def row_scale_elems(fmt: str, granularity: str = "tensor") -> int:
+    """Storage elements of a row's inline scale (token_head; 0 otherwise)."""
+    if granularity != "token_head" or fmt == "auto":
+        return 0
+    return ROW_SCALE_BYTES["fp4_e2m1" if fmt == "fp4_e2m1" else "fp8"]
+
+
+def stored_dim(fmt: str, dim: int, granularity: str = "tensor") -> int:
+    """Storage elements for a row of ``dim`` values (fp4: packed bytes + block-scale bytes;
+    token_head: + the row's inline scale)."""
+    extra = row_scale_elems(fmt, granularity)
     if fmt == "fp4_e2m1":
         if dim % FP4_BLOCK:
             raise ValueError(f"fp4_e2m1 packs rows of a multiple of {FP4_BLOCK} values, got {dim}")
-        return dim // 2 + dim // FP4_BLOCK
-    return dim
+        return dim // 2 + dim // FP4_BLOCK + extra
+    return dim + extra
 
 
-def value_dim(fmt: str, stored: int) -> int:
+def value_dim(fmt: str, stored: int, granularity: str = "tensor") -> int:
     """Inverse of ``stored_dim``."""
+    stored -= row_scale_elems(fmt, granularity)
     if fmt == "fp4_e2m1":
         return stored * FP4_BLOCK // (FP4_BLOCK // 2 + 1)
     return stored
@@ -87,10 +110,27 @@ def format_of(cache: torch.Tensor, model_dtype: Optional[torch.dtype] = None) ->
     return "auto"
 
 
+def granularity_of(cache: torch.Tensor) -> str:
+    """``tensor`` or ``token_head``: marked by ``register``; an unmarked uint8 (fp4) cache is
+    read from its row width (tensor rows are a multiple of 9 bytes, token_head rows are not)."""
+    g = getattr(cache, "kv_granularity", None)
+    if g is not None:
+        return g
+    if cache.dtype == torch.uint8 and cache.dim() and cache.shape[-1] % 9:
+        return "token_head"
+    return "tensor"
+
+
 # ---- per-layer scales: owned by the cache tensor they describe (an attribute on it) ----
-def register(cache: torch.Tensor) -> torch.Tensor:
-    """Fresh (unset, zero) float32 [2] scales for a newly allocated quantised cache."""
+def register(cache: torch.Tensor, granularity: Optional[str] = None) -> torch.Tensor:
+    """Fresh (unset, zero) float32 [2] scales for a newly allocated quantised cache (and its
+    scale granularity, when given)."""
     cache.kv_scales = torch.zeros(2, dtype=torch.float32, device=cache.device)
+    if granularity is not None:
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"kv_scale_granularity={granularity!r}: must be one of "
+                             f"{', '.join(GRANULARITIES)}")
+        cache.kv_granularity = granularity
     return cache.kv_scales
 
 
@@ -178,8 +218,64 @@ def dequant_fp4(q: torch.Tensor, gscale: torch.Tensor, dtype: torch.dtype) -> to
     return (vals * scale[..., None]).reshape(*lead, D).to(dtype)
 
 
+# ---- token_head: one scale per row, stored inline after the row's values ----
+def _pow2(e: torch.Tensor) -> torch.Tensor:
+    """int32 e in [-126, 127] -> float32 2**e (exact, from the bits)."""
+    return ((e + 127) << 23).to(torch.int32).view(torch.float32)
+
+
+def e8m0_exponent(amax: torch.Tensor) -> torch.Tensor:
+    """float32 amax -> int32 e, the least power of two 2**e >= amax / (6 x 448), clamped to
+    [-126, 126] (read from the float32 bits: exact, and the same in the Triton store)."""
+    r = amax.float() / (E2M1_MAX * E4M3_MAX)
+    bits = r.contiguous().view(torch.int32)
+    e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    return e.clamp(-126, 126)
+
+
+def quant_rows(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """x [..., D] -> rows with their own inline scale: fp8 [..., D + 2] (bf16 scale bytes last),
+    fp4 uint8 [..., D/2 + D/16 + 1] (E8M0 byte last)."""
+    if not x.numel():  # nothing to write (an empty micro-batch): the stored shape, no rows
+        D = x.shape[-1]
+        return torch.empty((*x.shape[:-1], stored_dim(fmt, D, "token_head")),
+                           dtype=storage_dtype(fmt, x.dtype), device=x.device)
+    amax = x.detach().float().abs().amax(-1, keepdim=True)
+    if fmt in FP8_DTYPES:
+        s = (amax / format_max(fmt)).to(torch.bfloat16)  # [..., 1], round to nearest even
+        q = quant_fp8(x, s.float(), fmt).view(torch.uint8)
+        q = torch.where(q == 0x80, 0, q).to(torch.uint8)  # -0 stored as +0 (one byte per value)
+        return torch.cat([q, s.view(torch.uint8)], -1).view(FP8_DTYPES[fmt])
+    if fmt == "fp4_e2m1":
+        e = e8m0_exponent(amax)  # [..., 1]
+        return torch.cat([quant_fp4(x, _pow2(e)), (e + 127).to(torch.uint8)], -1)
+    raise ValueError(f"kv_cache_dtype={fmt!r}: not a quantised format")
+
+
+def row_scales(q: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The inline scale of each stored token_head row: float32 [..., 1]."""
+    if not q.numel():
+        return torch.zeros((*q.shape[:-1], 1), dtype=torch.float32, device=q.device)
+    if fmt in FP8_DTYPES:
+        return q[..., -2:].contiguous().view(torch.bfloat16).float()
+    return _pow2(q[..., -1:].to(torch.int32) - 127)
+
+
+def dequant_rows(q: torch.Tensor, fmt: str, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of ``quant_rows`` (values in ``dtype``)."""
+    s = row_scales(q, fmt)
+    if fmt in FP8_DTYPES:
+        return dequant_fp8(q[..., :-2], s, dtype)
+    return dequant_fp4(q[..., :-1], s, dtype)
+
+
 # ---- one entry point per direction ----
-def quantize(x: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
+def quantize(x: torch.Tensor, scale: torch.Tensor, fmt: str,
+             granularity: str = "tensor") -> torch.Tensor:
+    """``tensor``: with the per-layer ``scale``; ``token_head``: each row its own (``scale``
+    unused)."""
+    if granularity == "token_head":
+        return quant_rows(x, fmt)
     if fmt in FP8_DTYPES:
         return quant_fp8(x, scale, fmt)
     if fmt == "fp4_e2m1":
@@ -187,7 +283,10 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
     raise ValueError(f"kv_cache_dtype={fmt!r}: not a quantised format")
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor, fmt: str, dtype: torch.dtype) -> torch.Tensor:
+def dequantize(q: torch.Tensor, scale: torch.Tensor, fmt: str, dtype: torch.dtype,
+               granularity: str = "tensor") -> torch.Tensor:
+    if granularity == "token_head":
+        return dequant_rows(q, fmt, dtype)
     if fmt in FP8_DTYPES:
         return dequant_fp8(q, scale, dtype)
     if fmt == "fp4_e2m1":
@@ -195,8 +294,12 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, fmt: str, dtype: torch.dtyp
     raise ValueError(f"kv_cache_dtype={fmt!r}: not a quantised format")
 
 
-def round_trip(x: torch.Tensor, fmt: str, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """quantize then dequantize with a per-tensor scale from x itself (tests, bench)."""
+def round_trip(x: torch.Tensor, fmt: str, scale: Optional[torch.Tensor] = None,
+               granularity: str = "tensor") -> torch.Tensor:
+    """quantize then dequantize with a per-tensor scale from x itself, or (token_head) each
+    row's own (tests, bench)."""
+    if granularity == "token_head":
+        return dequant_rows(quant_rows(x, fmt), fmt, x.dtype)
     if scale is None:
         scale = torch.zeros(1, device=x.device)
         update_scales(scale, fmt, x)

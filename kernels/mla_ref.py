@@ -19,8 +19,17 @@ from typing import Optional
 
 import torch
 
+from . import kv_quant
 from .attention_ref import DTYPES, INDEX_DTYPES
 from .dispatch import KernelInputError
+
+
+def latent_value_width(cache: torch.Tensor) -> int:
+    """R + P of a latent cache [NB, BS, W]: fp4_e2m1 (uint8) packs 9 bytes per 16 values, and
+    token_head rows (``kv_quant.granularity_of``) carry one inline scale per part (c_kv, k_pe)."""
+    fmt, g = kv_quant.format_of(cache), kv_quant.granularity_of(cache)
+    W = cache.shape[2] - 2 * kv_quant.row_scale_elems(fmt, g)
+    return W * 16 // 9 if fmt == "fp4_e2m1" else W
 
 MAX_KV_LORA_RANK = 512  # R: DeepSeek-V2/V3 use 512
 MAX_ROPE_DIM = 64  # P: DeepSeek-V2/V3 use 64
@@ -49,7 +58,7 @@ def _check_cache(cache: torch.Tensor, kv_lora_rank: int) -> int:
                                f"got {tuple(cache.shape)}")
     R = int(kv_lora_rank)
     # fp4_e2m1 (uint8, kernels/kv_quant.py): 9 bytes per 16 values, c_kv and k_pe packed apart
-    P = cache.shape[2] * 16 // 9 - R if cache.dtype == torch.uint8 else cache.shape[2] - R
+    P = latent_value_width(cache) - R
     if not supported_mla_dims(R, P):
         raise KernelInputError(
             f"kv_lora_rank: R={R} with cache width {cache.shape[2]} gives P={P}; the kernels "

@@ -2,6 +2,10 @@
 the cache's format: model dtype, float8 with a per-layer scale, or packed fp4 with block scales)
 and reading a tile of cache rows back, dequantised in registers (``_kv_tile``, used by the
 attention kernels in ``triton_attention.py`` and ``triton_mla.py``). Formats: ``kv_quant.py``.
+
+``token_head`` scales (``QUANT == 2``): each stored row ends with its own scale (fp8: bf16 bytes
+after the D elements; fp4: an E8M0 byte after the block scales), computed by the store kernel
+from the row (bit-identical to ``kv_quant.quant_rows``) and read back per row in ``_kv_tile``.
 """
 from __future__ import annotations
 
@@ -11,22 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_ref import FP8_CACHE_DTYPES, check_attention_args
+from . import kv_quant
+from .attention_ref import FP8_CACHE_DTYPES, check_attention_args, token_head_cache
 from .dispatch import KernelInputError
-
-
-@triton.jit
-def _round_fp8(x, FMAX, MANT: tl.constexpr, EMIN: tl.constexpr):
-    """fp32 x -> the nearest float8 value (round half to even, saturated to +-FMAX), still in
-    fp32, so that the cast to the float8 type is exact (no reliance on the backend's rounding:
-    the interpreter's direct cast misrounds across binades). Exponent read from the bits."""
-    a = tl.minimum(tl.abs(x), FMAX)
-    e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    e = tl.maximum(e, EMIN)  # subnormals share the smallest normal binade's ulp
-    ulp = ((e - MANT + 127) << 23).to(tl.float32, bitcast=True)
-    r = ((a / ulp + 12582912.0) - 12582912.0) * ulp  # 1.5 * 2**23: fp32 add rounds to even
-    r = tl.minimum(r, FMAX)
-    return tl.where(x < 0, -r, r)
+from .triton_kv_scales import _bf16_round, _round_fp8, _row_scale_fp4, _row_scale_fp8
 
 
 @triton.jit
@@ -45,21 +37,29 @@ def _fp4_tile(row, d, mask, D, gscale):
 
 
 @triton.jit
-def _quant_fp4_row(src, dst, D, gscale, NBP: tl.constexpr):
+def _quant_fp4_row(src, dst, D, gscale, NBP: tl.constexpr, ROWSCALE: tl.constexpr = False):
     """One row of D fp values at ``src`` -> fp4_e2m1 at ``dst`` (uint8: D/2 packed codes, then
     D/16 E4M3 block scales), as ``kv_quant.quant_fp4`` writes it, bit for bit: block scale =
     E4M3(amax / 6 / gscale) (saturated at 448), codes = E2M1 of x / (block scale x gscale),
     ties rounded towards zero. Element 2j is the low nibble of byte j. NBP: blocks, padded to a
-    power of two; the tile is [NBP, 8] bytes (even and odd elements loaded apart)."""
+    power of two; the tile is [NBP, 8] bytes (even and odd elements loaded apart). ROWSCALE
+    (token_head): ``gscale`` is the row's own 2**e (``kv_quant.e8m0_exponent``), its byte
+    e + 127 stored after the block scales."""
     b = tl.arange(0, NBP)[:, None]
     i = tl.arange(0, 8)[None, :]
     j = b * 8 + i  # [NBP, 8] byte index
     ok = j < D // 2
     xe = tl.load(src + 2 * j, mask=ok, other=0.0).to(tl.float32)
     xo = tl.load(src + 2 * j + 1, mask=ok, other=0.0).to(tl.float32)
+    amax = tl.max(tl.maximum(tl.abs(xe), tl.abs(xo)), 1)  # [NBP]
+    if ROWSCALE:  # the least 2**e >= row amax / (6 x 448), from the float32 bits
+        bits = tl.math.div_rn(tl.max(amax, 0), 2688.0).to(tl.int32, bitcast=True)
+        e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+        e = tl.minimum(tl.maximum(e, -126), 126)
+        gscale = ((e + 127) << 23).to(tl.float32, bitcast=True)
+        tl.store(dst + D // 2 + D // 16, (e + 127).to(tl.uint8))
     # IEEE-rounded divisions (div_rn), as torch's: a GPU's default fp32 division is not
     ginv = tl.where(gscale > 0, tl.math.div_rn(1.0, tl.where(gscale > 0, gscale, 1.0)), 0.0)
-    amax = tl.max(tl.maximum(tl.abs(xe), tl.abs(xo)), 1)  # [NBP]
     bs = _round_fp8(tl.minimum(tl.math.div_rn(amax, 6.0) * ginv, 448.0), 448.0, 3, -6)
     eff = bs * gscale  # bs: exact E4M3 values in fp32
     inv = tl.where(eff > 0, tl.math.div_rn(1.0, tl.where(eff > 0, eff, 1.0)), 0.0)[:, None]
@@ -84,17 +84,23 @@ def _e2m1_code(y):
 
 @triton.jit
 def _store_kv_fp4_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, sc_ptr, D, s_kt, s_kh, s_vt, s_vh,
-                         s_c2, s_cb, s_cs, s_ch, BS: tl.constexpr, NBP: tl.constexpr):
+                         s_c2, s_cb, s_cs, s_ch, BS: tl.constexpr, NBP: tl.constexpr,
+                         ROWSCALE: tl.constexpr):
     """Program (token, KV head): k/v[t, h] [D] -> fp4_e2m1 rows at cache[0/1, slot // BS,
-    slot % BS, h] (scales sc_ptr[0] keys, [1] values; slot -1 skips)."""
+    slot % BS, h] (scales sc_ptr[0] keys, [1] values, or ROWSCALE: each row its own; slot -1
+    skips)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
         return
     dst = cache_ptr + (slot // BS) * s_cb + (slot % BS) * s_cs + h * s_ch
-    _quant_fp4_row(k_ptr + t * s_kt + h * s_kh, dst, D, tl.load(sc_ptr), NBP)
-    _quant_fp4_row(v_ptr + t * s_vt + h * s_vh, dst + s_c2, D, tl.load(sc_ptr + 1), NBP)
+    if ROWSCALE:
+        _quant_fp4_row(k_ptr + t * s_kt + h * s_kh, dst, D, 0.0, NBP, True)
+        _quant_fp4_row(v_ptr + t * s_vt + h * s_vh, dst + s_c2, D, 0.0, NBP, True)
+    else:
+        _quant_fp4_row(k_ptr + t * s_kt + h * s_kh, dst, D, tl.load(sc_ptr), NBP)
+        _quant_fp4_row(v_ptr + t * s_vt + h * s_vh, dst + s_c2, D, tl.load(sc_ptr + 1), NBP)
 
 
 def fp4_blocks_padded(D: int) -> int:
@@ -107,7 +113,8 @@ def _store_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, sc_ptr, H, D, s_kt, s_kh
                      BS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                      QUANT: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr):
     """One program per token: k/v[t] [H, D] -> cache[0/1, slot // BS, slot % BS]
-    (QUANT: a float8 cache, x / scale saturated to +-FMAX; scales sc_ptr[0] keys, [1] values)."""
+    (QUANT: a float8 cache, x / scale saturated to +-FMAX; scales sc_ptr[0] keys, [1] values;
+    QUANT == 2: token_head, each head row's scale bf16(amax / FMAX), its bytes after the row)."""
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
@@ -116,9 +123,26 @@ def _store_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, sc_ptr, H, D, s_kt, s_kh
     d = tl.arange(0, BLOCK_D)[None, :]  # [1, BD]
     mask = (h < H) & (d < D)
     dst = cache_ptr + (slot // BS) * s_cb + (slot % BS) * s_cs + h * s_ch + d  # [BH, BD]
-    k = tl.load(k_ptr + t * s_kt + h * s_kh + d, mask=mask)
-    v = tl.load(v_ptr + t * s_vt + h * s_vh + d, mask=mask)
-    if QUANT:
+    k = tl.load(k_ptr + t * s_kt + h * s_kh + d, mask=mask, other=0.0)
+    v = tl.load(v_ptr + t * s_vt + h * s_vh + d, mask=mask, other=0.0)
+    if QUANT == 2:
+        ks, kb = _bf16_round(tl.math.div_rn(tl.max(tl.abs(k.to(tl.float32)), 1), FMAX))  # [BH]
+        vs, vb = _bf16_round(tl.math.div_rn(tl.max(tl.abs(v.to(tl.float32)), 1), FMAX))
+        k_inv = tl.where(ks > 0, tl.math.div_rn(1.0, tl.where(ks > 0, ks, 1.0)), 0.0)[:, None]
+        v_inv = tl.where(vs > 0, tl.math.div_rn(1.0, tl.where(vs > 0, vs, 1.0)), 0.0)[:, None]
+        k = _round_fp8(k.to(tl.float32) * k_inv, FMAX, MANT, EMIN)
+        v = _round_fp8(v.to(tl.float32) * v_inv, FMAX, MANT, EMIN)
+        k = tl.where(k == 0, 0.0, k)  # -0 stored as +0 (as kv_quant.quant_rows)
+        v = tl.where(v == 0, 0.0, v)
+        row = cache_ptr + (slot // BS) * s_cb + (slot % BS) * s_cs + h * s_ch + D  # [BH, 1]
+        hm = h < H
+        ety = cache_ptr.dtype.element_ty
+        tl.store(row, (kb[:, None] & 0xFF).to(tl.uint8).to(ety, bitcast=True), mask=hm)
+        tl.store(row + 1, (kb[:, None] >> 8).to(tl.uint8).to(ety, bitcast=True), mask=hm)
+        tl.store(row + s_c2, (vb[:, None] & 0xFF).to(tl.uint8).to(ety, bitcast=True), mask=hm)
+        tl.store(row + s_c2 + 1, (vb[:, None] >> 8).to(tl.uint8).to(ety, bitcast=True),
+                 mask=hm)
+    elif QUANT:
         ks = tl.load(sc_ptr)
         vs = tl.load(sc_ptr + 1)
         k_inv = tl.where(ks > 0, tl.math.div_rn(1.0, tl.where(ks > 0, ks, 1.0)), 0.0)
@@ -131,9 +155,11 @@ def _store_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, sc_ptr, H, D, s_kt, s_kh
 
 def _quant_args(kv_cache: torch.Tensor, scales: Optional[torch.Tensor], like: torch.Tensor):
     """(scales tensor, QUANT) for a float8 or fp4 (uint8) cache (scales: float32 [2], keys then
-    values)."""
+    values); QUANT == 2: token_head rows (``like``'s head dim D: no per-layer scales read)."""
     if kv_cache.dtype not in FP8_CACHE_DTYPES + (torch.uint8,):
         return like, False
+    if token_head_cache(kv_cache, like.shape[-1] if like.dtype != torch.uint8 else None):
+        return like, 2
     if (scales is None or scales.dtype != torch.float32 or scales.numel() < 2
             or scales.device != kv_cache.device):
         raise KernelInputError("scales: a float8 kv_cache needs float32 [2] scales (keys, "
@@ -158,7 +184,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     _, NB, BS, Hkv, D = kv_cache.shape
     T = k.shape[0] if k.dim() else 0
     if kv_cache.dtype == torch.uint8 and k.dtype != torch.uint8:  # fp4: quantised here
-        Dv = D * 16 // 9
+        rows = token_head_cache(kv_cache)
+        Dv = kv_quant.value_dim("fp4_e2m1", D, "token_head" if rows else "tensor")
         for name, t in (("k", k), ("v", v)):
             if (tuple(t.shape) != (T, Hkv, Dv) or not t.is_floating_point()
                     or t.device != kv_cache.device or (t.numel() and t.stride(-1) != 1)):
@@ -173,7 +200,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
             _store_kv_fp4_kernel[(T, Hkv)](k, v, kv_cache, slot_mapping, sc, Dv, k.stride(0),
                                            k.stride(1), v.stride(0), v.stride(1),
                                            *kv_cache.stride()[:4], BS=BS,
-                                           NBP=fp4_blocks_padded(Dv))
+                                           NBP=fp4_blocks_padded(Dv), ROWSCALE=rows)
         return
     if kv_cache.dtype == torch.uint8:  # fp4_e2m1: rows already packed by kv_quant.quant_fp4
         for name, t in (("k", k), ("v", v)):
@@ -190,6 +217,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                                    BLOCK_D=triton.next_power_of_2(D), QUANT=False, MANT=3,
                                    EMIN=-6)
         return
+    if kv_cache.dtype in FP8_CACHE_DTYPES and token_head_cache(kv_cache, D - 2):
+        D -= 2  # token_head: D values, then the row's bf16 scale
     want = ((T, Hkv, D), k.dtype if kv_cache.dtype in FP8_CACHE_DTYPES else kv_cache.dtype,
             kv_cache.device)
     for name, t in (("k", k), ("v", v)):
@@ -220,14 +249,23 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
 def _kv_tile(base, d, kv_mask, D, s_c2, sc_ptr, FP4: tl.constexpr, QUANT: tl.constexpr):
     """Keys and values [BN, BD] of the cache rows at ``base`` [BN] (values ``s_c2`` further),
     dequantised in registers: fp4_e2m1 codes and block scales unpacked, float8 times the
-    layer's scale (fp32 out); a model-dtype cache as it is."""
+    layer's scale, or (QUANT == 2, token_head) each row's own inline scale (fp32 out); a
+    model-dtype cache as it is."""
     if FP4:
-        k = _fp4_tile(base, d, kv_mask, D, tl.load(sc_ptr))
-        v = _fp4_tile(base + s_c2, d, kv_mask, D, tl.load(sc_ptr + 1))
+        if QUANT == 2:
+            k = _fp4_tile(base, d, kv_mask, D, _row_scale_fp4(base, d, kv_mask, D))
+            v = _fp4_tile(base + s_c2, d, kv_mask, D,
+                          _row_scale_fp4(base + s_c2, d, kv_mask, D))
+        else:
+            k = _fp4_tile(base, d, kv_mask, D, tl.load(sc_ptr))
+            v = _fp4_tile(base + s_c2, d, kv_mask, D, tl.load(sc_ptr + 1))
     else:
         k = tl.load(base[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(base[:, None] + s_c2 + d[None, :], mask=kv_mask, other=0.0)
-        if QUANT:
+        if QUANT == 2:
+            k = k.to(tl.float32) * _row_scale_fp8(base, d, kv_mask, D)
+            v = v.to(tl.float32) * _row_scale_fp8(base + s_c2, d, kv_mask, D)
+        elif QUANT:
             k = k.to(tl.float32) * tl.load(sc_ptr)
             v = v.to(tl.float32) * tl.load(sc_ptr + 1)
     return k, v

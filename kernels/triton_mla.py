@@ -21,10 +21,13 @@ import triton
 import triton.language as tl
 
 from .dispatch import KernelInputError
-from .mla_ref import check_mla_args, check_store_latent_args, supported_mla_dims
+from . import kv_quant
+from .mla_ref import (check_mla_args, check_store_latent_args, latent_value_width,
+                      supported_mla_dims)
 from .tile_configs import interpreting
 from .triton_attention import choose_num_splits
 from .triton_kv_cache import _fp4_tile, _quant_fp4_row, _round_fp8, fp4_blocks_padded
+from .triton_kv_scales import _quant_fp8_part, _row_scale_fp4, _row_scale_fp8
 from .triton_dot import dot, dot_flags
 
 __all__ = ["store_latent", "mla_decode", "choose_mla_num_splits", "check_mla_args",
@@ -52,17 +55,25 @@ def _store_latent_kernel(x_ptr, cache_ptr, slot_ptr, W, s_xt, s_cb, s_cs,
 def _store_latent_q_kernel(x_ptr, cache_ptr, slot_ptr, sc_ptr, R, P, WR, s_xt, s_cb, s_cs, FMAX,
                            BS: tl.constexpr, FP4: tl.constexpr, BLOCK_W: tl.constexpr,
                            NBR: tl.constexpr, NBP: tl.constexpr, MANT: tl.constexpr,
-                           EMIN: tl.constexpr):
+                           EMIN: tl.constexpr, ROWS: tl.constexpr = False,
+                           BLOCK_R: tl.constexpr = 16, BLOCK_P: tl.constexpr = 16):
     """One program per token: latent[t] [R + P] -> a quantised row (kernels/kv_quant.py), c_kv
     with scale sc_ptr[0], k_pe with sc_ptr[1]: float8 (saturate(x / scale)) or fp4_e2m1 (c_kv's
-    R/2 + R/16 bytes at 0, k_pe's at WR)."""
+    R/2 + R/16 bytes at 0, k_pe's at WR). ROWS (token_head): each part its own inline scale,
+    k_pe's part starting at WR."""
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
         return
     src = x_ptr + t * s_xt
     dst = cache_ptr + (slot // BS) * s_cb + (slot % BS) * s_cs
-    if FP4:
+    if ROWS and FP4:
+        _quant_fp4_row(src, dst, R, 0.0, NBR, True)
+        _quant_fp4_row(src + R, dst + WR, P, 0.0, NBP, True)
+    elif ROWS:
+        _quant_fp8_part(src, dst, R, FMAX, BLOCK_R, MANT, EMIN)
+        _quant_fp8_part(src + R, dst + WR, P, FMAX, BLOCK_P, MANT, EMIN)
+    elif FP4:
         _quant_fp4_row(src, dst, R, tl.load(sc_ptr), NBR)
         _quant_fp4_row(src + R, dst + WR, P, tl.load(sc_ptr + 1), NBP)
     else:
@@ -78,8 +89,11 @@ def _store_latent_q_kernel(x_ptr, cache_ptr, slot_ptr, sc_ptr, R, P, WR, s_xt, s
 def _store_latent_quantised(latent, cache, slot_mapping, scales, R: int) -> None:
     fp4 = cache.dtype == torch.uint8
     W = cache.shape[-1]
-    RP = W * 16 // 9 if fp4 else W
-    if R is None or not 0 < R < RP or (fp4 and (R % 16 or (RP - R) % 16 or W % 9)):
+    g = kv_quant.granularity_of(cache)
+    fmt = kv_quant.format_of(cache)
+    RP = latent_value_width(cache)
+    if R is None or not 0 < R < RP or (fp4 and (R % 16 or (RP - R) % 16
+                                                 or (W - 2 * (g == "token_head")) % 9)):
         raise KernelInputError(f"kv_lora_rank: R={R} does not split a {cache.dtype} row of {W}")
     if (latent.dim() != 2 or latent.shape[1] != RP or not latent.is_floating_point()
             or latent.device != cache.device or (latent.numel() and latent.stride(-1) != 1)):
@@ -99,10 +113,12 @@ def _store_latent_quantised(latent, cache, slot_mapping, scales, R: int) -> None
     e5m2 = cache.dtype == torch.float8_e5m2
     fmax = 0.0 if fp4 else float(torch.finfo(cache.dtype).max)
     _store_latent_q_kernel[(T,)](
-        latent, cache, slot_mapping, scales, R, P, R // 2 + R // 16, latent.stride(0),
-        cache.stride(0), cache.stride(1), fmax, BS=cache.shape[1], FP4=fp4,
+        latent, cache, slot_mapping, scales, R, P, kv_quant.stored_dim(fmt, R, g),
+        latent.stride(0), cache.stride(0), cache.stride(1), fmax, BS=cache.shape[1], FP4=fp4,
         BLOCK_W=triton.next_power_of_2(RP), NBR=fp4_blocks_padded(R),
-        NBP=fp4_blocks_padded(P), MANT=2 if e5m2 else 3, EMIN=-14 if e5m2 else -6)
+        NBP=fp4_blocks_padded(P), MANT=2 if e5m2 else 3, EMIN=-14 if e5m2 else -6,
+        ROWS=g == "token_head", BLOCK_R=max(16, triton.next_power_of_2(R)),
+        BLOCK_P=max(16, triton.next_power_of_2(P)))
 
 
 def store_latent(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -131,12 +147,12 @@ def _mla_split_kernel(ql_ptr, qp_ptr, cache_ptr, sl_ptr, bt_ptr, sc_ptr, mo_ptr,
                       BS: tl.constexpr, NS: tl.constexpr, BLOCK_H: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
                       IEEE: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr,
-                      FP4: tl.constexpr, WR):
+                      FP4: tl.constexpr, WR, ROWS: tl.constexpr = False):
     """Program (seq, head block, split): BLOCK_H heads over rows [lo, hi) of one split ->
     mid_o [S, H, NS, R] = acc / l (fp32), mid_lse [S, H, NS] = m + log2(l) (-inf: empty).
     QUANT: a float8 cache, c_kv times sc_ptr[0] and k_pe times sc_ptr[1] in registers; FP4: an
     fp4_e2m1 cache (c_kv's codes and block scales at 0, k_pe's at byte WR), unpacked in
-    registers."""
+    registers. ROWS (token_head): each part times its own inline scale; k_pe's part at WR."""
     s = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     split = tl.program_id(2)
@@ -163,17 +179,25 @@ def _mla_split_kernel(ql_ptr, qp_ptr, cache_ptr, sl_ptr, bt_ptr, sc_ptr, mo_ptr,
         ok = pos < hi
         blk = tl.load(bt_row + (pos // BS) * s_bn, mask=ok, other=0).to(tl.int64)  # [BN]
         base = cache_ptr + blk * s_cb + (pos % BS).to(tl.int64) * s_cs  # [BN]
+        mr = ok[:, None] & r_ok[None, :]
+        mp = ok[:, None] & p_ok[None, :]
         if FP4:
-            c_kv = _fp4_tile(base, r, ok[:, None] & r_ok[None, :], R,
-                             tl.load(sc_ptr)).to(q_lat.dtype)
-            k_pe = _fp4_tile(base + WR, p, ok[:, None] & p_ok[None, :], P,
-                             tl.load(sc_ptr + 1)).to(q_lat.dtype)
+            if ROWS:
+                sr = _row_scale_fp4(base, r, mr, R)
+                sp = _row_scale_fp4(base + WR, p, mp, P)
+            else:
+                sr = tl.load(sc_ptr)
+                sp = tl.load(sc_ptr + 1)
+            c_kv = _fp4_tile(base, r, mr, R, sr).to(q_lat.dtype)
+            k_pe = _fp4_tile(base + WR, p, mp, P, sp).to(q_lat.dtype)
         else:
-            c_kv = tl.load(base[:, None] + r[None, :], mask=ok[:, None] & r_ok[None, :],
+            c_kv = tl.load(base[:, None] + r[None, :], mask=mr,
                            other=0.0)  # [BN, BR]: keys and values at once
-            k_pe = tl.load(base[:, None] + R + p[None, :], mask=ok[:, None] & p_ok[None, :],
-                           other=0.0)  # [BN, BP]
-        if QUANT and not FP4:
+            k_pe = tl.load(base[:, None] + WR + p[None, :], mask=mp, other=0.0)  # [BN, BP]
+        if ROWS and not FP4:
+            c_kv = (c_kv.to(tl.float32) * _row_scale_fp8(base, r, mr, R)).to(q_lat.dtype)
+            k_pe = (k_pe.to(tl.float32) * _row_scale_fp8(base + WR, p, mp, P)).to(q_lat.dtype)
+        elif QUANT and not FP4:
             c_kv = (c_kv.to(tl.float32) * tl.load(sc_ptr)).to(q_lat.dtype)
             k_pe = (k_pe.to(tl.float32) * tl.load(sc_ptr + 1)).to(q_lat.dtype)
         qk = dot(q_lat, tl.trans(c_kv), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), IEEE, UPCAST)
@@ -248,9 +272,13 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
     S, H, R = q_latent.shape
     NB, BS, W = cache.shape
     P = q_pe.shape[-1]
-    if fp4 and (R % 16 or P % 16 or W != (R + P) * 9 // 16):
+    fmt, g = kv_quant.format_of(cache), kv_quant.granularity_of(cache)
+    rows = quant and g == "token_head"
+    want = kv_quant.stored_dim(fmt, R, g) + kv_quant.stored_dim(fmt, P, g) if fp4 and not (
+        R % 16 or P % 16) else W
+    if fp4 and (R % 16 or P % 16 or W != want):
         raise KernelInputError(f"cache: fp4_e2m1 rows of R={R} + P={P} (multiples of 16) are "
-                               f"{(R + P) * 9 // 16} bytes, got {W}")
+                               f"{want} bytes, got {W}")
     out = torch.empty_like(q_latent) if out is None else out
     if S == 0 or H == 0:
         return out
@@ -273,7 +301,8 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
         cache.stride(0), cache.stride(1), *block_tables.stride(),
         BS=BS, NS=num_splits, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R,
         BLOCK_P=BLOCK_P, **dot_flags(q_latent.dtype), QUANT=quant, FP4=fp4,
-        WR=R // 2 + R // 16, num_warps=4, num_stages=2)
+        WR=kv_quant.stored_dim(fmt, R, g) if quant else R, ROWS=rows, num_warps=4,
+        num_stages=2)
     _mla_merge_kernel[(S, H)](mid_o, mid_lse, out, H, R, out.stride(0), out.stride(1),
                               NS=num_splits, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
                               BLOCK_R=BLOCK_R, num_warps=4)

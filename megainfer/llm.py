@@ -46,6 +46,7 @@ class LLM:
                  num_blocks: Optional[int] = None, kv_cache_memory_gib: float = 4.0,
                  enable_prefix_caching: Optional[bool] = None, kv_cache_dtype: str = "auto",
                  host_kv_gib: float = 0.0, kv_store_dir: Optional[str] = None,
+                 kv_scale_granularity: str = "token_head",
                  tokenizer: Optional[Tokenizer] = None):
         path = model if isinstance(model, str) else None
         model_config = ModelConfig.from_pretrained(path) if path else model
@@ -61,10 +62,12 @@ class LLM:
         if num_blocks is None:
             num_blocks = derive_num_blocks(model_config, mml, max_num_seqs, block_size,
                                            kv_cache_memory_gib, DTYPES[dtype],
-                                           kv_cache_dtype=kv_cache_dtype)
+                                           kv_cache_dtype=kv_cache_dtype,
+                                           kv_scale_granularity=kv_scale_granularity)
         prefix = CacheConfig.enable_prefix_caching if enable_prefix_caching is None \
             else enable_prefix_caching
-        cache = CacheConfig(block_size, num_blocks, prefix, kv_cache_dtype, host_kv_gib, kv_store_dir)
+        cache = CacheConfig(block_size, num_blocks, prefix, kv_cache_dtype, host_kv_gib, kv_store_dir,
+                            kv_scale_granularity)
         self._build(model_config, load, scheduler, cache, dev, tokenizer, seed)
 
     @classmethod

@@ -13,13 +13,19 @@ read quantised context). Per ``cache.kv_cache_dtype``, against the full-precisio
 same run: top-1 agreement of the next token, mean KL(full || quantised), max |logit error|, the
 logit error's RMS sigma and top-1 agreement where the reference's top-1/top-2 margin exceeds
 3 sigma (``perf/kv_quant_accuracy.py``: why top-1 is fragile on near-flat random models; the
-goal is still judged on all positions). Ablations: ``fp4_e2m1/per-tensor`` (the same 4-bit codes
+goal is still judged on all positions). Stored formats: each with per-layer (``tensor``) scales
+(``fp8_e4m3``, ...) and with per-(token, KV head) scales inline (``fp8_e4m3/token_head``, ...,
+``cache.kv_scale_granularity=token_head``), in the same run. Ablations: ``fp4_e2m1/per-tensor`` (the same 4-bit codes
 with the per-tensor scale alone, block scales fixed); ``fp8_e4m3/per-token (emu)`` (FP8 with one
 scale per token and KV head, emulated, GQA models) beside ``fp8_e4m3/per-layer (emu)`` (the
 stored format's policy, emulated the same way: must match ``fp8_e4m3``);
 ``fp4_e2m1/mse-scales (emu)`` (the same NVFP4 layout, each block's scale chosen for the least
 squared error). ``bf16-cache`` (GQA
 models): the fp32 cache rounded to bf16, how sensitive these models are to any rounding.
+``trained-mixtral`` (``--trained-steps``, perf/trained_tiny.py): make_tiny's Mixtral shape
+trained for a few minutes on a synthetic language (a Markov chain, then a noisy copy of the
+sequence's first half), teacher-forced on held-out sequences of that language: a model confident
+where its data is predictable, as a real LM is, unlike the near-flat random ones.
 Capacity: KV blocks and max concurrent max_model_len sequences in ``--budget-gib`` with a bf16
 model (``derive_num_blocks``). Job: ``perf/kv_quant_job.py`` (engine on CPU, same budget per
 format, batch bound by KV blocks). Writes ``perf/results/bench_kv_quant.json``.
@@ -47,14 +53,27 @@ from megainfer.models.kv_spec import kv_format_error  # noqa: E402
 from megainfer.models.loader import build_model  # noqa: E402
 from kv_quant_accuracy import compare, emulate, forced_logits, margin_quantiles  # noqa: E402
 from kv_quant_job import print_job, run_job  # noqa: E402
+from trained_tiny import corpus, train_tiny  # noqa: E402
 
-VARIANTS = ("fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "fp4_e2m1/per-tensor")
+TRAINED: dict = {}  # how the trained model was made (its loss curve's ends, seconds)
+
+VARIANTS = ("fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "fp4_e2m1/per-tensor")  # tensor scales
+# the same formats stored with per-(token, KV head) scales inline (cache.kv_scale_granularity)
+TOKEN_HEAD = ("fp8_e4m3/token_head", "fp8_e5m2/token_head", "fp4_e2m1/token_head")
 EMULATED = ("fp8_e4m3/per-token (emu)", "fp8_e4m3/per-layer (emu)", "fp4_e2m1/mse-scales (emu)")
 FLOOR = "bf16-cache"  # reference point: the same cache rounded to bf16 (what a bf16 model caches)
 GOALS = {"fp8_e4m3": 0.99, "fp8_e5m2": 0.99, "fp4_e2m1": 0.95}
 
 
-def models(tmp: str):
+def models(tmp: str, a):
+    """(name, config, load) of every model the bench reads, filtered by ``--only``; the trained
+    one (perf/trained_tiny.py) is trained first unless ``--trained-ckpt`` holds it already."""
+    for name, cfg, load in _models(tmp, a):
+        if not a.only or name in a.only.split(","):
+            yield name, cfg, load
+
+
+def _models(tmp: str, a):
     from megainfer.tools.make_tiny import make_tiny
     for fam in ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"):
         kw = {"qk_rope_head_dim": 16} if fam == "deepseek_v3" else {}
@@ -64,25 +83,35 @@ def models(tmp: str):
                                              dtype="float32")
     from omegaconf import OmegaConf
 
-    from megainfer.launch.settings import model_config_from_arch
+    from megainfer.launch.model_source import model_config_from_arch
     arch = OmegaConf.load(os.path.join(HERE, "..", "conf", "model", "bench50m.yaml")).arch
     cfg = model_config_from_arch(OmegaConf.to_container(arch))
     yield "bench50m-mixtral", cfg, LoadConfig(load_format="dummy", dtype="float32", seed=0)
+    if a.trained_steps and (not a.only or "trained-mixtral" in a.only.split(",")):
+        path = a.trained_ckpt or os.path.join(tmp, "trained-mixtral")
+        if not os.path.exists(os.path.join(path, "config.json")):
+            shape = {k: int(v) for k, v in (kv.split("=") for kv in a.trained_shape.split(",")
+                                             if kv)}
+            TRAINED.update(train_tiny("mixtral", path, steps=a.trained_steps, **shape))
+            print(f"trained-mixtral: {TRAINED}")
+        yield "trained-mixtral", ModelConfig.from_pretrained(path), LoadConfig(
+            path=path, load_format="safetensors", dtype="float32")
 
 
 def capacity(cfg, budget: float, max_model_len: int, BS: int = 16) -> dict:
     out = {}
-    for fmt in ("auto",) + VARIANTS[:3]:
+    for var in ("auto",) + VARIANTS[:3] + TOKEN_HEAD:
+        fmt, gran = var.split("/")[0], "token_head" if var.endswith("token_head") else "tensor"
         if kv_format_error(cfg, fmt):
-            out[fmt] = None
+            out[var] = None
             continue
         blocks = derive_num_blocks(cfg, max_model_len, 10**9, BS, budget, torch.bfloat16,
-                                   kv_cache_dtype=fmt)
-        out[fmt] = {"blocks": blocks, "max_seqs": blocks // -(-max_model_len // BS)}
+                                   kv_cache_dtype=fmt, kv_scale_granularity=gran)
+        out[var] = {"blocks": blocks, "max_seqs": blocks // -(-max_model_len // BS)}
     base = out["auto"]["blocks"]
-    for fmt in VARIANTS[:3]:
-        if out[fmt]:
-            out[fmt]["ratio_vs_bf16"] = out[fmt]["blocks"] / base
+    for var in VARIANTS[:3] + TOKEN_HEAD:
+        if out[var]:
+            out[var]["ratio_vs_bf16"] = out[var]["blocks"] / base
     return out
 
 
@@ -92,10 +121,11 @@ def accuracy(model, cfg, seqs, chunk: int) -> dict:
     res = {"positions": ref.shape[0], "logit_std": ref.std().item(),
            "ref_margin": margin_quantiles(ref), "formats": {}}
     variants = [(FLOOR, "auto", None)] if not cfg.is_mla else []  # MLA computes in its own dtype
-    variants += [(v, v.split("/")[0], None) for v in VARIANTS]
+    variants += [(v, v.split("/")[0], None) for v in VARIANTS + TOKEN_HEAD]
     if not cfg.is_mla:
         variants += [(v, "auto", v.split("/")[1].split()[0]) for v in EMULATED]
     for var, fmt, emu in variants:
+        gran = "token_head" if var.endswith("token_head") else "tensor"
         if kv_format_error(cfg, fmt):
             res["formats"][var] = None
             continue
@@ -103,7 +133,8 @@ def accuracy(model, cfg, seqs, chunk: int) -> dict:
         try:
             with emulate(emu):
                 got = forced_logits(model, cfg, seqs, fmt, chunk,
-                                    dtype=torch.bfloat16 if var == FLOOR else torch.float32)
+                                    dtype=torch.bfloat16 if var == FLOOR else torch.float32,
+                                    gran=gran)
         finally:
             kv_quant.FP4_BLOCK_SCALES = True
         res["formats"][var] = compare(ref, got)
@@ -131,7 +162,7 @@ def print_accuracy(results: dict) -> None:
 
 def judge(results: dict) -> dict:
     goals = {}
-    for var, g in GOALS.items():
+    for var, g in [*GOALS.items(), *((t, GOALS[t.split("/")[0]]) for t in TOKEN_HEAD)]:
         vals = {n: r["formats"][var]["top1_agreement"] for n, r in results.items()
                 if r["formats"].get(var)}
         goals[var] = {"goal_top1": g, "min_top1": min(vals.values()),
@@ -146,6 +177,13 @@ def judge(results: dict) -> dict:
     emu = [r for r in results.values() if r["formats"].get(EMULATED[0])]
     goals["fp8_per_token_beats_per_layer_kl"] = all(
         r["formats"][EMULATED[0]]["mean_kl"] < r["formats"]["fp8_e4m3"]["mean_kl"] for r in emu)
+    for t in TOKEN_HEAD:  # stored token_head scales vs the same format's tensor scales
+        both = [r for r in results.values() if r["formats"].get(t)]
+        goals[f"{t}_beats_tensor_kl"] = all(
+            r["formats"][t]["mean_kl"] < r["formats"][t.split("/")[0]]["mean_kl"] for r in both)
+        goals[f"{t}_beats_tensor_top1"] = all(
+            r["formats"][t]["top1_agreement"] >= r["formats"][t.split("/")[0]]["top1_agreement"]
+            for r in both)
     return goals
 
 
@@ -167,6 +205,14 @@ def main(argv=None):
     ap.add_argument("--job-batched-tokens", type=int, default=512)
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (1: steadier on a shared box)")
+    ap.add_argument("--trained-steps", type=int, default=1500,
+                    help="training steps of the trained model (0: leave it out)")
+    ap.add_argument("--trained-ckpt", default=None,
+                    help="where the trained model is kept (trained there if missing)")
+    ap.add_argument("--trained-shape", default="",
+                    help="make_tiny overrides of the trained model, e.g. hidden=256,heads=2,"
+                         "kv_heads=1,inter=256 (head_dim 128)")
+    ap.add_argument("--only", default=None, help="comma list of model names to run")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "bench_kv_quant.json"))
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -174,14 +220,15 @@ def main(argv=None):
     t0 = time.time()
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, cfg, load in models(tmp):
+        for name, cfg, load in models(tmp, a):
             t = time.time()
             model = build_model(cfg, load).eval()
             big = name.startswith("bench")
             n = a.big_seqs if big else a.seqs
             N = min(a.big_positions if big else a.positions, cfg.max_position_embeddings)
-            seqs = torch.randint(0, cfg.vocab_size, (n, N),
-                                 generator=torch.Generator().manual_seed(1))
+            seqs = (corpus(n, N, cfg.vocab_size, seed=1) if name.startswith("trained") else
+                    torch.randint(0, cfg.vocab_size, (n, N),
+                                  generator=torch.Generator().manual_seed(1)))
             res = accuracy(model, cfg, seqs, a.chunk)
             res["capacity"] = capacity(cfg, a.budget_gib, a.max_model_len)
             res["seconds"] = time.time() - t
@@ -203,9 +250,12 @@ def main(argv=None):
     print(f"total {elapsed:.1f}s")
     write_json(a.out, {"bench": "kv_quant", "date": datetime.datetime.utcnow().isoformat() + "Z",
                        "host": platform.node(), "torch": torch.__version__, "args": vars(a),
-                       "scale_policy": f"per-layer float32, set once from the first write's amax "
-                                       f"x {kv_quant.SCALE_HEADROOM}",
-                       "models": results, "goals": goals, "job": job, "seconds": elapsed})
+                       "scale_policy": f"tensor: per-layer float32, set once from the first "
+                                       f"write's amax x {kv_quant.SCALE_HEADROOM}; token_head: "
+                                       "each row's own scale inline (fp8: bf16 amax / max; "
+                                       "fp4: E8M0 2**e >= amax / 2688)",
+                       "models": results, "goals": goals, "trained": TRAINED, "job": job,
+                       "seconds": elapsed})
 
 
 if __name__ == "__main__":

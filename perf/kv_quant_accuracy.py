@@ -3,9 +3,11 @@
 Helpers of ``perf/bench_kv_quant.py``:
 
 * ``forced_logits``: sequences teacher-forced in chunks through a paged cache stored in a
-  ``cache.kv_cache_dtype`` (every attention read goes through the cache; the first chunk sets the
-  per-layer scales). ``emulate``: an ablation the engine does not store (``per-token``: FP8 with
-  one scale per token and KV head, amax / format max): keys and values go through that
+  ``cache.kv_cache_dtype`` with ``tensor`` scales (the first chunk sets the per-layer scales) or
+  ``token_head`` ones (stored inline per row). ``emulate``: ablations the engine does not store
+  (``per-token``: FP8 with one float32 scale per token and KV head, amax / format max; the
+  stored ``token_head`` keeps a bfloat16 one, so the two differ only by that rounding, a
+  measure of the bench's noise): keys and values go through that
   quantise -> dequantise before they are written into a full-precision cache, so attention reads
   exactly the values such a cache would give. ``per-layer`` emulates the real FP8 format the
   same way (a fidelity check: it must match the stored format). ``mse-scales``: the NVFP4
@@ -93,14 +95,16 @@ def fp4_mse_round_trip(x: torch.Tensor, g: torch.Tensor,
 
 
 def forced_logits(model, cfg, seqs: torch.Tensor, fmt: str, chunk: int, BS: int = 16,
-                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                  dtype: torch.dtype = torch.float32, gran: str = "tensor") -> torch.Tensor:
     """seqs [n, N] teacher-forced one sequence at a time, each through a fresh paged cache in
-    ``fmt`` (auto: ``dtype``) -> logits [n * N, V] fp32."""
+    ``fmt`` (auto: ``dtype``) with ``gran`` scales (cache.kv_scale_granularity) -> logits
+    [n * N, V] fp32."""
     out = []
     for ids in seqs:
         N = ids.shape[0]
         nb = -(-N // BS)
-        caches = kv_cache_spec_for(cfg, dtype=dtype, kv_format=fmt).allocate(nb, BS)
+        caches = kv_cache_spec_for(cfg, dtype=dtype, kv_format=fmt,
+                                   kv_granularity=gran).allocate(nb, BS)
         table = [list(range(nb))]
         with torch.inference_mode():
             for s in range(0, N, chunk):

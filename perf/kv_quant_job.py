@@ -28,6 +28,7 @@ BENCH50M = dict(family="mixtral", vocab_size=8192, hidden_size=512, num_layers=4
                 num_kv_heads=4, head_dim=64, num_experts=8, top_k=2, moe_intermediate_size=768,
                 max_position_embeddings=2048, bos_token_id=1, eos_token_id=(2,))
 FORMATS = ("auto", "fp8_e4m3", "fp4_e2m1")
+GRANULARITY = "token_head"  # cache.kv_scale_granularity of the quantised rows (the default)
 
 
 def _budget_gib(cfg, a, BS: int) -> float:
@@ -46,12 +47,13 @@ def run_job(a, BS: int = 16) -> dict:
     gib = _budget_gib(cfg, a, BS)
     sp = SamplingParams(temperature=0, max_tokens=a.job_output, ignore_eos=True)
     out, ref_tokens = {"kv_cache_memory_gib": gib, "requests": a.job_requests,
+                       "kv_scale_granularity": GRANULARITY,
                        "prompt_len": a.job_prompt, "output_len": a.job_output, "formats": {}}, None
     for fmt in FORMATS:
         llm = LLM(cfg, seed=0, device="cpu", dtype="float32", max_model_len=max_len,
                   max_num_seqs=a.job_requests, max_num_batched_tokens=a.job_batched_tokens,
                   block_size=BS, kv_cache_memory_gib=gib, kv_cache_dtype=fmt,
-                  enable_prefix_caching=False)
+                  enable_prefix_caching=False, kv_scale_granularity=GRANULARITY)
         eng = llm.engine
         blocks = llm.cache_config.num_blocks
         reqs = [eng.add_request(i, prompt_token_ids=p, params=sp) for i, p in enumerate(prompts)]
@@ -69,7 +71,8 @@ def run_job(a, BS: int = 16) -> dict:
         gen = sum(len(t) for t in tokens)
         out["formats"][fmt] = {"blocks": blocks, "max_seqs": blocks // -(-max_len // BS),
                                "budget_blocks": int(gib * 2**30 // kv_bytes_per_block(
-                                   cfg, BS, torch.float32, kv_cache_dtype=fmt)),
+                                   cfg, BS, torch.float32, kv_cache_dtype=fmt,
+                                   kv_scale_granularity=GRANULARITY)),
                                "peak_running": peak, "preemptions": eng.num_preemptions,
                                "steps": eng.num_steps, "job_s": dt, "job_cpu_s": cpu,
                                "tokens_per_s": gen / dt, "tokens_per_step": gen / eng.num_steps,

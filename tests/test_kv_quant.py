@@ -164,10 +164,10 @@ def _meta(BS=16):
             AttentionMetadata.build([1, 1], [20, 16], [[3, 0], [1, 2]], BS))
 
 
-def _run_paged(fmt, D=64, dtype=torch.float32, backend=None):
+def _run_paged(fmt, D=64, dtype=torch.float32, backend=None, gran="tensor"):
     torch.manual_seed(3)
     Hq, Hkv, BS = 4, 2, 16
-    spec = KVCacheSpec("gqa", (2, Hkv, D), dtype, 1, fmt)
+    spec = KVCacheSpec("gqa", (2, Hkv, D), dtype, 1, fmt, kv_granularity=gran)
     cache = spec.allocate(5, BS)[0]
     outs = []
     for step, meta in enumerate(_meta(BS)):
@@ -183,12 +183,16 @@ def _run_paged(fmt, D=64, dtype=torch.float32, backend=None):
     return outs, cache
 
 
+@pytest.mark.parametrize("gran", ["tensor", "token_head"])
 @pytest.mark.parametrize("fmt", QUANT)
-def test_torch_paged_attention_vs_full_precision(fmt):
+def test_torch_paged_attention_vs_full_precision(fmt, gran):
     ref, _ = _run_paged("auto")
-    got, cache = _run_paged(fmt)
+    got, cache = _run_paged(fmt, gran=gran)
     assert cache.dtype == kv_quant.storage_dtype(fmt, torch.float32)
-    assert (kv_quant.scales_of(cache) > 0).all()
+    assert cache.shape[-1] == kv_quant.stored_dim(fmt, 64, gran)
+    # per-layer scales: set by the first write (tensor); never used (token_head: each row's own)
+    assert (kv_quant.scales_of(cache) > 0).all() if gran == "tensor" else \
+        not kv_quant.scales_of(cache).any()
     for r, g in zip(ref, got):
         assert _rel(g, r) < ATT_BOUND[fmt]
 
@@ -215,17 +219,20 @@ def _top1(pl):
     return [next(t for t, lp in d.items() if lp.rank == 1) for d in pl[1:]]
 
 
-def test_llm_greedy_runs_per_format(tiny_ckpts):
+@pytest.mark.parametrize("gran", ("tensor", "token_head"))
+def test_llm_greedy_runs_per_format(tiny_ckpts, gran):
     from megainfer import LLM, SamplingParams
     path = tiny_ckpts[("qwen3_moe", "base")]
-    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    # ignore_eos: 8 steps in every format (an EOS picked on these random weights is no error)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     # teacher forcing: the top-1 next token at every prompt position (prompt_logprobs)
     forced = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
     text = "The paged KV cache stores keys and values of every token in blocks. " * 3
     prompts = ["hello world", "the quick brown fox jumps"]
     top1 = {}
     for fmt in ("auto",) + QUANT:
-        llm = LLM(path, max_model_len=256, max_num_seqs=2, kv_cache_dtype=fmt)
+        llm = LLM(path, max_model_len=256, max_num_seqs=2, kv_cache_dtype=fmt,
+                  kv_scale_granularity=gran)
         assert llm.engine.kv_caches[0].dtype == kv_quant.storage_dtype(fmt, torch.float32)
         outs = llm.generate(prompts, greedy, use_tqdm=False)
         assert all(len(o.outputs[0].token_ids) == 8 for o in outs)

@@ -3,6 +3,7 @@ stores them (block scales included), and the planner's batch follows: a smaller 
 sequences per attention device; bad formats fail naming the key. Also the bench's accuracy
 helpers (perf/kv_quant_accuracy.py)."""
 import dataclasses
+import itertools
 import json
 import os
 import subprocess
@@ -36,10 +37,13 @@ def test_formats_match_the_engine_config():
 @pytest.mark.parametrize("fmt", KV_CACHE_DTYPES)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("tp", [1, 2])
-def test_bytes_per_token_equal_the_engine_cache(fmt, dtype, tp):
+@pytest.mark.parametrize("gran", ["tensor", "token_head"])
+def test_bytes_per_token_equal_the_engine_cache(fmt, dtype, tp, gran):
     cfg = _gqa_config()
-    shape = dataclasses.replace(ModelShape.from_model_config(cfg), kv_cache_dtype=fmt)
-    spec = kv_cache_spec_for(cfg, tp_size=tp, dtype=DTYPE[dtype], kv_format=fmt)
+    shape = dataclasses.replace(ModelShape.from_model_config(cfg), kv_cache_dtype=fmt,
+                                kv_scale_granularity=gran)
+    spec = kv_cache_spec_for(cfg, tp_size=tp, dtype=DTYPE[dtype], kv_format=fmt,
+                             kv_granularity=gran)
     assert shape.kv_bytes_per_token(dtype, tp) == spec.bytes_per_token()
 
 
@@ -49,11 +53,13 @@ def test_mla_latent_bytes_equal_the_engine_cache():
                       num_heads=4, num_kv_heads=4, head_dim=192, num_experts=8, top_k=2,
                       moe_intermediate_size=32, kv_lora_rank=512, qk_nope_head_dim=128,
                       qk_rope_head_dim=64, v_head_dim=128)
-    for fmt in KV_CACHE_DTYPES:
+    for fmt, gran in itertools.product(KV_CACHE_DTYPES, ("tensor", "token_head")):
         shape = ModelShape(name="mla", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4,
                            head_dim=192, num_experts=8, top_k=2, moe_intermediate_size=32,
-                           vocab_size=256, kv_elems_override=576, kv_cache_dtype=fmt)
-        spec = kv_cache_spec_for(cfg, tp_size=4, dtype=torch.bfloat16, kv_format=fmt)
+                           vocab_size=256, kv_elems_override=576, kv_cache_dtype=fmt,
+                           kv_scale_granularity=gran)
+        spec = kv_cache_spec_for(cfg, tp_size=4, dtype=torch.bfloat16, kv_format=fmt,
+                                 kv_granularity=gran)
         assert shape.kv_bytes_per_token("bfloat16", tp=4) == spec.bytes_per_token()
 
 
@@ -71,7 +77,7 @@ def test_memory_and_kv_read_follow_the_format():
     plan = Plan(1, 1, 1, 1, 1, 8, hw.name, hw.name)
     mem, t = {}, {}
     for fmt in KV_CACHE_DTYPES:
-        shape = dataclasses.replace(TINY, kv_cache_dtype=fmt)
+        shape = dataclasses.replace(TINY, kv_cache_dtype=fmt, kv_scale_granularity="tensor")
         times = RooflineTimes(hw, shape)
         model = DisaggModel(shape, times, times, wl)
         empty = dataclasses.replace(plan, batch=0)
@@ -88,7 +94,9 @@ def test_planner_batch_grows_when_kv_memory_binds():
                         expert_ranks=(8,), max_batch=1 << 14)
     best = {}
     for fmt in ("auto", "fp8_e4m3", "fp4_e2m1"):
-        r = plan_disaggregated(dataclasses.replace(TINY, kv_cache_dtype=fmt), [hw], wl, space)[0]
+        r = plan_disaggregated(dataclasses.replace(TINY, kv_cache_dtype=fmt,
+                                                   kv_scale_granularity="tensor"),
+                               [hw], wl, space)[0]
         assert r.binding == "kv_memory"
         best[fmt] = r.pred.plan.batch
     assert 1.9 * best["auto"] <= best["fp8_e4m3"] and 3.4 * best["auto"] <= best["fp4_e2m1"]

@@ -142,23 +142,26 @@ def test_triton_fp4_store_bit_identical_adversarial():
     assert torch.equal(cache, ref)
 
 
-@pytest.mark.parametrize("fmt", ("fp4_e2m1", "fp8_e4m3"))
-@pytest.mark.usefixtures("on_device")
-def test_triton_mla_quantised_store_and_decode_match_torch(fmt):
+def mla_store_and_decode(fmt, gran, adversarial=False):
+    """The Triton MLA store and decode against the torch ones on one quantised latent cache
+    (``gran`` scales; ``adversarial``: a zero row and a 1e-30 c_kv row among the tokens):
+    stored bytes equal, decode within 1e-4. Returns the pieces for further checks."""
     from megainfer.kernels import triton_mla
-    from megainfer.kernels.dispatch import KernelInputError
     from megainfer.models.mla_attention import mla_decode_torch, store_latent_torch
     torch.manual_seed(5)
     S, H, R, P, BS = 3, 4, 32, 16, 16
-    spec = KVCacheSpec("mla", (R + P,), torch.float32, 1, fmt, (R, P))
+    spec = KVCacheSpec("mla", (R + P,), torch.float32, 1, fmt, (R, P), gran)
     ref_cache, cache = spec.allocate(6, BS)[0], spec.allocate(6, BS)[0]
     lat = torch.randn(90, R + P)
     lat[:, R:] *= 5
+    if adversarial:
+        lat[3] = 0.0
+        lat[4, :R] *= 1e-30
     slots = torch.arange(90)
     slots[7] = -1  # CUDA-graph padding: skipped
     store_latent_torch(lat[slots >= 0], ref_cache, slots[slots >= 0], R)
     sc = kv_quant.scales_of(cache)
-    sc.copy_(kv_quant.scales_of(ref_cache))
+    sc.copy_(kv_quant.scales_of(ref_cache))  # tensor: the torch store's; token_head: unused
     triton_mla.store_latent(lat, cache, slots, sc, R)  # quantised in the kernel
     assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
     tables = torch.tensor([[0, 1, 2], [3, 4, 0], [5, 0, 0]])
@@ -167,6 +170,18 @@ def test_triton_mla_quantised_store_and_decode_match_torch(fmt):
     ref = mla_decode_torch(q_lat, q_pe, ref_cache, seq_lens, tables, 0.1)
     got = triton_mla.mla_decode(q_lat, q_pe, cache, seq_lens, tables, 0.1, R, scales=sc)
     assert (got - ref).abs().max() < 1e-4  # dequantised in registers, never gathered whole
+    return dict(cache=cache, lat=lat, slots=slots, scales=sc, R=R, P=P, BS=BS, got=got,
+                q_lat=q_lat, q_pe=q_pe, seq_lens=seq_lens, tables=tables)
+
+
+@pytest.mark.parametrize("fmt", ("fp4_e2m1", "fp8_e4m3"))
+@pytest.mark.usefixtures("on_device")
+def test_triton_mla_quantised_store_and_decode_match_torch(fmt):
+    from megainfer.kernels import triton_mla
+    from megainfer.kernels.dispatch import KernelInputError
+    c = mla_store_and_decode(fmt, "tensor")
+    cache, lat, slots, R = c["cache"], c["lat"], c["slots"], c["R"]
+    q_lat, q_pe, seq_lens, tables = c["q_lat"], c["q_pe"], c["seq_lens"], c["tables"]
     with pytest.raises(KernelInputError, match="scales"):
         triton_mla.mla_decode(q_lat, q_pe, cache, seq_lens, tables, 0.1, R)
     with pytest.raises(KernelInputError, match="scales"):

@@ -204,3 +204,37 @@ def test_chunked_prompt_streams_each_segment_in_the_step_that_completes_it(kind)
         got = dst[l].index_select(dim, torch.tensor(dst_blocks))
         assert torch.equal(got, gather_blocks(src[l], kind, blocks, n))
     comm.Free()
+
+
+@pytest.mark.parametrize("kind,fmt", [("gqa", "fp8_e4m3"), ("gqa", "fp4_e2m1"),
+                                      ("mla", "fp8_e5m2"), ("mla", "fp4_e2m1")])
+def test_token_head_kv_travels_verbatim(kind, fmt):
+    """token_head caches (each row's scale inline): the rows arrive byte for byte, whatever
+    the decode cache's per-layer scales hold (they are never read, set or requantised to)."""
+    from megainfer.models.kv_spec import KVCacheSpec
+    parts = (32, 16)
+    spec = (KVCacheSpec("gqa", (2, 2, 16), torch.float32, L, fmt, kv_granularity="token_head")
+            if kind == "gqa" else
+            KVCacheSpec("mla", (48,), torch.float32, L, fmt, parts, "token_head"))
+    g = torch.Generator().manual_seed(9)
+    src = spec.allocate(NB, BS)
+    for c in src:
+        if kind == "gqa":
+            x = torch.randn(2, NB, BS, 2, 16, generator=g) * 10 ** torch.randint(-3, 3, (2, NB, BS, 2, 1), generator=g)
+            c.copy_(kv_quant.quantize(x, None, fmt, "token_head"))
+        else:
+            x = torch.randn(NB, BS, 48, generator=g)
+            c.copy_(torch.cat([kv_quant.quantize(x[..., :32], None, fmt, "token_head"),
+                               kv_quant.quantize(x[..., 32:], None, fmt, "token_head")], -1))
+    dst = spec.allocate(NB, BS)
+    for c in dst:
+        kv_quant.scales_of(c).fill_(3.0)  # would requantise a tensor-scale cache
+    shape, dtype = tuple(src[0].shape), src[0].dtype
+    blocks, dst_blocks = [1, 3], [4, 0]
+    dim = 1 if kind == "gqa" else 0
+    dst, _ = _stream(kind, src, shape, dtype, blocks, dst_blocks, 8, parts=parts if kind == "mla"
+                     else (), dst=dst)
+    for l in range(L):
+        got = dst[l].view(torch.uint8).index_select(dim, torch.tensor(dst_blocks))
+        assert torch.equal(got, src[l].view(torch.uint8).index_select(dim, torch.tensor(blocks)))
+        assert torch.equal(kv_quant.scales_of(dst[l]), torch.full((2,), 3.0))

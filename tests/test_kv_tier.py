@@ -165,8 +165,9 @@ def _prompts(seed=5):
     return [systems[i % 3] + [g.randrange(3, 200) for _ in range(1 + i % 5)] for i in range(10)]
 
 
-@pytest.mark.parametrize("fmt", ["auto", "fp8_e4m3"])
-def test_greedy_tokens_identical_with_the_tier_serving(tiny_ckpts, tmp_path, fmt):
+@pytest.mark.parametrize("fmt,gran", [("auto", "token_head"), ("fp8_e4m3", "tensor"),
+                                      ("fp8_e4m3", "token_head"), ("fp4_e2m1", "token_head")])
+def test_greedy_tokens_identical_with_the_tier_serving(tiny_ckpts, tmp_path, fmt, gran):
     """A first tier too small to keep the prefixes (preemption and eviction forced): hits come
     back from the files; tokens equal caching off; then every stored file is corrupted and a
     rerun still gives the same tokens (entries dropped, recomputed)."""
@@ -174,7 +175,7 @@ def test_greedy_tokens_identical_with_the_tier_serving(tiny_ckpts, tmp_path, fmt
     prompts = _prompts()
     p = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     args = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, block_size=4,
-                num_blocks=20, kv_cache_dtype=fmt)
+                num_blocks=20, kv_cache_dtype=fmt, kv_scale_granularity=gran)
     off = LLM(ckpt, enable_prefix_caching=False, **args).generate(prompts, p, use_tqdm=False)
     want = [o.outputs[0].token_ids for o in off]
     llm = LLM(ckpt, host_kv_gib=0.01, kv_store_dir=str(tmp_path), **args)

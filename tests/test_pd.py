@@ -76,7 +76,8 @@ def test_killed_prefill_rank_ends_the_job(tiny_ckpts, tmp_path):
     assert "exited" in str(e.value) and not (tmp_path / "o.json").exists()
 
 
-def _single_mode(path: str, kv_cache_dtype: str, shared: bool = False) -> dict:
+def _single_mode(path: str, kv_cache_dtype: str, shared: bool = False,
+                 gran: str = "token_head") -> dict:
     import dataclasses
     import sys
     sys.path.insert(0, os.path.dirname(JOB))
@@ -89,28 +90,38 @@ def _single_mode(path: str, kv_cache_dtype: str, shared: bool = False) -> dict:
     from megainfer.models import build_model
     cfg = ModelConfig.from_pretrained(path)
     engine = LLMEngine.from_model(build_model(cfg, LoadConfig(path=path)), SCHED,
-                                  dataclasses.replace(CACHE, kv_cache_dtype=kv_cache_dtype))
+                                  dataclasses.replace(CACHE, kv_cache_dtype=kv_cache_dtype,
+                                                      kv_scale_granularity=gran))
     return {o.request_id: o.outputs[0].token_ids
             for o in engine.generate_stream(make_inputs(cfg.vocab_size, 12))}
 
 
-CACHES = [("deepseek_v3", "auto", 2), ("deepseek_v3", "fp8_e4m3", 1), ("mixtral", "fp4_e2m1", 2)]
+CACHES = [  # (family, cache.kv_cache_dtype, decode tp, cache.kv_scale_granularity, prefill ranks)
+    ("deepseek_v3", "auto", 2, "tensor", 1), ("deepseek_v3", "fp8_e4m3", 1, "token_head", 1),
+    ("mixtral", "fp4_e2m1", 1, "token_head", 2), ("mixtral", "fp8_e4m3", 1, "tensor", 1)]
 
 
-@pytest.mark.parametrize("fam,kv,TP", CACHES, ids=[f"{f}-{k}-tp{t}" for f, k, t in CACHES])
+@pytest.mark.parametrize("fam,kv,TP,gran,P", CACHES,
+                         ids=[f"{f}-{k}-tp{t}-{g}-{p}p" for f, k, t, g, p in CACHES])
 def test_mla_and_quantised_caches_equal_single_mode(tiny_ckpts, tmp_path_factory, tmp_path,
-                                                    fam, kv, TP):
-    """The MLA latent (every decode TP rank gets the whole latent) and quantised caches. With
-    one prefill rank its first prefill step is single mode's, so its per-layer scales are single
-    mode's, and the decode replica adopts them with the first transfer: the tokens match."""
+                                                    fam, kv, TP, gran, P):
+    """The MLA latent (every decode TP rank gets the whole latent) and quantised caches.
+    token_head scales: every row carries its own, the bytes travel verbatim, so two prefill
+    ranks (each computing some prompts) send single mode's bytes too. tensor scales: with one
+    prefill rank its first prefill step is single mode's, so its per-layer scales are single
+    mode's, and the decode replica adopts them with the first transfer. The tokens match single
+    mode's either way (decode side with 2 micro-batches)."""
     if fam == "deepseek_v3":
         from megainfer.tools.make_tiny import make_tiny
         ckpt = make_tiny("deepseek_v3", str(tmp_path_factory.mktemp("dsv3") / "c"), seed=1)
     else:
         ckpt = tiny_ckpts[(fam, "base")]
     out = tmp_path / "out.json"
-    run_mpi(TP + 2, JOB, [out, 1, TP, 1, 1, "2", ckpt, f"kv={kv}"], timeout=600)
-    assert json.loads(out.read_text())[f"{ckpt}|m=2"] == _single_mode(ckpt, kv)
+    run_mpi(TP + 1 + P, JOB, [out, 1, TP, 1, P, "2", ckpt, f"kv={kv}", f"gran={gran}"],
+            timeout=600)
+    got = json.loads(out.read_text())
+    assert got[f"{ckpt}|m=2"] == _single_mode(ckpt, kv, gran=gran)
+    assert min(got[f"{ckpt}|m=2|stats"]["prefilled"]) > 0  # every prefill rank computed some
 
 
 def test_small_decode_pool_waits_to_reserve_and_preempts(tiny_ckpts, single_mode_tokens,

@@ -120,16 +120,19 @@ def test_tp2_prefill_greedy_equals_single_mode_every_gqa_family(tiny_ckpts, sing
         assert stats["handoffs"] == 7 and stats["prefilled"] == [7]
 
 
-@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp4_e2m1"])
-def test_tp2_prefill_quantised_cache_equals_single_mode(tiny_ckpts, tmp_path, kv):
-    """A quantised cache under prefill TP 2: the TP ranks agree on each layer's scales from
-    every rank's heads (models.layers.agree_kv_scales), so each sends the bytes single mode
-    stores and the decode replica adopts single mode's scales: the tokens match."""
+@pytest.mark.parametrize("kv,gran", [("fp8_e4m3", "tensor"), ("fp4_e2m1", "tensor"),
+                                     ("fp4_e2m1", "token_head")])
+def test_tp2_prefill_quantised_cache_equals_single_mode(tiny_ckpts, tmp_path, kv, gran):
+    """A quantised cache under prefill TP 2. tensor scales: the TP ranks agree on each layer's
+    scales from every rank's heads (models.layers.agree_kv_scales), so each sends the bytes
+    single mode stores and the decode replica adopts single mode's scales. token_head: each
+    row carries its own scale, the bytes are single mode's by construction. The tokens match."""
     from test_pd import _single_mode as single_mode_kv
     ckpt = tiny_ckpts[("mixtral", "base")]
     out = tmp_path / "out.json"
-    run_mpi(4, JOB, [out, 1, 1, 1, 1, "2", ckpt, "ptp=2", f"kv={kv}"], timeout=600)
-    assert json.loads(out.read_text())[f"{ckpt}|m=2"] == single_mode_kv(ckpt, kv)
+    run_mpi(4, JOB, [out, 1, 1, 1, 1, "2", ckpt, "ptp=2", f"kv={kv}", f"gran={gran}"],
+            timeout=600)
+    assert json.loads(out.read_text())[f"{ckpt}|m=2"] == single_mode_kv(ckpt, kv, gran=gran)
 
 
 def test_tp2_prefill_mla_latent_equals_single_mode(tmp_path_factory, tmp_path):

@@ -64,9 +64,11 @@ class LLMEngine:
         self.tokenizer = tokenizer or ByteTokenizer(model_config.eos_token_id)
         # the model's cache spec (GQA [2, NB, BS, Hkv, D] or MLA latent [NB, BS, R+P] per layer)
         self.kv_spec = kv_spec or kv_cache_spec_for(model_config, dtype=kv_dtype)
-        if self.kv_spec.kv_format != cache_config.kv_cache_dtype:  # stored in cache.kv_cache_dtype
+        if (self.kv_spec.kv_format, self.kv_spec.kv_granularity) != (
+                cache_config.kv_cache_dtype, cache_config.kv_scale_granularity):  # as configured
             check_kv_cache_dtype(model_config, cache_config.kv_cache_dtype)
-            self.kv_spec = dataclasses.replace(self.kv_spec, kv_format=cache_config.kv_cache_dtype)
+            self.kv_spec = dataclasses.replace(self.kv_spec, kv_format=cache_config.kv_cache_dtype,
+                                               kv_granularity=cache_config.kv_scale_granularity)
         self.kv_caches = self.kv_spec.allocate(cache_config.num_blocks, cache_config.block_size,
                                                self.device, kv_dtype)
         self.kv_tier = make_kv_tier(cache_config, self.kv_spec, self.kv_caches, log_prefix)

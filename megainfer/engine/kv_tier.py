@@ -16,8 +16,8 @@ Stores (``cache.host_kv_gib`` bounds both; docs/kv_cache.md, "The second tier"):
 
 A block is stored as raw bytes, every layer's ``kv.select(block_dim, b)`` one after the other,
 whatever the cache format (GQA ``[2, NB, BS, Hkv, D]``, MLA latent ``[NB, BS, R + P]``, fp8 or
-packed fp4 rows with their block scales): the per-layer float32 scales of a quantised cache are
-set once and kept for the cache's life, so a block's bytes mean the same when they come back.
+packed fp4 rows with their block scales; ``token_head``: each row's own scale too): a ``tensor``
+cache's per-layer scales are set once and kept, so a block's bytes mean the same when back.
 
 An entry keeps the block's key, token ids, content id and parent's content id (the first
 tier's identity, ``BlockManager``) and a blake2b checksum of its bytes. ``lookup`` serves it

@@ -37,23 +37,26 @@ def check_kv_cache_dtype(model: ModelConfig, kv_cache_dtype: str,
 
 
 def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype,
-                       kv_heads: Optional[int] = None, kv_cache_dtype: str = "auto") -> int:
+                       kv_heads: Optional[int] = None, kv_cache_dtype: str = "auto",
+                       kv_scale_granularity: str = "tensor") -> int:
     """All layers, one rank: from the model's cache spec (GQA: 2 x kv_heads x head_dim per
     token, ``kv_heads`` on this rank; MLA: one latent of kv_lora_rank + qk_rope_head_dim),
-    stored in ``kv_cache_dtype`` (block scales counted)."""
+    stored in ``kv_cache_dtype`` (block scales and token_head row scales counted)."""
     check_kv_cache_dtype(model, kv_cache_dtype)
-    spec = kv_cache_spec_for(model, kv_heads=kv_heads, kv_format=kv_cache_dtype)
+    spec = kv_cache_spec_for(model, kv_heads=kv_heads, kv_format=kv_cache_dtype,
+                             kv_granularity=kv_scale_granularity)
     return block_size * spec.bytes_per_token(dtype)
 
 
 def derive_num_blocks(model: ModelConfig, max_model_len: int, max_num_seqs: int, block_size: int,
                       memory_gib: float, dtype: torch.dtype = torch.float32,
-                      kv_heads: Optional[int] = None, kv_cache_dtype: str = "auto") -> int:
+                      kv_heads: Optional[int] = None, kv_cache_dtype: str = "auto",
+                      kv_scale_granularity: str = "tensor") -> int:
     """Enough blocks for max_num_seqs requests of max_model_len, capped by memory_gib (bytes per
     block in ``kv_cache_dtype``: a low-bit cache holds more blocks at the same budget)."""
     per_seq = -(-max_model_len // block_size)
     cap = int(memory_gib * 2**30 // kv_bytes_per_block(model, block_size, dtype, kv_heads,
-                                                       kv_cache_dtype))
+                                                       kv_cache_dtype, kv_scale_granularity))
     if cap < per_seq:
         raise CacheTooSmallError(
             f"cache.memory_gib={memory_gib}: holds {cap} KV blocks of {block_size} tokens, but one "

@@ -4,7 +4,9 @@ KV cache of one layer: ``kv[2, num_blocks, block_size, kv_heads, head_dim]`` (0 
 A step's batch is flat: ``T`` new tokens from ``S`` sequences, sequence after sequence.
 A low-bit cache (float8 or uint8 fp4_e2m1, ``megainfer.kernels.kv_quant``) is quantised as the
 new keys/values are written and dequantised after each step's gather (only the blocks of the
-step's sequences, never the whole cache).
+step's sequences, never the whole cache). With ``token_head`` scales
+(``cache.kv_scale_granularity``) each stored row carries its own scale and no per-layer scale
+is set or read.
 """
 from __future__ import annotations
 
@@ -135,9 +137,10 @@ def store_kv_torch(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     flat = kv_cache.view(2, -1, Hkv, kv_cache.shape[-1])  # [2, NB*BS, Hkv, D or stored row]
     fmt = kv_quant.format_of(kv_cache)
     if fmt != "auto":
-        scales = kv_quant.scales_of(kv_cache)
-        kv_quant.update_scales(scales, fmt, k, v)
-        k, v = kv_quant.quantize(k, scales[0], fmt), kv_quant.quantize(v, scales[1], fmt)
+        scales, g = kv_quant.scales_of(kv_cache), kv_quant.granularity_of(kv_cache)
+        if g == "tensor":
+            kv_quant.update_scales(scales, fmt, k, v)
+        k, v = kv_quant.quantize(k, scales[0], fmt, g), kv_quant.quantize(v, scales[1], fmt, g)
     flat[0, slot_mapping] = k.to(flat.dtype)  # same dtype: k itself
     flat[1, slot_mapping] = v.to(flat.dtype)
 
@@ -197,9 +200,9 @@ def _gather_context(kv_cache: torch.Tensor, blocks: torch.Tensor, length: int,
     kc, vc = kc.reshape(shape)[..., :length, :, :], vc.reshape(shape)[..., :length, :, :]
     fmt = kv_quant.format_of(kv_cache)
     if fmt != "auto":
-        scales = kv_quant.scales_of(kv_cache)
-        kc = kv_quant.dequantize(kc, scales[0], fmt, dtype)
-        vc = kv_quant.dequantize(vc, scales[1], fmt, dtype)
+        scales, g = kv_quant.scales_of(kv_cache), kv_quant.granularity_of(kv_cache)
+        kc = kv_quant.dequantize(kc, scales[0], fmt, dtype, g)
+        vc = kv_quant.dequantize(vc, scales[1], fmt, dtype, g)
     elif dtype is not None and kc.dtype != dtype:  # a cache kept in another float dtype
         kc, vc = kc.to(dtype), vc.to(dtype)
     return kc, vc

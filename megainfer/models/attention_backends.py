@@ -18,6 +18,8 @@ quantises on store and dequantises the gathered blocks; the Triton kernels store
 multiply each loaded K/V tile by its per-layer scale in registers, and read fp4_e2m1 (codes
 unpacked and E4M3 block scales applied in registers); the Triton store quantises fp4 rows
 itself, bit-identical to the torch quantiser (and skips the -1 slots of CUDA-graph padding).
+``token_head`` scales (``cache.kv_scale_granularity``): every row's scale is computed and stored
+inline by the store kernel and read by the attention kernels; no per-layer scale is set.
 """
 from __future__ import annotations
 
@@ -51,7 +53,8 @@ class TritonAttention:
         fmt, scales = kv_quant.format_of(kv_cache), None
         if fmt != "auto":  # float8 / fp4: quantised in the store kernel
             scales = kv_quant.scales_of(kv_cache)
-            kv_quant.update_scales(scales, fmt, k, v)  # device-side, set once
+            if kv_quant.granularity_of(kv_cache) == "tensor":  # token_head: a scale per row
+                kv_quant.update_scales(scales, fmt, k, v)  # device-side, set once
         kern.store_kv(k, v, kv_cache, meta.slot_mapping, scales)
         if meta.max_query_len == 1:  # pure decode: q is [S, Hq, D], one row per sequence
             return kern.decode_attention(q, kv_cache, meta.seq_lens, meta.block_tables, scale,

@@ -11,6 +11,9 @@ model dtype; ``fp8_e4m3`` / ``fp8_e5m2`` store float8 elements (same shapes); ``
 stores uint8 rows of ``D/2 + D/16`` bytes per ``D`` values (packed E2M1 codes + E4M3 block
 scales): GQA ``[2, NB, BS, Hkv, D/2 + D/16]``, MLA ``[NB, BS, R/2 + R/16 + P/2 + P/16]``.
 ``bytes_per_token`` counts the block scales; the two float32 scales per layer are not per token.
+``kv_granularity`` (``cache.kv_scale_granularity``): ``tensor`` (per-layer scales) or
+``token_head``: each row also carries its own scale inline (fp8: + 2 bytes, fp4: + 1 byte per
+row; MLA: per part), counted in ``bytes_per_token``.
 """
 from __future__ import annotations
 
@@ -33,11 +36,15 @@ class KVCacheSpec:
     num_layers: int = 1
     kv_format: str = "auto"  # cache.kv_cache_dtype
     parts: tuple[int, ...] = ()  # mla: (R, P), quantised apart (own scale, own 16-blocks)
+    kv_granularity: str = "tensor"  # cache.kv_scale_granularity: tensor | token_head
 
     def __post_init__(self):
         if self.kv_format not in kv_quant.FORMATS:
             raise ValueError(f"kv_cache_dtype={self.kv_format!r}: must be one of "
                              f"{', '.join(kv_quant.FORMATS)}")
+        if self.kv_granularity not in kv_quant.GRANULARITIES:
+            raise ValueError(f"kv_scale_granularity={self.kv_granularity!r}: must be one of "
+                             f"{', '.join(kv_quant.GRANULARITIES)}")
         if self.kind not in KINDS:
             raise ValueError(f"kv cache kind={self.kind!r}: must be one of {KINDS}")
         want = 3 if self.kind == "gqa" else 1
@@ -47,11 +54,11 @@ class KVCacheSpec:
 
     def stored_row(self) -> int:
         """Storage elements of one row (GQA: one head's D; MLA: the latent)."""
-        f = self.kv_format
+        f, g = self.kv_format, self.kv_granularity
         if self.kind == "gqa":
-            return kv_quant.stored_dim(f, self.shape_per_token[2])
+            return kv_quant.stored_dim(f, self.shape_per_token[2], g)
         parts = self.parts or self.shape_per_token
-        return sum(kv_quant.stored_dim(f, p) for p in parts)
+        return sum(kv_quant.stored_dim(f, p, g) for p in parts)
 
     def layer_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         if self.kind == "gqa":
@@ -77,19 +84,22 @@ class KVCacheSpec:
                   for _ in range(self.num_layers)]
         if self.kv_format != "auto":
             for c in caches:
-                kv_quant.register(c)
+                kv_quant.register(c, self.kv_granularity)
         return caches
 
 
 def kv_cache_spec_for(cfg, tp_size: int = 1, dtype: torch.dtype = torch.float32,
-                      kv_heads: Optional[int] = None, kv_format: str = "auto") -> KVCacheSpec:
+                      kv_heads: Optional[int] = None, kv_format: str = "auto",
+                      kv_granularity: str = "tensor") -> KVCacheSpec:
     """The spec of a ``ModelConfig`` on one TP rank (GQA heads split over ranks; MLA: whole
     latent on every rank). ``kv_heads`` overrides the per-rank GQA head count."""
     if cfg.is_mla:
         R, P = cfg.kv_lora_rank, cfg.qk_rope_head_dim
-        return KVCacheSpec("mla", (R + P,), dtype, cfg.num_layers, kv_format, (R, P))
+        return KVCacheSpec("mla", (R + P,), dtype, cfg.num_layers, kv_format, (R, P),
+                           kv_granularity)
     heads = kv_heads or max(1, cfg.num_kv_heads // tp_size)
-    return KVCacheSpec("gqa", (2, heads, cfg.head_dim), dtype, cfg.num_layers, kv_format)
+    return KVCacheSpec("gqa", (2, heads, cfg.head_dim), dtype, cfg.num_layers, kv_format,
+                       kv_granularity=kv_granularity)
 
 
 def kv_format_error(cfg, kv_format: str) -> Optional[str]:

@@ -159,9 +159,11 @@ def agree_kv_scales(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     keys/values amax [2] are gathered over the TP group and the unset scales are set from
     their max: what one rank holding every head sets (tensor-parallel replicas then store the
     bytes TP 1 stores, and PD senders the bytes single mode stores). Once per cache tensor, at
-    the same step on every rank (TP ranks run the same steps): collective-safe."""
+    the same step on every rank (TP ranks run the same steps): collective-safe. A ``token_head``
+    cache has nothing to agree on (each row carries its own scale): no collective."""
     fmt = kv_quant.format_of(cache)
-    if fmt == "auto" or getattr(cache, "kv_scales_agreed", False):
+    if (fmt == "auto" or getattr(cache, "kv_scales_agreed", False)
+            or kv_quant.granularity_of(cache) == "token_head"):
         return
     cache.kv_scales_agreed = True
     local = torch.stack([x.detach().abs().amax().float() if x.numel() else

@@ -52,12 +52,13 @@ def mla_decode_torch(q_latent: torch.Tensor, q_pe: torch.Tensor, latent_cache: t
 
 def quant_latent(latent: torch.Tensor, cache: torch.Tensor, R: int) -> torch.Tensor:
     """latent [T, R+P] -> the rows a quantised cache stores (scales set on the first write)."""
-    fmt = kv_quant.format_of(cache)
+    fmt, g = kv_quant.format_of(cache), kv_quant.granularity_of(cache)
     scales = kv_quant.scales_of(cache)
     c_kv, k_pe = latent[:, :R], latent[:, R:]
-    kv_quant.update_scales(scales, fmt, c_kv, k_pe)
-    return torch.cat([kv_quant.quantize(c_kv, scales[0], fmt),
-                      kv_quant.quantize(k_pe, scales[1], fmt)], dim=-1)
+    if g == "tensor":
+        kv_quant.update_scales(scales, fmt, c_kv, k_pe)
+    return torch.cat([kv_quant.quantize(c_kv, scales[0], fmt, g),
+                      kv_quant.quantize(k_pe, scales[1], fmt, g)], dim=-1)
 
 
 def dequant_latent(rows: torch.Tensor, cache: torch.Tensor, R: int,
@@ -66,10 +67,10 @@ def dequant_latent(rows: torch.Tensor, cache: torch.Tensor, R: int,
     fmt = kv_quant.format_of(cache)
     if fmt == "auto":
         return rows
-    scales = kv_quant.scales_of(cache)
-    w = kv_quant.stored_dim(fmt, R)
-    return torch.cat([kv_quant.dequantize(rows[..., :w], scales[0], fmt, dtype),
-                      kv_quant.dequantize(rows[..., w:], scales[1], fmt, dtype)], dim=-1)
+    scales, g = kv_quant.scales_of(cache), kv_quant.granularity_of(cache)
+    w = kv_quant.stored_dim(fmt, R, g)
+    return torch.cat([kv_quant.dequantize(rows[..., :w], scales[0], fmt, dtype, g),
+                      kv_quant.dequantize(rows[..., w:], scales[1], fmt, dtype, g)], dim=-1)
 
 
 def store_latent_torch(latent: torch.Tensor, cache: torch.Tensor,
@@ -153,7 +154,8 @@ class TritonMLA(TorchMLA):
         fmt, scales = kv_quant.format_of(cache), None
         if fmt != "auto":  # quantised in the store kernel; scales set once, device-side
             scales = kv_quant.scales_of(cache)
-            kv_quant.update_scales(scales, fmt, latent[:, :R], latent[:, R:])
+            if kv_quant.granularity_of(cache) == "tensor":  # token_head: a scale per row
+                kv_quant.update_scales(scales, fmt, latent[:, :R], latent[:, R:])
         self.kernels.store_latent(latent, cache, meta.slot_mapping, scales, R)
 
     def decode(self, q_latent, q_pe, cache, seq_lens, block_tables, scale, max_len):

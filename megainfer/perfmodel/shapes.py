@@ -8,7 +8,9 @@ KV bytes follow ``kv_cache_dtype`` (``cache.kv_cache_dtype``, docs/kv_cache.md) 
 engine's cache stores them: ``auto`` the model dtype; ``fp8_e4m3`` / ``fp8_e5m2`` one byte per
 element; ``fp4_e2m1`` (NVFP4) a row of D values is D/2 packed bytes + D/16 E4M3 block-scale
 bytes, i.e. 9/16 byte per element (rows of a multiple of 16). The two float32 scales per layer
-are not per token and are not counted.
+are not per token and are not counted. ``kv_scale_granularity=token_head`` (the engine's
+default) adds each row's inline scale: 2 bytes (fp8) or 1 (fp4) per KV head row of keys and
+of values (MLA: per c_kv and k_pe part).
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ from megainfer.config import ConfigError
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
 # cache.kv_cache_dtype -> bytes per cached element (None: the model dtype); fp4: (D/2 + D/16) / D
 KV_CACHE_BYTES = {"auto": None, "fp8_e4m3": 1.0, "fp8_e5m2": 1.0, "fp4_e2m1": 9 / 16}
+# cache.kv_scale_granularity=token_head: bytes of each stored row's inline scale
+KV_ROW_SCALE_BYTES = {"auto": 0, "fp8_e4m3": 2, "fp8_e5m2": 2, "fp4_e2m1": 1}
 FP4_BLOCK = 16  # values per E4M3 block scale along a KV row
 
 
@@ -39,6 +43,7 @@ class ModelShape:
     kv_elems_override: int = 0  # KV-cache elements per token per layer; 0: 2*kv_heads*head_dim
     kv_cache_dtype: str = "auto"  # cache.kv_cache_dtype: how the KV cache stores its elements
     source: str = ""
+    kv_scale_granularity: str = "token_head"  # cache.kv_scale_granularity: tensor | token_head
 
     def __post_init__(self):
         for n in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -60,6 +65,9 @@ class ModelShape:
                 raise ConfigError(f"cache.kv_cache_dtype=fp4_e2m1: packs blocks of {FP4_BLOCK} "
                                   f"values along a KV row; model.{key}={row} is not a multiple "
                                   f"of {FP4_BLOCK}")
+        if self.kv_scale_granularity not in ("tensor", "token_head"):
+            raise ConfigError(f"cache.kv_scale_granularity={self.kv_scale_granularity!r}: must "
+                              "be one of tensor, token_head")
 
     # ---- parameter counts ----
     @property
@@ -93,13 +101,26 @@ class ModelShape:
         """Bytes one cached KV element costs in ``kv_cache_dtype`` (``auto``: ``dtype``'s),
         block scales included (fp4: 9/16)."""
         b = KV_CACHE_BYTES[self.kv_cache_dtype]
-        return float(dtype_bytes(dtype)) if b is None else b
+        if b is None:
+            return float(dtype_bytes(dtype))
+        return b + self._row_scale_bytes() / self.kv_elems  # token_head scales, spread
+
+    def _row_scale_bytes(self) -> int:
+        """Inline scale bytes per token and layer (token_head): one per stored row, GQA
+        2 x kv_heads rows, MLA 2 (c_kv, k_pe)."""
+        if self.kv_scale_granularity != "token_head":
+            return 0
+        rows = 2 if self.kv_elems_override else 2 * self.num_kv_heads
+        return rows * KV_ROW_SCALE_BYTES[self.kv_cache_dtype]
 
     def kv_bytes_per_token(self, dtype: str = "bfloat16", tp: int = 1) -> float:
         """All layers' KV bytes of one cached token on one attention rank of a TP group of
         ``tp`` (GQA heads split over min(tp, kv_heads) ranks; an MLA latent is whole on each)."""
         split = 1 if self.kv_elems_override else min(tp, self.num_kv_heads)
-        return self.num_layers * self.kv_elems / split * self.kv_elem_bytes(dtype)
+        b = KV_CACHE_BYTES[self.kv_cache_dtype]
+        if b is None:
+            return self.num_layers * self.kv_elems / split * float(dtype_bytes(dtype))
+        return self.num_layers * (self.kv_elems * b + self._row_scale_bytes()) / split
 
     def attention_side_params(self) -> int:
         """Everything an attention replica holds: layers' attention + router + shared, embeddings."""

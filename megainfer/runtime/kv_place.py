@@ -7,7 +7,9 @@ stored them, with its two per-layer float32 scales. Where the decode cache's sca
 placed as they are (lossless; the usual case, since a decode replica's cache is first written
 by transfers); equal scales: the same; a part whose scale differs is dequantised with the
 sender's scale and quantised with the decode cache's (``kv_quant``). The cache is never widened
-to full precision.
+to full precision. ``token_head`` caches (``cache.kv_scale_granularity``): every row carries
+its own scale, so the bytes are placed verbatim; their per-layer scales are never set (the
+zeros still travel, 8 bytes per layer and segment, so that both sides post the same messages).
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ def place(kv: torch.Tensor, kind: str, blocks: list[int], buf: torch.Tensor,
     dim = 1 if kind == "gqa" else 0
     idx = torch.tensor(blocks, dtype=torch.long, device=kv.device)
     buf = buf.to(kv.device)
-    if src_scales is not None:
+    if src_scales is not None and kv_quant.granularity_of(kv) == "tensor":
         fmt, dst = kv_quant.format_of(kv), kv_quant.scales_of(kv)
         src = src_scales.to(dst.device)
         dst.copy_(torch.where(dst > 0, dst, src))  # unset: adopt the sender's

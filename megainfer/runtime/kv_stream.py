@@ -25,7 +25,7 @@ streams each segment in the step that completes it, not everything in its last s
 
 Quantised caches (``cache.kv_cache_dtype`` fp8 / fp4): the bytes travel as stored, followed by
 the layer's two float32 scales (same tag: MPI keeps their order); ``kv_place.place`` puts them
-into the cache (adopting, or requantising to, the decode cache's scales).
+into the cache (tensor scales adopted or requantised to; token_head rows placed verbatim).
 
 Every message travels on a communicator of its own (``comm.Dup()``), so its tags never meet
 the control plane's or the M2N channels'.

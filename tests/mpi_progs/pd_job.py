@@ -82,7 +82,8 @@ def main():
     if n:
         make_inputs = lambda vocab, mt: sampled_inputs(vocab, mt, n)  # noqa: E731
     cache = dataclasses.replace(base, kv_cache_dtype=opts.get("kv", "auto"),
-                                num_blocks=int(opts.get("blocks", CACHE.num_blocks)))
+                                num_blocks=int(opts.get("blocks", CACHE.num_blocks)),
+                                kv_scale_granularity=opts.get("gran", base.kv_scale_granularity))
     sched = dataclasses.replace(SCHED, routing=opts.get("routing", SCHED.routing))
     kill = fault in ("kill", "hang", "hang_peer")  # comm.timeout_s=3
     if fault == "hang_peer":  # TP rank 1 of a prefill replica sleeps at its first step

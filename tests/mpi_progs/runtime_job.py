@@ -3,7 +3,9 @@
     mpiexec -n K python runtime_job.py OUT.json A TP E MS CKPT[,CKPT...] [max_tokens] [shared|kv=FMT]
 MS is a comma list of micro-batch counts; E = 0 runs colocated mode over the A ranks.
 ``shared``: the shared-prefix prompts (``shared_inputs``) on a pool small enough to preempt
-and evict, prefix caching on (``SHARED_CACHE``); ``kv=FMT``: cache.kv_cache_dtype FMT.
+and evict, prefix caching on (``SHARED_CACHE``); ``kv=FMT[:GRAN]``: cache.kv_cache_dtype FMT
+(and cache.kv_scale_granularity GRAN);
+``tp=KIND``: comm.tp_collectives KIND.
 OUT.json maps "<ckpt>|m=<m>" to {request id: token ids}. Prompts are fixed (seeded) so the
 single-mode reference is computed from the same ``prompts``.
 """
@@ -80,7 +82,10 @@ def main():
     make_inputs, cache = (shared_inputs, SHARED_CACHE) if shared else (inputs, CACHE)
     if opt.startswith("kv="):
         import dataclasses
-        cache = dataclasses.replace(cache, kv_cache_dtype=opt[3:])
+        fmt, _, gran = opt[3:].partition(":")
+        cache = dataclasses.replace(cache, kv_cache_dtype=fmt,
+                                    kv_scale_granularity=gran or cache.kv_scale_granularity)
+    comm = CommConfig(timeout_s=120, tp_collectives=opt[3:] if opt.startswith("tp=") else "auto")
     results = {}
     for ckpt in ckpts:
         cfg = ModelConfig.from_pretrained(ckpt)
@@ -88,11 +93,14 @@ def main():
             plan = DeployPlan(mode="disaggregated" if E else "colocated", attention_replicas=A,
                               attention_tp=TP, expert_ranks=E, micro_batches=m)
             r = build_rank(JobSpec(cfg, LoadConfig(path=ckpt), SCHED, cache, plan,
-                                   CommConfig(timeout_s=120)))
+                                   comm))
             stream = run_rank(r, make_inputs(cfg.vocab_size, max_tokens))
             if stream is not None:
                 outs = list(stream)
                 results[f"{ckpt}|m={m}"] = {o.request_id: o.outputs[0].token_ids for o in outs}
+                tp = r.parts.get("tp")
+                if tp is not None and tp.channel is not None:  # collectives sent point to point
+                    results[f"{ckpt}|m={m}|tp_sent"] = tp.channel.sent
                 if shared:  # prompt tokens the prefix cache served
                     results[f"{ckpt}|m={m}|cached"] = sum(o.num_cached_tokens or 0 for o in outs)
             r.close()
