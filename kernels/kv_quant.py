@@ -148,6 +148,16 @@ def update_scales(scales: torch.Tensor, fmt: str, *xs: torch.Tensor) -> None:
     scales[:len(xs)].copy_(torch.where(scales[:len(xs)] > 0, scales[:len(xs)], new))
 
 
+def scales_for_write(cache: torch.Tensor, *xs: torch.Tensor) -> torch.Tensor:
+    """The float32 [2] per-layer scales a write of ``xs`` (keys, values; MLA: c_kv, k_pe) into a
+    quantised ``cache`` uses: ``tensor`` granularity sets the unset ones from ``xs``
+    (``update_scales``); ``token_head`` leaves them unset (each row carries its own)."""
+    scales = scales_of(cache)
+    if granularity_of(cache) == "tensor":
+        update_scales(scales, format_of(cache), *xs)
+    return scales
+
+
 # ---- fp8 ----
 def quant_fp8(x: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
     """x / scale saturated to the format's max (scale 0: zeros)."""

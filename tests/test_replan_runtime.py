@@ -13,14 +13,26 @@ from mpi_util import run_mpi
 JOB = os.path.join(os.path.dirname(__file__), "mpi_progs", "replan_job.py")
 
 
-def test_forced_switches_both_ways_keep_tokens_and_weights(tiny_ckpts, tmp_path):
+def _job():
+    """tests/mpi_progs/replan_job.py as a module (imported here, not at collection: it sets
+    torch to one thread)."""
     sys.path.insert(0, os.path.dirname(JOB))
-    from replan_job import FORCE, reference
+    import replan_job
+    return replan_job
+
+
+def _run(tiny_ckpts, tmp_path, modes=None, **ref) -> tuple[dict, dict]:
+    """replan_job.py under mpiexec -n 4 on tiny Mixtral (``modes``: its comma list; None: the
+    forced move/recompute pair): (its results by mode, single mode's tokens, ``reference(**ref)``)."""
     ckpt = tiny_ckpts[("mixtral", "base")]
-    out = tmp_path / "replan.json"
-    run_mpi(4, JOB, [out, ckpt], timeout=600)
-    res = json.loads(out.read_text())
-    want = reference(ckpt)
+    out = tmp_path / f"replan_{modes or 'forced'}.json"
+    run_mpi(4, JOB, [out, ckpt] + ([modes] if modes else []), timeout=600)
+    return json.loads(out.read_text()), _job().reference(ckpt, **ref)
+
+
+def test_forced_switches_both_ways_keep_tokens_and_weights(tiny_ckpts, tmp_path):
+    res, want = _run(tiny_ckpts, tmp_path)
+    FORCE = _job().FORCE
     for mode in ("move", "recompute"):
         run = res[mode]
         assert run["tokens"] == want, mode
@@ -50,13 +62,8 @@ def test_requests_of_two_seeded_samples_move_whole_and_sample_as_in_single_mode(
     """Half the requests ask for n=2 seeded samples (temperature 0.8): groups in flight on the
     leaving replica at a2e2 -> a1e3 move whole (both samples, KV moved or recomputed) and every
     sample's tokens equal single mode's."""
-    sys.path.insert(0, os.path.dirname(JOB))
-    from replan_job import FORCE, reference
-    ckpt = tiny_ckpts[("mixtral", "base")]
-    out = tmp_path / "replan_n2.json"
-    run_mpi(4, JOB, [out, ckpt, "n2,n2r"], timeout=600)
-    res = json.loads(out.read_text())
-    want = reference(ckpt, n2=True)
+    res, want = _run(tiny_ckpts, tmp_path, "n2,n2r", n2=True)
+    FORCE = _job().FORCE
     assert sum(isinstance(t[0], list) for t in want.values()) == 6  # 6 requests of 2 samples
     for mode in ("n2", "n2r"):
         run = res[mode]
@@ -72,13 +79,9 @@ def test_requests_of_two_seeded_samples_move_whole_and_sample_as_in_single_mode(
 def test_forced_switches_that_change_the_micro_batch_count_keep_tokens_and_weights(
         tiny_ckpts, tmp_path):
     """a1e3 (m=2) -> a1e3m3 (the count alone) -> a2e2m1 -> a1e3m2, requests in flight."""
-    sys.path.insert(0, os.path.dirname(JOB))
-    from replan_job import reference
-    ckpt = tiny_ckpts[("mixtral", "base")]
-    out = tmp_path / "replan_m.json"
-    run_mpi(4, JOB, [out, ckpt, "m"], timeout=600)
-    run = json.loads(out.read_text())["m"]
-    assert run["tokens"] == reference(ckpt)
+    res, want = _run(tiny_ckpts, tmp_path, "m")
+    run = res["m"]
+    assert run["tokens"] == want
     assert [(r["iteration"], r["old"], r["new"], r["micro_batches"]) for r in run["records"]] == [
         (4, "a1e3m2", "a1e3m3", [2, 3]), (8, "a1e3m3", "a2e2m1", [3, 1]),
         (13, "a2e2m1", "a1e3m2", [1, 2])]
@@ -90,13 +93,9 @@ def test_forced_switches_that_change_the_micro_batch_count_keep_tokens_and_weigh
 def test_measured_decisions_refit_from_traced_spans_and_keep_tokens(tiny_ckpts, tmp_path):
     """replan.interval=3, min_gain=0: rank 0 gathers every expert rank's spans and its own each
     interval, refits and decides; whatever it decides, the tokens stay the single-mode ones."""
-    sys.path.insert(0, os.path.dirname(JOB))
-    from replan_job import reference
-    ckpt = tiny_ckpts[("mixtral", "base")]
-    out = tmp_path / "replan_auto.json"
-    run_mpi(4, JOB, [out, ckpt, "auto"], timeout=600)
-    run = json.loads(out.read_text())["auto"]
-    assert run["tokens"] == reference(ckpt)
+    res, want = _run(tiny_ckpts, tmp_path, "auto")
+    run = res["auto"]
+    assert run["tokens"] == want
     ds = run["decisions"]
     assert ds and [d["iteration"] for d in ds] == list(range(3, 3 * len(ds) + 1, 3))
     assert ds[0]["attention_samples"] > 0 and ds[0]["expert_samples"] > 0

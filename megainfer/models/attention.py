@@ -132,14 +132,12 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 def store_kv_torch(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
     """k/v [T, Hkv, D] -> the cache at the flat slots; a low-bit cache quantises them first
-    (its per-layer scales set on the first non-zero write, ``kv_quant.update_scales``)."""
+    (per-layer scales set on the first non-zero write, ``kv_quant.scales_for_write``)."""
     Hkv = k.shape[1]
     flat = kv_cache.view(2, -1, Hkv, kv_cache.shape[-1])  # [2, NB*BS, Hkv, D or stored row]
     fmt = kv_quant.format_of(kv_cache)
     if fmt != "auto":
-        scales, g = kv_quant.scales_of(kv_cache), kv_quant.granularity_of(kv_cache)
-        if g == "tensor":
-            kv_quant.update_scales(scales, fmt, k, v)
+        scales, g = kv_quant.scales_for_write(kv_cache, k, v), kv_quant.granularity_of(kv_cache)
         k, v = kv_quant.quantize(k, scales[0], fmt, g), kv_quant.quantize(v, scales[1], fmt, g)
     flat[0, slot_mapping] = k.to(flat.dtype)  # same dtype: k itself
     flat[1, slot_mapping] = v.to(flat.dtype)

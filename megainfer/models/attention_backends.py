@@ -52,9 +52,7 @@ class TritonAttention:
         kern = self.kernels
         fmt, scales = kv_quant.format_of(kv_cache), None
         if fmt != "auto":  # float8 / fp4: quantised in the store kernel
-            scales = kv_quant.scales_of(kv_cache)
-            if kv_quant.granularity_of(kv_cache) == "tensor":  # token_head: a scale per row
-                kv_quant.update_scales(scales, fmt, k, v)  # device-side, set once
+            scales = kv_quant.scales_for_write(kv_cache, k, v)  # device-side, set once
         kern.store_kv(k, v, kv_cache, meta.slot_mapping, scales)
         if meta.max_query_len == 1:  # pure decode: q is [S, Hq, D], one row per sequence
             return kern.decode_attention(q, kv_cache, meta.seq_lens, meta.block_tables, scale,

@@ -53,10 +53,8 @@ def mla_decode_torch(q_latent: torch.Tensor, q_pe: torch.Tensor, latent_cache: t
 def quant_latent(latent: torch.Tensor, cache: torch.Tensor, R: int) -> torch.Tensor:
     """latent [T, R+P] -> the rows a quantised cache stores (scales set on the first write)."""
     fmt, g = kv_quant.format_of(cache), kv_quant.granularity_of(cache)
-    scales = kv_quant.scales_of(cache)
     c_kv, k_pe = latent[:, :R], latent[:, R:]
-    if g == "tensor":
-        kv_quant.update_scales(scales, fmt, c_kv, k_pe)
+    scales = kv_quant.scales_for_write(cache, c_kv, k_pe)
     return torch.cat([kv_quant.quantize(c_kv, scales[0], fmt, g),
                       kv_quant.quantize(k_pe, scales[1], fmt, g)], dim=-1)
 
@@ -153,9 +151,7 @@ class TritonMLA(TorchMLA):
     def store(self, latent, cache, meta, R: int = 0) -> None:
         fmt, scales = kv_quant.format_of(cache), None
         if fmt != "auto":  # quantised in the store kernel; scales set once, device-side
-            scales = kv_quant.scales_of(cache)
-            if kv_quant.granularity_of(cache) == "tensor":  # token_head: a scale per row
-                kv_quant.update_scales(scales, fmt, latent[:, :R], latent[:, R:])
+            scales = kv_quant.scales_for_write(cache, latent[:, :R], latent[:, R:])
         self.kernels.store_latent(latent, cache, meta.slot_mapping, scales, R)
 
     def decode(self, q_latent, q_pe, cache, seq_lens, block_tables, scale, max_len):

@@ -78,6 +78,23 @@ class _Prefill:
         return self.L * t.t_attn(n, ctx, tp) + (t.t_head(rows, tp) if rows else 0.0), te
 
 
+@dataclass
+class _PrefillStep:
+    """A prefill replica's step in flight: it ends at ``end`` if its ``rate`` (alone-seconds of
+    work per second, below 1 while it shares cores) holds; ``left`` alone-seconds remain as of
+    ``since``. ``row``: its entry of the result's prefill steps (duration set at the end)."""
+
+    end: float
+    start: float
+    work: list  # [(request, prompt tokens)]
+    attn_s: float
+    exp_s: float
+    row: list
+    left: float
+    rate: float
+    since: float
+
+
 class _Node:
     """Core sharing between the prefill replicas and the decode pool (the node terms of
     docs/perfmodel.md, "Ranks sharing a node"). Prefill and decode ranks share a node when they
@@ -153,8 +170,7 @@ def simulate_pd_job(pool, model: DisaggModel, plan: Plan, requests: Requests,
     load, pload = np.zeros(n_a, np.int64), np.zeros(n_p, np.int64)
     pending: list = []  # arrived, not yet handed out (FCFS)
     p_queue = [[] for _ in range(n_p)]  # handed to prefill replica p, prompt unfinished
-    # p's step: [end, start, [(k, ns)], alone-seconds left, rate, last update, attn_s, exp_s, its psteps row]
-    p_busy = [None] * n_p
+    p_busy: list = [None] * n_p  # p's _PrefillStep in flight
     d_wait = [[] for _ in range(n_a)]  # handed to decode replica a, not yet decoding
     d_run = [[] for _ in range(n_a)]
     d_busy = None  # (end, [(a, ids)]) of the decode iteration in flight
@@ -169,12 +185,12 @@ def simulate_pd_job(pool, model: DisaggModel, plan: Plan, requests: Requests,
             nxt += 1
         for b in p_busy:  # a step progresses at its rate since the last event
             if b is not None:
-                b[3] -= (t - b[5]) * b[4]
-                b[5] = t
+                b.left -= (t - b.since) * b.rate
+                b.since = t
         for p in range(n_p):
-            if p_busy[p] is not None and p_busy[p][0] <= t:
-                end, start, work = p_busy[p][:3]
-                p_busy[p][8][2] = end - start  # the step's duration, stretched by sharing
+            if p_busy[p] is not None and p_busy[p].end <= t:
+                end, start, work = p_busy[p].end, p_busy[p].start, p_busy[p].work
+                p_busy[p].row[2] = end - start  # the step's duration, stretched by sharing
                 p_busy[p] = None
                 for k, ns in work:
                     computed[k] += ns
@@ -241,7 +257,7 @@ def simulate_pd_job(pool, model: DisaggModel, plan: Plan, requests: Requests,
             ta, te = pre.step_s(tok, ctxw / tok, rows)
             ta += cfg.iteration_overhead_s
             psteps.append([p, t, ta + te, tok])
-            p_busy[p] = [t + ta + te, t, work, ta + te, 1.0, t, ta, te, psteps[-1]]
+            p_busy[p] = _PrefillStep(t + ta + te, t, work, ta, te, psteps[-1], ta + te, 1.0, t)
         # 4. an idle decode pool starts an iteration with what is runnable at t
         if d_busy is None:
             for a in range(n_a):
@@ -271,10 +287,10 @@ def simulate_pd_job(pool, model: DisaggModel, plan: Plan, requests: Requests,
         n_busy = sum(b is not None for b in p_busy)
         for b in p_busy:
             if b is not None:
-                r = node.rate(b[6], b[7], n_busy, d_busy is not None)
-                if r != b[4]:
-                    b[4], b[0] = r, t + b[3] / r
-        cand = [b[0] for b in p_busy if b is not None]
+                r = node.rate(b.attn_s, b.exp_s, n_busy, d_busy is not None)
+                if r != b.rate:
+                    b.rate, b.end = r, t + b.left / r
+        cand = [b.end for b in p_busy if b is not None]
         if d_busy is not None:
             cand.append(d_busy[0])
         else:
