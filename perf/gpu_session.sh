@@ -2,7 +2,7 @@
 # The one prepared script for a session that is lent a GPU (see /work/.library/device): it runs
 # from the repository root on the GPU machine and writes everything under $OUT.
 #
-# Default steps (STEPS="env attn gputests ipc tokens tp trace engine transport", about 7.5 min).
+# Default steps (STEPS="env attn gputests ipc tokens tp eplb trace engine transport", about 7.5 min).
 # The correctness steps (PAR_STEPS) run at the same time, sharing the GPU and the 16 cores;
 # then the figures run one by one, alone on the GPU.
 #   env       nvidia-smi, torch / triton / transformers versions, mpi4py's MPI, libnccl;
@@ -12,7 +12,8 @@
 #             references, and the whole engine with them against HF greedy (ATTN_TESTS=files);
 #   gputests  pytest -m gpu: the engine on cuda (fp32 greedy = HF, bf16 within HF's top-5,
 #             past position 2000, CUDA graphs = eager, Triton = torch attention, host syncs of
-#             a decode step), the sampler on cuda, a CUDA load against a host load;
+#             a decode step), the sampler on cuda, a CUDA load against a host load, an expert
+#             rank's load count with no host sync;
 #   ipc       tests/test_runtime_gpu.py: cuda_ipc and staged mpi round trips, mpiexec -n 2 / 3
 #             on the one GPU, both layouts (self-peers), and the CUDA runtime wrapper;
 #   tokens    the runtime on the GPU, -n 2 / 3, cuda_ipc and mpi: fp32 tokens = single mode,
@@ -20,6 +21,8 @@
 #   tp        attention TP 2 + 1 expert rank on the one GPU: TP collectives point to point over
 #             cuda_ipc (runtime/tp_channel.py) and through host memory (mpi): fp32 tokens =
 #             single mode, bf16 equal across the two;
+#   eplb      tests/test_eplb_device_moves.py -m gpu: expert weight moves over cuda_ipc
+#             (comm.eplb_moves), buffers exact, live EPLB tokens = single mode, -n 3 / 4;
 #   trace     the traced-run test, then megainfer-launch under mpiexec -n 3 (deploy=a1e2,
 #             Mixtral-8x7B's shapes cut to 2 layers, bf16, cuda_ipc, traced);
 #   engine    perf/bench_gpu_engine.py: megainfer (graphs on, ENGINE_SYSTEMS also
@@ -72,10 +75,10 @@ if ls .whl/py/*.whl >/dev/null 2>&1; then  # pure-Python packages the image lack
 fi
 export PYTHONPATH="$SRC:$ROOT/tests${PY_EXTRA:+:$PY_EXTRA}" PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 HF_HUB_OFFLINE=1
 
-STEPS=${STEPS:-env attn gputests ipc tokens tp trace engine transport}  # or name others
+STEPS=${STEPS:-env attn gputests ipc tokens tp eplb trace engine transport}  # or name others
 # Correctness steps in PAR_STEPS run at the same time (the GPU and 16 cores are shared; their
 # timings are not figures); the rest run alone, one after the other, in the order below.
-PAR_STEPS=${PAR_STEPS:-tests attn gputests ipc tokens tp trace}
+PAR_STEPS=${PAR_STEPS:-tests attn gputests ipc tokens tp eplb trace}
 PIDS=()
 wanted() { case " $STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
 concurrent() { case " $PAR_STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
@@ -137,7 +140,7 @@ TUNED="$SRC/megainfer/kernels/tile_configs.json"
 # 5.0.2; carry [".whl"]) when present, else an mpiexec on PATH. Their environment is set per step
 # (R18 below), so the other steps keep the image's own mpi4py.
 R18=(env)
-if [[ " $STEPS " =~ " "(ipc|tokens|tp|trace|transport|calib)" " ]]; then
+if [[ " $STEPS " =~ " "(ipc|tokens|tp|eplb|trace|transport|calib)" " ]]; then
   if [ -d .whl ]; then
     carried_mpi
     R18=(env PYTHONPATH="$MPI_SITE:$PYTHONPATH" MPI4PY_LIBMPI="$LIBMPI" MPIEXEC="$MPICH_BIN/mpiexec")
@@ -153,12 +156,13 @@ step env 30 bash -c "cd $ROOT; nvidia-smi; $PY -c 'import torch, triton; print(t
 # ---- correctness (concurrent, PAR_STEPS)
 step tests 150 bash -c "cd $ROOT && $PY -m pytest -q -rs -p no:cacheprovider -o timeout=120 ${TESTS:-tests/test_kernels_triton.py tests/test_comm_nccl.py}"
 step attn 170 bash -c "cd $ROOT && $PY -m pytest -q -rs -p no:cacheprovider -o timeout=120 ${ATTN_TESTS:-tests/test_attention_triton.py tests/test_engine_triton.py tests/test_mla_triton.py tests/test_kv_quant_triton.py}"
-GPUTESTS=$(cd "$ROOT" && ls tests/test_gpu_engine.py tests/test_sampler.py tests/test_device_config.py tests/test_loader_memory.py 2>/dev/null)
+GPUTESTS=$(cd "$ROOT" && ls tests/test_gpu_engine.py tests/test_sampler.py tests/test_device_config.py tests/test_loader_memory.py tests/test_expert_load_count.py 2>/dev/null)
 step gputests 170 bash -c "cd $ROOT && $PYT -o timeout=120 $(echo $GPUTESTS)"
 # issue 18: the disaggregated runtime on the GPU, every rank on the one GPU
 step ipc 120 "${R18[@]}" bash -c "cd $ROOT && $PYT -o timeout=100 tests/test_runtime_gpu.py -k 'round_trips or cudart'"
 step tokens 170 "${R18[@]}" bash -c "cd $ROOT && $PYT -o timeout=160 tests/test_runtime_gpu.py -k 'tokens and not tp2'"
 step tp 170 "${R18[@]}" bash -c "cd $ROOT && $PYT -o timeout=160 tests/test_runtime_gpu.py -k tp2"
+step eplb 170 "${R18[@]}" bash -c "cd $ROOT && $PYT -o timeout=160 tests/test_eplb_device_moves.py"
 step trace 170 "${R18[@]}" bash -c "cd $ROOT && $PYT -o timeout=80 tests/test_runtime_gpu.py -k traced; \
     \$MPIEXEC -n 3 $PY -m megainfer.launch.main model=mixtral_8x7b model.arch.num_layers=2 \
       deploy=a1e2 deploy.device=cuda model.dtype=bfloat16 comm.transport=cuda_ipc \
@@ -193,5 +197,5 @@ if [[ " $STEPS " == *" m2n "* ]]; then
 fi
 join
 echo "== summary"
-grep -h -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)|error" "$W"/{tests,attn,gputests,ipc,tokens,tp,trace}.log 2>/dev/null | cut -c1-220 | tail -n 40
+grep -h -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)|error" "$W"/{tests,attn,gputests,ipc,tokens,tp,eplb,trace}.log 2>/dev/null | cut -c1-220 | tail -n 40
 cat "$W/rc.txt"

@@ -266,6 +266,10 @@ class CommConfig:
     # TP all-reduce/broadcast in a replica: auto (cuda: point to point over cuda_ipc when the job's
     # transport is auto or cuda_ipc; else MPI on host memory) | mpi | channel (runtime/tp_channel.py)
     tp_collectives: str = "auto"
+    # expert weight moves of live EPLB and of a re-plan: auto (cuda: device to device over cuda_ipc
+    # when the job's transport is auto or cuda_ipc; else MPI through host memory) | mpi | device
+    # (cuda_ipc on cuda, the MPI transport on cpu; runtime/weight_channel.py)
+    eplb_moves: str = "auto"
 
     def __post_init__(self):
         _require(isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0, "comm.timeout_s",
@@ -276,6 +280,8 @@ class CommConfig:
                  self.transport, "must be auto, mpi, cuda_ipc or nccl")
         _require(self.tp_collectives in ("auto", "mpi", "channel"), "comm.tp_collectives",
                  self.tp_collectives, "must be auto, mpi or channel")
+        _require(self.eplb_moves in ("auto", "mpi", "device"), "comm.eplb_moves",
+                 self.eplb_moves, "must be auto, mpi or device")
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from .rebalancer import AttentionRebalancer, ExpertRebalancer
 from .replica_loop import ReplicaLoop
 from .roles import expert_rank_ids, leader_ranks
 from .trace import Tracer
+from .weight_channel import eplb_moves_kind
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -68,7 +69,9 @@ def build_expert(job, out, m2n, placement, control, side_comm, tracer, model=Non
                             expert_slots=[list(placement.slots_of_rank(me))] * cfg.num_layers,
                             device=job.device.torch_device)
     rebalancer = ExpertRebalancer(model, placement, me, side_comm, control, leader_ranks(plan),
-                                  job.eplb)
+                                  job.eplb, eplb_moves_kind(job.comm.eplb_moves,
+                                                            job.device.torch_device,
+                                                            job.comm.transport))
     out.worker = ExpertWorker(model, plan.micro_batches, ExpertExchange(m2n), out.role.tag, tracer,
                               rebalancer)
 

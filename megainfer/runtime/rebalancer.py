@@ -4,15 +4,22 @@ Every ``eplb.interval`` iterations, before the iteration's first message, each r
 sends every expert rank a REBALANCE control message on the dispatch channel. The expert ranks
 sum their load windows (each counts the tokens that reached its own slots, by logical
 expert), all compute the same new placement (``Placement.from_rebalance`` is deterministic),
-move weights point to point (staged into fresh host buffers, then switched: on a GPU they
-travel through host memory), and expert rank 0
+move weights point to point into fresh buffers, then switch them in, and expert rank 0
 sends the new ``phy2log`` to the leaders, which switch their replica choice before sending the
 iteration's tokens. Physical slots stay on their rank, so ``expert_map`` never changes; only
 which logical expert a slot holds does.
+
+Two paths for the weight moves (``comm.eplb_moves``, docs/eplb.md): device to device over the
+job's device transport (``runtime/weight_channel.py``: fixed-size messages, device buffers), or
+host staging over MPI (one device -> host copy per move on a GPU). The load window counts on
+the experts' device (no host sync per layer and micro-batch); the load all-reduce copies it to
+the host and stays an MPI all-reduce either way (L x N int64 once per interval: 125 KB for
+DeepSeek-V3).
 """
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import numpy as np
 import torch
@@ -23,6 +30,8 @@ from megainfer.config import EplbConfig
 from megainfer.eplb import ExpertLoadWindow, Placement, weight_moves, weight_sends
 
 from .control import ControlPlane
+from .weight_channel import (Inbound, Outbound, close_weight_channel, open_weight_channel,
+                             world_ranks_of)
 
 log = logging.getLogger("megainfer.runtime")
 TAG_PLACEMENT = 105
@@ -59,25 +68,46 @@ class ExpertRebalancer:
     """Expert rank side: the load window, the agreement, the weight moves."""
 
     def __init__(self, model, placement: Placement, index: int, expert_comm: MPI.Comm,
-                 control: ControlPlane, leaders: list[int], eplb: EplbConfig):
-        self.model, self.placement, self.index = model, placement, index
+                 control: ControlPlane, leaders: list[int], eplb: EplbConfig,
+                 moves: Optional[str] = None):
+        """``moves``: the transport kind weights move on device to device
+        (``weight_channel.eplb_moves_kind``), None for host staging over MPI."""
+        self.model, self.placement, self.index, self.moves = model, placement, index, moves
         self.comm, self.control, self.leaders, self.eplb = expert_comm, control, leaders, eplb
-        self.window = ExpertLoadWindow(placement.num_layers, placement.num_experts, eplb.window)
+        dev = next(layer for layer in model.layers if layer.is_moe).mlp.experts.gate_up_proj.device
+        # counted where the ids are (no host sync per (layer, micro-batch) on a GPU)
+        self.window = ExpertLoadWindow(placement.num_layers, placement.num_experts, eplb.window,
+                                       device=dev)
+        self._phy2log = placement.phy2log.to(dev)  # [L, R], refreshed with the placement
         self.mine = placement.slots_of_rank(index)
         self.rebalances = self.moved = 0  # counters, for tests and logs
-        self.tokens_per_iteration: list[int] = []  # (token, slot) pairs served here, per iteration
+        self.device_messages = 0  # weight messages sent over the device path (tests, logs)
+        self.world = world_ranks_of(expert_comm)  # expert index -> job rank (failures name it)
+        self._counted: list[int] = []  # (token, slot) pairs served here, per iteration
+        self._uncounted: list[torch.Tensor] = []  # the same, device scalars not yet read
 
     def record(self, layer: int, ids: torch.Tensor) -> None:
-        """ids [n, k] physical slots of tokens that reached this rank: count the local ones."""
-        local = ids[(ids >= self.mine.start) & (ids < self.mine.stop)]
-        self.window.record_physical(layer, local, self.placement.phy2log)
+        """ids [n, k] physical slots of tokens that reached this rank: count the local ones,
+        by logical expert. Masked by weight, not by indexing, so nothing waits for the device."""
+        flat = ids.reshape(-1).long()  # [n*k]
+        local = (flat >= self.mine.start) & (flat < self.mine.stop)
+        logical = self._phy2log[layer][flat.clamp(0, self._phy2log.shape[1] - 1)]
+        self.window.current[layer].index_add_(0, logical, local.long())
 
     def end_iteration(self) -> None:
-        self.tokens_per_iteration.append(int(self.window.current.sum()))  # this iteration's count
+        self._uncounted.append(self.window.current.sum())  # this iteration's count, on the device
         self.window.end_iteration()
 
+    @property
+    def tokens_per_iteration(self) -> list[int]:
+        """(token, slot) pairs served here, per iteration so far (one device read per call)."""
+        if self._uncounted:
+            self._counted += torch.stack(self._uncounted).tolist()
+            self._uncounted = []
+        return self._counted
+
     def rebalance(self) -> None:
-        load = self.window.load().numpy().astype(np.int64)  # [L, N] tokens at my slots
+        load = self.window.load().cpu().numpy().astype(np.int64)  # [L, N] tokens at my slots
         total = np.empty_like(load)
         req = self.comm.Iallreduce(load, total, op=MPI.SUM)
         self.control.wait(req, None, "EPLB load all-reduce among expert ranks")
@@ -86,7 +116,7 @@ class ExpertRebalancer:
                                        self.eplb.groups_for(self.model.config),
                                        self.eplb.num_nodes, p.num_ranks)
         self._move_weights(p, new)
-        self.placement = new
+        self.placement, self._phy2log = new, new.phy2log.to(self._phy2log.device)
         self.rebalances += 1
         if self.index == 0:
             for leader in self.leaders:
@@ -100,33 +130,75 @@ class ExpertRebalancer:
         moe = {i for i, layer in enumerate(layers) if layer.is_moe}  # dense layers: no experts
         moves = [mv for mv in weight_moves(old, new, self.index) if mv.layer in moe]
         sends = [mv for mv in weight_sends(old, new, self.index) if mv.layer in moe]
-        S, R = old.slots_per_rank, old.num_replicas
-        staged, reqs = {}, []
-        for mv in sends:  # old weights of my slot src_slot go to rank mv.rank's slot dst_slot
-            ex = layers[mv.layer].mlp.experts
-            buf = _host(torch.cat([ex.gate_up_proj[mv.src_slot].flatten(),
-                                   ex.down_proj[mv.src_slot].flatten()]))
-            tag = TAG_WEIGHTS + mv.layer * R + mv.rank * S + mv.dst_slot
-            reqs.append((self.comm.Isend(_np(buf), dest=mv.rank, tag=tag), mv.rank, buf))
-        for mv in moves:
-            ex = layers[mv.layer].mlp.experts
-            gu, dn = ex.gate_up_proj[mv.dst_slot], ex.down_proj[mv.dst_slot]
-            if mv.src == "self":
-                staged[(mv.layer, mv.dst_slot)] = torch.cat([ex.gate_up_proj[mv.src_slot].flatten(),
-                                                             ex.down_proj[mv.src_slot].flatten()])
-                continue
-            buf = torch.empty(gu.numel() + dn.numel(), dtype=gu.dtype)  # host staging
-            tag = TAG_WEIGHTS + mv.layer * R + self.index * S + mv.dst_slot
-            reqs.append((self.comm.Irecv(_np(buf), source=mv.src, tag=tag), mv.src, buf))
-            staged[(mv.layer, mv.dst_slot)] = buf
-        for req, peer, _ in reqs:
-            self.control.wait(req, peer, "EPLB weight move")
+        if self.moves and any(mv.src != "self" for r in range(old.num_ranks)  # every rank alike
+                              for mv in weight_moves(old, new, r) if mv.layer in moe):
+            staged = self._stage_device(old, moves, sends)
+        else:
+            staged = self._stage_host(old, moves, sends)
         for (layer, slot), buf in staged.items():
             ex = layers[layer].mlp.experts
             n = ex.gate_up_proj[slot].numel()
             ex.gate_up_proj.data[slot].copy_(buf[:n].view(ex.gate_up_proj[slot].shape))
             ex.down_proj.data[slot].copy_(buf[n:].view(ex.down_proj[slot].shape))
         self.moved += sum(1 for mv in moves if not (mv.src == "self" and mv.src_slot == mv.dst_slot))
+
+    def _stage_device(self, old: Placement, moves, sends) -> dict:
+        """Device to device: old slots' weights sent from the parameters, received into device
+        buffers, over a transport built for this rebalance (docs/eplb.md)."""
+        layers = self.model.layers
+        outs = [Outbound(mv.rank, mv.layer, mv.dst_slot, _parts(layers[mv.layer].mlp.experts,
+                                                                mv.src_slot)) for mv in sends]
+        staged, ins = {}, []
+        for mv in moves:
+            ex = layers[mv.layer].mlp.experts
+            if mv.src == "self":
+                staged[(mv.layer, mv.dst_slot)] = _flat(ex, mv.src_slot)
+                continue
+            buf = torch.empty(sum(p.numel() for p in _parts(ex, 0)), dtype=ex.gate_up_proj.dtype,
+                              device=ex.gate_up_proj.device)
+            ins.append(Inbound(mv.src, mv.layer, mv.dst_slot, buf))
+            staged[(mv.layer, mv.dst_slot)] = buf
+        w = next(layer for layer in layers if layer.is_moe).mlp.experts.gate_up_proj
+        ranks = list(range(old.num_ranks))
+        wc, bounded = open_weight_channel(self.moves, self.comm, w.device, w.dtype, ranks, ranks,
+                                          self.control, self.world, "EPLB weight move")
+        wc.exchange(outs, ins)
+        self.device_messages += wc.sent
+        close_weight_channel(wc, bounded)
+        return staged
+
+    def _stage_host(self, old: Placement, moves, sends) -> dict:
+        """Through host memory over MPI: one Isend/Irecv of a host buffer per move."""
+        layers = self.model.layers
+        S, R = old.slots_per_rank, old.num_replicas
+        staged, reqs = {}, []
+        for mv in sends:  # old weights of my slot src_slot go to rank mv.rank's slot dst_slot
+            buf = _host(_flat(layers[mv.layer].mlp.experts, mv.src_slot))
+            tag = TAG_WEIGHTS + mv.layer * R + mv.rank * S + mv.dst_slot
+            reqs.append((self.comm.Isend(_np(buf), dest=mv.rank, tag=tag), mv.rank, buf))
+        for mv in moves:
+            ex = layers[mv.layer].mlp.experts
+            gu, dn = ex.gate_up_proj[mv.dst_slot], ex.down_proj[mv.dst_slot]
+            if mv.src == "self":
+                staged[(mv.layer, mv.dst_slot)] = _flat(ex, mv.src_slot)
+                continue
+            buf = torch.empty(gu.numel() + dn.numel(), dtype=gu.dtype)  # host staging
+            tag = TAG_WEIGHTS + mv.layer * R + self.index * S + mv.dst_slot
+            reqs.append((self.comm.Irecv(_np(buf), source=mv.src, tag=tag), mv.src, buf))
+            staged[(mv.layer, mv.dst_slot)] = buf
+        for req, peer, _ in reqs:
+            self.control.wait(req, self.world[peer], "EPLB weight move")
+        return staged
+
+
+def _parts(ex, slot: int) -> tuple:
+    """A slot's weights in the order they travel (gate_up, then down), read in place."""
+    return ex.gate_up_proj[slot], ex.down_proj[slot]
+
+
+def _flat(ex, slot: int) -> torch.Tensor:
+    """A slot's weights as one fresh flat buffer on their device (gate_up, then down)."""
+    return torch.cat([ex.gate_up_proj[slot].flatten(), ex.down_proj[slot].flatten()])
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:

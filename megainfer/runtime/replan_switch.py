@@ -45,6 +45,7 @@ from .replan_requests import balance_shares, group_count, migrate
 from .replan_weights import move_expert_weights, new_placement
 from .roles import assign_role, expert_rank_ids, leader_ranks
 from .tp_group import TPGroup, late_peer
+from .weight_channel import eplb_moves_kind
 
 log = logging.getLogger("megainfer.runtime")
 TAG_REPLAN = 106  # rank 0 -> every rank: the order ending a loop (None: the job is over)
@@ -124,7 +125,7 @@ def switch(r, order: ReplanOrder) -> dict:
     # 1. the new placement, from the load the old expert ranks counted
     checkpoint(control, "re-plan start")
     old_p = _placement_of(r)
-    load = (r.worker.rebalancer.window.load().numpy().astype(np.int64) if r.worker is not None
+    load = (r.worker.rebalancer.window.load().cpu().numpy().astype(np.int64) if r.worker is not None
             else np.zeros((cfg.num_layers, cfg.num_experts), dtype=np.int64))
     total = np.empty_like(load)
     control.wait(sw.Iallreduce(load, total, op=MPI.SUM), None, "re-plan load all-reduce")
@@ -140,7 +141,9 @@ def switch(r, order: ReplanOrder) -> dict:
     old_model = r.worker.model if r.worker is not None else None
     model, weight_bytes = move_expert_weights(sw, control, cfg, job.load.dtype,
                                               job.device.torch_device, old_model, old_p, new_p,
-                                              a0, a1)
+                                              a0, a1, eplb_moves_kind(job.comm.eplb_moves,
+                                                                      job.device.torch_device,
+                                                                      job.comm.transport))
     checkpoint(control, "re-plan expert weight moves")  # the channels' rebuild is collective
     # 4. new channels, new parts
     keep = r.loop if (r.loop is not None and new_role.is_attention) else None

@@ -6,11 +6,15 @@ counted (their windows summed), with the slots padded to a multiple of the new r
 at launch (``runtime/placement.py``); with no load counted yet, the launch placement for that
 count. Every rank computes the same move list: each slot of each new expert rank takes its
 logical expert from itself when it held it, else from one old holder (the holders take turns,
-as in ``eplb.weight_moves``). Weights travel as one buffer per (layer, slot), staged on the
-host like live rebalancing's; the receiving rank builds an experts-role model with empty
-slots and fills every slot from what arrived.
+as in ``eplb.weight_moves``). Weights travel as one buffer per (layer, slot), over one of live
+rebalancing's two paths (``comm.eplb_moves``, docs/eplb.md): device to device over a transport
+built on the switch communicator for these moves (``runtime/weight_channel.py``), or staged on
+the host over MPI. The receiving rank builds an experts-role model with empty slots and fills
+every slot from what arrived.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import numpy as np
 import torch
@@ -23,6 +27,8 @@ from megainfer.models.model import MoECausalLM
 
 from .placement import initial_placement
 from .rebalancer import _host, _np
+from .weight_channel import (Inbound, Outbound, close_weight_channel, open_weight_channel,
+                             world_ranks_of)
 
 TAG_EXPERT = 2000  # + layer * new slots per rank + local slot, on the switch communicator
 
@@ -71,32 +77,82 @@ def _empty_experts(cfg, dtype, slots, num_slots, device) -> MoECausalLM:
 
 
 def move_expert_weights(sw: MPI.Comm, control, cfg, load_dtype: str, device, old_model,
-                        old: Placement, new: Placement, old_first: int, new_first: int):
+                        old: Placement, new: Placement, old_first: int, new_first: int,
+                        kind: Optional[str] = None):
     """Collective over ``sw``: every rank sends the slots it owes; a new expert rank returns
-    its filled model (others None) and the bytes it received from peers."""
+    its filled model (others None) and the bytes it received from peers. ``kind``: the
+    transport the weights move on device to device (``weight_channel.eplb_moves_kind``), None
+    for host staging over MPI."""
     me = sw.Get_rank()
-    moe = cfg.moe_layers()
-    moves = plan_moves(old, new, old_first, new_first, moe)
-    S1 = new.slots_per_rank
-    reqs, staged = [], {}
+    moves = plan_moves(old, new, old_first, new_first, cfg.moe_layers())
+    j = me - new_first
+    model = None
+    if 0 <= j < new.num_ranks:
+        model = _empty_experts(cfg, DTYPES[load_dtype], new.slots_of_rank(j), new.num_replicas,
+                               device)
+    remote = [mv for mv in moves if mv[1] != mv[3]]  # every rank alike
+    if kind is not None and remote:
+        staged, received = _stage_device(sw, control, kind, device, DTYPES[load_dtype],
+                                         old_model, model, moves, remote, me)
+    else:
+        staged, received = _stage_host(sw, control, old_model, model, moves, me,
+                                       new.slots_per_rank)
+    if model is not None:
+        for (layer, t), buf in staged.items():
+            ex = model.layers[layer].mlp.experts
+            n = ex.gate_up_proj[t].numel()
+            ex.gate_up_proj.data[t].copy_(buf[:n].view(ex.gate_up_proj[t].shape))
+            ex.down_proj.data[t].copy_(buf[n:].view(ex.down_proj[t].shape))
+    return model, received
+
+
+def _own(old_model, layer: int, slot: int) -> torch.Tensor:
+    """A slot this rank held, as a fresh flat buffer (gate_up, then down)."""
+    ex = old_model.layers[layer].mlp.experts
+    return torch.cat([ex.gate_up_proj[slot].flatten(), ex.down_proj[slot].flatten()]).clone()
+
+
+def _stage_device(sw, control, kind, device, dtype, old_model, model, moves, remote, me):
+    """Device to device over a transport built on ``sw`` for these moves (collective)."""
+    outs, ins, staged, received = [], [], {}, 0
+    for layer, dst, t, src, slot in moves:
+        if src == me and dst != me:
+            ex = old_model.layers[layer].mlp.experts
+            outs.append(Outbound(dst, layer, t, (ex.gate_up_proj[slot], ex.down_proj[slot])))
+        elif dst == me:
+            if src == me:
+                staged[(layer, t)] = _own(old_model, layer, slot)
+                continue
+            ex = model.layers[layer].mlp.experts
+            buf = torch.empty(ex.gate_up_proj[t].numel() + ex.down_proj[t].numel(),
+                              dtype=ex.gate_up_proj.dtype, device=ex.gate_up_proj.device)
+            ins.append(Inbound(src, layer, t, buf))
+            staged[(layer, t)] = buf
+            received += buf.numel() * buf.element_size()
+    senders = sorted({mv[3] for mv in remote})
+    receivers = sorted({mv[1] for mv in remote})
+    wc, bounded = open_weight_channel(kind, sw, device, dtype, senders, receivers, control,
+                                      world_ranks_of(sw), "re-plan expert weight move")
+    wc.exchange(outs, ins)
+    close_weight_channel(wc, bounded)
+    return staged, received
+
+
+def _stage_host(sw, control, old_model, model, moves, me, S1):
+    """Through host memory over MPI: one Isend/Irecv of a host buffer per move."""
+    reqs, staged, received = [], {}, 0
     for layer, dst, t, src, slot in moves:
         if src == me and dst != me:  # my old slot -> a peer's new slot
             ex = old_model.layers[layer].mlp.experts
             buf = _host(torch.cat([ex.gate_up_proj[slot].flatten(), ex.down_proj[slot].flatten()]))
             reqs.append((sw.Isend(_np(buf), dest=dst, tag=TAG_EXPERT + layer * S1 + t), dst, buf))
-    j = me - new_first
-    model, received = None, 0
-    if 0 <= j < new.num_ranks:
-        slots = new.slots_of_rank(j)
-        model = _empty_experts(cfg, DTYPES[load_dtype], slots, new.num_replicas, device)
+    if model is not None:
         for layer, dst, t, src, slot in moves:
             if dst != me:
                 continue
             ex = model.layers[layer].mlp.experts
             if src == me:
-                old_ex = old_model.layers[layer].mlp.experts
-                staged[(layer, t)] = torch.cat([old_ex.gate_up_proj[slot].flatten(),
-                                                old_ex.down_proj[slot].flatten()]).clone()
+                staged[(layer, t)] = _own(old_model, layer, slot)
                 continue
             n = ex.gate_up_proj[t].numel() + ex.down_proj[t].numel()
             buf = torch.empty(n, dtype=ex.gate_up_proj.dtype)
@@ -105,10 +161,4 @@ def move_expert_weights(sw: MPI.Comm, control, cfg, load_dtype: str, device, old
             received += buf.numel() * buf.element_size()
     for req, peer, _ in reqs:
         control.wait(req, peer, "re-plan expert weight move")
-    if model is not None:
-        for (layer, t), buf in staged.items():
-            ex = model.layers[layer].mlp.experts
-            n = ex.gate_up_proj[t].numel()
-            ex.gate_up_proj.data[t].copy_(buf[:n].view(ex.gate_up_proj[t].shape))
-            ex.down_proj.data[t].copy_(buf[n:].view(ex.down_proj[t].shape))
-    return model, received
+    return staged, received
