@@ -4,7 +4,8 @@ CUDA; perf/gpu_session.sh runs them). Every rank shares the one GPU, as on the l
 * cuda_ipc and staged mpi round trips, 2 and 3 ranks, both layouts (colocated: self-peers);
 * mpirun -n 2 / -n 3: fp32 tokens identical to single mode on the GPU, for cuda_ipc and mpi;
   bf16 tokens identical between the two transports; host syncs of a decode step on the
-  attention rank within one per (MoE layer, micro-batch) plus the engine's own;
+  attention rank within one per (MoE layer, micro-batch) plus the engine's own; none in the
+  expert ranks' compute (experts and load count);
 * a traced run: the four lanes on the device clock.
 mpiexec: next to the interpreter, or $MPIEXEC (the GPU image's carried MPICH).
 """
@@ -69,6 +70,8 @@ def test_tokens_on_gpu_match_single_mode_and_across_transports(tiny_ckpts, tmp_p
         assert steps, "no decode step recorded"
         worst = max(s[2] for s in steps)
         assert worst <= sync_budget(L, m), (m, worst, L, steps)
+        for calls, n in got[f"expert_syncs|cuda_ipc|float32|m={m}"]:  # expert ranks' compute
+            assert calls > 0 and n == 0, (m, calls, n)
 
 
 def test_tp2_replica_tokens_on_gpu_match_single_mode_over_both_tp_paths(tiny_ckpts, tmp_path):

@@ -6,7 +6,9 @@ transport x dtype x micro-batch count, all in one launch.
 
 Writes OUT_DIR/result.json: {"single|<dtype>": {rid: tokens}, "<transport>|<dtype>|m=<m>":
 {rid: tokens}, "syncs|<transport>|<dtype>|m=<m>": [[seqs, tokens, host syncs] per step]}.
-Host syncs: torch's synchronizing calls on rank 0 per engine step (set_sync_debug_mode). With
+Host syncs: torch's synchronizing calls on rank 0 per engine step (set_sync_debug_mode), and
+"expert_syncs|<run>": per expert rank [calls, synchronising calls] of its experts' forward and
+load count over the run. With
 ``trace``, the last run is traced and every rank writes OUT_DIR/trace.rank<r>.json. With
 ``tp2``, ranks 0 and 1 are one attention replica with TP 2 (comm.tp_collectives=auto: point to
 point over cuda_ipc when that is the transport); "tp_sent|<run>" counts rank 0's collectives
@@ -67,6 +69,28 @@ def count_syncs(engine, log: list) -> None:
     engine.step = counted
 
 
+def count_expert_syncs(worker, tally: list) -> None:
+    """Wrap an expert rank's compute (each MoE layer's experts and the load count): tally
+    [calls, synchronising calls] over the run."""
+    def counted(fn):
+        def call(*a, **kw):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode(1)
+                try:
+                    return fn(*a, **kw)
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+                    tally[0] += 1
+                    tally[1] += sum("synchroniz" in str(w.message) for w in caught)
+        return call
+    for layer in worker.model.layers:
+        if layer.is_moe:
+            layer.mlp.experts.forward = counted(layer.mlp.experts.forward)
+    if worker.rebalancer is not None:
+        worker.rebalancer.record = counted(worker.rebalancer.record)
+
+
 def main():
     out_dir, ckpt = sys.argv[1], sys.argv[2]
     transports, dtypes = sys.argv[3].split(","), sys.argv[4].split(",")
@@ -90,13 +114,17 @@ def main():
                       device=device_config())
         r = build_rank(job)
         key = f"{transport}|{dtype}|m={m}"
-        syncs = []
+        syncs, expert_syncs = [], [0, 0]
         if me == 0:
             count_syncs(r.loop.engine, syncs)
+        if getattr(r, "worker", None) is not None:
+            count_expert_syncs(r.worker, expert_syncs)
         stream = run_rank(r, inputs(cfg.vocab_size, MAX_TOKENS))
+        tallies = WORLD.gather(expert_syncs, root=0)
         if stream is not None:
             results[key] = {o.request_id: o.outputs[0].token_ids for o in stream}
             results[f"syncs|{key}"] = syncs
+            results[f"expert_syncs|{key}"] = tallies[tp:]  # per expert rank: [calls, syncs]
             channel = r.parts["tp"].channel if r.parts.get("tp") is not None else None
             results[f"tp_sent|{key}"] = channel.sent if channel is not None else 0
         if trace:
