@@ -1,7 +1,8 @@
 """The paged KV cache in Triton: writing new keys/values through a slot mapping (quantised to
 the cache's format: model dtype, float8 with a per-layer scale, or packed fp4 with block scales)
 and reading a tile of cache rows back, dequantised in registers (``_kv_tile``, used by the
-attention kernels in ``triton_attention.py`` and ``triton_mla.py``). Formats: ``kv_quant.py``.
+attention kernels in ``triton_attention.py`` and ``triton_mla.py``). Formats: ``kv_quant.py``;
+the fp4 row quantiser and tile reader: ``triton_fp4.py``.
 
 ``token_head`` scales (``QUANT == 2``): each stored row ends with its own scale (fp8: bf16 bytes
 after the D elements; fp4: an E8M0 byte after the block scales), computed by the store kernel
@@ -18,68 +19,8 @@ import triton.language as tl
 from . import kv_quant
 from .attention_ref import FP8_CACHE_DTYPES, check_attention_args, token_head_cache
 from .dispatch import KernelInputError
+from .triton_fp4 import NO_FMA, _fp4_tile, _quant_fp4_row, fp4_blocks_padded
 from .triton_kv_scales import _bf16_round, _round_fp8, _row_scale_fp4, _row_scale_fp8
-
-
-@triton.jit
-def _fp4_tile(row, d, mask, D, gscale):
-    """An fp4_e2m1 tile (kernels/kv_quant.py): row [BN] uint8 pointers to each token's row of
-    D/2 packed codes then D/16 E4M3 block scales -> values [BN, BD] fp32 (x gscale)."""
-    byte = tl.load(row[:, None] + d[None, :] // 2, mask=mask, other=0).to(tl.int32)
-    code = (byte >> ((d[None, :] % 2) * 4)) & 0xF
-    m = code & 7
-    e = m >> 1
-    mag = tl.where(e == 0, m.to(tl.float32) * 0.5,
-                   (1.0 + 0.5 * (m & 1).to(tl.float32)) * tl.exp2((e - 1).to(tl.float32)))
-    sb = tl.load(row[:, None] + D // 2 + d[None, :] // 16, mask=mask, other=0)
-    bs = sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    return tl.where(code >= 8, -mag, mag) * bs * gscale
-
-
-@triton.jit
-def _quant_fp4_row(src, dst, D, gscale, NBP: tl.constexpr, ROWSCALE: tl.constexpr = False):
-    """One row of D fp values at ``src`` -> fp4_e2m1 at ``dst`` (uint8: D/2 packed codes, then
-    D/16 E4M3 block scales), as ``kv_quant.quant_fp4`` writes it, bit for bit: block scale =
-    E4M3(amax / 6 / gscale) (saturated at 448), codes = E2M1 of x / (block scale x gscale),
-    ties rounded towards zero. Element 2j is the low nibble of byte j. NBP: blocks, padded to a
-    power of two; the tile is [NBP, 8] bytes (even and odd elements loaded apart). ROWSCALE
-    (token_head): ``gscale`` is the row's own 2**e (``kv_quant.e8m0_exponent``), its byte
-    e + 127 stored after the block scales."""
-    b = tl.arange(0, NBP)[:, None]
-    i = tl.arange(0, 8)[None, :]
-    j = b * 8 + i  # [NBP, 8] byte index
-    ok = j < D // 2
-    xe = tl.load(src + 2 * j, mask=ok, other=0.0).to(tl.float32)
-    xo = tl.load(src + 2 * j + 1, mask=ok, other=0.0).to(tl.float32)
-    amax = tl.max(tl.maximum(tl.abs(xe), tl.abs(xo)), 1)  # [NBP]
-    if ROWSCALE:  # the least 2**e >= row amax / (6 x 448), from the float32 bits
-        bits = tl.math.div_rn(tl.max(amax, 0), 2688.0).to(tl.int32, bitcast=True)
-        e = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-        e = tl.minimum(tl.maximum(e, -126), 126)
-        gscale = ((e + 127) << 23).to(tl.float32, bitcast=True)
-        tl.store(dst + D // 2 + D // 16, (e + 127).to(tl.uint8))
-    # IEEE-rounded divisions (div_rn), as torch's: a GPU's default fp32 division is not
-    ginv = tl.where(gscale > 0, tl.math.div_rn(1.0, tl.where(gscale > 0, gscale, 1.0)), 0.0)
-    bs = _round_fp8(tl.minimum(tl.math.div_rn(amax, 6.0) * ginv, 448.0), 448.0, 3, -6)
-    eff = bs * gscale  # bs: exact E4M3 values in fp32
-    inv = tl.where(eff > 0, tl.math.div_rn(1.0, tl.where(eff > 0, eff, 1.0)), 0.0)[:, None]
-    code = _e2m1_code(xe * inv) | (_e2m1_code(xo * inv) << 4)
-    tl.store(dst + j, code.to(tl.uint8), mask=ok)
-    bb = tl.arange(0, NBP)
-    tl.store(dst + D // 2 + bb, bs.to(tl.float8e4nv).to(tl.uint8, bitcast=True),
-             mask=bb < D // 16)
-
-
-@triton.jit
-def _e2m1_code(y):
-    """fp32 y (already divided by its scale) -> 4-bit E2M1 code (int32): magnitude index = the
-    rounding boundaries (kv_quant._E2M1_BOUNDS) strictly below |y| (saturating at 6), sign bit 8
-    for negative non-zero codes."""
-    a = tl.abs(y)
-    m = ((a > 0.25).to(tl.int32) + (a > 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
-         + (a > 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a > 3.5).to(tl.int32)
-         + (a > 5.0).to(tl.int32))
-    return tl.where((y < 0) & (m > 0), m | 8, m)
 
 
 @triton.jit
@@ -101,10 +42,6 @@ def _store_kv_fp4_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, sc_ptr, D, s_kt, s_k
     else:
         _quant_fp4_row(k_ptr + t * s_kt + h * s_kh, dst, D, tl.load(sc_ptr), NBP)
         _quant_fp4_row(v_ptr + t * s_vt + h * s_vh, dst + s_c2, D, tl.load(sc_ptr + 1), NBP)
-
-
-def fp4_blocks_padded(D: int) -> int:
-    return max(2, triton.next_power_of_2(D // 16))
 
 
 @triton.jit
@@ -176,8 +113,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     """k, v [T, Hkv, D] -> kv_cache [2, NB, BS, Hkv, D] at slot_mapping [T] (int; -1 skips).
     A float8 cache stores saturate(x / scales[0 or 1]) (``kernels/kv_quant.py``); an fp4_e2m1
     (uint8) cache [2, NB, BS, Hkv, D/2 + D/16] quantises k, v [T, Hkv, D] (float) in the kernel
-    with ``scales`` (bit-identical to ``kv_quant.quant_fp4``), or copies uint8 rows already
-    packed by it."""
+    with ``scales`` (bit-identical to ``kv_quant.quant_fp4``: least-squared-error block scales),
+    or copies uint8 rows already packed by it."""
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
         raise KernelInputError(f"kv_cache: expected [2, num_blocks, block_size, Hkv, D], "
                                f"got {tuple(kv_cache.shape)}")
@@ -200,7 +137,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
             _store_kv_fp4_kernel[(T, Hkv)](k, v, kv_cache, slot_mapping, sc, Dv, k.stride(0),
                                            k.stride(1), v.stride(0), v.stride(1),
                                            *kv_cache.stride()[:4], BS=BS,
-                                           NBP=fp4_blocks_padded(Dv), ROWSCALE=rows)
+                                           NBP=fp4_blocks_padded(Dv), ROWSCALE=rows,
+                                           **NO_FMA)
         return
     if kv_cache.dtype == torch.uint8:  # fp4_e2m1: rows already packed by kv_quant.quant_fp4
         for name, t in (("k", k), ("v", v)):

@@ -1,4 +1,5 @@
-"""Absorbed MLA decode in Triton over a paged latent cache, and the latent store.
+"""Absorbed MLA decode in Triton over a paged latent cache (the latent store, ``store_latent``,
+is in ``triton_mla_store.py``, importable from here too).
 
 cache [NB, BS, R + P]: per token c_kv [R] (R = kv_lora_rank) then k_pe [P], shared by every
 head; block_tables [S, max_blocks] int32/int64. Absorbed decode (W_UK folded into q_latent, W_UV
@@ -22,12 +23,12 @@ import triton.language as tl
 
 from .dispatch import KernelInputError
 from . import kv_quant
-from .mla_ref import (check_mla_args, check_store_latent_args, latent_value_width,
-                      supported_mla_dims)
+from .mla_ref import check_mla_args, supported_mla_dims
 from .tile_configs import interpreting
 from .triton_attention import choose_num_splits
-from .triton_kv_cache import _fp4_tile, _quant_fp4_row, _round_fp8, fp4_blocks_padded
-from .triton_kv_scales import _quant_fp8_part, _row_scale_fp4, _row_scale_fp8
+from .triton_fp4 import _fp4_tile
+from .triton_kv_scales import _row_scale_fp4, _row_scale_fp8
+from .triton_mla_store import store_latent
 from .triton_dot import dot, dot_flags
 
 __all__ = ["store_latent", "mla_decode", "choose_mla_num_splits", "check_mla_args",
@@ -35,110 +36,6 @@ __all__ = ["store_latent", "mla_decode", "choose_mla_num_splits", "check_mla_arg
 
 LOG2E = 1.4426950408889634
 BLOCK_H = 16  # heads per program: the M dimension of the dots (tl.dot needs >= 16)
-
-
-@triton.jit
-def _store_latent_kernel(x_ptr, cache_ptr, slot_ptr, W, s_xt, s_cb, s_cs,
-                         BS: tl.constexpr, BLOCK_W: tl.constexpr):
-    """One program per token: latent[t] [W] -> cache[slot // BS, slot % BS]."""
-    t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    if slot < 0:
-        return
-    w = tl.arange(0, BLOCK_W)
-    mask = w < W
-    tl.store(cache_ptr + (slot // BS) * s_cb + (slot % BS) * s_cs + w,
-             tl.load(x_ptr + t * s_xt + w, mask=mask), mask=mask)
-
-
-@triton.jit
-def _store_latent_q_kernel(x_ptr, cache_ptr, slot_ptr, sc_ptr, R, P, WR, s_xt, s_cb, s_cs, FMAX,
-                           BS: tl.constexpr, FP4: tl.constexpr, BLOCK_W: tl.constexpr,
-                           NBR: tl.constexpr, NBP: tl.constexpr, MANT: tl.constexpr,
-                           EMIN: tl.constexpr, ROWS: tl.constexpr = False,
-                           BLOCK_R: tl.constexpr = 16, BLOCK_P: tl.constexpr = 16):
-    """One program per token: latent[t] [R + P] -> a quantised row (kernels/kv_quant.py), c_kv
-    with scale sc_ptr[0], k_pe with sc_ptr[1]: float8 (saturate(x / scale)) or fp4_e2m1 (c_kv's
-    R/2 + R/16 bytes at 0, k_pe's at WR). ROWS (token_head): each part its own inline scale,
-    k_pe's part starting at WR."""
-    t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    if slot < 0:
-        return
-    src = x_ptr + t * s_xt
-    dst = cache_ptr + (slot // BS) * s_cb + (slot % BS) * s_cs
-    if ROWS and FP4:
-        _quant_fp4_row(src, dst, R, 0.0, NBR, True)
-        _quant_fp4_row(src + R, dst + WR, P, 0.0, NBP, True)
-    elif ROWS:
-        _quant_fp8_part(src, dst, R, FMAX, BLOCK_R, MANT, EMIN)
-        _quant_fp8_part(src + R, dst + WR, P, FMAX, BLOCK_P, MANT, EMIN)
-    elif FP4:
-        _quant_fp4_row(src, dst, R, tl.load(sc_ptr), NBR)
-        _quant_fp4_row(src + R, dst + WR, P, tl.load(sc_ptr + 1), NBP)
-    else:
-        w = tl.arange(0, BLOCK_W)
-        mask = w < R + P
-        sc = tl.where(w < R, tl.load(sc_ptr), tl.load(sc_ptr + 1))
-        inv = tl.where(sc > 0, tl.math.div_rn(1.0, tl.where(sc > 0, sc, 1.0)), 0.0)
-        x = tl.load(src + w, mask=mask, other=0.0).to(tl.float32)
-        y = _round_fp8(x * inv, FMAX, MANT, EMIN)
-        tl.store(dst + w, y.to(cache_ptr.dtype.element_ty), mask=mask)
-
-
-def _store_latent_quantised(latent, cache, slot_mapping, scales, R: int) -> None:
-    fp4 = cache.dtype == torch.uint8
-    W = cache.shape[-1]
-    g = kv_quant.granularity_of(cache)
-    fmt = kv_quant.format_of(cache)
-    RP = latent_value_width(cache)
-    if R is None or not 0 < R < RP or (fp4 and (R % 16 or (RP - R) % 16
-                                                 or (W - 2 * (g == "token_head")) % 9)):
-        raise KernelInputError(f"kv_lora_rank: R={R} does not split a {cache.dtype} row of {W}")
-    if (latent.dim() != 2 or latent.shape[1] != RP or not latent.is_floating_point()
-            or latent.device != cache.device or (latent.numel() and latent.stride(-1) != 1)):
-        raise KernelInputError(f"latent: a quantised cache takes float [T, {RP}] on "
-                               f"{cache.device}, got {tuple(latent.shape)} {latent.dtype}")
-    if (scales is None or scales.dtype != torch.float32 or scales.numel() < 2
-            or scales.device != cache.device):
-        raise KernelInputError(f"scales: a quantised cache needs float32 [2] scales (c_kv, "
-                               f"k_pe) on {cache.device}")
-    T = latent.shape[0]
-    if (slot_mapping.shape != (T,) or slot_mapping.dtype not in (torch.int32, torch.int64)
-            or slot_mapping.device != cache.device):
-        raise KernelInputError(f"slot_mapping: expected [{T}] int32/int64 on {cache.device}")
-    if T == 0:
-        return
-    P = RP - R
-    e5m2 = cache.dtype == torch.float8_e5m2
-    fmax = 0.0 if fp4 else float(torch.finfo(cache.dtype).max)
-    _store_latent_q_kernel[(T,)](
-        latent, cache, slot_mapping, scales, R, P, kv_quant.stored_dim(fmt, R, g),
-        latent.stride(0), cache.stride(0), cache.stride(1), fmax, BS=cache.shape[1], FP4=fp4,
-        BLOCK_W=triton.next_power_of_2(RP), NBR=fp4_blocks_padded(R),
-        NBP=fp4_blocks_padded(P), MANT=2 if e5m2 else 3, EMIN=-14 if e5m2 else -6,
-        ROWS=g == "token_head", BLOCK_R=max(16, triton.next_power_of_2(R)),
-        BLOCK_P=max(16, triton.next_power_of_2(P)))
-
-
-def store_latent(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
-                 scales: Optional[torch.Tensor] = None,
-                 kv_lora_rank: Optional[int] = None) -> None:
-    """latent [T, R + P] (c_kv ++ k_pe) -> cache [NB, BS, R + P] at slot_mapping [T] (int32/int64;
-    -1 skips the row). latent must be in the cache's dtype; its row stride is free.
-    A quantised cache (float8, or uint8 fp4_e2m1 rows of R/2 + R/16 + P/2 + P/16 bytes;
-    kernels/kv_quant.py): latent in any float dtype, quantised here with ``scales`` float32 [2]
-    (c_kv, k_pe) and ``kv_lora_rank`` = R, bit-identical to ``kv_quant.quantize`` per part."""
-    if cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8):
-        return _store_latent_quantised(latent, cache, slot_mapping, scales, kv_lora_rank)
-    check_store_latent_args(latent, cache, slot_mapping)
-    T = latent.shape[0]
-    if T == 0:
-        return
-    NB, BS, W = cache.shape
-    _store_latent_kernel[(T,)](latent, cache, slot_mapping, W, latent.stride(0),
-                               cache.stride(0), cache.stride(1), BS=BS,
-                               BLOCK_W=triton.next_power_of_2(W))
 
 
 @triton.jit

@@ -182,9 +182,11 @@ def _ranked(c: dict, d: dict, hw_name, pins: dict, world: int):
     hw, hw_from = hardware_for(hw_name, d.get("device"))
     cfg = model_config_of(c.get("model") or {})
     shape = shape_of(cfg, hw)
-    kv_dtype = (c.get("cache") or {}).get("kv_cache_dtype")
+    cache = c.get("cache") or {}
+    kv_dtype = cache.get("kv_cache_dtype")
     if kv_dtype not in (None, "auto"):  # the KV-memory bound follows the cache format
-        shape = replace(shape, kv_cache_dtype=kv_dtype)
+        shape = replace(shape, kv_cache_dtype=kv_dtype,
+                        kv_scale_granularity=cache.get("kv_scale_granularity", "token_head"))
     lens, src = prompt_lengths(c)
     samp, sched = c.get("sampling") or {}, c.get("scheduler") or {}
     wl = Workload(max(1, round(sum(lens) / len(lens))) if lens else 16,

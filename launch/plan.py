@@ -20,7 +20,9 @@ CONF_DIR = os.path.dirname(os.path.abspath(megainfer.conf.__file__))
 def _shape(cfg: DictConfig):
     from megainfer.perfmodel.shapes import ModelShape
     d = OmegaConf.to_container(cfg.model, resolve=True)
-    d.setdefault("kv_cache_dtype", cfg.get("cache", {}).get("kv_cache_dtype", "auto"))
+    cache = cfg.get("cache", {})
+    d.setdefault("kv_cache_dtype", cache.get("kv_cache_dtype", "auto"))
+    d.setdefault("kv_scale_granularity", cache.get("kv_scale_granularity", "token_head"))
     return ModelShape.from_dict({k: v for k, v in d.items() if k != "name"}, d.get("name", "model"))
 
 

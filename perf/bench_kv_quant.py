@@ -15,25 +15,28 @@ logit error's RMS sigma and top-1 agreement where the reference's top-1/top-2 ma
 3 sigma (``perf/kv_quant_accuracy.py``: why top-1 is fragile on near-flat random models; the
 goal is still judged on all positions). Stored formats: each with per-layer (``tensor``) scales
 (``fp8_e4m3``, ...) and with per-(token, KV head) scales inline (``fp8_e4m3/token_head``, ...,
-``cache.kv_scale_granularity=token_head``), in the same run. Ablations: ``fp4_e2m1/per-tensor`` (the same 4-bit codes
-with the per-tensor scale alone, block scales fixed); ``fp8_e4m3/per-token (emu)`` (FP8 with one
-scale per token and KV head, emulated, GQA models) beside ``fp8_e4m3/per-layer (emu)`` (the
-stored format's policy, emulated the same way: must match ``fp8_e4m3``);
-``fp4_e2m1/mse-scales (emu)`` (the same NVFP4 layout, each block's scale chosen for the least
-squared error). ``bf16-cache`` (GQA
-models): the fp32 cache rounded to bf16, how sensitive these models are to any rounding.
+``cache.kv_scale_granularity=token_head``), in the same run. Ablations, stored for real:
+``fp4_e2m1/per-tensor`` (the same 4-bit codes with the per-tensor scale alone, block scales
+fixed) and ``fp4_e2m1/amax-6``, ``fp4_e2m1/token_head amax-6`` (each block scale amax / 6, the
+rule before least-squared-error selection; ``kv_fp4.scale_rule``); emulated (GQA models):
+``fp8_e4m3/per-token (emu)`` (FP8 with a float32 scale per token and KV head) beside
+``fp8_e4m3/per-layer (emu)`` (the stored format's policy, emulated the same way: must match
+``fp8_e4m3``). ``bf16-cache`` (GQA models): the fp32 cache rounded to bf16, how sensitive
+these models are to any rounding.
 ``trained-mixtral`` (``--trained-steps``, perf/trained_tiny.py): make_tiny's Mixtral shape
 trained for a few minutes on a synthetic language (a Markov chain, then a noisy copy of the
 sequence's first half), teacher-forced on held-out sequences of that language: a model confident
 where its data is predictable, as a real LM is, unlike the near-flat random ones.
 Capacity: KV blocks and max concurrent max_model_len sequences in ``--budget-gib`` with a bf16
 model (``derive_num_blocks``). Job: ``perf/kv_quant_job.py`` (engine on CPU, same budget per
-format, batch bound by KV blocks). Writes ``perf/results/bench_kv_quant.json``.
+format, batch bound by KV blocks). Writes ``perf/results/bench_kv_quant.json``, keeping what
+a partial run (``--only``, ``--trained-steps 0``, ``--no-job``) did not measure (``carried``).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import sys
@@ -48,7 +51,7 @@ from results_io import write_json  # noqa: E402
 
 from megainfer.config import LoadConfig, ModelConfig  # noqa: E402
 from megainfer.engine.sizing import derive_num_blocks  # noqa: E402
-from megainfer.kernels import kv_quant  # noqa: E402
+from megainfer.kernels import kv_fp4, kv_quant  # noqa: E402
 from megainfer.models.kv_spec import kv_format_error  # noqa: E402
 from megainfer.models.loader import build_model  # noqa: E402
 from kv_quant_accuracy import compare, emulate, forced_logits, margin_quantiles  # noqa: E402
@@ -57,10 +60,14 @@ from trained_tiny import corpus, train_tiny  # noqa: E402
 
 TRAINED: dict = {}  # how the trained model was made (its loss curve's ends, seconds)
 
-VARIANTS = ("fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "fp4_e2m1/per-tensor")  # tensor scales
+VARIANTS = ("fp8_e4m3", "fp8_e5m2", "fp4_e2m1")  # tensor scales
 # the same formats stored with per-(token, KV head) scales inline (cache.kv_scale_granularity)
 TOKEN_HEAD = ("fp8_e4m3/token_head", "fp8_e5m2/token_head", "fp4_e2m1/token_head")
-EMULATED = ("fp8_e4m3/per-token (emu)", "fp8_e4m3/per-layer (emu)", "fp4_e2m1/mse-scales (emu)")
+# stored ablations: (granularity, kv_fp4 block-scale rule)
+ABLATIONS = {"fp4_e2m1/per-tensor": ("tensor", "per-tensor"),
+             "fp4_e2m1/amax-6": ("tensor", "amax/6"),
+             "fp4_e2m1/token_head amax-6": ("token_head", "amax/6")}
+EMULATED = ("fp8_e4m3/per-token (emu)", "fp8_e4m3/per-layer (emu)")
 FLOOR = "bf16-cache"  # reference point: the same cache rounded to bf16 (what a bf16 model caches)
 GOALS = {"fp8_e4m3": 0.99, "fp8_e5m2": 0.99, "fp4_e2m1": 0.95}
 
@@ -121,22 +128,19 @@ def accuracy(model, cfg, seqs, chunk: int) -> dict:
     res = {"positions": ref.shape[0], "logit_std": ref.std().item(),
            "ref_margin": margin_quantiles(ref), "formats": {}}
     variants = [(FLOOR, "auto", None)] if not cfg.is_mla else []  # MLA computes in its own dtype
-    variants += [(v, v.split("/")[0], None) for v in VARIANTS + TOKEN_HEAD]
+    variants += [(v, v.split("/")[0], None) for v in VARIANTS + TOKEN_HEAD + tuple(ABLATIONS)]
     if not cfg.is_mla:
         variants += [(v, "auto", v.split("/")[1].split()[0]) for v in EMULATED]
     for var, fmt, emu in variants:
-        gran = "token_head" if var.endswith("token_head") else "tensor"
+        gran, rule = ABLATIONS.get(var, (
+            "token_head" if var.endswith("token_head") else "tensor", "lsq"))
         if kv_format_error(cfg, fmt):
             res["formats"][var] = None
             continue
-        kv_quant.FP4_BLOCK_SCALES = not var.endswith("per-tensor")
-        try:
-            with emulate(emu):
-                got = forced_logits(model, cfg, seqs, fmt, chunk,
-                                    dtype=torch.bfloat16 if var == FLOOR else torch.float32,
-                                    gran=gran)
-        finally:
-            kv_quant.FP4_BLOCK_SCALES = True
+        with kv_fp4.scale_rule(rule), emulate(emu):
+            got = forced_logits(model, cfg, seqs, fmt, chunk,
+                                dtype=torch.bfloat16 if var == FLOOR else torch.float32,
+                                gran=gran)
         res["formats"][var] = compare(ref, got)
     return res
 
@@ -174,6 +178,14 @@ def judge(results: dict) -> dict:
         goals[f"fp4_block_scales_beat_per_tensor_{name}"] = all(
             sign * r["formats"]["fp4_e2m1"][key] < sign * r["formats"]["fp4_e2m1/per-tensor"][key]
             for r in with_fp4)
+    for lsq, old in (("fp4_e2m1", "fp4_e2m1/amax-6"),
+                     ("fp4_e2m1/token_head", "fp4_e2m1/token_head amax-6")):
+        both = [r for r in results.values() if r["formats"].get(lsq) and r["formats"].get(old)]
+        goals[f"{lsq}_lsq_beats_amax6_kl"] = all(
+            r["formats"][lsq]["mean_kl"] < r["formats"][old]["mean_kl"] for r in both)
+        goals[f"{lsq}_lsq_beats_amax6_top1"] = all(
+            r["formats"][lsq]["top1_agreement"] >= r["formats"][old]["top1_agreement"]
+            for r in both)
     emu = [r for r in results.values() if r["formats"].get(EMULATED[0])]
     goals["fp8_per_token_beats_per_layer_kl"] = all(
         r["formats"][EMULATED[0]]["mean_kl"] < r["formats"]["fp8_e4m3"]["mean_kl"] for r in emu)
@@ -248,14 +260,42 @@ def main(argv=None):
         print_job(job)
     elapsed = time.time() - t0
     print(f"total {elapsed:.1f}s")
-    write_json(a.out, {"bench": "kv_quant", "date": datetime.datetime.utcnow().isoformat() + "Z",
-                       "host": platform.node(), "torch": torch.__version__, "args": vars(a),
-                       "scale_policy": f"tensor: per-layer float32, set once from the first "
-                                       f"write's amax x {kv_quant.SCALE_HEADROOM}; token_head: "
-                                       "each row's own scale inline (fp8: bf16 amax / max; "
-                                       "fp4: E8M0 2**e >= amax / 2688)",
-                       "models": results, "goals": goals, "trained": TRAINED, "job": job,
-                       "seconds": elapsed})
+    date = datetime.datetime.utcnow().isoformat() + "Z"
+    out = {"bench": "kv_quant", "date": date, "host": platform.node(),
+           "torch": torch.__version__, "args": vars(a),
+           "scale_policy": f"tensor: per-layer float32, set once from the first write's amax x "
+                           f"{kv_quant.SCALE_HEADROOM}; token_head: each row's own scale inline "
+                           "(fp8: bf16 amax / max; fp4: E8M0 2**e >= amax / 1792); fp4 block "
+                           "scales: amax / d, d in {6, 5.5, 5, 4.5, 4} for the least squared "
+                           "error",
+           "models": results, "goals": goals, "trained": TRAINED, "job": job,
+           "seconds": elapsed}
+    out = merge_previous(a.out, out)
+    out["goals"] = judge(out["models"])  # over every model in the file, carried ones included
+    write_json(a.out, out)
+
+
+def merge_previous(path: str, out: dict) -> dict:
+    """``out`` plus what the JSON at ``path`` holds that this run did not measure: its models
+    (with its trained model's record) and its job, listed in ``carried`` with the date of the
+    run that measured them."""
+    if not os.path.exists(path):
+        return out
+    with open(path) as f:
+        prev = json.load(f)
+    was = prev.get("carried", {})
+    carried = {}
+    for name, m in prev.get("models", {}).items():
+        if name not in out["models"]:
+            out["models"][name] = m
+            carried[name] = was.get(name, prev.get("date"))
+    if "trained-mixtral" in carried and prev.get("trained"):
+        out["trained"] = prev["trained"]
+    if out["job"] is None and prev.get("job") is not None:
+        out["job"] = prev["job"]
+        carried["job"] = was.get("job", prev.get("date"))
+    out["carried"] = carried
+    return out
 
 
 if __name__ == "__main__":

@@ -10,9 +10,8 @@ Helpers of ``perf/bench_kv_quant.py``:
   measure of the bench's noise): keys and values go through that
   quantise -> dequantise before they are written into a full-precision cache, so attention reads
   exactly the values such a cache would give. ``per-layer`` emulates the real FP8 format the
-  same way (a fidelity check: it must match the stored format). ``mse-scales``: the NVFP4
-  layout with each block's E4M3 scale chosen among amax / {6, 5.5, 5, 4.5, 4} for the least
-  squared error (the stored format always takes amax / 6).
+  same way (a fidelity check: it must match the stored format). (The fp4 block-scale rules are
+  stored for real, not emulated: ``kv_fp4.scale_rule``.)
 * ``compare``: top-1 agreement, mean KL(full || quantised), max |logit error|, and why top-1 is
   fragile on random-weight models: the reference's top-1/top-2 logit margin, the format's logit
   error scale sigma (RMS of the logit error over positions and vocabulary), and top-1 agreement
@@ -37,8 +36,8 @@ MARGIN_SIGMAS = 3.0
 
 @contextlib.contextmanager
 def emulate(mode: Optional[str], fmt: str = "fp8_e4m3"):
-    """While active, the torch GQA store fake-quantises K/V (``mode``: per-token, per-layer or
-    mse-scales) into the full-precision cache it is given. None: no change."""
+    """While active, the torch GQA store fake-quantises K/V (``mode``: per-token or per-layer)
+    into the full-precision cache it is given. None: no change."""
     if mode is None:
         yield
         return
@@ -49,11 +48,7 @@ def emulate(mode: Optional[str], fmt: str = "fp8_e4m3"):
         return kv_quant.dequant_fp8(kv_quant.quant_fp8(x, scale, fmt), scale, x.dtype)
 
     def fake_store(k, v, kv_cache, slot_mapping):
-        if mode == "mse-scales":  # fp4 with each block's scale chosen for the least error
-            sc = kv_quant.scales_of(kv_cache)
-            kv_quant.update_scales(sc, "fp4_e2m1", k, v)
-            k, v = fp4_mse_round_trip(k, sc[0]), fp4_mse_round_trip(v, sc[1])
-        elif mode == "per-token":  # one scale per (token, KV head)
+        if mode == "per-token":  # one scale per (token, KV head)
             k = rt(k, k.detach().abs().amax(-1, keepdim=True).float() / fmax)
             v = rt(v, v.detach().abs().amax(-1, keepdim=True).float() / fmax)
         else:  # per-layer, set once from the first write: the stored format's policy
@@ -67,31 +62,6 @@ def emulate(mode: Optional[str], fmt: str = "fp8_e4m3"):
         yield
     finally:
         attention_mod.store_kv_torch = store
-
-
-def fp4_mse_round_trip(x: torch.Tensor, g: torch.Tensor,
-                       divisors=(6.0, 5.5, 5.0, 4.5, 4.0)) -> torch.Tensor:
-    """NVFP4 round trip (same layout: E4M3 block scale per 16 x per-layer ``g``) where each
-    block's scale is amax / d for the d in ``divisors`` with the least squared error (6: the
-    stored format's choice, so never worse per block); the largest values may saturate."""
-    *lead, D = x.shape
-    xb = x.float().reshape(*lead, D // kv_quant.FP4_BLOCK, kv_quant.FP4_BLOCK)
-    ginv = torch.where(g > 0, 1.0 / g.clamp_min(1e-38), torch.zeros_like(g))
-    lut = torch.tensor(kv_quant.E2M1_VALUES, device=x.device)
-    bounds = torch.tensor(kv_quant._E2M1_BOUNDS, device=x.device)
-    best, best_err = None, None
-    for d in divisors:
-        bs = (xb.abs().amax(-1) / d * ginv).clamp(max=kv_quant.E4M3_MAX)
-        eff = (bs.to(torch.float8_e4m3fn).float() * g)[..., None]
-        y = xb * torch.where(eff > 0, 1.0 / eff.clamp_min(1e-38), torch.zeros_like(eff))
-        r = lut[torch.bucketize(y.abs().clamp(max=6.0), bounds)] * y.sign() * eff
-        err = (r - xb).pow(2).sum(-1, keepdim=True)
-        if best is None:
-            best, best_err = r, err
-        else:
-            better = err < best_err
-            best, best_err = torch.where(better, r, best), torch.where(better, err, best_err)
-    return best.reshape(x.shape).to(x.dtype)
 
 
 def forced_logits(model, cfg, seqs: torch.Tensor, fmt: str, chunk: int, BS: int = 16,

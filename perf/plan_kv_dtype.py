@@ -31,7 +31,9 @@ from megainfer.perfmodel.hardware import load_hardware  # noqa: E402
 from megainfer.perfmodel.model import Workload  # noqa: E402
 from megainfer.perfmodel.planner import PlanError, SearchSpace, plan_disaggregated  # noqa: E402
 
-FORMATS = ("auto", "fp8_e4m3", "fp4_e2m1")  # fp8_e5m2 costs the same bytes as fp8_e4m3
+# (kv_cache_dtype, kv_scale_granularity); fp8_e5m2 costs the same bytes as fp8_e4m3
+FORMATS = (("auto", "token_head"), ("fp8_e4m3", "token_head"), ("fp8_e4m3", "tensor"),
+           ("fp4_e2m1", "token_head"), ("fp4_e2m1", "tensor"))
 CASES = (("mixtral_8x22b", "h100", Workload(1024, 512)),
          ("mixtral_8x22b", "h100", Workload(8192, 1024)),
          ("deepseek_v3", "h200", Workload(8192, 1024)))
@@ -41,9 +43,10 @@ def best_per_format(model: str, hw_name: str, wl: Workload, slo_s: float) -> lis
     hw = load_hardware(hw_name)
     space = SearchSpace(tpot_slo_s=slo_s)
     rows = []
-    for fmt in FORMATS:
-        shape = dataclasses.replace(load_shape(model), kv_cache_dtype=fmt)
-        row = {"kv_cache_dtype": fmt, "kv_bytes_per_token": shape.kv_bytes_per_token()}
+    for fmt, gran in FORMATS:
+        shape = dataclasses.replace(load_shape(model), kv_cache_dtype=fmt, kv_scale_granularity=gran)
+        row = {"kv_cache_dtype": fmt, "kv_scale_granularity": gran, "label": _label(fmt, gran),
+               "kv_bytes_per_token": shape.kv_bytes_per_token()}
         try:
             r = plan_disaggregated(shape, [hw], wl, space, "bfloat16", heterogeneous=False,
                                    use_fit=False)[0]
@@ -65,17 +68,21 @@ def best_per_format(model: str, hw_name: str, wl: Workload, slo_s: float) -> lis
     return rows
 
 
+def _label(fmt: str, gran: str) -> str:
+    return fmt if fmt == "auto" else f"{fmt}/{gran}"
+
+
 def plot(results: list[dict], path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     width = 0.8 / len(FORMATS)
-    for j, fmt in enumerate(FORMATS):
+    for j, (fmt, gran) in enumerate(FORMATS):
         xs = [i + (j - (len(FORMATS) - 1) / 2) * width for i in range(len(results))]
-        rows = [next(r for r in c["formats"] if r["kv_cache_dtype"] == fmt) for c in results]
-        axes[0].bar(xs, [r.get("batch_per_attn_dev", 0) for r in rows], width, label=fmt)
-        axes[1].bar(xs, [r.get("usd_per_mtok", 0) for r in rows], width, label=fmt)
+        rows = [next(r for r in c["formats"] if r["label"] == _label(fmt, gran)) for c in results]
+        axes[0].bar(xs, [r.get("batch_per_attn_dev", 0) for r in rows], width, label=_label(fmt, gran))
+        axes[1].bar(xs, [r.get("usd_per_mtok", 0) for r in rows], width, label=_label(fmt, gran))
     labels = [f"{c['model']}\n{c['hardware']} in={c['input_len']} out={c['output_len']}"
               for c in results]
     titles = ("best plan's batch per attention device", "best plan's $ per Mtok")
@@ -96,7 +103,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     t0 = time.time()
     results = []
-    print(f"{'case':<44}{'kv_cache_dtype':<16}{'KV B/tok':>10}  {'best plan':<34}{'m':>2}"
+    print(f"{'case':<44}{'kv_cache_dtype':<21}{'KV B/tok':>10}  {'best plan':<34}{'m':>2}"
           f"{'B':>7}{'B x':>6}{'B/attn':>8}{'tok/s/dev':>10}{'$/Mtok':>8}{'cost x':>7}  binding")
     for model, hw, wl in CASES:
         rows = best_per_format(model, hw, wl, a.slo_ms / 1e3)
@@ -105,9 +112,9 @@ def main(argv=None):
                         "output_len": wl.output_len, "formats": rows})
         for r in rows:
             if "error" in r:
-                print(f"{case:<44}{r['kv_cache_dtype']:<16}  {r['error']}")
+                print(f"{case:<44}{r['label']:<21}  {r['error']}")
                 continue
-            print(f"{case:<44}{r['kv_cache_dtype']:<16}{r['kv_bytes_per_token']:>10.0f}  "
+            print(f"{case:<44}{r['label']:<21}{r['kv_bytes_per_token']:>10.0f}  "
                   f"{r['plan']:<34}{r['m']:>2}{r['batch']:>7}{r['batch_x']:>6.2f}"
                   f"{r['batch_per_attn_dev']:>8.0f}"
                   f"{r['tok_s_per_device']:>10.1f}{r['usd_per_mtok']:>8.3f}{r['cost_x']:>7.2f}"

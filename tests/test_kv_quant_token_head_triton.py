@@ -11,7 +11,7 @@ from megainfer.models.attention_backends import TorchAttention, make_attention_b
 from megainfer.models.kv_spec import KVCacheSpec
 
 from test_kv_quant import _run_paged
-from test_kv_quant_triton import mla_store_and_decode
+from test_kv_quant_triton import fp4_reference, fp4_rows, mla_store_and_decode
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and
                                 not torch.cuda.is_available(),
@@ -53,6 +53,10 @@ def test_triton_token_head_store_bit_identical_adversarial(fmt):
     v[0] = 0.0
     v[1, 0] = 1e-30 * torch.randn(D)
     v[4, 2, :16] = 1e-41  # subnormal float32 values
+    if fmt == "fp4_e2m1":  # and the fp4 tests' rows: grid values (ties), outliers, zeros
+        fk, fv = fp4_rows(T, H, D)
+        k[3:], v[3:] = fk[3:], fv[3:]
+        v[5, 2] = 1.75 * 2.0 ** -10  # amax / 1792 a power of two: e exact
     cache = KVCacheSpec("gqa", (2, H, D), torch.float32, 1, fmt,
                         kv_granularity="token_head").allocate(3, 4)[0]
     slots = torch.tensor([3, -1, 0, 11, 5, 6])
@@ -62,6 +66,11 @@ def test_triton_token_head_store_bit_identical_adversarial(fmt):
     flat[0, slots[ok]] = kv_quant.quant_rows(k[ok], fmt)
     flat[1, slots[ok]] = kv_quant.quant_rows(v[ok], fmt)
     assert torch.equal(cache.view(torch.uint8), ref.view(torch.uint8))
+    if fmt == "fp4_e2m1":  # least-squared-error block scales: not the amax / 6 rule's bytes
+        sc = kv_quant.scales_of(cache)
+        assert torch.equal(cache, fp4_reference(k, v, cache, slots, sc, "token_head"))
+        assert not torch.equal(cache, fp4_reference(k, v, cache, slots, sc, "token_head",
+                                                    "amax/6"))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -118,28 +118,53 @@ def test_triton_fp4_matches_torch_fp4(D):
         assert (g - r).abs().max() < 1e-4
 
 
-@pytest.mark.usefixtures("on_device")
-def test_triton_fp4_store_bit_identical_adversarial():
-    """Outliers, zeros, tiny (subnormal-scale) blocks and saturation: the in-kernel quantiser
-    writes the bytes kv_quant.quant_fp4 writes; -1 slots write nothing."""
-    from megainfer.kernels import triton_attention
+def fp4_rows(T: int, H: int, D: int):
+    """Keys and values [T, H, D] for the fp4 store tests: Gaussian rows, channel ranges, an
+    outlier, zeros, 1e-30 and subnormal blocks, and rows of grid values (multiples of 1/2 or
+    1/4: several block-scale candidates store them exactly, ties for the least error)."""
     torch.manual_seed(11)
-    T, H, D = 6, 2, 32
-    k = torch.randn(T, H, D) * torch.logspace(-4, 1, D)
-    k[2, 1, 5] = 300.0  # an outlier beyond the scale's headroom: saturates
+    k = torch.randn(T, H, D)
+    k[0] *= torch.logspace(-4, 1, D)
+    k[2, 1, 5] = 300.0  # an outlier (beyond the per-layer scale's headroom: saturates)
+    k[3] = torch.randint(-12, 13, (H, D)) * 0.5
+    k[4, 0] = (torch.randn(D) * 4).round() / 4
+    k[4, 1] = torch.randn(D).sign() * 1.75
     v = torch.randn(T, H, D)
     v[0] = 0.0
     v[1, 0, :16] = 1e-30
-    cache = KVCacheSpec("gqa", (2, H, D), torch.float32, 1, "fp4_e2m1").allocate(3, 4)[0]
-    sc = kv_quant.scales_of(cache)
-    kv_quant.update_scales(sc, "fp4_e2m1", k[3:], v[3:])  # scales from other tokens
-    slots = torch.tensor([3, -1, 0, 11, 5, 6])
-    triton_attention.store_kv(k, v, cache, slots, sc)
+    v[1, 1, 16:] = 1e-41  # subnormal float32 values
+    v[5, 0, :16] = 0.0
+    v[5, 0, 3], v[5, 0, 4] = 1.5, 1.125  # with scale 1: d = 4 stores both exactly, d = 6 not
+    return k, v
+
+
+def fp4_reference(k, v, cache, slots, scales, gran, rule="lsq"):
+    """The cache ``kv_quant`` (torch) writes for k, v through ``slots`` (-1: nothing)."""
+    from megainfer.kernels import kv_fp4
+    H = k.shape[1]
     ref = torch.zeros_like(cache)
     flat, ok = ref.view(2, -1, H, ref.shape[-1]), slots >= 0
-    flat[0, slots[ok]] = kv_quant.quantize(k[ok], sc[0], "fp4_e2m1")
-    flat[1, slots[ok]] = kv_quant.quantize(v[ok], sc[1], "fp4_e2m1")
-    assert torch.equal(cache, ref)
+    with kv_fp4.scale_rule(rule):
+        flat[0, slots[ok]] = kv_quant.quantize(k[ok], scales[0], "fp4_e2m1", gran)
+        flat[1, slots[ok]] = kv_quant.quantize(v[ok], scales[1], "fp4_e2m1", gran)
+    return ref
+
+
+@pytest.mark.usefixtures("on_device")
+def test_triton_fp4_store_bit_identical_adversarial():
+    """Gaussian rows, outliers, zeros, tiny (subnormal-scale) blocks, saturation and ties: the
+    in-kernel quantiser (least-squared-error block scales) writes the bytes kv_quant.quant_fp4
+    writes, which differ from the amax / 6 rule's; -1 slots write nothing."""
+    from megainfer.kernels import triton_attention
+    T, H, D = 8, 2, 32
+    k, v = fp4_rows(T, H, D)
+    cache = KVCacheSpec("gqa", (2, H, D), torch.float32, 1, "fp4_e2m1").allocate(3, 4)[0]
+    sc = kv_quant.scales_of(cache)
+    kv_quant.update_scales(sc, "fp4_e2m1", k[5:], v[5:])  # scales from other tokens
+    slots = torch.tensor([3, -1, 0, 11, 5, 6, 1, 8])
+    triton_attention.store_kv(k, v, cache, slots, sc)
+    assert torch.equal(cache, fp4_reference(k, v, cache, slots, sc, "tensor"))
+    assert not torch.equal(cache, fp4_reference(k, v, cache, slots, sc, "tensor", "amax/6"))
 
 
 def mla_store_and_decode(fmt, gran, adversarial=False):
@@ -164,6 +189,13 @@ def mla_store_and_decode(fmt, gran, adversarial=False):
     sc.copy_(kv_quant.scales_of(ref_cache))  # tensor: the torch store's; token_head: unused
     triton_mla.store_latent(lat, cache, slots, sc, R)  # quantised in the kernel
     assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
+    if fmt == "fp4_e2m1":  # least-squared-error block scales, not amax / 6's
+        from megainfer.kernels import kv_fp4
+        old = spec.allocate(6, BS)[0]
+        kv_quant.scales_of(old).copy_(sc)
+        with kv_fp4.scale_rule("amax/6"):
+            store_latent_torch(lat[slots >= 0], old, slots[slots >= 0], R)
+        assert not torch.equal(cache, old)
     tables = torch.tensor([[0, 1, 2], [3, 4, 0], [5, 0, 0]])
     seq_lens = torch.tensor([40, 20, 9])
     q_lat, q_pe = torch.randn(S, H, R), torch.randn(S, H, P)

@@ -9,8 +9,10 @@ from mpi4py import MPI
 from megainfer.comm.wait import WaitPolicy
 from megainfer.kernels import kv_quant
 from megainfer.runtime.control import RankFailure
-from megainfer.runtime.kv_stream import (Dest, KVReceiver, KVSender, Outgoing, Segments,
-                                         gather_blocks, head_slice)
+from megainfer.runtime.kv_place import sender_scales
+from megainfer.runtime.kv_routes import head_slice
+from megainfer.runtime.kv_segments import Segments, gather_blocks
+from megainfer.runtime.kv_stream import Dest, KVReceiver, KVSender, Outgoing
 
 BS, NB, L = 4, 12, 3
 SEGS = Segments(2, 8)  # 2 blocks per segment: a 3-block transfer is 2 messages per layer
@@ -29,7 +31,8 @@ def _stream(kind, src_caches, dst_shape, dtype, blocks, dst_blocks, n, heads=Non
     comm = MPI.COMM_SELF.Dup()
     pol = WaitPolicy(timeout_s=5)
     tx = KVSender(comm, L, kind, "[prefill 0]", pol, SEGS, BS)
-    rx = KVReceiver(comm, kind, dst_shape, dtype, L, "[attn dp0 tp0]", pol, SEGS, parts)
+    rx = KVReceiver(comm, kind, dst_shape, dtype, L, "[attn dp0 tp0]", pol, SEGS, parts,
+                    scaled=sender_scales(src_caches[0]) is not None)
     inc = rx.post(7, 0, len(blocks), "req", order=post_order)
     tx.begin(Outgoing(7, "req", [Dest(0, heads)], n), blocks, n, final=True)
     for l in (send_order or range(L)):
@@ -125,8 +128,9 @@ def test_quantised_kv_adopts_the_senders_scales_or_requantises(kind, fmt):
     fresh = [torch.zeros(shape, dtype=dtype) for _ in range(L)]
     for c in fresh:
         kv_quant.register(c)  # unset (zero) scales
-    dst, _ = _stream(kind, src, shape, dtype, blocks, dst_blocks, n, parts=parts,
-                     dst=fresh)
+    dst, tx = _stream(kind, src, shape, dtype, blocks, dst_blocks, n, parts=parts,
+                      dst=fresh)
+    assert tx.messages == 2 * L  # per layer: its one segment, then the layer's scales
     for l in range(L):
         assert torch.equal(kv_quant.scales_of(dst[l]), kv_quant.scales_of(src[l]))
         got = dst[l].view(torch.uint8).index_select(dim, torch.tensor(dst_blocks))
@@ -232,8 +236,9 @@ def test_token_head_kv_travels_verbatim(kind, fmt):
     shape, dtype = tuple(src[0].shape), src[0].dtype
     blocks, dst_blocks = [1, 3], [4, 0]
     dim = 1 if kind == "gqa" else 0
-    dst, _ = _stream(kind, src, shape, dtype, blocks, dst_blocks, 8, parts=parts if kind == "mla"
-                     else (), dst=dst)
+    dst, tx = _stream(kind, src, shape, dtype, blocks, dst_blocks, 8, parts=parts if kind == "mla"
+                      else (), dst=dst)
+    assert tx.messages == L  # one segment per layer, no per-layer scales on the wire
     for l in range(L):
         got = dst[l].view(torch.uint8).index_select(dim, torch.tensor(dst_blocks))
         assert torch.equal(got, src[l].view(torch.uint8).index_select(dim, torch.tensor(blocks)))

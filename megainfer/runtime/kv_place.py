@@ -21,8 +21,11 @@ from megainfer.kernels import kv_quant
 
 
 def sender_scales(kv: torch.Tensor):
-    """The layer's float32 [2] scales (a quantised cache), else None."""
-    return None if kv_quant.format_of(kv) == "auto" else kv_quant.scales_of(kv)
+    """The layer's float32 [2] scales, which travel with each segment (a quantised cache with
+    per-layer scales), else None (``auto``; ``token_head``: every row carries its own scale)."""
+    if kv_quant.format_of(kv) == "auto" or kv_quant.granularity_of(kv) != "tensor":
+        return None
+    return kv_quant.scales_of(kv)
 
 
 def place(kv: torch.Tensor, kind: str, blocks: list[int], buf: torch.Tensor,

@@ -23,12 +23,14 @@ streams each segment in the step that completes it, not everything in its last s
   bounds the wait by ``comm.timeout_s`` and names the prefill rank and the request; ``scatter``
   copies every layer into the blocks the decode engine reserved.
 
-Quantised caches (``cache.kv_cache_dtype`` fp8 / fp4): the bytes travel as stored, followed by
-the layer's two float32 scales (same tag: MPI keeps their order); ``kv_place.place`` puts them
-into the cache (tensor scales adopted or requantised to; token_head rows placed verbatim).
+Quantised caches (``cache.kv_cache_dtype`` fp8 / fp4): the bytes travel as stored; with
+``tensor`` scales each segment is followed by the layer's two float32 scales (same tag: MPI keeps
+their order), and ``kv_place.place`` adopts them or requantises to the cache's; ``token_head``
+rows carry their own scales and are placed verbatim.
 
 Every message travels on a communicator of its own (``comm.Dup()``), so its tags never meet
-the control plane's or the M2N channels'.
+the control plane's or the M2N channels'. Segments, tags and the gathered bytes:
+``kv_segments``.
 """
 from __future__ import annotations
 
@@ -43,76 +45,7 @@ from megainfer.comm.wait import WaitPolicy, wait_until
 
 from .control import RankFailure
 from .kv_place import place, sender_scales
-from .kv_routes import head_slice
-
-__all__ = ["Dest", "Incoming", "KVReceiver", "KVSender", "Outgoing", "Segments", "gather_blocks",
-           "head_slice", "kv_tag", "staging_shape"]  # head_slice: from kv_routes
-TAG_BASE = 1000
-
-
-@dataclass(frozen=True)
-class Segments:
-    """How a transfer is cut: ``blocks`` blocks per segment; ``max_count`` segments at most
-    (a prompt of ``max_model_len``), which spaces the tags."""
-
-    blocks: int
-    max_count: int
-
-    @classmethod
-    def for_job(cls, max_model_len: int, block_size: int, max_num_batched_tokens: int):
-        per = max(1, max_num_batched_tokens // block_size)
-        return cls(per, -(-(-(-max_model_len // block_size)) // per))
-
-    def count(self, num_blocks: int) -> int:
-        return -(-num_blocks // self.blocks)
-
-    def span(self, j: int, num_blocks: int) -> tuple[int, int]:
-        return j * self.blocks, min((j + 1) * self.blocks, num_blocks)
-
-
-def kv_tag(xfer: int, layer: int, seg: int, num_layers: int, segs: Segments, tag_ub: int) -> int:
-    """The MPI tag of (transfer, layer, segment): distinct for every transfer in flight."""
-    return TAG_BASE + ((xfer * num_layers + layer) * segs.max_count + seg) % (tag_ub - TAG_BASE)
-
-
-def _bytes(t: torch.Tensor):
-    """A contiguous host tensor as a uint8 numpy view (any storage dtype, bf16 and fp8 too)."""
-    t = t.contiguous()
-    if t.is_cuda:
-        t = t.cpu()
-    return t.view(-1).view(torch.uint8).numpy()
-
-
-def gather_blocks(kv: torch.Tensor, kind: str, blocks: list[int], num_tokens: int,
-                  heads: Optional[tuple[int, int]] = None) -> torch.Tensor:
-    """One layer's cache -> the request's blocks, contiguous, positions >= num_tokens zeroed.
-    GQA [2, NB, BS, H, D] -> [2, n, BS, h, D] (``heads``: (first, count) or all); MLA
-    [NB, BS, R] -> [n, BS, R]."""
-    idx = torch.tensor(blocks, dtype=torch.long, device=kv.device)
-    if kv.element_size() == 1:  # float8 / packed fp4: gather and zero as bytes
-        kv = kv.view(torch.uint8)
-    if kind == "gqa":
-        g = kv.index_select(1, idx)
-        if heads is not None:
-            g = g[:, :, :, heads[0]:heads[0] + heads[1]]
-        g = g.contiguous()
-        g.view(2, -1, *g.shape[3:])[:, num_tokens:] = 0
-    else:
-        g = kv.index_select(0, idx).contiguous()
-        g.view(-1, g.shape[-1])[num_tokens:] = 0
-    return g
-
-
-def staging_shape(kind: str, layer_shape: tuple, num_blocks: int,
-                  heads: Optional[int] = None) -> tuple:
-    """The receive buffer of one layer from one sender, block-major (a segment is a contiguous
-    slice): GQA ``[n, 2, BS, h, D]`` (``heads``: h, else the cache's), MLA ``[n, BS, R]``."""
-    if kind == "gqa":
-        h = layer_shape[3] if heads is None else heads
-        return (num_blocks, layer_shape[0], layer_shape[2], h, *layer_shape[4:])
-    return (num_blocks, *layer_shape[1:])
-
-
+from .kv_segments import Segments, gather_blocks, host_bytes, kv_tag, staging_shape
 @dataclass
 class Dest:
     rank: int  # world rank (of the KV communicator) of a decode TP rank
@@ -151,6 +84,7 @@ class KVSender:
         self.inflight: list[Outgoing] = []  # every segment posted, not all complete
         self.done: list[Outgoing] = []  # complete (the owner takes them for its stats)
         self.bytes_sent = 0
+        self.messages = 0  # Isends posted: KV segments, and with ``tensor`` scales, their scales
 
     def begin(self, o: Outgoing, blocks: list[int], computed: int, final: bool) -> None:
         """A step computes the request up to ``computed`` tokens (``final``: its prompt is
@@ -177,14 +111,16 @@ class KVSender:
                 tag = kv_tag(o.xfer, layer, j, self.L, self.segs, self.tag_ub)
                 for d in o.dests:
                     part = g if d.heads is None else g[:, :, :, d.heads[0]:d.heads[0] + d.heads[1]]
-                    buf = _bytes(part)
+                    buf = host_bytes(part)
                     o.bufs.append(buf)
                     o.reqs.append(self.comm.Isend([buf, MPI.BYTE], dest=d.rank, tag=tag))
                     o.nbytes += buf.nbytes
+                    self.messages += 1
                     if sc is not None:  # after the bytes, same tag: received in this order
-                        sbuf = _bytes(sc.clone())
+                        sbuf = host_bytes(sc.clone())
                         o.bufs.append(sbuf)
                         o.reqs.append(self.comm.Isend([sbuf, MPI.BYTE], dest=d.rank, tag=tag))
+                        self.messages += 1
                 if not o.t_first:
                     o.t_first = now
             o.layers_this_step += 1
@@ -243,7 +179,7 @@ class Incoming:
     request_id: str
     bufs: list  # per layer: per sender, staging tensor (block-major)
     reqs: list  # per (layer, segment, sender): MPI request(s)
-    scales: list  # per layer: per sender, its float32 [2] scales (quantised caches), else None
+    scales: list  # per layer: per sender, its float32 [2] scales (``scaled``), else None
     heads: list = field(default_factory=list)  # per sender: (first head here, count) or None
     t_posted: float = 0.0
     t_received: float = 0.0
@@ -256,11 +192,14 @@ class Incoming:
 
 class KVReceiver:
     def __init__(self, comm: MPI.Comm, kind: str, layer_shape: tuple, dtype: torch.dtype,
-                 num_layers: int, me: str, policy: WaitPolicy, segs: Segments, parts: tuple = ()):
+                 num_layers: int, me: str, policy: WaitPolicy, segs: Segments, parts: tuple = (),
+                 scaled: bool = False):
+        """``scaled``: every segment carries the sender's per-layer float32 scales (a quantised
+        cache with ``tensor`` granularity: ``sender_scales`` is not None on both sides)."""
         self.comm, self.kind, self.layer_shape, self.dtype = comm, kind, layer_shape, dtype
         self.segs = segs
         self.parts = parts  # MLA: (R, P), quantised apart
-        self.quantised = torch.empty(0, dtype=dtype).element_size() == 1
+        self.scaled = scaled
         self.L, self.me, self.policy = num_layers, me, policy
         self.tag_ub = comm.Get_attr(MPI.TAG_UB)
         self.bytes_received = 0
@@ -270,8 +209,8 @@ class KVReceiver:
         """One ``Irecv`` per (layer, segment, sender) (``order``: the layers' posting order, for
         tests; any order works). ``src``: the sender's rank, or ``[(rank, heads)]`` in the order
         of this rank's heads (``heads``: how many of them that sender sends; None: all). Every
-        segment carries the layer's scales (quantised caches): they are set once per sender, so
-        the last one received is as good as any."""
+        segment carries the layer's scales (``scaled``): they are set once per sender, so the
+        last one received is as good as any."""
         srcs = [(src, None)] if isinstance(src, int) else list(src)
         heads, h0 = [], 0
         for _, n in srcs:
@@ -279,7 +218,7 @@ class KVReceiver:
             h0 += n or 0
         bufs = [[torch.empty(staging_shape(self.kind, self.layer_shape, num_blocks, n),
                              dtype=self.dtype) for _, n in srcs] for _ in range(self.L)]
-        scales = [[torch.zeros(2, dtype=torch.float32) if self.quantised else None for _ in srcs]
+        scales = [[torch.zeros(2, dtype=torch.float32) if self.scaled else None for _ in srcs]
                   for _ in range(self.L)]
         reqs = []
         for l in (order if order is not None else range(self.L)):
@@ -287,10 +226,10 @@ class KVReceiver:
                 b0, b1 = self.segs.span(j, num_blocks)
                 tag = kv_tag(xfer, l, j, self.L, self.segs, self.tag_ub)
                 for k, (rank, _) in enumerate(srcs):
-                    reqs.append(self.comm.Irecv([_bytes(bufs[l][k][b0:b1]), MPI.BYTE],
+                    reqs.append(self.comm.Irecv([host_bytes(bufs[l][k][b0:b1]), MPI.BYTE],
                                                 source=rank, tag=tag))
                     if scales[l][k] is not None:
-                        reqs.append(self.comm.Irecv([_bytes(scales[l][k]), MPI.BYTE],
+                        reqs.append(self.comm.Irecv([host_bytes(scales[l][k]), MPI.BYTE],
                                                     source=rank, tag=tag))
         return Incoming(xfer, srcs[0][0], request_id, bufs, reqs, scales, heads,
                         time.perf_counter())

@@ -19,8 +19,10 @@ from megainfer.config import ConfigError
 from megainfer.models import ParallelContext, build_model
 
 from .control import ControlPlane
+from .kv_place import sender_scales
 from .kv_routes import check_prefill_tp, routes_to
-from .kv_stream import Dest, KVReceiver, KVSender, Segments
+from .kv_segments import Segments
+from .kv_stream import Dest, KVReceiver, KVSender
 from .pd_decode import DecodeSide
 from .pd_loop import PDReplicaLoop
 from .pd_router import PDRouter
@@ -28,7 +30,7 @@ from .prefill_experts import expert_slots_of, split_experts
 from .prefill_worker import PrefillExecutor, PrefillWorker
 from .rank_parts import DTYPES, Rank, make_engine
 from .roles import assign_role, prefill_rank_ids
-from .tp_group import TPGroup, late_peer
+from .tp_group import late_peer, make_tp_group
 from .trace import Tracer
 
 
@@ -54,7 +56,8 @@ def build_pd_rank(job, comm, build_rank):
         lp, e = r.loop, r.loop.engine
         kv0 = e.kv_caches[0]
         receiver = KVReceiver(kv_comm, e.kv_spec.kind, tuple(kv0.shape), kv0.dtype,
-                              cfg.num_layers, lp.role.tag, policy, segs, e.kv_spec.parts)
+                              cfg.num_layers, lp.role.tag, policy, segs, e.kv_spec.parts,
+                              scaled=sender_scales(kv0) is not None)
         rts = routes_to(e.kv_spec.kind, cfg.num_kv_heads, plan.prefill_tp, plan.attention_tp,
                         role.tp_rank)
         decode = DecodeSide(e, receiver, r.tracer if job.trace.enabled else None,
@@ -77,10 +80,11 @@ def _build_prefill(job, role, core, kv_comm, policy, segs, epoch):
     tp_rank = (rank - plan.attention_ranks - plan.expert_ranks) % tp
     tag = role.tag if tp == 1 else f"[prefill {role.prefill_index} tp{tp_rank}]"
     tp_comm = core.Split(role.prefill_index, rank)  # this prefill replica's TP ranks
-    par, slots = ParallelContext(), None
-    if tp > 1:
+    par, slots, closers, group = ParallelContext(), None, [], None
+    if tp > 1:  # collectives over MPI, or the device transport (comm.tp_collectives)
         named = late_peer(rank - tp_rank, tp_rank, tp)  # who a late all-reduce names
-        group = TPGroup(tp_comm, ControlPlane(tp_comm, tag, policy), named)
+        group = make_tp_group(tp_comm, ControlPlane(tp_comm, tag, policy), named, job,
+                              DTYPES[job.load.dtype], rank - tp_rank, closers)
         par = ParallelContext(tp_rank, tp, group.all_reduce)
         slots = [expert_slots_of(cfg.num_experts, tp, tp_rank)] * cfg.num_layers
     dev = job.device.torch_device
@@ -104,4 +108,4 @@ def _build_prefill(job, role, core, kv_comm, policy, segs, epoch):
     worker = PrefillWorker(engine, engine.executor, kv_comm, dests, tag, policy, tracer,
                            track_keys=track and tp_rank == 0,
                            peers=tp_comm if tp > 1 else None)
-    return Rank(role, tracer, worker=worker)
+    return Rank(role, tracer, worker=worker, closers=closers, parts={"tp": group})

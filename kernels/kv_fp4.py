@@ -1,0 +1,144 @@
+"""The NVFP4 (``fp4_e2m1``) KV row codec in torch: values -> packed E2M1 codes and E4M3 block
+scales, and back (docs/kv_cache.md, "Layouts").
+
+Along a row, blocks of 16 values share one FP8 E4M3 scale; every value is a 4-bit E2M1 code
+(sign, 2 exponent bits, 1 mantissa bit: magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6), two codes per
+byte (value 2j in the low nibble of byte j, 2j+1 in the high one). A row of D values is ``D/2``
+code bytes then ``D/16`` scale bytes (E4M3 bits). value = E2M1(code) x E4M3(block scale) x g,
+``g`` the second-level scale: the layer's float32 (``tensor``) or the row's 2**e
+(``token_head``, ``kv_rows.py``).
+
+**Block scales: least squared error.** Each block's scale is amax / d for the d in
+``FP4_DIVISORS`` (6, 5.5, 5, 4.5, 4) whose stored block gives the least squared error: each
+candidate is rounded to E4M3 as it is stored (saturated at 448), the block coded with it, and
+its error summed against what dequantisation gives, in float32, in a fixed pairwise order
+(values 2j and 2j+1, then pairs of pairs: the Triton store, ``triton_fp4._quant_fp4_row``, adds
+in the same order, so both write the same bytes). Ties go to the earlier candidate (d = 6
+first). d = 6 is a candidate, so a block is never worse than with the plain amax / 6 rule in
+that measure. Readers are unchanged: the bytes mean what they meant.
+
+``scale_rule`` (ablations, perf/bench_kv_quant.py): ``amax/6`` (the previous rule: always
+d = 6) or ``per-tensor`` (every block scale fixed, the second-level scale alone).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional, Sequence
+
+import torch
+
+from .kv_formats import E2M1_MAX, E4M3_MAX, FP4_BLOCK, SCALE_HEADROOM
+
+# E2M1 magnitudes by 3-bit code, and the rounding boundaries between neighbours
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_E2M1_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+# the block-scale candidates amax / d, in the order that breaks ties (perf/bench_fp4_scales.py)
+FP4_DIVISORS = (6.0, 5.5, 5.0, 4.5, 4.0)
+SCALE_RULES = ("lsq", "amax/6", "per-tensor")
+_RULE = ["lsq"]
+
+# per device: made once (the first call runs before any CUDA-graph capture). "lut": E2M1 value
+# by 4-bit code (code = sign << 3 | magnitude index); "pairs": the two values of a packed byte
+_CONST: dict = {}
+
+
+@contextlib.contextmanager
+def scale_rule(rule: str):
+    """While active, ``quant_fp4`` picks block scales by ``rule`` (one of ``SCALE_RULES``)."""
+    if rule not in SCALE_RULES:
+        raise ValueError(f"fp4 scale rule {rule!r}: must be one of {', '.join(SCALE_RULES)}")
+    old, _RULE[0] = _RULE[0], rule
+    try:
+        yield
+    finally:
+        _RULE[0] = old
+
+
+def _const(name: str, device) -> torch.Tensor:
+    key = (name, str(device))
+    t = _CONST.get(key)
+    if t is None:
+        if name == "pairs":  # byte -> its two values (low nibble first): one gather per byte
+            lut = _const("lut", "cpu")
+            b = torch.arange(256)
+            t = torch.stack([lut[b & 0xF], lut[b >> 4]], dim=-1).to(device)  # [256, 2]
+        else:
+            vals = {"lut": E2M1_VALUES + tuple(-v for v in E2M1_VALUES),
+                    "bounds": _E2M1_BOUNDS}[name]
+            t = torch.tensor(vals, dtype=torch.float32, device=device)
+        _CONST[key] = t
+    return t
+
+
+def _codes(xb: torch.Tensor, eff: torch.Tensor) -> torch.Tensor:
+    """xb [..., nb, 16] fp32, eff [..., nb] (block scale x g) -> 4-bit codes (int64): E2M1 of
+    x / eff (x times the IEEE reciprocal), ties towards zero, saturating at 6; -0 is +0."""
+    inv = torch.where(eff > 0, 1.0 / eff.clamp_min(1e-38), torch.zeros_like(eff))
+    y = xb * inv[..., None]
+    mag = torch.bucketize(y.abs().clamp(max=E2M1_MAX), _const("bounds", xb.device))
+    return mag | ((y < 0) & (mag > 0)).to(mag.dtype) << 3
+
+
+def block_sq_error(xb: torch.Tensor, code: torch.Tensor, eff: torch.Tensor) -> torch.Tensor:
+    """Squared error of each block as dequantisation reads it: sum (E2M1(code) x eff - x)^2,
+    float32, added in pairs (2j + 2j+1, then pairs of those, ...) -> [..., nb]."""
+    d = _const("lut", xb.device)[code] * eff[..., None] - xb
+    s = d * d
+    while s.shape[-1] > 1:
+        s = s[..., 0::2] + s[..., 1::2]
+    return s[..., 0]
+
+
+def block_scales(xb: torch.Tensor, g: torch.Tensor, rule: Optional[str] = None,
+                 divisors: Sequence[float] = FP4_DIVISORS):
+    """xb [..., nb, 16] fp32, ``g`` the second-level scale (broadcasting over [..., nb]) ->
+    (E4M3 block scales [..., nb] (float8_e4m3fn), codes [..., nb, 16]) by ``rule``
+    (``divisors``: the lsq candidates; other sets are measured by perf/bench_fp4_scales.py)."""
+    rule = rule or _RULE[0]
+    ginv = torch.where(g > 0, 1.0 / g.clamp_min(1e-38), torch.zeros_like(g))
+    if rule == "per-tensor":  # the block scale fixed: g x it covers the first amax x headroom
+        bs8 = torch.full(xb.shape[:-1], E4M3_MAX / SCALE_HEADROOM,
+                         device=xb.device).to(torch.float8_e4m3fn)
+        return bs8, _codes(xb, bs8.float() * g)
+    amax = xb.abs().amax(-1)
+    best = None
+    for d in (E2M1_MAX,) if rule == "amax/6" else divisors:
+        # amax / d by a device tensor: an IEEE division on every device (CUDA would multiply
+        # by the reciprocal of a host scalar), as the Triton store's div_rn
+        bs8 = (amax / amax.new_full((), d) * ginv).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+        eff = bs8.float() * g  # what each code is multiplied by on read
+        code = _codes(xb, eff)
+        if rule == "amax/6":
+            return bs8, code
+        err = block_sq_error(xb, code, eff)
+        if best is None:
+            best = [bs8, code, err]
+            continue
+        better = err < best[2]  # strictly: a tie keeps the earlier candidate
+        best = [torch.where(better, bs8.view(torch.uint8), best[0].view(torch.uint8)).view(
+            torch.float8_e4m3fn), torch.where(better[..., None], code, best[1]),
+            torch.where(better, err, best[2])]
+    return best[0], best[1]
+
+
+def quant_fp4(x: torch.Tensor, gscale: torch.Tensor, rule: Optional[str] = None) -> torch.Tensor:
+    """x [..., D] (D % 16 == 0) -> uint8 [..., D/2 + D/16]: packed codes, then E4M3 block scales.
+    ``gscale``: the second-level float32 scale (0: stores zeros); ``rule``: ``scale_rule``'s."""
+    *lead, D = x.shape
+    xb = x.float().reshape(*lead, D // FP4_BLOCK, FP4_BLOCK)
+    bs8, code = block_scales(xb, gscale.float(), rule)
+    code = code.to(torch.uint8).reshape(*lead, D)
+    packed = code[..., 0::2] | (code[..., 1::2] << 4)  # [..., D/2]
+    return torch.cat([packed, bs8.view(torch.uint8)], dim=-1)
+
+
+def dequant_fp4(q: torch.Tensor, gscale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """uint8 [..., D/2 + D/16] -> [..., D] in ``dtype``."""
+    *lead, W = q.shape
+    D = W * FP4_BLOCK // (FP4_BLOCK // 2 + 1)
+    nb = D // FP4_BLOCK
+    packed, bs = q[..., :D // 2], q[..., D // 2:]
+    vals = torch.index_select(_const("pairs", q.device), 0, packed.reshape(-1).int())
+    vals = vals.view(*lead, nb, FP4_BLOCK)  # [..., nb, 16]: element 2j low nibble, 2j+1 high
+    scale = bs.contiguous().view(torch.float8_e4m3fn).float() * gscale.float()  # [..., nb]
+    return (vals * scale[..., None]).reshape(*lead, D).to(dtype)
