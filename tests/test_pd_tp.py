@@ -135,6 +135,22 @@ def test_tp2_prefill_quantised_cache_equals_single_mode(tiny_ckpts, tmp_path, kv
     assert json.loads(out.read_text())[f"{ckpt}|m=2"] == single_mode_kv(ckpt, kv, gran=gran)
 
 
+def test_tp2_prefill_collectives_over_the_device_channel_equal_single_mode(tiny_ckpts,
+                                                                            single_mode_tokens,
+                                                                            tmp_path):
+    """comm.tp_collectives=channel: the prefill replica's all-reduces (attention, its share of
+    the experts) travel point to point over the job's transport (MPI's on cpu, cuda_ipc on a
+    GPU; tensors over the channel's capacity go in pieces: tests/test_tp_channel.py); tokens
+    equal single mode."""
+    ckpt = tiny_ckpts[("mixtral", "base")]
+    out = tmp_path / "out.json"
+    run_mpi(4, JOB, [out, 1, 1, 1, 1, "2", ckpt, "ptp=2", "tp=channel"], timeout=600)
+    got = json.loads(out.read_text())
+    assert got[f"{ckpt}|m=2"] == single_mode_tokens[ckpt]
+    sent = got[f"{ckpt}|m=2|stats"]["tp_sent"]  # ranks: decode attention, expert, prefill x 2
+    assert sent[:2] == [0, 0] and sent[2] > 0 and sent[2] == sent[3], sent
+
+
 def test_tp2_prefill_mla_latent_equals_single_mode(tmp_path_factory, tmp_path):
     """DeepSeek-V3 (MLA): attention heads split over the 2 prefill TP ranks, the latent sent
     once (TP rank 0's copy)."""

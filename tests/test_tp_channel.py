@@ -40,10 +40,11 @@ def test_all_reduce_and_broadcast_are_exact_on_every_rank(tmp_path, n):
         assert torch.equal(got[r]["ar16"], _sum(n, CAP, torch.bfloat16)), r
         assert torch.equal(got[r]["bcast"], _part(0, 2, torch.float32)), r
         assert got[r]["empty"].shape == (0, H)
-        assert torch.allclose(got[r]["big"], _sum(n, CAP + 3, torch.float32), atol=1e-4)
-        assert torch.equal(got[r]["big"], got[0]["big"])  # the host path: same bits everywhere
-        # fp32: ar32, bcast, empty on the channel ("big" went through MPI); bf16: ar16
-        assert got[r]["sent"].tolist() == [3, 1], r
+        assert torch.equal(got[r]["big"], _sum(n, CAP + 3, torch.float32)), r  # in pieces
+        assert torch.equal(got[r]["bigcast"], _part(0, 2 * CAP + 1, torch.float32)), r
+        assert got[r]["amax"].tolist() == [n * (n + 1) / 2] * 2  # host path
+        # fp32: ar32, bcast, empty, big (2 pieces), bigcast (3 pieces); bf16: ar16
+        assert got[r]["sent"].tolist() == [8, 1], r
 
 
 def test_a_silent_tp_peer_is_named(tmp_path):

@@ -10,9 +10,11 @@ carries ``part [n, H]`` in the model dtype:
   the host path's float32 MPI all-reduce for TP 2, where the order cannot matter);
 * broadcast from the leader: TP rank 0 sends its tensor to every follower.
 
-Messages larger than ``capacity`` rows (prefill chunks), or tensors of another shape or dtype
-(a layer's KV amax rows), take the host path (``TPGroup``'s MPI collectives); every rank
-decides alike from the tensor's shape. The header's iteration field carries a sequence number
+A tensor of more than ``capacity`` rows (a prefill chunk) goes as several collectives of at
+most ``capacity`` rows each, in row order; tensors of another shape or dtype (a layer's KV amax
+rows) take the host path (``TPGroup``'s MPI collectives); every rank decides alike from the
+tensor's shape. Each rank sends its whole partial to every other (vLLM's one-shot custom
+all-reduce): for TP 2 as many bytes as a ring, for larger TP more, but on the device. The header's iteration field carries a sequence number
 of the collective, so a rank that fell out of step is caught by the header check. A silent
 peer ends the wait within ``comm.timeout_s``, named by its world rank (``RankFailure``).
 """
@@ -57,10 +59,16 @@ class TPChannel:
         self.sent = 0  # collectives that went point to point (tests, logs)
 
     def fits(self, t: torch.Tensor) -> bool:
-        """True when ``t`` goes point to point; the same answer on every rank for the same
-        collective (shape and dtype agree across TP ranks)."""
-        return (t.dim() == 2 and t.shape[1] == self.hidden and t.dtype == self.dtype
-                and t.shape[0] <= self.capacity)
+        """True when ``t`` goes point to point (as ``ceil(rows / capacity)`` collectives); the
+        same answer on every rank for the same collective (shape and dtype agree across TP
+        ranks)."""
+        return t.dim() == 2 and t.shape[1] == self.hidden and t.dtype == self.dtype
+
+    def _pieces(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """t [n, H] -> row pieces of at most ``capacity`` rows (one, possibly empty, at least)."""
+        if t.shape[0] <= self.capacity:
+            return [t]
+        return list(torch.split(t, self.capacity))
 
     def _next(self) -> int:
         self.seq = (self.seq + 1) % SEQ_MOD
@@ -82,6 +90,13 @@ class TPChannel:
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """t [n, H] (this rank's partial) -> the sum over TP ranks, same bits on every rank."""
+        pieces = self._pieces(t)
+        if len(pieces) > 1:
+            return torch.cat([self._all_reduce(p) for p in pieces])
+        return self._all_reduce(t)
+
+    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """One collective of at most ``capacity`` rows."""
         seq, t = self._next(), t.contiguous()
         what = "tensor-parallel all-reduce"
         sends = [(p, self.ch.send(p, iteration=seq, layer=0, micro_batch=0, part=t))
@@ -101,6 +116,13 @@ class TPChannel:
 
     def broadcast_from_leader(self, t: torch.Tensor, what: str) -> torch.Tensor:
         """TP rank 0's t [n, H] on every rank (the followers' t gives only the shape)."""
+        pieces = self._pieces(t)
+        if len(pieces) > 1:
+            return torch.cat([self._broadcast(p, what) for p in pieces])
+        return self._broadcast(t, what)
+
+    def _broadcast(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        """One broadcast of at most ``capacity`` rows."""
         seq, phase = self._next(), f"tensor-parallel broadcast of {what}"
         if self.rank == 0:
             t = t.contiguous()

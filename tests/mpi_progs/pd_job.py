@@ -5,7 +5,8 @@ keys: ``max_tokens`` (12), ``fault`` (kill | hang | hang_peer), ``kv`` (cache.kv
 ``blocks`` (cache.num_blocks of every engine, runtime_job's by default: a small pool makes the
 decode replica wait to reserve, and preempt), ``prompts=shared`` (``runtime_job.shared_inputs``
 with prefix caching on, ``SHARED_CACHE``'s block size), ``routing`` (scheduler.routing),
-``ptp`` (deploy.prefill_tp, 1: P is then prefill replicas of ``ptp`` ranks each), ``n``
+``ptp`` (deploy.prefill_tp, 1: P is then prefill replicas of ``ptp`` ranks each), ``tp``
+(comm.tp_collectives, auto), ``n``
 (``sampled_inputs``: seeded sampling with that many samples per request; OUT.json then maps
 each request to its samples' token ids).
 A decode attention replicas x TP, E expert ranks, P prefill replicas (K = A*TP + E + P*ptp); MS a
@@ -17,7 +18,7 @@ the prefill TP ranks other than a replica's leader sleep at their first step (th
 all-reduce waits for them). All with comm.timeout_s=3.
 OUT.json maps "<ckpt>|m=<m>" to {request id: token ids}, and "<ckpt>|m=<m>|stats" to rank 0's
 counts (requests handed to each decode replica and prefilled by each prefill rank, the KV
-handoff times seen).
+handoff times seen, per rank the TP collectives that went point to point).
 """
 import dataclasses
 import os
@@ -31,6 +32,8 @@ torch.set_num_threads(1)
 
 from abort_on_error import run_or_abort  # noqa: E402
 from runtime_job import CACHE, SCHED, SHARED_CACHE, dump_results, inputs, shared_inputs  # noqa: E402
+
+from mpi4py import MPI  # noqa: E402
 
 from megainfer.config import CommConfig, DeployPlan, LoadConfig, ModelConfig  # noqa: E402
 from megainfer.runtime.prefill_worker import PrefillWorker  # noqa: E402
@@ -97,11 +100,15 @@ def main():
             plan = DeployPlan(mode="disaggregated", attention_replicas=A, attention_tp=TP,
                               expert_ranks=E, micro_batches=m, prefill_replicas=P,
                               prefill_tp=ptp)
-            r = build_rank(JobSpec(cfg, LoadConfig(path=ckpt), sched, cache, plan,
-                                   CommConfig(timeout_s=3 if kill else 120, transport="mpi")))
+            comm = CommConfig(timeout_s=3 if kill else 120, transport="mpi",
+                              tp_collectives=opts.get("tp", "auto"))
+            r = build_rank(JobSpec(cfg, LoadConfig(path=ckpt), sched, cache, plan, comm))
             stream = run_rank(r, make_inputs(cfg.vocab_size, max_tokens))
-            if stream is not None:
-                outs = list(stream)
+            outs = list(stream) if stream is not None else None  # rank 0: the job runs here
+            group = r.parts.get("tp")
+            tp_sent = MPI.COMM_WORLD.gather(  # per rank: TP collectives that went point to point
+                group.channel.sent if group is not None and group.channel is not None else 0)
+            if outs is not None:
                 results[f"{ckpt}|m={m}"] = {
                     o.request_id: [c.token_ids for c in o.outputs] if n else o.outputs[0].token_ids
                     for o in outs}
@@ -109,7 +116,7 @@ def main():
                     assigned=r.loop.pd.assigned, prefilled=r.loop.pd.prefilled,
                     handoffs=sum(o.metrics.kv_handoff_s is not None for o in outs),
                     preemptions=r.loop.engine.num_preemptions,
-                    cached=sum(o.num_cached_tokens or 0 for o in outs))
+                    cached=sum(o.num_cached_tokens or 0 for o in outs), tp_sent=tp_sent)
             r.close()
     dump_results(out, results)
 

@@ -2,8 +2,9 @@
 
     mpiexec -n K python tp_channel_job.py OUT_DIR [hang]
 Each rank writes OUT_DIR/rank<r>.pt (safetensors) with the results of: fp32 and bf16
-all-reduces of seeded partials, a broadcast from the leader, an all-reduce too large for the
-channel (the host path through TPGroup), and the count of collectives that went point to point.
+all-reduces of seeded partials, a broadcast from the leader, an all-reduce and a broadcast
+larger than the channel's capacity (sent in pieces), an all-reduce of another shape (the host
+path through TPGroup), and the count of collectives that went point to point.
 ``hang``: the last rank never joins the second all-reduce; the others must fail naming it.
 """
 import os
@@ -55,7 +56,9 @@ def main():
     res["ar16"] = t16.all_reduce(part(r, CAP, torch.bfloat16))
     res["bcast"] = group.broadcast_from_leader(part(r, 2, torch.float32), "test rows")
     res["empty"] = group.all_reduce(part(r, 0, torch.float32))
-    res["big"] = group.all_reduce(part(r, CAP + 3, torch.float32))  # over capacity: host path
+    res["big"] = group.all_reduce(part(r, CAP + 3, torch.float32))  # over capacity: 2 pieces
+    res["bigcast"] = group.broadcast_from_leader(part(r, 2 * CAP + 1, torch.float32), "rows")
+    res["amax"] = group.all_reduce(torch.full((2,), float(r + 1)))  # another shape: host path
     res["sent"] = torch.tensor([t32.sent, t16.sent])
     save_file({k: v.contiguous() for k, v in res.items()}, os.path.join(out_dir, f"rank{r}.pt"))
     t32.close()
