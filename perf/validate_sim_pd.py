@@ -1,41 +1,66 @@
 """The PD job simulator (megainfer/perfmodel/pd_sim.py) against the recorded PD runs.
 
-    python perf/validate_sim_pd.py [--profile cpu_node]
+    python perf/validate_sim_pd.py [--roofline] [--conditions load|split|scale] [--no-idle]
+                                   [--prompt-host] [--profile cpu_node] [--out F]
 
 Reads ``perf/results/bench_pd*.json`` (``perf/bench_pd.py``: bench50m dummy weights, all
 requests at t = 0, a PD layout of P prefill + A attention + E expert ranks and its AE baseline
 on the same ranks) and simulates each row's job: the baseline with ``job_sim.simulate_job``,
 the PD layout with ``pd_sim.simulate_pd_job`` (one event loop) and with the composed model
-(``goodput.simulate_pd_composed``) beside it. Prints measured vs simulated TTFT p50, TPOT p50
-and the PD / baseline ratios, and writes ``perf/results/validate_sim_pd.json``. The profile is
-the calibrated CPU one; bench50m has no calibrated layer fit there, so its layer times are
-the profile's roofline (absolute times are expected to be low: docs/perfmodel.md,
-"Validation"), and what the comparison can check is where PD moves TTFT and TPOT.
+(``goodput.simulate_pd_composed``) beside it. Prints measured vs simulated TTFT p50 and TPOT p50,
+their errors and the errors of the PD / baseline ratios (a figure of a run with repeats is the
+median over its launches, measured and simulated); writes ``perf/results/validate_sim_pd.json``.
 
-Other tenants' threads time-share the cores with the job's ranks (``node.background_load``):
-where ``perf/results/pd_load_average.json`` ({result file: 1-min load average read around
-its run}) has the run, it is simulated with background load = max(0, load - ranks) (the
-load average counts the run's own ranks too), else with none.
+Layer times: bench50m's in-situ fits (``perf/calibrate_bench50m.py``, its runs in
+``perf/results/bench50m_in_situ.json``): decode attention, prefill-chunk attention
+(``chunk_times.ChunkTimes`` gives micro-batches of more than ``max_num_seqs`` tokens the chunk
+fit; the prefill replicas get it through ``PrefillPool(times=)``) and experts, at the reference
+speed (``calibrate_bench50m.reference_fits``). ``--roofline``: the profile's datasheet roofline
+instead (the comparison before; 3-10x too fast).
+
+The machine: a run recorded with ``bench_pd.py --calibrate`` has a probe run before each launch
+and after the last; each launch is simulated under the conditions of the probes beside it
+(``calibrate_bench50m.conditions``; default ``load``: the background load their prefill spans'
+slowdown implies; ``split``: that for the PD prefill ranks, the one their decode spans imply for
+the AE pipelines; ``scale``: a time scale, no background load).
+An older run without probes gets background load = max(0, load - ranks) from
+its recorded 1-min load average (``perf/results/pd_load_average.json`` or the file's
+``load_average``), else none.
+
+Runtime behaviour measured on the recorded runs: ``idle_decode_busy`` (``pd_sim``), the median
+over the long-prompt PD launches with per-rank CPU times of the decode ranks' CPU share
+(``pd_trace_stats.decode_cpu_share``: the pool has nothing to decode most of such a job, yet its
+ranks step empty iterations and poll; ``--no-idle``: 0); and the prefill rank's host work per
+(prompt, layer) beyond the layer fits, from the CPU time of short-prompt PD launches (one
+prefill step each), printed and used only with ``--prompt-host`` (``PrefillPool(prompt_host_s=)``;
+the baseline's ``job_sim`` has no such term). Traced runs (``bench_pd.py --trace``) get their
+measured parts (prefill step, decode and chunk iterations) beside the simulated ones.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import glob
+import gzip
 import json
 import os
+import statistics
 import sys
 
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+import calibrate_bench50m as cb  # noqa: E402
+import pd_trace_stats as pts  # noqa: E402
 from results_io import write_json  # noqa: E402
 
+from megainfer.perfmodel.chunk_times import ChunkTimes  # noqa: E402
 from megainfer.perfmodel.events import Requests  # noqa: E402
 from megainfer.perfmodel.goodput import PrefillPool, decode_model, simulate_pd_composed  # noqa: E402
-from megainfer.perfmodel.hardware import load_hardware, with_background_load  # noqa: E402
+from megainfer.perfmodel.hardware import LayerFit, load_hardware, with_background_load  # noqa: E402
 from megainfer.perfmodel.job_sim import JobConfig, simulate_job  # noqa: E402
+from megainfer.perfmodel.layer_times import FittedTimes  # noqa: E402
 from megainfer.perfmodel.model import Plan, Workload  # noqa: E402
 from megainfer.perfmodel.pd_sim import simulate_pd_job  # noqa: E402
 from megainfer.perfmodel.shapes import ModelShape  # noqa: E402
@@ -44,79 +69,216 @@ from megainfer.perfmodel.world_plan import _slots  # noqa: E402
 BENCH50M = ModelShape("bench50m", hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4,
                       head_dim=64, num_experts=8, top_k=2, moe_intermediate_size=768, vocab_size=8192)
 WORKLOADS = {"long_prompt": ("long_prompt", "long_output"), "short_prompt": ("short_prompt", "short_output")}
+MAX_SEQS, MAX_TOKENS = 16, 512  # perf/bench_pd.py's scheduler
+METRICS = ("ttft_p50_ms", "tpot_p50_ms")
+KINDS = ("baseline", "pd_one_loop", "pd_composed")
 
 
-def simulate(d: dict, hw) -> list[dict]:
-    a, lay = d["args"], d["layouts"]
-    cfg = JobConfig(max_num_seqs=16, max_num_batched_tokens=512)
+def layer_times(hw, shape, fits: dict | None, speed: float):
+    """(attention, expert, prefill) times of ``shape``: the fits scaled by ``speed``, or (None)
+    the profile's roofline."""
+    if fits is None:
+        return None
+    lf = {k: LayerFit(**{n: f[n] * (speed if n.startswith("k") else 1) for n in ("k1", "k1_ctx", "k2", "k3", "k4")},
+                      dtype="float32") for k, f in fits.items()}
+    dec, pre = FittedTimes(hw, shape, lf["decode"]), FittedTimes(hw, shape, lf["prefill"])
+    return ChunkTimes(dec, pre, MAX_SEQS), dec, pre
+
+
+def prompt_host_estimate(benches: dict, fits: dict, hw) -> tuple[float, list]:
+    """Host seconds per (prompt, layer) of a PD prefill step beyond its layers: from every
+    launch with per-rank CPU times (``cpu_s``) whose short-prompt job is one prefill step (the
+    prefill rank then sleeps until STOP), (its CPU seconds - the step's fitted layer times) /
+    (layers x prompts)."""
+    from megainfer.perfmodel.pd_parts import Prefill
     out = []
-    for w, (pk, ok) in WORKLOADS.items():
-        P, O, n = a[pk], a[ok], a["num"]
-        reqs = Requests(np.zeros(n), np.full(n, P), np.full(n, O))
-        wl = Workload(P, O)
+    for d in benches.values():
+        a = d["args"]
+        n, P = a["num"], a["short_prompt"]
+        for row in d["rows"]:
+            if row["layout"] != "pd" or row["workload"] != "short_prompt" or n * P > MAX_TOKENS:
+                continue
+            for r in row.get("runs", []):
+                cpu = [c for k, c in (r.get("cpu_s") or []) if k == "prefill"]
+                if not cpu:
+                    continue
+                pool = PrefillPool(BENCH50M, hw, 1, 1, "float32", times=layer_times(hw, BENCH50M, fits, 1.0)[2])
+                ta, te = Prefill(pool, np.full((BENCH50M.num_layers, BENCH50M.num_experts), 1 / BENCH50M.num_experts),
+                                 np.random.default_rng(0)).step_s(n * P, (P + 1) / 2, n, n)
+                out.append((cpu[0] - ta - te) / (BENCH50M.num_layers * n))
+    return (max(0.0, statistics.median(out)) if out else 0.0), out
+
+
+def simulate_launch(a: dict, lay: dict, w: str, hw, fits, speed: float, idle: float = 0.0,
+                    send: float = 0.0, hw_pre=None) -> dict:
+    """Baseline (``lay`` = the baseline layout) or PD (one loop and composed) of one launch."""
+    pk, ok = WORKLOADS[w]
+    P, O, n = a[pk], a[ok], a["num"]
+    reqs = Requests(np.zeros(n), np.full(n, P), np.full(n, O))
+    wl = Workload(P, O)
+    cfg = JobConfig(max_num_seqs=MAX_SEQS, max_num_batched_tokens=MAX_TOKENS)
+    shp = _slots(BENCH50M, lay["E"])  # the runtime pads experts up to a multiple of the ranks
+    plan = Plan(1, lay["A"], 1, lay["E"], a["m"], n, hw.name, hw.name)
+    lt = layer_times(hw, shp, fits, speed)
+    model = decode_model(shp, hw, hw, wl, "float32", True, times=lt and lt[:2])
+    if not lay.get("P"):
+        r = simulate_job(model, plan, reqs, cfg)
+        it = np.array([(d, k) for _, d, k in r.iteration_s])
+        return {"baseline": dict(summary(r.ttft_s, r.tpot_s),  # chunk: > max_num_seqs tokens
+                                 chunk_iter_ms=float(np.mean(it[it[:, 1] > MAX_SEQS, 0])) * 1e3,
+                                 decode_iter_ms=float(np.median(it[it[:, 1] <= MAX_SEQS, 0])) * 1e3)}
+    pool = PrefillPool(BENCH50M, hw_pre or hw, lay["P"], lay.get("PTP", 1), "float32",
+                       times=lt and FittedTimes(hw, BENCH50M, lt[2].fit), prompt_host_s=send * speed)
+    one = simulate_pd_job(pool, model, plan, reqs, cfg, "float32", idle_decode_busy=idle)
+    comp = simulate_pd_composed(pool, decode_model(shp, hw, hw, wl, "float32", True, float(P), lt and lt[:2]),
+                                plan, reqs, cfg, "float32")
+    diag = {"prefill_step_ms": float(np.mean([x[2] for x in one.prefill_steps])) * 1e3,
+            "decode_iter_ms": float(np.median([d for _, d, _ in one.iteration_s])) * 1e3,
+            "handoff_p50_ms": float(np.median(one.kv_ready_s - one.first_token_s)) * 1e3}
+    return {"pd_one_loop": dict(summary(one.ttft_s, one.tpot_s), **diag),
+            "pd_composed": summary(comp.ttft_s, comp.tpot_s)}
+
+
+def summary(ttft, tpot) -> dict:
+    return {"ttft_p50_ms": float(np.nanmedian(ttft)) * 1e3, "tpot_p50_ms": float(np.nanmedian(tpot)) * 1e3}
+
+
+def simulate(d: dict, hw0, fits, speeds: list | None, bg: float, mode: str = "load", idle: float = 0.0,
+             send: float = 0.0) -> list[dict]:
+    """Rows of one bench file: measured (median over launches), each kind's prediction (median
+    over the launches' predictions, each under its ``conditions``, or all under background load
+    ``bg`` without probes), errors and PD / baseline ratios."""
+    a, lay = d["args"], d["layouts"]
+    out = []
+    for w in WORKLOADS:
         meas = {r["layout"]: r for r in d["rows"] if r["workload"] == w}
-        b, p = lay["baseline"], lay["pd"]
-        padded = _slots(BENCH50M, b["E"])  # the runtime pads experts up to a multiple of the ranks
-        base = simulate_job(decode_model(padded, hw, hw, wl, "float32", True), Plan(1, b["A"], 1, b["E"], a["m"], n, hw.name, hw.name), reqs, cfg)
-        dplan = Plan(1, p["A"], 1, p["E"], a["m"], n, hw.name, hw.name)
-        model = decode_model(_slots(BENCH50M, p["E"]), hw, hw, wl, "float32", True)
-        pool = PrefillPool(BENCH50M, hw, p["P"], 1, "float32")
-        one = simulate_pd_job(pool, model, dplan, reqs, cfg, "float32")
-        comp = simulate_pd_composed(pool, decode_model(_slots(BENCH50M, p["E"]), hw, hw, wl, "float32", True, float(P)),
-                                    dplan, reqs, cfg, "float32")
-        row = {"workload": w, "prompt": P, "output": O, "requests": n}
-        for name, ttft, tpot in (("baseline", base.ttft_s, base.tpot_s), ("pd_one_loop", one.ttft_s, one.tpot_s),
-                                 ("pd_composed", comp.ttft_s, comp.tpot_s)):
-            row[name] = {"ttft_p50_ms": float(np.nanmedian(ttft)) * 1e3,
-                         "tpot_p50_ms": float(np.nanmedian(tpot)) * 1e3}
-        row["measured"] = {k: {"ttft_p50_ms": v["ttft_p50_ms"], "tpot_p50_ms": v["tpot_p50_ms"]}
-                           for k, v in meas.items()}
-        for src, bk, pk2 in (("measured", ("measured", "baseline"), ("measured", "pd")),
-                             ("one_loop", ("baseline",), ("pd_one_loop",)),
-                             ("composed", ("baseline",), ("pd_composed",))):
-            bb = row[bk[0]][bk[1]] if len(bk) == 2 else row[bk[0]]
-            pp = row[pk2[0]][pk2[1]] if len(pk2) == 2 else row[pk2[0]]
-            row[f"pd_over_baseline_{src}"] = {m: pp[m] / bb[m] for m in ("ttft_p50_ms", "tpot_p50_ms")}
+        row = {"workload": w, "prompt": a[WORKLOADS[w][0]], "output": a[WORKLOADS[w][1]], "requests": a["num"],
+               "measured": {k: {m: meas[k][m] for m in METRICS + ("handoff_p50_ms",)} for k in ("baseline", "pd")}}
+        for name in ("baseline", "pd"):
+            runs = meas[name].get("runs") or [{"calibration": None}]
+            cond = [{"speed": 1.0, "background_load": bg, "background_load_prefill": bg}
+                    if r["calibration"] is None or speeds is None else
+                    cb.conditions(speeds[r["calibration"]], speeds[r["calibration"] + 1], hw0.node.cores, mode)
+                    for r in runs]
+            preds = [simulate_launch(a, lay[name], w, with_background_load(hw0, c["background_load"]), fits,
+                                     c["speed"], idle, send, with_background_load(hw0, c["background_load_prefill"]))
+                     for c in cond]
+            row[f"conditions_{name}"] = cond
+            if runs[0].get("spans"):  # traced: what the parts took, beside the simulator's
+                st = [pts.step_stats(r["spans"], BENCH50M.num_layers, MAX_SEQS) for r in runs]
+                row["measured"][name].update({k: statistics.median(x[k] for x in st)
+                                              for k in st[0] if all(x[k] is not None for x in st)})
+            for kind in preds[0]:
+                row[kind] = {m: statistics.median(p[kind][m] for p in preds) for m in preds[0][kind]}
+        for kind, ref in (("baseline", "baseline"), ("pd_one_loop", "pd"), ("pd_composed", "pd")):
+            row[f"{kind}_err"] = {m: row[kind][m] / row["measured"][ref][m] - 1 for m in METRICS}
+        row["ratio_measured"] = {m: row["measured"]["pd"][m] / row["measured"]["baseline"][m] for m in METRICS}
+        for kind in ("pd_one_loop", "pd_composed"):
+            row[f"ratio_{kind}"] = {m: row[kind][m] / row["baseline"][m] for m in METRICS}
+            row[f"ratio_{kind}_err"] = {m: row[f"ratio_{kind}"][m] / row["ratio_measured"][m] - 1 for m in METRICS}
         out.append(row)
     return out
+
+
+def with_spans(path: str) -> dict:
+    """A bench result with each launch's spans (``bench_pd.py --trace``'s .spans.json.gz)
+    attached."""
+    with open(path) as f:
+        d = json.load(f)
+    sp = os.path.splitext(path)[0] + ".spans.json.gz"
+    if os.path.isfile(sp):
+        with gzip.open(sp, "rt") as f:
+            spans = json.load(f)
+        for row in d["rows"]:
+            for r, x in zip(row.get("runs", []), spans.get(f"{row['workload']}/{row['layout']}", [])):
+                r["spans"] = x
+    return d
+
+
+def stats(errs: list) -> dict:
+    e = np.abs(np.asarray(errs))
+    return {"max_abs": float(e.max()), "median_abs": float(np.median(e)), "n": len(e),
+            "goal_met": bool(e.max() <= 0.20 and np.median(e) <= 0.10)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--profile", default="cpu_node")
+    ap.add_argument("--roofline", action="store_true", help="the profile's roofline, no fit")
+    ap.add_argument("--conditions", choices=("load", "split", "scale"), default="load",
+                    help="how a probed launch's slowdowns enter (calibrate_bench50m.conditions)")
+    ap.add_argument("--no-idle", action="store_true", help="idle_decode_busy = 0 (the decode pool "
+                    "computes nothing while it has nothing to decode)")
+    ap.add_argument("--prompt-host", action="store_true",
+                    help="charge PD's prefill steps the per-prompt host work measured from the short-prompt "
+                         "launches' CPU time (prompt_host_s; the baseline's job_sim has no such term)")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "validate_sim_pd.json"))
     a = ap.parse_args()
     hw0 = load_hardware(a.profile)
     lp = os.path.join(HERE, "results", "pd_load_average.json")
     loads = json.load(open(lp)) if os.path.isfile(lp) else {}
+    paths = sorted(p for p in glob.glob(os.path.join(HERE, "results", "bench_pd*.json"))
+                   if not p.endswith(".spans.json"))
+    benches = {os.path.basename(p): with_spans(p) for p in paths}
+    with open(cb.OUT) as f:
+        cals = json.load(f)["samples"]
+    fits, cal_speeds = (None, None) if a.roofline else cb.reference_fits(cals)
+    spins = [pts.idle_decode_busy(r["spans"]) for d in benches.values() for row in d["rows"]
+             if row["layout"] == "pd" for r in row.get("runs", []) if r.get("spans")]
+    print(f"decode attention rank in spans while the PD pool has nothing to decode (traced runs): "
+          f"{', '.join(f'{x:.2f}' for x in spins if x is not None)}")
+    idles = [pts.decode_cpu_share(r) for d in benches.values() for row in d["rows"]
+             if row["layout"] == "pd" and row["workload"] == "long_prompt" for r in row.get("runs", [])]
+    idles = [x for x in idles if x is not None]
+    idle = statistics.median(idles) if idles else 0.0
+    send, sends = prompt_host_estimate(benches, fits, hw0) if fits else (0.0, [])
+    print(f"prefill rank's host work per (prompt, layer) beyond its layers (short-prompt PD launches' "
+          f"CPU time): {', '.join(f'{1e3 * x:.2f}' for x in sends)} ms (prompt_host_s{'' if a.prompt_host else ', not used'})")
+    print(f"decode ranks' CPU share in long-prompt PD launches (mostly idle; cpu_s): "
+          f"{', '.join(f'{x:.2f}' for x in idles)}; median {idle:.2f} (idle_decode_busy"
+          f"{', not used' if a.no_idle else ''})")
+    speeds = {n: [cb.speed_of(c, fits) for c in d["calibrations"]] for n, d in benches.items()
+              if d.get("calibrations") and fits}
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "profile": a.profile, "runs": {}}
-    print(f"{'run':<22} {'workload':<13} {'':<10} {'TTFT p50 ms':>12} {'TPOT p50 ms':>12}   "
-          f"PD / baseline (TTFT, TPOT)")
-    for path in sorted(glob.glob(os.path.join(HERE, "results", "bench_pd*.json"))):
-        with open(path) as f:
-            d = json.load(f)
-        load = loads.get(os.path.basename(path))
-        bg = 0.0 if load is None else max(0.0, load - d["args"]["ranks"])
-        rows = simulate(d, with_background_load(hw0, bg))
-        res["runs"][os.path.basename(path)] = {"measured_at": d.get("date"), "load_average": load,
-                                               "background_load": bg, "rows": rows}
+           "profile": a.profile, "conditions": a.conditions, "layer_times": "roofline" if a.roofline else "in-situ fits (reference speed)",
+           "fits": fits, "calibration_speeds": cal_speeds,
+           "idle_decode_busy": {"runs": idles, "used": 0.0 if a.no_idle else idle, "attention_span_share": spins},
+           "prompt_host_s": {"runs": sends, "used": send if a.prompt_host else 0.0}, "runs": {}}
+    print(f"{'run':<24}{'workload':<13}{'':<12}{'TTFT p50 ms':>12}{'err':>8}{'TPOT p50 ms':>12}{'err':>8}"
+          f"   PD / baseline (TTFT, TPOT), ratio err")
+    for name, d in benches.items():
+        cal = name in speeds
+        load = loads.get(name, d.get("load_average"))
+        bg = 0.0 if cal or load is None else max(0.0, load - d["args"]["ranks"])
+        rows = simulate(d, hw0, fits, speeds.get(name), bg, a.conditions, 0.0 if a.no_idle else idle,
+                        send if a.prompt_host else 0.0)
+        res["runs"][name] = {"measured_at": d.get("date"), "load_average": load, "background_load": bg,
+                             "calibration_speeds": speeds.get(name), "rows": rows}
         for r in rows:
-            for label, key, ratio in (("measured", ("measured", "pd"), "measured"),
-                                      ("one loop", ("pd_one_loop",), "one_loop"),
-                                      ("composed", ("pd_composed",), "composed")):
-                v = r[key[0]][key[1]] if len(key) == 2 else r[key[0]]
-                q = r[f"pd_over_baseline_{ratio}"]
-                print(f"{os.path.basename(path):<22} {r['workload']:<13} {label:<10} {v['ttft_p50_ms']:12.1f} "
-                      f"{v['tpot_p50_ms']:12.1f}   {q['ttft_p50_ms']:.2f}x, {q['tpot_p50_ms']:.2f}x")
-    errs = {src: [r[f"pd_over_baseline_{src}"][k] / r["pd_over_baseline_measured"][k] - 1
-                  for run in res["runs"].values() for r in run["rows"] for k in ("ttft_p50_ms", "tpot_p50_ms")]
-            for src in ("one_loop", "composed")}
-    res["ratio_error"] = {src: {"max_abs": float(np.max(np.abs(e))), "median_abs": float(np.median(np.abs(e)))}
-                          for src, e in errs.items()}
-    for src, e in res["ratio_error"].items():
-        print(f"PD / baseline ratio error, {src}: max |err| {100 * e['max_abs']:.1f} %, median "
-              f"{100 * e['median_abs']:.1f} % (goal: 20 % / 10 %)")
-    write_json(os.path.join(HERE, "results", "validate_sim_pd.json"), res)
+            for label, ref, kind in (("measured", "baseline", None), ("baseline sim", "baseline", "baseline"),
+                                     ("measured", "pd", None), ("PD one loop", "pd", "pd_one_loop"),
+                                     ("PD composed", "pd", "pd_composed")):
+                v = r["measured"][ref] if kind is None else r[kind]
+                e = ["" if kind is None else f"{100 * r[kind + '_err'][m]:+.0f}%" for m in METRICS]
+                q = "" if ref == "baseline" else "   " + ", ".join(
+                    f"{(r['ratio_measured'] if kind is None else r['ratio_' + kind])[m]:.2f}x" for m in METRICS)
+                if kind not in (None, "baseline"):
+                    q += "  " + ", ".join(f"{100 * r['ratio_' + kind + '_err'][m]:+.0f}%" for m in METRICS)
+                print(f"{name:<24}{r['workload']:<13}{label + (' ' + ref if kind is None else ''):<12}"
+                      f"{v['ttft_p50_ms']:12.1f}{e[0]:>8}{v['tpot_p50_ms']:12.1f}{e[1]:>8}{q}")
+    res["summary"] = {}
+    for scope, names in (("all runs", list(benches)), ("interleaved calibration", list(speeds))):
+        rows = [r for n in names for r in res["runs"][n]["rows"]]
+        if not rows:
+            continue
+        s = res["summary"][scope] = {}
+        for kind in ("pd_one_loop", "pd_composed"):
+            s[f"ratio_{kind}"] = stats([r[f"ratio_{kind}_err"][m] for r in rows for m in METRICS])
+            s[f"absolute_{kind}"] = stats([r[f"{k}_err"][m] for r in rows for k in ("baseline", kind) for m in METRICS])
+        for k, v in s.items():
+            print(f"{scope:<24} {k:<24} max |err| {100 * v['max_abs']:5.1f} %, median {100 * v['median_abs']:5.1f} % "
+                  f"of {v['n']} (goal 20 % / 10 %: {'met' if v['goal_met'] else 'NOT met'})")
+    write_json(a.out, res)
 
 
 if __name__ == "__main__":

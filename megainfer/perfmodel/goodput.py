@@ -6,10 +6,10 @@
   both per second of offered load (met / arrival span; an all-at-once batch: met / makespan).
   A plan *attains* the SLOs when at least ``percentile`` % of the requests meet both.
 * ``PrefillPool``: ``n_p`` prefill replicas, each a whole-model TP group of ``tp_p`` devices
-  (its layer times; ``t_prefill`` of one prompt of P tokens: the closed form's per-layer
-  attention at mean context P / 2 plus every expert's share of the P * top_k token slots, times
-  the layers, plus the lm_head; ``serve``: one prompt at a time per replica, FCFS, the search's
-  cheap TTFT prune).
+  (its layer times: the profile's, or its own ``times``; ``t_prefill`` of one prompt of P
+  tokens: the closed form's per-layer attention at mean context P / 2 plus every expert's share
+  of the P * top_k token slots plus ``prompt_host_s``, times the layers, plus the lm_head;
+  ``serve``: one prompt at a time per replica, FCFS, the search's cheap TTFT prune).
 * ``simulate_pd``: a PD plan as one simulation (``pd_sim.simulate_pd_job``: prefill replicas
   with their own chunked-prefill schedulers, KV transfers sharing links, the decode pool, on
   one clock).
@@ -100,9 +100,16 @@ class PrefillPool:
     """``n_p`` whole-model prefill replicas of ``tp_p`` devices on ``hw``."""
 
     def __init__(self, shape: ModelShape, hw: HardwareProfile, n_p: int, tp_p: int,
-                 dtype: str = "bfloat16", use_fit: bool = True):
+                 dtype: str = "bfloat16", use_fit: bool = True, times=None, prompt_host_s: float = 0.0):
+        """``times``: the replicas' layer times (default: ``hw``'s fit for ``shape``, else its
+        roofline), e.g. a fit of prefill chunks (``chunk_times``). ``prompt_host_s``: host seconds
+        a step spends per prompt in it and per layer beyond the layer times (the CPU runtime's
+        per-prompt work: its layer KV gathered and posted to the decode side, its bookkeeping)."""
+        if not (prompt_host_s >= 0 and math.isfinite(prompt_host_s)):
+            raise ConfigError(f"prefill prompt_host_s={prompt_host_s!r}: must be a number >= 0")
+        self.prompt_host_s = prompt_host_s
         self.shape, self.hw, self.n_p, self.tp_p = shape, hw, n_p, tp_p
-        self.t = layer_times_for(hw, shape, dtype, use_fit)
+        self.t = times if times is not None else layer_times_for(hw, shape, dtype, use_fit)
         self.dtype = dtype
 
     def label(self) -> str:
@@ -126,7 +133,7 @@ class PrefillPool:
         s, tp, p = self.shape, self.tp_p, float(prompt)
         per_layer = (self.t.t_attn(p, p / 2, tp)
                      + self.t.t_expert([p * s.top_k / s.num_experts] * s.num_experts, tp))
-        return s.num_layers * per_layer + self.t.t_head(1, tp)
+        return s.num_layers * (per_layer + self.prompt_host_s) + self.t.t_head(1, tp)
 
     def serve(self, arrival_s: np.ndarray, prompt_len: np.ndarray) -> np.ndarray:
         """FCFS over the first free replica: when each request's prefill (first token) is done."""
@@ -168,9 +175,10 @@ class _ContextShift:
 
 
 def decode_model(shape: ModelShape, hw_a: HardwareProfile, hw_e: HardwareProfile,
-                 workload: Workload, dtype: str, use_fit: bool, prompt_shift: float = 0.0) -> DisaggModel:
-    ta = layer_times_for(hw_a, shape, dtype, use_fit)
-    te = layer_times_for(hw_e, shape, dtype, use_fit)
+                 workload: Workload, dtype: str, use_fit: bool, prompt_shift: float = 0.0,
+                 times: tuple | None = None) -> DisaggModel:
+    """``times``: (attention, expert) layer times to use instead of the profiles' own."""
+    ta, te = times or (layer_times_for(hw_a, shape, dtype, use_fit), layer_times_for(hw_e, shape, dtype, use_fit))
     return DisaggModel(shape, _ContextShift(ta, prompt_shift) if prompt_shift else ta, te,
                        workload, dtype)
 

@@ -11,8 +11,10 @@ What ``runtime/pd_router.py``, ``runtime/prefill_worker.py`` and ``runtime/pd_de
   run their own chunked-prefill scheduler: unfinished prompts first, then their queue FCFS,
   within ``prefill_tokens`` tokens and ``max_num_seqs`` prompts a step. A step of n tokens at
   mean context c takes, per layer, ``T_a(n, c)`` plus every expert's time for its token count
-  (a ``Routing`` draw), plus the lm_head over the prompts it completes; a completed prompt's
-  first token is sampled at the step's end (TTFT) and it leaves the prefill replica.
+  (a ``Routing`` draw), plus the lm_head over the prompts it completes, plus
+  ``PrefillPool.prompt_host_s`` per prompt in the step and layer (host work; default 0); a
+  completed prompt's first token is sampled at the step's end (TTFT) and it leaves the prefill
+  replica. Its layer times are the pool's (``PrefillPool(times=)``, e.g. a prefill-chunk fit).
 * **KV transfers**: each step's new KV (tokens x ``kv_bytes_per_token``) streams layer by layer
   to the request's decode replica during the step. A transfer holds the prefill replica's
   egress (``tp_p`` NICs) and the decode replica's ingress (``tp_a`` NICs) at the slower of the
@@ -30,9 +32,11 @@ Events are prefill step ends, decode iteration ends, arrivals and KV arrivals; a
 time the loop first applies what ended, then admits, starts idle prefill replicas, and starts a
 decode iteration if the pool is idle (so everything ready at t is seen by what starts at t).
 On a node whose cores are shared (CPU profiles: ``node.cores`` > 0) prefill and decode ranks
-of the same profile time-share them (``_Node``): a prefill step progresses at a rate set by
+of the same profile time-share them (``pd_parts.Node``): a prefill step progresses at a rate set by
 what computes beside it, recomputed at every event; a decode iteration is stretched by the
-prefill ranks busy at its start. Not modelled: the decode pool's own A2E/E2A traffic delaying
+prefill ranks busy at its start. ``idle_decode_busy`` > 0: while the pool has nothing to
+decode each of its ranks still takes that share of a core (the CPU runtime steps its lock-step
+pipeline with empty batches and its ranks poll), and prefill steps share the cores with them. Not modelled: the decode pool's own A2E/E2A traffic delaying
 a later KV transfer on the same link; prefix caching on the prefill ranks; KV blocks (no
 preemption). ``goodput.simulate_pd_composed`` is the older two-simulation composition, kept as this
 simulator's baseline (tests/test_job_sim_pd.py).
@@ -45,8 +49,9 @@ import numpy as np
 
 from megainfer.perfmodel.events import Requests, draw_counts
 from megainfer.perfmodel.job_result import JobResult
-from megainfer.perfmodel.job_sim import JobConfig, Pipeline, _split, expert_times
+from megainfer.perfmodel.job_sim import JobConfig, _split
 from megainfer.perfmodel.model import DisaggModel, Plan
+from megainfer.perfmodel.pd_parts import Node, Prefill, PrefillStep
 
 
 @dataclass
@@ -62,100 +67,17 @@ class PdJobResult(JobResult):
         return np.maximum(self.kv_ready_s - self.first_token_s, 0.0)
 
 
-class _Prefill:
-    """Step times of one prefill replica of ``pool``."""
-
-    def __init__(self, pool, probs, rng):
-        self.pool, self.probs, self.rng = pool, probs, rng
-        s = pool.shape
-        self.L, self.K, self.E = s.num_layers, s.top_k, s.num_experts
-
-    def step_s(self, n: int, ctx: float, rows: int) -> tuple[float, float]:
-        """(attention + lm_head, experts) seconds of one step of ``n`` tokens, alone on its cores."""
-        t, tp = self.pool.t, self.pool.tp_p
-        counts = draw_counts(self.probs, np.array([n]), self.K, self.E, self.L, self.rng)[:, 0, :]
-        te = float(expert_times(t, counts, tp).sum())
-        return self.L * t.t_attn(n, ctx, tp) + (t.t_head(rows, tp) if rows else 0.0), te
-
-
-@dataclass
-class _PrefillStep:
-    """A prefill replica's step in flight: it ends at ``end`` if its ``rate`` (alone-seconds of
-    work per second, below 1 while it shares cores) holds; ``left`` alone-seconds remain as of
-    ``since``. ``row``: its entry of the result's prefill steps (duration set at the end)."""
-
-    end: float
-    start: float
-    work: list  # [(request, prompt tokens)]
-    attn_s: float
-    exp_s: float
-    row: list
-    left: float
-    rate: float
-    since: float
-
-
-class _Node:
-    """Core sharing between the prefill replicas and the decode pool (the node terms of
-    docs/perfmodel.md, "Ranks sharing a node"). Prefill and decode ranks share a node when they
-    run on the same hardware profile (``plan.ranks_per_node`` < all ranks: that share of each
-    role's ranks on a node). A prefill step is stretched by ``NodeProfile.dilation`` of the ranks
-    computing beside it: its own TP group and the other busy prefill replicas, and, while a
-    decode iteration is in flight, the decode side's ranks for the fraction of the iteration
-    each side computes (u = m L T_side / T_total at the plan's balanced load; with m = 1 the
-    two sides alternate, with m >= 2 they overlap independently). A decode iteration sees the
-    prefill ranks busy at its start as extra ranks on its node (``Pipeline(others_busy=)``).
-    GPU profiles (node.cores = 0) share nothing."""
-
-    def __init__(self, pool, model: DisaggModel, plan: Plan):
-        self.node = nd = pool.hw.node
-        tot = pool.devices + plan.devices
-        share = min(1.0, plan.ranks_per_node / tot) if plan.ranks_per_node else 1.0
-        self.tp = pool.tp_p * share
-        same_a, same_e = pool.hw.name == model.hw_a.name, pool.hw.name == model.hw_e.name
-        self.shared = nd.shared and (same_a or same_e)
-        self.states = [(1.0, 0.0)]  # (probability, decode ranks computing) while decode runs
-        if self.shared and plan.batch > 0:
-            pr = model.predict(plan)
-            L = model.shape.num_layers
-            u_a = min(1.0, plan.m * L * pr.t_a / pr.t_total) if pr.t_total > 0 else 0.0
-            u_e = min(1.0, plan.m * L * pr.t_e / pr.t_total) if pr.t_total > 0 else 0.0
-            r_a = plan.n_a * plan.tp_a * share if same_a else 0.0
-            r_e = plan.n_e * plan.tp_e * share if same_e else 0.0
-            if plan.m == 1:
-                u_e = min(u_e, 1.0 - u_a)
-                self.states = [(1.0 - u_a - u_e, 0.0), (u_a, r_a), (u_e, r_e)]
-            else:
-                self.states = [((1 - u_a) * (1 - u_e), 0.0), (u_a * (1 - u_e), r_a),
-                               ((1 - u_a) * u_e, r_e), (u_a * u_e, r_a + r_e)]
-        self.pipes: dict = {}
-
-    def rate(self, attn_s: float, exp_s: float, prefill_busy: int, decoding: bool) -> float:
-        """Progress per second of a step with these alone-times (1: no sharing)."""
-        if not self.shared or attn_s + exp_s <= 0:
-            return 1.0
-        own = self.tp * prefill_busy
-        states = self.states if decoding else [(1.0, 0.0)]
-        d_a = sum(p * self.node.dilation("attention", own + r) for p, r in states)
-        d_e = sum(p * self.node.dilation("expert", own + r) for p, r in states)
-        return (attn_s + exp_s) / (attn_s * d_a + exp_s * d_e)
-
-    def pipeline(self, model: DisaggModel, plan: Plan, prefill_busy: int) -> Pipeline:
-        x = self.tp * prefill_busy if self.shared else 0.0
-        if x not in self.pipes:
-            self.pipes[x] = Pipeline(model, plan, others_busy=x)
-        return self.pipes[x]
-
-
 def simulate_pd_job(pool, model: DisaggModel, plan: Plan, requests: Requests,
                     cfg: JobConfig = JobConfig(), dtype: str = "bfloat16",
-                    prefill_tokens: int | None = None) -> PdJobResult:
-    """Run ``requests`` through ``pool`` (``goodput.PrefillPool``) and the decode ``plan``."""
+                    prefill_tokens: int | None = None, idle_decode_busy: float = 0.0) -> PdJobResult:
+    """Run ``requests`` through ``pool`` (``goodput.PrefillPool``) and the decode ``plan``;
+    ``idle_decode_busy``: the share of a core each decode rank takes while the pool has nothing
+    to decode (``pd_parts.Node``; 0: they wait without computing)."""
     rng = np.random.default_rng(cfg.seed)
     s = model.shape
     probs = cfg.routing.probabilities(s.num_layers, s.num_experts, rng)
-    pre = _Prefill(pool, probs, rng)
-    node = _Node(pool, model, plan)
+    pre = Prefill(pool, probs, rng)
+    node = Node(pool, model, plan, idle_decode_busy)
     budget = prefill_tokens or cfg.max_num_batched_tokens
     n, n_a, n_p, m = len(requests), plan.n_a, pool.n_p, plan.m
     A, P, O = requests.arrival_s, requests.prompt_len, requests.output_len
@@ -170,7 +92,7 @@ def simulate_pd_job(pool, model: DisaggModel, plan: Plan, requests: Requests,
     load, pload = np.zeros(n_a, np.int64), np.zeros(n_p, np.int64)
     pending: list = []  # arrived, not yet handed out (FCFS)
     p_queue = [[] for _ in range(n_p)]  # handed to prefill replica p, prompt unfinished
-    p_busy: list = [None] * n_p  # p's _PrefillStep in flight
+    p_busy: list = [None] * n_p  # p's PrefillStep in flight
     d_wait = [[] for _ in range(n_a)]  # handed to decode replica a, not yet decoding
     d_run = [[] for _ in range(n_a)]
     d_busy = None  # (end, [(a, ids)]) of the decode iteration in flight
@@ -254,10 +176,10 @@ def simulate_pd_job(pool, model: DisaggModel, plan: Plan, requests: Requests,
                 tok += ns
                 ctxw += ns * (computed[k] + (ns + 1) / 2)
                 rows += int(computed[k] + ns >= P[k])
-            ta, te = pre.step_s(tok, ctxw / tok, rows)
+            ta, te = pre.step_s(tok, ctxw / tok, rows, len(work))
             ta += cfg.iteration_overhead_s
             psteps.append([p, t, ta + te, tok])
-            p_busy[p] = _PrefillStep(t + ta + te, t, work, ta, te, psteps[-1], ta + te, 1.0, t)
+            p_busy[p] = PrefillStep(t + ta + te, t, work, ta, te, psteps[-1], ta + te, 1.0, t)
         # 4. an idle decode pool starts an iteration with what is runnable at t
         if d_busy is None:
             for a in range(n_a):
