@@ -58,6 +58,21 @@ def test_greedy_tokens_equal_single_mode(tiny_ckpts, single_mode_tokens, tmp_pat
         assert min(stats["assigned"]) > 0
 
 
+def test_idle_decode_pool_sleeps_until_a_prefill_report(tiny_ckpts, single_mode_tokens,
+                                                        tmp_path):
+    """Prefill steps slowed to 0.2 s: while nothing can be decoded (transfers pending or not),
+    rank 0 waits for a prefill report instead of stepping empty iterations flat out, so the
+    decode pool's iterations with nothing to decode stay within a few per report."""
+    ckpt = tiny_ckpts[("mixtral", "base")]
+    out = tmp_path / "out.json"
+    run_mpi(4, JOB, [out, 1, 1, 2, 1, "1", ckpt, "prefill_delay=0.2"], timeout=600)
+    got = json.loads(out.read_text())
+    assert got[f"{ckpt}|m=1"] == single_mode_tokens[ckpt]
+    stats = got[f"{ckpt}|m=1|stats"]
+    idle, timed_out = stats["idle"]
+    assert 0 < idle <= 2 * stats["reports"] + timed_out + 4, stats
+
+
 def test_hung_prefill_rank_aborts_naming_it(tiny_ckpts, tmp_path):
     ckpt = tiny_ckpts[("mixtral", "base")]
     t0 = time.process_time()

@@ -5,8 +5,10 @@ rank 0; rank 0 answers go or stop), but rank 0 hands requests to prefill ranks t
 ``PDRouter`` instead of to the replicas, and its go message carries each replica's transfer
 messages (expect / start / drop) instead of new requests; every rank of a replica applies them
 (``DecodeSide``) at the same iteration. A leader's report adds the transfers pending on its
-replica, which count in its load. When no replica has anything to decode, rank 0 waits a little
-for a prefill report before the next (empty) iteration instead of spinning.
+replica, which count in its load. When no replica has anything to decode (transfers still
+pending or not), rank 0 waits, sleeping, for a prefill report before the next (empty) iteration
+instead of spinning: a decode pool waiting for its first prompts leaves the cores to the
+prefill ranks.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ class PDReplicaLoop(ReplicaLoop):
                  decode: DecodeSide, router: Optional[PDRouter]):
         super().__init__(engine, role, plan, control, exchange, first_moe_layer)
         self.decode, self.pd = decode, router
+        self.idle = [0, 0]  # rank 0: iterations with nothing to decode; waits that timed out
         self.track = False  # decode replicas are not routed by prefix: no key events
         blocks = engine.blocks
         blocks.key_events = None  # the base loop may have turned them on
@@ -44,20 +47,20 @@ class PDReplicaLoop(ReplicaLoop):
                 out.metrics.kv_handoff_s = d.handoff_s.pop(out.request_id, None)
         d.poll()
         status = (finished, e.has_unfinished() or d.pending > 0, len(e.scheduler.waiting),
-                  len(e.scheduler.running), d.pending)
+                  len(e.scheduler.running), d.pending, e.has_unfinished())
         if self.role.rank != 0:
             if self.role.is_leader:
                 self.control.send(status, 0, TAG_STATUS)
             go, msgs = self.control.recv(0, TAG_GO, "iteration sync (waiting for rank 0)")
             d.apply(msgs)
             return [], go, []
-        done, busy = list(finished), status[1]
+        done, busy, decoding = list(finished), status[1], status[5]
         loads = [status[2] + status[3] + status[4]]
         for leader in self.leaders[1:]:
-            outs, b, waiting, running, pending = self.control.recv(
+            outs, b, waiting, running, pending, dec = self.control.recv(
                 leader, TAG_STATUS, "iteration sync (replica status)")
             done += outs
-            busy = busy or b
+            busy, decoding = busy or b, decoding or dec
             loads.append(waiting + running + pending)
         msgs, prefilled = self.pd.iterate(loads)
         for out in done:
@@ -69,6 +72,8 @@ class PDReplicaLoop(ReplicaLoop):
         d.apply(msgs[0])
         if not go:
             self.pd.stop()
-        elif not busy and not any(msgs):
-            self.pd.wait()
+        elif not decoding:
+            self.idle[0] += 1
+            if not any(msgs):
+                self.idle[1] += not self.pd.wait()
         return done, go, []

@@ -61,7 +61,11 @@ class PDRouter:
         self.assigned = [0] * num_replicas  # requests handed to each decode replica
         self.prefilled = [0] * len(prefill_ranks)
         self.outbox: list = []  # hand-outs in flight
-        self.idle_wait = WaitPolicy(mode=policy.mode, timeout_s=min(0.05, policy.timeout_s / 4))
+        self.reports = 0  # prefill reports received
+        # nothing to decode anywhere: the next thing that can change that is a prefill report
+        # (a first token to start, a request to drop, room for a hand-out), so rank 0 waits for
+        # one, sleeping (bounded: well under every other rank's comm.timeout_s)
+        self.idle_wait = WaitPolicy(mode=policy.mode, timeout_s=min(0.5, policy.timeout_s / 4))
 
     @property
     def busy(self) -> bool:
@@ -84,9 +88,11 @@ class PDRouter:
         self._check_silence()
         return msgs, done
 
-    def wait(self) -> None:
-        """Nothing to decode: wait a little (bounded, well under the go timeout) for a report."""
-        wait_until(lambda: self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_PD_DONE), self.idle_wait)
+    def wait(self) -> bool:
+        """Nothing to decode: wait (bounded, well under the go timeout) for a report. True when
+        one came."""
+        return wait_until(lambda: self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_PD_DONE),
+                          self.idle_wait) >= 0
 
     def stop(self) -> None:
         for r in self.prefill_ranks:
@@ -103,6 +109,7 @@ class PDRouter:
         while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_PD_DONE, status=st):
             src = st.Get_source()
             report, waiting, running, events = self.comm.recv(source=src, tag=TAG_PD_DONE)
+            self.reports += 1
             p = self.prefill_ranks.index(src)
             self.last_heard[p] = time.perf_counter()
             self.router.update(p, waiting, running, events)

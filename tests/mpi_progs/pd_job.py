@@ -6,7 +6,7 @@ keys: ``max_tokens`` (12), ``fault`` (kill | hang | hang_peer), ``kv`` (cache.kv
 decode replica wait to reserve, and preempt), ``prompts=shared`` (``runtime_job.shared_inputs``
 with prefix caching on, ``SHARED_CACHE``'s block size), ``routing`` (scheduler.routing),
 ``ptp`` (deploy.prefill_tp, 1: P is then prefill replicas of ``ptp`` ranks each), ``tp``
-(comm.tp_collectives, auto), ``n``
+(comm.tp_collectives, auto), ``prefill_delay`` (seconds every prefill step sleeps first), ``n``
 (``sampled_inputs``: seeded sampling with that many samples per request; OUT.json then maps
 each request to its samples' token ids).
 A decode attention replicas x TP, E expert ranks, P prefill replicas (K = A*TP + E + P*ptp); MS a
@@ -18,7 +18,8 @@ the prefill TP ranks other than a replica's leader sleep at their first step (th
 all-reduce waits for them). All with comm.timeout_s=3.
 OUT.json maps "<ckpt>|m=<m>" to {request id: token ids}, and "<ckpt>|m=<m>|stats" to rank 0's
 counts (requests handed to each decode replica and prefilled by each prefill rank, the KV
-handoff times seen, per rank the TP collectives that went point to point).
+handoff times seen, per rank the TP collectives that went point to point, rank 0's idle
+counts ``PDReplicaLoop.idle`` and the prefill reports it received).
 """
 import dataclasses
 import os
@@ -73,6 +74,13 @@ def _hang_unless_leader(step):
     return hang_peer
 
 
+def _delayed(step, seconds: float):
+    def slow(self):
+        time.sleep(seconds)
+        return step(self)
+    return slow
+
+
 def main():
     out, A, TP, E, P = sys.argv[1], *map(int, sys.argv[2:6])
     ms = [int(m) for m in sys.argv[6].split(",")]
@@ -89,6 +97,8 @@ def main():
                                 kv_scale_granularity=opts.get("gran", base.kv_scale_granularity))
     sched = dataclasses.replace(SCHED, routing=opts.get("routing", SCHED.routing))
     kill = fault in ("kill", "hang", "hang_peer")  # comm.timeout_s=3
+    if "prefill_delay" in opts:  # a slow prefill: the decode pool has long idle stretches
+        PrefillWorker._step = _delayed(PrefillWorker._step, float(opts["prefill_delay"]))
     if fault == "hang_peer":  # TP rank 1 of a prefill replica sleeps at its first step
         PrefillWorker._step = _hang_unless_leader(PrefillWorker._step)
     elif kill:
@@ -116,7 +126,8 @@ def main():
                     assigned=r.loop.pd.assigned, prefilled=r.loop.pd.prefilled,
                     handoffs=sum(o.metrics.kv_handoff_s is not None for o in outs),
                     preemptions=r.loop.engine.num_preemptions,
-                    cached=sum(o.num_cached_tokens or 0 for o in outs), tp_sent=tp_sent)
+                    cached=sum(o.num_cached_tokens or 0 for o in outs), tp_sent=tp_sent,
+                    idle=r.loop.idle, reports=r.loop.pd.reports)
             r.close()
     dump_results(out, results)
 
