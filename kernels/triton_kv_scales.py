@@ -1,9 +1,9 @@
 """Scales of the low-bit KV cache in Triton, bit-exact with ``kv_quant.py``: rounding to the
 float8 grid (``_round_fp8``), and the ``token_head`` row scales (``cache.kv_scale_granularity``):
 a row's bfloat16 scale (fp8) computed and written after the row, or read back, and the fp4
-row's E8M0 exponent read back (it is written by ``triton_kv_cache._quant_fp4_row``). Used by
-``triton_kv_cache.py`` (GQA store and ``_kv_tile``) and ``triton_mla.py`` (latent store and
-decode).
+row's E8M0 exponent read back (it is written by ``triton_fp4._quant_fp4_row``). Used by
+``triton_kv_cache.py`` (GQA store and ``_kv_tile``), ``triton_fp4.py`` (fp4 rows),
+``triton_mla_store.py`` (latent store) and ``triton_mla.py`` (latent decode).
 """
 from __future__ import annotations
 
