@@ -30,8 +30,10 @@ its recorded 1-min load average (``perf/results/pd_load_average.json`` or the fi
 Runtime behaviour measured on the recorded runs: ``idle_decode_busy`` (``pd_sim``), the median
 over the long-prompt PD launches with per-rank CPU times of the decode ranks' CPU share
 (``pd_trace_stats.decode_cpu_share``: the pool has nothing to decode most of such a job, yet its
-ranks step empty iterations and poll; ``--no-idle``: 0); and the prefill rank's host work per
-(prompt, layer) beyond the layer fits, from the CPU time of short-prompt PD launches (one
+ranks stepped empty iterations and polled), for runs measured before ``IDLE_FIX``; later runs
+get 0, their pool sleeps until a prefill report (``--no-idle``: 0 for all); and the prefill
+rank's host work per (prompt, layer) beyond the layer fits, from the CPU time of short-prompt
+PD launches (one
 prefill step each), printed and used only with ``--prompt-host`` (``PrefillPool(prompt_host_s=)``;
 the baseline's ``job_sim`` has no such term). Traced runs (``bench_pd.py --trace``) get their
 measured parts (prefill step, decode and chunk iterations) beside the simulated ones.
@@ -180,6 +182,15 @@ def simulate(d: dict, hw0, fits, speeds: list | None, bg: float, mode: str = "lo
     return out
 
 
+IDLE_FIX = "2026-12-01T01:15:27+00:00"  # from then on an idle PD decode pool sleeps (docs/pd.md)
+
+
+def sleeps_when_idle(d: dict) -> bool:
+    """Whether a bench result was measured with a decode pool that sleeps while it has nothing
+    to decode (idle_decode_busy 0); earlier runs stepped empty iterations."""
+    return bool(d.get("date")) and d["date"] >= IDLE_FIX
+
+
 def with_spans(path: str) -> dict:
     """A bench result with each launch's spans (``bench_pd.py --trace``'s .spans.json.gz)
     attached."""
@@ -227,16 +238,17 @@ def main() -> None:
              if row["layout"] == "pd" for r in row.get("runs", []) if r.get("spans")]
     print(f"decode attention rank in spans while the PD pool has nothing to decode (traced runs): "
           f"{', '.join(f'{x:.2f}' for x in spins if x is not None)}")
-    idles = [pts.decode_cpu_share(r) for d in benches.values() for row in d["rows"]
-             if row["layout"] == "pd" and row["workload"] == "long_prompt" for r in row.get("runs", [])]
+    idles = [pts.decode_cpu_share(r) for n, d in benches.items() if not sleeps_when_idle(d)
+             for row in d["rows"] if row["layout"] == "pd" and row["workload"] == "long_prompt"
+             for r in row.get("runs", [])]
     idles = [x for x in idles if x is not None]
     idle = statistics.median(idles) if idles else 0.0
     send, sends = prompt_host_estimate(benches, fits, hw0) if fits else (0.0, [])
     print(f"prefill rank's host work per (prompt, layer) beyond its layers (short-prompt PD launches' "
           f"CPU time): {', '.join(f'{1e3 * x:.2f}' for x in sends)} ms (prompt_host_s{'' if a.prompt_host else ', not used'})")
-    print(f"decode ranks' CPU share in long-prompt PD launches (mostly idle; cpu_s): "
-          f"{', '.join(f'{x:.2f}' for x in idles)}; median {idle:.2f} (idle_decode_busy"
-          f"{', not used' if a.no_idle else ''})")
+    print(f"decode ranks' CPU share in long-prompt PD launches before {IDLE_FIX} (mostly idle; "
+          f"cpu_s): {', '.join(f'{x:.2f}' for x in idles)}; median {idle:.2f} (idle_decode_busy "
+          f"of those runs{', not used' if a.no_idle else ''}; later runs: 0, the pool sleeps)")
     speeds = {n: [cb.speed_of(c, fits) for c in d["calibrations"]] for n, d in benches.items()
               if d.get("calibrations") and fits}
     res = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -250,10 +262,12 @@ def main() -> None:
         cal = name in speeds
         load = loads.get(name, d.get("load_average"))
         bg = 0.0 if cal or load is None else max(0.0, load - d["args"]["ranks"])
-        rows = simulate(d, hw0, fits, speeds.get(name), bg, a.conditions, 0.0 if a.no_idle else idle,
+        u = 0.0 if a.no_idle or sleeps_when_idle(d) else idle
+        rows = simulate(d, hw0, fits, speeds.get(name), bg, a.conditions, u,
                         send if a.prompt_host else 0.0)
         res["runs"][name] = {"measured_at": d.get("date"), "load_average": load, "background_load": bg,
-                             "calibration_speeds": speeds.get(name), "rows": rows}
+                             "calibration_speeds": speeds.get(name), "idle_decode_busy": u,
+                             "rows": rows}
         for r in rows:
             for label, ref, kind in (("measured", "baseline", None), ("baseline sim", "baseline", "baseline"),
                                      ("measured", "pd", None), ("PD one loop", "pd", "pd_one_loop"),
