@@ -155,7 +155,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                                    BLOCK_D=triton.next_power_of_2(D), QUANT=False, MANT=3,
                                    EMIN=-6)
         return
-    if kv_cache.dtype in FP8_CACHE_DTYPES and token_head_cache(kv_cache, D - 2):
+    if kv_cache.dtype in FP8_CACHE_DTYPES and token_head_cache(kv_cache, k.shape[-1]):
         D -= 2  # token_head: D values, then the row's bf16 scale
     want = ((T, Hkv, D), k.dtype if kv_cache.dtype in FP8_CACHE_DTYPES else kv_cache.dtype,
             kv_cache.device)

@@ -54,6 +54,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from mpi_launch import run_job  # noqa: E402
+from pd_trace_stats import spans_path  # noqa: E402
 from results_io import write_json  # noqa: E402
 
 
@@ -106,12 +107,6 @@ def calibration(spec: str) -> dict:
     import calibrate_bench50m as cb
     b, p, d = (int(x) for x in spec.split(","))
     return dict(cb.sample(b, p, d, tempfile.mkdtemp(prefix="bench_pd_cal_")), probe=True)
-
-
-def spans_path(out: str) -> str:
-    """Where ``--trace`` keeps a result's spans, gzipped: {"workload/layout": [each launch's
-    spans]}."""
-    return os.path.splitext(out)[0] + ".spans.json.gz"
 
 
 def median_row(runs: list[dict]) -> dict:

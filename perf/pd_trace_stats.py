@@ -15,7 +15,14 @@ perf/validate_sim_pd.py: what each part of the job took, to set beside the simul
 from __future__ import annotations
 
 import collections
+import os
 import statistics
+
+
+def spans_path(result: str) -> str:
+    """Where ``bench_pd.py --trace`` keeps a result's spans, gzipped: {"workload/layout":
+    [each launch's spans]}."""
+    return os.path.splitext(result)[0] + ".spans.json.gz"
 
 
 def idle_decode_busy(spans: list) -> float | None:

@@ -20,6 +20,7 @@ minute on the CPU:
 """
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -30,8 +31,10 @@ SUCCESSOR_PROBS = (0.55, 0.25, 0.12, 0.08)
 COPY_NOISE = 0.1
 
 
+@functools.lru_cache(maxsize=None)
 def _chain(vocab: int) -> torch.Tensor:
-    """[vocab, 4] successors of each token (distinct, never the special ids 0..2)."""
+    """[vocab, 4] successors of each token (distinct, never the special ids 0..2); made once per
+    vocabulary (callers only index it)."""
     g = torch.Generator().manual_seed(LANGUAGE_SEED)
     return torch.stack([3 + torch.randperm(vocab - 3, generator=g)[:4] for _ in range(vocab)])
 

@@ -94,6 +94,7 @@ def prompt_host_estimate(benches: dict, fits: dict, hw) -> tuple[float, list]:
     (layers x prompts)."""
     from megainfer.perfmodel.pd_parts import Prefill
     out = []
+    pool = PrefillPool(BENCH50M, hw, 1, 1, "float32", times=layer_times(hw, BENCH50M, fits, 1.0)[2])
     for d in benches.values():
         a = d["args"]
         n, P = a["num"], a["short_prompt"]
@@ -104,7 +105,6 @@ def prompt_host_estimate(benches: dict, fits: dict, hw) -> tuple[float, list]:
                 cpu = [c for k, c in (r.get("cpu_s") or []) if k == "prefill"]
                 if not cpu:
                     continue
-                pool = PrefillPool(BENCH50M, hw, 1, 1, "float32", times=layer_times(hw, BENCH50M, fits, 1.0)[2])
                 ta, te = Prefill(pool, np.full((BENCH50M.num_layers, BENCH50M.num_experts), 1 / BENCH50M.num_experts),
                                  np.random.default_rng(0)).step_s(n * P, (P + 1) / 2, n, n)
                 out.append((cpu[0] - ta - te) / (BENCH50M.num_layers * n))
@@ -196,7 +196,7 @@ def with_spans(path: str) -> dict:
     attached."""
     with open(path) as f:
         d = json.load(f)
-    sp = os.path.splitext(path)[0] + ".spans.json.gz"
+    sp = pts.spans_path(path)
     if os.path.isfile(sp):
         with gzip.open(sp, "rt") as f:
             spans = json.load(f)
@@ -228,8 +228,7 @@ def main() -> None:
     hw0 = load_hardware(a.profile)
     lp = os.path.join(HERE, "results", "pd_load_average.json")
     loads = json.load(open(lp)) if os.path.isfile(lp) else {}
-    paths = sorted(p for p in glob.glob(os.path.join(HERE, "results", "bench_pd*.json"))
-                   if not p.endswith(".spans.json"))
+    paths = sorted(glob.glob(os.path.join(HERE, "results", "bench_pd*.json")))
     benches = {os.path.basename(p): with_spans(p) for p in paths}
     with open(cb.OUT) as f:
         cals = json.load(f)["samples"]

@@ -88,6 +88,21 @@ def _identity(comm, device: torch.device) -> tuple[list[str], list[str]]:
     return [h for h, _ in ids], [g for _, g in ids]
 
 
+def device_path_kind(choice: str, device, transport: str) -> Optional[str]:
+    """A collective's path key (``comm.tp_collectives``, ``comm.eplb_moves``: ``auto``, ``mpi``,
+    or the device path) -> the transport kind it runs on, or None for MPI through host memory.
+    ``auto``: ``cuda_ipc`` on cuda when the job's transport is ``auto`` or ``cuda_ipc`` (one
+    node), else the host; the device path: ``cuda_ipc`` on cuda (its ranks must share a node;
+    the transport's start-up check says so otherwise), the MPI transport on cpu (the stand-in
+    the tests run)."""
+    if choice == "mpi":
+        return None
+    cuda = torch.device(device).type == "cuda"
+    if choice == "auto":
+        return "cuda_ipc" if cuda and transport in ("auto", "cuda_ipc") else None
+    return "cuda_ipc" if cuda else "mpi"
+
+
 def make_device_transports(kind: str, comm, device) -> tuple[Transport, Transport]:
     """(dispatch, combine) transports for ``kind`` on ``device`` (collective over ``comm``)."""
     device = torch.device(device)

@@ -68,21 +68,23 @@ class Node:
         if not (0.0 <= idle_decode_busy <= 1.0):
             raise ConfigError(f"idle_decode_busy={idle_decode_busy!r}: must be in [0, 1]")
         self.node = nd = pool.hw.node
+        self.model, self.plan = model, plan
         tot = pool.devices + plan.devices
         share = min(1.0, plan.ranks_per_node / tot) if plan.ranks_per_node else 1.0
         self.tp = pool.tp_p * share
         same_a, same_e = pool.hw.name == model.hw_a.name, pool.hw.name == model.hw_e.name
         self.shared = nd.shared and (same_a or same_e)
         self.states = [(1.0, 0.0)]  # (probability, decode ranks computing) while decode runs
-        r_idle = ((plan.n_a * plan.tp_a if same_a else 0) + (plan.n_e * plan.tp_e if same_e else 0)) * share
-        self.idle = [(1.0, idle_decode_busy * r_idle)]  # the decode ranks' demand while nothing decodes
+        ranks_a = plan.n_a * plan.tp_a if same_a else 0  # decode ranks on the prefill node's kind
+        ranks_e = plan.n_e * plan.tp_e if same_e else 0
+        # the decode ranks' demand while nothing decodes
+        self.idle = [(1.0, idle_decode_busy * ((ranks_a + ranks_e) * share))]
         if self.shared and plan.batch > 0:
             pr = model.predict(plan)
             L = model.shape.num_layers
             u_a = min(1.0, plan.m * L * pr.t_a / pr.t_total) if pr.t_total > 0 else 0.0
             u_e = min(1.0, plan.m * L * pr.t_e / pr.t_total) if pr.t_total > 0 else 0.0
-            r_a = plan.n_a * plan.tp_a * share if same_a else 0.0
-            r_e = plan.n_e * plan.tp_e * share if same_e else 0.0
+            r_a, r_e = ranks_a * share, ranks_e * share
             if plan.m == 1:
                 u_e = min(u_e, 1.0 - u_a)
                 self.states = [(1.0 - u_a - u_e, 0.0), (u_a, r_a), (u_e, r_e)]
@@ -101,8 +103,9 @@ class Node:
         d_e = sum(p * self.node.dilation("expert", own + r) for p, r in states)
         return (attn_s + exp_s) / (attn_s * d_a + exp_s * d_e)
 
-    def pipeline(self, model: DisaggModel, plan: Plan, prefill_busy: int) -> Pipeline:
+    def pipeline(self, prefill_busy: int) -> Pipeline:
+        """The decode pool's pipeline with ``prefill_busy`` prefill replicas computing beside it."""
         x = self.tp * prefill_busy if self.shared else 0.0
         if x not in self.pipes:
-            self.pipes[x] = Pipeline(model, plan, others_busy=x)
+            self.pipes[x] = Pipeline(self.model, self.plan, others_busy=x)
         return self.pipes[x]

@@ -180,6 +180,7 @@ def simulate_pd_job(pool, model: DisaggModel, plan: Plan, requests: Requests,
             ta += cfg.iteration_overhead_s
             psteps.append([p, t, ta + te, tok])
             p_busy[p] = PrefillStep(t + ta + te, t, work, ta, te, psteps[-1], ta + te, 1.0, t)
+        n_busy = sum(b is not None for b in p_busy)  # prefill replicas computing from here on
         # 4. an idle decode pool starts an iteration with what is runnable at t
         if d_busy is None:
             for a in range(n_a):
@@ -201,12 +202,11 @@ def simulate_pd_job(pool, model: DisaggModel, plan: Plan, requests: Requests,
                 ctx = np.divide(ctx, tok, out=np.zeros_like(ctx), where=tok > 0)
                 counts = draw_counts(probs, tok.sum(axis=0), s.top_k, s.num_experts, s.num_layers, rng)
                 busy = np.minimum(ingress, t + msg)  # E2A waits for the KV message in flight
-                pipe = node.pipeline(model, plan, sum(b is not None for b in p_busy))
+                pipe = node.pipeline(n_busy)
                 end = pipe.iteration(t, tok, ctx, rows, counts, ingress_free=busy) + cfg.iteration_overhead_s
                 iters.append((t, end - t, float(tok.sum())))
                 d_busy = (end, work)
         # 5. prefill steps' rates under what now runs beside them; the next event
-        n_busy = sum(b is not None for b in p_busy)
         for b in p_busy:
             if b is not None:
                 r = node.rate(b.attn_s, b.exp_s, n_busy, d_busy is not None)

@@ -2,14 +2,14 @@
 
 Model-dtype caches: a plain copy into the reserved blocks. Quantised caches
 (``cache.kv_cache_dtype`` fp8 / fp4, docs/kv_cache.md): the bytes arrive as the prefill rank
-stored them, with its two per-layer float32 scales. Where the decode cache's scale for a part
+stored them, with (``tensor`` granularity) its two per-layer float32 scales. Where the decode cache's scale for a part
 (keys / values; MLA ``c_kv`` / ``k_pe``) is unset, it adopts the sender's and the bytes are
 placed as they are (lossless; the usual case, since a decode replica's cache is first written
 by transfers); equal scales: the same; a part whose scale differs is dequantised with the
 sender's scale and quantised with the decode cache's (``kv_quant``). The cache is never widened
 to full precision. ``token_head`` caches (``cache.kv_scale_granularity``): every row carries
-its own scale, so the bytes are placed verbatim; their per-layer scales are never set (the
-zeros still travel, 8 bytes per layer and segment, so that both sides post the same messages).
+its own scale, so the bytes are placed verbatim and no scales travel (``sender_scales`` is
+None on both sides); their per-layer scales are never set.
 """
 from __future__ import annotations
 

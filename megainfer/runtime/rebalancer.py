@@ -27,7 +27,7 @@ from mpi4py import MPI
 
 from megainfer.comm.spec import KIND_REBALANCE
 from megainfer.config import EplbConfig
-from megainfer.eplb import ExpertLoadWindow, Placement, weight_moves, weight_sends
+from megainfer.eplb import ExpertLoadWindow, Placement, weight_moves
 
 from .control import ControlPlane
 from .weight_channel import (Inbound, Outbound, close_weight_channel, open_weight_channel,
@@ -83,8 +83,11 @@ class ExpertRebalancer:
         self.rebalances = self.moved = 0  # counters, for tests and logs
         self.device_messages = 0  # weight messages sent over the device path (tests, logs)
         self.world = world_ranks_of(expert_comm)  # expert index -> job rank (failures name it)
-        self._counted: list[int] = []  # (token, slot) pairs served here, per iteration
-        self._uncounted: list[torch.Tensor] = []  # the same, device scalars not yet read
+        # (token, slot) pairs served here, per iteration: on the device (grown by doubling, 8 bytes
+        # an iteration), the first ``_read`` of them also read back to ``_counted``
+        self._counts = torch.zeros(64, dtype=torch.int64, device=dev)
+        self._n = self._read = 0
+        self._counted: list[int] = []
 
     def record(self, layer: int, ids: torch.Tensor) -> None:
         """ids [n, k] physical slots of tokens that reached this rank: count the local ones,
@@ -95,15 +98,18 @@ class ExpertRebalancer:
         self.window.current[layer].index_add_(0, logical, local.long())
 
     def end_iteration(self) -> None:
-        self._uncounted.append(self.window.current.sum())  # this iteration's count, on the device
+        if self._n == self._counts.numel():
+            self._counts = torch.cat([self._counts, torch.zeros_like(self._counts)])
+        self._counts[self._n] = self.window.current.sum()  # this iteration's count, on the device
+        self._n += 1
         self.window.end_iteration()
 
     @property
     def tokens_per_iteration(self) -> list[int]:
         """(token, slot) pairs served here, per iteration so far (one device read per call)."""
-        if self._uncounted:
-            self._counted += torch.stack(self._uncounted).tolist()
-            self._uncounted = []
+        if self._read < self._n:
+            self._counted += self._counts[self._read:self._n].tolist()
+            self._read = self._n
         return self._counted
 
     def rebalance(self) -> None:
@@ -126,20 +132,17 @@ class ExpertRebalancer:
 
     def _move_weights(self, old: Placement, new: Placement) -> None:
         """Stage every destination slot's new weights, then switch them in."""
-        layers = self.model.layers
-        moe = {i for i, layer in enumerate(layers) if layer.is_moe}  # dense layers: no experts
-        moves = [mv for mv in weight_moves(old, new, self.index) if mv.layer in moe]
-        sends = [mv for mv in weight_sends(old, new, self.index) if mv.layer in moe]
-        if self.moves and any(mv.src != "self" for r in range(old.num_ranks)  # every rank alike
-                              for mv in weight_moves(old, new, r) if mv.layer in moe):
+        moe = {i for i, layer in enumerate(self.model.layers) if layer.is_moe}  # dense: no experts
+        per = [[mv for mv in weight_moves(old, new, r) if mv.layer in moe]  # every rank's, once
+               for r in range(old.num_ranks)]
+        moves = per[self.index]
+        sends = [mv for r, ms in enumerate(per) if r != self.index  # as eplb.weight_sends orders
+                 for mv in ms if mv.src == self.index]
+        if self.moves and any(mv.src != "self" for ms in per for mv in ms):  # every rank alike
             staged = self._stage_device(old, moves, sends)
         else:
             staged = self._stage_host(old, moves, sends)
-        for (layer, slot), buf in staged.items():
-            ex = layers[layer].mlp.experts
-            n = ex.gate_up_proj[slot].numel()
-            ex.gate_up_proj.data[slot].copy_(buf[:n].view(ex.gate_up_proj[slot].shape))
-            ex.down_proj.data[slot].copy_(buf[n:].view(ex.down_proj[slot].shape))
+        install_staged(self.model, staged)
         self.moved += sum(1 for mv in moves if not (mv.src == "self" and mv.src_slot == mv.dst_slot))
 
     def _stage_device(self, old: Placement, moves, sends) -> dict:
@@ -189,6 +192,15 @@ class ExpertRebalancer:
         for req, peer, _ in reqs:
             self.control.wait(req, self.world[peer], "EPLB weight move")
         return staged
+
+
+def install_staged(model, staged: dict) -> None:
+    """Switch staged weights in: {(layer, slot): flat buffer (gate_up, then down)}."""
+    for (layer, slot), buf in staged.items():
+        ex = model.layers[layer].mlp.experts
+        n = ex.gate_up_proj[slot].numel()
+        ex.gate_up_proj.data[slot].copy_(buf[:n].view(ex.gate_up_proj[slot].shape))
+        ex.down_proj.data[slot].copy_(buf[n:].view(ex.down_proj[slot].shape))
 
 
 def _parts(ex, slot: int) -> tuple:

@@ -26,7 +26,7 @@ from megainfer.models.loader import DTYPES, _materialize, _on_meta
 from megainfer.models.model import MoECausalLM
 
 from .placement import initial_placement
-from .rebalancer import _host, _np
+from .rebalancer import _flat, _host, _np, _parts, install_staged
 from .weight_channel import (Inbound, Outbound, close_weight_channel, open_weight_channel,
                              world_ranks_of)
 
@@ -98,18 +98,8 @@ def move_expert_weights(sw: MPI.Comm, control, cfg, load_dtype: str, device, old
         staged, received = _stage_host(sw, control, old_model, model, moves, me,
                                        new.slots_per_rank)
     if model is not None:
-        for (layer, t), buf in staged.items():
-            ex = model.layers[layer].mlp.experts
-            n = ex.gate_up_proj[t].numel()
-            ex.gate_up_proj.data[t].copy_(buf[:n].view(ex.gate_up_proj[t].shape))
-            ex.down_proj.data[t].copy_(buf[n:].view(ex.down_proj[t].shape))
+        install_staged(model, staged)
     return model, received
-
-
-def _own(old_model, layer: int, slot: int) -> torch.Tensor:
-    """A slot this rank held, as a fresh flat buffer (gate_up, then down)."""
-    ex = old_model.layers[layer].mlp.experts
-    return torch.cat([ex.gate_up_proj[slot].flatten(), ex.down_proj[slot].flatten()]).clone()
 
 
 def _stage_device(sw, control, kind, device, dtype, old_model, model, moves, remote, me):
@@ -118,10 +108,10 @@ def _stage_device(sw, control, kind, device, dtype, old_model, model, moves, rem
     for layer, dst, t, src, slot in moves:
         if src == me and dst != me:
             ex = old_model.layers[layer].mlp.experts
-            outs.append(Outbound(dst, layer, t, (ex.gate_up_proj[slot], ex.down_proj[slot])))
+            outs.append(Outbound(dst, layer, t, _parts(ex, slot)))
         elif dst == me:
             if src == me:
-                staged[(layer, t)] = _own(old_model, layer, slot)
+                staged[(layer, t)] = _flat(old_model.layers[layer].mlp.experts, slot)
                 continue
             ex = model.layers[layer].mlp.experts
             buf = torch.empty(ex.gate_up_proj[t].numel() + ex.down_proj[t].numel(),
@@ -144,7 +134,7 @@ def _stage_host(sw, control, old_model, model, moves, me, S1):
     for layer, dst, t, src, slot in moves:
         if src == me and dst != me:  # my old slot -> a peer's new slot
             ex = old_model.layers[layer].mlp.experts
-            buf = _host(torch.cat([ex.gate_up_proj[slot].flatten(), ex.down_proj[slot].flatten()]))
+            buf = _host(_flat(ex, slot))
             reqs.append((sw.Isend(_np(buf), dest=dst, tag=TAG_EXPERT + layer * S1 + t), dst, buf))
     if model is not None:
         for layer, dst, t, src, slot in moves:
@@ -152,7 +142,7 @@ def _stage_host(sw, control, old_model, model, moves, me, S1):
                 continue
             ex = model.layers[layer].mlp.experts
             if src == me:
-                staged[(layer, t)] = _own(old_model, layer, slot)
+                staged[(layer, t)] = _flat(old_model.layers[layer].mlp.experts, slot)
                 continue
             n = ex.gate_up_proj[t].numel() + ex.down_proj[t].numel()
             buf = torch.empty(n, dtype=ex.gate_up_proj.dtype)

@@ -26,6 +26,7 @@ import torch
 
 from megainfer.comm.channel import Channel
 from megainfer.comm.errors import CommTimeoutError
+from megainfer.comm.select import device_path_kind
 from megainfer.comm.spec import MessageSpec
 from megainfer.comm.transport import Transport
 from megainfer.comm.wait import WaitPolicy
@@ -140,13 +141,6 @@ class TPChannel:
 
 
 def tp_collectives_kind(choice: str, device: torch.device, transport: str) -> Optional[str]:
-    """``comm.tp_collectives`` -> the transport kind the TP channel runs on, or None for the
-    host path (MPI collectives). ``auto``: ``cuda_ipc`` on cuda when the job's transport is
-    ``auto`` or ``cuda_ipc`` (one node), else the host; ``channel``: the device transport on
-    cuda (cuda_ipc: TP ranks of a replica share a node), the MPI transport on cpu (tests)."""
-    if choice == "mpi":
-        return None
-    cuda = device.type == "cuda"
-    if choice == "auto":
-        return "cuda_ipc" if cuda and transport in ("auto", "cuda_ipc") else None
-    return "cuda_ipc" if cuda else "mpi"
+    """``comm.tp_collectives`` (auto | mpi | channel) -> the transport kind the TP channel runs
+    on, or None for the host path (MPI collectives): ``comm.select.device_path_kind``."""
+    return device_path_kind(choice, device, transport)

@@ -37,6 +37,7 @@ import torch
 from megainfer.comm import make_transports
 from megainfer.comm.channel import Channel
 from megainfer.comm.errors import CommTimeoutError
+from megainfer.comm.select import device_path_kind
 from megainfer.comm.spec import MessageSpec
 from megainfer.comm.transport import Transport
 from megainfer.comm.wait import WaitPolicy, wait_until
@@ -68,17 +69,9 @@ class Inbound:
 
 
 def eplb_moves_kind(choice: str, device: torch.device, transport: str) -> Optional[str]:
-    """``comm.eplb_moves`` -> the transport kind the weight moves run on, or None for the host
-    path (MPI through host memory). ``auto``: ``cuda_ipc`` on cuda when the job's transport is
-    ``auto`` or ``cuda_ipc`` (one node), else the host; ``device``: ``cuda_ipc`` on cuda (the
-    expert ranks must share a node; the transport's start-up check says so otherwise), the MPI
-    transport on cpu (the stand-in the tests run)."""
-    if choice == "mpi":
-        return None
-    cuda = torch.device(device).type == "cuda"
-    if choice == "auto":
-        return "cuda_ipc" if cuda and transport in ("auto", "cuda_ipc") else None
-    return "cuda_ipc" if cuda else "mpi"
+    """``comm.eplb_moves`` (auto | mpi | device) -> the transport kind the weight moves run on,
+    or None for the host path (MPI through host memory): ``comm.select.device_path_kind``."""
+    return device_path_kind(choice, device, transport)
 
 
 def n_chunks(numel: int, per_message: int) -> int:

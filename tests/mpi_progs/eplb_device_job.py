@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from mpi4py import MPI  # noqa: E402
 
 from abort_on_error import run_or_abort  # noqa: E402
+from eplb_job import check_weights as weights_ok  # noqa: E402
 from runtime_job import CACHE, SCHED, inputs  # noqa: E402
 
 from megainfer.config import (CommConfig, DeployPlan, DeviceConfig, EplbConfig, LoadConfig,  # noqa: E402
@@ -29,17 +30,6 @@ from megainfer.runtime.world import JobSpec, build_rank, run_rank  # noqa: E402
 
 EPLB = EplbConfig(enabled=True, redundant_experts=2, window=3, interval=3)
 MAX_TOKENS = 12
-
-
-def weights_ok(r, cfg, load) -> bool:
-    """Does every local slot hold exactly its logical expert's checkpoint weights?"""
-    reb = r.worker.rebalancer
-    p, mine = reb.placement, list(reb.placement.slots_of_rank(reb.index))
-    ref = build_model(cfg, load, role="experts", expert_slots=[mine] * cfg.num_layers,
-                      phy2log=p.phy2log.tolist())
-    return all(torch.equal(a.mlp.experts.gate_up_proj.cpu(), b.mlp.experts.gate_up_proj) and
-               torch.equal(a.mlp.experts.down_proj.cpu(), b.mlp.experts.down_proj)
-               for a, b in zip(r.worker.model.layers, ref.layers) if a.is_moe)
 
 
 def device_config(device: str) -> DeviceConfig:

@@ -36,9 +36,9 @@ def check_weights(r, cfg, load) -> bool:
     p, mine = reb.placement, list(reb.placement.slots_of_rank(reb.index))
     ref = build_model(cfg, load, role="experts", expert_slots=[mine] * cfg.num_layers,
                       phy2log=p.phy2log.tolist())
-    return all(torch.equal(a.mlp.experts.gate_up_proj, b.mlp.experts.gate_up_proj) and
-               torch.equal(a.mlp.experts.down_proj, b.mlp.experts.down_proj)
-               for a, b in zip(r.worker.model.layers, ref.layers) if a.is_moe)
+    return all(torch.equal(a.mlp.experts.gate_up_proj.cpu(), b.mlp.experts.gate_up_proj) and
+               torch.equal(a.mlp.experts.down_proj.cpu(), b.mlp.experts.down_proj)
+               for a, b in zip(r.worker.model.layers, ref.layers) if a.is_moe)  # any device
 
 
 def main():
