@@ -285,8 +285,13 @@ def main(argv=None) -> None:
         for p in glob.glob(os.path.join(RUN_DIR, "*.json")):
             os.remove(p)
         measure(names, a.repeats)
+    runs = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(RUN_DIR, "[!c]*.json")))]
+    loads = [r["load_average"] for r in runs if r.get("load_average") is not None]
     out = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cpu_count": os.cpu_count(),
-           "load_average": os.getloadavg(), "model": MODEL, "layouts": LAYOUTS,
+           # the runs' own: a --predict-only pass must not stamp today's machine on old measurements
+           "measured": [min((r["date"] for r in runs if r.get("date")), default=None),
+                        max((r["date"] for r in runs if r.get("date")), default=None)],
+           "load_average": [min(loads), max(loads)] if loads else None, "model": MODEL, "layouts": LAYOUTS,
            "scheduler": {"max_num_seqs": MAX_SEQS, "max_num_batched_tokens": MAX_TOKENS},
            "note": "2-core VM shared with other jobs; measured metrics are medians over repeats"}
     for prefill in (True, False):  # the jobs prefill chunks of up to 512 tokens: the first is the answer

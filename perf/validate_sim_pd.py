@@ -1,49 +1,43 @@
 """The PD job simulator (megainfer/perfmodel/pd_sim.py) against the recorded PD runs.
 
-    python perf/validate_sim_pd.py [--roofline] [--conditions load|split|scale] [--no-idle]
+    python perf/validate_sim_pd.py [--roofline] [--conditions auto|load|split|scale] [--no-idle]
                                    [--prompt-host] [--profile cpu_node] [--out F]
 
-Reads ``perf/results/bench_pd*.json`` (``perf/bench_pd.py``: bench50m dummy weights, all
-requests at t = 0, a PD layout of P prefill + A attention + E expert ranks and its AE baseline
-on the same ranks) and simulates each row's job: the baseline with ``job_sim.simulate_job``,
-the PD layout with ``pd_sim.simulate_pd_job`` (one event loop) and with the composed model
-(``goodput.simulate_pd_composed``) beside it. Prints measured vs simulated TTFT p50 and TPOT p50,
-their errors and the errors of the PD / baseline ratios (a figure of a run with repeats is the
-median over its launches, measured and simulated); writes ``perf/results/validate_sim_pd.json``.
+Reads ``perf/results/bench_pd*.json`` (``perf/bench_pd.py``: bench50m dummy weights, requests at
+t = 0, P prefill + A attention + E expert ranks and its AE baseline on the same ranks) and
+simulates each row: the baseline with ``job_sim.simulate_job``, PD with ``pd_sim.simulate_pd_job``
+(one loop) and ``goodput.simulate_pd_composed`` beside it. Prints measured vs simulated TTFT p50
+and TPOT p50, their errors, the PD / baseline ratios' errors and how far each figure lies outside
+its launches' range (a run's figure is the median over its launches, measured and simulated);
+summaries over all runs, the probed ones and the quiet ones (``is_quiet``), with the launches'
+own spread; writes ``perf/results/validate_sim_pd.json``.
 
-Layer times: bench50m's in-situ fits (``perf/calibrate_bench50m.py``, its runs in
-``perf/results/bench50m_in_situ.json``): decode attention, prefill-chunk attention
-(``chunk_times.ChunkTimes`` gives micro-batches of more than ``max_num_seqs`` tokens the chunk
-fit; the prefill replicas get it through ``PrefillPool(times=)``) and experts, at the reference
-speed (``calibrate_bench50m.reference_fits``). ``--roofline``: the profile's datasheet roofline
-instead (the comparison before; 3-10x too fast).
+Layer times: bench50m's in-situ fits (``perf/calibrate_bench50m.py`` →
+``perf/results/bench50m_in_situ.json``: decode attention, prefill-chunk attention, experts) at
+the reference speed; ``ChunkTimes`` gives micro-batches of more than ``max_num_seqs`` tokens and
+the prefill replicas (``PrefillPool(times=)``) the chunk fit. ``--roofline``: the datasheet
+roofline instead (3-10x too fast).
 
-The machine: a run recorded with ``bench_pd.py --calibrate`` has a probe run before each launch
-and after the last; each launch is simulated under the conditions of the probes beside it
-(``calibrate_bench50m.conditions``; default ``load``: the background load their prefill spans'
-slowdown implies; ``split``: that for the PD prefill ranks, the one their decode spans imply for
-the AE pipelines; ``scale``: a time scale, no background load).
-An older run without probes gets background load = max(0, load - ranks) from
-its recorded 1-min load average (``perf/results/pd_load_average.json`` or the file's
-``load_average``), else none.
+The machine: a run recorded with ``bench_pd.py --calibrate`` has a probe before each launch and
+after the last; each launch is simulated under its probes' conditions
+(``calibrate_bench50m.conditions``): ``load``, the background load their prefill spans' slowdown
+implies; ``split``, that for the PD prefill ranks and the decode spans' for the AE pipelines;
+``scale``, a time scale; ``auto`` (default), ``load`` where other tenants ran (``others_ran``),
+else ``scale``. A run without probes gets background load max(0, load average - ranks)
+(``perf/results/pd_load_average.json`` or the file's ``load_average``), else none.
 
-Runtime behaviour measured on the recorded runs: ``idle_decode_busy`` (``pd_sim``), the median
-over the long-prompt PD launches with per-rank CPU times of the decode ranks' CPU share
-(``pd_trace_stats.decode_cpu_share``: the pool has nothing to decode most of such a job, yet its
-ranks stepped empty iterations and polled), for runs measured before ``IDLE_FIX``; later runs
-get 0, their pool sleeps until a prefill report (``--no-idle``: 0 for all); and the prefill
-rank's host work per (prompt, layer) beyond the layer fits, from the CPU time of short-prompt
-PD launches (one
-prefill step each), printed and used only with ``--prompt-host`` (``PrefillPool(prompt_host_s=)``;
-the baseline's ``job_sim`` has no such term). Traced runs (``bench_pd.py --trace``) get their
-measured parts (prefill step, decode and chunk iterations) beside the simulated ones.
+Runtime behaviour read off the runs: ``idle_decode_busy``, the median decode ranks' CPU share
+over long-prompt PD launches (``pd_trace_stats.decode_cpu_share``) for runs before ``IDLE_FIX``
+(their idle pool stepped empty iterations), 0 after (``--no-idle``: 0 for all); the prefill
+rank's host work per (prompt, layer) beyond the fits, from short-prompt PD launches' CPU time,
+used only with ``--prompt-host``. Traced runs (``--trace``) get their measured parts (prefill
+step, decode and chunk iterations) beside the simulated ones.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import glob
-import gzip
 import json
 import os
 import statistics
@@ -55,6 +49,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import calibrate_bench50m as cb  # noqa: E402
 import pd_trace_stats as pts  # noqa: E402
+from pd_runs import IDLE_FIX, beyond, is_quiet, others_ran, sleeps_when_idle, stats, with_spans  # noqa: E402
 from results_io import write_json  # noqa: E402
 
 from megainfer.perfmodel.chunk_times import ChunkTimes  # noqa: E402
@@ -172,8 +167,12 @@ def simulate(d: dict, hw0, fits, speeds: list | None, bg: float, mode: str = "lo
                                               for k in st[0] if all(x[k] is not None for x in st)})
             for kind in preds[0]:
                 row[kind] = {m: statistics.median(p[kind][m] for p in preds) for m in preds[0][kind]}
+        spread = {k: {m: sorted(r[m] for r in meas[k].get("runs", [])) or [meas[k][m]] for m in METRICS}
+                  for k in ("baseline", "pd")}
+        row["launch_range"] = {k: {m: [v[0], v[-1]] for m, v in x.items()} for k, x in spread.items()}
         for kind, ref in (("baseline", "baseline"), ("pd_one_loop", "pd"), ("pd_composed", "pd")):
             row[f"{kind}_err"] = {m: row[kind][m] / row["measured"][ref][m] - 1 for m in METRICS}
+            row[f"{kind}_beyond"] = {m: beyond(row[kind][m], *row["launch_range"][ref][m]) for m in METRICS}
         row["ratio_measured"] = {m: row["measured"]["pd"][m] / row["measured"]["baseline"][m] for m in METRICS}
         for kind in ("pd_one_loop", "pd_composed"):
             row[f"ratio_{kind}"] = {m: row[kind][m] / row["baseline"][m] for m in METRICS}
@@ -182,42 +181,14 @@ def simulate(d: dict, hw0, fits, speeds: list | None, bg: float, mode: str = "lo
     return out
 
 
-IDLE_FIX = "2026-12-01T01:15:27+00:00"  # from then on an idle PD decode pool sleeps (docs/pd.md)
-
-
-def sleeps_when_idle(d: dict) -> bool:
-    """Whether a bench result was measured with a decode pool that sleeps while it has nothing
-    to decode (idle_decode_busy 0); earlier runs stepped empty iterations."""
-    return bool(d.get("date")) and d["date"] >= IDLE_FIX
-
-
-def with_spans(path: str) -> dict:
-    """A bench result with each launch's spans (``bench_pd.py --trace``'s .spans.json.gz)
-    attached."""
-    with open(path) as f:
-        d = json.load(f)
-    sp = pts.spans_path(path)
-    if os.path.isfile(sp):
-        with gzip.open(sp, "rt") as f:
-            spans = json.load(f)
-        for row in d["rows"]:
-            for r, x in zip(row.get("runs", []), spans.get(f"{row['workload']}/{row['layout']}", [])):
-                r["spans"] = x
-    return d
-
-
-def stats(errs: list) -> dict:
-    e = np.abs(np.asarray(errs))
-    return {"max_abs": float(e.max()), "median_abs": float(np.median(e)), "n": len(e),
-            "goal_met": bool(e.max() <= 0.20 and np.median(e) <= 0.10)}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--profile", default="cpu_node")
     ap.add_argument("--roofline", action="store_true", help="the profile's roofline, no fit")
-    ap.add_argument("--conditions", choices=("load", "split", "scale"), default="load",
-                    help="how a probed launch's slowdowns enter (calibrate_bench50m.conditions)")
+    ap.add_argument("--conditions", choices=("auto", "load", "split", "scale"), default="auto",
+                    help="how a probed launch's slowdowns enter (calibrate_bench50m.conditions); "
+                         "auto: load where other tenants ran (a launch's load average above the "
+                         "job's ranks), else scale")
     ap.add_argument("--no-idle", action="store_true", help="idle_decode_busy = 0 (the decode pool "
                     "computes nothing while it has nothing to decode)")
     ap.add_argument("--prompt-host", action="store_true",
@@ -262,9 +233,10 @@ def main() -> None:
         load = loads.get(name, d.get("load_average"))
         bg = 0.0 if cal or load is None else max(0.0, load - d["args"]["ranks"])
         u = 0.0 if a.no_idle or sleeps_when_idle(d) else idle
-        rows = simulate(d, hw0, fits, speeds.get(name), bg, a.conditions, u,
-                        send if a.prompt_host else 0.0)
+        mode = a.conditions if a.conditions != "auto" else "load" if others_ran(d) else "scale"
+        rows = simulate(d, hw0, fits, speeds.get(name), bg, mode, u, send if a.prompt_host else 0.0)
         res["runs"][name] = {"measured_at": d.get("date"), "load_average": load, "background_load": bg,
+                             "conditions": mode,
                              "calibration_speeds": speeds.get(name), "idle_decode_busy": u,
                              "rows": rows}
         for r in rows:
@@ -280,7 +252,9 @@ def main() -> None:
                 print(f"{name:<24}{r['workload']:<13}{label + (' ' + ref if kind is None else ''):<12}"
                       f"{v['ttft_p50_ms']:12.1f}{e[0]:>8}{v['tpot_p50_ms']:12.1f}{e[1]:>8}{q}")
     res["summary"] = {}
-    for scope, names in (("all runs", list(benches)), ("interleaved calibration", list(speeds))):
+    quiet = [n for n, d in benches.items() if is_quiet(d)]
+    for scope, names in (("all runs", list(benches)), ("interleaved calibration", list(speeds)),
+                         ("quiet machine", quiet)):
         rows = [r for n in names for r in res["runs"][n]["rows"]]
         if not rows:
             continue
@@ -288,9 +262,15 @@ def main() -> None:
         for kind in ("pd_one_loop", "pd_composed"):
             s[f"ratio_{kind}"] = stats([r[f"ratio_{kind}_err"][m] for r in rows for m in METRICS])
             s[f"absolute_{kind}"] = stats([r[f"{k}_err"][m] for r in rows for k in ("baseline", kind) for m in METRICS])
+            out = [r[f"{k}_beyond"][m] for r in rows for k in ("baseline", kind) for m in METRICS]
+            s[f"beyond_launches_{kind}"] = dict(stats(out), inside=float(np.mean(np.asarray(out) == 0)))
+        dev = [max(abs(x / r["measured"][k][m] - 1) for x in r["launch_range"][k][m])
+               for r in rows for k in ("baseline", "pd") for m in METRICS]
+        s["launch_spread"] = stats(dev)  # a launch against its run's median: the measurement's own noise
         for k, v in s.items():
-            print(f"{scope:<24} {k:<24} max |err| {100 * v['max_abs']:5.1f} %, median {100 * v['median_abs']:5.1f} % "
-                  f"of {v['n']} (goal 20 % / 10 %: {'met' if v['goal_met'] else 'NOT met'})")
+            print(f"{scope:<24} {k:<28} max |err| {100 * v['max_abs']:5.1f} %, median {100 * v['median_abs']:5.1f} % "
+                  f"of {v['n']}" + (f" ({100 * v['inside']:.0f} % inside)" if "inside" in v else "")
+                  + ("" if k == "launch_spread" else f" (goal 20 % / 10 %: {'met' if v['goal_met'] else 'NOT met'})"))
     write_json(a.out, res)
 
 

@@ -61,6 +61,35 @@ def test_fixed_batch_calibrated_profile_with_node_terms():
         assert _fixed_iteration(model, plan) == pytest.approx(model.predict(plan).t_iter, rel=1e-9)
 
 
+def test_node_terms_follow_each_iterations_own_stage_times():
+    """On a shared CPU node the cores an iteration's ranks share depend on how long each side
+    computes in it: a prefill chunk's attention (hundreds of tokens per micro-batch) overlaps
+    the experts for a smaller share of its time than a decode step's does. Each iteration takes
+    ``DisaggModel.node_terms`` at its own mean stage times, not the plan's balanced decode load."""
+    hw, shape = load_hardware("cpu_node"), _shape("cpu_small")
+    times = layer_times_for(hw, shape)
+    model = DisaggModel(shape, times, times, Workload(64, 32))
+    plan = Plan(1, 1, 1, 2, 2, 8)  # A1 + E2 on 2 cores, m = 2
+    pipe = Pipeline(model, plan)
+    tok = np.array([[256.0, 256.0]])  # one 512-token prefill chunk in two micro-batches
+    ctx = np.array([[128.5, 384.5]])
+    counts = draw_counts(None, tok.sum(axis=0), shape.top_k, shape.num_experts, shape.num_layers, None)
+    ta = np.array([[times.t_attn(b, c) for b, c in zip(tok[0], ctx[0])]])
+    te = expert_times(times, counts.reshape(shape.num_layers, 2, 2, -1), 1)
+    got = pipe.node_terms(ta, te)
+    assert got == pytest.approx(model.node_terms(plan, float(ta.mean()), float(te.mean())), rel=1e-12)
+    balanced = model.plan_node_terms(plan)
+    assert got[2] < balanced[2] - 0.05  # attention overlaps the experts for less of its time
+    # the iteration is priced with these terms: slower experts, faster attention than before
+    assert got[3] > balanced[3]
+    # an empty side keeps the plan's terms
+    assert pipe.node_terms(np.zeros((1, 2)), te) == balanced
+    fixed = Pipeline(model, plan)
+    fixed.node_terms = lambda ta, te: balanced  # the rule before: the plan's terms everywhere
+    rows = np.zeros_like(tok)
+    assert abs(pipe.iteration(0.0, tok, ctx, rows, counts) / fixed.iteration(0.0, tok, ctx, rows, counts) - 1) > 0.02
+
+
 def test_vectorised_expert_times_equal_scalar():
     rng = np.random.default_rng(0)
     hw = load_hardware("cpu_node")

@@ -100,14 +100,22 @@ class Pipeline:
         computing through this plan's iterations: they time-share its cores (node terms)."""
         self.model, self.plan, s = model, plan, model.shape
         self.el = model.experts_per_rank(plan.n_e)
-        self.h_a, self.h_e, self.d_a, self.d_e = _with_others(model, others_busy).plan_node_terms(plan)
+        self.node_model = _with_others(model, others_busy)
+        self.h_a, self.h_e, self.d_a, self.d_e = self.node_model.plan_node_terms(plan)
         self.la, self.le = model.hw_a.inter_link, model.hw_e.inter_link
         self.wake = max(model.hw_a.node.wake_latency_s, model.hw_e.node.wake_latency_s)
         self.tok_bytes = s.hidden_size * model.act_b
 
-    def t_attn(self, b: float, ctx: float) -> float:
-        t = self.model.ta.t_attn(b, ctx, self.plan.tp_a)
-        return (t + self.h_a) * self.d_a if b > 0 else 0.0
+    def node_terms(self, ta0: np.ndarray, te0: np.ndarray) -> tuple[float, float, float, float]:
+        """(h_a, h_e, d_a, d_e) of one iteration: ``DisaggModel.node_terms`` at this iteration's
+        mean compute per (replica, micro-batch) ``ta0`` and per (layer, micro-batch, expert rank)
+        ``te0`` (alone-CPU seconds, zeros skipped), so a prefill chunk's long attention and a
+        decode step's short one share the node's cores differently. A fixed balanced batch gets
+        the plan's terms (``plan_node_terms``)."""
+        a, e = ta0[ta0 > 0], te0[te0 > 0]
+        if not len(a) or not len(e):
+            return self.h_a, self.h_e, self.d_a, self.d_e
+        return self.node_model.node_terms(self.plan, float(a.mean()), float(e.mean()))
 
     def _emit(self, tw, it, l, i, tok, s, ta, s2, a2e_end, s3, e_end, s4, e2a_end, etok):
         p, k = self.plan, self.model.shape.top_k
@@ -130,11 +138,14 @@ class Pipeline:
         p, L = self.plan, counts.shape[0]
         n_a, n_e, tp_a, tp_e = p.n_a, p.n_e, p.tp_a, p.tp_e
         act = np.flatnonzero(tok.sum(axis=0) > 0)  # empty micro-batches are skipped
-        ta = np.array([[self.t_attn(b, c) for b, c in zip(rb, rc)] for rb, rc in zip(tok, ctx)])
+        ta = np.array([[self.model.ta.t_attn(b, c, tp_a) if b > 0 else 0.0 for b, c in zip(rb, rc)]
+                       for rb, rc in zip(tok, ctx)])  # [n_a, m] alone
         head = np.array([sum(self.model.ta.t_head(r, tp_a) for r in rr) for rr in rows])
         cr = counts.reshape(L, counts.shape[1], n_e, self.el)
-        te = expert_times(self.model.te, cr, tp_e)
-        te = np.where(te > 0, (te + self.h_e) * self.d_e, 0.0)  # [L, m, n_e]
+        te = expert_times(self.model.te, cr, tp_e)  # [L, m, n_e] alone
+        h_a, h_e, d_a, d_e = self.node_terms(ta, te)
+        ta = np.where(tok > 0, (ta + h_a) * d_a, 0.0)
+        te = np.where(te > 0, (te + h_e) * d_e, 0.0)
         sent = tok * self.model.shape.top_k * self.tok_bytes  # [n_a, m] bytes a replica sends
         recv = cr.sum(axis=-1) * self.tok_bytes  # [L, m, n_e] bytes each expert rank receives
         frac = tok / np.maximum(tok.sum(axis=0), 1e-300)  # [n_a, m] replica's share of a micro-batch
