@@ -58,7 +58,7 @@ def rel_rms(x: torch.Tensor, g: torch.Tensor, rule: str, divisors=None) -> float
     *lead, D = x.shape
     xb = x.reshape(*lead, D // 16, 16)
     bs8, code = kv_fp4.block_scales(xb, g, rule, divisors or kv_fp4.FP4_DIVISORS)
-    y = kv_fp4._const("lut", x.device)[code] * (bs8.float() * g)[..., None]
+    y = kv_fp4._const("lut", x.device)[code.long()] * (bs8.float() * g)[..., None]
     return ((y - xb).norm() / xb.norm()).item()
 
 

@@ -169,6 +169,8 @@ def judge(results: dict) -> dict:
     for var, g in [*GOALS.items(), *((t, GOALS[t.split("/")[0]]) for t in TOKEN_HEAD)]:
         vals = {n: r["formats"][var]["top1_agreement"] for n, r in results.items()
                 if r["formats"].get(var)}
+        if not vals:  # no model measured this run (a job-only run; the file's judge has them)
+            continue
         goals[var] = {"goal_top1": g, "min_top1": min(vals.values()),
                       "met_on": sorted(n for n, v in vals.items() if v >= g),
                       "met": min(vals.values()) >= g}
