@@ -6,7 +6,8 @@ the fp4 row quantiser and tile reader: ``triton_fp4.py``.
 
 ``token_head`` scales (``QUANT == 2``): each stored row ends with its own scale (fp8: bf16 bytes
 after the D elements; fp4: an E8M0 byte after the block scales), computed by the store kernel
-from the row (bit-identical to ``kv_quant.quant_rows``) and read back per row in ``_kv_tile``.
+from the row (bit-identical to ``kv_quant.quant_rows``; fp8 rows by
+``triton_kv_scales._quant_fp8_part``, as the MLA store's) and read back per row in ``_kv_tile``.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from . import kv_quant
 from .attention_ref import FP8_CACHE_DTYPES, check_attention_args, token_head_cache
 from .dispatch import KernelInputError
 from .triton_fp4 import NO_FMA, _fp4_tile, _quant_fp4_row, fp4_blocks_padded
-from .triton_kv_scales import _bf16_round, _round_fp8, _row_scale_fp4, _row_scale_fp8
+from .triton_kv_scales import _quant_fp8_part, _round_fp8, _row_scale_fp4, _row_scale_fp8
 
 
 @triton.jit
@@ -45,13 +46,30 @@ def _store_kv_fp4_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, sc_ptr, D, s_kt, s_k
 
 
 @triton.jit
+def _store_kv_fp8_rows_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, D, s_kt, s_kh, s_vt, s_vh,
+                              s_c2, s_cb, s_cs, s_ch, FMAX, BS: tl.constexpr,
+                              BLOCK_D: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr):
+    """Program (token, KV head), token_head float8: k/v[t, h] [D] -> D float8 then the row's
+    bf16(amax / FMAX) scale bytes at cache[0/1, slot // BS, slot % BS, h] (``_quant_fp8_part``,
+    as the MLA store's parts; slot -1 skips)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    dst = cache_ptr + (slot // BS) * s_cb + (slot % BS) * s_cs + h * s_ch
+    _quant_fp8_part(k_ptr + t * s_kt + h * s_kh, dst, D, FMAX, BLOCK_D, MANT, EMIN)
+    _quant_fp8_part(v_ptr + t * s_vt + h * s_vh, dst + s_c2, D, FMAX, BLOCK_D, MANT, EMIN)
+
+
+@triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, sc_ptr, H, D, s_kt, s_kh, s_vt, s_vh,
                      s_c2, s_cb, s_cs, s_ch, FMAX,
                      BS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                      QUANT: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr):
     """One program per token: k/v[t] [H, D] -> cache[0/1, slot // BS, slot % BS]
     (QUANT: a float8 cache, x / scale saturated to +-FMAX; scales sc_ptr[0] keys, [1] values;
-    QUANT == 2: token_head, each head row's scale bf16(amax / FMAX), its bytes after the row)."""
+    token_head rows: ``_store_kv_fp8_rows_kernel``)."""
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
@@ -62,24 +80,7 @@ def _store_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, sc_ptr, H, D, s_kt, s_kh
     dst = cache_ptr + (slot // BS) * s_cb + (slot % BS) * s_cs + h * s_ch + d  # [BH, BD]
     k = tl.load(k_ptr + t * s_kt + h * s_kh + d, mask=mask, other=0.0)
     v = tl.load(v_ptr + t * s_vt + h * s_vh + d, mask=mask, other=0.0)
-    if QUANT == 2:
-        ks, kb = _bf16_round(tl.math.div_rn(tl.max(tl.abs(k.to(tl.float32)), 1), FMAX))  # [BH]
-        vs, vb = _bf16_round(tl.math.div_rn(tl.max(tl.abs(v.to(tl.float32)), 1), FMAX))
-        k_inv = tl.where(ks > 0, tl.math.div_rn(1.0, tl.where(ks > 0, ks, 1.0)), 0.0)[:, None]
-        v_inv = tl.where(vs > 0, tl.math.div_rn(1.0, tl.where(vs > 0, vs, 1.0)), 0.0)[:, None]
-        k = _round_fp8(k.to(tl.float32) * k_inv, FMAX, MANT, EMIN)
-        v = _round_fp8(v.to(tl.float32) * v_inv, FMAX, MANT, EMIN)
-        k = tl.where(k == 0, 0.0, k)  # -0 stored as +0 (as kv_quant.quant_rows)
-        v = tl.where(v == 0, 0.0, v)
-        row = cache_ptr + (slot // BS) * s_cb + (slot % BS) * s_cs + h * s_ch + D  # [BH, 1]
-        hm = h < H
-        ety = cache_ptr.dtype.element_ty
-        tl.store(row, (kb[:, None] & 0xFF).to(tl.uint8).to(ety, bitcast=True), mask=hm)
-        tl.store(row + 1, (kb[:, None] >> 8).to(tl.uint8).to(ety, bitcast=True), mask=hm)
-        tl.store(row + s_c2, (vb[:, None] & 0xFF).to(tl.uint8).to(ety, bitcast=True), mask=hm)
-        tl.store(row + s_c2 + 1, (vb[:, None] >> 8).to(tl.uint8).to(ety, bitcast=True),
-                 mask=hm)
-    elif QUANT:
+    if QUANT:
         ks = tl.load(sc_ptr)
         vs = tl.load(sc_ptr + 1)
         k_inv = tl.where(ks > 0, tl.math.div_rn(1.0, tl.where(ks > 0, ks, 1.0)), 0.0)
@@ -176,6 +177,13 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
         return
     fmax = float(torch.finfo(kv_cache.dtype).max) if quant else 0.0
     mant, emin = (2, -14) if kv_cache.dtype == torch.float8_e5m2 else (3, -6)
+    if quant == 2:  # token_head: each (token, head) row its own scale
+        _store_kv_fp8_rows_kernel[(T, Hkv)](k, v, kv_cache, slot_mapping, D, k.stride(0),
+                                            k.stride(1), v.stride(0), v.stride(1),
+                                            *kv_cache.stride()[:4], fmax, BS=BS,
+                                            BLOCK_D=max(16, triton.next_power_of_2(D)),
+                                            MANT=mant, EMIN=emin)
+        return
     _store_kv_kernel[(T,)](k, v, kv_cache, slot_mapping, sc, Hkv, D, k.stride(0), k.stride(1),
                            v.stride(0), v.stride(1), *kv_cache.stride()[:4], fmax, BS=BS,
                            BLOCK_H=max(2, triton.next_power_of_2(Hkv)),

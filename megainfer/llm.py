@@ -6,6 +6,7 @@ from typing import Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 
 from megainfer.config import CacheConfig, DeviceConfig, LoadConfig, ModelConfig, SchedulerConfig
+from megainfer.config.runtime import DEFAULT_KV_SCALE_GRANULARITY
 from megainfer.engine import (LLMEngine, PromptInput, RequestError, RequestOutput, SamplingParams,
                               check_cache_fits)
 from megainfer.engine.sizing import (check_kv_cache_dtype, derive_num_blocks,
@@ -46,7 +47,7 @@ class LLM:
                  num_blocks: Optional[int] = None, kv_cache_memory_gib: float = 4.0,
                  enable_prefix_caching: Optional[bool] = None, kv_cache_dtype: str = "auto",
                  host_kv_gib: float = 0.0, kv_store_dir: Optional[str] = None,
-                 kv_scale_granularity: str = "token_head",
+                 kv_scale_granularity: str = DEFAULT_KV_SCALE_GRANULARITY,
                  tokenizer: Optional[Tokenizer] = None):
         path = model if isinstance(model, str) else None
         model_config = ModelConfig.from_pretrained(path) if path else model

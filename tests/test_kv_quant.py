@@ -93,7 +93,8 @@ def test_spec_shapes_and_bytes():
     c = f4.allocate(5, 16)
     assert len(c) == 3 and c[0].dtype == torch.uint8 and kv_quant.scales_of(c[0]).sum() == 0
     m = KVCacheSpec("mla", (48,), torch.bfloat16, 2, "fp4_e2m1", (32, 16))
-    assert m.layer_shape(4, 16) == (4, 16, 16 + 2 + 8 + 1)
+    assert m.layer_shape(4, 16) == (4, 16, kv_quant.stored_dim("fp4_e2m1", 32)
+                                    + kv_quant.stored_dim("fp4_e2m1", 16))
     with pytest.raises(ValueError):
         KVCacheSpec("gqa", (2, 2, 64), kv_format="int4")
 

@@ -72,7 +72,7 @@ def test_fp4_packing_and_scale_layout():
     x = torch.cat([mags, -mags])  # codes 0..15 in order; block amax 6 -> block scale 1
     g = torch.tensor(1.0)
     q = kv_quant.quant_fp4(x[None], g)[0]
-    assert q.dtype == torch.uint8 and q.shape == (16 // 2 + 1,)
+    assert q.dtype == torch.uint8 and q.shape == (kv_quant.stored_dim("fp4_e2m1", 16),)
     codes = list(range(8)) + [0] + list(range(9, 16))  # -0 is stored as +0
     want = [codes[2 * j] | codes[2 * j + 1] << 4 for j in range(8)]
     assert q[:8].tolist() == want

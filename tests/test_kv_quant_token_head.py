@@ -61,7 +61,7 @@ def test_row_layouts():
         r = torch.randn(4, 64)
         r = r / r.abs().amax(-1, keepdim=True) * amax
         p = kv_quant.quant_rows(r, "fp4_e2m1")
-        assert p.dtype == torch.uint8 and p.shape == (4, 32 + 4 + 1)
+        assert p.dtype == torch.uint8 and p.shape == (4, kv_quant.stored_dim("fp4_e2m1", 64, TH))
         e = p[:, -1].double() - 127
         ratio = r.abs().amax(-1).double() / 1792.0 / 2.0 ** e
         assert ((ratio <= 1) & (ratio > 0.5)).all(), (amax, e)
@@ -185,11 +185,11 @@ def test_config_key_default_and_errors():
     from test_kv_quant import _tiny_cfg
     llm = LLM(_tiny_cfg(), max_model_len=64, max_num_seqs=2, kv_cache_dtype="fp8_e4m3")
     assert kv_quant.granularity_of(llm.engine.kv_caches[0]) == TH
-    assert llm.engine.kv_caches[0].shape[-1] == 16 + 2
+    assert llm.engine.kv_caches[0].shape[-1] == kv_quant.stored_dim("fp8_e4m3", 16, TH)
     llm = LLM(_tiny_cfg(), max_model_len=64, max_num_seqs=2, kv_cache_dtype="fp8_e4m3",
               kv_scale_granularity="tensor")
     assert kv_quant.granularity_of(llm.engine.kv_caches[0]) == "tensor"
-    assert llm.engine.kv_caches[0].shape[-1] == 16
+    assert llm.engine.kv_caches[0].shape[-1] == kv_quant.stored_dim("fp8_e4m3", 16, "tensor")
 
 
 def test_hydra_key():

@@ -12,6 +12,7 @@ from .model import ModelConfig
 # the cache's storage formats (auto: the model dtype; docs/kv_cache.md, kernels/kv_quant.py)
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "fp4_e2m1")
 KV_SCALE_GRANULARITIES = ("tensor", "token_head")  # cache.kv_scale_granularity (docs/kv_cache.md)
+DEFAULT_KV_SCALE_GRANULARITY = "token_head"  # CacheConfig's and LLM(...)'s default
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,7 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
     host_kv_gib: float = 0.0  # the prefix cache's second tier (0: off; docs/kv_cache.md)
     kv_store_dir: Optional[str] = None  # cpu: the second tier's files (None: a temp dir)
-    kv_scale_granularity: str = "token_head"  # quantised caches: tensor | token_head scales
+    kv_scale_granularity: str = DEFAULT_KV_SCALE_GRANULARITY  # quantised caches: tensor | token_head
 
     def __post_init__(self):
         _require(self.block_size > 0, "cache.block_size", self.block_size, "must be > 0")
