@@ -48,7 +48,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from mpi_launch import run_job  # noqa: E402
 from results_io import write_json  # noqa: E402
-from validate_sim import prefill_samples  # noqa: E402
+from validate_sim import hop_gaps, prefill_samples  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -57,7 +57,7 @@ from megainfer.perfmodel.insitu import layer_samples  # noqa: E402
 
 SHAPE = ["--hidden", 512, "--inter", 768, "--layers", 4, "--heads", 8, "--kv-heads", 4,
          "--experts", 8, "--top-k", 2, "--vocab", 8192]  # bench_prefix_cache.BENCH50M
-EXPERTS, TOP_K = 8, 2
+EXPERTS, TOP_K, HIDDEN = 8, 2, 512
 CONFIGS = [(4, 16, 12), (16, 16, 12), (2, 256, 8), (8, 256, 6), (2, 512, 6), (1, 1024, 6)]
 PROBE = (2, 256, 8)
 OUT = os.path.join(HERE, "results", "bench50m_in_situ.json")
@@ -74,13 +74,30 @@ def traced(batch: int, prompt: int, decode: int, tmp: str) -> dict:
 
 
 def sample(b: int, p: int, d: int, tmp: str) -> dict:
-    """One calibration run's spans and the load average before and after it."""
+    """One calibration run's spans, its hops and gaps between iterations (``hop_gaps``) and the
+    load average before and after it."""
     l0 = os.getloadavg()[0]
     tr = traced(b, p, d, tmp)
     da, de = layer_samples(tr, p, TOP_K)
     pa, pe = prefill_samples(tr, p, TOP_K)
+    hops, steps = hop_gaps(tr)
     return {"batch": b, "prompt": p, "decode": d, "load_average": [l0, os.getloadavg()[0]],
-            "decode_attention": da, "decode_expert": de, "prefill_attention": pa, "prefill_expert": pe}
+            "decode_attention": da, "decode_expert": de, "prefill_attention": pa, "prefill_expert": pe,
+            "hops": hops, "step_gaps": steps}
+
+
+def host_terms(samples: list, hw) -> dict | None:
+    """The node's wake-up latency and the host work per iteration, read off calibration runs as
+    perf/validate_sim.py does: wake = median over the decode hops of (gap - the link's time for
+    that message); iteration overhead = median gap between iterations - median hop (sampling,
+    scheduling, the next step's inputs). None when no sample recorded its hops (runs before
+    2026-12-01 04:00)."""
+    hops = [g - hw.inter_link.time(tok * TOP_K * HIDDEN * 4) for s in samples for tok, g in s.get("hops", [])]
+    steps = [g for s in samples for _, g in s.get("step_gaps", [])]
+    if not hops or not steps:
+        return None
+    return {"wake_latency_s": max(0.0, float(np.median(hops))),
+            "iteration_overhead_s": max(0.0, float(np.median(steps)) - float(np.median(hops)))}
 
 
 def active(pairs) -> np.ndarray:

@@ -24,7 +24,7 @@ def sleeps_when_idle(d: dict) -> bool:
 def others_ran(d: dict) -> bool:
     """Whether other tenants shared the machine with a run: a launch's 1-min load average above
     the job's own ranks (a job of R ranks alone cannot load the machine more; the loaded runs
-    read 4.2-8.5, the quiet ones 2.1-3.3), or no load average recorded."""
+    read 4.2-8.5, the quiet ones 2.0-3.2), or no load average recorded."""
     loads = [r.get("load_average") for r in d["rows"]]
     return any(x is None for x in loads) or max(loads) > d["args"]["ranks"]
 

@@ -36,6 +36,7 @@ step, decode and chunk iterations) beside the simulated ones.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import glob
 import json
@@ -107,13 +108,14 @@ def prompt_host_estimate(benches: dict, fits: dict, hw) -> tuple[float, list]:
 
 
 def simulate_launch(a: dict, lay: dict, w: str, hw, fits, speed: float, idle: float = 0.0,
-                    send: float = 0.0, hw_pre=None) -> dict:
-    """Baseline (``lay`` = the baseline layout) or PD (one loop and composed) of one launch."""
+                    send: float = 0.0, hw_pre=None, overhead: float = 0.0) -> dict:
+    """Baseline (``lay`` = the baseline layout) or PD (one loop and composed) of one launch;
+    ``overhead``: host work per decode iteration (``JobConfig.iteration_overhead_s``)."""
     pk, ok = WORKLOADS[w]
     P, O, n = a[pk], a[ok], a["num"]
     reqs = Requests(np.zeros(n), np.full(n, P), np.full(n, O))
     wl = Workload(P, O)
-    cfg = JobConfig(max_num_seqs=MAX_SEQS, max_num_batched_tokens=MAX_TOKENS)
+    cfg = JobConfig(max_num_seqs=MAX_SEQS, max_num_batched_tokens=MAX_TOKENS, iteration_overhead_s=overhead)
     shp = _slots(BENCH50M, lay["E"])  # the runtime pads experts up to a multiple of the ranks
     plan = Plan(1, lay["A"], 1, lay["E"], a["m"], n, hw.name, hw.name)
     lt = layer_times(hw, shp, fits, speed)
@@ -141,7 +143,7 @@ def summary(ttft, tpot) -> dict:
 
 
 def simulate(d: dict, hw0, fits, speeds: list | None, bg: float, mode: str = "load", idle: float = 0.0,
-             send: float = 0.0) -> list[dict]:
+             send: float = 0.0, overhead: float = 0.0) -> list[dict]:
     """Rows of one bench file: measured (median over launches), each kind's prediction (median
     over the launches' predictions, each under its ``conditions``, or all under background load
     ``bg`` without probes), errors and PD / baseline ratios."""
@@ -158,7 +160,8 @@ def simulate(d: dict, hw0, fits, speeds: list | None, bg: float, mode: str = "lo
                     cb.conditions(speeds[r["calibration"]], speeds[r["calibration"] + 1], hw0.node.cores, mode)
                     for r in runs]
             preds = [simulate_launch(a, lay[name], w, with_background_load(hw0, c["background_load"]), fits,
-                                     c["speed"], idle, send, with_background_load(hw0, c["background_load_prefill"]))
+                                     c["speed"], idle, send, with_background_load(hw0, c["background_load_prefill"]),
+                                     overhead)
                      for c in cond]
             row[f"conditions_{name}"] = cond
             if runs[0].get("spans"):  # traced: what the parts took, beside the simulator's
@@ -194,6 +197,8 @@ def main() -> None:
     ap.add_argument("--prompt-host", action="store_true",
                     help="charge PD's prefill steps the per-prompt host work measured from the short-prompt "
                          "launches' CPU time (prompt_host_s; the baseline's job_sim has no such term)")
+    ap.add_argument("--no-host", action="store_true", help="no host terms from the calibration runs "
+                    "(the profile's wake-up latency, no host work per iteration)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "validate_sim_pd.json"))
     a = ap.parse_args()
     hw0 = load_hardware(a.profile)
@@ -204,6 +209,10 @@ def main() -> None:
     with open(cb.OUT) as f:
         cals = json.load(f)["samples"]
     fits, cal_speeds = (None, None) if a.roofline else cb.reference_fits(cals)
+    host = None if a.no_host else cb.host_terms(cals, hw0)
+    if host:  # the node's wake-up latency as the calibration runs saw it
+        hw0 = dataclasses.replace(hw0, node=dataclasses.replace(hw0.node, wake_latency_s=host["wake_latency_s"]))
+    print(f"host terms from the calibration runs: {host or 'none recorded (profile wake-up, no overhead)'}")
     spins = [pts.idle_decode_busy(r["spans"]) for d in benches.values() for row in d["rows"]
              if row["layout"] == "pd" for r in row.get("runs", []) if r.get("spans")]
     print(f"decode attention rank in spans while the PD pool has nothing to decode (traced runs): "
@@ -225,7 +234,8 @@ def main() -> None:
            "profile": a.profile, "conditions": a.conditions, "layer_times": "roofline" if a.roofline else "in-situ fits (reference speed)",
            "fits": fits, "calibration_speeds": cal_speeds,
            "idle_decode_busy": {"runs": idles, "used": 0.0 if a.no_idle else idle, "attention_span_share": spins},
-           "prompt_host_s": {"runs": sends, "used": send if a.prompt_host else 0.0}, "runs": {}}
+           "prompt_host_s": {"runs": sends, "used": send if a.prompt_host else 0.0},
+           "host_terms": host, "runs": {}}
     print(f"{'run':<24}{'workload':<13}{'':<12}{'TTFT p50 ms':>12}{'err':>8}{'TPOT p50 ms':>12}{'err':>8}"
           f"   PD / baseline (TTFT, TPOT), ratio err")
     for name, d in benches.items():
@@ -234,7 +244,8 @@ def main() -> None:
         bg = 0.0 if cal or load is None else max(0.0, load - d["args"]["ranks"])
         u = 0.0 if a.no_idle or sleeps_when_idle(d) else idle
         mode = a.conditions if a.conditions != "auto" else "load" if others_ran(d) else "scale"
-        rows = simulate(d, hw0, fits, speeds.get(name), bg, mode, u, send if a.prompt_host else 0.0)
+        rows = simulate(d, hw0, fits, speeds.get(name), bg, mode, u, send if a.prompt_host else 0.0,
+                        host["iteration_overhead_s"] if host else 0.0)
         res["runs"][name] = {"measured_at": d.get("date"), "load_average": load, "background_load": bg,
                              "conditions": mode,
                              "calibration_speeds": speeds.get(name), "idle_decode_busy": u,

@@ -44,3 +44,15 @@ def test_conditions_read_a_probe_slowdown_as_load_or_as_speed():
     assert load["background_load"] == pytest.approx(1.2) and load["speed"] == 1.0
     scale = cb.conditions(probe, probe, 2, "scale")
     assert scale["background_load"] == 0.0 and scale["speed"] == pytest.approx(1.1)
+
+
+def test_host_terms_read_wake_up_and_iteration_overhead_off_calibration_runs():
+    from megainfer.perfmodel.hardware import load_hardware
+    hw = load_hardware("cpu_node")
+    link = hw.inter_link.time(4 * cb.TOP_K * cb.HIDDEN * 4)  # a 4-token hop's message
+    samples = [{"hops": [(4, link + 0.001), (4, link + 0.002), (4, link + 0.003)],
+                "step_gaps": [(4, 0.006), (4, 0.007)]}]
+    got = cb.host_terms(samples, hw)
+    assert got["wake_latency_s"] == pytest.approx(0.002)
+    assert got["iteration_overhead_s"] == pytest.approx(0.0065 - 0.002)
+    assert cb.host_terms([{"decode_attention": []}], hw) is None  # runs that kept no hops
