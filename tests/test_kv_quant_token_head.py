@@ -206,3 +206,24 @@ def test_hydra_key():
     assert th.num_blocks < t.num_blocks  # the inline scales take their room
     with pytest.raises(ConfigError, match="cache.kv_scale_granularity"):
         settings(*base, "cache.kv_scale_granularity=block")
+
+
+@pytest.mark.parametrize("fmt", ("fp8_e4m3", "fp8_e5m2"))
+def test_fp8_row_scale_is_at_the_formats_floor(fmt):
+    """No per-row scale does measurably better than the stored bf16(amax / max): sweeping the
+    scale down by eighths of an octave (more values in the format's finer range, the largest
+    saturating) lowers the relative RMS error by under 1 % on Gaussian and outlier rows. What
+    fp8 loses is its mantissa, not the scale (docs/kv_cache.md, "Accuracy")."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4000, 128, generator=g)
+    for rows in (x, x * torch.where(torch.rand(4000, 128, generator=g) < 0.02, 20.0, 1.0)):
+        ours = kv_quant.dequant_rows(kv_quant.quant_rows(rows, fmt), fmt, torch.float32)
+        fmax = kv_quant.format_max(fmt)
+        amax = rows.abs().amax(-1, keepdim=True)
+
+        def rel(y):
+            return ((y - rows).pow(2).mean() / rows.pow(2).mean()).sqrt().item()
+        best = min(rel(kv_quant.dequant_fp8(kv_quant.quant_fp8(rows, amax / fmax * 2 ** (-i / 8), fmt),
+                                            amax / fmax * 2 ** (-i / 8), torch.float32))
+                   for i in range(9))
+        assert best <= rel(ours) <= 1.01 * best
