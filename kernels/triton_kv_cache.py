@@ -25,41 +25,31 @@ from .triton_kv_scales import _quant_fp8_part, _round_fp8, _row_scale_fp4, _row_
 
 
 @triton.jit
-def _store_kv_fp4_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, sc_ptr, D, s_kt, s_kh, s_vt, s_vh,
-                         s_c2, s_cb, s_cs, s_ch, BS: tl.constexpr, NBP: tl.constexpr,
-                         ROWSCALE: tl.constexpr):
-    """Program (token, KV head): k/v[t, h] [D] -> fp4_e2m1 rows at cache[0/1, slot // BS,
-    slot % BS, h] (scales sc_ptr[0] keys, [1] values, or ROWSCALE: each row its own; slot -1
-    skips)."""
+def _store_kv_rows_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, sc_ptr, D, s_kt, s_kh, s_vt, s_vh,
+                          s_c2, s_cb, s_cs, s_ch, FMAX, BS: tl.constexpr, FP4: tl.constexpr,
+                          NBP: tl.constexpr, ROWSCALE: tl.constexpr, BLOCK_D: tl.constexpr,
+                          MANT: tl.constexpr, EMIN: tl.constexpr):
+    """Program (token, KV head): k/v[t, h] [D] -> one stored row each at cache[0/1, slot // BS,
+    slot % BS, h] (slot -1 skips). FP4: fp4_e2m1 rows (``_quant_fp4_row``; scales sc_ptr[0]
+    keys, [1] values, or ROWSCALE: each row its own). Else token_head float8: D values then the
+    row's bf16(amax / FMAX) scale bytes (``_quant_fp8_part``, as the MLA store's parts)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
         return
     dst = cache_ptr + (slot // BS) * s_cb + (slot % BS) * s_cs + h * s_ch
-    if ROWSCALE:
-        _quant_fp4_row(k_ptr + t * s_kt + h * s_kh, dst, D, 0.0, NBP, True)
-        _quant_fp4_row(v_ptr + t * s_vt + h * s_vh, dst + s_c2, D, 0.0, NBP, True)
+    k_row, v_row = k_ptr + t * s_kt + h * s_kh, v_ptr + t * s_vt + h * s_vh
+    if FP4:
+        if ROWSCALE:
+            _quant_fp4_row(k_row, dst, D, 0.0, NBP, True)
+            _quant_fp4_row(v_row, dst + s_c2, D, 0.0, NBP, True)
+        else:
+            _quant_fp4_row(k_row, dst, D, tl.load(sc_ptr), NBP)
+            _quant_fp4_row(v_row, dst + s_c2, D, tl.load(sc_ptr + 1), NBP)
     else:
-        _quant_fp4_row(k_ptr + t * s_kt + h * s_kh, dst, D, tl.load(sc_ptr), NBP)
-        _quant_fp4_row(v_ptr + t * s_vt + h * s_vh, dst + s_c2, D, tl.load(sc_ptr + 1), NBP)
-
-
-@triton.jit
-def _store_kv_fp8_rows_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, D, s_kt, s_kh, s_vt, s_vh,
-                              s_c2, s_cb, s_cs, s_ch, FMAX, BS: tl.constexpr,
-                              BLOCK_D: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr):
-    """Program (token, KV head), token_head float8: k/v[t, h] [D] -> D float8 then the row's
-    bf16(amax / FMAX) scale bytes at cache[0/1, slot // BS, slot % BS, h] (``_quant_fp8_part``,
-    as the MLA store's parts; slot -1 skips)."""
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    if slot < 0:
-        return
-    dst = cache_ptr + (slot // BS) * s_cb + (slot % BS) * s_cs + h * s_ch
-    _quant_fp8_part(k_ptr + t * s_kt + h * s_kh, dst, D, FMAX, BLOCK_D, MANT, EMIN)
-    _quant_fp8_part(v_ptr + t * s_vt + h * s_vh, dst + s_c2, D, FMAX, BLOCK_D, MANT, EMIN)
+        _quant_fp8_part(k_row, dst, D, FMAX, BLOCK_D, MANT, EMIN)
+        _quant_fp8_part(v_row, dst + s_c2, D, FMAX, BLOCK_D, MANT, EMIN)
 
 
 @triton.jit
@@ -69,7 +59,7 @@ def _store_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, sc_ptr, H, D, s_kt, s_kh
                      QUANT: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr):
     """One program per token: k/v[t] [H, D] -> cache[0/1, slot // BS, slot % BS]
     (QUANT: a float8 cache, x / scale saturated to +-FMAX; scales sc_ptr[0] keys, [1] values;
-    token_head rows: ``_store_kv_fp8_rows_kernel``)."""
+    token_head rows: ``_store_kv_rows_kernel``)."""
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
@@ -135,11 +125,11 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 or slot_mapping.device != k.device):
             raise KernelInputError(f"slot_mapping: expected [{T}] int32/int64 on {k.device}")
         if T:
-            _store_kv_fp4_kernel[(T, Hkv)](k, v, kv_cache, slot_mapping, sc, Dv, k.stride(0),
-                                           k.stride(1), v.stride(0), v.stride(1),
-                                           *kv_cache.stride()[:4], BS=BS,
-                                           NBP=fp4_blocks_padded(Dv), ROWSCALE=rows,
-                                           **NO_FMA)
+            _store_kv_rows_kernel[(T, Hkv)](k, v, kv_cache, slot_mapping, sc, Dv, k.stride(0),
+                                            k.stride(1), v.stride(0), v.stride(1),
+                                            *kv_cache.stride()[:4], 0.0, BS=BS, FP4=True,
+                                            NBP=fp4_blocks_padded(Dv), ROWSCALE=rows, BLOCK_D=16,
+                                            MANT=0, EMIN=0, **NO_FMA)
         return
     if kv_cache.dtype == torch.uint8:  # fp4_e2m1: rows already packed by kv_quant.quant_fp4
         for name, t in (("k", k), ("v", v)):
@@ -178,11 +168,11 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     fmax = float(torch.finfo(kv_cache.dtype).max) if quant else 0.0
     mant, emin = (2, -14) if kv_cache.dtype == torch.float8_e5m2 else (3, -6)
     if quant == 2:  # token_head: each (token, head) row its own scale
-        _store_kv_fp8_rows_kernel[(T, Hkv)](k, v, kv_cache, slot_mapping, D, k.stride(0),
-                                            k.stride(1), v.stride(0), v.stride(1),
-                                            *kv_cache.stride()[:4], fmax, BS=BS,
-                                            BLOCK_D=max(16, triton.next_power_of_2(D)),
-                                            MANT=mant, EMIN=emin)
+        _store_kv_rows_kernel[(T, Hkv)](k, v, kv_cache, slot_mapping, sc, D, k.stride(0),
+                                        k.stride(1), v.stride(0), v.stride(1),
+                                        *kv_cache.stride()[:4], fmax, BS=BS, FP4=False, NBP=1,
+                                        ROWSCALE=True, BLOCK_D=max(16, triton.next_power_of_2(D)),
+                                        MANT=mant, EMIN=emin)
         return
     _store_kv_kernel[(T,)](k, v, kv_cache, slot_mapping, sc, Hkv, D, k.stride(0), k.stride(1),
                            v.stride(0), v.stride(1), *kv_cache.stride()[:4], fmax, BS=BS,
