@@ -68,6 +68,20 @@ def value_dim(fmt: str, stored: int, granularity: str = "tensor") -> int:
     return stored
 
 
+def fp4_split_fits(R: int, P: int, W: int, granularity: str = "tensor") -> bool:
+    """Whether fp4_e2m1 rows of two parts (MLA's c_kv and k_pe: R and P values, each in whole
+    blocks of 16) are W bytes wide."""
+    return not (R % 16 or P % 16) and (stored_dim("fp4_e2m1", R, granularity)
+                                       + stored_dim("fp4_e2m1", P, granularity)) == W
+
+
+def fp8_grid(dtype: torch.dtype) -> tuple[float, int, int]:
+    """(largest value, mantissa bits, least normal exponent) of a float8 storage dtype, the Triton
+    stores' FMAX / MANT / EMIN (``triton_kv_scales._round_fp8``); (0, 3, -6) for other dtypes."""
+    fmax = float(torch.finfo(dtype).max) if dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else 0.0
+    return (fmax, 2, -14) if dtype == torch.float8_e5m2 else (fmax, 3, -6)
+
+
 def format_of(cache: torch.Tensor, model_dtype: Optional[torch.dtype] = None) -> str:
     """The format a cache tensor is stored in, from its dtype (uint8: fp4_e2m1)."""
     if cache.dtype == torch.float8_e4m3fn:

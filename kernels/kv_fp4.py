@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .kv_formats import E2M1_MAX, E4M3_MAX, FP4_BLOCK, SCALE_HEADROOM
+from .kv_formats import E2M1_MAX, E4M3_MAX, FP4_BLOCK, SCALE_HEADROOM, value_dim
 
 # E2M1 magnitudes by 3-bit code, and the rounding boundaries between neighbours
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -38,7 +38,8 @@ SCALE_RULES = ("lsq", "amax/6", "per-tensor")
 _RULE = ["lsq"]
 
 # per device: made once (the first call runs before any CUDA-graph capture). "lut": E2M1 value
-# by 4-bit code (code = sign << 3 | magnitude index); "pairs": the two values of a packed byte
+# by 4-bit code (code = sign << 3 | magnitude index); "pairs": the two values of a packed byte;
+# a tuple: those block-scale divisors
 _CONST: dict = {}
 
 
@@ -62,8 +63,8 @@ def _const(name: str, device) -> torch.Tensor:
             lut = _const("lut", "cpu")
             b = torch.arange(256)
             t = torch.stack([lut[b & 0xF], lut[b >> 4]], dim=-1).to(device)  # [256, 2]
-        else:
-            vals = E2M1_VALUES + tuple(-v for v in E2M1_VALUES)  # "lut"
+        else:  # "lut", or a tuple of block-scale divisors
+            vals = name if isinstance(name, tuple) else E2M1_VALUES + tuple(-v for v in E2M1_VALUES)
             t = torch.tensor(vals, dtype=torch.float32, device=device)
         _CONST[key] = t
     return t
@@ -117,8 +118,8 @@ def block_scales(xb: torch.Tensor, g: torch.Tensor, rule: Optional[str] = None,
         # amax / d by a device tensor: an IEEE division on every device (CUDA would multiply by
         # the reciprocal of a host scalar), as the Triton store's div_rn; every candidate at
         # once, [C, ..., nb]
-        dv = torch.tensor((E2M1_MAX,) if rule == "amax/6" else tuple(divisors), dtype=torch.float32,
-                          device=xb.device).view(-1, *[1] * amax.dim())
+        dv = _const((E2M1_MAX,) if rule == "amax/6" else tuple(divisors), xb.device)
+        dv = dv.view(-1, *[1] * amax.dim())
         bs8 = (amax / dv * ginv).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
     eff = bs8.float() * g  # what each code is multiplied by on read
     mag = _magnitudes(xb, eff)
@@ -146,7 +147,7 @@ def quant_fp4(x: torch.Tensor, gscale: torch.Tensor, rule: Optional[str] = None)
 def dequant_fp4(q: torch.Tensor, gscale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """uint8 [..., D/2 + D/16] -> [..., D] in ``dtype``."""
     *lead, W = q.shape
-    D = W * FP4_BLOCK // (FP4_BLOCK // 2 + 1)
+    D = value_dim("fp4_e2m1", W)
     nb = D // FP4_BLOCK
     packed, bs = q[..., :D // 2], q[..., D // 2:]
     vals = torch.index_select(_const("pairs", q.device), 0, packed.reshape(-1).int())

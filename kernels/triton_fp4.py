@@ -57,13 +57,9 @@ def _fp4_tile(row, d, mask, D, gscale):
     D/2 packed codes then D/16 E4M3 block scales -> values [BN, BD] fp32 (x gscale)."""
     byte = tl.load(row[:, None] + d[None, :] // 2, mask=mask, other=0).to(tl.int32)
     code = (byte >> ((d[None, :] % 2) * 4)) & 0xF
-    m = code & 7
-    e = m >> 1
-    mag = tl.where(e == 0, m.to(tl.float32) * 0.5,
-                   (1.0 + 0.5 * (m & 1).to(tl.float32)) * tl.exp2((e - 1).to(tl.float32)))
     sb = tl.load(row[:, None] + D // 2 + d[None, :] // 16, mask=mask, other=0)
     bs = sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    return tl.where(code >= 8, -mag, mag) * bs * gscale
+    return _e2m1_value(code) * bs * gscale
 
 
 @triton.jit

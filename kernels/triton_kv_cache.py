@@ -20,6 +20,7 @@ import triton.language as tl
 from . import kv_quant
 from .attention_ref import FP8_CACHE_DTYPES, check_attention_args, token_head_cache
 from .dispatch import KernelInputError
+from .kv_formats import fp8_grid
 from .triton_fp4 import NO_FMA, _fp4_tile, _quant_fp4_row, fp4_blocks_padded
 from .triton_kv_scales import _quant_fp8_part, _round_fp8, _row_scale_fp4, _row_scale_fp8
 
@@ -41,12 +42,14 @@ def _store_kv_rows_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, sc_ptr, D, s_kt, s_
     dst = cache_ptr + (slot // BS) * s_cb + (slot % BS) * s_cs + h * s_ch
     k_row, v_row = k_ptr + t * s_kt + h * s_kh, v_ptr + t * s_vt + h * s_vh
     if FP4:
-        if ROWSCALE:
-            _quant_fp4_row(k_row, dst, D, 0.0, NBP, True)
-            _quant_fp4_row(v_row, dst + s_c2, D, 0.0, NBP, True)
+        if ROWSCALE:  # the rows' own scales: no layer scale to read
+            gk = 0.0
+            gv = 0.0
         else:
-            _quant_fp4_row(k_row, dst, D, tl.load(sc_ptr), NBP)
-            _quant_fp4_row(v_row, dst + s_c2, D, tl.load(sc_ptr + 1), NBP)
+            gk = tl.load(sc_ptr)
+            gv = tl.load(sc_ptr + 1)
+        _quant_fp4_row(k_row, dst, D, gk, NBP, ROWSCALE)
+        _quant_fp4_row(v_row, dst + s_c2, D, gv, NBP, ROWSCALE)
     else:
         _quant_fp8_part(k_row, dst, D, FMAX, BLOCK_D, MANT, EMIN)
         _quant_fp8_part(v_row, dst + s_c2, D, FMAX, BLOCK_D, MANT, EMIN)
@@ -165,8 +168,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     sc, quant = _quant_args(kv_cache, scales, k)
     if T == 0:
         return
-    fmax = float(torch.finfo(kv_cache.dtype).max) if quant else 0.0
-    mant, emin = (2, -14) if kv_cache.dtype == torch.float8_e5m2 else (3, -6)
+    fmax, mant, emin = fp8_grid(kv_cache.dtype)
     if quant == 2:  # token_head: each (token, head) row its own scale
         _store_kv_rows_kernel[(T, Hkv)](k, v, kv_cache, slot_mapping, sc, D, k.stride(0),
                                         k.stride(1), v.stride(0), v.stride(1),

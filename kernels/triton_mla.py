@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import KernelInputError
+from .kv_formats import fp4_split_fits
 from . import kv_quant
 from .mla_ref import check_mla_args, supported_mla_dims
 from .tile_configs import interpreting
@@ -171,9 +172,8 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
     P = q_pe.shape[-1]
     fmt, g = kv_quant.format_of(cache), kv_quant.granularity_of(cache)
     rows = quant and g == "token_head"
-    want = kv_quant.stored_dim(fmt, R, g) + kv_quant.stored_dim(fmt, P, g) if fp4 and not (
-        R % 16 or P % 16) else W
-    if fp4 and (R % 16 or P % 16 or W != want):
+    if fp4 and not fp4_split_fits(R, P, W, g):
+        want = W if R % 16 or P % 16 else kv_quant.stored_dim(fmt, R, g) + kv_quant.stored_dim(fmt, P, g)
         raise KernelInputError(f"cache: fp4_e2m1 rows of R={R} + P={P} (multiples of 16) are "
                                f"{want} bytes, got {W}")
     out = torch.empty_like(q_latent) if out is None else out

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from . import kv_quant
 from .dispatch import KernelInputError
+from .kv_formats import fp4_split_fits, fp8_grid
 from .mla_ref import check_store_latent_args, latent_value_width
 from .triton_fp4 import NO_FMA, _quant_fp4_row, fp4_blocks_padded
 from .triton_kv_scales import _quant_fp8_part, _round_fp8
@@ -75,8 +76,7 @@ def _store_latent_quantised(latent, cache, slot_mapping, scales, R: int) -> None
     g = kv_quant.granularity_of(cache)
     fmt = kv_quant.format_of(cache)
     RP = latent_value_width(cache)
-    if R is None or not 0 < R < RP or (fp4 and (R % 16 or (RP - R) % 16
-                                                 or (W - 2 * (g == "token_head")) % 9)):
+    if R is None or not 0 < R < RP or (fp4 and not fp4_split_fits(R, RP - R, W, g)):
         raise KernelInputError(f"kv_lora_rank: R={R} does not split a {cache.dtype} row of {W}")
     if (latent.dim() != 2 or latent.shape[1] != RP or not latent.is_floating_point()
             or latent.device != cache.device or (latent.numel() and latent.stride(-1) != 1)):
@@ -93,13 +93,12 @@ def _store_latent_quantised(latent, cache, slot_mapping, scales, R: int) -> None
     if T == 0:
         return
     P = RP - R
-    e5m2 = cache.dtype == torch.float8_e5m2
-    fmax = 0.0 if fp4 else float(torch.finfo(cache.dtype).max)
+    fmax, mant, emin = fp8_grid(cache.dtype)
     _store_latent_q_kernel[(T,)](
         latent, cache, slot_mapping, scales, R, P, kv_quant.stored_dim(fmt, R, g),
         latent.stride(0), cache.stride(0), cache.stride(1), fmax, BS=cache.shape[1], FP4=fp4,
         BLOCK_W=triton.next_power_of_2(RP), NBR=fp4_blocks_padded(R),
-        NBP=fp4_blocks_padded(P), MANT=2 if e5m2 else 3, EMIN=-14 if e5m2 else -6,
+        NBP=fp4_blocks_padded(P), MANT=mant, EMIN=emin,
         ROWS=g == "token_head", BLOCK_R=max(16, triton.next_power_of_2(R)),
         BLOCK_P=max(16, triton.next_power_of_2(P)), **NO_FMA)
 

@@ -106,7 +106,8 @@ def calibration(spec: str) -> dict:
 
     import calibrate_bench50m as cb
     b, p, d = (int(x) for x in spec.split(","))
-    return dict(cb.sample(b, p, d, tempfile.mkdtemp(prefix="bench_pd_cal_")), probe=True)
+    with tempfile.TemporaryDirectory(prefix="bench_pd_cal_") as tmp:  # its traces are read back
+        return dict(cb.sample(b, p, d, tmp), probe=True)
 
 
 def median_row(runs: list[dict]) -> dict:

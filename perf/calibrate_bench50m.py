@@ -46,8 +46,10 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from bench_prefix_cache import BENCH50M  # noqa: E402
 from mpi_launch import run_job  # noqa: E402
 from results_io import write_json  # noqa: E402
+import validate_sim as vs  # noqa: E402
 from validate_sim import hop_gaps, prefill_samples  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -55,9 +57,11 @@ import numpy as np  # noqa: E402
 from megainfer.perfmodel.fit import fit_attention  # noqa: E402
 from megainfer.perfmodel.insitu import layer_samples  # noqa: E402
 
-SHAPE = ["--hidden", 512, "--inter", 768, "--layers", 4, "--heads", 8, "--kv-heads", 4,
-         "--experts", 8, "--top-k", 2, "--vocab", 8192]  # bench_prefix_cache.BENCH50M
-EXPERTS, TOP_K, HIDDEN = 8, 2, 512
+_B = BENCH50M
+SHAPE = ["--hidden", _B["hidden_size"], "--inter", _B["moe_intermediate_size"], "--layers", _B["num_layers"],
+         "--heads", _B["num_heads"], "--kv-heads", _B["num_kv_heads"], "--experts", _B["num_experts"],
+         "--top-k", _B["top_k"], "--vocab", _B["vocab_size"]]
+EXPERTS, TOP_K, HIDDEN = _B["num_experts"], _B["top_k"], _B["hidden_size"]
 CONFIGS = [(4, 16, 12), (16, 16, 12), (2, 256, 8), (8, 256, 6), (2, 512, 6), (1, 1024, 6)]
 PROBE = (2, 256, 8)
 OUT = os.path.join(HERE, "results", "bench50m_in_situ.json")
@@ -87,17 +91,12 @@ def sample(b: int, p: int, d: int, tmp: str) -> dict:
 
 
 def host_terms(samples: list, hw) -> dict | None:
-    """The node's wake-up latency and the host work per iteration, read off calibration runs as
-    perf/validate_sim.py does: wake = median over the decode hops of (gap - the link's time for
-    that message); iteration overhead = median gap between iterations - median hop (sampling,
-    scheduling, the next step's inputs). None when no sample recorded its hops (runs before
-    2026-12-01 04:00)."""
-    hops = [g - hw.inter_link.time(tok * TOP_K * HIDDEN * 4) for s in samples for tok, g in s.get("hops", [])]
-    steps = [g for s in samples for _, g in s.get("step_gaps", [])]
-    if not hops or not steps:
-        return None
-    return {"wake_latency_s": max(0.0, float(np.median(hops))),
-            "iteration_overhead_s": max(0.0, float(np.median(steps)) - float(np.median(hops)))}
+    """The node's wake-up latency and the host work per iteration read off calibration runs
+    (``validate_sim.host_terms``, as the AE validation reads its own); None when no sample
+    recorded its hops (runs before 2026-12-01 04:00)."""
+    hops = [x for s in samples for x in s.get("hops", [])]
+    steps = [x for s in samples for x in s.get("step_gaps", [])]
+    return vs.host_terms(hops, steps, hw.inter_link, TOP_K * HIDDEN * 4) if hops and steps else None
 
 
 def active(pairs) -> np.ndarray:
@@ -125,12 +124,13 @@ def fits(samples: list, speed=None) -> dict:
     expert = [(x[0], x[1] / v[k]) for s, v in zip(samples, speed) for k in ("decode", "prefill")
               for x in s[f"{k}_expert"]]
     k3, k4 = fit_expert(expert)
+    err_e = _err([k4 * active(p) + k3 * p for p, _ in expert], [t for _, t in expert])  # one expert fit
     out = {}
     for kind in ("decode", "prefill"):
         attn = [(x[0], x[1], x[2] / v[kind]) for s, v in zip(samples, speed) for x in s[f"{kind}_attention"]]
         k1, k1c, k2 = fit_attention(*zip(*attn), relative=True)
         err = {"attention": _err([k2 + b * (k1 + k1c * c) for b, c, _ in attn], [t for *_, t in attn]),
-               "expert": _err([k4 * active(p) + k3 * p for p, _ in expert], [t for _, t in expert])}
+               "expert": err_e}
         out[kind] = {"k1": k1, "k1_ctx": k1c, "k2": k2, "k3": k3, "k4": k4, "dtype": "float32",
                      "source": "in_situ", "error": err}
     return out

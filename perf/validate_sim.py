@@ -194,10 +194,19 @@ def conditions(prof: dict, seq: int, prefill: bool) -> dict:
         attn, expert, d = _cal(k, prefill)
         r += [t / (f["k2"] + b * (f["k1"] + f["k1_ctx"] * c)) for b, c, t in attn]
         r += [t / (h.num_experts * f["k4"] + f["k3"] * p) for p, t in expert]
-        hops += [g - hw.inter_link.time(tok * h.top_k * h.hidden_size * 4) for tok, g in d["hops"]]
-        steps += [g for _, g in d["step_gaps"]]
-    return {"speed": float(np.median(r)), "wake_latency_s": max(0.0, float(np.median(hops))),
-            "iteration_overhead_s": max(0.0, float(np.median(steps)) - float(np.median(hops)))}
+        hops += d["hops"]
+        steps += d["step_gaps"]
+    return dict(speed=float(np.median(r)), **host_terms(hops, steps, hw.inter_link, h.top_k * h.hidden_size * 4))
+
+
+def host_terms(hops: list, steps: list, link, bytes_per_token: float) -> dict:
+    """The node's wake-up latency and host work per iteration from ``hop_gaps``' (tokens,
+    seconds) lists: wake = median over the hops of (gap - the link's time for that message,
+    ``bytes_per_token`` a token); iteration overhead = median gap between iterations - that
+    median (sampling, scheduling, the next step's inputs)."""
+    wake = float(np.median([g - link.time(tok * bytes_per_token) for tok, g in hops]))
+    return {"wake_latency_s": max(0.0, wake),
+            "iteration_overhead_s": max(0.0, float(np.median([g for _, g in steps])) - wake)}
 
 
 def profile_at(prof: dict, cond: dict):
@@ -285,7 +294,10 @@ def main(argv=None) -> None:
         for p in glob.glob(os.path.join(RUN_DIR, "*.json")):
             os.remove(p)
         measure(names, a.repeats)
-    runs = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(RUN_DIR, "[!c]*.json")))]
+    runs = []
+    for p in sorted(glob.glob(os.path.join(RUN_DIR, "[!c]*.json"))):
+        with open(p) as f:
+            runs.append(json.load(f))
     loads = [r["load_average"] for r in runs if r.get("load_average") is not None]
     out = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cpu_count": os.cpu_count(),
            # the runs' own: a --predict-only pass must not stamp today's machine on old measurements

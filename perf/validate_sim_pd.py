@@ -94,16 +94,18 @@ def prompt_host_estimate(benches: dict, fits: dict, hw) -> tuple[float, list]:
     for d in benches.values():
         a = d["args"]
         n, P = a["num"], a["short_prompt"]
+        if n * P > MAX_TOKENS:
+            continue
+        # the step's fitted layer times: the same for every launch of this file
+        ta, te = Prefill(pool, np.full((BENCH50M.num_layers, BENCH50M.num_experts), 1 / BENCH50M.num_experts),
+                         np.random.default_rng(0)).step_s(n * P, (P + 1) / 2, n, n)
         for row in d["rows"]:
-            if row["layout"] != "pd" or row["workload"] != "short_prompt" or n * P > MAX_TOKENS:
+            if row["layout"] != "pd" or row["workload"] != "short_prompt":
                 continue
             for r in row.get("runs", []):
                 cpu = [c for k, c in (r.get("cpu_s") or []) if k == "prefill"]
-                if not cpu:
-                    continue
-                ta, te = Prefill(pool, np.full((BENCH50M.num_layers, BENCH50M.num_experts), 1 / BENCH50M.num_experts),
-                                 np.random.default_rng(0)).step_s(n * P, (P + 1) / 2, n, n)
-                out.append((cpu[0] - ta - te) / (BENCH50M.num_layers * n))
+                if cpu:
+                    out.append((cpu[0] - ta - te) / (BENCH50M.num_layers * n))
     return (max(0.0, statistics.median(out)) if out else 0.0), out
 
 

@@ -39,8 +39,10 @@ class ExpertLoadWindow:
         self.iterations = 0    # finished iterations since creation (or the last reset)
 
     # -- counting ------------------------------------------------------------------------
-    def record(self, layer: int, topk_ids: torch.Tensor) -> None:
-        """Count one layer's routing decisions: topk_ids [M, k] logical expert ids."""
+    def record(self, layer: int, topk_ids: torch.Tensor,
+               weights: Optional[torch.Tensor] = None) -> None:
+        """Count one layer's routing decisions: topk_ids [M, k] logical expert ids, each counted
+        once or ``weights`` (same numel, int; e.g. 0/1 for "served here") times."""
         _require(0 <= layer < self.num_layers, "layer", layer, f"must be in [0, {self.num_layers})")
         ids = topk_ids.reshape(-1).long()                                # [M*k]
         if ids.numel() == 0:
@@ -49,7 +51,8 @@ class ExpertLoadWindow:
             _require(int(ids.min()) >= 0 and int(ids.max()) < self.num_experts, "topk_ids",
                      (int(ids.min()), int(ids.max())), f"ids must be in [0, {self.num_experts})")
         ids = ids.to(self.current.device)
-        self.current[layer].index_add_(0, ids, torch.ones_like(ids))
+        w = torch.ones_like(ids) if weights is None else weights.reshape(-1).to(ids.device, torch.int64)
+        self.current[layer].index_add_(0, ids, w)
 
     def record_physical(self, layer: int, slot_ids: torch.Tensor, phy2log: torch.Tensor) -> None:
         """Count tokens that arrived for physical slots: slot_ids [n], phy2log [L, R] or [R]."""

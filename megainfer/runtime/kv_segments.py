@@ -45,19 +45,15 @@ def host_bytes(t: torch.Tensor):
     return t.view(-1).view(torch.uint8).numpy()
 
 
-def gather_blocks(kv: torch.Tensor, kind: str, blocks: list[int], num_tokens: int,
-                  heads: Optional[tuple[int, int]] = None) -> torch.Tensor:
+def gather_blocks(kv: torch.Tensor, kind: str, blocks: list[int], num_tokens: int) -> torch.Tensor:
     """One layer's cache -> the request's blocks, contiguous, positions >= num_tokens zeroed.
-    GQA [2, NB, BS, H, D] -> [2, n, BS, h, D] (``heads``: (first, count) or all); MLA
-    [NB, BS, R] -> [n, BS, R]."""
+    GQA [2, NB, BS, H, D] -> [2, n, BS, H, D]; MLA [NB, BS, R] -> [n, BS, R] (a destination's
+    heads are sliced by the sender)."""
     idx = torch.tensor(blocks, dtype=torch.long, device=kv.device)
     if kv.element_size() == 1:  # float8 / packed fp4: gather and zero as bytes
         kv = kv.view(torch.uint8)
     if kind == "gqa":
-        g = kv.index_select(1, idx)
-        if heads is not None:
-            g = g[:, :, :, heads[0]:heads[0] + heads[1]]
-        g = g.contiguous()
+        g = kv.index_select(1, idx).contiguous()
         g.view(2, -1, *g.shape[3:])[:, num_tokens:] = 0
     else:
         g = kv.index_select(0, idx).contiguous()

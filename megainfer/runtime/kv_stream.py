@@ -101,6 +101,7 @@ class KVSender:
         """After ``layer`` ran: post its KV for every active transfer, then nudge MPI."""
         now = time.perf_counter()
         sc = sender_scales(kv)
+        sbuf = None if sc is None else host_bytes(sc.clone())  # one host copy for every message
         for o in self.active:
             nblk = -(-o.num_tokens // self.bs)
             for j in o.step_segs:
@@ -116,8 +117,7 @@ class KVSender:
                     o.reqs.append(self.comm.Isend([buf, MPI.BYTE], dest=d.rank, tag=tag))
                     o.nbytes += buf.nbytes
                     self.messages += 1
-                    if sc is not None:  # after the bytes, same tag: received in this order
-                        sbuf = host_bytes(sc.clone())
+                    if sbuf is not None:  # after the bytes, same tag: received in this order
                         o.bufs.append(sbuf)
                         o.reqs.append(self.comm.Isend([sbuf, MPI.BYTE], dest=d.rank, tag=tag))
                         self.messages += 1

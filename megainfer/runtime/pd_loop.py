@@ -46,21 +46,23 @@ class PDReplicaLoop(ReplicaLoop):
             if out.metrics is not None:
                 out.metrics.kv_handoff_s = d.handoff_s.pop(out.request_id, None)
         d.poll()
-        status = (finished, e.has_unfinished() or d.pending > 0, len(e.scheduler.waiting),
-                  len(e.scheduler.running), d.pending, e.has_unfinished())
+        status = (finished, len(e.scheduler.waiting), len(e.scheduler.running), d.pending,
+                  e.has_unfinished())
         if self.role.rank != 0:
             if self.role.is_leader:
                 self.control.send(status, 0, TAG_STATUS)
             go, msgs = self.control.recv(0, TAG_GO, "iteration sync (waiting for rank 0)")
             d.apply(msgs)
             return [], go, []
-        done, busy, decoding = list(finished), status[1], status[5]
-        loads = [status[2] + status[3] + status[4]]
-        for leader in self.leaders[1:]:
-            outs, b, waiting, running, pending, dec = self.control.recv(
+        done, busy, decoding = list(finished), False, False
+        loads = []
+        for i, leader in enumerate(self.leaders):
+            outs, waiting, running, pending, dec = status if i == 0 else self.control.recv(
                 leader, TAG_STATUS, "iteration sync (replica status)")
-            done += outs
-            busy, decoding = busy or b, decoding or dec
+            if i:
+                done += outs
+            busy = busy or dec or pending > 0  # decoding, or KV still arriving
+            decoding = decoding or dec
             loads.append(waiting + running + pending)
         msgs, prefilled = self.pd.iterate(loads)
         for out in done:

@@ -30,8 +30,7 @@ from megainfer.config import EplbConfig
 from megainfer.eplb import ExpertLoadWindow, Placement, weight_moves
 
 from .control import ControlPlane
-from .weight_channel import (Inbound, Outbound, close_weight_channel, open_weight_channel,
-                             world_ranks_of)
+from .weight_channel import Inbound, Outbound, run_moves, world_ranks_of
 
 log = logging.getLogger("megainfer.runtime")
 TAG_PLACEMENT = 105
@@ -95,7 +94,7 @@ class ExpertRebalancer:
         flat = ids.reshape(-1).long()  # [n*k]
         local = (flat >= self.mine.start) & (flat < self.mine.stop)
         logical = self._phy2log[layer][flat.clamp(0, self._phy2log.shape[1] - 1)]
-        self.window.current[layer].index_add_(0, logical, local.long())
+        self.window.record(layer, logical, weights=local)
 
     def end_iteration(self) -> None:
         if self._n == self._counts.numel():
@@ -157,17 +156,13 @@ class ExpertRebalancer:
             if mv.src == "self":
                 staged[(mv.layer, mv.dst_slot)] = _flat(ex, mv.src_slot)
                 continue
-            buf = torch.empty(sum(p.numel() for p in _parts(ex, 0)), dtype=ex.gate_up_proj.dtype,
-                              device=ex.gate_up_proj.device)
+            buf = empty_slot(ex, mv.dst_slot, ex.gate_up_proj.device)
             ins.append(Inbound(mv.src, mv.layer, mv.dst_slot, buf))
             staged[(mv.layer, mv.dst_slot)] = buf
         w = next(layer for layer in layers if layer.is_moe).mlp.experts.gate_up_proj
         ranks = list(range(old.num_ranks))
-        wc, bounded = open_weight_channel(self.moves, self.comm, w.device, w.dtype, ranks, ranks,
-                                          self.control, self.world, "EPLB weight move")
-        wc.exchange(outs, ins)
-        self.device_messages += wc.sent
-        close_weight_channel(wc, bounded)
+        self.device_messages += run_moves(self.moves, self.comm, w.device, w.dtype, ranks, ranks,
+                                          self.control, self.world, "EPLB weight move", outs, ins)
         return staged
 
     def _stage_host(self, old: Placement, moves, sends) -> dict:
@@ -181,11 +176,10 @@ class ExpertRebalancer:
             reqs.append((self.comm.Isend(_np(buf), dest=mv.rank, tag=tag), mv.rank, buf))
         for mv in moves:
             ex = layers[mv.layer].mlp.experts
-            gu, dn = ex.gate_up_proj[mv.dst_slot], ex.down_proj[mv.dst_slot]
             if mv.src == "self":
                 staged[(mv.layer, mv.dst_slot)] = _flat(ex, mv.src_slot)
                 continue
-            buf = torch.empty(gu.numel() + dn.numel(), dtype=gu.dtype)  # host staging
+            buf = empty_slot(ex, mv.dst_slot)  # host staging
             tag = TAG_WEIGHTS + mv.layer * R + self.index * S + mv.dst_slot
             reqs.append((self.comm.Irecv(_np(buf), source=mv.src, tag=tag), mv.src, buf))
             staged[(mv.layer, mv.dst_slot)] = buf
@@ -206,6 +200,13 @@ def install_staged(model, staged: dict) -> None:
 def _parts(ex, slot: int) -> tuple:
     """A slot's weights in the order they travel (gate_up, then down), read in place."""
     return ex.gate_up_proj[slot], ex.down_proj[slot]
+
+
+def empty_slot(ex, slot: int, device="cpu") -> torch.Tensor:
+    """An uninitialised flat buffer the size of one slot's weights (gate_up, then down), in
+    their dtype on ``device`` (host staging by default): where a moved slot is received."""
+    return torch.empty(ex.gate_up_proj[slot].numel() + ex.down_proj[slot].numel(),
+                       dtype=ex.gate_up_proj.dtype, device=device)
 
 
 def _flat(ex, slot: int) -> torch.Tensor:

@@ -26,9 +26,8 @@ from megainfer.models.loader import DTYPES, _materialize, _on_meta
 from megainfer.models.model import MoECausalLM
 
 from .placement import initial_placement
-from .rebalancer import _flat, _host, _np, _parts, install_staged
-from .weight_channel import (Inbound, Outbound, close_weight_channel, open_weight_channel,
-                             world_ranks_of)
+from .rebalancer import _flat, _host, _np, _parts, empty_slot, install_staged
+from .weight_channel import Inbound, Outbound, run_moves, world_ranks_of
 
 TAG_EXPERT = 2000  # + layer * new slots per rank + local slot, on the switch communicator
 
@@ -114,17 +113,14 @@ def _stage_device(sw, control, kind, device, dtype, old_model, model, moves, rem
                 staged[(layer, t)] = _flat(old_model.layers[layer].mlp.experts, slot)
                 continue
             ex = model.layers[layer].mlp.experts
-            buf = torch.empty(ex.gate_up_proj[t].numel() + ex.down_proj[t].numel(),
-                              dtype=ex.gate_up_proj.dtype, device=ex.gate_up_proj.device)
+            buf = empty_slot(ex, t, ex.gate_up_proj.device)
             ins.append(Inbound(src, layer, t, buf))
             staged[(layer, t)] = buf
             received += buf.numel() * buf.element_size()
     senders = sorted({mv[3] for mv in remote})
     receivers = sorted({mv[1] for mv in remote})
-    wc, bounded = open_weight_channel(kind, sw, device, dtype, senders, receivers, control,
-                                      world_ranks_of(sw), "re-plan expert weight move")
-    wc.exchange(outs, ins)
-    close_weight_channel(wc, bounded)
+    run_moves(kind, sw, device, dtype, senders, receivers, control, world_ranks_of(sw),
+              "re-plan expert weight move", outs, ins)
     return staged, received
 
 
@@ -144,8 +140,7 @@ def _stage_host(sw, control, old_model, model, moves, me, S1):
             if src == me:
                 staged[(layer, t)] = _flat(old_model.layers[layer].mlp.experts, slot)
                 continue
-            n = ex.gate_up_proj[t].numel() + ex.down_proj[t].numel()
-            buf = torch.empty(n, dtype=ex.gate_up_proj.dtype)
+            buf = empty_slot(ex, t)
             reqs.append((sw.Irecv(_np(buf), source=src, tag=TAG_EXPERT + layer * S1 + t), src, buf))
             staged[(layer, t)] = buf
             received += buf.numel() * buf.element_size()

@@ -207,6 +207,18 @@ def close_weight_channel(wc: WeightChannel, bounded) -> None:
     bounded.call("weight channel closed", wc.close, scale=2.0)
 
 
+def run_moves(kind: str, comm, device, dtype: torch.dtype, senders: list[int],
+              receivers: list[int], control, world_ranks: list[int], what: str,
+              outs: list[Outbound], ins: list[Inbound]) -> int:
+    """Collective: a channel opened for these moves, ``outs`` sent and ``ins`` filled, the
+    channel closed. Returns the messages this rank sent over the transport."""
+    wc, bounded = open_weight_channel(kind, comm, device, dtype, senders, receivers, control,
+                                      world_ranks, what)
+    wc.exchange(outs, ins)
+    close_weight_channel(wc, bounded)
+    return wc.sent
+
+
 def world_ranks_of(comm) -> list[int]:
     """Job rank of every rank of ``comm`` (what a failure names)."""
     from mpi4py import MPI

@@ -20,13 +20,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 from mpi4py import MPI  # noqa: E402
 
 from abort_on_error import run_or_abort  # noqa: E402
-from eplb_job import check_weights as weights_ok  # noqa: E402
+from eplb_job import check_weights as weights_ok, run_and_gather  # noqa: E402
 from runtime_job import CACHE, SCHED, inputs  # noqa: E402
 
 from megainfer.config import (CommConfig, DeployPlan, DeviceConfig, EplbConfig, LoadConfig,  # noqa: E402
                               ModelConfig)
 from megainfer.models import build_model  # noqa: E402
-from megainfer.runtime.world import JobSpec, build_rank, run_rank  # noqa: E402
+from megainfer.runtime.world import JobSpec  # noqa: E402
 
 EPLB = EplbConfig(enabled=True, redundant_experts=2, window=3, interval=3)
 MAX_TOKENS = 12
@@ -59,22 +59,17 @@ def main():
     result = {}
     if comm.Get_rank() == 0 and dev.device == "cuda":
         result["single"] = single(cfg, ckpt, dev)
+    def stats(r):
+        reb = r.worker.rebalancer
+        return {"rebalances": reb.rebalances, "moved": reb.moved,
+                "device_messages": reb.device_messages, "kind": reb.moves,
+                "weights_ok": weights_ok(r, cfg, load)}
     for choice in moves:
         job = JobSpec(cfg, load, SCHED, CACHE, plan, CommConfig(timeout_s=120, eplb_moves=choice),
                       EPLB, device=dev)
-        r = build_rank(job)
-        stream = run_rank(r, inputs(cfg.vocab_size, MAX_TOKENS))
-        tokens = {o.request_id: o.outputs[0].token_ids for o in stream} if stream else None
-        stats = None
-        if r.worker is not None:
-            reb = r.worker.rebalancer
-            stats = {"rebalances": reb.rebalances, "moved": reb.moved,
-                     "device_messages": reb.device_messages, "kind": reb.moves,
-                     "weights_ok": weights_ok(r, cfg, load)}
-        gathered = comm.gather(stats, root=0)
+        tokens, experts = run_and_gather(job, cfg.vocab_size, MAX_TOKENS, stats)
         if comm.Get_rank() == 0:
-            result[choice] = {"tokens": tokens, "experts": [g for g in gathered if g is not None]}
-        r.close()
+            result[choice] = {"tokens": tokens, "experts": experts}
     if comm.Get_rank() == 0:
         with open(out, "w") as f:
             json.dump(result, f)

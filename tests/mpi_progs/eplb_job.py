@@ -41,28 +41,37 @@ def check_weights(r, cfg, load) -> bool:
                for a, b in zip(r.worker.model.layers, ref.layers) if a.is_moe)  # any device
 
 
+def run_and_gather(job: JobSpec, vocab_size: int, max_tokens: int, expert_stats):
+    """One job: (rank 0's greedy tokens, every expert rank's ``expert_stats(rank)``) on rank 0,
+    (None, None) elsewhere. Rank 0's stream is consumed before the gather."""
+    comm = MPI.COMM_WORLD
+    r = build_rank(job)
+    stream = run_rank(r, inputs(vocab_size, max_tokens))
+    tokens = {o.request_id: o.outputs[0].token_ids for o in stream} if stream else None
+    gathered = comm.gather(expert_stats(r) if r.worker is not None else None, root=0)
+    r.close()
+    if comm.Get_rank() != 0:
+        return None, None
+    return tokens, [g for g in gathered if g is not None]
+
+
 def main():
     out, ckpt = sys.argv[1], sys.argv[2]
     comm = MPI.COMM_WORLD
     cfg, load = ModelConfig.from_pretrained(ckpt), LoadConfig(path=ckpt)
     plan = DeployPlan(mode="disaggregated", expert_ranks=2, micro_batches=2)
     result = {}
+
+    def stats(r):
+        reb = r.worker.rebalancer
+        return reb.rebalances, reb.moved, check_weights(r, cfg, load), reb.placement.phy2log.tolist()
     for name, eplb in RUNS.items():
-        r = build_rank(JobSpec(cfg, load, SCHED, CACHE, plan, CommConfig(timeout_s=120), eplb))
-        stream = run_rank(r, inputs(cfg.vocab_size, 12))
-        tokens = {o.request_id: o.outputs[0].token_ids for o in stream} if stream else None
-        stats = None
-        if r.worker is not None:
-            reb = r.worker.rebalancer
-            stats = (reb.rebalances, reb.moved, check_weights(r, cfg, load),
-                     reb.placement.phy2log.tolist())
-        gathered = comm.gather(stats, root=0)
+        job = JobSpec(cfg, load, SCHED, CACHE, plan, CommConfig(timeout_s=120), eplb)
+        tokens, experts = run_and_gather(job, cfg.vocab_size, 12, stats)
         if comm.Get_rank() == 0:
-            experts = [g for g in gathered if g is not None]
             result[name] = {"tokens": tokens, "rebalances": [e[0] for e in experts],
                             "moved": [e[1] for e in experts], "weights_ok": [e[2] for e in experts],
                             "phy2log": experts[0][3]}
-        r.close()
     if comm.Get_rank() == 0:
         with open(out, "w") as f:
             json.dump(result, f)
