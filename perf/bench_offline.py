@@ -86,24 +86,38 @@ def time_lower_bound(a, n_params: int, peak_flops: float, read_bps: float) -> di
 
 
 def run_hf(hf, prompts, n_out):
+    """HF ``generate`` of every prompt in one batch; ``n_out``: new tokens, one count for all or
+    one per prompt (prompts of mixed lengths are left-padded with token 0 and masked, and every
+    row runs to the longest output, as one HF call does) -> (seconds, tokens per prompt)."""
     import copy
+    outs = n_out if isinstance(n_out, (list, tuple)) else [n_out] * len(prompts)
+    L = max(len(p) for p in prompts)
     gc = copy.deepcopy(hf.generation_config)
-    gc.eos_token_id, gc.pad_token_id, gc.do_sample, gc.max_new_tokens = 10**6, 0, False, n_out
-    ids = torch.tensor(prompts)
+    gc.eos_token_id, gc.pad_token_id, gc.do_sample, gc.max_new_tokens = 10**6, 0, False, max(outs)
+    ids = torch.tensor([[0] * (L - len(p)) + list(p) for p in prompts])
+    mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts])
     t = time.perf_counter()
     with torch.no_grad():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc)
+        out = hf.generate(ids, attention_mask=mask, generation_config=gc)
     dt = time.perf_counter() - t
-    return dt, out[:, ids.shape[1]:].tolist()
+    return dt, [row[L:L + n] for row, n in zip(out.tolist(), outs)]
 
 
 def run_ours(llm, prompts, n_out):
+    """``LLM.generate``, greedy, eos ignored; ``n_out`` as in ``run_hf``."""
     from megainfer import SamplingParams
-    sp = SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True)
+    outs = n_out if isinstance(n_out, (list, tuple)) else [n_out] * len(prompts)
+    sp = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outs]
     t = time.perf_counter()
-    outs = llm.generate(prompts, sp, use_tqdm=False)
+    res = llm.generate(prompts, sp, use_tqdm=False)
     dt = time.perf_counter() - t
-    return dt, [o.outputs[0].token_ids for o in outs]
+    return dt, [o.outputs[0].token_ids for o in res]
+
+
+def agreement(a_tokens, b_tokens) -> float:
+    """Fraction of positions where two runs' greedy tokens agree."""
+    same = sum(x == y for a, b in zip(a_tokens, b_tokens) for x, y in zip(a, b))
+    return same / max(1, sum(len(a) for a in a_tokens))
 
 
 def main(argv=None):
@@ -144,8 +158,7 @@ def main(argv=None):
             hf_t.append(dt)
             dt, our_tok = run_ours(llm, prompts, a.output_len)
             our_t.append(dt)
-            agree = sum(x == y for h, o in zip(hf_tok, our_tok) for x, y in zip(h, o)) / \
-                (a.batch * a.output_len)
+            agree = agreement(hf_tok, our_tok)
             print(f"  repeat {r}: hf {hf_t[-1]:.2f}s  megainfer {our_t[-1]:.2f}s", flush=True)
         roof.append(matmul_roofline())
         bw.append(read_bandwidth())

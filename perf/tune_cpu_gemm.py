@@ -12,7 +12,8 @@ machine other processes only ever add time. At 1 thread the clock is this thread
 (what the op costs, whoever else runs); at more threads the wall clock (CPU time would hide a
 thread that waits descheduled), so those rules are only as good as the quietest sample. The
 rule keeps, among the methods within ``--margin`` of the fastest, the first in the order
-onednn, mm, skinny. Prints a table and writes
+onednn, mm, skinny; a cell at more threads whose fastest sample is 1.5x slower than at fewer
+threads was disturbed and keeps the fewer-thread choice. Prints a table and writes
 ``perf/results/tune_cpu_gemm.json`` (the samples, the machine, the load average).
 """
 from __future__ import annotations
@@ -35,6 +36,7 @@ from results_io import write_json  # noqa: E402
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 512)
 PREFERENCE = ("onednn", "mm", "skinny")
+DISTURBED = 1.5
 
 
 def weights(kind: str, hidden: int, inter: int, experts: int, vocab: int) -> list[torch.Tensor]:
@@ -67,13 +69,24 @@ def time_method(ws, rows: int, method: str, kind: str, repeats: int) -> float:
     return min(samples)
 
 
-def rule_from(times: dict, margin: float) -> list:
-    """{rows: {method: s}} -> [[max_rows, method], ..., [None, method]] (runs merged)."""
-    best = []
-    for rows in sorted(times):
-        t = times[rows]
+def choices(times: dict, margin: float, fewer: dict = None) -> dict:
+    """{rows: {method: s}} -> {rows: method}. ``fewer``: the same at the next lower thread
+    count ({rows: (method, fastest s)}); a cell whose fastest sample is over ``DISTURBED`` x
+    slower than there was disturbed by other load (more threads are not that much slower on
+    an idle machine) and keeps the lower count's choice."""
+    out = {}
+    for rows, t in times.items():
         fastest = min(t.values())
-        best.append((rows, next(m for m in PREFERENCE if t[m] <= fastest * (1 + margin))))
+        if fewer is not None and fastest > DISTURBED * fewer[rows][1]:
+            out[rows] = (fewer[rows][0], fewer[rows][1])
+            continue
+        out[rows] = (next(m for m in PREFERENCE if t[m] <= fastest * (1 + margin)), fastest)
+    return out
+
+
+def rule_from(chosen: dict) -> list:
+    """{rows: (method, s)} -> [[max_rows, method], ..., [None, method]] (runs merged)."""
+    best = [(rows, chosen[rows][0]) for rows in sorted(chosen)]
     steps = []
     for i, (rows, m) in enumerate(best):
         last = i == len(best) - 1
@@ -99,7 +112,8 @@ def main(argv=None):
     for kind in cpu_gemm.KINDS:
         ws = weights(kind, a.hidden, a.inter, a.experts, a.vocab)
         nbytes = sum(w.numel() * 4 for w in ws)
-        for t in a.threads:
+        fewer = None
+        for t in sorted(a.threads):
             torch.set_num_threads(t)
             times = {}
             for rows in ROWS:
@@ -109,7 +123,8 @@ def main(argv=None):
                 print(f"{kind:<7}{t:>3} thr {rows:>5} rows  " + "  ".join(
                     f"{m} {r[m] * 1e3:7.2f} ms ({nbytes / r[m] / 1e9:5.1f} GB/s)"
                     for m in cpu_gemm.METHODS), flush=True)
-            rules[kind][str(t)] = rule_from(times, a.margin)
+            fewer = choices(times, a.margin, fewer)
+            rules[kind][str(t)] = rule_from(fewer)
             samples[f"{kind},{t}"] = {str(r): v for r, v in times.items()}
     load = [load0, os.getloadavg()]
     print("rules:", json.dumps(rules))
