@@ -13,7 +13,8 @@ from megainfer import LLM, SamplingParams
 from megainfer.config import ConfigError
 from megainfer.engine import PromptInput
 from megainfer.launch.inputs import BadLine, InputFileError, read_requests
-from megainfer.launch.job import done_ids, run_offline_job
+from megainfer.launch.job import run_offline_job
+from megainfer.launch.resume import done_ids
 from megainfer.launch.settings import settings_from_config
 
 
@@ -178,7 +179,9 @@ def test_offline_job_streams_and_resumes(tiny_ckpts, tmp_path):
     assert len(done_ids(str(part))) == 2 and part.read_text() == "".join(lines[:2])
     part.write_text("".join(lines[:2]) + lines[2][:10])
     s2 = run_offline_job(_requests(), llm, str(part), progress=False)
-    assert s2.skipped == 2 and s2.requests + s2.errors == 5
+    # issue 34: a record that is an error ("bad", refused) runs again; finished ones are skipped
+    e = sum(json.loads(line)["finish_reason"] == "error" for line in lines[:2])
+    assert (s2.skipped, s2.retried, s2.new) == (2 - e, e, 5) and s2.requests + s2.errors == 5 + e
     got = _lines(part)
     assert len(part.read_text().splitlines()) == 7
     for k in ref:  # seeded per id: the resumed job writes what the uninterrupted one did
