@@ -54,20 +54,21 @@ def _gpu_preset(device) -> str | None:
 
 
 def hardware_for(name, device=None) -> tuple:
-    """(HardwareProfile, where it came from)."""
+    """(HardwareProfile, where it came from: a few words)."""
     from megainfer.perfmodel.hardware import load_hardware
     if name:
         return load_hardware(str(name)), f"deploy.hardware={name}"
     path = machine_profile_path()
     if os.path.isfile(path):
-        return load_hardware(path), f"calibrated profile {path}"
+        return load_hardware(path), f"calibrated, {path}"
     gpu = _gpu_preset(device)
-    if gpu:
-        return load_hardware(gpu), (f"no calibrated profile for this machine at {path}: using the "
-                                    f"{gpu} datasheet preset for its GPU")
-    return load_hardware(FALLBACK_PROFILE), (
-        f"no calibrated profile for this machine at {path}: using the {FALLBACK_PROFILE} preset "
-        f"(run `megainfer-plan calibrate calibrate.out={path}` to make one)")
+    preset = gpu or FALLBACK_PROFILE
+    return load_hardware(preset), "GPU datasheet preset" if gpu else "preset"
+
+
+def calibrate_hint() -> str:
+    """The one line saying how to calibrate this machine (logged when it is not)."""
+    return f"[plan] not calibrated: megainfer-plan calibrate calibrate.out={machine_profile_path()}"
 
 
 def shape_of(cfg: ModelConfig, hw):
@@ -208,6 +209,8 @@ def _ranked(c: dict, d: dict, hw_name, pins: dict, world: int):
     log.info("[plan] deploy=auto over %d ranks: hardware %s (%s); %s timed by %s; job %d "
              "sequences, prompt ~%d tokens (%s), max_tokens %d", world, hw.name, hw_from,
              shape.name, timing, n_seqs, wl.input_len, src, wl.output_len)
+    if "preset" in hw_from:
+        log.info(calibrate_hint())
     log.info("[plan] chosen: %s", best.describe())
     if len(ranked) > 1:
         r = ranked[1]

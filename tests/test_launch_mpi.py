@@ -95,6 +95,24 @@ def test_world_size_that_does_not_fit_the_plan(tmp_path):
     assert "needs 6 ranks" in p.stderr and "world size 2" in p.stderr
 
 
+@pytest.mark.parametrize("args,code", [(["deploy.micro_batchs=2"], 1),  # Hydra refuses the key
+                                       (["sampling.top_p=0"], 2)])  # megainfer refuses the value
+def test_a_start_up_error_is_printed_once_not_per_rank(tmp_path, args, code):
+    single = subprocess.run([LAUNCH, *args], cwd=tmp_path, env=_env(), capture_output=True,
+                            text=True, timeout=120)
+    p = _launch(["-n", "3", LAUNCH, *args], tmp_path, timeout=120)
+    assert p.returncode == single.returncode == code, p.stderr[-3000:]
+    assert p.stderr == single.stderr and single.stderr.strip()  # rank 0's report, as one process
+    if code == 1:
+        return
+    # ranks that disagree: rank 0 names the ones that failed
+    p = _launch(["-n", "1", LAUNCH, ":", "-n", "2", LAUNCH, "sampling.top_p=0"], tmp_path,
+                timeout=120)
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines() == [
+        "[launch] error: ConfigError: sampling.top_p=0: must be in (0, 1] (ranks 1, 2)"]
+
+
 def _pid_of_rank(mark: str, rank: int, deadline: float) -> int:
     """The pid of the launched process with PMI_RANK=rank and our marker in its environment."""
     while time.time() < deadline:
