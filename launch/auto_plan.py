@@ -71,13 +71,34 @@ def calibrate_hint() -> str:
     return f"[plan] not calibrated: megainfer-plan calibrate calibrate.out={machine_profile_path()}"
 
 
+def model_shape(cfg: ModelConfig, name: str = "model"):
+    """ModelConfig -> ModelShape, MLA included: DeepSeek's attention is counted by its
+    parameters and its cache by the latent (kv_lora_rank + qk_rope_head_dim per token and
+    layer), its shared experts as n_shared_experts x moe_intermediate_size, as the
+    conf/plan_model/deepseek_v3.yaml preset does."""
+    from megainfer.perfmodel.shapes import ModelShape
+    shape = ModelShape.from_model_config(cfg, name)
+    if not cfg.is_mla:
+        return shape
+    h, n = cfg.hidden_size, cfg.num_heads
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    q = h * n * qk if cfg.q_lora_rank is None else h * cfg.q_lora_rank + cfg.q_lora_rank * n * qk
+    attn = (q + h * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)  # q, kv_a
+            + cfg.kv_lora_rank * n * (cfg.qk_nope_head_dim + cfg.v_head_dim)  # kv_b
+            + n * cfg.v_head_dim * h)  # o
+    return replace(shape, num_kv_heads=n, head_dim=qk, attn_params_override=attn,
+                   kv_elems_override=cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+                   shared_intermediate_size=(shape.shared_intermediate_size
+                                             or cfg.n_shared_experts * cfg.moe_intermediate_size))
+
+
 def shape_of(cfg: ModelConfig, hw):
     """ModelShape; named after a plan_model preset with the same numbers when the profile has a
     calibrated fit under that name (so the fit, not the roofline, times it)."""
     import yaml
     from megainfer.perfmodel.hardware import hardware_dir
     from megainfer.perfmodel.shapes import ModelShape
-    shape = ModelShape.from_model_config(cfg, "model")
+    shape = model_shape(cfg, "model")
     mine = {k: v for k, v in asdict(shape).items() if k not in ("name", "source")}
     presets = os.path.join(os.path.dirname(hardware_dir()), "plan_model")
     for name in sorted(hw.fits):
@@ -92,7 +113,7 @@ def shape_of(cfg: ModelConfig, hw):
         except ConfigError:
             continue
         if {k: v for k, v in asdict(other).items() if k not in ("name", "source")} == mine:
-            return ModelShape.from_model_config(cfg, name)
+            return replace(shape, name=name)
     return shape
 
 
