@@ -63,6 +63,13 @@ def test_heterogeneous_launch_and_trace(tmp_path, tiny_ckpts):
     for e in experts:  # causal order on one clock: A2E before the expert, expert before E2A
         assert sent[key(e)] <= e["ts"] + 50 and e["ts"] + e["dur"] <= back[key(e)] + 50, e
     assert "communication hidden" in p.stdout
+    # the picture of a steady-state iteration, and the pipeline figures as summary fields
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    pipe = summary["pipeline"]
+    assert pipe["mode"] == "disaggregated" and pipe["T_a_us"] > 0 and pipe["T_e_us"] > 0
+    assert 0 <= pipe["hidden_fraction"] <= 1 and pipe["events"] == len(ev)
+    assert pipe["timeline"] == str(tmp_path / "run" / "timeline.png") and pipe["timeline_iteration"] > 0
+    assert (tmp_path / "run" / "timeline.png").stat().st_size > 10_000
 
 
 def _check_trace(trace, ranks, lanes):
