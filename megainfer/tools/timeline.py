@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 from collections import defaultdict
 
 PLOT_EXTRA = "pip install 'megainfer[plot]'"
@@ -82,7 +83,7 @@ def main(argv=None) -> int:
     try:
         it, n = draw_timeline(a.trace, a.out, a.iter, a.layers, a.ranks)
     except (PlotExtraMissing, ValueError, OSError) as e:
-        print(f"megainfer-timeline: error: {e}")
+        print(f"megainfer-timeline: error: {e}", file=sys.stderr)
         return 2
     print(f"drew {n} events of iteration {it} -> {a.out}")
     return 0
