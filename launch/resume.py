@@ -36,9 +36,6 @@ class OutputRecords:
     status: dict = field(default_factory=dict)  # json id -> error str | None
     lines: list = field(default_factory=list)  # (json id, raw line bytes) in file order
 
-    def finished(self) -> set[str]:
-        return {k for k, err in self.status.items() if err is None}
-
 
 def read_output(path: str) -> OutputRecords:
     """The records of ``path`` (none when it does not exist); a torn tail is truncated away."""
