@@ -152,7 +152,7 @@ def mixed_workload(n: int, vocab: int, seed: int = 0):
     return [torch.randint(3, vocab, (L,), generator=g).tolist() for L in lens], outs
 
 
-def bench_jobs(a, path: str) -> list[dict]:
+def bench_jobs(a, path: str, progress) -> list[dict]:
     from megainfer import LLM
     import transformers
     hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
@@ -180,6 +180,7 @@ def bench_jobs(a, path: str) -> list[dict]:
                      speedup=statistics.median(hf_t) / statistics.median(our_t),
                      greedy_agreement=agree[-1], load_average=os.getloadavg())
             rows.append(r)
+            progress(rows)
             print(f"{t:>3} {name:<6} {statistics.median(hf_t):8.2f} {statistics.median(our_t):8.2f} "
                   f"{r['speedup']:7.2f}x {100 * r['greedy_agreement']:6.1f}% "
                   f"{r['load_average'][0]:5.1f}", flush=True)
@@ -211,25 +212,31 @@ def main(argv=None):
               f"load average {load0[0]:.1f}")
         print(f"{'thr':>3} {'B':>4} {'floor ms':>8} {'after':>8} {'before':>8} {'HF':>8} "
               f"{'after/fl':>9} {'bef/fl':>8} {'HF/aft':>8} {'load':>5}")
-        steps = bench_steps(a, shape, model, hf, n_params)
-        jobs = []
+        result = dict(name="bench_decode_step", args=vars(a), shape=SHAPE, params=n_params,
+                      steps=[], jobs=[], complete=False,
+                      baseline="before: cpu_gemm.OLD_RULES in the same rounds; HF: transformers "
+                               "forward / generate")
+        result["steps"] = bench_steps(a, shape, model, hf, n_params)
+        save(a, result, load0)  # written after each part: a run cut short keeps what it measured
         if a.jobs:
             a.vocab = shape.vocab
             print(f"\njobs, prefix caching off\n{'thr':>3} {'job':<6} {'HF s':>8} {'ours s':>8} "
                   f"{'speedup':>8} {'greedy':>7} {'load':>5}")
-            jobs = bench_jobs(a, d)
-    load = os.getloadavg()
+            result["jobs"] = bench_jobs(a, d, lambda rows: save(a, dict(result, jobs=rows), load0))
+    result["complete"] = True
+    load = save(a, result, load0)
     print(f"load average at start / end: {load0[0]:.1f} / {load[0]:.1f} on {os.cpu_count()} cores "
           "(a shared machine: medians, and ratios from the same rounds)")
+
+
+def save(a, result: dict, load0) -> tuple:
+    load = os.getloadavg()
     write_json(a.out, dict(
-        name="bench_decode_step", date=datetime.datetime.now().isoformat(timespec="seconds"),
+        result, date=datetime.datetime.now().isoformat(timespec="seconds"),
         machine=dict(platform=platform.platform(), processor=platform.processor(),
                      cpu_count=os.cpu_count(), python=sys.version.split()[0],
-                     torch=torch.__version__, load_average=[load0, load]),
-        args=vars(a), shape=SHAPE, params=n_params, steps=steps, jobs=jobs,
-        baseline="before: cpu_gemm.OLD_RULES in the same rounds; HF: transformers forward"),
-        indent=2)
-
+                     torch=torch.__version__, load_average=[load0, load])), indent=2)
+    return load
 
 if __name__ == "__main__":
     main()
