@@ -42,7 +42,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # one fused op; bit-identical to the three lines below in fp32 (tests/test_cpu_gemm)
+            # one fused op, bit-identical in fp32 to the lines below (test_decode_step_ops)
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
