@@ -49,18 +49,20 @@ class AsyncLLM:
     """Single mode, online: ``AsyncLLM(model, **kwargs)`` takes ``LLM``'s arguments."""
 
     def __init__(self, model, **kwargs):
-        self._start(LLM(model, **kwargs))
+        self.llm = LLM(model, **kwargs)
+        self._start(self.llm.engine)
 
     @classmethod
-    def from_llm(cls, llm: LLM) -> "AsyncLLM":
-        """Serve an existing ``LLM``'s engine (do not call ``llm.generate`` meanwhile)."""
+    def from_engine(cls, engine) -> "AsyncLLM":
+        """Serve an existing ``LLMEngine`` (e.g. ``LLM(...).engine``); nothing else may drive
+        it meanwhile."""
         self = cls.__new__(cls)
-        self._start(llm)
+        self.llm = None
+        self._start(engine)
         return self
 
-    def _start(self, llm: LLM) -> None:
-        self.llm, self.engine = llm, llm.engine
-        self.tokenizer = llm.get_tokenizer()
+    def _start(self, engine) -> None:
+        self.engine, self.tokenizer = engine, engine.tokenizer
         self._waiters: dict[str, _Waiter] = {}
         self._lock = threading.Lock()  # _waiters: the event loops' threads and the core's
         self._ids = itertools.count()
