@@ -20,11 +20,11 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Protocol, Union
 
 from .errors import RequestError
 from .intake import TokenizedPrompt
-from .outputs import RequestOutput, SampleDelta
+from .outputs import RequestOutput, SampleDelta, StepOutputs
 from .sampling_params import SamplingParams
 
 log = logging.getLogger("megainfer.engine")
@@ -69,10 +69,30 @@ class CoreOutputs:
     error: Optional[BaseException] = None
 
 
-class EngineCore:
-    """One ``LLMEngine`` behind the message interface (synchronous)."""
+class OnlineEngine(Protocol):
+    """What ``EngineCore`` needs of its engine: ``LLMEngine`` in single mode; the disaggregated
+    runtime's rank 0 can serve the same members later."""
 
-    def __init__(self, engine):
+    requests: dict  # unfinished requests by id
+    detokenize: bool  # False: final outputs leave without text (the frontend decodes)
+    log_prefix: str
+
+    def tokenize(self, prompt, params: SamplingParams, prompt_token_ids=None
+                 ) -> TokenizedPrompt: ...
+
+    def add_tokenized(self, request_id, prompt: TokenizedPrompt, params: SamplingParams): ...
+
+    def abort_request(self, request_id) -> Optional[RequestOutput]: ...
+
+    def step_outputs(self) -> StepOutputs: ...
+
+    def has_unfinished(self) -> bool: ...
+
+
+class EngineCore:
+    """One ``OnlineEngine`` behind the message interface (synchronous)."""
+
+    def __init__(self, engine: OnlineEngine):
         self.engine = engine
         engine.detokenize = False
 
