@@ -16,6 +16,8 @@ from omegaconf import DictConfig
 from megainfer.config import ConfigError, ServeConfig
 from megainfer.engine import RequestError
 
+from megainfer.serve.server import check_servable
+
 from .config_keys import field_names, take
 from .settings import _plain, settings_from_config
 from .world import local_rank, local_ranks, world_size
@@ -25,12 +27,15 @@ def serve_settings(cfg):
     """The composed config -> (JobSettings, ServeConfig), validated."""
     c = _plain(cfg)
     c.pop("hydra", None)
+    mode = (c.get("deploy") or {}).get("mode", "auto")
+    if world_size() > 1 or mode not in ("single", "auto"):  # before any planning or loading
+        check_servable(mode, world_size())
     serve = ServeConfig(**take("serve", c.pop("serve", None) or {}, field_names(ServeConfig)))
     return settings_from_config(c, world_size(), local_ranks(), local_rank()), serve
 
 
 def run_server(cfg) -> int:
-    from megainfer.serve.server import check_servable, serve_engine, served_name
+    from megainfer.serve.server import serve_engine, served_name
     s, serve = serve_settings(cfg)
     check_servable(s.deploy.mode, world_size())
     import torch

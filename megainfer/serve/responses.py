@@ -63,7 +63,10 @@ def completion_logprobs(positions: list, token_ids: list[int], k: int,
             e = pos[tok]
             out["tokens"].append(_text(e))
             out["token_logprobs"].append(e.logprob)
-            out["top_logprobs"].append({_text(x): x.logprob for _, x in _top(pos, k)})
+            top: dict = {}
+            for _, x in _top(pos, k):  # tokens with the same text: the better ranked one
+                top.setdefault(_text(x), x.logprob)
+            out["top_logprobs"].append(top)
         out["text_offset"].append(offset)
         offset += len(out["tokens"][-1])
     return out
