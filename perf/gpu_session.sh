@@ -41,6 +41,14 @@
 #   tune1/2   perf/tune_moe_kernels.py --space small (kernels/tile_configs.json is committed);
 #   bench     perf/bench_moe_kernels.py --device cuda: Triton vs the torch path, TFLOP/s;
 #   m2n       the MPI layer on the machine's 16 cores (bench_m2n, bench_m2n_ladder).
+#   serve     perf/bench_serve.py --device cuda: megainfer-serve (bench50m, bf16, on the GPU, a
+#             subprocess) driven by megainfer-bench-serve's client at three Poisson rates
+#             (SERVE_RATES, default 8,32,inf) beside the offline job on the same requests and
+#             one request at a time against the engine's prefill; needs fastapi, uvicorn,
+#             prometheus-client, httpx (+ starlette, pydantic, anyio, h11, ...) as pure-Python
+#             wheels in .whl/py: pip download -d .whl/py fastapi==0.165.0 uvicorn==0.54.0
+#             prometheus-client==0.26.0 httpx==0.28.1 with the cp312 manylinux flags above
+#             (pydantic-core is binary; the other dependencies are pure Python).
 #
 # Carried wheels (the image has torch, triton, transformers, pytest, nccl, Open MPI's mpi4py):
 #   .whl/     mpi4py 4.1.2 (cp312) + mpich 5.0.2: the MPI steps (ipc tokens trace transport
@@ -182,6 +190,9 @@ step nccl 60 "$PY" perf/bench_nccl_self.py --out "$W/bench_nccl_self.json"
 step tune1 90 "$PY" perf/tune_moe_kernels.py --space small --shape 8,14336,4096 --top-k 2 --m 4,32,256,2048,8192 --table "$TUNED" --log "$W/tune_mixtral.json"
 step tune2 80 "$PY" perf/tune_moe_kernels.py --space small --shape 64,1408,2048 --top-k 6 --m 10,85,682,5461 --table "$TUNED" --log "$W/tune_dsv2lite.json"
 step bench 150 "$PY" perf/bench_moe_kernels.py --device cuda
+step serve ${SERVE_S:-240} bash -c "cd $ROOT && $PY $PWD/perf/bench_serve.py --device cuda --threads 4 \
+  --num-prompts ${SERVE_PROMPTS:-256} --input-len 128 --output-len 64 --max-num-seqs 64 \
+  --rates ${SERVE_RATES:-8,32,inf} --out $W/bench_serve_cuda.json"
 # Not in the default STEPS (STEPS=m2n to run it): bench_m2n's collectives and ping-pong, and the
 # ladder (perf/bench_m2n_ladder.py), on this machine's 16 cores (4 ranks, no oversubscription),
 # under MPICH 5.0.2 from the carried wheel with the carried mpi4py 4.1.2 bound to it, as on the

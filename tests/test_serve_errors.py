@@ -36,7 +36,8 @@ def _err(r, status, param=None):
 
 
 def post(srv, body, path="/v1/completions", headers=H, **kw):
-    return httpx.post(srv.url + path, json=body, headers=headers, timeout=30, **kw)
+    kw.setdefault("timeout", 30)
+    return httpx.post(srv.url + path, json=body, headers=headers, **kw)
 
 
 def test_bad_input_is_400_naming_the_field(srv):
@@ -108,3 +109,13 @@ def test_queue_full_503_and_hang_up_frees_the_request(srv):
     _wait(lambda: not eng.requests and eng.blocks.num_free_blocks == eng.blocks.num_blocks)
     assert _gauge(srv, "generation_tokens_total") - generated < 500  # cut short, not finished
     assert post(srv, {"prompt": "abc", "max_tokens": 2}).status_code == 200
+
+
+def test_hang_up_of_a_non_streamed_request_aborts_it(srv):
+    eng = srv.llm.engine
+    generated = _gauge(srv, "generation_tokens_total")
+    with pytest.raises(httpx.ReadTimeout):
+        post(srv, {"prompt": "abc", "max_tokens": 500, "ignore_eos": True}, timeout=0.5)
+    _wait(lambda: not eng.requests and _gauge(srv, "num_requests_running") == 0)
+    assert _gauge(srv, "generation_tokens_total") - generated < 500
+    assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
