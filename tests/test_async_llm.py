@@ -17,8 +17,8 @@ from megainfer.engine.outputs import SampleDelta
 from megainfer.engine.stream import RequestStream
 from megainfer.engine.tokenizer import ByteTokenizer
 
-KW = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=48, num_blocks=96,
-          block_size=4)
+KW = dict(dtype="float32", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=48,
+          num_blocks=96, block_size=4)
 PROMPTS = [("abcdefghij" * 3)[: 2 + 2 * i] for i in range(16)]
 
 
@@ -210,7 +210,8 @@ class ScriptedBytes:
 
 
 def _scripted():
-    eng = LLMEngine(CFG, SchedulerConfig(4, 64, 128), CacheConfig(4, 64), lambda kv: ScriptedBytes())
+    eng = LLMEngine(CFG, SchedulerConfig(4, 64, 128), CacheConfig(4, 64),
+                    lambda kv: ScriptedBytes())
     return AsyncLLM.from_engine(eng)
 
 
