@@ -64,7 +64,8 @@ class AsyncLLM:
     def _start(self, engine) -> None:
         self.engine, self.tokenizer = engine, engine.tokenizer
         self._waiters: dict[str, _Waiter] = {}
-        self._lock = threading.Lock()  # _waiters: the event loops' threads and the core's
+        self._lock = threading.Lock()  # _waiters, _pending: the event loops' threads and the core's
+        self._pending: dict = {}  # event loop -> [(waiter, update, error)] not applied yet
         self._ids = itertools.count()
         self._dead: Optional[BaseException] = None
         self._core = EngineCoreThread(EngineCore(self.engine), self._deliver)
@@ -133,29 +134,40 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ the core's side
     def _deliver(self, outs: CoreOutputs) -> None:
-        """On the core's thread: route the updates to their callers' event loops, no work."""
-        by_loop: dict = {}
+        """On the core's thread: queue the updates for their callers' event loops, no work. A
+        loop is woken (one ``call_soon_threadsafe``) only when nothing is queued for it yet: a
+        loop that lags takes several iterations' updates in one wake-up."""
+        wake = []
         with self._lock:
             if outs.error is not None:
                 self._dead = outs.error
-                for w in self._waiters.values():
-                    by_loop.setdefault(w.loop, []).append((w, None, outs.error))
+            for w in self._waiters.values() if outs.error is not None else ():
+                wake += self._queue(w.loop, (w, None, outs.error))
             for u in outs.updates:
                 w = self._waiters.get(u.request_id)
                 if w is not None:
-                    by_loop.setdefault(w.loop, []).append((w, u, None))
-        for loop, items in by_loop.items():
+                    wake += self._queue(w.loop, (w, u, None))
+        for loop in wake:
             try:
-                loop.call_soon_threadsafe(_apply, items)
+                loop.call_soon_threadsafe(self._drain, loop)
             except RuntimeError:  # that caller's loop is closed: nobody is waiting there
-                pass
+                with self._lock:
+                    self._pending.pop(loop, None)
 
+    def _queue(self, loop, item) -> list:
+        """(under the lock) -> [loop] when ``loop`` must be woken for its first item."""
+        items = self._pending.setdefault(loop, [])
+        items.append(item)
+        return [loop] if len(items) == 1 else []
 
-def _apply(items) -> None:
-    """On a caller's event loop: detokenise the updates into their streams, wake the callers."""
-    for w, update, error in items:
-        if error is not None:
-            w.error = error
-            w.ready.set()
-        elif not w.stream.finished and w.stream.apply(update):
-            w.ready.set()
+    def _drain(self, loop) -> None:
+        """On a caller's event loop: detokenise the queued updates into their streams, wake
+        the callers."""
+        with self._lock:
+            items = self._pending.pop(loop, [])
+        for w, update, error in items:
+            if error is not None:
+                w.error = error
+                w.ready.set()
+            elif not w.stream.finished and w.stream.apply(update):
+                w.ready.set()

@@ -17,8 +17,8 @@ from megainfer.engine.outputs import SampleDelta
 from megainfer.engine.stream import RequestStream
 from megainfer.engine.tokenizer import ByteTokenizer
 
-KW = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=48, num_blocks=96,
-          block_size=4)
+KW = dict(dtype="float32", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=48,
+          num_blocks=96, block_size=4)
 PROMPTS = [("abcdefghij" * 3)[: 2 + 2 * i] for i in range(16)]
 
 
@@ -139,7 +139,7 @@ def test_abort_mid_stream_frees_blocks_others_unchanged(engine, offline):
 def test_requests_added_while_others_run_and_a_waiting_abort(engine, offline):
     params, want = offline
     outs = {}
-    long = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
 
     async def main():
         first = [asyncio.create_task(_collect(engine, f"long{k}", PROMPTS[k], long, outs))
@@ -159,7 +159,7 @@ def test_requests_added_while_others_run_and_a_waiting_abort(engine, offline):
     assert outs["waits"][-1].outputs[0].token_ids == []
     for i in (7, 9):
         _same(outs[i][-1], want[i])
-    assert all(len(outs[f"long{k}"][-1].outputs[0].token_ids) == 30 for k in range(8))
+    assert all(len(outs[f"long{k}"][-1].outputs[0].token_ids) == 60 for k in range(8))
     assert _idle(engine)
 
 
@@ -210,7 +210,8 @@ class ScriptedBytes:
 
 
 def _scripted():
-    eng = LLMEngine(CFG, SchedulerConfig(4, 64, 128), CacheConfig(4, 64), lambda kv: ScriptedBytes())
+    eng = LLMEngine(CFG, SchedulerConfig(4, 64, 128), CacheConfig(4, 64),
+                    lambda kv: ScriptedBytes())
     return AsyncLLM.from_engine(eng)
 
 

@@ -9,12 +9,13 @@ from megainfer import LLM, SamplingParams
 from megainfer.engine.core import (AbortRequest, AddRequest, CoreOutputs, EngineCore,
                                    EngineCoreThread, Shutdown)
 
-KW = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=24, num_blocks=40,
-          block_size=4)
+KW = dict(dtype="float32", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=24,
+          num_blocks=40, block_size=4)
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=7, seed=11, n=2, ignore_eos=True)
 LONG = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-PROMPTS = ["one two three four five six seven eight", "hi", "héllo ✓ wörld", "the quick brown fox"]
+PROMPTS = ["one two three four five six seven eight", "hi", "héllo ✓ wörld",
+           "the quick brown fox"]
 
 
 @pytest.fixture(scope="module")
