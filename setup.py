@@ -46,6 +46,7 @@ setup(
         "jinja2>=3.1.6",  # chat templates (LLM.chat, "messages" input lines), sandboxed
     ],
     extras_require={
+        "plot": ["matplotlib>=3.8"],  # timeline.png of traced runs, megainfer-timeline
         "serve": SERVE,
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "transformers==5.24.0", "matplotlib>=3.8",
                 "openai==3.57.0"] + SERVE,
@@ -56,6 +57,7 @@ setup(
         "console_scripts": [
             "megainfer-launch=megainfer.launch.main:main",
             "megainfer-plan=megainfer.launch.plan:main",
+            "megainfer-timeline=megainfer.tools.timeline:main",
             "megainfer-serve=megainfer.launch.serve:main",
             "megainfer-bench-serve=megainfer.serve.bench:main",
         ]
