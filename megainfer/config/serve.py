@@ -16,19 +16,22 @@ class ServeConfig:
     """``megainfer-serve``'s own settings; the model, scheduler and cache come from the
     launcher's groups. Requests never name files: ``chat_template`` is the operator's."""
 
-    host: str = "127.0.0.1"  # bind address; loopback by default (0.0.0.0 exposes the server)
-    port: int = 8000  # TCP port (0: an ephemeral one, logged at start)
-    served_model_name: Optional[str] = None  # the model id clients send; null: model.path as
-    # given (or "megainfer-<family>" for dummy weights)
-    api_key: Optional[str] = None  # when set, /v1/*, /tokenize and /detokenize need
-    # "Authorization: Bearer <key>" (401 otherwise)
-    max_queued_requests: int = 256  # requests admitted but not yet running; one more gets 503
-    # with Retry-After
-    shutdown_grace_s: float = 30.0  # SIGTERM/SIGINT: in-flight requests get this long to
-    # finish, then the rest are aborted
-    chat_template: Optional[str] = None  # a Jinja chat template (text, or a file the operator
-    # names) instead of the checkpoint's; rendered in the sandbox
-    retry_after_s: int = 1  # the Retry-After header of a 503 (queue full, draining)
+    # bind address; loopback by default (0.0.0.0 exposes the server)
+    host: str = "127.0.0.1"
+    # TCP port (0: an ephemeral one, printed at start)
+    port: int = 8000
+    # the model id clients send; null: model.path as given (dummy weights: megainfer-<family>)
+    served_model_name: Optional[str] = None
+    # set: /v1/*, /tokenize and /detokenize need "Authorization: Bearer <key>" (401 otherwise)
+    api_key: Optional[str] = None
+    # requests admitted but not yet running; one more gets 503 with Retry-After
+    max_queued_requests: int = 256
+    # SIGTERM/SIGINT: in-flight requests get this long to finish, then are aborted
+    shutdown_grace_s: float = 30.0
+    # a Jinja chat template (text, or a file the operator names) instead of the checkpoint's
+    chat_template: Optional[str] = None
+    # the Retry-After header (seconds) of a 503 (queue full, draining)
+    retry_after_s: int = 1
 
     def __post_init__(self):
         _require(isinstance(self.host, str) and bool(self.host), "serve.host", self.host,
