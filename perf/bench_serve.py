@@ -12,7 +12,8 @@ dummy weights), in one run:
    one request at a time (TTFT against 1.2 x prefill + 5 ms), then each ``--rates`` value
    (Poisson; ``inf``: all at once, the saturated throughput against the offline job's, goal
    >= 90%).
-The server process is idle (asleep) while the offline part runs. Writes
+The server process is idle (asleep) while the offline part runs; its CPU over 3 s idle is
+recorded first. Writes
 ``perf/results/bench_serve[_cuda].json``.
 """
 from __future__ import annotations
@@ -53,6 +54,13 @@ def run_bench(port, reqs, rate, conc, a) -> dict:
     print(bench.table(ba, d), flush=True)
     return {k: v for k, v in d.items() if k not in ("input_lens", "output_lens", "ttfts",
                                                     "itls", "errors")}
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        parts = f.read().rsplit(")", 1)[1].split()
+    return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def free_port() -> int:
@@ -96,6 +104,9 @@ def main():
             line = server.stdout.readline()
             if not line and server.poll() is not None:
                 raise SystemExit("server exited before serving")
+        c0, t0 = cpu_seconds(server.pid), time.perf_counter()
+        time.sleep(3.0)
+        idle_cpu = (cpu_seconds(server.pid) - c0) / (time.perf_counter() - t0)
         llm = LLM(ModelConfig(**BENCH50M), device=a.device, max_num_seqs=a.max_num_seqs)
         params = SamplingParams(temperature=0, max_tokens=a.output_len, ignore_eos=True)
         llm.generate([r.prompt for r in reqs[:4]], params, use_tqdm=False)  # warm-up
@@ -130,6 +141,7 @@ def main():
         "offline": {"seconds": off_s, "output_tokens": off_tok,
                     "output_throughput": off_tok / off_s},
         "engine_prefill_s": prefill_s,
+        "idle_server_cpu_fraction_of_a_core": idle_cpu,
         "one_at_a_time": low,
         "rates": rates,
         "saturated_vs_offline": None if sat is None else
@@ -141,7 +153,7 @@ def main():
           f"(ratio {res['saturated_vs_offline'] or float('nan'):.3f}, goal >= 0.90); "
           f"TTFT one at a time {low['median_ttft_ms']:.1f} ms vs prefill "
           f"{prefill_s * 1000:.1f} ms + 5 ms (ratio {res['ttft_vs_prefill_plus_5ms']:.3f}, "
-          "goal <= 1.2)")
+          f"goal <= 1.2); idle server {100 * idle_cpu:.2f}% of a core")
     out = a.out or os.path.join(HERE, "results", "bench_serve" +
                                 ("_cuda" if a.device == "cuda" else "") + ".json")
     write_json(out, res)
