@@ -131,6 +131,11 @@ def test_logprobs_n_seed_stop_echo(client, offline):
     kw = dict(model="tiny", prompt=PROMPTS[9], max_tokens=8, temperature=0.9, seed=11, n=2)
     a, b = client.completions.create(**kw), client.completions.create(**kw)
     assert len(a.choices) == 2 and [x.text for x in a.choices] == [x.text for x in b.choices]
+    texts = ["", ""]
+    for ch in client.completions.create(stream=True, **kw):
+        for c in ch.choices:
+            texts[c.index] += c.text
+    assert texts == [x.text for x in sorted(a.choices, key=lambda c: c.index)]
     e = client.completions.create(model="tiny", prompt="abcd", max_tokens=3, temperature=0,
                                   echo=True)
     plain = client.completions.create(model="tiny", prompt="abcd", max_tokens=3, temperature=0)

@@ -74,7 +74,8 @@ class ChoiceDeltas:
             if idx in self.done:
                 continue
             t0, k0 = self.text.get(idx, 0), self.tokens.get(idx, 0)
-            end = out.finished or c.finish_reason is not None
+            end = out.finished  # a sample that ended early: its final text comes with the
+            # request's final output (a stop string's cut, the held-back tail)
             if len(c.text) == t0 and len(c.token_ids) == k0 and not end:
                 continue
             self.text[idx], self.tokens[idx] = max(t0, len(c.text)), len(c.token_ids)
