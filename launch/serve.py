@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from megainfer.config import ConfigError, ServeConfig
 from megainfer.engine import RequestError
@@ -19,13 +19,13 @@ from megainfer.engine import RequestError
 from megainfer.serve.server import check_servable
 
 from .config_keys import field_names, take
-from .settings import _plain, settings_from_config
+from .settings import settings_from_config
 from .world import local_rank, local_ranks, world_size
 
 
 def serve_settings(cfg):
     """The composed config -> (JobSettings, ServeConfig), validated."""
-    c = _plain(cfg)
+    c = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
     c.pop("hydra", None)
     mode = (c.get("deploy") or {}).get("mode", "auto")
     if world_size() > 1 or mode not in ("single", "auto"):  # before any planning or loading
