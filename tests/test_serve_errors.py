@@ -119,3 +119,14 @@ def test_hang_up_of_a_non_streamed_request_aborts_it(srv):
     _wait(lambda: not eng.requests and _gauge(srv, "num_requests_running") == 0)
     assert _gauge(srv, "generation_tokens_total") - generated < 500
     assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
+
+
+def test_draining_health_503_and_new_requests_refused(srv):
+    srv.client.draining = True
+    try:
+        assert httpx.get(srv.url + "/health").status_code == 503
+        r = post(srv, {"prompt": "abc", "max_tokens": 2})
+        assert _err(r, 503)["code"] == "shutting_down" and r.headers["retry-after"] == "1"
+    finally:
+        srv.client.draining = False
+    assert httpx.get(srv.url + "/health").status_code == 200
