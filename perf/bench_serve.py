@@ -46,12 +46,17 @@ def bench_args(port, n, rate, conc, a):
                             + (["--max-concurrency", str(conc)] if conc else []))
 
 
-def run_bench(port, reqs, rate, conc, a) -> dict:
+def run_bench(server, port, reqs, rate, conc, a) -> dict:
+    """One benchmark run; with the server's and this client's CPU seconds during it."""
     from megainfer.serve import bench
     ba = bench_args(port, len(reqs), rate, conc, a)
+    c_srv, c_cli = cpu_seconds(server.pid), time.process_time()
     res, dur = asyncio.run(bench.run(ba, reqs))
     d = bench.summarize(ba, res, dur)
-    print(bench.table(ba, d), flush=True)
+    d["server_cpu_s"] = cpu_seconds(server.pid) - c_srv
+    d["client_cpu_s"] = time.process_time() - c_cli
+    print(bench.table(ba, d), f"\nserver CPU {d['server_cpu_s']:.2f} s, client CPU "
+          f"{d['client_cpu_s']:.2f} s", flush=True)
     return {k: v for k, v in d.items() if k not in ("input_lens", "output_lens", "ttfts",
                                                     "itls", "errors")}
 
@@ -110,9 +115,9 @@ def main():
         llm = LLM(ModelConfig(**BENCH50M), device=a.device, max_num_seqs=a.max_num_seqs)
         params = SamplingParams(temperature=0, max_tokens=a.output_len, ignore_eos=True)
         llm.generate([r.prompt for r in reqs[:4]], params, use_tqdm=False)  # warm-up
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         outs = llm.generate([r.prompt for r in reqs], params, use_tqdm=False)
-        off_s = time.perf_counter() - t
+        off_s, off_cpu = time.perf_counter() - t, time.process_time() - c
         off_tok = sum(len(o.outputs[0].token_ids) for o in outs)
         one = SamplingParams(temperature=0, max_tokens=1)
         pre = []
@@ -122,11 +127,11 @@ def main():
             pre.append(time.perf_counter() - t)
         prefill_s = statistics.median(pre)
         del llm
-        run_bench(port, reqs[:4], "inf", None, a)  # warm-up
-        low = run_bench(port, reqs[:8], "inf", 1, a)
+        run_bench(server, port, reqs[:4], "inf", None, a)  # warm-up
+        low = run_bench(server, port, reqs[:8], "inf", 1, a)
         rates = {}
         for r in a.rates.split(","):
-            rates[r] = run_bench(port, reqs, r, None, a)
+            rates[r] = run_bench(server, port, reqs, r, None, a)
     finally:
         server.terminate()
         server.wait(60)
@@ -138,7 +143,7 @@ def main():
                        "num_prompts": a.num_prompts, "input_len": a.input_len,
                        "output_len": a.output_len, "max_num_seqs": a.max_num_seqs,
                        "note": "server in a subprocess, client (httpx) in this process"},
-        "offline": {"seconds": off_s, "output_tokens": off_tok,
+        "offline": {"seconds": off_s, "cpu_s": off_cpu, "output_tokens": off_tok,
                     "output_throughput": off_tok / off_s},
         "engine_prefill_s": prefill_s,
         "idle_server_cpu_fraction_of_a_core": idle_cpu,
@@ -146,6 +151,8 @@ def main():
         "rates": rates,
         "saturated_vs_offline": None if sat is None else
         sat["output_throughput"] / (off_tok / off_s),
+        "saturated_server_cpu_vs_offline_cpu": None if sat is None else
+        sat["server_cpu_s"] / off_cpu,
         "ttft_vs_prefill_plus_5ms": low["median_ttft_ms"] / 1000 / (prefill_s + 0.005),
     }
     print(f"\noffline {off_tok / off_s:.1f} tok/s; served saturated "
@@ -153,7 +160,8 @@ def main():
           f"(ratio {res['saturated_vs_offline'] or float('nan'):.3f}, goal >= 0.90); "
           f"TTFT one at a time {low['median_ttft_ms']:.1f} ms vs prefill "
           f"{prefill_s * 1000:.1f} ms + 5 ms (ratio {res['ttft_vs_prefill_plus_5ms']:.3f}, "
-          f"goal <= 1.2); idle server {100 * idle_cpu:.2f}% of a core")
+          f"goal <= 1.2); saturated server CPU / offline CPU "
+          f"{res['saturated_server_cpu_vs_offline_cpu'] or float('nan'):.3f}; idle server {100 * idle_cpu:.2f}% of a core")
     out = a.out or os.path.join(HERE, "results", "bench_serve" +
                                 ("_cuda" if a.device == "cuda" else "") + ".json")
     write_json(out, res)
