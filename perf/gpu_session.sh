@@ -193,7 +193,7 @@ step nccl 60 "$PY" perf/bench_nccl_self.py --out "$W/bench_nccl_self.json"
 step tune1 90 "$PY" perf/tune_moe_kernels.py --space small --shape 8,14336,4096 --top-k 2 --m 4,32,256,2048,8192 --table "$TUNED" --log "$W/tune_mixtral.json"
 step tune2 80 "$PY" perf/tune_moe_kernels.py --space small --shape 64,1408,2048 --top-k 6 --m 10,85,682,5461 --table "$TUNED" --log "$W/tune_dsv2lite.json"
 step bench 150 "$PY" perf/bench_moe_kernels.py --device cuda
-step serve ${SERVE_S:-240} bash -c "cd $ROOT && $PY $PWD/perf/bench_serve.py --device cuda --threads 4 \
+step serve ${SERVE_S:-300} bash -c "cd $ROOT && $PY $PWD/perf/bench_serve.py --device cuda --threads 4 \
   --num-prompts ${SERVE_PROMPTS:-256} --input-len 128 --output-len 64 --max-num-seqs 64 \
   --rates ${SERVE_RATES:-8,32,inf} --out $W/bench_serve_cuda.json"
 # Not in the default STEPS (STEPS=m2n to run it): bench_m2n's collectives and ping-pong, and the
