@@ -125,8 +125,6 @@ def main():
     ap.add_argument("--parts", default=None, help="subset of collectives,pingpong,overlap,wait")
     ap.add_argument("--configs", default=None, help="MxN list for the collectives, e.g. 1x1,2x2")
     ap.add_argument("--sizes", default=None, help="message sizes in bytes, comma separated")
-    ap.add_argument("--bare", action="store_true", help="M2N methods through bare mpi4py, no "
-                    "megainfer code (perf/bare_p2p.py; a partial run, to reproduce MPI faults)")
     ap.add_argument("--spin-shared", action="store_true", help="m2n-spin also where ranks "
                     "outnumber cores (off by default: with gloo in the same processes it hung MPI, "
                     "docs/comm.md)")
@@ -135,7 +133,7 @@ def main():
     ap.add_argument("--mpiexec", default=MPIEXEC,
                     help="mpiexec to launch with (default: the one beside this Python)")
     args = ap.parse_args()
-    partial = args.quick or args.bare or args.spin_shared or any(
+    partial = args.quick or args.spin_shared or any(
         x is not None for x in (args.parts, args.configs, args.sizes, args.scale))
     args.out = args.out or (os.path.join(tempfile.gettempdir(), "bench_m2n_partial.json")
                             if partial else os.path.join(HERE, "results", "bench_m2n.json"))
@@ -148,7 +146,7 @@ def main():
             cmd += ["--scale", str(args.scale or 0.1)]
         if args.quick:
             cmd += ["--rounds", "4"]
-        cmd += [f"--{f}" for f in ("bare", "spin-shared") if getattr(args, f.replace("-", "_"))]
+        cmd += ["--spin-shared"] if args.spin_shared else []
         for opt in ("parts", "configs", "sizes"):
             if getattr(args, opt) is not None:
                 cmd += [f"--{opt}", getattr(args, opt)]

@@ -2,8 +2,8 @@
 
 Every (M, N) config runs on a sub-communicator of the first M+N ranks while the rest sleep.
 Per message size: M2N dispatch and N2M combine through megainfer.comm (zero-copy reserve
-path, pre-posted receives), the same traffic through MPI_Alltoallv, through bare mpi4py
-persistent requests (the floor of a Python p2p layer) and through gloo all_to_all_single.
+path, pre-posted receives), the same traffic through MPI_Alltoallv, through mpi4py persistent
+requests (the floor of a Python p2p layer) and through gloo all_to_all_single.
 Then raw MPI ping-pong vs channel ping-pong (1x1), compute overlap (1x2), and the
 wait-policy contention test (3 ranks on 2 cores).
 """
@@ -22,22 +22,17 @@ from megainfer.comm import Channel, MessageSpec
 from megainfer.comm.mpi import MpiTransport
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bare_p2p import BareP2P  # noqa: E402
 from m2n_harness import (BACKOFF, CORES, RANK, ROW, SPIN, WORLD, YIELD, P2P,  # noqa: E402
                          alltoallv_op, gloo_op, idle_barrier, iters_for, mpi_p2p_op, on_sub,
                          timed_many)
 
 
-def bench_config(sub, group, M, N, sizes, scale, bare=False, spin_shared=False):
-    """``bare``: the M2N methods through bare mpi4py (perf/bare_p2p.py), no megainfer code;
-    ``spin_shared``: m2n-spin also where ranks outnumber cores (both to reproduce the hang)."""
+def bench_config(sub, group, M, N, sizes, scale, spin_shared=False):
+    """``spin_shared``: m2n-spin also where ranks outnumber cores (to reproduce the hang)."""
     t = MpiTransport(sub)
     A, E = list(range(M)), list(range(M, M + N))
     cap = max(sizes) // ROW
-    if bare:
-        disp, comb = BareP2P(t, A, E, cap, ROW, tag=0), BareP2P(t, E, A, cap, ROW, tag=1)
-    else:
-        disp, comb = P2P(t, A, E, cap), P2P(t, E, A, cap)
+    disp, comb = P2P(t, A, E, cap), P2P(t, E, A, cap)
     rows, raw_reqs = [], []
     for size in sizes:
         n = iters_for(size * M * N, scale)
@@ -199,7 +194,6 @@ def main():
     ap.add_argument("--scale", type=float, default=1.0)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--configs", default="1x1,1x2,2x1,2x2", help="MxN list for the collectives")
-    ap.add_argument("--bare", action="store_true", help="M2N methods through bare mpi4py")
     ap.add_argument("--spin-shared", action="store_true",
                     help="run m2n-spin where ranks outnumber cores too")
     ap.add_argument("--parts", default="collectives,pingpong,overlap,wait",
@@ -214,7 +208,7 @@ def main():
     for M, N in configs if "collectives" in parts else ():
         group = dist.new_group(list(range(M + N)))  # collective over the whole world
         rows = on_sub(M + N, lambda sub: bench_config(sub, group, M, N, sizes, args.scale,
-                                                               args.bare, args.spin_shared))
+                                                               args.spin_shared))
         if RANK == 0:
             out["collectives"] += rows
             print(f"[bench rank0] {M}x{N} done", flush=True)
