@@ -25,11 +25,11 @@
 #             (comm.eplb_moves), buffers exact, live EPLB tokens = single mode, -n 3 / 4;
 #   trace     the traced-run test, then megainfer-launch under mpiexec -n 3 (deploy=a1e2,
 #             Mixtral-8x7B's shapes cut to 2 layers, bf16, cuda_ipc, traced);
-#   engine    perf/bench_gpu_engine.py: megainfer (graphs on, ENGINE_SYSTEMS also
+#   engine    perf/bench/bench_gpu_engine.py: megainfer (graphs on, ENGINE_SYSTEMS also
 #             megainfer-eager) vs HF generate, Mixtral-8x7B / Qwen3-30B-A3B shapes cut to 8
 #             layers (ENGINE_MODELS), bf16, batch 1 / 64 / 256, 256 in and out, against the HBM
 #             roofline; --budget-s (ENGINE_S - 15) stops it between rows;
-#   transport perf/bench_transport_gpu.py: 2 KB / 64 KB / 8 MB one-way, cuda_ipc (host-fenced,
+#   transport perf/bench/bench_transport_gpu.py: 2 KB / 64 KB / 8 MB one-way, cuda_ipc (host-fenced,
 #             as on a shared GPU) and cuda_ipc_device vs mpi staging vs the copy floor; NCCL
 #             with two ranks on one GPU tried and recorded; the TP all-reduce of bf16
 #             [1 / 64 / 256, 4096] over cuda_ipc vs through host memory.
@@ -37,10 +37,10 @@
 #   calib     megainfer-plan calibrate on the GPU (bench=megainfer_cuda, full sizes unless
 #             CALIB_SMOKE=true: the 2026-11-30 smoke run was too small to use; link from
 #             the transport bench) -> h200_measured.yaml;
-#   nccl      perf/bench_nccl_self.py: Channel over NCCL vs raw NCCL vs a device copy;
-#   tune1/2   perf/tune_moe_kernels.py --space small (kernels/tile_configs.json is committed);
-#   bench     perf/bench_moe_kernels.py --device cuda: Triton vs the torch path, TFLOP/s;
-#   m2n       the MPI layer on the machine's 16 cores (bench_m2n, bench_m2n_ladder).
+#   nccl      perf/bench/bench_nccl_self.py: Channel over NCCL vs raw NCCL vs a device copy;
+#   tune1/2   perf/bench/tune_moe_kernels.py --space small (kernels/tile_configs.json is committed);
+#   bench     perf/bench/bench_moe_kernels.py --device cuda: Triton vs the torch path, TFLOP/s;
+#   m2n       the MPI layer on the machine's 16 cores (bench_m2n).
 #
 # Carried wheels (the image has torch, triton, transformers, pytest, nccl, Open MPI's mpi4py):
 #   .whl/     mpi4py 4.1.2 (cp312) + mpich 5.0.2: the MPI steps (ipc tokens trace transport
@@ -169,31 +169,27 @@ step trace 170 "${R18[@]}" bash -c "cd $ROOT && $PYT -o timeout=80 tests/test_ru
       trace.enabled=true sampling.max_tokens=8 hydra.run.dir=$W/trace_run \
     && cp $W/trace_run/trace.json $W/trace_mixtral_n3.json"
 # ---- figures (each alone on the GPU)
-step engine ${ENGINE_S:-200} "$PY" perf/bench_gpu_engine.py --device cuda --budget-s $(( ${ENGINE_S:-200} - 15 )) \
+step engine ${ENGINE_S:-200} "$PY" perf/bench/bench_gpu_engine.py --device cuda --budget-s $(( ${ENGINE_S:-200} - 15 )) \
   --models "${ENGINE_MODELS:-mixtral_8x7b,qwen3_30b_a3b}" \
   --systems "${ENGINE_SYSTEMS:-megainfer,megainfer-eager,hf}" --out "$W/bench_gpu_engine_cuda.json"
-step transport 75 "${R18[@]}" "$PY" perf/bench_transport_gpu.py --mpiexec "$MPIEXEC" --iters 200 \
+step transport 75 "${R18[@]}" "$PY" perf/bench/bench_transport_gpu.py --mpiexec "$MPIEXEC" --iters 200 \
   --out "$W/bench_transport_gpu.json"
 step calib 200 "${R18[@]}" MEGAINFER_CALIBRATE_LINK="$W/bench_transport_gpu.json" bash -c "cd $ROOT && \
   $PY -m megainfer.launch.plan calibrate model=mixtral_8x7b model.num_layers=2 \
     calibrate.bench=megainfer_cuda calibrate.mpi=false calibrate.node=false calibrate.smoke=${CALIB_SMOKE:-false} \
     calibrate.merge=false calibrate.out=$W/h200_measured.yaml"
-step nccl 60 "$PY" perf/bench_nccl_self.py --out "$W/bench_nccl_self.json"
-step tune1 90 "$PY" perf/tune_moe_kernels.py --space small --shape 8,14336,4096 --top-k 2 --m 4,32,256,2048,8192 --table "$TUNED" --log "$W/tune_mixtral.json"
-step tune2 80 "$PY" perf/tune_moe_kernels.py --space small --shape 64,1408,2048 --top-k 6 --m 10,85,682,5461 --table "$TUNED" --log "$W/tune_dsv2lite.json"
-step bench 150 "$PY" perf/bench_moe_kernels.py --device cuda
-# Not in the default STEPS (STEPS=m2n to run it): bench_m2n's collectives and ping-pong, and the
-# ladder (perf/bench_m2n_ladder.py), on this machine's 16 cores (4 ranks, no oversubscription),
-# under MPICH 5.0.2 from the carried wheel with the carried mpi4py 4.1.2 bound to it, as on the
-# 2-core dev box.
+step nccl 60 "$PY" perf/bench/bench_nccl_self.py --out "$W/bench_nccl_self.json"
+step tune1 90 "$PY" perf/bench/tune_moe_kernels.py --space small --shape 8,14336,4096 --top-k 2 --m 4,32,256,2048,8192 --table "$TUNED" --log "$W/tune_mixtral.json"
+step tune2 80 "$PY" perf/bench/tune_moe_kernels.py --space small --shape 64,1408,2048 --top-k 6 --m 10,85,682,5461 --table "$TUNED" --log "$W/tune_dsv2lite.json"
+step bench 150 "$PY" perf/bench/bench_moe_kernels.py --device cuda
+# Not in the default STEPS (STEPS=m2n to run it): bench_m2n's collectives and ping-pong on this
+# machine's 16 cores (4 ranks, no oversubscription), under MPICH 5.0.2 from the carried wheel with
+# the carried mpi4py 4.1.2 bound to it, as on the 2-core dev box.
 if [[ " $STEPS " == *" m2n "* ]]; then
   carried_mpi
   step m2n 280 env PYTHONPATH="$MPI_SITE:$PYTHONPATH" MPI4PY_LIBMPI="$LIBMPI" \
-    "$PY" perf/bench_m2n.py --mpiexec "$MPICH_BIN/mpiexec" --parts collectives,pingpong \
+    "$PY" perf/bench/bench_m2n.py --mpiexec "$MPICH_BIN/mpiexec" --parts collectives,pingpong \
     --scale "${M2N_SCALE:-0.5}" --out "$W/bench_m2n.json"
-  # where the channel's time goes with a core per rank (on 2 cores: docs/comm.md)
-  STEPS="$STEPS m2nladder" step m2nladder 120 env PYTHONPATH="$MPI_SITE:$PYTHONPATH" MPI4PY_LIBMPI="$LIBMPI" \
-    "$PY" perf/bench_m2n_ladder.py --mpiexec "$MPICH_BIN/mpiexec" --out "$W/bench_m2n_ladder.json"
 fi
 join
 echo "== summary"

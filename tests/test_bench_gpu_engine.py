@@ -1,14 +1,15 @@
-"""perf/bench_gpu_engine.py end to end on cpu with tiny shapes: every row written, sane numbers."""
+"""perf/bench/bench_gpu_engine.py end to end on cpu with tiny shapes: every row written, sane numbers."""
 import json
 import math
 
-from perf_util import import_perf
+from perf_util import run_perf
+
+from megainfer.bench import decode_roofline as bench
 
 
 def test_bench_gpu_engine_tiny_cpu(tmp_path):
-    bench = import_perf("bench_gpu_engine")
     out = tmp_path / "bench.json"
-    bench.main(["--device", "cpu", "--tiny", "--out", str(out)])
+    run_perf("bench/bench_gpu_engine.py", ["--device", "cpu", "--tiny", "--out", out])
     res = json.loads(out.read_text())
     assert res["device"] == "cpu" and res["input_len"] == 16 and res["output_len"] == 8
     bw = res["copy"]
@@ -35,7 +36,6 @@ def test_bench_gpu_engine_tiny_cpu(tmp_path):
 
 def test_roofline_bytes_by_hand():
     """Mixtral-8x7B cut to 8 layers, bf16, batch 1 at context 384: 2 of 8 experts per layer."""
-    bench = import_perf("bench_gpu_engine")
     cfg = bench.model_config("mixtral_8x7b", 8, tiny=False)
     q = bench.decode_roofline(cfg, 1, 384, 2)
     assert math.isclose(q["experts_touched_per_layer"], 2)

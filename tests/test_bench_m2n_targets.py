@@ -1,12 +1,12 @@
-"""perf/bench_m2n.check_targets: counts, ratios and the A/A noise envelope, on synthetic rows."""
+"""megainfer/bench/m2n_targets.check_targets (perf/bench/bench_m2n.py's targets): counts, ratios and the A/A noise envelope, on synthetic rows."""
 
 import pytest
-from perf_util import import_perf
 
 
 @pytest.fixture(scope="module")
 def bench():
-    return import_perf("bench_m2n")
+    from megainfer.bench import m2n_targets
+    return m2n_targets
 
 
 def rows(bench, cells):

@@ -1,7 +1,7 @@
 """The performance model counts KV bytes in ``cache.kv_cache_dtype`` exactly as the engine's cache
 stores them (block scales included), and the planner's batch follows: a smaller cache holds more
 sequences per attention device; bad formats fail naming the key. Also the bench's accuracy
-helpers (perf/kv_quant_accuracy.py)."""
+helpers (megainfer/bench/kv_accuracy.py)."""
 import dataclasses
 import itertools
 import json
@@ -122,14 +122,13 @@ def test_megainfer_plan_takes_cache_kv_cache_dtype(tmp_path):
 
 
 def test_bench_helpers_emulation_is_faithful_and_metrics_sane(tmp_path):
-    """perf/kv_quant_accuracy.py: the emulated per-layer fp8 store gives exactly the stored
+    """megainfer/bench/kv_accuracy.py: the emulated per-layer fp8 store gives exactly the stored
     fp8_e4m3 format's logits (so its per-token sibling is a fair ablation); compare() on
     identical logits is perfect and on a flipped top-1 is not."""
     from megainfer.config import LoadConfig
     from megainfer.models.loader import build_model
     from megainfer.tools.make_tiny import make_tiny
-    from perf_util import import_perf
-    acc = import_perf("kv_quant_accuracy")
+    from megainfer.bench import kv_accuracy as acc
     path = make_tiny("mixtral", str(tmp_path / "m"))
     cfg = ModelConfig.from_pretrained(path)
     model = build_model(cfg, LoadConfig(path=path, dtype="float32")).eval()

@@ -1,11 +1,8 @@
 """Which recorded PD runs the validation counts as quiet, and how far a simulated figure lies
-outside its launches' range (perf/pd_runs.py, used by perf/validate_sim_pd.py)."""
+outside its launches' range (megainfer/bench/pd_runs.py, used by perf/validate/validate_sim_pd.py)."""
 import pytest
 
-from perf_util import import_perf
-
-pr = import_perf("pd_runs")
-cb = import_perf("calibrate_bench50m")
+from megainfer.bench import pd_runs as pr
 
 
 def _run(loads, date="2026-12-01T03:04:40+00:00", probed=True, ranks=4):
@@ -40,19 +37,19 @@ def test_conditions_read_a_probe_slowdown_as_load_or_as_speed():
     probe at the reference speed already implies B = 1 (the quiet-machine bias ``auto`` avoids);
     ``scale``: the slowdown scales the layer times, no background load."""
     probe = {"prefill": 1.1, "decode": 1.2}
-    load = cb.conditions(probe, probe, 2, "load")
+    load = pr.conditions(probe, probe, 2, "load")
     assert load["background_load"] == pytest.approx(1.2) and load["speed"] == 1.0
-    scale = cb.conditions(probe, probe, 2, "scale")
+    scale = pr.conditions(probe, probe, 2, "scale")
     assert scale["background_load"] == 0.0 and scale["speed"] == pytest.approx(1.1)
 
 
 def test_host_terms_read_wake_up_and_iteration_overhead_off_calibration_runs():
     from megainfer.perfmodel.hardware import load_hardware
     hw = load_hardware("cpu_node")
-    link = hw.inter_link.time(4 * cb.TOP_K * cb.HIDDEN * 4)  # a 4-token hop's message
+    link = hw.inter_link.time(4 * pr.TOP_K * pr.HIDDEN * 4)  # a 4-token hop's message
     samples = [{"hops": [(4, link + 0.001), (4, link + 0.002), (4, link + 0.003)],
                 "step_gaps": [(4, 0.006), (4, 0.007)]}]
-    got = cb.host_terms(samples, hw)
+    got = pr.host_terms(samples, hw)
     assert got["wake_latency_s"] == pytest.approx(0.002)
     assert got["iteration_overhead_s"] == pytest.approx(0.0065 - 0.002)
-    assert cb.host_terms([{"decode_attention": []}], hw) is None  # runs that kept no hops
+    assert pr.host_terms([{"decode_attention": []}], hw) is None  # runs that kept no hops

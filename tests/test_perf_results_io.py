@@ -1,14 +1,14 @@
-"""perf/results_io.write_json: makes folders, replaces the old file whole, leaves no temp."""
+"""megainfer/bench/results_io.write_json: makes folders, replaces the old file whole, leaves no temp."""
 import json
 import os
 
 import pytest
-from perf_util import import_perf
 
 
 @pytest.fixture(scope="module")
 def results_io():
-    return import_perf("results_io")
+    from megainfer.bench import results_io
+    return results_io
 
 
 def test_write_json_makes_folders_and_replaces(results_io, tmp_path, capsys):

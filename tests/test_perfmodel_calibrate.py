@@ -69,10 +69,7 @@ def test_shipped_cpu_profile_has_a_fit_for_cpu_small():
 
 def test_validate_runtime_reads_run_json(tmp_path):
     import json
-    import os
-    import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "perf"))
-    from validate_perfmodel import validate_runtime
+    from megainfer.bench.runtime_validation import validate_runtime
     from megainfer.perfmodel.model import DisaggModel, Plan, Workload
     hw = load_hardware("cpu_node")
     shape = ModelShape(name="cpu_small", hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4,

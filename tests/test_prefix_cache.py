@@ -291,22 +291,18 @@ def test_config_default_on_and_hydra_key():
         assert settings_from_config(cfg, 1).cache.enable_prefix_caching is want
 
 
-def test_bench_script_smoke(tmp_path, monkeypatch):
-    """perf/bench_prefix_cache.py on a tiny workload: both sides agree, caching saves prefill."""
+def test_bench_script_smoke(tmp_path):
+    """perf/bench/bench_prefix_cache.py on a tiny workload: both sides agree, caching saves prefill."""
     import json
-    import sys
 
-    from perf_util import import_perf
-    bench = import_perf("bench_prefix_cache")
+    from perf_util import run_perf
     out = tmp_path / "r.json"
-    monkeypatch.setattr(sys, "argv", ["bench", "--systems", "2", "--per-system", "3",
-                                      "--system-len", "32", "--suffix-len", "4",
-                                      "--output-len", "2", "--max-num-batched-tokens", "40",
-                                      "--threads", "1", "--out", str(out), "--small-blocks", "6",
-                                      "--host-kv-gib", "0.01", "--routing-systems", "3",
-                                      "--routing-per-system", "2", "--routing-system-len", "32",
-                                      "--routing-output-len", "2", "--routing-blocks", "12"])
-    bench.main()
+    run_perf("bench/bench_prefix_cache.py", [
+        "--systems", "2", "--per-system", "3", "--system-len", "32", "--suffix-len", "4",
+        "--output-len", "2", "--max-num-batched-tokens", "40", "--threads", "1", "--out", out,
+        "--small-blocks", "6", "--host-kv-gib", "0.01", "--routing-systems", "3",
+        "--routing-per-system", "2", "--routing-system-len", "32", "--routing-output-len", "2",
+        "--routing-blocks", "12"])
     r = json.loads(out.read_text())
     assert r["greedy_token_agreement"] and r["prefill_work_ratio"] > 1.2
     assert r["results"]["caching on"]["hit_rate"] > 0.2

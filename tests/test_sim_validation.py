@@ -1,6 +1,6 @@
 """The job simulator against its closed-form baseline (perfmodel/job_closed_form.py), the colocated
 job simulator (perfmodel/job_sim_colocated.py), and the runtime job that releases requests at
-their arrival times (perf/workload_job.py, real mpiexec) which perf/validate_sim.py measures.
+their arrival times (perf/jobs/workload_job.py, real mpiexec) which perf/validate/validate_sim.py measures.
 
 Where nothing but the fixed batch matters the simulator equals the closed form; skew and arrivals
 move it in the expected direction."""
@@ -10,6 +10,7 @@ import os
 import numpy as np
 import pytest
 
+from megainfer.bench.sim_validation import measured_summary
 from megainfer.perfmodel.colocated import ColocatedModel, ColocatedPlan
 from megainfer.perfmodel.events import LengthDist, Requests, Routing, draw_counts, poisson_requests
 from megainfer.perfmodel.job_closed_form import closed_form_job
@@ -18,7 +19,7 @@ from megainfer.perfmodel.job_sim_colocated import ColocatedPipeline, simulate_co
 from megainfer.perfmodel.layer_times import RooflineTimes
 from megainfer.perfmodel.model import DisaggModel, Plan, Workload
 from mpi_util import run_mpi
-from perf_util import import_perf
+from perf_util import perf_script
 from perfmodel_helpers import TINY, synthetic_hw
 
 P, O = 32, 9
@@ -108,7 +109,7 @@ def test_colocated_fixed_batch_reproduces_closed_form(group, m):
 
 
 def test_workload_job_releases_arrivals(tmp_path):
-    """perf/workload_job.py under mpiexec -n 3 (2 replicas + 1 expert rank), tiny model: requests
+    """perf/jobs/workload_job.py under mpiexec -n 3 (2 replicas + 1 expert rank), tiny model: requests
     start only after their arrival time, all finish with their output length, and the routers'
     recorded (token, expert) pairs per layer equal the tokens the job fed through the model."""
     reqs = [{"arrival_s": a, "prompt_len": p, "output_len": o}
@@ -116,7 +117,7 @@ def test_workload_job_releases_arrivals(tmp_path):
     trace = tmp_path / "w.jsonl"
     trace.write_text("".join(json.dumps(r) + "\n" for r in reqs))
     out = tmp_path / "o.json"
-    script = os.path.join(os.path.dirname(__file__), "..", "perf", "workload_job.py")
+    script = perf_script("jobs/workload_job.py")
     run_mpi(3, script, [out, trace, "--replicas", 2, "--m", 2, "--hidden", 64, "--inter", 64, "--layers", 2,
                         "--heads", 4, "--kv-heads", 2, "--experts", 4, "--top-k", 2, "--vocab", 128], timeout=120)
     d = json.loads(out.read_text())
@@ -128,7 +129,7 @@ def test_workload_job_releases_arrivals(tmp_path):
         assert q["arrival_s"] < r["first_token_s"] <= r["finish_s"]
     fed = sum(q["prompt_len"] + q["output_len"] - 1 for q in reqs)  # the last token is not fed back
     assert np.asarray(d["route_counts"]).sum(axis=1).tolist() == [fed * 2] * 2
-    s = import_perf("validate_sim").measured_summary(d)
+    s = measured_summary(d)
     assert s["ttft_s_p50"] > 0 and s["throughput_tok_s"] > 0
 
 
