@@ -9,10 +9,10 @@ Baseline, same run: the identity placement (expert e on rank e // (N/P), no redu
 Reported per layer: max/mean tokens per rank; and the algorithm's run time (median).
 
 Part 2 (``bench_runtime``, ``--runtime``): decode iteration time and per-rank load of the
-disaggregated runtime before and after a live rebalance in one run (``perf/eplb_job.py``);
+disaggregated runtime before and after a live rebalance in one run (``perf/jobs/eplb_job.py``);
 it adds a "runtime" key to the same JSON.
 
-    .venv/bin/python perf/bench_eplb.py [--cases tiny,dsv3] [--repeats 5]
+    .venv/bin/python perf/bench/bench_eplb.py [--cases tiny,dsv3] [--repeats 5]
 """
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ def bench_algorithm(name: str, c: dict, window: int, eval_iters: int, repeats: i
 def bench_runtime(args) -> dict:
     """Decode iteration time and per-rank load before/after the first live rebalance.
 
-    ``perf/eplb_job.py`` under ``mpiexec -n 3`` (1 attention + 2 expert ranks, skewed router,
+    ``perf/jobs/eplb_job.py`` under ``mpiexec -n 3`` (1 attention + 2 expert ranks, skewed router,
     live EPLB every ``interval`` iterations, m = 1 so the two expert ranks compute while the
     attention rank waits). Before: decode steps before the first rebalance (initial placement);
     after: decode steps after it. Baseline: a control run of the same workload without EPLB

@@ -1,7 +1,7 @@
 """Single mode end to end: ``megainfer.LLM.generate`` vs Hugging Face ``generate``, same device.
 
-    python perf/bench_gpu_engine.py [--device cuda] [--batches 1,64,256] [--out FILE]
-    python perf/bench_gpu_engine.py --device cpu --tiny      # smoke test: tiny shapes, seconds
+    python perf/bench/bench_gpu_engine.py [--device cuda] [--batches 1,64,256] [--out FILE]
+    python perf/bench/bench_gpu_engine.py --device cpu --tiny      # smoke test: tiny shapes, seconds
 
 Models: Mixtral-8x7B and Qwen3-30B-A3B shapes (conf/model/*.yaml) cut to --layers (8), random
 weights drawn on the device; bf16 on cuda, fp32 on cpu. Prompts: random token ids (seeded),

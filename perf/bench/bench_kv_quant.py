@@ -1,7 +1,7 @@
 """Low-bit KV cache: accuracy against the full-precision cache, capacity at a fixed budget, and
 job time at a KV-bound batch, in one run.
 
-    python perf/bench_kv_quant.py [--seqs 8 --positions 512 --big-seqs 4 --big-positions 512
+    python perf/bench/bench_kv_quant.py [--seqs 8 --positions 512 --big-seqs 4 --big-positions 512
                                    --chunk 128 --job-requests 16 ...] [--no-job]
 
 Accuracy: for each family's tiny model (``megainfer.tools.make_tiny``; DeepSeek with
@@ -12,7 +12,7 @@ attention read goes through the cache: the first chunk sets the per-layer scales
 read quantised context). Per ``cache.kv_cache_dtype``, against the full-precision cache of the
 same run: top-1 agreement of the next token, mean KL(full || quantised), max |logit error|, the
 logit error's RMS sigma and top-1 agreement where the reference's top-1/top-2 margin exceeds
-3 sigma (``perf/kv_quant_accuracy.py``: why top-1 is fragile on near-flat random models; the
+3 sigma (``megainfer/bench/kv_accuracy.py``: why top-1 is fragile on near-flat random models; the
 goal is still judged on all positions). Stored formats: each with per-layer (``tensor``) scales
 (``fp8_e4m3``, ...) and with per-(token, KV head) scales inline (``fp8_e4m3/token_head``, ...,
 ``cache.kv_scale_granularity=token_head``), in the same run. Ablations, stored for real:
@@ -23,12 +23,12 @@ rule before least-squared-error selection; ``kv_fp4.scale_rule``); emulated (GQA
 ``fp8_e4m3/per-layer (emu)`` (the stored format's policy, emulated the same way: must match
 ``fp8_e4m3``). ``bf16-cache`` (GQA models): the fp32 cache rounded to bf16, how sensitive
 these models are to any rounding.
-``trained-mixtral`` (``--trained-steps``, perf/trained_tiny.py): make_tiny's Mixtral shape
+``trained-mixtral`` (``--trained-steps``, perf/harness/trained_tiny.py): make_tiny's Mixtral shape
 trained for a few minutes on a synthetic language (a Markov chain, then a noisy copy of the
 sequence's first half), teacher-forced on held-out sequences of that language: a model confident
 where its data is predictable, as a real LM is, unlike the near-flat random ones.
 Capacity: KV blocks and max concurrent max_model_len sequences in ``--budget-gib`` with a bf16
-model (``derive_num_blocks``). Job: ``perf/kv_quant_job.py`` (engine on CPU, same budget per
+model (``derive_num_blocks``). Job: ``perf/harness/kv_quant_job.py`` (engine on CPU, same budget per
 format, batch bound by KV blocks). Writes ``perf/results/bench_kv_quant.json``, keeping what
 a partial run (``--only``, ``--trained-steps 0``, ``--no-job``) did not measure (``carried``).
 """
@@ -75,7 +75,7 @@ GOALS = {"fp8_e4m3": 0.99, "fp8_e5m2": 0.99, "fp4_e2m1": 0.95}
 
 def models(tmp: str, a):
     """(name, config, load) of every model the bench reads, filtered by ``--only``; the trained
-    one (perf/trained_tiny.py) is trained first unless ``--trained-ckpt`` holds it already."""
+    one (perf/harness/trained_tiny.py) is trained first unless ``--trained-ckpt`` holds it already."""
     for name, cfg, load in _models(tmp, a):
         if not a.only or name in a.only.split(","):
             yield name, cfg, load

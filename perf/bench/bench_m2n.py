@@ -2,13 +2,13 @@
 compute overlap and the wait-policy test. One run, nccl-tests-style tables, JSON in
 perf/results/bench_m2n.json.
 
-    .venv/bin/python perf/bench_m2n.py [--quick]
-    .venv/bin/python perf/bench_m2n.py --parts pingpong --sizes 2048,8388608   # a quick look
+    .venv/bin/python perf/bench/bench_m2n.py [--quick]
+    .venv/bin/python perf/bench/bench_m2n.py --parts pingpong --sizes 2048,8388608   # a quick look
 
 A partial or quick run (--parts/--configs/--sizes/--scale/--quick) prints its tables and ratios but
 writes its JSON to $TMPDIR/bench_m2n_partial.json, never over the full result.
 
-Launches `mpiexec -n 4 perf/bench_m2n_mpi.py` (4 ranks: the 2x2 config needs them even on a
+Launches `mpiexec -n 4 perf/jobs/bench_m2n_mpi.py` (4 ranks: the 2x2 config needs them even on a
 2-core machine; say so when quoting numbers). Columns: size = bytes per message, count =
 messages per op (M*N), time = per-op wall time (max over ranks, barrier before each op),
 algbw = size*count/time, busbw = algbw / receivers (ingress bandwidth of one receiving rank).

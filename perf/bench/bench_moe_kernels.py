@@ -9,7 +9,7 @@ GPU: Triton (tile-config table entry, and the default config where the table has
 torch path in bf16, timed with triton.testing.do_bench (CUDA events, median), against the
 measured dense bf16 matmul rate and copy bandwidth.
 
-  python perf/bench_moe_kernels.py [--device cpu|cuda] [--repeats 7] [--threads 1] [--quick]
+  python perf/bench/bench_moe_kernels.py [--device cpu|cuda] [--repeats 7] [--threads 1] [--quick]
 Writes perf/results/bench_moe_kernels_<device>[_t<threads>].json. On CPU the default is one torch
 thread: on a machine shared with other jobs, multi-threaded MKL/OpenMP stragglers swamp the
 signal (see docs/kernels.md); the matmul and copy references run with the same threads.

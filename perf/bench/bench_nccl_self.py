@@ -19,7 +19,7 @@ Per row: p50 / p99 time per op, algbw (bytes / p50), host issue time (until the 
 posts returns), and the ratios channel / nccl-raw. Multi-GPU numbers (NVLink, two ranks)
 need a machine with two GPUs and are not measured here.
 
-  python perf/bench_nccl_self.py [--sizes 2K,8K,...] [--scale 1.0] [--out PATH]
+  python perf/bench/bench_nccl_self.py [--sizes 2K,8K,...] [--scale 1.0] [--out PATH]
 Writes perf/results/bench_nccl_self.json (rewritten after every size).
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Offline throughput: ``megainfer.LLM.generate`` vs Hugging Face ``generate``, side by side.
 
-    python perf/bench_offline.py [--batch 32 --input-len 64 --output-len 64 --repeats 3]
+    python perf/bench/bench_offline.py [--batch 32 --input-len 64 --output-len 64 --repeats 3]
 
 Same checkpoint (a ~49M-parameter Mixtral-shaped model, random weights, saved with
 ``save_pretrained``), same prompts (random token ids, all the same length so HF needs no

@@ -2,7 +2,7 @@
 without prefill ranks on the same number of ranks, the KV bytes sent, and the share of transfer
 time hidden behind prefill compute.
 
-    python perf/bench_pd.py [--ranks 4 --num 8 --long-prompt 256 --long-output 4
+    python perf/bench/bench_pd.py [--ranks 4 --num 8 --long-prompt 256 --long-output 4
                              --short-prompt 16 --short-output 32 --m 2 --prefill-tp 1
                              --repeats 1 --calibrate B,P,D --trace --out perf/results/bench_pd.json]
 
@@ -14,7 +14,7 @@ ranks: the baseline, 1 attention replica + ``ranks-1`` expert ranks (it prefills
 PD, 1 prefill rank + 1 decode attention replica + ``ranks-2`` expert ranks, and with
 ``--prefill-tp N`` > 1 also PD with one prefill replica of N TP ranks (experts split over them)
 + 1 decode attention replica + ``ranks-1-N`` expert ranks. Each layout is
-one mpiexec launch (``perf/pd_bench_job.py``) running a warm-up job, then each workload.
+one mpiexec launch (``perf/jobs/pd_bench_job.py``) running a warm-up job, then each workload.
 
 Figures: TTFT (arrival at the engine that prefills it -> first token), TPOT (mean time per
 output token after the first), prefill end -> decode start (``kv_handoff_s``: the prefill
@@ -29,9 +29,9 @@ baseline, ...); each row's figures are the medians over its launches (``runs``: 
 own figures). The machine is shared: the 1-min load average is sampled every 5 s while the
 launches run (each row: ``load_average`` = the mean over its launches' samples) and its mean over
 the whole run is recorded in ``perf/results/pd_load_average.json`` under the output's file name.
-``--calibrate B,P,D``: a traced bench50m probe run (``perf/calibrate_bench50m.py``: batch B,
+``--calibrate B,P,D``: a traced bench50m probe run (``perf/validate/calibrate_bench50m.py``: batch B,
 prompt P, D new tokens) before each launch and after the last, kept in ``calibrations`` (each
-launch's ``calibration``: the index of the probe before it); ``perf/validate_sim_pd.py`` reads
+launch's ``calibration``: the index of the probe before it); ``perf/validate/validate_sim_pd.py`` reads
 the machine's speed at each launch off them. ``--trace``: the measured jobs are traced, their
 ranks' spans kept beside the result (OUT's stem + ``.spans.json.gz``). Every launch records each
 rank's CPU seconds (``cpu_s``: [role, seconds]).
@@ -101,8 +101,8 @@ class LoadSampler:
 
 
 def calibration(spec: str) -> dict:
-    """One traced bench50m run (perf/calibrate_bench50m.py) between launches: its spans tell
-    perf/validate_sim_pd.py how fast the shared machine was then."""
+    """One traced bench50m run (perf/validate/calibrate_bench50m.py) between launches: its spans tell
+    perf/validate/validate_sim_pd.py how fast the shared machine was then."""
     import tempfile
 
     from bench50m_probe import sample
@@ -143,7 +143,7 @@ def main():
                     help="trace the measured jobs: their ranks' spans go to OUT's stem + .spans.json.gz")
     ap.add_argument("--calibrate", default=None, metavar="B,P,D",
                     help="before each launch and after the last, one traced bench50m calibration "
-                         "run (perf/calibrate_bench50m.py) of batch B, prompt P, D new tokens")
+                         "run (perf/validate/calibrate_bench50m.py) of batch B, prompt P, D new tokens")
     ap.add_argument("--out", default=os.path.join(RESULTS, "bench_pd.json"))
     a = ap.parse_args()
     workloads = [dict(name="long_prompt", num=a.num, prompt_len=a.long_prompt,
@@ -206,7 +206,7 @@ def main():
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         host=platform.node(), cpus=os.cpu_count(), args=vars(a), layouts=layouts,
         load_average=statistics.mean(samples), rows=rows))
-    record_load(a.out, samples, f"1-min load average sampled every 5 s during `perf/bench_pd.py "
+    record_load(a.out, samples, f"1-min load average sampled every 5 s during `perf/bench/bench_pd.py "
                 f"{' '.join(sys.argv[1:])}` "
                 f"({t0:%Y-%m-%d %H:%M}-{datetime.datetime.now(datetime.timezone.utc):%H:%M} UTC), "
                 f"mean of {len(samples)} samples, range {min(samples):.2f}-{max(samples):.2f}")

@@ -5,7 +5,7 @@ same model, batch and kernels. Traced runs give the measured T_a, T_e, T_c and t
 each micro-batch's round trip hidden behind compute; one pair of runs with and without tracing
 gives the tracing overhead.
 
-    python perf/bench_pipeline.py [--repeats 3] [--hidden 512 ...]   (JSON: perf/results/bench_pipeline.json)
+    python perf/bench/bench_pipeline.py [--repeats 3] [--hidden 512 ...]   (JSON: perf/results/bench_pipeline.json)
 
 Every launch runs all configurations in turn; the figure per configuration is the median over
 launches of the median decode step time.

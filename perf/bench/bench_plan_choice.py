@@ -1,7 +1,7 @@
 """Does ``deploy=auto`` pick a fast plan? The planner's choice vs the plans one would try by hand.
 
-    python perf/bench_plan_choice.py [--ranks 4 --repeats 2 --prompts 32 --input-len 64 --max-tokens 32]
-    python perf/bench_plan_choice.py --pool perf/results/bench_plan_choice*.json --out X.json  # no runs
+    python perf/bench/bench_plan_choice.py [--ranks 4 --repeats 2 --prompts 32 --input-len 64 --max-tokens 32]
+    python perf/bench/bench_plan_choice.py --pool perf/results/bench_plan_choice*.json --out X.json  # no runs
 
 Runs ``mpiexec -n N megainfer-launch`` on one job (the pipeline_bench shape of
 conf/plan_model/pipeline_bench.yaml, dummy weights, random prompts, eos ignored): first with

@@ -2,7 +2,7 @@
 on with a first tier too small (with and without the second tier), and over 2 attention
 replicas, cache-aware vs round-robin routing.
 
-    python perf/bench_prefix_cache.py [--systems 8 --per-system 6 --system-len 128
+    python perf/bench/bench_prefix_cache.py [--systems 8 --per-system 6 --system-len 128
                                        --suffix-len 16 --output-len 8 --threads 2
                                        --small-blocks 48 --host-kv-gib 0.25 --no-routing]
 
@@ -22,7 +22,7 @@ system prompts while requests run), caching on without a second tier and with on
 ``--host-kv-gib`` (on CPU: safetensors files in a temporary directory; evicted prefixes come
 back from there instead of being recomputed).
 
-Routing (``perf/prefix_routing_job.py``, ``mpiexec -n 2 + --routing-experts``): 2 attention
+Routing (``perf/jobs/prefix_routing_job.py``, ``mpiexec -n 2 + --routing-experts``): 2 attention
 replicas of ``--routing-blocks`` blocks each + expert ranks, disaggregated, a smaller workload
 (``--routing-*``), one rank per process and one thread each; ``round_robin`` and
 ``cache_aware`` in the same launch, after a warm-up job: hit rate, job time, requests per
@@ -71,7 +71,7 @@ def run_once(a, on: bool, prompts, num_blocks=None, host_kv_gib=0.0):
 
 
 def run_routing(a) -> dict:
-    """Both routing policies in one mpiexec launch (perf/prefix_routing_job.py)."""
+    """Both routing policies in one mpiexec launch (perf/jobs/prefix_routing_job.py)."""
     import json
     import tempfile
 

@@ -2,7 +2,7 @@
 shifts, run on every fixed split of ``--ranks`` ranks and with re-planning; and a steady one,
 re-planning on vs off from the same split.
 
-    python perf/bench_replan.py [--ranks 4 --short 24 --short-prompt 16 --long 8
+    python perf/bench/bench_replan.py [--ranks 4 --short 24 --short-prompt 16 --long 8
                                  --long-prompt 400 --output 48 --interval 16 --min-gain 0.1
                                  --phases --repeats 1]
 
@@ -11,7 +11,7 @@ Shifting workload (greedy, eos ignored, random prompts, all at once, handed out 
 generating ``--output`` tokens: short contexts first, long ones later. Steady workload: the
 short segment alone. Model: the ~49M-parameter Mixtral-shaped bench50m (dummy weights, fp32,
 one thread per rank, MPI transport), ``m`` micro-batches. Each run is one mpiexec launch
-(``perf/replan_bench_job.py``: a warm-up job, then the measured one).
+(``perf/jobs/replan_bench_job.py``: a warm-up job, then the measured one).
 
 Figures per run: job seconds, the switches (iteration, old -> new, predicted gain, switch
 seconds, measured gain), per-phase median iteration time of rank 0's steps, and whether the

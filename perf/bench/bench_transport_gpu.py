@@ -1,6 +1,6 @@
 """Device transports between two processes on one GPU: latency (2 KB) and bandwidth (8 MB).
 
-    python perf/bench_transport_gpu.py [--out perf/results/bench_transport_gpu.json]
+    python perf/bench/bench_transport_gpu.py [--out perf/results/bench_transport_gpu.json]
       [--mpiexec PATH] [--iters 200] [--sizes 2K,64K,8M]
 
 Launches itself under ``mpiexec -n 2`` (both ranks on GPU 0) and times a ping-pong of one

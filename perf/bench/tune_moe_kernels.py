@@ -6,7 +6,7 @@ path, and merges the winner into kernels/tile_configs.json under the key
 (E, N, K, M bucket, dtype, device name). The table ships with the package; anything missing
 falls back to tile_configs.default_config.
 
-  python perf/tune_moe_kernels.py --shape 8,14336,4096 --top-k 2 [--dtype bf16] [--m 1,16,512]
+  python perf/bench/tune_moe_kernels.py --shape 8,14336,4096 --top-k 2 [--dtype bf16] [--m 1,16,512]
       [--space small|full] [--table PATH] [--log PATH]
 Also writes perf/results/tune_moe_kernels.json (--log) with every timing. Both files are
 rewritten after every (shape, M), so an interrupted run keeps what it found.

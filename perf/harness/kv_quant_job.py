@@ -1,4 +1,4 @@
-"""Job time at a KV-bound batch (helper of ``perf/bench_kv_quant.py``).
+"""Job time at a KV-bound batch (helper of ``perf/bench/bench_kv_quant.py``).
 
 The same offline job (``--job-requests`` random prompts of ``--job-prompt`` tokens, greedy,
 eos ignored, ``--job-output`` new tokens) runs on the CPU engine (``LLM``, single mode, the

@@ -1,6 +1,6 @@
-"""Figures read off a traced PD bench launch (``perf/bench_pd.py --trace``: each run's ``spans``,
+"""Figures read off a traced PD bench launch (``perf/bench/bench_pd.py --trace``: each run's ``spans``,
 [rank, lane, iteration, layer, micro-batch, tokens, start ms, duration ms]) for
-perf/validate_sim_pd.py: what each part of the job took, to set beside the simulator's parts.
+perf/validate/validate_sim_pd.py: what each part of the job took, to set beside the simulator's parts.
 
 * ``idle_decode_busy``: while the prefill rank runs its first step the decode pool has nothing
   to decode, yet the runtime keeps stepping its lock-step pipeline with empty batches; the

@@ -1,5 +1,5 @@
 """A tiny MoE checkpoint *trained* on a synthetic language, for accuracy benches that random
-weights cannot answer (perf/bench_kv_quant.py).
+weights cannot answer (perf/bench/bench_kv_quant.py).
 
 Random-weight models predict almost uniformly: their top-1/top-2 logit margins are a few
 hundredths, so any perturbation of the KV cache (even rounding it to bf16) flips top-1 on

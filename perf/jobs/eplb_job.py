@@ -1,4 +1,4 @@
-"""One run of the EPLB runtime benchmark (perf/bench_eplb.py --runtime), under mpiexec -n 3.
+"""One run of the EPLB runtime benchmark (perf/bench/bench_eplb.py --runtime), under mpiexec -n 3.
 
 1 attention rank + 2 expert ranks, dummy weights, a router biased towards a few experts (a
 Zipf logit bias over a random expert order per layer, added to the real router's logits), live

@@ -1,9 +1,9 @@
-"""One mpiexec launch for perf/bench_pd.py: one deploy layout (with or without prefill ranks),
+"""One mpiexec launch for perf/bench/bench_pd.py: one deploy layout (with or without prefill ranks),
 bench50m dummy weights, each workload after a warm-up job; rank 0 writes per workload the job
 time, per-request TTFT / TPOT / prefill-end-to-decode-start, and the prefill ranks' KV transfer
 figures (bytes sent, transfer time, the part of it not hidden behind prefill compute).
 
-    mpiexec -n K python perf/pd_bench_job.py OUT.json '{"A": 1, "E": 2, "P": 1, "m": 2, ...}'
+    mpiexec -n K python perf/jobs/pd_bench_job.py OUT.json '{"A": 1, "E": 2, "P": 1, "m": 2, ...}'
 
 ``PTP``: deploy.prefill_tp (default 1); every TP rank of a prefill replica reports its stats.
 ``cpu_s``: each rank's [role, CPU seconds of its process during the job] (what it took from

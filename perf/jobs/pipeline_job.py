@@ -1,6 +1,6 @@
-"""One launch of the pipeline benchmark (run by perf/bench_pipeline.py under mpiexec -n 2).
+"""One launch of the pipeline benchmark (run by perf/bench/bench_pipeline.py under mpiexec -n 2).
 
-    mpiexec -n 2 python perf/pipeline_job.py OUT.json CONFIGS [--hidden H --inter N ...]
+    mpiexec -n 2 python perf/jobs/pipeline_job.py OUT.json CONFIGS [--hidden H --inter N ...]
 CONFIGS: comma list of <mode>:<m>[:trace], mode in disaggregated (1 attention + 1 expert rank)
 | colocated (2 ranks). Every config decodes the same batch (dummy weights); rank 0 records the
 duration of every step; with :trace it also writes and merges the per-rank traces.

@@ -1,9 +1,9 @@
-"""One mpiexec launch for perf/bench_prefix_cache.py: 2 attention replicas + expert ranks
+"""One mpiexec launch for perf/bench/bench_prefix_cache.py: 2 attention replicas + expert ranks
 (disaggregated, bench50m dummy weights), the shared-prefix workload routed ``round_robin`` and
 ``cache_aware`` in turn (after a small warm-up job); rank 0 writes per policy the job time, the
 prefix hit rate, the requests per replica and greedy tokens.
 
-    mpiexec -n 3 python perf/prefix_routing_job.py OUT.json '{"systems": 8, ...}'
+    mpiexec -n 3 python perf/jobs/prefix_routing_job.py OUT.json '{"systems": 8, ...}'
 """
 import json
 import os

@@ -1,9 +1,9 @@
-"""One mpiexec launch for perf/bench_replan.py: one starting split, re-planning on or off,
+"""One mpiexec launch for perf/bench/bench_replan.py: one starting split, re-planning on or off,
 bench50m dummy weights; a warm-up job, then the measured job. Rank 0 writes the job time, the
 greedy tokens, each switch's record, the decisions, and rank 0's step log split into phases at
 the switches (mean decode iteration time of each phase).
 
-    mpiexec -n K python perf/replan_bench_job.py OUT.json '{"A": 1, "E": 3, "m": 2,
+    mpiexec -n K python perf/jobs/replan_bench_job.py OUT.json '{"A": 1, "E": 3, "m": 2,
         "segments": [[num, prompt_len, output_len], ...], "replan": {...} or null, ...}'
 
 ``segments``: the requests in order (rank 0 hands them out first come first served), e.g. short

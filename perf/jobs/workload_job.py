@@ -1,6 +1,6 @@
 """One workload (a jsonl of requests with arrival times) on a disaggregated layout, under mpiexec.
 
-    mpiexec -n A+E python perf/workload_job.py OUT.json TRACE.jsonl --replicas A --m M [--zipf Z]
+    mpiexec -n A+E python perf/jobs/workload_job.py OUT.json TRACE.jsonl --replicas A --m M [--zipf Z]
 
 TRACE.jsonl: one request a line, {"arrival_s", "prompt_len", "output_len"} (the simulator's
 ``events.read_request_trace`` format). The runtime's own loop (runtime/replica_loop.py) queues
@@ -12,7 +12,7 @@ rank 0 tells all of them to sleep until the next arrival (no empty iterations wh
 simulator jumps). Request i goes to replica i mod A, as in the runtime.
 
 A warm-up batch (4 requests, 3 tokens) runs first and is not measured. ``--zipf Z`` biases the
-router (perf/eplb_job.bias_routers); every run counts the (token, expert) pairs the routers
+router (perf/jobs/eplb_job.bias_routers); every run counts the (token, expert) pairs the routers
 chose per layer during the measured phase, so the simulator can be fed the recorded load.
 Rank 0 writes per-request arrival / first-token / finish times (seconds from the start) and
 the per-step log. ``--trace-dir DIR``: every rank's trace (docs/trace_format.md), merged into

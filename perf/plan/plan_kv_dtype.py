@@ -1,6 +1,6 @@
 """How ``cache.kv_cache_dtype`` moves the planner's best plan: batch, throughput and cost.
 
-    python perf/plan_kv_dtype.py [--slo-ms 150] [--no-plot]
+    python perf/plan/plan_kv_dtype.py [--slo-ms 150] [--no-plot]
 
 For each (model preset, hardware profile, workload) the disaggregated planner (datasheet
 roofline, ``megainfer-plan`` with ``cache.kv_cache_dtype=...``) is run once per KV format; the

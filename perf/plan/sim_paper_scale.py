@@ -18,7 +18,7 @@ proposes deployments; the closed form's own figure is printed beside the simulat
 
 Beside each figure, the paper's where the MegaScale-Infer write-up in the seeds reports one.
 
-  python perf/sim_paper_scale.py [--only pd_goodput_vs_non_pd ...]  -> tables + perf/results/sim_paper_scale.json
+  python perf/plan/sim_paper_scale.py [--only pd_goodput_vs_non_pd ...]  -> tables + perf/results/sim_paper_scale.json
 """
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""In-situ layer fit of bench50m (the model perf/bench_pd.py runs) on this machine, for the PD
-validation (perf/validate_sim_pd.py).
+"""In-situ layer fit of bench50m (the model perf/bench/bench_pd.py runs) on this machine, for the PD
+validation (perf/validate/validate_sim_pd.py).
 
-    python perf/calibrate_bench50m.py [--out perf/results/bench50m_in_situ.json]
+    python perf/validate/calibrate_bench50m.py [--out perf/results/bench50m_in_situ.json]
 
-Each (batch, prompt, decode) of CONFIGS is one ``mpiexec -n 2 perf/pipeline_job.py`` launch of
+Each (batch, prompt, decode) of CONFIGS is one ``mpiexec -n 2 perf/jobs/pipeline_job.py`` launch of
 the bench50m shape (1 attention + 1 expert rank holding all 8 experts, m = 1, dummy weights):
 an untraced warm-up job, then the same job traced (the first call of each module is slow). Its
 spans become samples (``megainfer.perfmodel.insitu``): every decode iteration's attention
@@ -13,12 +13,12 @@ prefill iteration's (iteration 0: all the batch's prompts in one chunk, mean con
 tokens at contexts 8 to 512, decode batches of 1 to 16 at contexts 17 to 1030. The shared
 machine's speed drifts by 2-3x within minutes, so before each configuration and after the last
 one a probe run of one fixed configuration (PROBE, marked ``probe``) measures it: the fit
-(``reference_fits``, used by perf/validate_sim_pd.py) divides each run's spans by the speed of the
-probes beside it, and ``perf/bench_pd.py --calibrate`` probes between its launches the same way.
+(``reference_fits``, used by perf/validate/validate_sim_pd.py) divides each run's spans by the speed of the
+probes beside it, and ``perf/bench/bench_pd.py --calibrate`` probes between its launches the same way.
 
 Writes the samples, the 1-min load average around each launch, the date and
 ``fits_unprobed`` (the fits of the raw spans, a first look; ``reference_fits`` makes the fits
-perf/validate_sim_pd.py uses, each run's spans divided by its probes' speed), each fit with its
+perf/validate/validate_sim_pd.py uses, each run's spans divided by its probes' speed), each fit with its
 self-error:
 
 * ``decode``: attention T_a = k2 + b (k1 + k1_ctx ctx) over the decode spans (b sequences, one

@@ -1,16 +1,16 @@
 """In-situ calibration: fit the model's layer times to traced runtime runs (megainfer.perfmodel.insitu).
 
-    python perf/calibrate_in_situ.py [--batches 32,64,128,256,384] [--profile conf/hardware/cpu_node.yaml]
+    python perf/validate/calibrate_in_situ.py [--batches 32,64,128,256,384] [--profile conf/hardware/cpu_node.yaml]
 
-``perf/measure_runtime_runs.py --in-situ`` runs the same traced runs interleaved with the
+``perf/validate/measure_runtime_runs.py --in-situ`` runs the same traced runs interleaved with the
 validation runs, so both see the same moments of a shared machine.
 
-For each batch size, one ``mpiexec -n 2 perf/pipeline_job.py`` run of the ``pipeline_bench`` shape
+For each batch size, one ``mpiexec -n 2 perf/jobs/pipeline_job.py`` run of the ``pipeline_bench`` shape
 (1 attention + 1 expert rank, m = 1, traced) decodes 12 tokens after a 16-token prompt; every
 decode iteration's attention and expert spans become fit samples. The fit replaces the
 ``pipeline_bench`` entry of the profile's ``fits`` (the node section and the other fits stay).
 The default batches avoid 96, 192 and 288, the batch sizes of the validation runs
-(perf/measure_runtime_runs.py). Run it on a quiet machine.
+(perf/validate/measure_runtime_runs.py). Run it on a quiet machine.
 """
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     attn, expert = [], []
     collect([int(x) for x in a.batches.split(",")], tempfile.mkdtemp(prefix="insitu_"), attn, expert)
-    fit_and_write(attn, expert, a.profile, f"perf/calibrate_in_situ.py, batches {a.batches}")
+    fit_and_write(attn, expert, a.profile, f"perf/validate/calibrate_in_situ.py, batches {a.batches}")
 
 
 if __name__ == "__main__":

@@ -1,14 +1,14 @@
-"""Measure the runtime runs the performance model is validated on (perf/validate_perfmodel.py).
+"""Measure the runtime runs the performance model is validated on (perf/validate/validate_perfmodel.py).
 
 Each run decodes the ``pipeline_bench`` shape (conf/plan_model/pipeline_bench.yaml, the shape of
-perf/bench_pipeline.py) with the disaggregated runtime under ``mpiexec -n A+E`` on this node and
+perf/bench/bench_pipeline.py) with the disaggregated runtime under ``mpiexec -n A+E`` on this node and
 stores its median decode iteration time as ``perf/results/runtime_runs/disagg_a{A}e{E}_b{B}_m{m}.json``:
 
-    python perf/measure_runtime_runs.py [--only a1e1_b192] [--repeats 1] [--in-situ]
+    python perf/validate/measure_runtime_runs.py [--only a1e1_b192] [--repeats 1] [--in-situ]
 
 A launch serves all micro-batch counts of one (A, E, B); with ``--repeats`` > 1 the launches
 alternate and each run keeps the median of its repeats. With ``--in-situ`` every repeat also
-makes the traced calibration runs of ``perf/calibrate_in_situ.py`` (other batch sizes), and the
+makes the traced calibration runs of ``perf/validate/calibrate_in_situ.py`` (other batch sizes), and the
 fit of all their spans replaces the ``pipeline_bench`` fit in conf/hardware/cpu_node.yaml: the
 model's layer times and the runs it is validated on are then measured side by side, at the
 same moments of a shared machine. Run it on a quiet machine.
@@ -74,7 +74,7 @@ def main(argv=None) -> None:
                           "micro_batches": m},
                "batch": B, "input_len": PROMPT, "output_len": DECODE,
                "decode_iteration_s": statistics.median(xs), "samples_s": xs,
-               "source": f"perf/measure_runtime_runs.py ({A + E} ranks on {os.cpu_count()} cores), "
+               "source": f"perf/validate/measure_runtime_runs.py ({A + E} ranks on {os.cpu_count()} cores), "
                          f"{date}, load average {os.getloadavg()[0]:.1f}"}
         with open(os.path.join(a.out_dir, name + ".json"), "w") as f:
             json.dump(row, f, indent=1)
@@ -82,7 +82,7 @@ def main(argv=None) -> None:
     print(f"wrote {len(samples)} runs to {a.out_dir}")
     if a.in_situ:
         cis.fit_and_write(attn, expert, a.profile or cis.PROFILE,
-                          f"perf/measure_runtime_runs.py --in-situ --repeats {a.repeats}, batches "
+                          f"perf/validate/measure_runtime_runs.py --in-situ --repeats {a.repeats}, batches "
                           f"{','.join(map(str, cal_batches))}, interleaved with the validation runs")
 
 

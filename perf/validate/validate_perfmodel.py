@@ -4,11 +4,11 @@ Per layer: fit k1..k4 on one set of batch sizes, predict held-out batch sizes (a
 context length), measured in the same run; the roofline from this run's matmul / memcpy rates
 is printed beside it as the baseline.
 
-Runtime: predicted vs measured decode iteration time of real runs (perf/pipeline_job.py, stored
+Runtime: predicted vs measured decode iteration time of real runs (perf/jobs/pipeline_job.py, stored
 in perf/results/runtime_runs/*.json; see validate_runtime for the fields), with the profile's
 node terms; the model without them is the baseline, and an ablation leaves out one term at a time.
 
-  python perf/validate_perfmodel.py [--quick] [--runtime-only] [--runtime-results FILE...]
+  python perf/validate/validate_perfmodel.py [--quick] [--runtime-only] [--runtime-results FILE...]
 Writes perf/results/validate_perfmodel.json.
 """
 from __future__ import annotations

@@ -1,15 +1,15 @@
 """The whole-job simulator (megainfer/perfmodel/job_sim.py) against the runtime on this machine.
 
 For each workload x layout, the same requests (arrival time, prompt and output length) run in the
-disaggregated runtime (perf/workload_job.py under mpiexec -n A+E, pipeline_bench shape, dummy
+disaggregated runtime (perf/jobs/workload_job.py under mpiexec -n A+E, pipeline_bench shape, dummy
 weights) and in the simulator fed this machine's calibrated profile; TTFT p50, TPOT p50 and
 output tokens/s are compared, with the closed form (DisaggModel.predict: all requests at t = 0,
 one prefill pass, balanced routing) beside them as the baseline.
 
-    python perf/validate_sim.py [--repeats 2] [--only w1_offline] [--predict-only]
+    python perf/validate/validate_sim.py [--repeats 2] [--only w1_offline] [--predict-only]
 
 Measuring: every repeat runs each (workload, layout) once (alternating order); before each run,
-and after the last, one traced calibration run of perf/calibrate_in_situ.py (1 attention + 1
+and after the last, one traced calibration run of perf/validate/calibrate_in_situ.py (1 attention + 1
 expert rank, m = 1, a batch size from CAL_BATCHES that no validation run uses). All their spans
 give one in-situ fit of the layer times (replacing conf/hardware/cpu_node.yaml's pipeline_bench
 fit in memory; the file is not changed; the node section stays). The machine is shared and its

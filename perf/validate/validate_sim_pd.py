@@ -1,9 +1,9 @@
 """The PD job simulator (megainfer/perfmodel/pd_sim.py) against the recorded PD runs.
 
-    python perf/validate_sim_pd.py [--roofline] [--conditions auto|load|split|scale] [--no-idle]
+    python perf/validate/validate_sim_pd.py [--roofline] [--conditions auto|load|split|scale] [--no-idle]
                                    [--prompt-host] [--profile cpu_node] [--out F]
 
-Reads ``perf/results/bench_pd*.json`` (``perf/bench_pd.py``: bench50m dummy weights, requests at
+Reads ``perf/results/bench_pd*.json`` (``perf/bench/bench_pd.py``: bench50m dummy weights, requests at
 t = 0, P prefill + A attention + E expert ranks and its AE baseline on the same ranks) and
 simulates each row: the baseline with ``job_sim.simulate_job``, PD with ``pd_sim.simulate_pd_job``
 (one loop) and ``goodput.simulate_pd_composed`` beside it. Prints measured vs simulated TTFT p50
@@ -12,7 +12,7 @@ its launches' range (a run's figure is the median over its launches, measured an
 summaries over all runs, the probed ones and the quiet ones (``is_quiet``), with the launches'
 own spread; writes ``perf/results/validate_sim_pd.json``.
 
-Layer times: bench50m's in-situ fits (``perf/calibrate_bench50m.py`` →
+Layer times: bench50m's in-situ fits (``perf/validate/calibrate_bench50m.py`` →
 ``perf/results/bench50m_in_situ.json``: decode attention, prefill-chunk attention, experts) at
 the reference speed; ``ChunkTimes`` gives micro-batches of more than ``max_num_seqs`` tokens and
 the prefill replicas (``PrefillPool(times=)``) the chunk fit. ``--roofline``: the datasheet
@@ -66,7 +66,7 @@ from megainfer.perfmodel.pd_sim import simulate_pd_job  # noqa: E402
 from megainfer.perfmodel.world_plan import _slots  # noqa: E402
 
 WORKLOADS = {"long_prompt": ("long_prompt", "long_output"), "short_prompt": ("short_prompt", "short_output")}
-MAX_SEQS, MAX_TOKENS = 16, 512  # perf/bench_pd.py's scheduler
+MAX_SEQS, MAX_TOKENS = 16, 512  # perf/bench/bench_pd.py's scheduler
 METRICS = ("ttft_p50_ms", "tpot_p50_ms")
 KINDS = ("baseline", "pd_one_loop", "pd_composed")
 
