@@ -7,21 +7,21 @@
 # then the figures run one by one, alone on the GPU.
 #   env       nvidia-smi, torch / triton / transformers versions, mpi4py's MPI, libnccl;
 #   tests     the Triton MoE kernels compiled for real against their torch references and the
-#             NCCL transport on one GPU (tests/test_kernels_triton.py, test_comm_nccl.py);
+#             NCCL transport on one GPU (tests/unit/kernels/test_kernels_triton.py, tests/unit/comm/test_comm_nccl.py);
 #   attn      the Triton paged-attention, MLA and quantised-KV kernels against their torch
 #             references, and the whole engine with them against HF greedy (ATTN_TESTS=files);
 #   gputests  pytest -m gpu: the engine on cuda (fp32 greedy = HF, bf16 within HF's top-5,
 #             past position 2000, CUDA graphs = eager, Triton = torch attention, host syncs of
 #             a decode step), the sampler on cuda, a CUDA load against a host load, an expert
 #             rank's load count with no host sync;
-#   ipc       tests/test_runtime_gpu.py: cuda_ipc and staged mpi round trips, mpiexec -n 2 / 3
+#   ipc       tests/gpu/test_runtime_gpu.py: cuda_ipc and staged mpi round trips, mpiexec -n 2 / 3
 #             on the one GPU, both layouts (self-peers), and the CUDA runtime wrapper;
 #   tokens    the runtime on the GPU, -n 2 / 3, cuda_ipc and mpi: fp32 tokens = single mode,
 #             bf16 equal across transports, host syncs of the attention rank's decode step;
 #   tp        attention TP 2 + 1 expert rank on the one GPU: TP collectives point to point over
 #             cuda_ipc (runtime/tp_channel.py) and through host memory (mpi): fp32 tokens =
 #             single mode, bf16 equal across the two;
-#   eplb      tests/test_eplb_device_moves.py -m gpu: expert weight moves over cuda_ipc
+#   eplb      tests/gpu/test_eplb_device_moves.py -m gpu: expert weight moves over cuda_ipc
 #             (comm.eplb_moves), buffers exact, live EPLB tokens = single mode, -n 3 / 4;
 #   trace     the traced-run test, then megainfer-launch under mpiexec -n 3 (deploy=a1e2,
 #             Mixtral-8x7B's shapes cut to 2 layers, bf16, cuda_ipc, traced);
@@ -69,7 +69,7 @@ mkdir -p "$SRC"
 cp -r megainfer "$SRC/" && cp -r kernels "$SRC/megainfer/kernels" \
   && cp -r launch "$SRC/megainfer/launch" && cp -r conf "$SRC/megainfer/conf" && cp -r tests "$ROOT/"
 if ls .whl/py/*.whl >/dev/null 2>&1; then  # pure-Python packages the image lacks (hydra-core,
-  # omegaconf, antlr4: the launcher and tests/test_device_config.py need them)
+  # omegaconf, antlr4: the launcher and tests/unit/launch/test_device_config.py need them)
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$ROOT/pyext" \
     .whl/py/*.whl && PY_EXTRA="$ROOT/pyext${PY_EXTRA:+:$PY_EXTRA}"
 fi
@@ -154,16 +154,16 @@ PYT="$PY -m pytest -q -rs -m gpu -p no:cacheprovider --continue-on-collection-er
 
 step env 30 bash -c "cd $ROOT; nvidia-smi; $PY -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())'; $PY -c 'import transformers; print(\"transformers\", transformers.__version__)'; $PY -c 'from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])'; $PY -c 'from megainfer.comm import nccl; lib = nccl.load_nccl(); print(\"nccl\", nccl.nccl_version(lib), lib._name)'"
 # ---- correctness (concurrent, PAR_STEPS)
-step tests 150 bash -c "cd $ROOT && $PY -m pytest -q -rs -p no:cacheprovider -o timeout=120 ${TESTS:-tests/test_kernels_triton.py tests/test_comm_nccl.py}"
-step attn 170 bash -c "cd $ROOT && $PY -m pytest -q -rs -p no:cacheprovider -o timeout=120 ${ATTN_TESTS:-tests/test_attention_triton.py tests/test_engine_triton.py tests/test_mla_triton.py tests/test_kv_quant_triton.py}"
-GPUTESTS=$(cd "$ROOT" && ls tests/test_gpu_engine.py tests/test_sampler.py tests/test_device_config.py tests/test_loader_memory.py tests/test_expert_load_count.py 2>/dev/null)
+step tests 150 bash -c "cd $ROOT && $PY -m pytest -q -rs -p no:cacheprovider -o timeout=120 ${TESTS:-tests/unit/kernels/test_kernels_triton.py tests/unit/comm/test_comm_nccl.py}"
+step attn 170 bash -c "cd $ROOT && $PY -m pytest -q -rs -p no:cacheprovider -o timeout=120 ${ATTN_TESTS:-tests/unit/kernels/test_attention_triton.py tests/parity/test_engine_triton.py tests/unit/kernels/test_mla_triton.py tests/unit/kernels/test_kv_quant_triton.py}"
+GPUTESTS=$(cd "$ROOT" && ls tests/gpu/test_gpu_engine.py tests/unit/engine/test_sampler.py tests/unit/launch/test_device_config.py tests/unit/models/test_loader_memory.py tests/unit/runtime/test_expert_load_count.py 2>/dev/null)
 step gputests 170 bash -c "cd $ROOT && $PYT -o timeout=120 $(echo $GPUTESTS)"
 # issue 18: the disaggregated runtime on the GPU, every rank on the one GPU
-step ipc 120 "${R18[@]}" bash -c "cd $ROOT && $PYT -o timeout=100 tests/test_runtime_gpu.py -k 'round_trips or cudart'"
-step tokens 170 "${R18[@]}" bash -c "cd $ROOT && $PYT -o timeout=160 tests/test_runtime_gpu.py -k 'tokens and not tp2'"
-step tp 170 "${R18[@]}" bash -c "cd $ROOT && $PYT -o timeout=160 tests/test_runtime_gpu.py -k tp2"
-step eplb 170 "${R18[@]}" bash -c "cd $ROOT && $PYT -o timeout=160 tests/test_eplb_device_moves.py"
-step trace 170 "${R18[@]}" bash -c "cd $ROOT && $PYT -o timeout=80 tests/test_runtime_gpu.py -k traced; \
+step ipc 120 "${R18[@]}" bash -c "cd $ROOT && $PYT -o timeout=100 tests/gpu/test_runtime_gpu.py -k 'round_trips or cudart'"
+step tokens 170 "${R18[@]}" bash -c "cd $ROOT && $PYT -o timeout=160 tests/gpu/test_runtime_gpu.py -k 'tokens and not tp2'"
+step tp 170 "${R18[@]}" bash -c "cd $ROOT && $PYT -o timeout=160 tests/gpu/test_runtime_gpu.py -k tp2"
+step eplb 170 "${R18[@]}" bash -c "cd $ROOT && $PYT -o timeout=160 tests/gpu/test_eplb_device_moves.py"
+step trace 170 "${R18[@]}" bash -c "cd $ROOT && $PYT -o timeout=80 tests/gpu/test_runtime_gpu.py -k traced; \
     \$MPIEXEC -n 3 $PY -m megainfer.launch.main model=mixtral_8x7b model.arch.num_layers=2 \
       deploy=a1e2 deploy.device=cuda model.dtype=bfloat16 comm.transport=cuda_ipc \
       trace.enabled=true sampling.max_tokens=8 hydra.run.dir=$W/trace_run \

@@ -5,7 +5,8 @@ import os
 import subprocess
 import sys
 
-PERF = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "perf")
+from repo_paths import PERF
+
 
 
 def perf_script(path: str) -> str:

@@ -14,7 +14,7 @@ JOB = os.path.join(os.path.dirname(__file__), "mpi_progs", "replan_job.py")
 
 
 def _job():
-    """tests/mpi_progs/replan_job.py as a module (imported here, not at collection: it sets
+    """tests/distributed/mpi_progs/replan_job.py as a module (imported here, not at collection: it sets
     torch to one thread)."""
     sys.path.insert(0, os.path.dirname(JOB))
     import replan_job

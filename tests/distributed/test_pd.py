@@ -1,7 +1,7 @@
 """Prefill-decode disaggregation (docs/pd.md) under real mpiexec: the rank order, greedy
 tokens identical to single mode with prefill ranks (layouts, MLA, quantised caches, a small
 decode pool), cache-aware routing over prefill ranks, and a failed prefill rank ending the job.
-The streaming itself: tests/test_kv_stream.py; megainfer-launch: tests/test_pd_launch.py."""
+The streaming itself: tests/unit/runtime/test_kv_stream.py; megainfer-launch: tests/distributed/test_pd_launch.py."""
 import json
 import os
 import time

@@ -14,6 +14,7 @@ from megainfer.engine import SamplingParams
 from megainfer.engine.block_manager import BlockManager, hash_block_tokens
 from megainfer.engine.request import Request
 from megainfer.runtime.router import Router
+from repo_paths import MPI_PROGS
 
 HERE = os.path.dirname(__file__)
 
@@ -129,13 +130,13 @@ def test_config_routing_key():
 @pytest.mark.parametrize("A,E", [(2, 1), (2, 0)], ids=["a2e1", "colocated2"])
 def test_routing_keeps_single_mode_tokens(tiny_ckpts, tmp_path, A, E):
     from mpi_util import run_mpi
-    sys.path.insert(0, os.path.join(HERE, "mpi_progs"))
+    sys.path.insert(0, MPI_PROGS)
     from runtime_job import shared_reference
 
     ckpt = tiny_ckpts[("qwen3_moe", "base")]
     want, _ = shared_reference(ckpt, 12)
     out = tmp_path / "out.json"
-    run_mpi(A + E, os.path.join(HERE, "mpi_progs", "routing_job.py"), [out, A, E, ckpt, 12],
+    run_mpi(A + E, os.path.join(MPI_PROGS, "routing_job.py"), [out, A, E, ckpt, 12],
             timeout=600)
     got = json.loads(out.read_text())
     print({k: {x: v[x] for x in ("cached", "assigned", "matched", "preemptions", "tier_loaded")}

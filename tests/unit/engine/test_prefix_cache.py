@@ -10,6 +10,7 @@ from megainfer.engine import block_manager as bm_mod
 from megainfer.engine.block_manager import BlockManager, hash_block_tokens
 from megainfer.engine.request import Request
 from test_engine_parts import expected_tokens, make_engine, run
+from repo_paths import MPI_PROGS
 
 
 def _req(tokens, rid="r"):
@@ -245,14 +246,14 @@ def test_disaggregated_with_caching_gives_single_mode_tokens(tiny_ckpts, tmp_pat
 
     from mpi_util import run_mpi
     here = os.path.dirname(__file__)
-    sys.path.insert(0, os.path.join(here, "mpi_progs"))
+    sys.path.insert(0, MPI_PROGS)
     from runtime_job import shared_reference
 
     ckpt = tiny_ckpts[("qwen3_moe", "base")]
     want, preemptions = shared_reference(ckpt, 12)
     assert preemptions > 0
     out = tmp_path / "out.json"
-    run_mpi(TP + 1, os.path.join(here, "mpi_progs", "runtime_job.py"),
+    run_mpi(TP + 1, os.path.join(MPI_PROGS, "runtime_job.py"),
             [out, 1, TP, 1, "1,2", ckpt, 12, "shared"], timeout=600)
     got = json.loads(out.read_text())
     for m in (1, 2):

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import mpi_util
+from repo_paths import MPI_PROGS
 
-HERE = os.path.join(os.path.dirname(__file__), "mpi_progs")
+HERE = MPI_PROGS
 CHANNEL_JOB = os.path.join(HERE, "weight_channel_job.py")
 EPLB_JOB = os.path.join(HERE, "eplb_device_job.py")
 

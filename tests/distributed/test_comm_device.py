@@ -1,7 +1,7 @@
 """The device side of the comm layer, on CPU: the staging transport (run with CPU tensors under
 real mpiexec), capacity checks, the transport choice and its failure messages, the leader's
 rows per expert rank, colocated mode's grouped posts, and that nothing CUDA is touched on a
-CPU box. The CUDA-only parts are in tests/test_runtime_gpu.py (marked gpu)."""
+CPU box. The CUDA-only parts are in tests/gpu/test_runtime_gpu.py (marked gpu)."""
 import json
 import os
 

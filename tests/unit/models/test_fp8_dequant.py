@@ -1,6 +1,6 @@
 """The FP8 block dequantiser (``models/fp8.py``) against a per-element loop, its shape and value
 checks, and the ``quantization_config`` it reads (DeepSeek-V3 / HF ``quant_method: fp8``).
-Loading whole checkpoints: tests/test_fp8_checkpoint.py (which shares the helpers here)."""
+Loading whole checkpoints: tests/unit/models/test_fp8_checkpoint.py (which shares the helpers here)."""
 import pytest
 import torch
 

@@ -1,7 +1,7 @@
 """vLLM's SamplingParams beyond temperature/top-k/top-p/min-p, through the engine on a fake
 model: n (shared prefill, copy-on-write), logprobs, prompt_logprobs, stop strings, min_tokens,
 presence / frequency / repetition penalties, validation. Against HF and under mpiexec:
-tests/test_sampling_params_hf.py."""
+tests/parity/test_sampling_params_hf.py."""
 import dataclasses
 import json
 import math

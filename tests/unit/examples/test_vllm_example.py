@@ -3,7 +3,9 @@ import os
 import subprocess
 import sys
 
-EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "offline_basic.py")
+from repo_paths import REPO
+
+EXAMPLE = os.path.join(REPO, "examples", "offline_basic.py")
 
 
 def test_vllm_style_offline_example_runs(tiny_ckpts):

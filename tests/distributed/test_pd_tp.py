@@ -140,7 +140,7 @@ def test_tp2_prefill_collectives_over_the_device_channel_equal_single_mode(tiny_
                                                                             tmp_path):
     """comm.tp_collectives=channel: the prefill replica's all-reduces (attention, its share of
     the experts) travel point to point over the job's transport (MPI's on cpu, cuda_ipc on a
-    GPU; tensors over the channel's capacity go in pieces: tests/test_tp_channel.py); tokens
+    GPU; tensors over the channel's capacity go in pieces: tests/distributed/test_tp_channel.py); tokens
     equal single mode."""
     ckpt = tiny_ckpts[("mixtral", "base")]
     out = tmp_path / "out.json"

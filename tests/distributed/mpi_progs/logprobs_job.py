@@ -2,7 +2,7 @@
 
     mpiexec -n K python logprobs_job.py OUT.json A TP E M CKPT
 E = 0 runs colocated mode over the A ranks. Rank 0 writes {request id: outputs} as
-``summarize`` makes them (tests/test_sampling_params_vllm.py compares with single mode).
+``summarize`` makes them (tests/unit/engine/test_sampling_params_vllm.py compares with single mode).
 """
 import json
 import sys

@@ -18,8 +18,8 @@ from megainfer.config import LoadConfig, ModelConfig
 from megainfer.models import ParallelContext, build_model
 from megainfer.models.loader import CorruptCheckpointError
 from megainfer.models.safetensors_io import SafetensorsFile, Scratch
+from repo_paths import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MB = 2 ** 20
 
 

@@ -1,5 +1,5 @@
 """FP8 block-quantised checkpoints (DeepSeek-V3 / HF ``quant_method: fp8``), dequantised on load
-(the dequantiser itself: tests/test_fp8_dequant.py): every malformed case as a typed error,
+(the dequantiser itself: tests/unit/models/test_fp8_dequant.py): every malformed case as a typed error,
 and a tiny Mixtral quantised to float8_e4m3fn ([32, 32] blocks, hidden 48 and intermediate 72 so edge
 blocks exist) loaded whole, tensor-parallel and fused, against a dequantised fp32 copy (which
 transformers loads as a plain checkpoint: the comparison never relies on HF's fp8 support)."""

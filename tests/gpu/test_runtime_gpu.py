@@ -18,15 +18,16 @@ import torch
 
 import mpi_util
 from conftest import FAMILIES
+from repo_paths import MPI_PROGS
 
 pytestmark = pytest.mark.gpu
-HERE = os.path.join(os.path.dirname(__file__), "mpi_progs")
+HERE = MPI_PROGS
 
 
 def sync_budget(moe_layers: int, m: int) -> int:
     """Host syncs one decode step may make on the attention rank: the per-(MoE layer,
     micro-batch) count copy of the rows going to each expert rank, each micro-batch's one input
-    copy (counted when not pinned, as in tests/test_gpu_engine.py), the sampled tokens."""
+    copy (counted when not pinned, as in tests/gpu/test_gpu_engine.py), the sampled tokens."""
     return moe_layers * m + m + 1
 
 

@@ -5,7 +5,6 @@ their arrival times (perf/jobs/workload_job.py, real mpiexec) which perf/validat
 Where nothing but the fixed batch matters the simulator equals the closed form; skew and arrivals
 move it in the expected direction."""
 import json
-import os
 
 import numpy as np
 import pytest

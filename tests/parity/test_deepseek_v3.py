@@ -22,6 +22,7 @@ from megainfer.models.deepseek_v3 import rope_parameters, softmax_scale
 from megainfer.models.kv_spec import kv_cache_spec_for
 from megainfer.models.loader import ConfigMismatchError
 from tp_threads import run_tp_threads
+from repo_paths import MPI_PROGS
 
 QLORA = [None, 24]  # q_proj, or q_a_proj / q_a_layernorm / q_b_proj
 V2_GREEDY = ("deepseek_v2", "greedy")  # V2 without groups (n_group 1), q_lora_rank 24
@@ -325,13 +326,13 @@ def _mpi_tools():
     """(run_mpi, tests dir) with tests/mpi_progs importable."""
     import sys
     here = os.path.dirname(__file__)
-    sys.path.insert(0, os.path.join(here, "mpi_progs"))
+    sys.path.insert(0, MPI_PROGS)
     from mpi_util import run_mpi
     return run_mpi, here
 
 
 def _single_mode_tokens(path):
-    """{request id: greedy tokens} of tests/mpi_progs/runtime_job.py's prompts, single mode."""
+    """{request id: greedy tokens} of tests/distributed/mpi_progs/runtime_job.py's prompts, single mode."""
     _mpi_tools()
     from runtime_job import CACHE, SCHED, inputs
 
@@ -353,7 +354,7 @@ def test_multi_process_modes_equal_single_mode(ckpts, tmp_path, A, TP, E):
     path = ckpts[24]
     want, run_mpi, here = _single_mode_tokens(path), *_mpi_tools()
     out = tmp_path / "out.json"
-    run_mpi(A * TP + E, os.path.join(here, "mpi_progs", "runtime_job.py"),
+    run_mpi(A * TP + E, os.path.join(MPI_PROGS, "runtime_job.py"),
             [out, A, TP, E, "1,2", path], timeout=600)
     got = json.loads(out.read_text())
     for m in (1, 2):
@@ -367,7 +368,7 @@ def test_eplb_placements_keep_tokens(ckpts, tmp_path):
     path = ckpts[24]
     want, run_mpi, here = _single_mode_tokens(path), *_mpi_tools()
     out = tmp_path / "eplb.json"
-    run_mpi(3, os.path.join(here, "mpi_progs", "eplb_job.py"), [out, path], timeout=600)
+    run_mpi(3, os.path.join(MPI_PROGS, "eplb_job.py"), [out, path], timeout=600)
     res = json.loads(out.read_text())
     static, live = res["static_shuffled"], res["live"]
     assert static["tokens"] == want and all(static["weights_ok"])

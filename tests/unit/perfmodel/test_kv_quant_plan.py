@@ -19,8 +19,9 @@ from megainfer.perfmodel.model import DisaggModel, Plan, Workload
 from megainfer.perfmodel.planner import SearchSpace, plan_disaggregated
 from megainfer.perfmodel.shapes import KV_CACHE_BYTES, ModelShape
 from perfmodel_helpers import TINY, synthetic_hw
+from repo_paths import REPO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = REPO
 DTYPE = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 

@@ -13,6 +13,7 @@ from megainfer.config import ModelConfig
 from megainfer.engine import LLMEngine, SamplingParams
 from megainfer.engine.sampler import mix_seed
 from parity_util import hf_greedy
+from repo_paths import MPI_PROGS
 
 KEY = ("mixtral", "base")
 
@@ -116,7 +117,7 @@ def test_distributed_modes_give_single_mode_logprobs(tiny_ckpts, tmp_path, A, E)
     import os
     import sys
     here = os.path.dirname(__file__)
-    sys.path.insert(0, os.path.join(here, "mpi_progs"))
+    sys.path.insert(0, MPI_PROGS)
     from logprobs_job import inputs, summarize
     from mpi_util import run_mpi
     from runtime_job import CACHE, SCHED
@@ -128,7 +129,7 @@ def test_distributed_modes_give_single_mode_logprobs(tiny_ckpts, tmp_path, A, E)
     single = LLMEngine.from_model(build_model(cfg, LoadConfig(path=path)), SCHED, CACHE)
     want = {o.request_id: summarize(o) for o in single.generate_stream(inputs(cfg.vocab_size))}
     out = tmp_path / "out.json"
-    run_mpi(A + E, os.path.join(here, "mpi_progs", "logprobs_job.py"),
+    run_mpi(A + E, os.path.join(MPI_PROGS, "logprobs_job.py"),
             [out, A, 1, E, 2, path], timeout=600)
     got = json.loads(out.read_text())
     assert sorted(got) == sorted(want)
