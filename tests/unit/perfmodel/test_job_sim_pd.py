@@ -1,11 +1,23 @@
 """The PD job simulator (perfmodel/pd_sim.py): prefill replicas, KV transfers and the decode
-pool in one event loop, checked against closed forms and against the composed PD model."""
+pool in one event loop, checked against closed forms and against the composed PD model.
+
+A PD prefill step beside a decode pool that has nothing to decode but whose ranks still take
+a share of a core each (``simulate_pd_job(idle_decode_busy=)``, pd_parts.Node): the CPU runtime
+steps its lock-step decode pipeline with empty batches and its ranks poll while it waits.
+
+A PD prefill step's per-prompt host work: ``PrefillPool(prompt_host_s=)`` seconds per prompt
+in the step and per layer (the CPU runtime gathers, copies and posts each prompt's layer KV and
+keeps its books), beyond the layer times."""
+import dataclasses
+
 import numpy as np
 import pytest
 
+from megainfer.config import ConfigError
 from megainfer.perfmodel.events import LengthDist, Requests, poisson_requests
 from megainfer.perfmodel.goodput import (PrefillPool, decode_model, kv_transfer_s,
                                          simulate_pd_composed)
+from megainfer.perfmodel.hardware import NodeProfile
 from megainfer.perfmodel.job_sim import JobConfig
 from megainfer.perfmodel.model import Plan, Workload
 from megainfer.perfmodel.pd_sim import simulate_pd_job
@@ -102,3 +114,57 @@ def test_one_token_outputs_finish_at_prefill_and_admission_respects_max_num_seqs
     assert np.all(~np.isnan(r.finish_s))
     # at most 2 requests handed to the one decode replica at once: decode batches of <= 2
     assert max(it[2] for it in r.iteration_s) <= 2
+
+
+def _ttft(cores: int, idle: float, n_a: int = 1) -> tuple[float, float]:
+    """One 64-token prompt with a one-token output (no decode ever runs): (TTFT, step alone)."""
+    hw = synthetic_hw(mem=4e7)
+    hw = dataclasses.replace(hw, node=NodeProfile(cores=cores)) if cores else hw
+    pool = PrefillPool(TINY, hw, 1, 1)
+    reqs = Requests(np.zeros(1), np.array([64]), np.ones(1, np.int64))
+    r = simulate_pd_job(pool, decode_model(TINY, hw, hw, WL, "bfloat16", True),
+                        Plan(1, n_a, 1, 2, 1, 1, hw.name, hw.name), reqs, JobConfig(), idle_decode_busy=idle)
+    t, L = pool.t, TINY.num_layers
+    alone = L * t.t_attn(64, 32.5) + L * t.t_expert([64 * TINY.top_k / TINY.num_experts] * 8) + t.t_head(1)
+    return float(r.ttft_s[0]), alone
+
+
+@pytest.mark.parametrize("cores,idle,n_a,stretch", [
+    (1, 0.0, 1, 1.0),    # the decode pool waits without computing: the step alone
+    (1, 0.5, 1, 2.5),    # one core, 3 decode ranks (1 attention + 2 expert) at half a core each
+    (1, 1.0, 2, 5.0),    # one core, 4 decode ranks always computing: 5 ranks on 1 core
+    (2, 0.25, 1, 1.0),   # two cores, 1 + 0.75 ranks' demand: no sharing
+    (2, 1.0, 1, 2.0),    # two cores, 1 + 3 ranks
+    (0, 1.0, 1, 1.0),    # GPUs share nothing
+])
+def test_idle_decode_ranks_share_the_prefill_cores(cores, idle, n_a, stretch):
+    ttft, alone = _ttft(cores, idle, n_a)
+    assert ttft == pytest.approx(stretch * alone, rel=1e-9)
+
+
+def test_idle_decode_busy_must_be_a_fraction():
+    with pytest.raises(ConfigError, match="idle_decode_busy"):
+        _ttft(1, 1.5)
+
+
+def _step(n_prompts: int, send: float) -> float:
+    """n 32-token prompts at t = 0, one output token each: they share one prefill step."""
+    pool = PrefillPool(TINY, HW, 1, 1, prompt_host_s=send)
+    reqs = Requests(np.zeros(n_prompts), np.full(n_prompts, 32), np.ones(n_prompts, np.int64))
+    r = simulate_pd_job(pool, decode_model(TINY, HW, HW, WL, "bfloat16", True),
+                        Plan(1, 1, 1, 2, 1, n_prompts, HW.name, HW.name), reqs, JobConfig())
+    assert len(r.prefill_steps) == 1
+    return float(r.ttft_s.max())
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_each_prompt_of_a_step_pays_its_host_work_per_layer(n):
+    c = 1e-3
+    assert _step(n, c) - _step(n, 0.0) == pytest.approx(n * TINY.num_layers * c, rel=1e-9)
+
+
+def test_the_one_prompt_queue_pays_them_too():
+    a, b = PrefillPool(TINY, HW, 1, 1), PrefillPool(TINY, HW, 1, 1, prompt_host_s=2e-3)
+    assert b.t_prefill(64) - a.t_prefill(64) == pytest.approx(TINY.num_layers * 2e-3, rel=1e-9)
+    with pytest.raises(ConfigError, match="prompt_host_s"):
+        PrefillPool(TINY, HW, 1, 1, prompt_host_s=-1.0)
