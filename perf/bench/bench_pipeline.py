@@ -27,7 +27,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from mpi_launch import run_job  # noqa: E402
 from perf_paths import PERF, RESULTS  # noqa: E402
 from pipeline_shape import BENCH_SHAPE  # noqa: E402
+
 from megainfer.bench.results_io import write_json  # noqa: E402
+
 CONFIGS = ["disaggregated:1", "disaggregated:2", "disaggregated:3", "disaggregated:4",
            "colocated:1", "colocated:2"]
 TRACED = ["disaggregated:1:trace", "disaggregated:2:trace", "disaggregated:3:trace",
