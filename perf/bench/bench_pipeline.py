@@ -18,14 +18,13 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "harness"))
 from mpi_launch import run_job  # noqa: E402
-from perf_paths import PERF, RESULTS  # noqa: E402
+from perf_paths import RESULTS  # noqa: E402
 from pipeline_shape import BENCH_SHAPE  # noqa: E402
 
 from megainfer.bench.results_io import write_json  # noqa: E402
@@ -79,8 +78,8 @@ def main():
     overhead = t2["decode_iter_s"] / statistics.median(
         [untraced_again[0]["decode_iter_s"], m2["decode_iter_ms"] / 1e3]) - 1
     if a.timeline:
-        subprocess.run([sys.executable, os.path.join(PERF, "plot_timeline.py"), t2["trace"],
-                        "-o", a.timeline, "--iter", "10"], check=False)
+        from megainfer.tools.timeline import draw_timeline
+        draw_timeline(t2["trace"], a.timeline, iteration=10)
     result = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} "
               f"{os.cpu_count()} cores, {platform.python_version()}, torch 1 thread per rank",
               "shape": runs[0].get("shape"), "repeats": a.repeats, "rows": rows,
