@@ -7,9 +7,9 @@ import pytest
 
 from megainfer.config import DeployPlan, EplbConfig
 from megainfer.tools import config_doc
+from repo_paths import REPO
 
-DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
-                   "config.md")
+DOC = os.path.join(REPO, "docs", "config.md")
 
 
 def test_config_md_is_current():

@@ -1,7 +1,7 @@
 """Online vs offline throughput, single mode: one mixed-length job through ``LLM.generate`` (all
 requests up front) and through ``AsyncLLM`` (requests arriving one at a time), in one run.
 
-    python perf/bench_async_llm.py [--requests 48 --repeats 3 --gap-ms 0]
+    python perf/bench/bench_async_llm.py [--requests 48 --repeats 3 --gap-ms 0]
 
 Same checkpoint (a tiny Qwen3-MoE made by megainfer.tools.make_tiny, random weights), same
 arguments for both engines (two instances, prefix caching on in both, no prompt shared), greedy,
@@ -27,9 +27,10 @@ import time
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from results_io import write_json  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "harness"))
+from perf_paths import RESULTS  # noqa: E402
+
+from megainfer.bench.results_io import write_json  # noqa: E402
 
 
 def make_job(a):
@@ -90,7 +91,7 @@ def main(argv=None):
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "bench_async_llm.json"))
+    ap.add_argument("--out", default=os.path.join(RESULTS, "bench_async_llm.json"))
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     from megainfer import LLM, AsyncLLM, SamplingParams

@@ -1,7 +1,7 @@
 """megainfer-serve vs the offline engine on the same requests (single mode, bench50m shapes,
 dummy weights), in one run:
 
-    python perf/bench_serve.py [--device cpu|cuda] [--num-prompts 64 --input-len 64
+    python perf/bench/bench_serve.py [--device cpu|cuda] [--num-prompts 64 --input-len 64
                                 --output-len 32 --rates 2,8,inf --out PATH]
 
 1. the offline job: ``LLM.generate`` on every request at once (greedy, eos ignored): output
@@ -28,10 +28,11 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from bench_prefix_cache import BENCH50M  # noqa: E402
-from results_io import write_json  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "harness"))
+from perf_paths import RESULTS  # noqa: E402
+
+from megainfer.bench.results_io import write_json  # noqa: E402
+from megainfer.bench.shapes import BENCH50M  # noqa: E402
 
 
 def bench_args(port, n, rate, conc, a):
@@ -91,7 +92,6 @@ def main():
     a = p.parse_args()
     import torch
     from megainfer import LLM, SamplingParams
-    from megainfer.config import ModelConfig
     from megainfer.serve.bench_client import random_requests
     threads = a.threads
     torch.set_num_threads(threads)
@@ -112,7 +112,7 @@ def main():
         c0, t0 = cpu_seconds(server.pid), time.perf_counter()
         time.sleep(3.0)
         idle_cpu = (cpu_seconds(server.pid) - c0) / (time.perf_counter() - t0)
-        llm = LLM(ModelConfig(**BENCH50M), device=a.device, max_num_seqs=a.max_num_seqs)
+        llm = LLM(BENCH50M, device=a.device, max_num_seqs=a.max_num_seqs)
         params = SamplingParams(temperature=0, max_tokens=a.output_len, ignore_eos=True)
         llm.generate([r.prompt for r in reqs[:4]], params, use_tqdm=False)  # warm-up
         t, c = time.perf_counter(), time.process_time()
@@ -162,7 +162,7 @@ def main():
           f"{prefill_s * 1000:.1f} ms + 5 ms (ratio {res['ttft_vs_prefill_plus_5ms']:.3f}, "
           f"goal <= 1.2); saturated server CPU / offline CPU "
           f"{res['saturated_server_cpu_vs_offline_cpu'] or float('nan'):.3f}; idle server {100 * idle_cpu:.2f}% of a core")
-    out = a.out or os.path.join(HERE, "results", "bench_serve" +
+    out = a.out or os.path.join(RESULTS, "bench_serve" +
                                 ("_cuda" if a.device == "cuda" else "") + ".json")
     write_json(out, res)
 
