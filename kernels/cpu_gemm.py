@@ -4,7 +4,7 @@ fastest for the step's row count and this process's thread count.
 At decode row counts (1-64 rows against a 512 x 2048 weight) MKL's fp32 sgemm reads weights
 at 3-18 GB/s on this machine, a quarter of what a plain ``sum`` reads; oneDNN's inner-product
 over a weight reordered once into its blocked layout reads them at 25-60 GB/s (perf/
-tune_cpu_gemm.py, perf/bench_decode_step.py). Three methods:
+tune_cpu_gemm.py, perf/bench/bench_decode_step.py). Three methods:
 
 * ``mm``      ``torch.mm(x, W.t())``: MKL, what ``F.linear`` does.
 * ``skinny``  ``torch.mm(W, x.t()).t()``: weight-major, the old rule for 3-16 rows.
@@ -15,7 +15,7 @@ tune_cpu_gemm.py, perf/bench_decode_step.py). Three methods:
 
 Which method runs for how many rows is a table per weight kind (``expert``: the routed
 experts' [2N, H] and [H, N]; ``dense``: attention projections, dense MLPs, lm_head) and thread
-count (``cpu_gemm_rules.json`` beside this file, written by ``perf/tune_cpu_gemm.py`` from
+count (``cpu_gemm_rules.json`` beside this file, written by ``perf/bench/tune_cpu_gemm.py`` from
 measurement); ``use_rules`` swaps it (the benches' "before" runs ``OLD_RULES``, the path before
 issue 38, through it). Only float32 CPU
 weights take the oneDNN path; other dtypes and devices use ``F.linear`` / ``torch.mm``.

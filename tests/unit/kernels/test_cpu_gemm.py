@@ -83,7 +83,7 @@ def test_measured_table_is_valid():
     import json
     with open(cpu_gemm.RULES_PATH) as f:
         table = json.load(f)
-    assert table["source"] == "perf/tune_cpu_gemm.py"
+    assert table["source"] == "perf/bench/tune_cpu_gemm.py"
     cpu_gemm.check_rules(table["rules"])
 
 

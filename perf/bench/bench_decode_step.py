@@ -1,7 +1,7 @@
 """One CPU decode step against its physical floor, before and after issue 38, beside HF's step;
 then the engine-vs-HF job race (perf/bench_offline.py) with prefix caching off.
 
-    python perf/bench_decode_step.py [--batches 1 8 32 64 --threads 1 2 --context 100
+    python perf/bench/bench_decode_step.py [--batches 1 8 32 64 --threads 1 2 --context 100
                                       --repeats 15 --no-jobs]
 
 Model: the 54.5M Mixtral-shaped checkpoint of issue 38 (vocab 1024, hidden 512, inter 1024,
@@ -43,8 +43,10 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "harness"))
 import bench_offline  # noqa: E402
-from results_io import write_json  # noqa: E402
+from megainfer.bench.results_io import write_json  # noqa: E402
+from perf_paths import RESULTS  # noqa: E402
 
 SHAPE = dict(vocab=1024, hidden=512, layers=4, heads=8, kv_heads=4, experts=8, top_k=2,
              inter=1024)
@@ -195,7 +197,7 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--job-repeats", type=int, default=3)
     ap.add_argument("--no-jobs", dest="jobs", action="store_false")
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "bench_decode_step.json"))
+    ap.add_argument("--out", default=os.path.join(RESULTS, "bench_decode_step.json"))
     a = ap.parse_args(argv)
     shape = SimpleNamespace(**SHAPE)
     import transformers

@@ -1,7 +1,7 @@
 """Measure the CPU GEMM methods of ``megainfer.kernels.cpu_gemm`` per row count and thread
 count, and write the rule table the library reads (``kernels/cpu_gemm_rules.json``).
 
-    python perf/tune_cpu_gemm.py [--threads 1 2 --repeats 11 --no-write]
+    python perf/bench/tune_cpu_gemm.py [--threads 1 2 --repeats 11 --no-write]
 
 Shapes: the bench50m-family weights a decode step reads, per kind: ``expert`` (gate_up
 [2N, H] and down [H, N] of 8 experts, timed together as one layer's expert pass, so the cache
@@ -32,7 +32,9 @@ from megainfer.kernels import cpu_gemm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from results_io import write_json  # noqa: E402
+sys.path.insert(0, os.path.join(HERE, "..", "harness"))
+from megainfer.bench.results_io import write_json  # noqa: E402
+from perf_paths import RESULTS  # noqa: E402
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 512)
 PREFERENCE = ("onednn", "mm", "skinny")
@@ -105,7 +107,7 @@ def main(argv=None):
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--margin", type=float, default=0.05)
     ap.add_argument("--no-write", dest="write", action="store_false")
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "tune_cpu_gemm.json"))
+    ap.add_argument("--out", default=os.path.join(RESULTS, "tune_cpu_gemm.json"))
     a = ap.parse_args(argv)
     samples, rules = {}, {k: {} for k in cpu_gemm.KINDS}
     load0 = os.getloadavg()
@@ -135,7 +137,7 @@ def main(argv=None):
                            date=datetime.datetime.now().isoformat(timespec="seconds"),
                            machine=machine, args=vars(a), seconds=samples, rules=rules), indent=2)
     if a.write:
-        table = dict(source="perf/tune_cpu_gemm.py", date=datetime.date.today().isoformat(),
+        table = dict(source="perf/bench/tune_cpu_gemm.py", date=datetime.date.today().isoformat(),
                      machine=machine, rules=rules)
         with open(cpu_gemm.RULES_PATH, "w") as f:
             json.dump(table, f, indent=1)
