@@ -1,6 +1,6 @@
 """Event-driven simulator of whole jobs on a disaggregated plan (``DisaggModel`` + ``Plan``).
 
-Unlike ``simulator.py`` (one fixed batch in a fixed order, hence equal to the closed form), this
+Unlike ``fixed_batch.py`` (one fixed batch in a fixed order, hence equal to the closed form), this
 runs a job: requests arrive (``events.poisson_requests`` or a jsonl trace), each attention
 replica's scheduler does continuous batching with chunked prefill the way
 ``megainfer/engine/scheduler.py`` does (running requests first in start order: a decode takes
@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from megainfer.config import ConfigError
-from megainfer.perfmodel.events import Requests, Routing, draw_counts, makespan_outer
-from megainfer.perfmodel.job_result import JobResult  # noqa: F401  (re-exported)
-from megainfer.perfmodel.hardware import with_background_load
-from megainfer.perfmodel.layer_times import FittedTimes
-from megainfer.perfmodel.model import DisaggModel, Plan
+from megainfer.perfmodel.model.disagg import DisaggModel, Plan
+from megainfer.perfmodel.model.hardware import with_background_load
+from megainfer.perfmodel.model.layer_times import FittedTimes
+from megainfer.perfmodel.sim.events import Requests, Routing, draw_counts, makespan_outer
+from megainfer.perfmodel.sim.job_result import JobResult
 from megainfer.perfmodel.trace import TraceWriter
 
 
@@ -134,7 +134,7 @@ class Pipeline:
         """End time of one iteration. tok, ctx, rows: [n_a, m] tokens, mean context and sampled
         rows per (replica, micro-batch); counts: [layers, m, E] tokens per expert;
         ingress_free: [n_a] when each replica's ingress link is free of other traffic (PD's KV
-        transfers, ``pd_sim``), so its E2A messages queue behind it."""
+        transfers, ``sim.pd``), so its E2A messages queue behind it."""
         p, L = self.plan, counts.shape[0]
         n_a, n_e, tp_a, tp_e = p.n_a, p.n_e, p.tp_a, p.tp_e
         act = np.flatnonzero(tok.sum(axis=0) > 0)  # empty micro-batches are skipped

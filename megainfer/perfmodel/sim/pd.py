@@ -21,7 +21,7 @@ What ``runtime/pd_router.py``, ``runtime/prefill_worker.py`` and ``runtime/pd_de
   two bandwidths, FIFO on both: it starts when both links are free (not before the step
   starts) and ends no earlier than the step's end plus its last layer's share, plus the link
   latency. Transfers into one decode replica therefore queue behind each other.
-* **Decode pool**: the AE pipeline of ``job_sim`` (``Pipeline.iteration``), replicas in lock
+* **Decode pool**: the AE pipeline of ``job`` (``Pipeline.iteration``), replicas in lock
   step. A request starts decoding at the first iteration that begins after its first token and
   its whole KV have arrived, with its prompt already computed (decode contexts are exact: P + j);
   a replica's E2A messages at an iteration's start wait for the KV message in flight on its
@@ -38,7 +38,7 @@ prefill ranks busy at its start. ``idle_decode_busy`` > 0: while the pool has no
 decode each of its ranks still takes that share of a core (the CPU runtime steps its lock-step
 pipeline with empty batches and its ranks poll), and prefill steps share the cores with them. Not modelled: the decode pool's own A2E/E2A traffic delaying
 a later KV transfer on the same link; prefix caching on the prefill ranks; KV blocks (no
-preemption). ``goodput.simulate_pd_composed`` is the older two-simulation composition, kept as this
+preemption). ``plan.goodput.simulate_pd_composed`` is the older two-simulation composition, kept as this
 simulator's baseline (tests/test_job_sim_pd.py).
 """
 from __future__ import annotations
@@ -47,11 +47,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from megainfer.perfmodel.events import Requests, draw_counts
-from megainfer.perfmodel.job_result import JobResult
-from megainfer.perfmodel.job_sim import JobConfig, _split
-from megainfer.perfmodel.model import DisaggModel, Plan
-from megainfer.perfmodel.pd_parts import Node, Prefill, PrefillStep
+from megainfer.perfmodel.model.disagg import DisaggModel, Plan
+from megainfer.perfmodel.sim.events import Requests, draw_counts
+from megainfer.perfmodel.sim.job import JobConfig, _split
+from megainfer.perfmodel.sim.job_result import JobResult
+from megainfer.perfmodel.sim.pd_parts import Node, Prefill, PrefillStep
 
 
 @dataclass
@@ -70,7 +70,7 @@ class PdJobResult(JobResult):
 def simulate_pd_job(pool, model: DisaggModel, plan: Plan, requests: Requests,
                     cfg: JobConfig = JobConfig(), dtype: str = "bfloat16",
                     prefill_tokens: int | None = None, idle_decode_busy: float = 0.0) -> PdJobResult:
-    """Run ``requests`` through ``pool`` (``goodput.PrefillPool``) and the decode ``plan``;
+    """Run ``requests`` through ``pool`` (``model.prefill_pool.PrefillPool``) and the decode ``plan``;
     ``idle_decode_busy``: the share of a core each decode rank takes while the pool has nothing
     to decode (``pd_parts.Node``; 0: they wait without computing)."""
     rng = np.random.default_rng(cfg.seed)
