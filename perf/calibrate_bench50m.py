@@ -6,7 +6,7 @@ validation (perf/validate_sim_pd.py).
 Each (batch, prompt, decode) of CONFIGS is one ``mpiexec -n 2 perf/pipeline_job.py`` launch of
 the bench50m shape (1 attention + 1 expert rank holding all 8 experts, m = 1, dummy weights):
 an untraced warm-up job, then the same job traced (the first call of each module is slow). Its
-spans become samples (``megainfer.perfmodel.insitu``): every decode iteration's attention
+spans become samples (``megainfer.perfmodel.model.insitu``): every decode iteration's attention
 (b tokens at context prompt + i) and expert span (b * top_k (token, expert) pairs), and the
 prefill iteration's (iteration 0: all the batch's prompts in one chunk, mean context
 (P + 1) / 2). The configurations cover what the PD runs compute: prefill chunks of 64 to 2048
@@ -54,8 +54,8 @@ from validate_sim import hop_gaps, prefill_samples  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from megainfer.perfmodel.fit import fit_attention  # noqa: E402
-from megainfer.perfmodel.insitu import layer_samples  # noqa: E402
+from megainfer.perfmodel.model.fit import fit_attention  # noqa: E402
+from megainfer.perfmodel.model.insitu import layer_samples  # noqa: E402
 
 _B = BENCH50M
 SHAPE = ["--hidden", _B["hidden_size"], "--inter", _B["moe_intermediate_size"], "--layers", _B["num_layers"],

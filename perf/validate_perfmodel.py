@@ -28,12 +28,12 @@ import yaml
 
 import megainfer.conf
 from megainfer.calibration.calibrate import matmul_flops, memcpy_bandwidth
-from megainfer.perfmodel.fit import fit_attention, fit_line
-from megainfer.perfmodel.hardware import LayerFit, NodeProfile, load_hardware, profile_from_dict
+from megainfer.perfmodel.model.fit import fit_attention, fit_line
+from megainfer.perfmodel.model.hardware import LayerFit, NodeProfile, load_hardware, profile_from_dict
 from megainfer.calibration.layer_bench import measure_layers
-from megainfer.perfmodel.layer_times import FittedTimes, RooflineTimes
-from megainfer.perfmodel.model import DisaggModel, Plan, Workload
-from megainfer.perfmodel.shapes import ModelShape
+from megainfer.perfmodel.model.disagg import DisaggModel, Plan, Workload
+from megainfer.perfmodel.model.layer_times import FittedTimes, RooflineTimes
+from megainfer.perfmodel.model.shapes import ModelShape
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)

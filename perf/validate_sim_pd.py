@@ -1,11 +1,11 @@
-"""The PD job simulator (megainfer/perfmodel/pd_sim.py) against the recorded PD runs.
+"""The PD job simulator (megainfer/perfmodel/sim/pd.py) against the recorded PD runs.
 
     python perf/validate_sim_pd.py [--roofline] [--conditions auto|load|split|scale] [--no-idle]
                                    [--prompt-host] [--profile cpu_node] [--out F]
 
 Reads ``perf/results/bench_pd*.json`` (``perf/bench_pd.py``: bench50m dummy weights, requests at
 t = 0, P prefill + A attention + E expert ranks and its AE baseline on the same ranks) and
-simulates each row: the baseline with ``job_sim.simulate_job``, PD with ``pd_sim.simulate_pd_job``
+simulates each row: the baseline with ``sim.job.simulate_job``, PD with ``sim.pd.simulate_pd_job``
 (one loop) and ``goodput.simulate_pd_composed`` beside it. Prints measured vs simulated TTFT p50
 and TPOT p50, their errors, the PD / baseline ratios' errors and how far each figure lies outside
 its launches' range (a run's figure is the median over its launches, measured and simulated);
@@ -53,16 +53,17 @@ import pd_trace_stats as pts  # noqa: E402
 from pd_runs import IDLE_FIX, beyond, is_quiet, others_ran, sleeps_when_idle, stats, with_spans  # noqa: E402
 from results_io import write_json  # noqa: E402
 
-from megainfer.perfmodel.chunk_times import ChunkTimes  # noqa: E402
-from megainfer.perfmodel.events import Requests  # noqa: E402
-from megainfer.perfmodel.goodput import PrefillPool, decode_model, simulate_pd_composed  # noqa: E402
-from megainfer.perfmodel.hardware import LayerFit, load_hardware, with_background_load  # noqa: E402
-from megainfer.perfmodel.job_sim import JobConfig, simulate_job  # noqa: E402
-from megainfer.perfmodel.layer_times import FittedTimes  # noqa: E402
-from megainfer.perfmodel.model import Plan, Workload  # noqa: E402
-from megainfer.perfmodel.pd_sim import simulate_pd_job  # noqa: E402
-from megainfer.perfmodel.shapes import ModelShape  # noqa: E402
-from megainfer.perfmodel.world_plan import _slots  # noqa: E402
+from megainfer.perfmodel.model.chunk_times import ChunkTimes  # noqa: E402
+from megainfer.perfmodel.model.disagg import Plan, Workload  # noqa: E402
+from megainfer.perfmodel.model.hardware import LayerFit, load_hardware, with_background_load  # noqa: E402
+from megainfer.perfmodel.model.layer_times import FittedTimes  # noqa: E402
+from megainfer.perfmodel.model.prefill_pool import PrefillPool, decode_model  # noqa: E402
+from megainfer.perfmodel.model.shapes import ModelShape  # noqa: E402
+from megainfer.perfmodel.plan.goodput import simulate_pd_composed  # noqa: E402
+from megainfer.perfmodel.plan.world_plan import _slots  # noqa: E402
+from megainfer.perfmodel.sim.events import Requests  # noqa: E402
+from megainfer.perfmodel.sim.job import JobConfig, simulate_job  # noqa: E402
+from megainfer.perfmodel.sim.pd import simulate_pd_job  # noqa: E402
 
 BENCH50M = ModelShape("bench50m", hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4,
                       head_dim=64, num_experts=8, top_k=2, moe_intermediate_size=768, vocab_size=8192)
@@ -88,7 +89,7 @@ def prompt_host_estimate(benches: dict, fits: dict, hw) -> tuple[float, list]:
     launch with per-rank CPU times (``cpu_s``) whose short-prompt job is one prefill step (the
     prefill rank then sleeps until STOP), (its CPU seconds - the step's fitted layer times) /
     (layers x prompts)."""
-    from megainfer.perfmodel.pd_parts import Prefill
+    from megainfer.perfmodel.sim.pd_parts import Prefill
     out = []
     pool = PrefillPool(BENCH50M, hw, 1, 1, "float32", times=layer_times(hw, BENCH50M, fits, 1.0)[2])
     for d in benches.values():

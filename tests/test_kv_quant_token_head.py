@@ -12,7 +12,7 @@ from megainfer.models.attention import store_kv_torch
 from megainfer.models.kv_spec import KVCacheSpec
 from megainfer.models.layers import ParallelContext, agree_kv_scales
 from megainfer.models.mla_attention import dequant_latent, store_latent_torch
-from megainfer.perfmodel.shapes import ModelShape
+from megainfer.perfmodel.model.shapes import ModelShape
 
 from test_kv_quant import QUANT, RT_BOUND, _rel
 

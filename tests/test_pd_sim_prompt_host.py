@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 
 from megainfer.config import ConfigError
-from megainfer.perfmodel.events import Requests
-from megainfer.perfmodel.goodput import PrefillPool, decode_model
-from megainfer.perfmodel.job_sim import JobConfig
-from megainfer.perfmodel.model import Plan, Workload
-from megainfer.perfmodel.pd_sim import simulate_pd_job
+from megainfer.perfmodel.model.disagg import Plan, Workload
+from megainfer.perfmodel.model.prefill_pool import PrefillPool, decode_model
+from megainfer.perfmodel.sim.events import Requests
+from megainfer.perfmodel.sim.job import JobConfig
+from megainfer.perfmodel.sim.pd import simulate_pd_job
 from perfmodel_helpers import TINY, synthetic_hw
 
 HW = synthetic_hw(mem=4e7)
