@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from megainfer.config import ConfigError
 
-from .fit import fit_attention, fit_line
+from megainfer.perfmodel.model.fit import fit_attention, fit_line
+from megainfer.perfmodel.trace import EXPERT, is_moe_attention
 
 
 def layer_samples(trace: dict, prompt_len: int, top_k: int) -> tuple[list, list]:
@@ -36,9 +37,9 @@ def layer_samples(trace: dict, prompt_len: int, top_k: int) -> tuple[list, list]
         it, n = a.get("iter", 0), a.get("tokens", 0)
         if it < 1 or n <= 0:
             continue
-        if e["cat"] == "attention" and e["name"].startswith("attn"):
+        if is_moe_attention(e):
             attn.append((n, prompt_len + it, e["dur"] / 1e6))
-        elif e["cat"] == "expert":
+        elif e["cat"] == EXPERT:
             expert.append((n * top_k, e["dur"] / 1e6))
     return attn, expert
 

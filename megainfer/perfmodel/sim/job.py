@@ -35,7 +35,7 @@ from megainfer.perfmodel.model.hardware import with_background_load
 from megainfer.perfmodel.model.layer_times import FittedTimes
 from megainfer.perfmodel.sim.events import Requests, Routing, draw_counts, makespan_outer
 from megainfer.perfmodel.sim.job_result import JobResult
-from megainfer.perfmodel.trace import TraceWriter
+from megainfer.perfmodel.trace import A2E, ATTENTION, E2A, EXPERT, TraceWriter
 
 
 @dataclass(frozen=True)
@@ -121,12 +121,12 @@ class Pipeline:
         p, k = self.plan, self.model.shape.top_k
         for a in range(p.n_a):
             for q in range(a * p.tp_a, (a + 1) * p.tp_a):
-                tw.span(q, "attention", float(s[a]), float(s[a] + ta[a]), it, l, i, float(tok[a]))
-                tw.span(q, "A2E", float(s2[a]), float(a2e_end), it, l, i, float(tok[a] * k))
+                tw.span(q, ATTENTION, float(s[a]), float(s[a] + ta[a]), it, l, i, float(tok[a]))
+                tw.span(q, A2E, float(s2[a]), float(a2e_end), it, l, i, float(tok[a] * k))
         for r in range(p.n_e):
             for q in range(p.n_a * p.tp_a + r * p.tp_e, p.n_a * p.tp_a + (r + 1) * p.tp_e):
-                tw.span(q, "expert", float(s3[r]), float(e_end[r]), it, l, i, float(etok[r]))
-                tw.span(q, "E2A", float(s4[r]), float(e2a_end), it, l, i, float(etok[r]))
+                tw.span(q, EXPERT, float(s3[r]), float(e_end[r]), it, l, i, float(etok[r]))
+                tw.span(q, E2A, float(s4[r]), float(e2a_end), it, l, i, float(etok[r]))
 
     def iteration(self, t0: float, tok: np.ndarray, ctx: np.ndarray, rows: np.ndarray,
                   counts: np.ndarray, trace: TraceWriter | None = None, it: int = 0,
