@@ -99,6 +99,18 @@ def test_spec_shapes_and_bytes():
         KVCacheSpec("gqa", (2, 2, 64), kv_format="int4")
 
 
+def test_spec_block_axis_indexes_blocks():
+    """The spec owns the block axis: the num_blocks dimension of its layer shape, every format."""
+    specs = (KVCacheSpec("gqa", (2, 2, 64)), KVCacheSpec("gqa", (2, 2, 64), kv_format="fp4_e2m1"),
+             KVCacheSpec("mla", (48,), parts=(32, 16)),
+             KVCacheSpec("mla", (48,), kv_format="fp8_e4m3", parts=(32, 16)))
+    for spec in specs:
+        shape, d = spec.layer_shape(5, 16), spec.block_axis
+        assert shape[d] == 5 and shape[d + 1] == 16
+        one_block = spec.allocate(5, 16)[0].select(d, 0)
+        assert tuple(one_block.shape) == shape[:d] + shape[d + 1:]
+
+
 def test_capacity_ratios():
     for cfg in (_tiny_cfg(), _tiny_cfg(head_dim=128)):
         n = {f: derive_num_blocks(cfg, 256, 10**6, 16, 0.5, torch.bfloat16, kv_cache_dtype=f)
