@@ -1,8 +1,8 @@
 """Layer-time fits read off traced runtime runs ("in-situ" calibration).
 
 ``calibrate`` times each layer alone in one process (``layer_bench``). Inside the runtime the
-same layers run slower (on this 2-core VM ~20 %: caches shared with the exchange, MPI progress,
-Python between layers), and the model inherits that gap. In-situ calibration fits the same
+same layers run slower (caches shared with the exchange, MPI progress, Python between layers;
+docs/perfmodel.md), and the model inherits that gap. In-situ calibration fits the same
 k1..k4 to the spans of real traced runs of the disaggregated runtime (1 attention + 1 expert
 rank, m = 1, so no two ranks compute at once and the node terms stay separate):
 
