@@ -7,10 +7,10 @@ import dataclasses
 import json
 import statistics
 
-from megainfer.perfmodel.hardware import NodeProfile, load_hardware
-from megainfer.perfmodel.layer_times import FittedTimes, RooflineTimes
-from megainfer.perfmodel.model import DisaggModel, Plan, Workload
-from megainfer.perfmodel.shapes import ModelShape
+from megainfer.perfmodel.model.hardware import NodeProfile, load_hardware
+from megainfer.perfmodel.model.layer_times import FittedTimes, RooflineTimes
+from megainfer.perfmodel.model.disagg import DisaggModel, Plan, Workload
+from megainfer.perfmodel.model.shapes import ModelShape
 
 from .shapes import load_shape
 

@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from megainfer.perfmodel.shapes import ModelShape
+from megainfer.perfmodel.model.shapes import ModelShape
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -83,10 +83,10 @@ def parse_choice(log: str) -> tuple:
 def predicted(a, plan, background: float = 0.0) -> float:
     """The model's iteration time (ms) for a pinned plan (the same search, one candidate), with
     ``background`` other runnable threads on the node (``node.background_load``)."""
-    from megainfer.perfmodel.hardware import load_hardware, with_background_load
-    from megainfer.perfmodel.model import Workload
-    from megainfer.perfmodel.shapes import ModelShape
-    from megainfer.perfmodel.world_plan import JobLoad, Pins, plan_world
+    from megainfer.perfmodel.model.disagg import Workload
+    from megainfer.perfmodel.model.hardware import load_hardware, with_background_load
+    from megainfer.perfmodel.model.shapes import ModelShape
+    from megainfer.perfmodel.plan.world_plan import JobLoad, Pins, plan_world
     shape = ModelShape(name="pipeline_bench", **SHAPE)
     hw = with_background_load(load_hardware("cpu_node"), background)
     r = plan_world(shape, hw, JobLoad(a.prompts, 64, Workload(a.input_len, a.max_tokens)), a.ranks, Pins(*plan))
@@ -125,13 +125,13 @@ def job_time_check(paths: list, ranks: int) -> dict:
     (32 prompts of 64 tokens at t = 0, scheduler 64 seqs / 512 tokens), alone on the node and
     with background load = max(0, load average - ranks): median error and median |error|."""
     import numpy as np
-    from megainfer.perfmodel.events import Requests
-    from megainfer.perfmodel.hardware import load_hardware, with_background_load
-    from megainfer.perfmodel.job_sim import JobConfig, simulate_job
-    from megainfer.perfmodel.layer_times import layer_times_for
-    from megainfer.perfmodel.model import DisaggModel, Plan, Workload
-    from megainfer.perfmodel.shapes import ModelShape
-    from megainfer.perfmodel.world_plan import _slots
+    from megainfer.perfmodel.model.disagg import DisaggModel, Plan, Workload
+    from megainfer.perfmodel.model.hardware import load_hardware, with_background_load
+    from megainfer.perfmodel.model.layer_times import layer_times_for
+    from megainfer.perfmodel.model.shapes import ModelShape
+    from megainfer.perfmodel.plan.world_plan import _slots
+    from megainfer.perfmodel.sim.events import Requests
+    from megainfer.perfmodel.sim.job import JobConfig, simulate_job
     shape, hw0 = ModelShape(name="pipeline_bench", **SHAPE), load_hardware("cpu_node")
     reqs = Requests(np.zeros(32), np.full(32, 64), np.full(32, 24))
 

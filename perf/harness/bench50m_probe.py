@@ -11,7 +11,7 @@ from mpi_launch import run_job
 
 from megainfer.bench.shapes import BENCH50M as _B
 from megainfer.bench.sim_validation import hop_gaps, prefill_samples
-from megainfer.perfmodel.insitu import layer_samples
+from megainfer.perfmodel.model.insitu import layer_samples
 
 SHAPE = ["--hidden", _B.hidden_size, "--inter", _B.moe_intermediate_size, "--layers", _B.num_layers,
          "--heads", _B.num_heads, "--kv-heads", _B.num_kv_heads, "--experts", _B.num_experts,

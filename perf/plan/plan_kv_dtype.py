@@ -27,9 +27,9 @@ from perf_paths import RESULTS  # noqa: E402
 from megainfer.bench.results_io import write_json  # noqa: E402
 
 from megainfer.bench.shapes import load_shape  # noqa: E402
-from megainfer.perfmodel.hardware import load_hardware  # noqa: E402
-from megainfer.perfmodel.model import Workload  # noqa: E402
-from megainfer.perfmodel.planner import PlanError, SearchSpace, plan_disaggregated  # noqa: E402
+from megainfer.perfmodel.model.hardware import load_hardware  # noqa: E402
+from megainfer.perfmodel.model.disagg import Workload  # noqa: E402
+from megainfer.perfmodel.plan.planner import PlanError, SearchSpace, plan_disaggregated  # noqa: E402
 
 # (kv_cache_dtype, kv_scale_granularity); fp8_e5m2 costs the same bytes as fp8_e4m3
 FORMATS = (("auto", "token_head"), ("fp8_e4m3", "token_head"), ("fp8_e4m3", "tensor"),

@@ -1,4 +1,4 @@
-"""Paper-scale figures computed by the whole-job simulator (perfmodel/job_sim.py) on datasheet
+"""Paper-scale figures computed by the whole-job simulator (perfmodel/sim/job.py) on datasheet
 profiles (conf/hardware/*.yaml, conf/plan_model/*.yaml), for Mixtral-8x22B and DeepSeek-V3.
 
 Every figure below is a simulated job: B requests arrive at t = 0 (prompt 1024, output 40), are
@@ -11,10 +11,10 @@ proposes deployments; the closed form's own figure is printed beside the simulat
 2. A:E choice: that deployment's per-replica batch, tp and expert ranks, n_a varied; the best
    n_a:n_e under the TPOT SLO by the simulator (balanced, Zipf) and by the closed form.
 3. Disaggregated vs colocated, tokens/s per GPU: each side's best plan under the SLO, simulated
-   (colocated: perfmodel/job_sim_colocated.py).
+   (colocated: perfmodel/sim/job_colocated.py).
 4. Heterogeneous (H20 attention + L40S experts) vs homogeneous (H20) tokens per dollar.
 5. PD goodput vs a non-PD plan at the same SLOs: the goodput search once per family (AE, PD),
-   both simulated (PD as one job: perfmodel/pd_sim.py), by goodput per dollar.
+   both simulated (PD as one job: perfmodel/sim/pd.py), by goodput per dollar.
 
 Beside each figure, the paper's where the MegaScale-Infer write-up in the seeds reports one.
 
@@ -32,14 +32,14 @@ from perf_paths import RESULTS  # noqa: E402
 from megainfer.bench.results_io import write_json  # noqa: E402
 
 from megainfer.bench.shapes import load_shape  # noqa: E402
-from megainfer.perfmodel.colocated import ColocatedModel  # noqa: E402
-from megainfer.perfmodel.events import LengthDist, Routing, poisson_requests  # noqa: E402
-from megainfer.perfmodel.hardware import load_hardware  # noqa: E402
-from megainfer.perfmodel.job_sim import JobConfig, simulate_job  # noqa: E402
-from megainfer.perfmodel.job_sim_colocated import simulate_colocated_job  # noqa: E402
-from megainfer.perfmodel.layer_times import layer_times_for  # noqa: E402
-from megainfer.perfmodel.model import DisaggModel, Plan, Workload  # noqa: E402
-from megainfer.perfmodel.planner import PlanError, SearchSpace, plan_colocated, plan_disaggregated  # noqa: E402
+from megainfer.perfmodel.model.colocated import ColocatedModel  # noqa: E402
+from megainfer.perfmodel.sim.events import LengthDist, Routing, poisson_requests  # noqa: E402
+from megainfer.perfmodel.model.hardware import load_hardware  # noqa: E402
+from megainfer.perfmodel.sim.job import JobConfig, simulate_job  # noqa: E402
+from megainfer.perfmodel.sim.job_colocated import simulate_colocated_job  # noqa: E402
+from megainfer.perfmodel.model.layer_times import layer_times_for  # noqa: E402
+from megainfer.perfmodel.model.disagg import DisaggModel, Plan, Workload  # noqa: E402
+from megainfer.perfmodel.plan.planner import PlanError, SearchSpace, plan_colocated, plan_disaggregated  # noqa: E402
 
 SLO = 0.150  # TPOT SLO of the planner's search and of the simulated A:E choice
 PLAN_WL = Workload(1024, 512)  # what the planner sizes KV memory for
@@ -224,12 +224,12 @@ PD_SLOS = [(1.0, 0.100), (0.4, 0.060)]  # (TTFT, TPOT) seconds, p90
 
 
 def pd_goodput_vs_non_pd() -> dict:
-    """5) The goodput search (``perfmodel.goodput_search.search_goodput``) once per family at
+    """5) The goodput search (``perfmodel.plan.goodput_search.search_goodput``) once per family at
     the same workload and SLOs: the best PD plan (a prefill pool feeding an AE decode pool,
-    simulated as one job, ``perfmodel/pd_sim.py``) vs the best non-PD (AE) plan, each by
+    simulated as one job, ``perfmodel/sim/pd.py``) vs the best non-PD (AE) plan, each by
     goodput per dollar; every figure is a simulated job."""
-    from megainfer.perfmodel.goodput import Slo
-    from megainfer.perfmodel.goodput_search import GoodputSpace, Roles, search_goodput
+    from megainfer.perfmodel.plan.goodput import Slo
+    from megainfer.perfmodel.plan.goodput_search import GoodputSpace, Roles, search_goodput
     j = PD_JOB
     print(f"\n5) PD vs non-PD (AE) at the same SLOs: goodput search per family, simulated; "
           f"{j['requests']} requests, Poisson {j['rate']}/s, prompt {j['prompt']}, output "

@@ -6,7 +6,7 @@ validation (perf/validate/validate_sim_pd.py).
 Each (batch, prompt, decode) of CONFIGS is one ``mpiexec -n 2 perf/jobs/pipeline_job.py`` launch of
 the bench50m shape (1 attention + 1 expert rank holding all 8 experts, m = 1, dummy weights):
 an untraced warm-up job, then the same job traced (the first call of each module is slow). Its
-spans become samples (``megainfer.perfmodel.insitu``): every decode iteration's attention
+spans become samples (``megainfer.perfmodel.model.insitu``): every decode iteration's attention
 (b tokens at context prompt + i) and expert span (b * top_k (token, expert) pairs), and the
 prefill iteration's (iteration 0: all the batch's prompts in one chunk, mean context
 (P + 1) / 2). The configurations cover what the PD runs compute: prefill chunks of 64 to 2048
@@ -51,7 +51,7 @@ from megainfer.bench.results_io import write_json  # noqa: E402
 import numpy as np  # noqa: E402
 
 from megainfer.bench.shapes import BENCH50M  # noqa: E402
-from megainfer.perfmodel.fit import fit_attention  # noqa: E402
+from megainfer.perfmodel.model.fit import fit_attention  # noqa: E402
 
 EXPERTS, TOP_K = BENCH50M.num_experts, BENCH50M.top_k
 CONFIGS = [(4, 16, 12), (16, 16, 12), (2, 256, 8), (8, 256, 6), (2, 512, 6), (1, 1024, 6)]

@@ -1,4 +1,4 @@
-"""In-situ calibration: fit the model's layer times to traced runtime runs (megainfer.perfmodel.insitu).
+"""In-situ calibration: fit the model's layer times to traced runtime runs (megainfer.perfmodel.model.insitu).
 
     python perf/validate/calibrate_in_situ.py [--batches 32,64,128,256,384] [--profile conf/hardware/cpu_node.yaml]
 
@@ -31,7 +31,7 @@ from pipeline_shape import PROMPT, job_args  # noqa: E402
 from megainfer.bench.shapes import load_shape  # noqa: E402
 
 from megainfer.calibration.calibrate import write_profile  # noqa: E402
-from megainfer.perfmodel.insitu import fit_error, fit_in_situ, layer_samples  # noqa: E402
+from megainfer.perfmodel.model.insitu import fit_error, fit_in_situ, layer_samples  # noqa: E402
 
 MODEL = "pipeline_bench"  # conf/plan_model/pipeline_bench.yaml: the shape bench_pipeline runs
 DEFAULT_BATCHES = "32,64,128,256,384"

@@ -24,11 +24,11 @@ import sys
 import torch
 
 from megainfer.calibration.calibrate import matmul_flops, memcpy_bandwidth
-from megainfer.perfmodel.fit import fit_attention, fit_line
-from megainfer.perfmodel.hardware import LayerFit, profile_from_dict
+from megainfer.perfmodel.model.fit import fit_attention, fit_line
+from megainfer.perfmodel.model.hardware import LayerFit, profile_from_dict
 from megainfer.calibration.layer_bench import measure_layers
-from megainfer.perfmodel.layer_times import FittedTimes, RooflineTimes
-from megainfer.perfmodel.shapes import ModelShape
+from megainfer.perfmodel.model.layer_times import FittedTimes, RooflineTimes
+from megainfer.perfmodel.model.shapes import ModelShape
 from megainfer.bench.results_io import write_json
 from megainfer.bench.runtime_validation import err, validate_runtime
 from megainfer.bench.shapes import load_shape

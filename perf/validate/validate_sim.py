@@ -1,4 +1,4 @@
-"""The whole-job simulator (megainfer/perfmodel/job_sim.py) against the runtime on this machine.
+"""The whole-job simulator (megainfer/perfmodel/sim/job.py) against the runtime on this machine.
 
 For each workload x layout, the same requests (arrival time, prompt and output length) run in the
 disaggregated runtime (perf/jobs/workload_job.py under mpiexec -n A+E, pipeline_bench shape, dummy
@@ -45,13 +45,13 @@ from megainfer.bench.results_io import write_json  # noqa: E402
 from megainfer.bench.shapes import load_shape  # noqa: E402
 
 from megainfer.bench.sim_validation import hop_gaps, host_terms, measured_summary, prefill_samples  # noqa: E402
-from megainfer.perfmodel.events import LengthDist, Routing, poisson_requests  # noqa: E402
-from megainfer.perfmodel.hardware import hardware_dir, profile_from_dict  # noqa: E402
-from megainfer.perfmodel.insitu import fit_in_situ, layer_samples  # noqa: E402
-from megainfer.perfmodel.job_closed_form import closed_form_job  # noqa: E402
-from megainfer.perfmodel.job_sim import JobConfig, simulate_job  # noqa: E402
-from megainfer.perfmodel.layer_times import FittedTimes  # noqa: E402
-from megainfer.perfmodel.model import DisaggModel, Plan, Workload  # noqa: E402
+from megainfer.perfmodel.sim.events import LengthDist, Routing, poisson_requests  # noqa: E402
+from megainfer.perfmodel.model.hardware import hardware_dir, profile_from_dict  # noqa: E402
+from megainfer.perfmodel.model.insitu import fit_in_situ, layer_samples  # noqa: E402
+from megainfer.perfmodel.sim.closed_form import closed_form_job  # noqa: E402
+from megainfer.perfmodel.sim.job import JobConfig, simulate_job  # noqa: E402
+from megainfer.perfmodel.model.layer_times import FittedTimes  # noqa: E402
+from megainfer.perfmodel.model.disagg import DisaggModel, Plan, Workload  # noqa: E402
 
 MODEL = "pipeline_bench"
 RUN_DIR = os.path.join(RESULTS, "sim_validation")

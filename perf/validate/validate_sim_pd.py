@@ -1,4 +1,4 @@
-"""The PD job simulator (megainfer/perfmodel/pd_sim.py) against the recorded PD runs.
+"""The PD job simulator (megainfer/perfmodel/sim/pd.py) against the recorded PD runs.
 
     python perf/validate/validate_sim_pd.py [--roofline] [--conditions auto|load|split|scale] [--no-idle]
                                    [--prompt-host] [--profile cpu_node] [--out F]
@@ -55,15 +55,15 @@ from megainfer.bench.results_io import write_json  # noqa: E402
 from megainfer.bench.shapes import BENCH50M_SHAPE as BENCH50M  # noqa: E402
 from megainfer.bench.pd_runs import (IDLE_FIX, beyond, conditions, host_terms, is_quiet,  # noqa: E402
                                      others_ran, sleeps_when_idle, stats, with_spans)
-from megainfer.perfmodel.chunk_times import ChunkTimes  # noqa: E402
-from megainfer.perfmodel.events import Requests  # noqa: E402
-from megainfer.perfmodel.goodput import PrefillPool, decode_model, simulate_pd_composed  # noqa: E402
-from megainfer.perfmodel.hardware import LayerFit, load_hardware, with_background_load  # noqa: E402
-from megainfer.perfmodel.job_sim import JobConfig, simulate_job  # noqa: E402
-from megainfer.perfmodel.layer_times import FittedTimes  # noqa: E402
-from megainfer.perfmodel.model import Plan, Workload  # noqa: E402
-from megainfer.perfmodel.pd_sim import simulate_pd_job  # noqa: E402
-from megainfer.perfmodel.world_plan import _slots  # noqa: E402
+from megainfer.perfmodel.model.chunk_times import ChunkTimes  # noqa: E402
+from megainfer.perfmodel.sim.events import Requests  # noqa: E402
+from megainfer.perfmodel.plan.goodput import PrefillPool, decode_model, simulate_pd_composed  # noqa: E402
+from megainfer.perfmodel.model.hardware import LayerFit, load_hardware, with_background_load  # noqa: E402
+from megainfer.perfmodel.sim.job import JobConfig, simulate_job  # noqa: E402
+from megainfer.perfmodel.model.layer_times import FittedTimes  # noqa: E402
+from megainfer.perfmodel.model.disagg import Plan, Workload  # noqa: E402
+from megainfer.perfmodel.sim.pd import simulate_pd_job  # noqa: E402
+from megainfer.perfmodel.plan.world_plan import _slots  # noqa: E402
 
 WORKLOADS = {"long_prompt": ("long_prompt", "long_output"), "short_prompt": ("short_prompt", "short_output")}
 MAX_SEQS, MAX_TOKENS = 16, 512  # perf/bench/bench_pd.py's scheduler
@@ -87,7 +87,7 @@ def prompt_host_estimate(benches: dict, fits: dict, hw) -> tuple[float, list]:
     launch with per-rank CPU times (``cpu_s``) whose short-prompt job is one prefill step (the
     prefill rank then sleeps until STOP), (its CPU seconds - the step's fitted layer times) /
     (layers x prompts)."""
-    from megainfer.perfmodel.pd_parts import Prefill
+    from megainfer.perfmodel.sim.pd_parts import Prefill
     out = []
     pool = PrefillPool(BENCH50M, hw, 1, 1, "float32", times=layer_times(hw, BENCH50M, fits, 1.0)[2])
     for d in benches.values():

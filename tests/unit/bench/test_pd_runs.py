@@ -44,7 +44,7 @@ def test_conditions_read_a_probe_slowdown_as_load_or_as_speed():
 
 
 def test_host_terms_read_wake_up_and_iteration_overhead_off_calibration_runs():
-    from megainfer.perfmodel.hardware import load_hardware
+    from megainfer.perfmodel.model.hardware import load_hardware
     hw = load_hardware("cpu_node")
     link = hw.inter_link.time(4 * pr.TOP_K * pr.HIDDEN * 4)  # a 4-token hop's message
     samples = [{"hops": [(4, link + 0.001), (4, link + 0.002), (4, link + 0.003)],

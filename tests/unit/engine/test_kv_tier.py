@@ -47,7 +47,7 @@ def _equal(xs, ys):
 def test_round_trip_every_spec_byte_exact(name, tmp_path):
     spec = SPECS[name]
     caches = _caches(spec)
-    dim = 0 if spec.kind == "mla" else 1
+    dim = spec.block_axis
     tier = KVTier(caches, dim, capacity=4, store_dir=str(tmp_path))
     want = _block(caches, dim, 2)
     tier.save(2, key=11, uid=5, parent_uid=0, tokens=(1, 2, 3, 4))

@@ -15,7 +15,7 @@ from megainfer.models.attention import AttentionMetadata, paged_attention, store
 from megainfer.models.kv_spec import KVCacheSpec, kv_cache_spec_for
 from megainfer.models.layers import ParallelContext, agree_kv_scales
 from megainfer.models.mla_attention import dequant_latent, store_latent_torch
-from megainfer.perfmodel.shapes import ModelShape
+from megainfer.perfmodel.model.shapes import ModelShape
 
 QUANT = ("fp8_e4m3", "fp8_e5m2", "fp4_e2m1")
 # relative (Frobenius) round-trip error on N(0, 1) and the attention output error bounds
@@ -103,6 +103,18 @@ def test_spec_shapes_and_bytes():
                                     + kv_quant.stored_dim("fp4_e2m1", 16))
     with pytest.raises(ValueError):
         KVCacheSpec("gqa", (2, 2, 64), kv_format="int4")
+
+
+def test_spec_block_axis_indexes_blocks():
+    """The spec owns the block axis: the num_blocks dimension of its layer shape, every format."""
+    specs = (KVCacheSpec("gqa", (2, 2, 64)), KVCacheSpec("gqa", (2, 2, 64), kv_format="fp4_e2m1"),
+             KVCacheSpec("mla", (48,), parts=(32, 16)),
+             KVCacheSpec("mla", (48,), kv_format="fp8_e4m3", parts=(32, 16)))
+    for spec in specs:
+        shape, d = spec.layer_shape(5, 16), spec.block_axis
+        assert shape[d] == 5 and shape[d + 1] == 16
+        one_block = spec.allocate(5, 16)[0].select(d, 0)
+        assert tuple(one_block.shape) == shape[:d] + shape[d + 1:]
 
 
 def test_capacity_ratios():

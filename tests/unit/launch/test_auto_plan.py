@@ -8,10 +8,10 @@ from hydra import compose, initialize_config_module
 
 from megainfer.launch.auto_plan import prompt_lengths
 from megainfer.launch.settings import settings_from_config
-from megainfer.perfmodel.hardware import load_hardware
-from megainfer.perfmodel.model import Workload
-from megainfer.perfmodel.shapes import ModelShape
-from megainfer.perfmodel.world_plan import JobLoad, NoWorldPlanError, Pins, plan_world
+from megainfer.perfmodel.model.disagg import Workload
+from megainfer.perfmodel.model.hardware import load_hardware
+from megainfer.perfmodel.model.shapes import ModelShape
+from megainfer.perfmodel.plan.world_plan import JobLoad, NoWorldPlanError, Pins, plan_world
 
 # same hidden size and layers; one spends its time in attention, the other in experts
 ATTN_HEAVY = ModelShape("attn_heavy", hidden_size=512, num_layers=2, num_heads=16, num_kv_heads=16,
@@ -106,7 +106,7 @@ def _small_memory_profile(tmp_path, mem_bytes: float) -> str:
     import os
 
     import yaml
-    from megainfer.perfmodel.hardware import hardware_dir
+    from megainfer.perfmodel.model.hardware import hardware_dir
     with open(os.path.join(hardware_dir(), "cpu_node.yaml")) as f:
         d = yaml.safe_load(f)
     d.update(name="small_mem", mem_bytes=mem_bytes)

@@ -1,17 +1,17 @@
-"""Prefill chunks and decode batches priced by their own attention fits (perfmodel/chunk_times.py),
+"""Prefill chunks and decode batches priced by their own attention fits (perfmodel/model/chunk_times.py),
 in the AE job simulator (a replica that prefills and decodes) and on PD's prefill replicas."""
 import numpy as np
 import pytest
 
 from megainfer.config import ConfigError
-from megainfer.perfmodel.chunk_times import ChunkTimes
-from megainfer.perfmodel.events import Requests
-from megainfer.perfmodel.goodput import PrefillPool, decode_model
-from megainfer.perfmodel.hardware import LayerFit
-from megainfer.perfmodel.job_sim import JobConfig, simulate_job
-from megainfer.perfmodel.layer_times import FittedTimes
-from megainfer.perfmodel.model import DisaggModel, Plan, Workload
-from megainfer.perfmodel.pd_sim import simulate_pd_job
+from megainfer.perfmodel.model.chunk_times import ChunkTimes
+from megainfer.perfmodel.model.disagg import DisaggModel, Plan, Workload
+from megainfer.perfmodel.model.hardware import LayerFit
+from megainfer.perfmodel.model.layer_times import FittedTimes
+from megainfer.perfmodel.model.prefill_pool import PrefillPool, decode_model
+from megainfer.perfmodel.sim.events import Requests
+from megainfer.perfmodel.sim.job import JobConfig, simulate_job
+from megainfer.perfmodel.sim.pd import simulate_pd_job
 from perfmodel_helpers import TINY, synthetic_hw
 
 HW = synthetic_hw(mem=4e7)

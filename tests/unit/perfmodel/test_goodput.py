@@ -8,13 +8,13 @@ import pytest
 from hydra import compose, initialize_config_module
 
 from megainfer.config import ConfigError
-from megainfer.perfmodel.events import LengthDist, Requests, poisson_requests
-from megainfer.perfmodel.goodput import (PrefillPool, Slo, attainment, decode_model,
-                                         kv_transfer_s, simulate_pd_composed)
-from megainfer.perfmodel.goodput_search import GoodputSpace, Roles, search_goodput, why_bound
-from megainfer.perfmodel.job_sim import JobConfig
-from megainfer.perfmodel.model import Plan, Workload
-from megainfer.perfmodel.planner import PlanError
+from megainfer.perfmodel.model.disagg import Plan, Workload
+from megainfer.perfmodel.model.prefill_pool import PrefillPool, decode_model, kv_transfer_s
+from megainfer.perfmodel.plan.goodput import Slo, attainment, simulate_pd_composed
+from megainfer.perfmodel.plan.goodput_search import GoodputSpace, Roles, search_goodput, why_bound
+from megainfer.perfmodel.plan.planner import PlanError
+from megainfer.perfmodel.sim.events import LengthDist, Requests, poisson_requests
+from megainfer.perfmodel.sim.job import JobConfig
 from perfmodel_helpers import TINY, synthetic_hw
 
 SPACE = GoodputSpace(tp_choices=(1, 2), replica_choices=(1, 2), prefill_replicas=(1, 2),

@@ -1,4 +1,4 @@
-"""The PD job simulator (perfmodel/pd_sim.py): prefill replicas, KV transfers and the decode
+"""The PD job simulator (perfmodel/sim/pd.py): prefill replicas, KV transfers and the decode
 pool in one event loop, checked against closed forms and against the composed PD model.
 
 A PD prefill step beside a decode pool that has nothing to decode but whose ranks still take
@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 
 from megainfer.config import ConfigError
-from megainfer.perfmodel.events import LengthDist, Requests, poisson_requests
-from megainfer.perfmodel.goodput import (PrefillPool, decode_model, kv_transfer_s,
+from megainfer.perfmodel.sim.events import LengthDist, Requests, poisson_requests
+from megainfer.perfmodel.plan.goodput import (PrefillPool, decode_model, kv_transfer_s,
                                          simulate_pd_composed)
-from megainfer.perfmodel.hardware import NodeProfile
-from megainfer.perfmodel.job_sim import JobConfig
-from megainfer.perfmodel.model import Plan, Workload
-from megainfer.perfmodel.pd_sim import simulate_pd_job
+from megainfer.perfmodel.model.hardware import NodeProfile
+from megainfer.perfmodel.sim.job import JobConfig
+from megainfer.perfmodel.model.disagg import Plan, Workload
+from megainfer.perfmodel.sim.pd import simulate_pd_job
 from perfmodel_helpers import TINY, synthetic_hw
 
 HW = synthetic_hw(mem=4e7)

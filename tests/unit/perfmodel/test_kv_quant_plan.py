@@ -14,10 +14,10 @@ import torch
 
 from megainfer.config import KV_CACHE_DTYPES, ConfigError, ModelConfig
 from megainfer.models.kv_spec import kv_cache_spec_for
-from megainfer.perfmodel.layer_times import RooflineTimes
-from megainfer.perfmodel.model import DisaggModel, Plan, Workload
-from megainfer.perfmodel.planner import SearchSpace, plan_disaggregated
-from megainfer.perfmodel.shapes import KV_CACHE_BYTES, ModelShape
+from megainfer.perfmodel.model.disagg import DisaggModel, Plan, Workload
+from megainfer.perfmodel.model.layer_times import RooflineTimes
+from megainfer.perfmodel.model.shapes import KV_CACHE_BYTES, ModelShape
+from megainfer.perfmodel.plan.planner import SearchSpace, plan_disaggregated
 from perfmodel_helpers import TINY, synthetic_hw
 from repo_paths import REPO
 

@@ -4,14 +4,14 @@ import math
 import pytest
 
 from megainfer.config import ConfigError
-from megainfer.perfmodel.fit import fit_attention, fit_line
-from megainfer.perfmodel.hardware import (LayerFit, LinkProfile, UnknownHardwareError,
+from megainfer.perfmodel.model.fit import fit_attention, fit_line
+from megainfer.perfmodel.model.hardware import (LayerFit, LinkProfile, UnknownHardwareError,
                                           known_hardware, load_hardware)
-from megainfer.perfmodel.layer_times import FittedTimes, RooflineTimes, allreduce_time
-from megainfer.perfmodel.model import DisaggModel, Plan, Workload
-from megainfer.perfmodel.pipeline import (balanced_replicas, comm_hidden, m_min, micro_batch_sizes,
+from megainfer.perfmodel.model.disagg import DisaggModel, Plan, Workload
+from megainfer.perfmodel.model.layer_times import FittedTimes, RooflineTimes, allreduce_time
+from megainfer.perfmodel.model.pipeline import (balanced_replicas, comm_hidden, m_min, micro_batch_sizes,
                                           t_total, t_total_design)
-from megainfer.perfmodel.shapes import ModelShape
+from megainfer.perfmodel.model.shapes import ModelShape
 from perfmodel_helpers import TINY, synthetic_hw
 
 

@@ -6,9 +6,9 @@ import pytest
 from megainfer.config import ConfigError
 from megainfer.calibration import layer_bench
 from megainfer.calibration.calibrate import calibrate, fit_link, write_profile
-from megainfer.perfmodel.hardware import load_hardware, profile_from_dict
-from megainfer.perfmodel.layer_times import FittedTimes, layer_times_for
-from megainfer.perfmodel.shapes import ModelShape
+from megainfer.perfmodel.model.hardware import load_hardware, profile_from_dict
+from megainfer.perfmodel.model.layer_times import FittedTimes, layer_times_for
+from megainfer.perfmodel.model.shapes import ModelShape
 from perfmodel_helpers import TINY
 
 
@@ -70,7 +70,7 @@ def test_shipped_cpu_profile_has_a_fit_for_cpu_small():
 def test_validate_runtime_reads_run_json(tmp_path):
     import json
     from megainfer.bench.runtime_validation import validate_runtime
-    from megainfer.perfmodel.model import DisaggModel, Plan, Workload
+    from megainfer.perfmodel.model.disagg import DisaggModel, Plan, Workload
     hw = load_hardware("cpu_node")
     shape = ModelShape(name="cpu_small", hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4,
                        head_dim=64, num_experts=8, top_k=2, moe_intermediate_size=1024, vocab_size=4096)

@@ -2,10 +2,10 @@
 import pytest
 
 from megainfer.config import ConfigError
-from megainfer.perfmodel.hardware import LayerFit
-from megainfer.perfmodel.insitu import fit_error, fit_in_situ, layer_samples
-from megainfer.perfmodel.layer_times import FittedTimes
-from megainfer.perfmodel.shapes import ModelShape
+from megainfer.perfmodel.model.hardware import LayerFit
+from megainfer.perfmodel.model.insitu import fit_error, fit_in_situ, layer_samples
+from megainfer.perfmodel.model.layer_times import FittedTimes
+from megainfer.perfmodel.model.shapes import ModelShape
 
 K1, K1C, K2, K3, K4, E, TOP_K, PROMPT = 40e-6, 1e-6, 900e-6, 25e-6, 700e-6, 4, 2, 16
 
@@ -71,5 +71,5 @@ def test_one_batch_size_is_refused():
 
 
 def _cpu():
-    from megainfer.perfmodel.hardware import load_hardware
+    from megainfer.perfmodel.model.hardware import load_hardware
     return load_hardware("cpu_node")

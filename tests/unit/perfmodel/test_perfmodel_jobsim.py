@@ -1,4 +1,4 @@
-"""Whole-job simulator (perfmodel/job_sim.py, perfmodel/events.py) on cases with a closed-form
+"""Whole-job simulator (perfmodel/sim/job.py, perfmodel/sim/events.py) on cases with a closed-form
 answer: a fixed balanced batch reproduces DisaggModel.predict, one request's TTFT / TPOT are the
 formula's prefill / decode iterations, skew scales the expert stage by the max-load factor,
 arrivals queue only above capacity, links shared by concurrent messages, and speed at 256 ranks."""
@@ -12,15 +12,15 @@ import yaml
 
 import megainfer.conf
 from megainfer.config import ConfigError
-from megainfer.perfmodel.events import (LengthDist, Requests, Routing, draw_counts, fair_share,
+from megainfer.perfmodel.sim.events import (LengthDist, Requests, Routing, draw_counts, fair_share,
                                         makespan, makespan_outer, poisson_requests,
                                         read_request_trace)
-from megainfer.perfmodel.hardware import load_hardware
-from megainfer.perfmodel.job_sim import JobConfig, Pipeline, expert_times, simulate_job
-from megainfer.perfmodel.layer_times import RooflineTimes, layer_times_for
-from megainfer.perfmodel.model import DisaggModel, Plan, Workload
-from megainfer.perfmodel.pipeline import t_total
-from megainfer.perfmodel.shapes import ModelShape
+from megainfer.perfmodel.model.disagg import DisaggModel, Plan, Workload
+from megainfer.perfmodel.model.hardware import load_hardware
+from megainfer.perfmodel.model.layer_times import RooflineTimes, layer_times_for
+from megainfer.perfmodel.model.pipeline import t_total
+from megainfer.perfmodel.model.shapes import ModelShape
+from megainfer.perfmodel.sim.job import JobConfig, Pipeline, expert_times, simulate_job
 from megainfer.perfmodel.trace import LANES, read_trace
 from perfmodel_helpers import TINY, synthetic_hw
 

@@ -6,11 +6,11 @@ import pytest
 
 from megainfer.config import ConfigError
 from megainfer.calibration import node_bench
-from megainfer.perfmodel.hardware import NodeProfile, known_hardware, load_hardware, profile_from_dict
-from megainfer.perfmodel.layer_times import RooflineTimes, layer_times_for
-from megainfer.perfmodel.model import DisaggModel, Plan, Workload
-from megainfer.perfmodel.pipeline import t_total
-from megainfer.perfmodel.simulator import simulate_plan
+from megainfer.perfmodel.model.disagg import DisaggModel, Plan, Workload
+from megainfer.perfmodel.model.hardware import NodeProfile, known_hardware, load_hardware, profile_from_dict
+from megainfer.perfmodel.model.layer_times import RooflineTimes, layer_times_for
+from megainfer.perfmodel.model.pipeline import t_total
+from megainfer.perfmodel.sim.fixed_batch import simulate_plan
 from perfmodel_helpers import TINY, synthetic_hw
 
 NODE = NodeProfile(cores=2, contention={"attention": 1.1, "expert": 1.2},
@@ -118,7 +118,7 @@ def test_node_bench_measures_something():
 
 
 def test_colocated_baseline_gets_the_same_node_terms():
-    from megainfer.perfmodel.colocated import ColocatedModel, ColocatedPlan
+    from megainfer.perfmodel.model.colocated import ColocatedModel, ColocatedPlan
     hw = dataclasses.replace(synthetic_hw(), node=NODE)
     shared = ColocatedModel(TINY, RooflineTimes(hw, TINY), Workload(64, 32))
     bare = ColocatedModel(TINY, RooflineTimes(synthetic_hw(), TINY), Workload(64, 32))

@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from megainfer.perfmodel.colocated import ColocatedModel, ColocatedPlan
-from megainfer.perfmodel.layer_times import RooflineTimes
-from megainfer.perfmodel.model import DisaggModel, Plan, Workload
-from megainfer.perfmodel.planner import (ModelTooLargeError, SearchSpace, SloUnreachableError,
+from megainfer.perfmodel.model.colocated import ColocatedModel, ColocatedPlan
+from megainfer.perfmodel.model.disagg import DisaggModel, Plan, Workload
+from megainfer.perfmodel.model.layer_times import RooflineTimes
+from megainfer.perfmodel.plan.planner import (ModelTooLargeError, SearchSpace, SloUnreachableError,
                                          plan_colocated, plan_disaggregated)
 from perfmodel_helpers import TINY, synthetic_hw
 

@@ -1,18 +1,18 @@
 """Ranks time-sharing a CPU node's cores: PD's prefill ranks beside its decode ranks
-(perfmodel/pd_sim.py ``_Node``) and other tenants' threads (``node.background_load``),
+(perfmodel/sim/pd.py ``_Node``) and other tenants' threads (``node.background_load``),
 each checked on a case with a closed-form answer."""
 import dataclasses
 
 import numpy as np
 import pytest
 
-from megainfer.perfmodel.events import Requests
-from megainfer.perfmodel.goodput import PrefillPool, decode_model
-from megainfer.perfmodel.hardware import NodeProfile, with_background_load
-from megainfer.perfmodel.job_sim import JobConfig
-from megainfer.perfmodel.model import DisaggModel, Plan, Workload
-from megainfer.perfmodel.layer_times import layer_times_for
-from megainfer.perfmodel.pd_sim import simulate_pd_job
+from megainfer.perfmodel.model.disagg import DisaggModel, Plan, Workload
+from megainfer.perfmodel.model.hardware import NodeProfile, with_background_load
+from megainfer.perfmodel.model.layer_times import layer_times_for
+from megainfer.perfmodel.model.prefill_pool import PrefillPool, decode_model
+from megainfer.perfmodel.sim.events import Requests
+from megainfer.perfmodel.sim.job import JobConfig
+from megainfer.perfmodel.sim.pd import simulate_pd_job
 from perfmodel_helpers import TINY, synthetic_hw
 
 WL = Workload(64, 16)

@@ -7,10 +7,10 @@ import random
 import numpy as np
 import pytest
 
-from megainfer.perfmodel.layer_times import RooflineTimes
-from megainfer.perfmodel.model import DisaggModel, Plan, Workload
-from megainfer.perfmodel.pipeline import comm_hidden, t_total, t_total_design
-from megainfer.perfmodel.simulator import SimConfig, simulate, simulate_plan
+from megainfer.perfmodel.model.disagg import DisaggModel, Plan, Workload
+from megainfer.perfmodel.model.layer_times import RooflineTimes
+from megainfer.perfmodel.model.pipeline import comm_hidden, t_total, t_total_design
+from megainfer.perfmodel.sim.fixed_batch import SimConfig, simulate, simulate_plan
 from megainfer.perfmodel.timeline_plot import plot_trace
 from megainfer.perfmodel.trace import LANES, read_trace
 from perfmodel_helpers import TINY, synthetic_hw

@@ -1,5 +1,5 @@
-"""The job simulator against its closed-form baseline (perfmodel/job_closed_form.py), the colocated
-job simulator (perfmodel/job_sim_colocated.py), and the runtime job that releases requests at
+"""The job simulator against its closed-form baseline (perfmodel/sim/closed_form.py), the colocated
+job simulator (perfmodel/sim/job_colocated.py), and the runtime job that releases requests at
 their arrival times (perf/jobs/workload_job.py, real mpiexec) which perf/validate/validate_sim.py measures.
 
 Where nothing but the fixed batch matters the simulator equals the closed form; skew and arrivals
@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 
 from megainfer.bench.sim_validation import measured_summary
-from megainfer.perfmodel.colocated import ColocatedModel, ColocatedPlan
-from megainfer.perfmodel.events import LengthDist, Requests, Routing, draw_counts, poisson_requests
-from megainfer.perfmodel.job_closed_form import closed_form_job
-from megainfer.perfmodel.job_sim import JobConfig, simulate_job
-from megainfer.perfmodel.job_sim_colocated import ColocatedPipeline, simulate_colocated_job
-from megainfer.perfmodel.layer_times import RooflineTimes
-from megainfer.perfmodel.model import DisaggModel, Plan, Workload
+from megainfer.perfmodel.model.colocated import ColocatedModel, ColocatedPlan
+from megainfer.perfmodel.sim.events import LengthDist, Requests, Routing, draw_counts, poisson_requests
+from megainfer.perfmodel.sim.closed_form import closed_form_job
+from megainfer.perfmodel.sim.job import JobConfig, simulate_job
+from megainfer.perfmodel.sim.job_colocated import ColocatedPipeline, simulate_colocated_job
+from megainfer.perfmodel.model.layer_times import RooflineTimes
+from megainfer.perfmodel.model.disagg import DisaggModel, Plan, Workload
 from mpi_util import run_mpi
 from perf_util import perf_script
 from perfmodel_helpers import TINY, synthetic_hw

@@ -8,6 +8,7 @@ from mpi4py import MPI
 
 from megainfer.comm.wait import WaitPolicy
 from megainfer.kernels import kv_quant
+from megainfer.models.kv_spec import BLOCK_AXIS
 from megainfer.runtime.control import RankFailure
 from megainfer.runtime.kv_place import sender_scales
 from megainfer.runtime.kv_routes import head_slice
@@ -53,7 +54,7 @@ def test_kv_stream_layers_out_of_order(kind):
     shape = tuple(src[0].shape)
     dst, tx = _stream(kind, src, shape, torch.float32, blocks, dst_blocks, n,
                       send_order=[2, 0, 1], post_order=[1, 2, 0])
-    dim = 1 if kind == "gqa" else 0
+    dim = BLOCK_AXIS[kind]
     for l in range(L):
         got = dst[l].index_select(dim, torch.tensor(dst_blocks))
         raw = src[l].index_select(dim, torch.tensor(blocks))
@@ -124,7 +125,7 @@ def test_quantised_kv_adopts_the_senders_scales_or_requantises(kind, fmt):
     src = _quantised(kind, fmt, parts)
     shape, dtype = tuple(src[0].shape), src[0].dtype
     blocks, dst_blocks, n = [1, 3], [4, 0], 8
-    dim = 1 if kind == "gqa" else 0
+    dim = BLOCK_AXIS[kind]
     fresh = [torch.zeros(shape, dtype=dtype) for _ in range(L)]
     for c in fresh:
         kv_quant.register(c)  # unset (zero) scales
@@ -203,7 +204,7 @@ def test_chunked_prompt_streams_each_segment_in_the_step_that_completes_it(kind)
     tx.drain()
     dst = [torch.zeros_like(src[0]) for _ in range(L)]
     rx.scatter(inc, dst, dst_blocks)
-    dim = 1 if kind == "gqa" else 0
+    dim = BLOCK_AXIS[kind]
     for l in range(L):
         got = dst[l].index_select(dim, torch.tensor(dst_blocks))
         assert torch.equal(got, gather_blocks(src[l], kind, blocks, n))
@@ -235,7 +236,7 @@ def test_token_head_kv_travels_verbatim(kind, fmt):
         kv_quant.scales_of(c).fill_(3.0)  # would requantise a tensor-scale cache
     shape, dtype = tuple(src[0].shape), src[0].dtype
     blocks, dst_blocks = [1, 3], [4, 0]
-    dim = 1 if kind == "gqa" else 0
+    dim = BLOCK_AXIS[kind]
     dst, tx = _stream(kind, src, shape, dtype, blocks, dst_blocks, 8, parts=parts if kind == "mla"
                       else (), dst=dst)
     assert tx.messages == L  # one segment per layer, no per-layer scales on the wire

@@ -4,8 +4,8 @@ the gain does not pay for the switch."""
 import pytest
 
 from megainfer.config import ConfigError, ReplanConfig
-from megainfer.perfmodel.hardware import load_hardware
-from megainfer.perfmodel.shapes import ModelShape
+from megainfer.perfmodel.model.hardware import load_hardware
+from megainfer.perfmodel.model.shapes import ModelShape
 from megainfer.runtime.replan_decider import (JobState, Measurements, decide, refit,
                                               switch_cost)
 from megainfer.runtime.replan_measure import comm_samples, reply_ends

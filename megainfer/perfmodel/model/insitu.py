@@ -1,8 +1,8 @@
 """Layer-time fits read off traced runtime runs ("in-situ" calibration).
 
 ``calibrate`` times each layer alone in one process (``layer_bench``). Inside the runtime the
-same layers run slower (on this 2-core VM ~20 %: caches shared with the exchange, MPI progress,
-Python between layers), and the model inherits that gap. In-situ calibration fits the same
+same layers run slower (caches shared with the exchange, MPI progress, Python between layers;
+docs/perfmodel.md), and the model inherits that gap. In-situ calibration fits the same
 k1..k4 to the spans of real traced runs of the disaggregated runtime (1 attention + 1 expert
 rank, m = 1, so no two ranks compute at once and the node terms stay separate):
 
@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from megainfer.config import ConfigError
 
-from .fit import fit_attention, fit_line
+from megainfer.perfmodel.model.fit import fit_attention, fit_line
+from megainfer.perfmodel.trace import EXPERT, is_moe_attention
 
 
 def layer_samples(trace: dict, prompt_len: int, top_k: int) -> tuple[list, list]:
@@ -36,9 +37,9 @@ def layer_samples(trace: dict, prompt_len: int, top_k: int) -> tuple[list, list]
         it, n = a.get("iter", 0), a.get("tokens", 0)
         if it < 1 or n <= 0:
             continue
-        if e["cat"] == "attention" and e["name"].startswith("attn"):
+        if is_moe_attention(e):
             attn.append((n, prompt_len + it, e["dur"] / 1e6))
-        elif e["cat"] == "expert":
+        elif e["cat"] == EXPERT:
             expert.append((n * top_k, e["dur"] / 1e6))
     return attn, expert
 

@@ -16,10 +16,10 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from megainfer.config import ConfigError
-from megainfer.perfmodel.hardware import HardwareProfile
-from megainfer.perfmodel.layer_times import layer_times_for
-from megainfer.perfmodel.model import DisaggModel, Plan, Prediction, Workload
-from megainfer.perfmodel.shapes import ModelShape
+from megainfer.perfmodel.model.disagg import DisaggModel, Plan, Prediction, Workload
+from megainfer.perfmodel.model.hardware import HardwareProfile
+from megainfer.perfmodel.model.layer_times import layer_times_for
+from megainfer.perfmodel.model.shapes import ModelShape
 
 MICRO_BATCHES = (1, 2, 3, 4)
 

@@ -1,45 +1,31 @@
 """One event loop for a prefill/decode (PD) split: prefill replicas, KV transfers, decode pool.
 
 What ``runtime/pd_router.py``, ``runtime/prefill_worker.py`` and ``runtime/pd_decode.py`` do
-(docs/pd.md), as a discrete-event simulation over one clock:
+(docs/pd.md), as a discrete-event simulation over one clock (docs/perfmodel.md, "PD as one
+simulation", has each rule):
 
-* **Admission** (rank 0): arrived requests wait in one FCFS queue and are handed out while a
-  decode replica has room (fewer than ``max_num_seqs`` requests handed to it and unfinished);
-  the decode replica is the least loaded (ties in rotation), the prefill replica the one with
-  the fewest unfinished prompts (ties in rotation).
-* **Prefill replicas** (``PrefillPool``: the whole model, experts local, ``tp_p`` devices) each
-  run their own chunked-prefill scheduler: unfinished prompts first, then their queue FCFS,
-  within ``prefill_tokens`` tokens and ``max_num_seqs`` prompts a step. A step of n tokens at
-  mean context c takes, per layer, ``T_a(n, c)`` plus every expert's time for its token count
-  (a ``Routing`` draw), plus the lm_head over the prompts it completes, plus
-  ``PrefillPool.prompt_host_s`` per prompt in the step and layer (host work; default 0); a
-  completed prompt's first token is sampled at the step's end (TTFT) and it leaves the prefill
-  replica. Its layer times are the pool's (``PrefillPool(times=)``, e.g. a prefill-chunk fit).
-* **KV transfers**: each step's new KV (tokens x ``kv_bytes_per_token``) streams layer by layer
-  to the request's decode replica during the step. A transfer holds the prefill replica's
-  egress (``tp_p`` NICs) and the decode replica's ingress (``tp_a`` NICs) at the slower of the
-  two bandwidths, FIFO on both: it starts when both links are free (not before the step
-  starts) and ends no earlier than the step's end plus its last layer's share, plus the link
-  latency. Transfers into one decode replica therefore queue behind each other.
-* **Decode pool**: the AE pipeline of ``job_sim`` (``Pipeline.iteration``), replicas in lock
-  step. A request starts decoding at the first iteration that begins after its first token and
-  its whole KV have arrived, with its prompt already computed (decode contexts are exact: P + j);
-  a replica's E2A messages at an iteration's start wait for the KV message in flight on its
-  ingress link (a transfer is sent as one message per layer, so at most one layer's share of
-  it). The pool is idle until something is runnable.
+* **Admission** (rank 0): one FCFS queue, handed out while a decode replica has room (fewer
+  than ``max_num_seqs`` requests handed to it and unfinished); least-loaded decode replica,
+  prefill replica with the fewest unfinished prompts, ties in rotation.
+* **Prefill replicas** (``PrefillPool``): each its own chunked-prefill scheduler (unfinished
+  prompts first, then FCFS, within ``prefill_tokens`` and ``max_num_seqs``); a step of n tokens
+  at mean context c costs, per layer, ``T_a(n, c)`` + every expert's time for its ``Routing``
+  draw + ``prompt_host_s`` per prompt, plus the lm_head over the prompts it completes, whose
+  first tokens are sampled at the step's end (TTFT).
+* **KV transfers**: each step's new KV streams layer by layer to the request's decode replica,
+  holding the prefill egress (``tp_p`` NICs) and the decode ingress (``tp_a`` NICs) at the
+  slower bandwidth, FIFO on both; it ends no earlier than the step's end plus its last layer's
+  share, plus the link latency.
+* **Decode pool**: ``sim.job.Pipeline.iteration``, replicas in lock step; a request decodes from
+  the first iteration that begins after its first token and its whole KV have arrived (exact
+  contexts P + j); an iteration's E2A messages wait for the KV message in flight on the ingress.
 
-Events are prefill step ends, decode iteration ends, arrivals and KV arrivals; at each event
-time the loop first applies what ended, then admits, starts idle prefill replicas, and starts a
-decode iteration if the pool is idle (so everything ready at t is seen by what starts at t).
-On a node whose cores are shared (CPU profiles: ``node.cores`` > 0) prefill and decode ranks
-of the same profile time-share them (``pd_parts.Node``): a prefill step progresses at a rate set by
-what computes beside it, recomputed at every event; a decode iteration is stretched by the
-prefill ranks busy at its start. ``idle_decode_busy`` > 0: while the pool has nothing to
-decode each of its ranks still takes that share of a core (the CPU runtime steps its lock-step
-pipeline with empty batches and its ranks poll), and prefill steps share the cores with them. Not modelled: the decode pool's own A2E/E2A traffic delaying
-a later KV transfer on the same link; prefix caching on the prefill ranks; KV blocks (no
-preemption). ``goodput.simulate_pd_composed`` is the older two-simulation composition, kept as this
-simulator's baseline (tests/test_job_sim_pd.py).
+Invariants: events (prefill step ends, decode iteration ends, arrivals, KV arrivals) are
+applied before anything starts at the same time, so what is ready at t is seen by what starts
+at t. Shared cores (``node.cores`` > 0): prefill and decode ranks of one profile time-share
+them (``pd_parts.Node``), rates recomputed at every event; ``idle_decode_busy`` is the share an
+idle decode rank still takes. Not modelled: the decode pool's own A2E/E2A traffic delaying a
+later KV transfer on the same link; prefix caching on prefill ranks; KV blocks (no preemption).
 """
 from __future__ import annotations
 
@@ -47,11 +33,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from megainfer.perfmodel.events import Requests, draw_counts
-from megainfer.perfmodel.job_result import JobResult
-from megainfer.perfmodel.job_sim import JobConfig, _split
-from megainfer.perfmodel.model import DisaggModel, Plan
-from megainfer.perfmodel.pd_parts import Node, Prefill, PrefillStep
+from megainfer.perfmodel.model.disagg import DisaggModel, Plan
+from megainfer.perfmodel.sim.events import Requests, draw_counts
+from megainfer.perfmodel.sim.job import JobConfig, _split
+from megainfer.perfmodel.sim.job_result import JobResult
+from megainfer.perfmodel.sim.pd_parts import Node, Prefill, PrefillStep
 
 
 @dataclass
@@ -70,7 +56,7 @@ class PdJobResult(JobResult):
 def simulate_pd_job(pool, model: DisaggModel, plan: Plan, requests: Requests,
                     cfg: JobConfig = JobConfig(), dtype: str = "bfloat16",
                     prefill_tokens: int | None = None, idle_decode_busy: float = 0.0) -> PdJobResult:
-    """Run ``requests`` through ``pool`` (``goodput.PrefillPool``) and the decode ``plan``;
+    """Run ``requests`` through ``pool`` (``model.prefill_pool.PrefillPool``) and the decode ``plan``;
     ``idle_decode_busy``: the share of a core each decode rank takes while the pool has nothing
     to decode (``pd_parts.Node``; 0: they wait without computing)."""
     rng = np.random.default_rng(cfg.seed)

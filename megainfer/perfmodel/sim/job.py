@@ -1,6 +1,6 @@
 """Event-driven simulator of whole jobs on a disaggregated plan (``DisaggModel`` + ``Plan``).
 
-Unlike ``simulator.py`` (one fixed batch in a fixed order, hence equal to the closed form), this
+Unlike ``fixed_batch.py`` (one fixed batch in a fixed order, hence equal to the closed form), this
 runs a job: requests arrive (``events.poisson_requests`` or a jsonl trace), each attention
 replica's scheduler does continuous batching with chunked prefill the way
 ``megainfer/engine/scheduler.py`` does (running requests first in start order: a decode takes
@@ -30,12 +30,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from megainfer.config import ConfigError
-from megainfer.perfmodel.events import Requests, Routing, draw_counts, makespan_outer
-from megainfer.perfmodel.job_result import JobResult  # noqa: F401  (re-exported)
-from megainfer.perfmodel.hardware import with_background_load
-from megainfer.perfmodel.layer_times import FittedTimes
-from megainfer.perfmodel.model import DisaggModel, Plan
-from megainfer.perfmodel.trace import TraceWriter
+from megainfer.perfmodel.model.disagg import DisaggModel, Plan
+from megainfer.perfmodel.model.hardware import with_background_load
+from megainfer.perfmodel.model.layer_times import FittedTimes
+from megainfer.perfmodel.sim.events import Requests, Routing, draw_counts, makespan_outer
+from megainfer.perfmodel.sim.job_result import JobResult
+from megainfer.perfmodel.trace import A2E, ATTENTION, E2A, EXPERT, TraceWriter
 
 
 @dataclass(frozen=True)
@@ -121,12 +121,12 @@ class Pipeline:
         p, k = self.plan, self.model.shape.top_k
         for a in range(p.n_a):
             for q in range(a * p.tp_a, (a + 1) * p.tp_a):
-                tw.span(q, "attention", float(s[a]), float(s[a] + ta[a]), it, l, i, float(tok[a]))
-                tw.span(q, "A2E", float(s2[a]), float(a2e_end), it, l, i, float(tok[a] * k))
+                tw.span(q, ATTENTION, float(s[a]), float(s[a] + ta[a]), it, l, i, float(tok[a]))
+                tw.span(q, A2E, float(s2[a]), float(a2e_end), it, l, i, float(tok[a] * k))
         for r in range(p.n_e):
             for q in range(p.n_a * p.tp_a + r * p.tp_e, p.n_a * p.tp_a + (r + 1) * p.tp_e):
-                tw.span(q, "expert", float(s3[r]), float(e_end[r]), it, l, i, float(etok[r]))
-                tw.span(q, "E2A", float(s4[r]), float(e2a_end), it, l, i, float(etok[r]))
+                tw.span(q, EXPERT, float(s3[r]), float(e_end[r]), it, l, i, float(etok[r]))
+                tw.span(q, E2A, float(s4[r]), float(e2a_end), it, l, i, float(etok[r]))
 
     def iteration(self, t0: float, tok: np.ndarray, ctx: np.ndarray, rows: np.ndarray,
                   counts: np.ndarray, trace: TraceWriter | None = None, it: int = 0,
@@ -134,7 +134,7 @@ class Pipeline:
         """End time of one iteration. tok, ctx, rows: [n_a, m] tokens, mean context and sampled
         rows per (replica, micro-batch); counts: [layers, m, E] tokens per expert;
         ingress_free: [n_a] when each replica's ingress link is free of other traffic (PD's KV
-        transfers, ``pd_sim``), so its E2A messages queue behind it."""
+        transfers, ``sim.pd``), so its E2A messages queue behind it."""
         p, L = self.plan, counts.shape[0]
         n_a, n_e, tp_a, tp_e = p.n_a, p.n_e, p.tp_a, p.tp_e
         act = np.flatnonzero(tok.sum(axis=0) > 0)  # empty micro-batches are skipped

@@ -3,7 +3,7 @@ the job simulator (docs/perfmodel.md, "Goodput planning").
 
 Two families: AE (attention/expert disaggregation, prefill chunked into the decode batches on
 the same ranks) and PD (a prefill pool feeding an AE decode pool, simulated as one job:
-``goodput.simulate_pd`` -> ``pd_sim.simulate_pd_job``).
+``goodput.simulate_pd`` -> ``pd.simulate_pd_job``).
 Every decode split (tp_a, n_a, tp_e, n_e, m) first goes through the closed form: expert and
 attention memory, the largest batch whose iteration meets the TPOT SLO (the decode pool's batch
 limit, ``scheduler.max_num_seqs``), and the token rate it sustains at that batch against the
@@ -22,14 +22,14 @@ from typing import Optional
 import numpy as np
 
 from megainfer.config import ConfigError
-from megainfer.perfmodel.events import Requests
-from megainfer.perfmodel.goodput import (Attainment, PrefillPool, Slo, attainment, decode_model,
-                                         simulate_ae, simulate_pd)
-from megainfer.perfmodel.hardware import HardwareProfile
-from megainfer.perfmodel.job_sim import JobConfig
-from megainfer.perfmodel.model import Plan, Workload
-from megainfer.perfmodel.planner import PlanError, largest_batch
-from megainfer.perfmodel.shapes import ModelShape
+from megainfer.perfmodel.model.disagg import Plan, Workload
+from megainfer.perfmodel.model.hardware import HardwareProfile
+from megainfer.perfmodel.model.prefill_pool import PrefillPool, decode_model
+from megainfer.perfmodel.model.shapes import ModelShape
+from megainfer.perfmodel.plan.goodput import Attainment, Slo, attainment, simulate_ae, simulate_pd
+from megainfer.perfmodel.plan.planner import PlanError, largest_batch
+from megainfer.perfmodel.sim.events import Requests
+from megainfer.perfmodel.sim.job import JobConfig
 
 BOUNDS = ("memory", "TPOT", "TTFT")
 

@@ -8,8 +8,8 @@ Both add the TP all-reduce over the intra-node link when tp > 1.
 from __future__ import annotations
 
 from megainfer.config import ConfigError
-from megainfer.perfmodel.hardware import HardwareProfile, LayerFit
-from megainfer.perfmodel.shapes import ModelShape, dtype_bytes
+from megainfer.perfmodel.model.hardware import HardwareProfile, LayerFit
+from megainfer.perfmodel.model.shapes import ModelShape, dtype_bytes
 
 
 def allreduce_time(hw: HardwareProfile, nbytes: float, tp: int) -> float:
@@ -110,7 +110,7 @@ def layer_times_for(hw: HardwareProfile, shape: ModelShape, dtype: str = "bfloat
 
 def linear_fit_of(times: RooflineTimes, ctx: float, sizes=(8, 16, 32, 64, 128, 256)) -> LayerFit:
     """k1..k4 by least squares over ``sizes`` (for Algorithm 1's balance estimate n_a)."""
-    from megainfer.perfmodel.fit import fit_line
+    from megainfer.perfmodel.model.fit import fit_line
     k1, k2 = fit_line(sizes, [times.t_attn(b, ctx) for b in sizes])
     k3, k4 = fit_line(sizes, [times.t_expert([b]) for b in sizes])
     return LayerFit(k1=k1, k2=k2, k3=k3, k4=k4, ctx_ref=int(ctx), dtype=times.dtype)

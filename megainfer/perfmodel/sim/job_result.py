@@ -1,4 +1,4 @@
-"""What a simulated job returns (``job_sim.simulate_job``): per-request times and their summary."""
+"""What a simulated job returns (``job.simulate_job``): per-request times and their summary."""
 from __future__ import annotations
 
 from dataclasses import dataclass

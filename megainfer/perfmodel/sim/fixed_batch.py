@@ -14,7 +14,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from megainfer.config import ConfigError
-from megainfer.perfmodel.trace import TraceWriter
+from megainfer.perfmodel.trace import A2E, ATTENTION, E2A, EXPERT, TraceWriter
 
 
 @dataclass(frozen=True)
@@ -111,8 +111,8 @@ def simulate(cfg: SimConfig, t_attn: Callable[[float], float],
                     a2e_free[a] = s2 + t_comm
                     arr[a] = s2 + t_comm + jit(cfg.n_e)
                     pids = range(a * cfg.tp_a, (a + 1) * cfg.tp_a)
-                    emit(pids, "attention", s, s + ta, it, l, i, cfg.b_a)
-                    emit(pids, "A2E", s2, arr[a].max(), it, l, i, cfg.b_a * cfg.top_k)
+                    emit(pids, ATTENTION, s, s + ta, it, l, i, cfg.b_a)
+                    emit(pids, A2E, s2, arr[a].max(), it, l, i, cfg.b_a * cfg.top_k)
                 back = np.empty((cfg.n_e, cfg.n_a))  # E2A arrival at replica a from expert r
                 for r in range(cfg.n_e):
                     c = counts[i, r * el:(r + 1) * el]
@@ -124,8 +124,8 @@ def simulate(cfg: SimConfig, t_attn: Callable[[float], float],
                     e2a_free[r] = s2 + t_comm
                     back[r] = s2 + t_comm + jit(cfg.n_a)
                     pids = range(pid_e0 + r * cfg.tp_e, pid_e0 + (r + 1) * cfg.tp_e)
-                    emit(pids, "expert", s, s + te, it, l, i, c.sum())
-                    emit(pids, "E2A", s2, back[r].max(), it, l, i, c.sum())
+                    emit(pids, EXPERT, s, s + te, it, l, i, c.sum())
+                    emit(pids, E2A, s2, back[r].max(), it, l, i, c.sum())
                 ready[:, i] = back.max(axis=0)
         t1 = float(ready.max())
         iters.append(t1 - t0)

@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megainfer.config import ConfigError
-from megainfer.perfmodel.layer_times import RooflineTimes
-from megainfer.perfmodel.model import Workload
-from megainfer.perfmodel.shapes import ModelShape, dtype_bytes
+from megainfer.perfmodel.model.disagg import Workload
+from megainfer.perfmodel.model.layer_times import RooflineTimes
+from megainfer.perfmodel.model.shapes import ModelShape, dtype_bytes
 
 
 @dataclass(frozen=True)

@@ -10,11 +10,11 @@ from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 from megainfer.config import ConfigError
-from megainfer.perfmodel.colocated import ColocatedModel, ColocatedPlan
-from megainfer.perfmodel.hardware import HardwareProfile
-from megainfer.perfmodel.layer_times import layer_times_for
-from megainfer.perfmodel.model import DisaggModel, Plan, Workload
-from megainfer.perfmodel.shapes import ModelShape
+from megainfer.perfmodel.model.colocated import ColocatedModel, ColocatedPlan
+from megainfer.perfmodel.model.disagg import DisaggModel, Plan, Workload
+from megainfer.perfmodel.model.hardware import HardwareProfile
+from megainfer.perfmodel.model.layer_times import layer_times_for
+from megainfer.perfmodel.model.shapes import ModelShape
 
 GiB = 1 << 30
 

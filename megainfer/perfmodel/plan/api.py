@@ -6,13 +6,13 @@ import os
 from dataclasses import dataclass
 
 from megainfer.config import ConfigError
-from megainfer.perfmodel.hardware import HardwareProfile
-from megainfer.perfmodel.layer_times import layer_times_for
-from megainfer.perfmodel.model import DisaggModel, Workload
-from megainfer.perfmodel.planner import PlanError, SearchSpace, plan_colocated, plan_disaggregated
-from megainfer.perfmodel.report import as_dict, table
-from megainfer.perfmodel.shapes import ModelShape
-from megainfer.perfmodel.simulator import simulate_plan
+from megainfer.perfmodel.model.disagg import DisaggModel, Workload
+from megainfer.perfmodel.model.hardware import HardwareProfile
+from megainfer.perfmodel.model.layer_times import layer_times_for
+from megainfer.perfmodel.model.shapes import ModelShape
+from megainfer.perfmodel.plan.planner import PlanError, SearchSpace, plan_colocated, plan_disaggregated
+from megainfer.perfmodel.plan.report import as_dict, table
+from megainfer.perfmodel.sim.fixed_batch import simulate_plan
 from megainfer.perfmodel.timeline_plot import plot_trace
 from megainfer.perfmodel.trace import read_trace
 
@@ -84,7 +84,7 @@ def run_goodput(shape: ModelShape, roles, reqs, slo, space, dtype: str, use_fit:
     """Goodput planning (``workload.arrival_rate`` or ``workload.trace`` given): the search of
     ``goodput_search``, printed as the chosen plan, the runners-up and why the best is bound
     where it is; ``<out_dir>/goodput.json``."""
-    from megainfer.perfmodel.goodput_search import search_goodput, why_bound
+    from megainfer.perfmodel.plan.goodput_search import search_goodput, why_bound
     span = float(reqs.arrival_s.max() - reqs.arrival_s.min())
     echo(f"[goodput] model={shape.name} prefill={roles.prefill.name} attention={roles.attention.name} "
          f"experts={roles.experts.name}; {len(reqs)} requests over {span:.3g} s, prompt mean "

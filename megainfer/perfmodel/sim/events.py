@@ -1,4 +1,4 @@
-"""Inputs and shared resources of the whole-job simulator (``job_sim.py``), all numpy.
+"""Inputs and shared resources of the whole-job simulator (``job.py``), all numpy.
 
 * requests: Poisson arrivals at a rate, or a jsonl trace of {arrival_s, prompt_len, output_len};
   prompt / output lengths drawn from ``LengthDist`` (fixed, uniform, lognormal) or the trace;

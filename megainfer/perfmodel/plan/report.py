@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from megainfer.perfmodel.colocated import ColocatedPrediction
-from megainfer.perfmodel.planner import Ranked
+from megainfer.perfmodel.model.colocated import ColocatedPrediction
+from megainfer.perfmodel.plan.planner import Ranked
 
 HEADER = (f"{'#':>2} {'plan':<40} {'T_a ms':>8} {'T_e ms':>8} {'T_c ms':>8} {'m':>2} {'B':>7} "
           f"{'TPOT ms':>8} {'tok/s':>9} {'tok/s/dev':>9} {'Mtok/$':>8}  binding")

@@ -1,10 +1,8 @@
 """Attention times that price a prefill chunk and a decode batch by their own fits.
 
-A decode micro-batch of b tokens is b sequences, each attending over its own cached context;
-a prefill chunk of b tokens is a few prompts' consecutive tokens. On the CPU runtime the first
-costs ~4x the second per token (each sequence's paged KV is gathered on its own), so one
-linear T_a(b, ctx) fitted to decode spans overprices prefill chunks and one fitted to both
-misprices both (perf/calibrate_bench50m.py measures the two). ``ChunkTimes`` answers
+A decode micro-batch of b tokens is b sequences, each attending over its own cached context; a
+prefill chunk of b tokens is a few prompts' consecutive tokens, and the two cost differently
+per token (``perf/calibrate_bench50m.py`` measures both). ``ChunkTimes`` answers
 ``t_attn(b, ctx)`` with the decode times while b is at most ``max_decode_tokens`` (a
 micro-batch cannot hold more decode tokens than the scheduler's ``max_num_seqs``) and with the
 prefill times above it; a micro-batch mixing a few decodes into a chunk is priced as a chunk.

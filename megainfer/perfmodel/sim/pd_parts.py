@@ -1,4 +1,4 @@
-"""The parts of ``pd_sim.simulate_pd_job`` that price work: a prefill replica's step times
+"""The parts of ``pd.simulate_pd_job`` that price work: a prefill replica's step times
 (``Prefill``), a step in flight (``PrefillStep``) and the node's cores shared between prefill
 and decode ranks (``Node``, docs/perfmodel.md "PD as one simulation")."""
 from __future__ import annotations
@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from megainfer.config import ConfigError
-from megainfer.perfmodel.events import draw_counts
-from megainfer.perfmodel.job_sim import Pipeline, expert_times
-from megainfer.perfmodel.model import DisaggModel, Plan
+from megainfer.perfmodel.model.disagg import DisaggModel, Plan
+from megainfer.perfmodel.sim.events import draw_counts
+from megainfer.perfmodel.sim.job import Pipeline, expert_times
 
 
 class Prefill:

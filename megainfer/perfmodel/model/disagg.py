@@ -4,10 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megainfer.config import ConfigError
-from megainfer.perfmodel.hardware import HardwareProfile
-from megainfer.perfmodel.layer_times import RooflineTimes
-from megainfer.perfmodel.pipeline import micro_batch_sizes, t_total
-from megainfer.perfmodel.shapes import ModelShape, dtype_bytes
+from megainfer.perfmodel.model.hardware import HardwareProfile
+from megainfer.perfmodel.model.layer_times import RooflineTimes
+from megainfer.perfmodel.model.pipeline import micro_batch_sizes, t_total
+from megainfer.perfmodel.model.shapes import ModelShape, dtype_bytes
 
 
 @dataclass(frozen=True)

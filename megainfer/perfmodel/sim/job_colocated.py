@@ -1,6 +1,6 @@
-"""Whole jobs on the colocated baseline (``colocated.ColocatedModel`` + ``ColocatedPlan``).
+"""Whole jobs on the colocated baseline (``model.colocated.ColocatedModel`` + ``ColocatedPlan``).
 
-The same job loop as ``job_sim.simulate_job`` (arrivals, continuous batching with chunked
+The same job loop as ``job.simulate_job`` (arrivals, continuous batching with chunked
 prefill, the scheduler's budget; the group is one replica), each iteration timed per (layer,
 micro-batch) like ``ColocatedModel.predict`` but from the micro-batch's own tokens and context:
 
@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from megainfer.perfmodel.colocated import ColocatedModel, ColocatedPlan
-from megainfer.perfmodel.events import Requests
-from megainfer.perfmodel.job_sim import JobConfig, JobResult, expert_times, run_scheduler
+from megainfer.perfmodel.model.colocated import ColocatedModel, ColocatedPlan
+from megainfer.perfmodel.sim.events import Requests
+from megainfer.perfmodel.sim.job import JobConfig, expert_times, run_scheduler
+from megainfer.perfmodel.sim.job_result import JobResult
 
 
 class ColocatedPipeline:

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import math
 
-from megainfer.perfmodel.events import Requests
-from megainfer.perfmodel.model import DisaggModel, Plan
-from megainfer.perfmodel.pipeline import micro_batch_sizes, t_total
+from megainfer.perfmodel.model.disagg import DisaggModel, Plan
+from megainfer.perfmodel.model.pipeline import micro_batch_sizes, t_total
+from megainfer.perfmodel.sim.events import Requests
 
 
 def closed_form_prefill(model: DisaggModel, plan: Plan, prompt_len: float) -> float:
