@@ -57,7 +57,8 @@ from megainfer.bench.pd_runs import (IDLE_FIX, beyond, conditions, host_terms, i
                                      others_ran, sleeps_when_idle, stats, with_spans)
 from megainfer.perfmodel.model.chunk_times import ChunkTimes  # noqa: E402
 from megainfer.perfmodel.sim.events import Requests  # noqa: E402
-from megainfer.perfmodel.plan.goodput import PrefillPool, decode_model, simulate_pd_composed  # noqa: E402
+from megainfer.perfmodel.model.prefill_pool import PrefillPool, decode_model  # noqa: E402
+from megainfer.perfmodel.plan.goodput import simulate_pd_composed  # noqa: E402
 from megainfer.perfmodel.model.hardware import LayerFit, load_hardware, with_background_load  # noqa: E402
 from megainfer.perfmodel.sim.job import JobConfig, simulate_job  # noqa: E402
 from megainfer.perfmodel.model.layer_times import FittedTimes  # noqa: E402

@@ -15,8 +15,8 @@ import pytest
 
 from megainfer.config import ConfigError
 from megainfer.perfmodel.sim.events import LengthDist, Requests, poisson_requests
-from megainfer.perfmodel.plan.goodput import (PrefillPool, decode_model, kv_transfer_s,
-                                         simulate_pd_composed)
+from megainfer.perfmodel.model.prefill_pool import PrefillPool, decode_model, kv_transfer_s
+from megainfer.perfmodel.plan.goodput import simulate_pd_composed
 from megainfer.perfmodel.model.hardware import NodeProfile
 from megainfer.perfmodel.sim.job import JobConfig
 from megainfer.perfmodel.model.disagg import Plan, Workload
