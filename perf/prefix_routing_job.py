@@ -22,7 +22,7 @@ from megainfer.config import (CacheConfig, CommConfig, DeployPlan, LoadConfig,  
                               ModelConfig, SchedulerConfig)
 from megainfer.engine.outputs import PromptInput  # noqa: E402
 from megainfer.engine.sampling_params import SamplingParams  # noqa: E402
-from megainfer.runtime.world import JobSpec, build_rank, run_rank  # noqa: E402
+from megainfer.runtime.startup import JobSpec, build_rank, run_rank  # noqa: E402
 
 
 class Args:

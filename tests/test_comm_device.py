@@ -14,7 +14,7 @@ from megainfer.comm.cuda_ipc import check_cuda_ipc
 from megainfer.comm.errors import TransportChoiceError
 from megainfer.comm.select import check_nccl, pair_plan, resolve, shared_gpus
 from megainfer.config import CommConfig, ConfigError
-from megainfer.runtime.exchange import AttentionExchange, ExpertExchange, rows_per_rank
+from megainfer.runtime.pipeline.exchange import AttentionExchange, ExpertExchange, rows_per_rank
 from megainfer.runtime.trace import Tracer
 from mpi_util import run_mpi
 

@@ -9,10 +9,10 @@ from mpi4py import MPI
 from megainfer.comm.wait import WaitPolicy
 from megainfer.kernels import kv_quant
 from megainfer.runtime.control import RankFailure
-from megainfer.runtime.kv_place import sender_scales
-from megainfer.runtime.kv_routes import head_slice
-from megainfer.runtime.kv_segments import Segments, gather_blocks
-from megainfer.runtime.kv_stream import Dest, KVReceiver, KVSender, Outgoing
+from megainfer.runtime.pd.kv_place import sender_scales
+from megainfer.runtime.pd.kv_routes import head_slice
+from megainfer.runtime.pd.kv_segments import Segments, gather_blocks
+from megainfer.runtime.pd.kv_stream import Dest, KVReceiver, KVSender, Outgoing
 
 BS, NB, L = 4, 12, 3
 SEGS = Segments(2, 8)  # 2 blocks per segment: a 3-block transfer is 2 messages per layer

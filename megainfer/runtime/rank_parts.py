@@ -14,15 +14,15 @@ from megainfer.config import (CacheConfig, CommConfig, DeployPlan, DeviceConfig,
                               LoadConfig, ModelConfig, ReplanConfig, SchedulerConfig, TraceConfig)
 from megainfer.models import ParallelContext, build_model
 
-from .attention_executor import DisaggregatedExecutor
-from .colocated_executor import ColocatedExecutor
-from .exchange import AttentionExchange, ExpertExchange
-from .expert_worker import ExpertWorker
-from .rebalancer import AttentionRebalancer, ExpertRebalancer
-from .replica_loop import ReplicaLoop
-from .roles import expert_rank_ids, leader_ranks
-from .trace import Tracer
-from .weight_channel import eplb_moves_kind
+from megainfer.runtime.pipeline.attention_executor import DisaggregatedExecutor
+from megainfer.runtime.pipeline.colocated_executor import ColocatedExecutor
+from megainfer.runtime.pipeline.exchange import AttentionExchange, ExpertExchange
+from megainfer.runtime.pipeline.expert_worker import ExpertWorker
+from megainfer.runtime.eplb.rebalancer import AttentionRebalancer, ExpertRebalancer
+from megainfer.runtime.replicas.loop import ReplicaLoop
+from megainfer.runtime.roles import expert_rank_ids, leader_ranks
+from megainfer.runtime.trace import Tracer
+from megainfer.runtime.eplb.weight_channel import eplb_moves_kind
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -54,7 +54,7 @@ class Rank:
     loop: Optional[ReplicaLoop] = None
     worker: Optional[ExpertWorker] = None
     closers: list = field(default_factory=list)
-    parts: dict = field(default_factory=dict)  # what a re-plan rebuilds (runtime/replan_switch.py)
+    parts: dict = field(default_factory=dict)  # what a re-plan rebuilds (runtime/replan/switch.py)
 
     def close(self) -> None:
         for c in self.closers:

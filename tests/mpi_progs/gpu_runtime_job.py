@@ -29,7 +29,7 @@ from megainfer.config import (CommConfig, DeployPlan, DeviceConfig, LoadConfig, 
                               TraceConfig)
 from megainfer.engine.engine import LLMEngine
 from megainfer.models import build_model
-from megainfer.runtime.world import JobSpec, build_rank, run_rank
+from megainfer.runtime.startup import JobSpec, build_rank, run_rank
 
 WORLD = MPI.COMM_WORLD
 MAX_TOKENS = 8

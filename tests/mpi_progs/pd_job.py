@@ -37,8 +37,8 @@ from runtime_job import CACHE, SCHED, SHARED_CACHE, dump_results, inputs, shared
 from mpi4py import MPI  # noqa: E402
 
 from megainfer.config import CommConfig, DeployPlan, LoadConfig, ModelConfig  # noqa: E402
-from megainfer.runtime.prefill_worker import PrefillWorker  # noqa: E402
-from megainfer.runtime.world import JobSpec, build_rank, run_rank  # noqa: E402
+from megainfer.runtime.pd.prefill_worker import PrefillWorker  # noqa: E402
+from megainfer.runtime.startup import JobSpec, build_rank, run_rank  # noqa: E402
 
 
 def sampled_inputs(vocab: int, max_tokens: int, n: int):

@@ -23,8 +23,9 @@ from replan_job import CACHE, FORCE, SCHED, inputs, tokens_of, weights_ok  # noq
 
 from megainfer.config import (CommConfig, DeployPlan, EplbConfig, LoadConfig, ModelConfig,  # noqa: E402
                               ReplanConfig)
-from megainfer.runtime import replan_runner, weight_channel  # noqa: E402
-from megainfer.runtime.world import JobSpec, build_rank, run_rank  # noqa: E402
+from megainfer.runtime.eplb import weight_channel  # noqa: E402
+from megainfer.runtime.replan import runner as replan_runner  # noqa: E402
+from megainfer.runtime.startup import JobSpec, build_rank, run_rank  # noqa: E402
 
 
 def main():

@@ -31,8 +31,8 @@ from megainfer.config import (CacheConfig, CommConfig, DeployPlan, EplbConfig, L
 from megainfer.engine.outputs import PromptInput  # noqa: E402
 from megainfer.engine.sampling_params import SamplingParams  # noqa: E402
 from megainfer.models import build_model  # noqa: E402
-from megainfer.runtime import replan_runner  # noqa: E402
-from megainfer.runtime.world import JobSpec, build_rank, run_rank  # noqa: E402
+from megainfer.runtime.replan import runner as replan_runner  # noqa: E402
+from megainfer.runtime.startup import JobSpec, build_rank, run_rank  # noqa: E402
 
 SCHED = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128)
 CACHE = CacheConfig(block_size=4, num_blocks=256)
@@ -122,7 +122,7 @@ def hang(cfg, load, plan, where):
     end the job within comm.timeout_s (doubled in the switch), naming rank 2 and the phase."""
     import time
 
-    from megainfer.runtime import replan_switch
+    from megainfer.runtime.replan import switch as replan_switch
     if MPI.COMM_WORLD.Get_rank() == 2:
         name = {"hang": "new_placement", "hang_dup": "assign_role",
                 "hang_channels": "make_m2n"}[where]

@@ -22,7 +22,7 @@ from megainfer.config import (CacheConfig, CommConfig, DeployPlan, LoadConfig, M
                               SchedulerConfig)
 from megainfer.engine.outputs import PromptInput  # noqa
 from megainfer.engine.sampling_params import SamplingParams  # noqa
-from megainfer.runtime.world import JobSpec, build_rank, run_rank  # noqa
+from megainfer.runtime.startup import JobSpec, build_rank, run_rank  # noqa
 
 SCHED = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128)
 CACHE = CacheConfig(block_size=4, num_blocks=256)

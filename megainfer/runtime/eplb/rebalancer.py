@@ -10,7 +10,7 @@ iteration's tokens. Physical slots stay on their rank, so ``expert_map`` never c
 which logical expert a slot holds does.
 
 Two paths for the weight moves (``comm.eplb_moves``, docs/eplb.md): device to device over the
-job's device transport (``runtime/weight_channel.py``: fixed-size messages, device buffers), or
+job's device transport (``runtime/eplb/weight_channel.py``: fixed-size messages, device buffers), or
 host staging over MPI (one device -> host copy per move on a GPU). The load window counts on
 the experts' device (no host sync per layer and micro-batch); the load all-reduce copies it to
 the host and stays an MPI all-reduce either way (L x N int64 once per interval: 125 KB for
@@ -29,8 +29,8 @@ from megainfer.comm.spec import KIND_REBALANCE
 from megainfer.config import EplbConfig
 from megainfer.eplb import ExpertLoadWindow, Placement, weight_moves
 
-from .control import ControlPlane
-from .weight_channel import Inbound, Outbound, run_moves, world_ranks_of
+from megainfer.runtime.control import ControlPlane
+from megainfer.runtime.eplb.weight_channel import Inbound, Outbound, run_moves, world_ranks_of
 
 log = logging.getLogger("megainfer.runtime")
 TAG_PLACEMENT = 105

@@ -18,20 +18,20 @@ from megainfer.comm.wait import WaitPolicy
 from megainfer.config import ConfigError
 from megainfer.models import ParallelContext, build_model
 
-from .control import ControlPlane
-from .kv_place import sender_scales
-from .kv_routes import check_prefill_tp, routes_to
-from .kv_segments import Segments
-from .kv_stream import Dest, KVReceiver, KVSender
-from .pd_decode import DecodeSide
-from .pd_loop import PDReplicaLoop
-from .pd_router import PDRouter
-from .prefill_experts import expert_slots_of, split_experts
-from .prefill_worker import PrefillExecutor, PrefillWorker
-from .rank_parts import DTYPES, Rank, make_engine
-from .roles import assign_role, prefill_rank_ids
-from .tp_group import late_peer, make_tp_group
-from .trace import Tracer
+from megainfer.runtime.control import ControlPlane
+from megainfer.runtime.pd.kv_place import sender_scales
+from megainfer.runtime.pd.kv_routes import check_prefill_tp, routes_to
+from megainfer.runtime.pd.kv_segments import Segments
+from megainfer.runtime.pd.kv_stream import Dest, KVReceiver, KVSender
+from megainfer.runtime.pd.decode import DecodeSide
+from megainfer.runtime.pd.loop import PDReplicaLoop
+from megainfer.runtime.pd.router import PDRouter
+from megainfer.runtime.pd.prefill_experts import expert_slots_of, split_experts
+from megainfer.runtime.pd.prefill_worker import PrefillExecutor, PrefillWorker
+from megainfer.runtime.rank_parts import DTYPES, Rank, make_engine
+from megainfer.runtime.roles import assign_role, prefill_rank_ids
+from megainfer.runtime.tp.group import late_peer, make_tp_group
+from megainfer.runtime.trace import Tracer
 
 
 def build_pd_rank(job, comm, build_rank):

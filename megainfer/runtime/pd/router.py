@@ -5,7 +5,7 @@ prefill ranks' reports into messages for the decode replicas.
 Hand-out, every iteration, first come first served while the decode replicas have room (each
 under ``max_num_seqs`` requests running + waiting + transfers pending + handed out this
 iteration): the prefill rank is chosen by the attention replicas' ``Router``
-(``scheduler.routing``, megainfer/runtime/router.py) over the prefill ranks: with
+(``scheduler.routing``, megainfer/runtime/replicas/request_router.py) over the prefill ranks: with
 ``cache_aware`` and prefix caching, the prefill rank holding the longest run of the prompt's
 blocks (the prefill ranks report their cache's key events), else the shortest queue, in
 rotation; the decode replica is the least loaded (ties in rotation): its KV comes whole from
@@ -30,9 +30,9 @@ from megainfer.engine.errors import RequestError
 from megainfer.engine.intake import tokenize_prompt
 from megainfer.engine.outputs import RequestOutput
 
-from .control import RankFailure
-from .prefill_worker import STOP, TAG_PD_DONE, TAG_PD_WORK
-from .router import Router
+from megainfer.runtime.control import RankFailure
+from megainfer.runtime.pd.prefill_worker import STOP, TAG_PD_DONE, TAG_PD_WORK
+from megainfer.runtime.replicas.request_router import Router
 
 
 @dataclass

@@ -16,10 +16,10 @@ from typing import Iterable, Iterator, Optional
 
 from megainfer.engine.outputs import PromptInput, RequestOutput
 
-from .control import TAG_GO, TAG_REQUESTS, TAG_STATUS
-from .pd_decode import DecodeSide
-from .pd_router import PDRouter
-from .replica_loop import ReplicaLoop
+from megainfer.runtime.control import TAG_GO, TAG_REQUESTS, TAG_STATUS
+from megainfer.runtime.pd.decode import DecodeSide
+from megainfer.runtime.pd.router import PDRouter
+from megainfer.runtime.replicas.loop import ReplicaLoop
 
 
 class PDReplicaLoop(ReplicaLoop):

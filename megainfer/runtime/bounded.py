@@ -27,7 +27,7 @@ from mpi4py import MPI
 
 from megainfer.comm.wait import WaitPolicy, wait_until
 
-from .control import RankFailure
+from megainfer.runtime.control import RankFailure
 
 TAG_ARRIVE = 108  # every rank -> every other, on the job's communicator: "I reached call k"
 

@@ -31,7 +31,7 @@ from megainfer.comm.spec import MessageSpec
 from megainfer.comm.transport import Transport
 from megainfer.comm.wait import WaitPolicy
 
-from .control import RankFailure
+from megainfer.runtime.control import RankFailure
 
 MAX_MESSAGE_BYTES = 8 << 20  # the largest part sent point to point (vLLM's custom all-reduce: 8 MiB)
 SEQ_MOD = 1 << 30  # the header's int32 iteration field holds the collective's sequence number

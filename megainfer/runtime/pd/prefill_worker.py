@@ -35,8 +35,8 @@ from megainfer.engine.kv_handoff import detach, export_state
 from megainfer.engine.outputs import RequestOutput
 from megainfer.engine.step import LocalExecutor
 
-from .control import RankFailure
-from .kv_stream import KVSender, Outgoing
+from megainfer.runtime.control import RankFailure
+from megainfer.runtime.pd.kv_stream import KVSender, Outgoing
 
 log = logging.getLogger("megainfer.runtime")
 TAG_PD_WORK, TAG_PD_DONE = 201, 202

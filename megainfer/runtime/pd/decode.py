@@ -20,7 +20,7 @@ from typing import Optional
 
 from megainfer.engine.kv_handoff import release, reserve, start
 
-from .kv_stream import Incoming, KVReceiver
+from megainfer.runtime.pd.kv_stream import Incoming, KVReceiver
 
 
 @dataclass

@@ -22,9 +22,9 @@ import time
 
 from megainfer.config.replan import parse_plan
 
-from .replan_measure import (TAG_SAMPLES, ExpertReporter, attention_samples, comm_samples,
+from megainfer.runtime.replan.measure import (TAG_SAMPLES, ExpertReporter, attention_samples, comm_samples,
                              records, take_events)
-from .replan_switch import TAG_REPLAN, ReplanOrder, switch
+from megainfer.runtime.replan.switch import TAG_REPLAN, ReplanOrder, switch
 
 log = logging.getLogger("megainfer.runtime")
 WINDOW = 16  # steps before / after a switch the measured gain compares
@@ -156,7 +156,7 @@ class ReplanController:
         self.ctx = {i: c for i, c in self.ctx.items() if i >= it}
 
     def _decide(self, loop, it: int, cur: tuple):
-        from .replan_decider import JobState, Measurements, decide
+        from megainfer.runtime.replan.decider import JobState, Measurements, decide
         hw, shape = self._model()
         router, sched = loop.router, loop.engine.scheduler
         views = router.replicas

@@ -18,7 +18,7 @@ import torch
 from megainfer.comm import M2N, combine_spec, dispatch_spec, make_transports
 from megainfer.comm.spec import KIND_REBALANCE, KIND_STOP
 
-from .trace import Tracer
+from megainfer.runtime.trace import Tracer
 
 
 def make_m2n(comm, leaders: list[int], experts: list[int], hidden: int, top_k: int,

@@ -43,9 +43,9 @@ from mpi4py import MPI
 
 from megainfer.comm.wait import WaitPolicy, wait_until
 
-from .control import RankFailure
-from .kv_place import place, sender_scales
-from .kv_segments import Segments, gather_blocks, host_bytes, kv_tag, staging_shape
+from megainfer.runtime.control import RankFailure
+from megainfer.runtime.pd.kv_place import place, sender_scales
+from megainfer.runtime.pd.kv_segments import Segments, gather_blocks, host_bytes, kv_tag, staging_shape
 @dataclass
 class Dest:
     rank: int  # world rank (of the KV communicator) of a decode TP rank

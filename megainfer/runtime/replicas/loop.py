@@ -1,7 +1,7 @@
 """The lockstep loop of all attention ranks, and rank 0's view of it as a stream of outputs.
 
 Rank 0 keeps the requests and hands them out a few at a time through a ``Router``
-(``scheduler.routing``: ``round_robin`` | ``cache_aware``, megainfer/runtime/router.py): a first
+(``scheduler.routing``: ``round_robin`` | ``cache_aware``, megainfer/runtime/replicas/request_router.py): a first
 share before the loop (``TAG_REQUESTS``), then more every iteration. Every iteration, on every
 attention rank: ``engine.step()`` (an empty step when the replica is idle, so the expert ranks
 always get every (layer, micro-batch) message); replica leaders report to rank 0 their finished
@@ -22,9 +22,9 @@ from typing import Iterable, Iterator, Optional
 
 from megainfer.engine.outputs import PromptInput, RequestOutput
 
-from .control import TAG_GO, TAG_REQUESTS, TAG_STATUS, ControlPlane
-from .roles import RankRole
-from .router import Router, prompt_tokens_of
+from megainfer.runtime.control import TAG_GO, TAG_REQUESTS, TAG_STATUS, ControlPlane
+from megainfer.runtime.roles import RankRole
+from megainfer.runtime.replicas.request_router import Router, prompt_tokens_of
 
 
 class ReplicaLoop:

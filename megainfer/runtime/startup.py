@@ -23,21 +23,21 @@ from mpi4py import MPI
 from megainfer.comm.wait import WaitPolicy
 from megainfer.config import ConfigError
 
-from .control import ControlPlane
-from .exchange import make_m2n
-from .placement import initial_placement
-from .rank_parts import DTYPES, JobSpec, Rank, build_attention, build_colocated, build_expert
-from .roles import assign_role, expert_rank_ids, leader_ranks
-from .tp_group import late_peer, make_tp_group
-from .trace import Tracer
+from megainfer.runtime.control import ControlPlane
+from megainfer.runtime.pipeline.exchange import make_m2n
+from megainfer.runtime.eplb.initial_placement import initial_placement
+from megainfer.runtime.rank_parts import DTYPES, JobSpec, Rank, build_attention, build_colocated, build_expert
+from megainfer.runtime.roles import assign_role, expert_rank_ids, leader_ranks
+from megainfer.runtime.tp.group import late_peer, make_tp_group
+from megainfer.runtime.trace import Tracer
 
 log = logging.getLogger("megainfer.runtime")
 def build_rank(job: JobSpec, comm=MPI.COMM_WORLD) -> Rank:
     if job.replan.enabled:  # before anything collective: every rank refuses alike
-        from .replan_switch import check_replan
+        from megainfer.runtime.replan.switch import check_replan
         check_replan(job, comm.Get_size())
     if job.plan.prefill_replicas:  # prefill ranks after the rest (docs/pd.md)
-        from .pd_world import build_pd_rank
+        from megainfer.runtime.pd.build import build_pd_rank
         return build_pd_rank(job, comm, build_rank)
     rank, world = comm.Get_rank(), comm.Get_size()
     plan, cfg = job.plan, job.model
@@ -91,7 +91,7 @@ def build_rank(job: JobSpec, comm=MPI.COMM_WORLD) -> Rank:
 def run_rank(r: Rank, inputs: Optional[Iterable] = None):
     """Rank 0: a generator of outputs. Others: serve until stopped, then return None."""
     if r.parts.get("job") is not None and r.parts["job"].replan.enabled:
-        from .replan_runner import run_replanning
+        from megainfer.runtime.replan.runner import run_replanning
         return run_replanning(r, inputs)
     if r.role.rank == 0:
         return r.loop.generate_stream(inputs or [])

@@ -1,7 +1,7 @@
 """Expert weight moves device to device: (layer, slot) weight buffers between expert ranks turned
 into fixed-capacity messages over the job's device transport (``comm.eplb_moves``;
-docs/eplb.md, docs/comm.md). Live EPLB (``runtime/rebalancer.py``) and a re-plan's weight moves
-(``runtime/replan_weights.py``) use it; without it they stage through host memory over MPI.
+docs/eplb.md, docs/comm.md). Live EPLB (``runtime/eplb/rebalancer.py``) and a re-plan's weight moves
+(``runtime/replan/weights.py``) use it; without it they stage through host memory over MPI.
 
 * What travels: a sender posts its old slot's weights straight from the parameters (the
   flattened ``gate_up_proj`` then ``down_proj`` of the slot: one device copy into the message
@@ -42,7 +42,7 @@ from megainfer.comm.spec import MessageSpec
 from megainfer.comm.transport import Transport
 from megainfer.comm.wait import WaitPolicy, wait_until
 
-from .control import RankFailure
+from megainfer.runtime.control import RankFailure
 
 CHUNK_BYTES = 8 << 20  # the largest message (vLLM's custom all-reduce size, the TP channel's)
 ROW = 1024  # elements per message row (the row count stays small: the channel tabulates it)
@@ -191,7 +191,7 @@ def open_weight_channel(kind: str, comm, device, dtype: torch.dtype, senders: li
     """Collective over ``comm``: the transport ``kind`` and the channel on it, each collective
     call bounded by the control plane's timeout and naming a late rank. Returns the channel
     and the bounded communicator its ``close`` must go through (``close_weight_channel``)."""
-    from .replan_bounded import BoundedComm
+    from megainfer.runtime.bounded import BoundedComm
     bounded = BoundedComm(comm, control.me, control.policy, what)
 
     def build():

@@ -37,15 +37,15 @@ from megainfer.comm.wait import WaitPolicy
 from megainfer.config import ConfigError
 from megainfer.config.replan import parse_split
 
-from .control import ControlPlane
-from .exchange import make_m2n
-from .rank_parts import DTYPES, build_attention, build_expert
-from .replan_bounded import BoundedComm
-from .replan_requests import balance_shares, group_count, migrate
-from .replan_weights import move_expert_weights, new_placement
-from .roles import assign_role, expert_rank_ids, leader_ranks
-from .tp_group import TPGroup, late_peer
-from .weight_channel import eplb_moves_kind
+from megainfer.runtime.control import ControlPlane
+from megainfer.runtime.pipeline.exchange import make_m2n
+from megainfer.runtime.rank_parts import DTYPES, build_attention, build_expert
+from megainfer.runtime.bounded import BoundedComm
+from megainfer.runtime.replan.requests import balance_shares, group_count, migrate
+from megainfer.runtime.replan.weights import move_expert_weights, new_placement
+from megainfer.runtime.roles import assign_role, expert_rank_ids, leader_ranks
+from megainfer.runtime.tp.group import TPGroup, late_peer
+from megainfer.runtime.eplb.weight_channel import eplb_moves_kind
 
 log = logging.getLogger("megainfer.runtime")
 TAG_REPLAN = 106  # rank 0 -> every rank: the order ending a loop (None: the job is over)
