@@ -63,7 +63,7 @@ def run_distributed(s, requests, output_path: str, run_dir: str) -> int:
         if comm.Get_rank() == 0:
             summary = run_offline_job(requests, _ReplicaStream(rank), output_path,
                                       resume=s.io.resume, progress=s.io.progress)
-            summary.replans = rank.parts.get("replans", [])  # re-plans of the split, if any
+            summary.replans = rank.replans  # re-plans of the split, if any
         else:
             run_rank(rank)
         if s.trace.enabled:

@@ -57,9 +57,9 @@ def run(a: dict, cfg, segments, replan):
     res = None
     if outs is not None:
         steps = r.loop.engine.executor.step_log  # rank 0 keeps its engine across switches
-        recs = r.parts.get("replans", [])
+        recs = r.replans
         res = dict(seconds=seconds, tokens={o.request_id: o.outputs[0].token_ids for o in outs},
-                   replans=recs, decisions=r.parts.get("replan_decisions", []),
+                   replans=recs, decisions=r.replan_decisions,
                    phases=phases(steps, [x["iteration"] for x in recs]),
                    switch_s=sum(x["seconds"] for x in recs))
     r.close()

@@ -36,7 +36,7 @@ from pipeline_job import SHAPE_DEFAULTS, model_config  # noqa: E402
 from megainfer.config import (CacheConfig, CommConfig, DeployPlan, EplbConfig,  # noqa: E402
                               LoadConfig, SchedulerConfig, TraceConfig)
 from megainfer.engine.sampling_params import SamplingParams  # noqa: E402
-from megainfer.runtime.control import TAG_GO, TAG_REQUESTS, TAG_STATUS  # noqa: E402
+from megainfer.runtime.tags import GO as TAG_GO, REQUESTS as TAG_REQUESTS, STATUS as TAG_STATUS  # noqa: E402
 from megainfer.runtime.trace import merge_traces  # noqa: E402
 from megainfer.runtime.startup import JobSpec, build_rank, run_rank  # noqa: E402
 

@@ -13,7 +13,7 @@ from megainfer.config import ConfigError, SchedulerConfig
 from megainfer.engine import SamplingParams
 from megainfer.engine.block_manager import BlockManager, hash_block_tokens
 from megainfer.engine.request import Request
-from megainfer.runtime.replicas.request_router import Router
+from megainfer.runtime.replicas.request_router import RequestRouter
 
 HERE = os.path.dirname(__file__)
 
@@ -26,7 +26,7 @@ def _keys(tokens, bs=2):
 
 
 def _router(A=3, policy="cache_aware", max_num_seqs=8, **kw):
-    return Router(A, policy, 2, max_num_seqs, lambda inp: inp, **kw)
+    return RequestRouter(A, policy, 2, max_num_seqs, lambda inp: inp, **kw)
 
 
 def test_longest_cached_prefix_wins():

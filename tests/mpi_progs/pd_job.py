@@ -115,7 +115,7 @@ def main():
             r = build_rank(JobSpec(cfg, LoadConfig(path=ckpt), sched, cache, plan, comm))
             stream = run_rank(r, make_inputs(cfg.vocab_size, max_tokens))
             outs = list(stream) if stream is not None else None  # rank 0: the job runs here
-            group = r.parts.get("tp")
+            group = r.tp
             tp_sent = MPI.COMM_WORLD.gather(  # per rank: TP collectives that went point to point
                 group.channel.sent if group is not None and group.channel is not None else 0)
             if outs is not None:

@@ -58,7 +58,7 @@ def main():
     gathered = comm.gather((checks, final, sent), root=0)
     if comm.Get_rank() == 0:
         with open(out, "w") as f:
-            json.dump({"tokens": tokens, "records": r.parts["replans"],
+            json.dump({"tokens": tokens, "records": r.replans,
                        "checks": [g[0] for g in gathered], "final": [g[1] for g in gathered],
                        "sent": [g[2] for g in gathered]}, f)
     r.close()

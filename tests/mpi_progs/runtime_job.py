@@ -98,7 +98,7 @@ def main():
             if stream is not None:
                 outs = list(stream)
                 results[f"{ckpt}|m={m}"] = {o.request_id: o.outputs[0].token_ids for o in outs}
-                tp = r.parts.get("tp")
+                tp = r.tp
                 if tp is not None and tp.channel is not None:  # collectives sent point to point
                     results[f"{ckpt}|m={m}|tp_sent"] = tp.channel.sent
                 if shared:  # prompt tokens the prefix cache served

@@ -21,7 +21,6 @@ from typing import Optional
 import torch
 
 from megainfer.models.attention import AttentionMetadata
-
 from megainfer.runtime.pipeline.microbatch import split_by_tokens
 from megainfer.runtime.trace import Tracer
 

@@ -8,7 +8,6 @@ import logging
 import torch
 
 from megainfer.comm.spec import KIND_REBALANCE, KIND_STOP
-
 from megainfer.runtime.trace import Tracer
 
 log = logging.getLogger("megainfer.runtime")

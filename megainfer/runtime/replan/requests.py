@@ -25,9 +25,10 @@ import numpy as np
 import torch
 
 from megainfer.engine.request import RequestStatus
+from megainfer.runtime import tags
+from megainfer.runtime.messages import GroupHeader, SampleMove
 
 log = logging.getLogger("megainfer.runtime")
-TAG_HEADERS, TAG_KV = 1, 2  # on the switch communicator
 
 
 def _block_dim(engine) -> int:
@@ -97,9 +98,8 @@ def hand_out(engine, ids: dict, dests: list[int], mode: str, link_Bps: float, ta
     ``limit`` newest (a replica giving some to a new one). A group travels whole: its head (the
     ``Request`` that holds every sample, finished ones and samples not forked yet included) and,
     per sample in the scheduler, the choice made for it (its KV moved, recomputed, or not
-    started). Returns {dest rank: [((head, caller id, [(sample index, choice, computed
-    tokens)]), [kv bytes or None per sample])]} in queue order, and the counts per choice
-    (``multi``: samples of requests with n > 1)."""
+    started). Returns {dest rank: [(GroupHeader, [kv bytes or None per sample])]} in queue
+    order, and the counts per choice (``multi``: samples of requests with n > 1)."""
     bs = engine.cache_config.block_size
     per_tok = _seconds_per_token(engine)
     out = {d: [] for d in dests}
@@ -116,11 +116,11 @@ def hand_out(engine, ids: dict, dests: list[int], mode: str, link_Bps: float, ta
             kvs.append(_export_kv(engine, s.block_table[:blocks]) if choice == "move" else None)
             engine.scheduler.finish(s)  # out of the queue, its blocks freed (shared ones kept)
             s.block_table, s.block_uids = [], []
-            plan.append((s.index, choice, n))
+            plan.append(SampleMove(s.index, choice, n))
             counts[choice] += 1
             counts["multi"] += len(head.samples) > 1
         engine.requests.pop(head.request_id, None)
-        header = (head, ids.pop(head.request_id, head.request_id), plan)
+        header = GroupHeader(head, ids.pop(head.request_id, head.request_id), plan)
         out[dests[j % len(dests)]].append((header, kvs))
     return out, counts
 
@@ -132,13 +132,15 @@ def take_in(engine, ids: dict, items: list, tag: str) -> dict:
     here. Seeds, outputs and log-probabilities are the request objects' own: they came too."""
     sched, back = engine.scheduler, []
     counts = {"move": 0, "recompute": 0, "waiting": 0, "multi": 0}
-    for (head, caller_id, plan), kvs in items:
+    for header, kvs in items:
+        head = header.head
         engine.requests[head.request_id] = head
-        ids[head.request_id] = caller_id
+        ids[head.request_id] = header.caller_id
         for k, s in enumerate(head.samples):  # fresh seq ids here, one per sample
             s.seq_id = engine._next_seq_id + k
         engine._next_seq_id += len(head.samples)
-        for (index, choice, n), kv in zip(plan, kvs):
+        for mv, kv in zip(header.samples, kvs):
+            index, choice, n = mv.index, mv.choice, mv.computed
             s = head.samples[index]
             if choice == "move" and engine.blocks.allocate(s, n):
                 _import_kv(engine, s.block_table, kv)
@@ -182,27 +184,27 @@ def migrate(control, loop_or_none, leaving: list[int], staying: list[int], mode:
                  "started", tag, c["move"], c["recompute"], c["waiting"])
         reqs = []
         for dest in staying:
-            control.send([h for h, _ in out[dest]], dest, TAG_HEADERS)
+            control.send([h for h, _ in out[dest]], dest, tags.REPLAN_HEADERS)
             for _, kvs in out[dest]:
                 for kv in kvs:
                     if kv is not None:
-                        reqs.append((sw.Isend(kv, dest=dest, tag=TAG_KV), dest))
+                        reqs.append((sw.Isend(kv, dest=dest, tag=tags.REPLAN_KV), dest))
                         counts["kv_bytes"] += kv.nbytes
         for req, dest in reqs:
             control.wait(req, dest, "re-plan KV hand-over (sending)")
     elif me in staying:
         engine = loop_or_none.engine
         for src in leaving:
-            headers = control.recv(src, TAG_HEADERS, "re-plan request hand-over")
+            headers = control.recv(src, tags.REPLAN_HEADERS, "re-plan request hand-over")
             items = []
             for h in headers:
                 kvs = []
-                for _, choice, n in h[2]:
+                for mv in h.samples:
                     kv = None
-                    if choice == "move":
-                        blocks = -(-n // engine.cache_config.block_size)
+                    if mv.choice == "move":
+                        blocks = -(-mv.computed // engine.cache_config.block_size)
                         kv = np.empty(_kv_bytes(engine, blocks), dtype=np.uint8)
-                        control.wait(sw.Irecv(kv, source=src, tag=TAG_KV), src,
+                        control.wait(sw.Irecv(kv, source=src, tag=tags.REPLAN_KV), src,
                                      "re-plan KV hand-over (receiving)")
                     kvs.append(kv)
                 items.append((h, kvs))

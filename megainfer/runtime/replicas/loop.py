@@ -1,16 +1,16 @@
 """The lockstep loop of all attention ranks, and rank 0's view of it as a stream of outputs.
 
-Rank 0 keeps the requests and hands them out a few at a time through a ``Router``
-(``scheduler.routing``: ``round_robin`` | ``cache_aware``, megainfer/runtime/replicas/request_router.py): a first
-share before the loop (``TAG_REQUESTS``), then more every iteration. Every iteration, on every
+Rank 0 keeps the requests and hands them out a few at a time through a ``RequestRouter``
+(``scheduler.routing``: ``round_robin`` | ``cache_aware``, ``request_router.py``): a first
+share before the loop (``tags.REQUESTS``), then more every iteration. Every iteration, on every
 attention rank: ``engine.step()`` (an empty step when the replica is idle, so the expert ranks
-always get every (layer, micro-batch) message); replica leaders report to rank 0 their finished
-outputs, whether they have work left, their queue (waiting, running) and, for cache-aware
-routing, the prefix-cache keys they gained or lost (``TAG_STATUS``); rank 0 yields the outputs
-(the job writes them at once), routes, and tells every attention rank go or stop together with
-its replica's new requests (``TAG_GO``): the TP ranks of a replica get exactly what their leader
-gets, in the same order, so their schedulers stay identical. On stop, leaders send the expert
-ranks a stop message.
+always get every (layer, micro-batch) message); replica leaders report to rank 0 a
+``messages.ReplicaStatus`` (finished outputs, whether they have work left, their queue and, for
+cache-aware routing, the prefix-cache keys they gained or lost); rank 0 yields the outputs (the
+job writes them at once), routes, and tells every attention rank go or stop together with its
+replica's new requests (``messages.Go``): the TP ranks of a replica get exactly what their
+leader gets, in the same order, so their schedulers stay identical. On stop, leaders send the
+expert ranks a stop message.
 
 Re-planning (docs/replan.md): rank 0's ``replan_hook`` may end the loop at an iteration
 boundary with an order (``self.order``) instead of a stop; the ranks then switch roles and
@@ -21,47 +21,58 @@ from __future__ import annotations
 from typing import Iterable, Iterator, Optional
 
 from megainfer.engine.outputs import PromptInput, RequestOutput
-
-from megainfer.runtime.control import TAG_GO, TAG_REQUESTS, TAG_STATUS, ControlPlane
-from megainfer.runtime.roles import RankRole
-from megainfer.runtime.replicas.request_router import Router, prompt_tokens_of
+from megainfer.runtime import tags
+from megainfer.runtime.control import ControlPlane
+from megainfer.runtime.messages import Go, ReplicaStatus
+from megainfer.runtime.replicas.request_router import (RequestRouter, prompt_tokens_of,
+                                                      tracks_keys)
+from megainfer.runtime.roles import RankRole, attention_rank_ids, leader_ranks, replica_of
 
 
 class ReplicaLoop:
+    routes_requests = True  # rank 0 hands requests to the replicas (PD: to the prefill ranks)
+
     def __init__(self, engine, role: RankRole, plan, control: ControlPlane, exchange=None,
                  first_moe_layer: int = 0):
         self.engine, self.role, self.plan, self.control = engine, role, plan, control
         self.exchange, self.first_moe_layer = exchange, first_moe_layer  # exchange: leaders only
-        self.attn_ranks = list(range(plan.attention_ranks))
-        self.leaders = [r * plan.attention_tp for r in range(plan.attention_replicas)]
+        self.attn_ranks = attention_rank_ids(plan)
+        self.leaders = leader_ranks(plan)
         sched, cache = engine.scheduler_config, engine.cache_config
         # cache-aware routing needs the replicas' keys (decided alike on every rank)
-        self.track = (sched.routing == "cache_aware" and plan.attention_replicas > 1
-                      and cache.enable_prefix_caching)
+        self.track = self.routes_requests and tracks_keys(sched.routing, plan.attention_replicas,
+                                                          cache.enable_prefix_caching)
         if self.track and role.is_leader:
             engine.blocks.track_keys()
-        self.router: Optional[Router] = None
+        self.router: Optional[RequestRouter] = None
         self.ids: dict = {}  # engine request id -> the caller's id (kept across re-plans)
-        self.replan_hook = None  # rank 0: (loop, work left) -> re-plan order or None (replan_runner)
+        # rank 0: (loop, work left) -> an order ending the loop, or None (the re-plan feature's)
+        self.replan_hook = None
         self.order = None  # the order that ended the last _loop (None: the job is over)
         if role.rank == 0:
-            self.router = Router(plan.attention_replicas, sched.routing, cache.block_size,
-                                 sched.max_num_seqs, prompt_tokens_of(engine),
-                                 use_keys=self.track)
+            self.router = RequestRouter(plan.attention_replicas, sched.routing, cache.block_size,
+                                        sched.max_num_seqs, prompt_tokens_of(engine),
+                                        use_keys=cache.enable_prefix_caching)
+
+    def _send_to_attention_ranks(self, per_replica: list, tag: int, proceed=None) -> None:
+        """Rank 0: each other attention rank its replica's entry of ``per_replica`` (as a
+        ``Go`` when ``proceed`` is given): the TP ranks of a replica get their leader's."""
+        for rank in self.attn_ranks[1:]:
+            items = per_replica[replica_of(self.plan, rank)]
+            self.control.send(items if proceed is None else Go(proceed, items), rank, tag)
 
     # ------------------------------------------------------------------ rank 0
     def generate_stream(self, inputs: Iterable[PromptInput]) -> Iterator[RequestOutput]:
         """Rank 0 only: hand out, drive the loop, yield each output as it finishes."""
         self.router.add(inputs)
         share = self.router.route()
-        for rank in self.attn_ranks[1:]:
-            self.control.send(share[rank // self.plan.attention_tp], rank, TAG_REQUESTS)
+        self._send_to_attention_ranks(share, tags.REQUESTS)
         yield from self._loop(share[0])
 
     # ------------------------------------------------------------------ other attention ranks
     def serve(self) -> None:
         """Attention ranks other than 0: take this replica's requests, run until told to stop."""
-        mine = self.control.recv(0, TAG_REQUESTS, "request hand-out")
+        mine = self.control.recv(0, tags.REQUESTS, "request hand-out")
         for _ in self._loop(mine):
             pass
 
@@ -90,25 +101,36 @@ class ReplicaLoop:
         if self.exchange is not None:
             self.exchange.stop(self.engine.executor.iteration, self.first_moe_layer)
 
+    def _status(self, finished: list[RequestOutput]) -> ReplicaStatus:
+        e = self.engine
+        return ReplicaStatus(finished, e.has_unfinished(), len(e.scheduler.waiting),
+                             len(e.scheduler.running),
+                             e.blocks.take_key_events() if self.track else [])
+
+    def _gather(self, status: ReplicaStatus) -> list[ReplicaStatus]:
+        """Rank 0: every replica's status (its own first), in replica order."""
+        return [status] + [self.control.recv(leader, tags.STATUS,
+                                             "iteration sync (replica status)")
+                           for leader in self.leaders[1:]]
+
+    def _follow(self, status: ReplicaStatus) -> Go:
+        """Attention ranks other than 0: leaders report, everyone takes rank 0's answer."""
+        if self.role.is_leader:
+            self.control.send(status, 0, tags.STATUS)
+        return self.control.recv(0, tags.GO, "iteration sync (waiting for rank 0)")
+
     def _sync(self, finished: list[RequestOutput]) -> tuple[list[RequestOutput], bool, list]:
         """Leaders report to rank 0; rank 0 routes and answers (go, new requests) to every
         attention rank. Returns (outputs to yield, go, this rank's new requests)."""
-        e = self.engine
-        status = (finished, e.has_unfinished(), len(e.scheduler.waiting),
-                  len(e.scheduler.running), e.blocks.take_key_events() if self.track else [])
+        status = self._status(finished)
         if self.role.rank != 0:
-            if self.role.is_leader:
-                self.control.send(status, 0, TAG_STATUS)
-            go, new = self.control.recv(0, TAG_GO, "iteration sync (waiting for rank 0)")
-            return [], go, new
-        done, busy = list(finished), status[1]
-        self.router.update(0, *status[2:])
-        for replica, leader in enumerate(self.leaders[1:], 1):
-            outs, b, waiting, running, events = self.control.recv(
-                leader, TAG_STATUS, "iteration sync (replica status)")
-            done += outs
-            busy = busy or b
-            self.router.update(replica, waiting, running, events)
+            go = self._follow(status)
+            return [], go.proceed, go.items
+        done, busy = [], False
+        for replica, st in enumerate(self._gather(status)):
+            done += st.finished
+            busy = busy or st.busy
+            self.router.update(replica, st.waiting, st.running, st.key_events)
         work = busy or bool(self.router.pending)
         self.order = self.replan_hook(self, work) if self.replan_hook is not None else None
         if self.order is not None:  # end this loop here: no hand-out, the ranks switch roles
@@ -116,6 +138,5 @@ class ReplicaLoop:
         else:
             share = self.router.route()
             go = work or any(share)
-        for rank in self.attn_ranks[1:]:
-            self.control.send((go, share[rank // self.plan.attention_tp]), rank, TAG_GO)
+        self._send_to_attention_ranks(share, tags.GO, proceed=go)
         return done, go, share[0]

@@ -11,7 +11,6 @@ import torch
 from mpi4py import MPI
 
 from megainfer.comm import make_transports
-
 from megainfer.runtime.control import ControlPlane
 from megainfer.runtime.tp.channel import TPChannel, tp_capacity, tp_collectives_kind
 
