@@ -30,7 +30,7 @@ class Recv(TransportRequest):
     def test(self) -> bool:
         if self.done:
             return True
-        t = self.io.t
+        t = self.io.transport
         if t._queued or t.due:
             t.progress()
         if not self.mpi.Test():
@@ -91,7 +91,7 @@ class Send(TransportRequest):
     def test(self) -> bool:
         if self.done:
             return True
-        t = self.slot.t
+        t = self.slot.transport
         if self.mpi is None:  # not issued yet, or (host-fenced) its header not yet sent
             t.progress()
             if self.mpi is None:

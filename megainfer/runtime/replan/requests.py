@@ -4,8 +4,9 @@ replicas that stay (docs/replan.md).
 At the switch the pipeline is drained (it happens at an iteration boundary: every micro-batch
 of the last step came back). Each leaving replica hands its unfinished requests out in its
 queue order, running first, to the staying replicas in turn. A request whose KV is computed
-either keeps it (``move``: its blocks travel, one buffer of all layers; the receiver takes
-fresh blocks, copies them in and the request goes on decoding where it stopped) or drops it
+either keeps it (``move``: its blocks travel, one buffer of all layers, through the handoff
+path PD's decode side uses (``engine/kv_handoff.py``: ``export_kv``, ``reserve``,
+``import_kv``, ``adopt``); the request goes on decoding where it stopped) or drops it
 (``recompute``: it waits again with nothing computed, as after a preemption, and the next
 steps recompute prompt + generated tokens). ``replan.kv_transfer=auto`` picks the cheaper:
 its KV bytes over ``replan.link_gbps`` against its computed tokens at the replica's measured
@@ -22,8 +23,8 @@ from __future__ import annotations
 import logging
 
 import numpy as np
-import torch
 
+from megainfer.engine.kv_handoff import adopt, export_kv, import_kv, kv_bytes, reserve
 from megainfer.engine.request import RequestStatus
 from megainfer.runtime import tags
 from megainfer.runtime.messages import GroupHeader, SampleMove
@@ -31,41 +32,10 @@ from megainfer.runtime.messages import GroupHeader, SampleMove
 log = logging.getLogger("megainfer.runtime")
 
 
-def _block_dim(engine) -> int:
-    return 0 if engine.kv_spec.kind == "mla" else 1
-
-
 def _seconds_per_token(engine) -> float:
     log_ = getattr(engine.executor, "step_log", [])[-32:]
     tokens = sum(t for _, t, _ in log_)
     return sum(s for _, _, s in log_) / tokens if tokens else 0.0
-
-
-def _kv_bytes(engine, blocks: int) -> int:
-    d = _block_dim(engine)
-    return blocks * sum(kv.select(d, 0).numel() * kv.element_size() for kv in engine.kv_caches)
-
-
-def _export_kv(engine, table: list[int]) -> np.ndarray:
-    """The blocks' KV of every layer as one host byte buffer."""
-    d = _block_dim(engine)
-    idx = torch.tensor(table, dtype=torch.long, device=engine.kv_caches[0].device)
-    parts = [kv.index_select(d, idx).contiguous().view(torch.uint8).flatten().cpu()
-             for kv in engine.kv_caches]
-    return torch.cat(parts).numpy()
-
-
-def _import_kv(engine, table: list[int], buf: np.ndarray) -> None:
-    d = _block_dim(engine)
-    idx = torch.tensor(table, dtype=torch.long, device=engine.kv_caches[0].device)
-    data, off = torch.from_numpy(buf), 0
-    for kv in engine.kv_caches:
-        shape = list(kv.shape)
-        shape[d] = len(table)
-        n = int(np.prod(shape)) * kv.element_size()
-        part = data[off:off + n].view(kv.dtype).view(shape).to(kv.device)
-        kv.index_copy_(d, idx, part)
-        off += n
 
 
 def _groups(engine, limit=None) -> list:
@@ -111,9 +81,9 @@ def hand_out(engine, ids: dict, dests: list[int], mode: str, link_Bps: float, ta
             blocks = -(-n // bs)
             choice = "waiting" if n == 0 else mode
             if choice == "auto":
-                move_s = _kv_bytes(engine, blocks) / link_Bps
+                move_s = kv_bytes(engine, blocks) / link_Bps
                 choice = "move" if move_s <= n * per_tok else "recompute"
-            kvs.append(_export_kv(engine, s.block_table[:blocks]) if choice == "move" else None)
+            kvs.append(export_kv(engine, s.block_table[:blocks]) if choice == "move" else None)
             engine.scheduler.finish(s)  # out of the queue, its blocks freed (shared ones kept)
             s.block_table, s.block_uids = [], []
             plan.append(SampleMove(s.index, choice, n))
@@ -142,8 +112,10 @@ def take_in(engine, ids: dict, items: list, tag: str) -> dict:
         for mv, kv in zip(header.samples, kvs):
             index, choice, n = mv.index, mv.choice, mv.computed
             s = head.samples[index]
-            if choice == "move" and engine.blocks.allocate(s, n):
-                _import_kv(engine, s.block_table, kv)
+            blocks = reserve(engine, n, f"replan {s.request_id}") if choice == "move" else None
+            if blocks is not None:  # the KV came: fresh blocks here, as a PD decode side takes
+                import_kv(engine, blocks.block_table, kv)
+                adopt(s, blocks)
                 s.num_computed_tokens, s.status = n, RequestStatus.RUNNING
                 sched.running.append(s)
                 engine.blocks.cache_full_blocks(s)
@@ -203,7 +175,7 @@ def migrate(control, loop_or_none, leaving: list[int], staying: list[int], mode:
                     kv = None
                     if mv.choice == "move":
                         blocks = -(-mv.computed // engine.cache_config.block_size)
-                        kv = np.empty(_kv_bytes(engine, blocks), dtype=np.uint8)
+                        kv = np.empty(kv_bytes(engine, blocks), dtype=np.uint8)
                         control.wait(sw.Irecv(kv, source=src, tag=tags.REPLAN_KV), src,
                                      "re-plan KV hand-over (receiving)")
                     kvs.append(kv)
