@@ -172,6 +172,8 @@ def import_kv(engine, table: list[int], buf: np.ndarray) -> None:
     idx = torch.tensor(table, dtype=torch.long, device=engine.kv_caches[0].device)
     data, off = torch.from_numpy(buf), 0
     for kv in engine.kv_caches:
+        if kv.element_size() == 1:  # float8 / packed fp4: copied as bytes (no fp8 index_copy)
+            kv = kv.view(torch.uint8)
         shape = list(kv.shape)
         shape[d] = len(table)
         n = int(np.prod(shape)) * kv.element_size()
