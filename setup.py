@@ -44,6 +44,7 @@ setup(
         "jinja2>=3.1.6",  # chat templates (LLM.chat, "messages" input lines), sandboxed
     ],
     extras_require={
+        "plot": ["matplotlib>=3.8"],  # timeline.png of traced runs, megainfer-timeline
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "transformers==5.24.0", "matplotlib>=3.8"],
         "nccl": ["nvidia-nccl-cu12"],
         "deepspeed": ["deepspeed==0.19.8"],
@@ -52,6 +53,7 @@ setup(
         "console_scripts": [
             "megainfer-launch=megainfer.launch.main:main",
             "megainfer-plan=megainfer.launch.plan:main",
+            "megainfer-timeline=megainfer.tools.timeline:main",
         ]
     },
 )
