@@ -4,7 +4,7 @@ Dispatch: CUDA tensors go to the Triton kernels, CPU tensors to the vectorised t
 ``backend="triton"`` forces Triton (on CPU only under ``TRITON_INTERPRET=1``, for tests).
 Triton modules are imported lazily, so importing this package never needs a GPU.
 """
-from .dispatch import fused_moe, moe_align, select_experts
+from .entry_points import fused_moe, moe_align, select_experts
 from .reference import RoutingError, fused_moe_ref, moe_align_ref, select_experts_ref
 from .torch_moe import fused_moe_torch
 

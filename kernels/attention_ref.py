@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from .dispatch import KernelInputError
+from .entry_points import KernelInputError
 
 MAX_HEAD_DIM = 256
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

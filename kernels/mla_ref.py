@@ -21,7 +21,7 @@ import torch
 
 from . import kv_quant
 from .attention_ref import DTYPES, INDEX_DTYPES
-from .dispatch import KernelInputError
+from .entry_points import KernelInputError
 
 
 def latent_value_width(cache: torch.Tensor) -> int:

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .attention_ref import check_attention_args, supported_head_dim
-from .dispatch import KernelInputError
+from .entry_points import KernelInputError
 from .tile_configs import interpreting
 from .triton_dot import dot, dot_flags
 from .triton_kv_cache import _fp4, _kv_tile, _quant_args, store_kv

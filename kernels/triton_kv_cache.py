@@ -19,7 +19,7 @@ import triton.language as tl
 
 from . import kv_quant
 from .attention_ref import FP8_CACHE_DTYPES, check_attention_args, token_head_cache
-from .dispatch import KernelInputError
+from .entry_points import KernelInputError
 from .kv_formats import fp8_grid
 from .triton_fp4 import NO_FMA, _fp4_tile, _quant_fp4_row, fp4_blocks_padded
 from .triton_kv_scales import _quant_fp8_part, _round_fp8, _row_scale_fp4, _row_scale_fp8

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .dispatch import KernelInputError
+from .entry_points import KernelInputError
 from .kv_formats import fp4_split_fits
 from . import kv_quant
 from .mla_ref import check_mla_args, supported_mla_dims

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from . import kv_quant
-from .dispatch import KernelInputError
+from .entry_points import KernelInputError
 from .kv_formats import fp4_split_fits, fp8_grid
 from .mla_ref import check_store_latent_args, latent_value_width
 from .triton_fp4 import NO_FMA, _quant_fp4_row, fp4_blocks_padded

@@ -1,4 +1,4 @@
-"""``megainfer-launch`` under mpirun: every rank builds its part (``megainfer.runtime.world``);
+"""``megainfer-launch`` under mpirun: every rank builds its part (``megainfer.runtime.startup``);
 rank 0 runs the offline job over the replicas' output stream and writes the results, the summary
 and (with ``trace.enabled``) the merged trace, its ``timeline.png`` and its pipeline figures (in
 ``summary.json``) into its run directory.
@@ -34,13 +34,13 @@ class _ReplicaStream:
         self.rank = rank
 
     def generate_stream(self, requests):
-        from megainfer.runtime.world import run_rank
+        from megainfer.runtime.startup import run_rank
         return run_rank(self.rank, requests)
 
 
 def _job_spec(s):
     from megainfer.engine.tokenizer import load_tokenizer
-    from megainfer.runtime.world import JobSpec
+    from megainfer.runtime.startup import JobSpec
     tok = load_tokenizer(s.load.path, s.model.eos_token_id)
     return JobSpec(s.model, s.load, s.scheduler, s.cache, s.deploy, s.comm, s.eplb, s.trace,
                    tokenizer=tok, seed=s.seed, device=s.device,
@@ -55,7 +55,7 @@ def run_distributed(s, requests, output_path: str, run_dir: str) -> int:
     tag = f"[rank {comm.Get_rank()}]"
     try:
         from megainfer.runtime.roles import assign_role
-        from megainfer.runtime.world import build_rank, run_rank
+        from megainfer.runtime.startup import build_rank, run_rank
         tag = assign_role(s.deploy, comm.Get_rank(), comm.Get_size()).tag
         rank = build_rank(_job_spec(s), comm)
         pids = comm.gather((tag, os.getpid()), root=0)
@@ -64,7 +64,7 @@ def run_distributed(s, requests, output_path: str, run_dir: str) -> int:
         if comm.Get_rank() == 0:
             summary = run_offline_job(requests, _ReplicaStream(rank), output_path,
                                       resume=s.io.resume, progress=s.io.progress)
-            summary.replans = rank.parts.get("replans", [])  # re-plans of the split, if any
+            summary.replans = rank.replans  # re-plans of the split, if any
         else:
             run_rank(rank)
         if s.trace.enabled:

@@ -19,7 +19,7 @@
 #   tokens    the runtime on the GPU, -n 2 / 3, cuda_ipc and mpi: fp32 tokens = single mode,
 #             bf16 equal across transports, host syncs of the attention rank's decode step;
 #   tp        attention TP 2 + 1 expert rank on the one GPU: TP collectives point to point over
-#             cuda_ipc (runtime/tp_channel.py) and through host memory (mpi): fp32 tokens =
+#             cuda_ipc (runtime/tp/channel.py) and through host memory (mpi): fp32 tokens =
 #             single mode, bf16 equal across the two;
 #   eplb      tests/gpu/test_eplb_device_moves.py -m gpu: expert weight moves over cuda_ipc
 #             (comm.eplb_moves), buffers exact, live EPLB tokens = single mode, -n 3 / 4;

@@ -111,7 +111,7 @@ def _co_runner(shape_json: str, kind: str, b: str, ctx: str, experts: str, bench
 def _exchanges(n_attn: int, n_exp: int, hidden: int, top_k: int, capacity: int, num_experts: int):
     from megainfer.comm import M2N, combine_spec, dispatch_spec, make_transports
     from megainfer.comm.loopback import LoopbackFabric
-    from megainfer.runtime.exchange import AttentionExchange, ExpertExchange
+    from megainfer.runtime.pipeline.exchange import AttentionExchange, ExpertExchange
     fab = LoopbackFabric(n_attn + n_exp)
     attn, exp = list(range(n_attn)), list(range(n_attn, n_attn + n_exp))
     owner = torch.arange(num_experts) * n_exp // num_experts  # [E] expert-rank index of each slot

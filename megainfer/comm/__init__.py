@@ -7,11 +7,11 @@ from megainfer.comm.errors import (CommError, CommProtocolError, CommTimeoutErro
 from megainfer.comm.loopback import LoopbackFabric, LoopbackTransport
 from megainfer.comm.m2n import M2N, combine_spec, dispatch_spec, make_transports, wait_all
 from megainfer.comm.spec import (KIND_DATA, KIND_REBALANCE, KIND_STOP, Field, MessageSpec)
-from megainfer.comm.transport import Buffer, Request, Transport
+from megainfer.comm.transport import Buffer, TransportRequest, Transport
 from megainfer.comm.wait import WaitPolicy
 
 __all__ = ["Channel", "Header", "Message", "Outgoing", "RecvHandle", "SendHandle", "CommError",
            "CommProtocolError", "CommTimeoutError", "MessageTooLargeError", "LoopbackFabric",
            "LoopbackTransport", "M2N", "combine_spec", "dispatch_spec", "make_transports",
            "wait_all", "KIND_DATA", "KIND_REBALANCE", "KIND_STOP", "Field", "MessageSpec",
-           "Buffer", "Request", "Transport", "WaitPolicy"]
+           "Buffer", "TransportRequest", "Transport", "WaitPolicy"]

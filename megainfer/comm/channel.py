@@ -24,7 +24,7 @@ from megainfer.comm import spec as S
 from megainfer.comm.errors import CommError, CommProtocolError, CommTimeoutError
 from megainfer.comm.slot import (FREE, HELD, POSTED, Message, Outgoing, RecvHandle, SendHandle,
                                  _pack, _RecvRing, _Slot)
-from megainfer.comm.transport import Request, Transport
+from megainfer.comm.transport import TransportRequest, Transport
 from megainfer.comm.wait import WaitPolicy, wait_until
 from megainfer.config import ConfigError
 
@@ -48,7 +48,8 @@ class Channel:
             raise ConfigError(f"channel.streams={streams!r}: must be in [1, {MAX_STREAMS}]")
         if depth < 1:
             raise ConfigError(f"channel.depth={depth!r}: must be >= 1")
-        self.t, self.spec, self.streams, self.depth, self.policy = transport, spec, streams, depth, wait
+        self.transport, self.spec, self.streams = transport, spec, streams
+        self.depth, self.policy = depth, wait
         self.name, self.senders, self.receivers = name, list(senders), list(receivers)
         self.cid = transport.next_channel_id()
         if self.cid >= MAX_CHANNELS:
@@ -218,7 +219,7 @@ class Channel:
         raise CommProtocolError(f"{where}: corrupt header {h} ({got} bytes received)")
 
     # ---- waiting, closing ----------------------------------------------------------------
-    def _wait(self, req: Request, what: str, ctx: tuple) -> None:
+    def _wait(self, req: TransportRequest, what: str, ctx: tuple) -> None:
         waited = wait_until(req.test, self.policy)
         if waited < 0:
             it, layer, mb, peer = ctx if ctx else (None, None, None, -1)
@@ -227,10 +228,10 @@ class Channel:
 
     def group(self):
         """Issue the sends/receives made inside as one group (NCCL); a no-op on MPI."""
-        return self.t.group()
+        return self.transport.group()
 
     def progress(self) -> None:
-        self.t.progress()
+        self.transport.progress()
 
     def close(self) -> None:
         """Cancel receives posted ahead and drop sends still pending; call before finalize."""

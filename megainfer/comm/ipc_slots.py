@@ -11,7 +11,7 @@ import torch
 from mpi4py import MPI
 
 from megainfer.comm.errors import CommError
-from megainfer.comm.transport import Buffer, Request
+from megainfer.comm.transport import Buffer, TransportRequest
 
 if TYPE_CHECKING:
     from megainfer.comm.cuda_ipc import CudaIpcTransport
@@ -21,7 +21,7 @@ def _cur(device) -> ctypes.c_void_p:
     return ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
 
 
-class Recv(Request):
+class Recv(TransportRequest):
     __slots__ = ("io", "mpi", "done")
 
     def __init__(self, io, mpi):
@@ -30,7 +30,7 @@ class Recv(Request):
     def test(self) -> bool:
         if self.done:
             return True
-        t = self.io.t
+        t = self.io.transport
         if t._queued or t.due:
             t.progress()
         if not self.mpi.Test():
@@ -51,15 +51,15 @@ class RecvSlot:
     """One receive slot: its buffer, consumed event (ours), ready event (the sender's)."""
 
     def __init__(self, t: "CudaIpcTransport", buf: Buffer, peer: int):
-        self.t, self.buf, self.peer, self.tag = t, buf, peer, None
+        self.transport, self.buf, self.peer, self.tag = t, buf, peer, None
         self.consumed = t._event(ipc=True)
         self.ready = None  # opened at connect
         self.grant = np.zeros(1, dtype=np.int32)
         self.grant_req = None
         self.n = 0
 
-    def start(self, nbytes: int, tag: int) -> Request:
-        t = self.t
+    def start(self, nbytes: int, tag: int) -> TransportRequest:
+        t = self.transport
         if self.tag is None:  # first post: this slot joins ring (peer, tag) in post order
             self.tag = tag
             t._new_rings.setdefault((self.peer, tag), []).append(self)
@@ -78,10 +78,10 @@ class RecvSlot:
             self.grant_req.Wait()  # 4 bytes, long sent
         self.n += 1
         self.grant[0] = self.n
-        self.grant_req = self.t.gcomm.Isend([self.grant, MPI.INT], self.peer, self.tag)
+        self.grant_req = self.transport.gcomm.Isend([self.grant, MPI.INT], self.peer, self.tag)
 
 
-class Send(Request):
+class Send(TransportRequest):
     __slots__ = ("slot", "nbytes", "tag", "ev", "mpi", "done")
 
     def __init__(self, slot, nbytes: int, tag: int):
@@ -91,7 +91,7 @@ class Send(Request):
     def test(self) -> bool:
         if self.done:
             return True
-        t = self.slot.t
+        t = self.slot.transport
         if self.mpi is None:  # not issued yet, or (host-fenced) its header not yet sent
             t.progress()
             if self.mpi is None:
@@ -108,11 +108,11 @@ class Send(Request):
 
 class SendSlot:
     def __init__(self, t: "CudaIpcTransport", buf: Buffer, peer: int):
-        self.t, self.buf, self.peer = t, buf, peer
+        self.transport, self.buf, self.peer = t, buf, peer
         self.fence = t._event(ipc=False)
 
-    def start(self, nbytes: int, tag: int) -> Request:
-        t = self.t
+    def start(self, nbytes: int, tag: int) -> TransportRequest:
+        t = self.transport
         t.rt.check(t.rt.eventRecord(self.fence, _cur(t.device)), "cudaEventRecord(fence)")
         req = Send(self, nbytes, tag)
         out = t._out.get((self.peer, tag))

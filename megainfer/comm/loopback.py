@@ -11,10 +11,10 @@ from collections import defaultdict, deque
 import torch
 
 from megainfer.comm.errors import MessageTooLargeError
-from megainfer.comm.transport import Buffer, Request, Transport, host_buffer
+from megainfer.comm.transport import Buffer, TransportRequest, Transport, host_buffer
 
 
-class _LoopRequest(Request):
+class _LoopRequest(TransportRequest):
     __slots__ = ("done", "nbytes", "queue", "lock")
 
     def __init__(self):
@@ -67,7 +67,7 @@ class LoopbackTransport(Transport):
     def alloc(self, nbytes: int) -> Buffer:
         return host_buffer(nbytes)
 
-    def isend(self, buf: Buffer, nbytes: int, peer: int, tag: int) -> Request:
+    def isend(self, buf: Buffer, nbytes: int, peer: int, tag: int) -> TransportRequest:
         req, f = _LoopRequest(), self.fabric
         with f.lock:
             recvs = f.recvs[(self.rank, peer, tag)]
@@ -78,7 +78,7 @@ class LoopbackTransport(Transport):
                 req.queue.append((buf, nbytes, req))
         return req
 
-    def irecv(self, buf: Buffer, nbytes: int, peer: int, tag: int) -> Request:
+    def irecv(self, buf: Buffer, nbytes: int, peer: int, tag: int) -> TransportRequest:
         req, f = _LoopRequest(), self.fabric
         with f.lock:
             sends = f.sends[(peer, self.rank, tag)]

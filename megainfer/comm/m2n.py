@@ -1,9 +1,11 @@
-"""Both directions between attention ranks (M) and expert ranks (N).
+"""Both directions between attention ranks (M) and expert ranks (N), as two channels.
 
-``dispatch``: attention -> experts, one message per (attention rank, expert rank, layer,
-micro-batch), empty when no token goes there. ``combine``: experts -> attention, the partial
-sums. Control messages (stop, rebalance) go down the dispatch channel on the stream the
-receiver would read next, so an expert loop ``recv -> kind?`` sees them in order.
+``M2N.a2e`` (attention -> experts, ``dispatch_spec``): one message per (attention rank, expert
+rank, layer, micro-batch), empty when no token goes there. ``M2N.e2a`` (experts -> attention,
+``combine_spec``): the partial sums. Callers send and receive on the channels themselves
+(``m2n.a2e.send``, ``m2n.e2a.recv``, ...); the runtime's ``AttentionExchange`` /
+``ExpertExchange`` are the two ends. Control messages (stop, rebalance) go down ``a2e`` on the
+stream the receiver would read next, so an expert loop ``recv -> kind?`` sees them in order.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import torch
 
 from megainfer.comm import spec as S
 from megainfer.comm.channel import Channel
-from megainfer.comm.slot import Message, RecvHandle, SendHandle
+from megainfer.comm.slot import Message, SendHandle
 from megainfer.comm.transport import Transport
 from megainfer.comm.wait import WaitPolicy
 
@@ -63,30 +65,10 @@ class M2N:
         self.e2a = Channel(tc, expert_ranks, attn_ranks, combine, streams=streams,
                            depth=depth, wait=wait, name="e2a")
 
-    # attention side
-    def dispatch(self, peer: int, *, iteration: int, layer: int, micro_batch: int,
-                 **fields: torch.Tensor) -> SendHandle:
-        return self.a2e.send(peer, iteration=iteration, layer=layer, micro_batch=micro_batch,
-                             **fields)
-
-    def recv_combine(self, peer: int, *, layer: int, micro_batch: int,
-                     iteration: Optional[int] = None) -> RecvHandle:
-        return self.e2a.recv(peer, layer=layer, micro_batch=micro_batch, iteration=iteration)
-
     def stop(self, *, iteration: int, layer: int, micro_batch: int) -> list[SendHandle]:
         """Tell every expert rank to leave its loop (a STOP on the next stream it reads)."""
         return [self.a2e.send_control(p, S.KIND_STOP, iteration=iteration, layer=layer,
                                       micro_batch=micro_batch) for p in self.expert_ranks]
-
-    # expert side
-    def recv_dispatch(self, peer: int, *, layer: int, micro_batch: int,
-                      iteration: Optional[int] = None) -> RecvHandle:
-        return self.a2e.recv(peer, layer=layer, micro_batch=micro_batch, iteration=iteration)
-
-    def combine(self, peer: int, *, iteration: int, layer: int, micro_batch: int,
-                out: torch.Tensor) -> SendHandle:
-        return self.e2a.send(peer, iteration=iteration, layer=layer, micro_batch=micro_batch,
-                             out=out)
 
     def close(self) -> None:
         self.a2e.close()

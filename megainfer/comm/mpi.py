@@ -14,12 +14,12 @@ from functools import partial
 import torch
 from mpi4py import MPI
 
-from megainfer.comm.transport import Buffer, Request, Transport, host_buffer
+from megainfer.comm.transport import Buffer, TransportRequest, Transport, host_buffer
 
 MAX_PERSISTENT = 64  # persistent sends kept per send slot, one per (nbytes, tag) seen
 
 
-class _MpiSend(Request):
+class _MpiSend(TransportRequest):
     """A send request. ``test`` is mpi4py's own ``Test`` (no Python frame per poll): it stays
     True once complete (a finished request turns null; an inactive persistent one is done)."""
 
@@ -34,7 +34,7 @@ class _MpiSend(Request):
             self.req.Wait()
 
 
-class _MpiRecv(Request):
+class _MpiRecv(TransportRequest):
     """A receive request; ``test`` is ``Test`` with the status kept for ``received_nbytes``."""
 
     __slots__ = ("req", "status", "test")
@@ -57,22 +57,22 @@ class _MpiSendInit:
     at hand (a slot mostly sends the same size on the same tag) and matched field by field,
     so the common case allocates nothing."""
 
-    __slots__ = ("t", "buf", "np", "peer", "reqs", "nbytes", "tag", "last")
+    __slots__ = ("transport", "buf", "np", "peer", "reqs", "nbytes", "tag", "last")
 
     def __init__(self, t: "MpiTransport", buf: Buffer, peer: int):
-        self.t, self.buf, self.np, self.peer, self.reqs = t, buf, buf.extra["np"], peer, {}
+        self.transport, self.buf, self.np, self.peer, self.reqs = t, buf, buf.extra["np"], peer, {}
         self.nbytes, self.tag, self.last = -1, -1, None
 
-    def start(self, nbytes: int, tag: int) -> Request:
+    def start(self, nbytes: int, tag: int) -> TransportRequest:
         if nbytes == self.nbytes and tag == self.tag:
             r = self.last
         else:
             r = self.reqs.get((nbytes, tag))
             if r is None:
                 if len(self.reqs) >= MAX_PERSISTENT:  # a slot that met too many sizes
-                    return self.t.isend(self.buf, nbytes, self.peer, tag)
-                pre = self.t.comm.Send_init([self.np, nbytes, MPI.BYTE], self.peer, tag)
-                self.t._persistent.append(pre)
+                    return self.transport.isend(self.buf, nbytes, self.peer, tag)
+                pre = self.transport.comm.Send_init([self.np, nbytes, MPI.BYTE], self.peer, tag)
+                self.transport._persistent.append(pre)
                 r = self.reqs[(nbytes, tag)] = _MpiSend(pre)
             self.nbytes, self.tag, self.last = nbytes, tag, r
         r.req.Start()
@@ -82,17 +82,18 @@ class _MpiSendInit:
 class _MpiRecvInit:
     """One receive slot's persistent receive (a slot always receives on the same tag)."""
 
-    __slots__ = ("t", "np", "peer", "key", "r")
+    __slots__ = ("transport", "np", "peer", "key", "recv_req")
 
     def __init__(self, t: "MpiTransport", buf: Buffer, peer: int):
-        self.t, self.np, self.peer, self.key, self.r = t, buf.extra["np"], peer, None, None
+        self.transport, self.np, self.peer = t, buf.extra["np"], peer
+        self.key, self.recv_req = None, None
 
-    def start(self, nbytes: int, tag: int) -> Request:
-        r = self.r
+    def start(self, nbytes: int, tag: int) -> TransportRequest:
+        r = self.recv_req
         if r is None or nbytes != self.key[0] or tag != self.key[1]:  # no tuple per message
-            pre = self.t.comm.Recv_init([self.np, nbytes, MPI.BYTE], self.peer, tag)
-            self.t._persistent.append(pre)
-            r = self.r = _MpiRecv(pre)
+            pre = self.transport.comm.Recv_init([self.np, nbytes, MPI.BYTE], self.peer, tag)
+            self.transport._persistent.append(pre)
+            r = self.recv_req = _MpiRecv(pre)
             self.key = (nbytes, tag)
         r.req.Start()
         return r
@@ -111,10 +112,10 @@ class MpiTransport(Transport):
         buf.extra = {"np": buf.data.numpy()}
         return buf
 
-    def isend(self, buf: Buffer, nbytes: int, peer: int, tag: int) -> Request:
+    def isend(self, buf: Buffer, nbytes: int, peer: int, tag: int) -> TransportRequest:
         return _MpiSend(self.comm.Isend([buf.extra["np"], nbytes, MPI.BYTE], peer, tag))
 
-    def irecv(self, buf: Buffer, nbytes: int, peer: int, tag: int) -> Request:
+    def irecv(self, buf: Buffer, nbytes: int, peer: int, tag: int) -> TransportRequest:
         return _MpiRecv(self.comm.Irecv([buf.extra["np"], nbytes, MPI.BYTE], peer, tag))
 
     def send_init(self, buf: Buffer, peer: int) -> _MpiSendInit:

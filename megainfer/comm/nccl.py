@@ -13,7 +13,7 @@ Semantics differ from MPI in two ways, both handled by ``Channel``:
 * One rank per GPU: NCCL refuses a communicator that holds a device twice. NCCL 2.30 added
   ``NCCL_MULTI_RANK_GPU_ENABLE=1`` to allow it; ``megainfer.comm.select`` refuses shared GPUs
   at start-up (naming the ranks) unless that variable is set on such a version, and
-  perf/bench_transport_gpu.py tries it and records what happened.
+  perf/bench/bench_transport_gpu.py tries it and records what happened.
 * Send and receive counts must match, so every message moves the slot's full
   ``nbytes(capacity)``; the header (rows, ...) says how much of it is real.
 
@@ -23,7 +23,7 @@ the NCCL group, copies each received header out to pinned host memory and record
 event per buffer; ``test()`` queries that event. These few CUDA calls go straight to the
 driver (``libcuda.so.1``, the library every CUDA program already has loaded) through ctypes:
 through torch's Python API the same work made a message 5.2x raw NCCL's time, against 2.9x
-this way (perf/bench_nccl_self.py on an H200, same run; docs/comm.md).
+this way (perf/bench/bench_nccl_self.py on an H200, same run; docs/comm.md).
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ import torch
 
 from megainfer.comm.errors import CommError
 from megainfer.comm.native_lib import library_candidates, load_first
-from megainfer.comm.transport import Buffer, Request, Transport
+from megainfer.comm.transport import Buffer, TransportRequest, Transport
 
 NCCL_UINT8 = 1  # ncclUint8 in ncclDataType_t
 UNIQUE_ID_BYTES = 128
@@ -138,7 +138,7 @@ def _event(stream: torch.cuda.Stream) -> torch.cuda.Event:
     return ev
 
 
-class _NcclRequest(Request):
+class _NcclRequest(TransportRequest):
     """Done once its group was issued and the slot's event (recorded after it) has fired.
     Until the group is issued the event still reflects the slot's previous op, so a
     request queued in an open group is never done."""
@@ -195,13 +195,13 @@ class NcclTransport(Transport):
                  "hptr": ctypes.c_void_p(header.data_ptr()), "req": None}
         return Buffer(data, header.numpy(), extra)
 
-    def isend(self, buf: Buffer, nbytes: int, peer: int, tag: int) -> Request:
+    def isend(self, buf: Buffer, nbytes: int, peer: int, tag: int) -> TransportRequest:
         return self._issue(True, buf, peer)
 
-    def irecv(self, buf: Buffer, nbytes: int, peer: int, tag: int) -> Request:
+    def irecv(self, buf: Buffer, nbytes: int, peer: int, tag: int) -> TransportRequest:
         return self._issue(False, buf, peer)
 
-    def _issue(self, is_send: bool, buf: Buffer, peer: int) -> Request:
+    def _issue(self, is_send: bool, buf: Buffer, peer: int) -> TransportRequest:
         req = self._request_for(buf)
         buf.extra["req"] = req
         self._ops.append((is_send, buf, peer))
@@ -257,12 +257,12 @@ class NcclTransport(Transport):
 
 class _Group:
     def __init__(self, t: NcclTransport):
-        self.t = t
+        self.transport = t
 
     def __enter__(self):
-        self.t._group += 1
+        self.transport._group += 1
 
     def __exit__(self, *exc):
-        self.t._group -= 1
-        if self.t._group == 0:
-            self.t._flush()
+        self.transport._group -= 1
+        if self.transport._group == 0:
+            self.transport._flush()

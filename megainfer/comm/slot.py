@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from megainfer.comm import spec as S
-from megainfer.comm.transport import Buffer, Request
+from megainfer.comm.transport import Buffer, TransportRequest
 
 if TYPE_CHECKING:
     from megainfer.comm.channel import Channel
@@ -57,7 +57,7 @@ class _Slot:
         self.buf, self.layout = buf, S.MessageLayout(spec, buf.data)
         self.hdr = memoryview(buf.header).cast("B")  # the host header's 32 bytes (struct is
         self.io, self.peer, self.rows = io, peer, 0  # faster on a memoryview than on numpy)
-        self.req: Optional[Request] = None
+        self.req: Optional[TransportRequest] = None
         self.clear = True  # send slots: the previous message is known to have left
         self.state, self.seq, self._views = FREE, 0, {}
         self.it = self.layer = self.mb = None  # a send slot's last message, for errors

@@ -17,7 +17,7 @@ import torch
 
 from megainfer.comm.mpi import MpiTransport, _MpiRecvInit, _MpiSendInit
 from megainfer.comm.spec import HEADER_BYTES
-from megainfer.comm.transport import Buffer, Request, host_buffer
+from megainfer.comm.transport import Buffer, TransportRequest, host_buffer
 
 
 class _StagedSend:
@@ -26,7 +26,7 @@ class _StagedSend:
     def __init__(self, inner: _MpiSendInit, buf: Buffer, cuda: bool):
         self.inner, self.buf, self.cuda = inner, buf, cuda
 
-    def start(self, nbytes: int, tag: int) -> Request:
+    def start(self, nbytes: int, tag: int) -> TransportRequest:
         _stage_out(self.buf, nbytes, self.cuda)
         return self.inner.start(nbytes, tag)
 
@@ -42,18 +42,18 @@ def _stage_out(buf: Buffer, nbytes: int, cuda: bool) -> None:
             ev.synchronize()  # the host mirror is complete before MPI reads it
 
 
-class _StagedRecvRequest(Request):
-    __slots__ = ("r", "buf", "cuda", "done")
+class _StagedRecvRequest(TransportRequest):
+    __slots__ = ("inner", "buf", "cuda", "done")
 
-    def __init__(self, r: Request, buf: Buffer, cuda: bool):
-        self.r, self.buf, self.cuda, self.done = r, buf, cuda, False
+    def __init__(self, r: TransportRequest, buf: Buffer, cuda: bool):
+        self.inner, self.buf, self.cuda, self.done = r, buf, cuda, False
 
     def test(self) -> bool:
         if self.done:
             return True
-        if not self.r.test():
+        if not self.inner.test():
             return False
-        n = self.r.received_nbytes()
+        n = self.inner.received_nbytes()
         x = self.buf.extra
         if n > HEADER_BYTES:
             self.buf.data[HEADER_BYTES:n].copy_(x["host"][HEADER_BYTES:n], non_blocking=self.cuda)
@@ -64,10 +64,10 @@ class _StagedRecvRequest(Request):
         return True
 
     def received_nbytes(self) -> int:
-        return self.r.received_nbytes()
+        return self.inner.received_nbytes()
 
     def cancel(self) -> None:
-        self.r.cancel()
+        self.inner.cancel()
 
 
 class _StagedRecv:
@@ -76,7 +76,7 @@ class _StagedRecv:
     def __init__(self, inner: _MpiRecvInit, buf: Buffer, cuda: bool):
         self.inner, self.buf, self.cuda = inner, buf, cuda
 
-    def start(self, nbytes: int, tag: int) -> Request:
+    def start(self, nbytes: int, tag: int) -> TransportRequest:
         x = self.buf.extra
         if x.get("copying"):  # the last message's host -> device copy still reads the mirror
             x["event"].synchronize()
@@ -105,9 +105,9 @@ class StagingTransport(MpiTransport):
     def recv_init(self, buf: Buffer, peer: int) -> _StagedRecv:
         return _StagedRecv(super().recv_init(buf, peer), buf, self.cuda)
 
-    def isend(self, buf: Buffer, nbytes: int, peer: int, tag: int) -> Request:
+    def isend(self, buf: Buffer, nbytes: int, peer: int, tag: int) -> TransportRequest:
         _stage_out(buf, nbytes, self.cuda)  # (again, for a slot past MAX_PERSISTENT: harmless)
         return super().isend(buf, nbytes, peer, tag)
 
-    def irecv(self, buf: Buffer, nbytes: int, peer: int, tag: int) -> Request:
+    def irecv(self, buf: Buffer, nbytes: int, peer: int, tag: int) -> TransportRequest:
         return _StagedRecvRequest(super().irecv(buf, nbytes, peer, tag), buf, self.cuda)

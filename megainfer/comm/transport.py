@@ -26,7 +26,7 @@ class Buffer:
         self.data, self.header, self.extra = data, header, extra
 
 
-class Request:
+class TransportRequest:
     """An operation in flight. ``test()`` is True once it completed (and stays True)."""
 
     def test(self) -> bool:
@@ -50,7 +50,7 @@ class Reissue:
     def __init__(self, fn, buf: Buffer, peer: int):
         self.fn, self.buf, self.peer = fn, buf, peer
 
-    def start(self, nbytes: int, tag: int) -> Request:
+    def start(self, nbytes: int, tag: int) -> TransportRequest:
         return self.fn(self.buf, nbytes, self.peer, tag)
 
 
@@ -76,10 +76,10 @@ class Transport:
     def alloc(self, nbytes: int) -> Buffer:
         raise NotImplementedError
 
-    def isend(self, buf: Buffer, nbytes: int, peer: int, tag: int) -> Request:
+    def isend(self, buf: Buffer, nbytes: int, peer: int, tag: int) -> TransportRequest:
         raise NotImplementedError
 
-    def irecv(self, buf: Buffer, nbytes: int, peer: int, tag: int) -> Request:
+    def irecv(self, buf: Buffer, nbytes: int, peer: int, tag: int) -> TransportRequest:
         raise NotImplementedError
 
     def send_init(self, buf: Buffer, peer: int) -> Reissue:

@@ -144,7 +144,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512  # token budget per step: decodes plus prefill chunks
     max_model_len: int = 2048  # prompt plus output tokens per sequence
     enable_chunked_prefill: bool = True  # split long prompts into chunks that fit the token budget
-    routing: str = "cache_aware"  # requests over attention replicas (runtime/router.py)
+    routing: str = "cache_aware"  # requests over attention replicas (runtime/replicas/request_router.py)
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -265,11 +265,11 @@ class CommConfig:
     wait_mode: str = "backoff"  # spin | yield | backoff (megainfer.comm.wait)
     transport: str = "auto"  # auto | mpi | cuda_ipc | nccl (megainfer.comm.select; auto: mpi on cpu)
     # TP all-reduce/broadcast in a replica: auto (cuda: point to point over cuda_ipc when the job's
-    # transport is auto or cuda_ipc; else MPI on host memory) | mpi | channel (runtime/tp_channel.py)
+    # transport is auto or cuda_ipc; else MPI on host memory) | mpi | channel (runtime/tp/channel.py)
     tp_collectives: str = "auto"
     # expert weight moves of live EPLB and of a re-plan: auto (cuda: device to device over cuda_ipc
     # when the job's transport is auto or cuda_ipc; else MPI through host memory) | mpi | device
-    # (cuda_ipc on cuda, the MPI transport on cpu; runtime/weight_channel.py)
+    # (cuda_ipc on cuda, the MPI transport on cpu; runtime/eplb/weight_channel.py)
     eplb_moves: str = "auto"
 
     def __post_init__(self):

@@ -10,12 +10,19 @@ docs/pd.md), without the engine's code knowing about it.
   ``num_computed_tokens`` = prompt length and its first token: the next step decodes it as if
   this engine had prefilled it. The sampler's key is (seed, output index), so the tokens that
   follow are the ones single mode samples. ``release`` gives the blocks back unused.
+* A running request moved whole between replicas (a re-plan, docs/replan.md, which moves the
+  ``Request`` objects themselves): ``export_kv`` reads its blocks of every layer into one host
+  byte buffer (``kv_bytes`` long); the receiver ``reserve``s blocks, ``import_kv`` writes the
+  buffer into them and ``adopt`` gives them to the request.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 from typing import Optional
+
+import numpy as np
+import torch
 
 from .request import Request, RequestStatus
 from .sampling_params import SamplingParams
@@ -105,7 +112,7 @@ def start(engine, state: HandoffState, placeholder: Request) -> Request:
     head.prompt_logprobs = state.prompt_logprobs
     live = [r for r in reqs if not r.is_finished]
     owner = live[0]  # the prefill rank reports a request whose samples all finished as output
-    owner.block_table, placeholder.block_table = placeholder.block_table, []
+    adopt(owner, placeholder)
     engine.blocks.cache_full_blocks(owner)  # its full prompt blocks join this replica's cache
     for r in live[1:]:
         engine.blocks.fork(owner, r)
@@ -132,3 +139,40 @@ def _request(engine, state: HandoffState, seq_id: int) -> Request:
     req.num_computed_tokens = len(state.prompt_token_ids)
     req.status = RequestStatus.RUNNING
     return req
+
+
+def adopt(req: Request, placeholder: Request) -> None:
+    """``req`` (without blocks) takes the blocks ``reserve`` gave ``placeholder``."""
+    req.block_table, placeholder.block_table = placeholder.block_table, []
+
+
+def kv_bytes(engine, num_blocks: int) -> int:
+    """Bytes of ``num_blocks`` blocks of every layer (what ``export_kv`` returns)."""
+    d = engine.kv_spec.block_axis
+    return num_blocks * sum(kv.select(d, 0).numel() * kv.element_size()
+                            for kv in engine.kv_caches)
+
+
+def export_kv(engine, table: list[int]) -> np.ndarray:
+    """The blocks' KV of every layer, as stored, as one host byte buffer (layer-major)."""
+    d = engine.kv_spec.block_axis
+    idx = torch.tensor(table, dtype=torch.long, device=engine.kv_caches[0].device)
+    parts = [kv.index_select(d, idx).contiguous().view(torch.uint8).flatten().cpu()
+             for kv in engine.kv_caches]
+    return torch.cat(parts).numpy()
+
+
+def import_kv(engine, table: list[int], buf: np.ndarray) -> None:
+    """``export_kv``'s buffer into the blocks ``table`` of every layer."""
+    d = engine.kv_spec.block_axis
+    idx = torch.tensor(table, dtype=torch.long, device=engine.kv_caches[0].device)
+    data, off = torch.from_numpy(buf), 0
+    for kv in engine.kv_caches:
+        if kv.element_size() == 1:  # float8 / packed fp4: copied as bytes (no fp8 index_copy)
+            kv = kv.view(torch.uint8)
+        shape = list(kv.shape)
+        shape[d] = len(table)
+        n = int(np.prod(shape)) * kv.element_size()
+        part = data[off:off + n].view(kv.dtype).view(shape).to(kv.device)
+        kv.index_copy_(d, idx, part)
+        off += n

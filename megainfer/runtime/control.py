@@ -1,13 +1,12 @@
 """The control plane between attention ranks: small Python objects (requests, finished outputs,
 go/stop), sent point to point with bounded waits, so a dead or hung rank is noticed in bounded
-time and named. Tensors never travel here (they use ``megainfer.comm``)."""
+time and named. Tensors never travel here (they use ``megainfer.comm``). The messages are
+``messages.py``'s dataclasses; their tags ``tags.py``'s."""
 from __future__ import annotations
 
 from mpi4py import MPI
 
 from megainfer.comm.wait import WaitPolicy, wait_until
-
-TAG_REQUESTS, TAG_STATUS, TAG_GO = 101, 102, 103
 
 
 class RankFailure(RuntimeError):

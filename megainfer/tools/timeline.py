@@ -16,7 +16,7 @@ import sys
 from collections import defaultdict
 
 PLOT_EXTRA = "pip install 'megainfer[plot]'"
-# what a send/receive span covers, by mode (runtime/exchange.py, runtime/expert_worker.py)
+# what a send/receive span covers, by mode (runtime/pipeline/exchange.py, runtime/pipeline/expert_worker.py)
 LANE_NOTES = {
     "disaggregated": (
         "A2E on an attention rank: splitting the micro-batch per expert rank and posting the sends. "

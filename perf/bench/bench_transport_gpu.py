@@ -110,8 +110,8 @@ def tp_allreduce(kind, comm, rows: int, hidden: int, iters: int, dev) -> list[fl
     import torch
     from megainfer.comm import WaitPolicy, make_transports
     from megainfer.runtime.control import ControlPlane
-    from megainfer.runtime.tp_channel import TPChannel
-    from megainfer.runtime.tp_group import TPGroup
+    from megainfer.runtime.tp.channel import TPChannel
+    from megainfer.runtime.tp.group import TPGroup
     pol = WaitPolicy(mode="spin", timeout_s=60)
     ctl = ControlPlane(comm, f"[tp{comm.Get_rank()}]", pol)
     ch = t = None

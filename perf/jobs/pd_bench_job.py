@@ -26,7 +26,7 @@ from megainfer.config import (CacheConfig, CommConfig, DeployPlan, EplbConfig, L
                               SchedulerConfig, TraceConfig)
 from megainfer.engine.outputs import PromptInput  # noqa: E402
 from megainfer.engine.sampling_params import SamplingParams  # noqa: E402
-from megainfer.runtime.world import JobSpec, build_rank, run_rank  # noqa: E402
+from megainfer.runtime.startup import JobSpec, build_rank, run_rank  # noqa: E402
 
 
 def inputs(w: dict, seed: int):

@@ -21,7 +21,7 @@ from megainfer.config import (CacheConfig, CommConfig, DeployPlan, EplbConfig,  
 from megainfer.engine.outputs import PromptInput  # noqa: E402
 from megainfer.engine.sampling_params import SamplingParams  # noqa: E402
 from megainfer.runtime.trace import merge_traces  # noqa: E402
-from megainfer.runtime.world import JobSpec, build_rank, run_rank  # noqa: E402
+from megainfer.runtime.startup import JobSpec, build_rank, run_rank  # noqa: E402
 
 
 # the shape of conf/plan_model/cpu_small.yaml, which the performance model is calibrated on

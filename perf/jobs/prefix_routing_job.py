@@ -24,7 +24,7 @@ from megainfer.config import (CacheConfig, CommConfig, DeployPlan, LoadConfig,  
                               SchedulerConfig)
 from megainfer.engine.outputs import PromptInput  # noqa: E402
 from megainfer.engine.sampling_params import SamplingParams  # noqa: E402
-from megainfer.runtime.world import JobSpec, build_rank, run_rank  # noqa: E402
+from megainfer.runtime.startup import JobSpec, build_rank, run_rank  # noqa: E402
 
 
 class Args:

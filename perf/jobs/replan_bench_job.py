@@ -25,7 +25,7 @@ from megainfer.config import (CacheConfig, CommConfig, DeployPlan, LoadConfig,  
                               ReplanConfig, SchedulerConfig, TraceConfig)
 from megainfer.engine.outputs import PromptInput  # noqa: E402
 from megainfer.engine.sampling_params import SamplingParams  # noqa: E402
-from megainfer.runtime.world import JobSpec, build_rank, run_rank  # noqa: E402
+from megainfer.runtime.startup import JobSpec, build_rank, run_rank  # noqa: E402
 
 
 def inputs(segments, seed: int):
@@ -54,9 +54,9 @@ def run(a: dict, cfg, segments, replan):
     res = None
     if outs is not None:
         steps = r.loop.engine.executor.step_log  # rank 0 keeps its engine across switches
-        recs = r.parts.get("replans", [])
+        recs = r.replans
         res = dict(seconds=seconds, tokens={o.request_id: o.outputs[0].token_ids for o in outs},
-                   replans=recs, decisions=r.parts.get("replan_decisions", []),
+                   replans=recs, decisions=r.replan_decisions,
                    phases=phases(steps, [x["iteration"] for x in recs]),
                    switch_s=sum(x["seconds"] for x in recs))
     r.close()

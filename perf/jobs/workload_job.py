@@ -3,7 +3,7 @@
     mpiexec -n A+E python perf/jobs/workload_job.py OUT.json TRACE.jsonl --replicas A --m M [--zipf Z]
 
 TRACE.jsonl: one request a line, {"arrival_s", "prompt_len", "output_len"} (the simulator's
-``events.read_request_trace`` format). The runtime's own loop (runtime/replica_loop.py) queues
+``events.read_request_trace`` format). The runtime's own loop (runtime/replicas/loop.py) queues
 every request at once, so this job drives the attention ranks with the same lock-step protocol
 (engine.step, then leaders report (finished, busy) to rank 0 and rank 0 answers go) and adds
 two things: each replica queues a request only once its arrival time has passed (checked at
@@ -36,9 +36,9 @@ from pipeline_job import SHAPE_DEFAULTS, model_config  # noqa: E402
 from megainfer.config import (CacheConfig, CommConfig, DeployPlan, EplbConfig,  # noqa: E402
                               LoadConfig, SchedulerConfig, TraceConfig)
 from megainfer.engine.sampling_params import SamplingParams  # noqa: E402
-from megainfer.runtime.control import TAG_GO, TAG_REQUESTS, TAG_STATUS  # noqa: E402
+from megainfer.runtime.tags import GO as TAG_GO, REQUESTS as TAG_REQUESTS, STATUS as TAG_STATUS  # noqa: E402
 from megainfer.runtime.trace import merge_traces  # noqa: E402
-from megainfer.runtime.world import JobSpec, build_rank, run_rank  # noqa: E402
+from megainfer.runtime.startup import JobSpec, build_rank, run_rank  # noqa: E402
 
 
 def count_routes(model, counts: torch.Tensor) -> None:

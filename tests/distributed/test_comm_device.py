@@ -14,7 +14,7 @@ from megainfer.comm.cuda_ipc import check_cuda_ipc
 from megainfer.comm.errors import TransportChoiceError
 from megainfer.comm.select import check_nccl, pair_plan, resolve, shared_gpus
 from megainfer.config import CommConfig, ConfigError
-from megainfer.runtime.exchange import AttentionExchange, ExpertExchange, rows_per_rank
+from megainfer.runtime.pipeline.exchange import AttentionExchange, ExpertExchange, rows_per_rank
 from megainfer.runtime.trace import Tracer
 from mpi_util import run_mpi
 
@@ -274,18 +274,18 @@ def test_cuda_ipc_protocol_on_a_fake_runtime(monkeypatch, sync):
         return dict(hidden=torch.randn(n, H, generator=g), topk_ids=torch.full((n, k), i, dtype=torch.int32),
                     topk_weights=torch.rand(n, k, generator=g))
     sent = [msg(i) for i in range(3)]
-    m2n.dispatch(0, iteration=0, layer=0, micro_batch=0, **sent[0])
-    m2n.dispatch(0, iteration=0, layer=1, micro_batch=0, **sent[1])
+    m2n.a2e.send(0, iteration=0, layer=0, micro_batch=0, **sent[0])
+    m2n.a2e.send(0, iteration=0, layer=1, micro_batch=0, **sent[1])
     t.progress()
     t.progress()  # host-fenced: the grants of the first posts go once their events completed
     assert t._queued == 0  # two grants from the receive ring's first posts
-    got = m2n.recv_dispatch(0, layer=0, micro_batch=0, iteration=0).wait()
+    got = m2n.a2e.recv(0, layer=0, micro_batch=0, iteration=0).wait()
     assert all(torch.equal(got[f], sent[0][f]) for f in sent[0])
     got.release()
-    m2n.dispatch(0, iteration=0, layer=2, micro_batch=0, **sent[2])
+    m2n.a2e.send(0, iteration=0, layer=2, micro_batch=0, **sent[2])
     assert t._queued == 1  # slot 0 is released but not re-posted: no grant yet
     for layer in (1, 2):
-        got = m2n.recv_dispatch(0, layer=layer, micro_batch=0, iteration=0).wait()
+        got = m2n.a2e.recv(0, layer=layer, micro_batch=0, iteration=0).wait()
         assert got.rows == sent[layer]["hidden"].shape[0]
         assert all(torch.equal(got[f], sent[layer][f]) for f in sent[layer]), layer
         got.release()
@@ -293,8 +293,8 @@ def test_cuda_ipc_protocol_on_a_fake_runtime(monkeypatch, sync):
     if sync == "host":
         assert rt.queries > 1  # headers and grants waited on completions (half said not yet)
     for it in range(4):  # combine direction, and many laps of the rings
-        m2n.combine(0, iteration=it, layer=0, micro_batch=0, out=torch.full((3, H), float(it)))
-        out = m2n.recv_combine(0, layer=0, micro_batch=0, iteration=it).wait()
+        m2n.e2a.send(0, iteration=it, layer=0, micro_batch=0, out=torch.full((3, H), float(it)))
+        out = m2n.e2a.recv(0, layer=0, micro_batch=0, iteration=it).wait()
         assert torch.equal(out["out"], torch.full((3, H), float(it)))
         out.release()
     m2n.close()

@@ -15,9 +15,9 @@ from conftest import FAMILIES
 from mpi_util import run_mpi
 
 from megainfer.kernels import kv_quant
-from megainfer.runtime.kv_place import place
-from megainfer.runtime.kv_routes import check_prefill_tp, head_slice, routes_to
-from megainfer.runtime.prefill_experts import expert_slots_of
+from megainfer.runtime.pd.kv_place import place
+from megainfer.runtime.pd.kv_routes import check_prefill_tp, head_slice, routes_to
+from megainfer.runtime.pd.prefill_experts import expert_slots_of
 
 JOB = os.path.join(os.path.dirname(__file__), "mpi_progs", "pd_job.py")
 sys.path.insert(0, os.path.dirname(JOB))  # runtime_job, pd_job: the jobs' prompts
@@ -214,7 +214,7 @@ def test_split_experts_hold_a_share_and_sum_to_the_whole(tiny_ckpts, fam, shape)
     rank's partial sum, the MoE layer's output is the whole model's (shared expert once)."""
     from megainfer.config import LoadConfig, ModelConfig
     from megainfer.models import build_model
-    from megainfer.runtime.prefill_experts import SplitExpertsMLP, split_experts
+    from megainfer.runtime.pd.prefill_experts import SplitExpertsMLP, split_experts
     path = tiny_ckpts[(fam, shape)]
     cfg = ModelConfig.from_pretrained(path)
     whole = build_model(cfg, LoadConfig(path=path))
@@ -258,7 +258,7 @@ def test_a_late_tp_collective_names_the_rank_waited_on():
     """Followers name their leader; the leader of a pair names its follower (it used to name
     itself); a leader of three or more cannot know which peer is late and says so."""
     from megainfer.runtime.control import RankFailure
-    from megainfer.runtime.tp_group import late_peer
+    from megainfer.runtime.tp.group import late_peer
     assert [late_peer(4, r, 2) for r in (0, 1)] == [5, 4]
     assert [late_peer(0, r, 4) for r in range(4)] == [None, 0, 0, 0]
     assert "a peer rank did not answer" in str(RankFailure("[attn dp0 tp0]", None, "x", 1.0))

@@ -1,4 +1,4 @@
-"""Tensor-parallel collectives point to point (runtime/tp_channel.py, comm.tp_collectives):
+"""Tensor-parallel collectives point to point (runtime/tp/channel.py, comm.tp_collectives):
 the sum every rank holds is the same bits on every rank and equals the partials added in
 TP-rank order; a silent TP peer is named; a replica with TP 2 over the channel gives single
 mode's greedy tokens."""
@@ -68,7 +68,7 @@ def test_tp2_replica_over_the_channel_equals_single_mode(tiny_ckpts, single_mode
 
 def test_tp_collectives_choice():
     from megainfer.config import CommConfig, ConfigError
-    from megainfer.runtime.tp_channel import tp_capacity, tp_collectives_kind
+    from megainfer.runtime.tp.channel import tp_capacity, tp_collectives_kind
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert tp_collectives_kind("auto", cpu, "auto") is None  # cpu: MPI collectives
     assert tp_collectives_kind("auto", cuda, "auto") == "cuda_ipc"

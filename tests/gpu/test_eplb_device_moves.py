@@ -1,4 +1,4 @@
-"""Expert weight moves device to device (runtime/weight_channel.py, comm.eplb_moves): buffers
+"""Expert weight moves device to device (runtime/eplb/weight_channel.py, comm.eplb_moves): buffers
 moved exactly in small messages between expert ranks, a silent peer named by its job rank, live
 EPLB and a re-plan with the device path giving single mode's tokens and the checkpoint's weights
 in every slot. On CPU the device path runs over the MPI transport (the stand-in, as for
@@ -94,7 +94,7 @@ def test_replan_with_device_moves_keeps_tokens_and_weights(tiny_ckpts, tmp_path)
 
 def test_eplb_moves_choice():
     from megainfer.config import CommConfig, ConfigError
-    from megainfer.runtime.weight_channel import CHUNK_BYTES, eplb_moves_kind, n_chunks
+    from megainfer.runtime.eplb.weight_channel import CHUNK_BYTES, eplb_moves_kind, n_chunks
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert eplb_moves_kind("auto", cpu, "auto") is None  # cpu: host MPI
     assert eplb_moves_kind("auto", cuda, "auto") == "cuda_ipc"

@@ -77,7 +77,7 @@ def test_tokens_on_gpu_match_single_mode_and_across_transports(tiny_ckpts, tmp_p
 
 def test_tp2_replica_tokens_on_gpu_match_single_mode_over_both_tp_paths(tiny_ckpts, tmp_path):
     """Attention TP 2 + 1 expert rank on the one GPU: with cuda_ipc the TP all-reduces and
-    broadcasts go point to point between the two processes (runtime/tp_channel.py), with mpi
+    broadcasts go point to point between the two processes (runtime/tp/channel.py), with mpi
     through host memory; fp32 tokens equal single mode's, bf16 tokens agree between the two."""
     ckpt = tiny_ckpts[(FAMILIES[0], "base")]
     mpi_util.run_mpi(3, os.path.join(HERE, "gpu_runtime_job.py"),

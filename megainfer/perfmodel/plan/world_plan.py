@@ -6,7 +6,7 @@ launch"): split ``world`` ranks into ``n_a`` attention replicas of ``tp_a`` rank
 (as many of its requests as the scheduler's per-replica limit and the KV memory allow) at the
 fastest decode throughput B / T_iter. Any pinned dimension (an explicit ``deploy.*`` key) is
 held fixed. Expert ranks need not divide the experts: the runtime then pads the slots up to a
-multiple of the ranks with redundant replicas (``runtime/placement.py``), which is what the
+multiple of the ranks with redundant replicas (``runtime/eplb/initial.py``), which is what the
 model evaluates (``num_experts`` = slots). Pure arithmetic: a few hundred predictions, well
 under a second for N <= 64.
 """

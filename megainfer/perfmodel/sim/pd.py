@@ -1,6 +1,6 @@
 """One event loop for a prefill/decode (PD) split: prefill replicas, KV transfers, decode pool.
 
-What ``runtime/pd_router.py``, ``runtime/prefill_worker.py`` and ``runtime/pd_decode.py`` do
+What ``runtime/pd/router.py``, ``runtime/pd/prefill_worker.py`` and ``runtime/pd/decode.py`` do
 (docs/pd.md), as a discrete-event simulation over one clock (docs/perfmodel.md, "PD as one
 simulation", has each rule):
 

@@ -68,7 +68,7 @@ def attention(link: M2N, me: int, cfg: dict, stats: dict):
             send(it, 0, mb)
         for layer in range(L):
             for mb in range(m):
-                handles = [link.recv_combine(e, layer=layer, micro_batch=mb, iteration=it)
+                handles = [link.e2a.recv(e, layer=layer, micro_batch=mb, iteration=it)
                            for e in experts]
                 for e, hd in zip(experts, handles):
                     msg = hd.wait()
@@ -91,7 +91,7 @@ def expert(link: M2N, me: int, cfg: dict, stats: dict):
     while True:
         for layer in range(L):
             for mb in range(m):
-                handles = [link.recv_dispatch(a, layer=layer, micro_batch=mb, iteration=it)
+                handles = [link.a2e.recv(a, layer=layer, micro_batch=mb, iteration=it)
                            for a in link.attn_ranks]
                 msgs = [hd.wait() for hd in handles]
                 if any(msg.kind == KIND_STOP for msg in msgs):
@@ -141,7 +141,7 @@ def run_roundtrip(sub, cfg: dict) -> dict:
     stats["isend_fallback"] = sum(len(s.io.reqs) >= MAX_PERSISTENT for ch in (link.a2e, link.e2a)
                                   for ring in ch._send.values() for s in ring)
     link.close()
-    link.a2e.t.close()
+    link.a2e.transport.close()
     return stats
 
 
@@ -154,9 +154,9 @@ def run_timeout(sub) -> dict:
     t0 = time.perf_counter()
     try:
         if me == 0:
-            link.recv_combine(1, layer=3, micro_batch=1, iteration=7).wait()
+            link.e2a.recv(1, layer=3, micro_batch=1, iteration=7).wait()
         else:
-            link.recv_dispatch(0, layer=3, micro_batch=1, iteration=7).wait()
+            link.a2e.recv(0, layer=3, micro_batch=1, iteration=7).wait()
         raise AssertionError("no timeout raised")
     except CommTimeoutError as e:
         waited = time.perf_counter() - t0
@@ -167,14 +167,14 @@ def run_timeout(sub) -> dict:
         assert 0.4 < waited < 10.0, waited
     if me == 0:  # too many rows: typed error before anything is sent
         try:
-            link.dispatch(1, iteration=0, layer=0, micro_batch=0,
+            link.a2e.send(1, iteration=0, layer=0, micro_batch=0,
                           hidden=torch.zeros(5, 8), topk_ids=torch.zeros(5, TOPK, dtype=torch.int32),
                           topk_weights=torch.zeros(5, TOPK))
             raise AssertionError("no MessageTooLargeError")
         except MessageTooLargeError as e:
             assert "5 rows exceed" in str(e) and "capacity of 4" in str(e), str(e)
     link.close()
-    link.a2e.t.close()
+    link.a2e.transport.close()
     return dict(waited=round(waited, 3))
 
 

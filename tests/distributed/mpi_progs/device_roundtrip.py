@@ -53,15 +53,15 @@ def run_layout(link: M2N, attn, experts, device, dtype) -> int:
             replies = {}
             for mb in range(MBS):
                 if me in attn:
-                    replies[mb] = [link.recv_combine(e, layer=layer, micro_batch=mb, iteration=it)
+                    replies[mb] = [link.e2a.recv(e, layer=layer, micro_batch=mb, iteration=it)
                                    for e in experts]
                     with link.a2e.group():
                         for e in experts:
                             h, ids, w = payload((it, layer, mb, me, e), device, dtype)
-                            link.dispatch(e, iteration=it, layer=layer, micro_batch=mb,
+                            link.a2e.send(e, iteration=it, layer=layer, micro_batch=mb,
                                           hidden=h, topk_ids=ids, topk_weights=w)
                 if me in experts:
-                    msgs = [link.recv_dispatch(a, layer=layer, micro_batch=mb,
+                    msgs = [link.a2e.recv(a, layer=layer, micro_batch=mb,
                                                iteration=it).wait() for a in attn]
                     with link.e2a.group():
                         for a, m in zip(attn, msgs):
@@ -70,7 +70,7 @@ def run_layout(link: M2N, attn, experts, device, dtype) -> int:
                             assert torch.equal(m["hidden"], h) and torch.equal(m["topk_ids"], ids) \
                                 and torch.equal(m["topk_weights"], w), ("dispatch", it, layer, mb)
                             out = m["hidden"] * 2 + m["topk_weights"].sum(1, keepdim=True).to(dtype)
-                            link.combine(a, iteration=it, layer=layer, micro_batch=mb, out=out)
+                            link.e2a.send(a, iteration=it, layer=layer, micro_batch=mb, out=out)
                             checked += 1
                     for m in msgs:
                         m.release()
@@ -100,7 +100,7 @@ def main():
         if WORLD.Get_rank() == 0 and too_large is None:
             h = torch.zeros(CAP + 1, H, dtype=dtype, device=device)
             try:
-                link.dispatch(experts[0], iteration=99, layer=0, micro_batch=0, hidden=h,
+                link.a2e.send(experts[0], iteration=99, layer=0, micro_batch=0, hidden=h,
                               topk_ids=torch.zeros(CAP + 1, K, dtype=torch.int32, device=device),
                               topk_weights=torch.zeros(CAP + 1, K, device=device))
                 too_large = False

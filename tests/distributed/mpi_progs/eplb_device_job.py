@@ -1,4 +1,4 @@
-"""Live EPLB with the weight moves device to device (comm.eplb_moves; runtime/weight_channel.py).
+"""Live EPLB with the weight moves device to device (comm.eplb_moves; runtime/eplb/weight_channel.py).
 
     mpiexec -n 3 python eplb_device_job.py OUT.json CKPT DEVICE MOVES
 1 attention rank + 2 expert ranks, m = 2, live EPLB every 3 iterations with 2 redundant slots,
@@ -26,7 +26,7 @@ from runtime_job import CACHE, SCHED, inputs  # noqa: E402
 from megainfer.config import (CommConfig, DeployPlan, DeviceConfig, EplbConfig, LoadConfig,  # noqa: E402
                               ModelConfig)
 from megainfer.models import build_model  # noqa: E402
-from megainfer.runtime.world import JobSpec  # noqa: E402
+from megainfer.runtime.startup import JobSpec  # noqa: E402
 
 EPLB = EplbConfig(enabled=True, redundant_experts=2, window=3, interval=3)
 MAX_TOKENS = 12

@@ -22,7 +22,7 @@ from runtime_job import CACHE, SCHED, inputs  # noqa: E402
 
 from megainfer.config import CommConfig, DeployPlan, EplbConfig, LoadConfig, ModelConfig  # noqa: E402
 from megainfer.models import build_model  # noqa: E402
-from megainfer.runtime.world import JobSpec, build_rank, run_rank  # noqa: E402
+from megainfer.runtime.startup import JobSpec, build_rank, run_rank  # noqa: E402
 
 RUNS = {
     "static_shuffled": EplbConfig(redundant_experts=2, initial="shuffled", seed=5),

@@ -29,7 +29,7 @@ from megainfer.config import (CommConfig, DeployPlan, DeviceConfig, LoadConfig, 
                               TraceConfig)
 from megainfer.engine.engine import LLMEngine
 from megainfer.models import build_model
-from megainfer.runtime.world import JobSpec, build_rank, run_rank
+from megainfer.runtime.startup import JobSpec, build_rank, run_rank
 
 WORLD = MPI.COMM_WORLD
 MAX_TOKENS = 8
@@ -125,7 +125,7 @@ def main():
             results[key] = {o.request_id: o.outputs[0].token_ids for o in stream}
             results[f"syncs|{key}"] = syncs
             results[f"expert_syncs|{key}"] = tallies[tp:]  # per expert rank: [calls, syncs]
-            channel = r.parts["tp"].channel if r.parts.get("tp") is not None else None
+            channel = r.tp.channel if r.tp is not None else None
             results[f"tp_sent|{key}"] = channel.sent if channel is not None else 0
         if trace:
             r.tracer.write(out_dir)

@@ -17,7 +17,7 @@ from runtime_job import CACHE, SCHED, prompts  # noqa: E402
 from megainfer.config import CommConfig, DeployPlan, LoadConfig, ModelConfig  # noqa: E402
 from megainfer.engine.outputs import PromptInput  # noqa: E402
 from megainfer.engine.sampling_params import SamplingParams  # noqa: E402
-from megainfer.runtime.world import JobSpec, build_rank, run_rank  # noqa: E402
+from megainfer.runtime.startup import JobSpec, build_rank, run_rank  # noqa: E402
 
 PARAMS = SamplingParams(temperature=0.8, seed=7, n=2, max_tokens=6, ignore_eos=True,
                         logprobs=3, prompt_logprobs=2)

@@ -37,8 +37,8 @@ from runtime_job import CACHE, SCHED, SHARED_CACHE, dump_results, inputs, shared
 from mpi4py import MPI  # noqa: E402
 
 from megainfer.config import CommConfig, DeployPlan, LoadConfig, ModelConfig  # noqa: E402
-from megainfer.runtime.prefill_worker import PrefillWorker  # noqa: E402
-from megainfer.runtime.world import JobSpec, build_rank, run_rank  # noqa: E402
+from megainfer.runtime.pd.prefill_worker import PrefillWorker  # noqa: E402
+from megainfer.runtime.startup import JobSpec, build_rank, run_rank  # noqa: E402
 
 
 def sampled_inputs(vocab: int, max_tokens: int, n: int):
@@ -115,7 +115,7 @@ def main():
             r = build_rank(JobSpec(cfg, LoadConfig(path=ckpt), sched, cache, plan, comm))
             stream = run_rank(r, make_inputs(cfg.vocab_size, max_tokens))
             outs = list(stream) if stream is not None else None  # rank 0: the job runs here
-            group = r.parts.get("tp")
+            group = r.tp
             tp_sent = MPI.COMM_WORLD.gather(  # per rank: TP collectives that went point to point
                 group.channel.sent if group is not None and group.channel is not None else 0)
             if outs is not None:

@@ -23,8 +23,9 @@ from replan_job import CACHE, FORCE, SCHED, inputs, tokens_of, weights_ok  # noq
 
 from megainfer.config import (CommConfig, DeployPlan, EplbConfig, LoadConfig, ModelConfig,  # noqa: E402
                               ReplanConfig)
-from megainfer.runtime import replan_runner, weight_channel  # noqa: E402
-from megainfer.runtime.world import JobSpec, build_rank, run_rank  # noqa: E402
+from megainfer.runtime.eplb import weight_channel  # noqa: E402
+from megainfer.runtime.replan import runner as replan_runner  # noqa: E402
+from megainfer.runtime.startup import JobSpec, build_rank, run_rank  # noqa: E402
 
 
 def main():
@@ -57,7 +58,7 @@ def main():
     gathered = comm.gather((checks, final, sent), root=0)
     if comm.Get_rank() == 0:
         with open(out, "w") as f:
-            json.dump({"tokens": tokens, "records": r.parts["replans"],
+            json.dump({"tokens": tokens, "records": r.replans,
                        "checks": [g[0] for g in gathered], "final": [g[1] for g in gathered],
                        "sent": [g[2] for g in gathered]}, f)
     r.close()

@@ -31,8 +31,8 @@ from megainfer.config import (CacheConfig, CommConfig, DeployPlan, EplbConfig, L
 from megainfer.engine.outputs import PromptInput  # noqa: E402
 from megainfer.engine.sampling_params import SamplingParams  # noqa: E402
 from megainfer.models import build_model  # noqa: E402
-from megainfer.runtime import replan_runner  # noqa: E402
-from megainfer.runtime.world import JobSpec, build_rank, run_rank  # noqa: E402
+from megainfer.runtime.replan import runner as replan_runner  # noqa: E402
+from megainfer.runtime.startup import JobSpec, build_rank, run_rank  # noqa: E402
 
 SCHED = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128)
 CACHE = CacheConfig(block_size=4, num_blocks=256)
@@ -106,8 +106,8 @@ def main():
         gathered = comm.gather((list(checks), final), root=0)
         if comm.Get_rank() == 0:
             marks = sum(1 for e in r.tracer.events if e["cat"] == "replan")
-            result[mode] = {"tokens": tokens, "records": r.parts["replans"], "marks": marks,
-                            "decisions": r.parts["replan_decisions"],
+            result[mode] = {"tokens": tokens, "records": r.replans, "marks": marks,
+                            "decisions": r.replan_decisions,
                             "checks": [g[0] for g in gathered], "final": [g[1] for g in gathered]}
         r.close()
     if comm.Get_rank() == 0:
@@ -122,11 +122,18 @@ def hang(cfg, load, plan, where):
     end the job within comm.timeout_s (doubled in the switch), naming rank 2 and the phase."""
     import time
 
-    from megainfer.runtime import replan_switch
+    from megainfer.runtime import wiring
+    from megainfer.runtime.replan import switch as replan_switch
     if MPI.COMM_WORLD.Get_rank() == 2:
-        name = {"hang": "new_placement", "hang_dup": "assign_role",
-                "hang_channels": "make_m2n"}[where]
-        setattr(replan_switch, name, lambda *a, **k: time.sleep(3600))
+        if where == "hang_channels":  # the switch's channel set-up (start-up's is wiring's too)
+            def hang_channels(*a, **k):
+                wiring.make_m2n = lambda *a, **k: time.sleep(3600)
+                return original_switch(*a, **k)
+            original_switch = replan_runner.switch
+            replan_runner.switch = hang_channels
+        else:
+            name = {"hang": "new_placement", "hang_dup": "assign_role"}[where]
+            setattr(replan_switch, name, lambda *a, **k: time.sleep(3600))
     replan = ReplanConfig(enabled=True, force_schedule=FORCE[:1])
     r = build_rank(JobSpec(cfg, load, SCHED, CACHE, plan, CommConfig(timeout_s=2), replan=replan))
     stream = run_rank(r, inputs(cfg.vocab_size))

@@ -21,7 +21,7 @@ from abort_on_error import run_or_abort  # noqa: E402
 from runtime_job import SCHED, SHARED_CACHE, dump_results, shared_inputs  # noqa: E402
 
 from megainfer.config import CommConfig, DeployPlan, LoadConfig, ModelConfig  # noqa: E402
-from megainfer.runtime.world import JobSpec, build_rank, run_rank  # noqa: E402
+from megainfer.runtime.startup import JobSpec, build_rank, run_rank  # noqa: E402
 
 
 def main():

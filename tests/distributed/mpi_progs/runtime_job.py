@@ -22,7 +22,7 @@ from megainfer.config import (CacheConfig, CommConfig, DeployPlan, LoadConfig, M
                               SchedulerConfig)
 from megainfer.engine.outputs import PromptInput  # noqa
 from megainfer.engine.sampling_params import SamplingParams  # noqa
-from megainfer.runtime.world import JobSpec, build_rank, run_rank  # noqa
+from megainfer.runtime.startup import JobSpec, build_rank, run_rank  # noqa
 
 SCHED = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128)
 CACHE = CacheConfig(block_size=4, num_blocks=256)
@@ -98,7 +98,7 @@ def main():
             if stream is not None:
                 outs = list(stream)
                 results[f"{ckpt}|m={m}"] = {o.request_id: o.outputs[0].token_ids for o in outs}
-                tp = r.parts.get("tp")
+                tp = r.tp
                 if tp is not None and tp.channel is not None:  # collectives sent point to point
                     results[f"{ckpt}|m={m}|tp_sent"] = tp.channel.sent
                 if shared:  # prompt tokens the prefix cache served

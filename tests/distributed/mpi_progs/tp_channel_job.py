@@ -21,8 +21,8 @@ from safetensors.torch import save_file  # noqa: E402
 from megainfer.comm.mpi import MpiTransport  # noqa: E402
 from megainfer.comm.wait import WaitPolicy  # noqa: E402
 from megainfer.runtime.control import ControlPlane, RankFailure  # noqa: E402
-from megainfer.runtime.tp_channel import TPChannel  # noqa: E402
-from megainfer.runtime.tp_group import TPGroup  # noqa: E402
+from megainfer.runtime.tp.channel import TPChannel  # noqa: E402
+from megainfer.runtime.tp.group import TPGroup  # noqa: E402
 
 H, CAP = 24, 5
 

@@ -22,7 +22,7 @@ from mpi4py import MPI  # noqa: E402
 
 from megainfer.comm.wait import WaitPolicy  # noqa: E402
 from megainfer.runtime.control import ControlPlane, RankFailure  # noqa: E402
-from megainfer.runtime.weight_channel import (Inbound, Outbound, close_weight_channel,  # noqa: E402
+from megainfer.runtime.eplb.weight_channel import (Inbound, Outbound, close_weight_channel,  # noqa: E402
                                               eplb_moves_kind, n_chunks, open_weight_channel,
                                               world_ranks_of)
 

@@ -175,10 +175,10 @@ def test_m2n_threads_2x2_pingpong():
                 for mb in range(2):
                     for e in (2, 3):
                         n, seed = key(it, layer, mb, me, e)
-                        link.dispatch(e, iteration=it, layer=layer, micro_batch=mb, **tokens(n, seed))
+                        link.a2e.send(e, iteration=it, layer=layer, micro_batch=mb, **tokens(n, seed))
                 for mb in range(2):
                     for e in (2, 3):
-                        msg = link.recv_combine(e, layer=layer, micro_batch=mb, iteration=it).wait()
+                        msg = link.e2a.recv(e, layer=layer, micro_batch=mb, iteration=it).wait()
                         n, seed = key(it, layer, mb, me, e)
                         assert torch.equal(msg["out"], tokens(n, seed)["hidden"] * e)
                         msg.release()
@@ -190,10 +190,10 @@ def test_m2n_threads_2x2_pingpong():
             for layer in range(2):
                 for mb in range(2):
                     for a in (0, 1):
-                        msg = link.recv_dispatch(a, layer=layer, micro_batch=mb, iteration=it).wait()
+                        msg = link.a2e.recv(a, layer=layer, micro_batch=mb, iteration=it).wait()
                         if msg.kind == KIND_STOP:
                             return
-                        link.combine(a, iteration=it, layer=layer, micro_batch=mb, out=msg["hidden"] * me)
+                        link.e2a.send(a, iteration=it, layer=layer, micro_batch=mb, out=msg["hidden"] * me)
                         msg.release()
             it += 1
 

@@ -8,7 +8,7 @@ import torch
 from megainfer.kernels.attention_ref import (check_attention_args, decode_attention_ref,
                                              prefill_attention_ref, store_kv_ref,
                                              supported_head_dim)
-from megainfer.kernels.dispatch import KernelInputError
+from megainfer.kernels.entry_points import KernelInputError
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and
                                 not torch.cuda.is_available(),

@@ -103,7 +103,7 @@ def test_triton_fp4_matches_torch_fp4(D):
     assert torch.equal(kv_quant.scales_of(cache), kv_quant.scales_of(ref_cache))
     assert torch.equal(cache, ref_cache)
     from megainfer.kernels import triton_attention
-    from megainfer.kernels.dispatch import KernelInputError
+    from megainfer.kernels.entry_points import KernelInputError
     with pytest.raises(KernelInputError, match="scales"):  # float rows without scales: refused
         triton_attention.store_kv(torch.randn(1, 2, D), torch.randn(1, 2, D), cache,
                                   torch.zeros(1, dtype=torch.long))
@@ -213,7 +213,7 @@ def mla_store_and_decode(fmt, gran, adversarial=False):
 @pytest.mark.usefixtures("on_device")
 def test_triton_mla_quantised_store_and_decode_match_torch(fmt):
     from megainfer.kernels import triton_mla
-    from megainfer.kernels.dispatch import KernelInputError
+    from megainfer.kernels.entry_points import KernelInputError
     c = mla_store_and_decode(fmt, "tensor")
     cache, lat, slots, R = c["cache"], c["lat"], c["slots"], c["R"]
     q_lat, q_pe, seq_lens, tables = c["q_lat"], c["q_pe"], c["seq_lens"], c["tables"]

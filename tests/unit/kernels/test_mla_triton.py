@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from megainfer.kernels.dispatch import KernelInputError
+from megainfer.kernels.entry_points import KernelInputError
 from megainfer.kernels.mla_ref import (check_mla_args, mla_decode_ref, mla_prefill_ref,
                                        store_latent_ref, supported_mla_dims)
 

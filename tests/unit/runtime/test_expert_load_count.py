@@ -1,4 +1,4 @@
-"""An expert rank's load count (runtime/rebalancer.py ``ExpertRebalancer.record``): only the
+"""An expert rank's load count (runtime/eplb/rebalancer.py ``ExpertRebalancer.record``): only the
 tokens that reached this rank's own slots count, by the logical expert each slot holds, and on a
 GPU counting never waits for the device (the window lives where the ids are)."""
 from types import SimpleNamespace
@@ -9,7 +9,7 @@ from mpi4py import MPI
 
 from megainfer.config import EplbConfig
 from megainfer.eplb import Placement
-from megainfer.runtime.rebalancer import ExpertRebalancer
+from megainfer.runtime.eplb.rebalancer import ExpertRebalancer
 
 L, E, RANKS, K = 3, 4, 2, 2  # 4 logical experts, 6 physical slots (2 redundant), 3 per rank
 

@@ -10,10 +10,10 @@ from megainfer.comm.wait import WaitPolicy
 from megainfer.kernels import kv_quant
 from megainfer.models.kv_spec import BLOCK_AXIS
 from megainfer.runtime.control import RankFailure
-from megainfer.runtime.kv_place import sender_scales
-from megainfer.runtime.kv_routes import head_slice
-from megainfer.runtime.kv_segments import Segments, gather_blocks
-from megainfer.runtime.kv_stream import Dest, KVReceiver, KVSender, Outgoing
+from megainfer.runtime.pd.kv_place import sender_scales
+from megainfer.runtime.pd.kv_routes import head_slice
+from megainfer.runtime.pd.kv_segments import Segments, gather_blocks
+from megainfer.runtime.pd.kv_stream import Dest, KVReceiver, KVSender, OutgoingKV
 
 BS, NB, L = 4, 12, 3
 SEGS = Segments(2, 8)  # 2 blocks per segment: a 3-block transfer is 2 messages per layer
@@ -35,7 +35,7 @@ def _stream(kind, src_caches, dst_shape, dtype, blocks, dst_blocks, n, heads=Non
     rx = KVReceiver(comm, kind, dst_shape, dtype, L, "[attn dp0 tp0]", pol, SEGS, parts,
                     scaled=sender_scales(src_caches[0]) is not None)
     inc = rx.post(7, 0, len(blocks), "req", order=post_order)
-    tx.begin(Outgoing(7, "req", [Dest(0, heads)], n), blocks, n, final=True)
+    tx.begin(OutgoingKV(7, "req", [Dest(0, heads)], n), blocks, n, final=True)
     for l in (send_order or range(L)):
         tx.send_layer(l, src_caches[l])
     tx.end_step()
@@ -163,7 +163,7 @@ def test_kv_stream_delayed_layer_waits_then_times_out_naming_the_rank():
     rx = KVReceiver(comm, "mla", tuple(src[0].shape), torch.float32, L, "[attn dp0 tp0]",
                     WaitPolicy(timeout_s=0.2), SEGS)
     inc = rx.post(3, 0, 2, "late")
-    o = Outgoing(3, "late", [Dest(0, None)], 8)
+    o = OutgoingKV(3, "late", [Dest(0, None)], 8)
     tx.begin(o, [0, 1], 8, final=True)  # layer 1 is delayed: only layers 0 and 2 go now
     tx.send_layer(0, src[0])
     tx.send_layer(2, src[2])
@@ -190,7 +190,7 @@ def test_chunked_prompt_streams_each_segment_in_the_step_that_completes_it(kind)
                     SEGS)
     blocks, dst_blocks, n = [3, 7, 1, 10, 4], [0, 2, 5, 8, 11], 18
     inc = rx.post(1, 0, len(blocks), "chunked")
-    o = Outgoing(1, "chunked", [Dest(0, None)], n)
+    o = OutgoingKV(1, "chunked", [Dest(0, None)], n)
     posted = []
     for computed, final in ((9, False), (10, False), (17, False), (18, True)):
         tx.begin(o, blocks, computed, final)

@@ -6,9 +6,9 @@ import pytest
 from megainfer.config import ConfigError, ReplanConfig
 from megainfer.perfmodel.model.hardware import load_hardware
 from megainfer.perfmodel.model.shapes import ModelShape
-from megainfer.runtime.replan_decider import (JobState, Measurements, decide, refit,
+from megainfer.runtime.replan.decider import (JobState, Measurements, decide, refit,
                                               switch_cost)
-from megainfer.runtime.replan_measure import comm_samples, reply_ends
+from megainfer.runtime.replan.measure import comm_samples, reply_ends
 
 SHAPE = ModelShape.from_dict(dict(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4,
                                   head_dim=64, num_experts=8, top_k=2, moe_intermediate_size=1024,

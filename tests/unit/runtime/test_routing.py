@@ -1,4 +1,4 @@
-"""Requests over attention replicas (megainfer/runtime/router.py, ``scheduler.routing``): the
+"""Requests over attention replicas (megainfer/runtime/replicas/request_router.py, ``scheduler.routing``): the
 router's longest-prefix choice, load skip, bounded hand-out and rotation; the block manager's
 key events; and under mpiexec, 2 attention replicas with round-robin and cache-aware routing,
 prefix caching off and on (with a second tier), preemption forced: the greedy tokens of single
@@ -13,7 +13,7 @@ from megainfer.config import ConfigError, SchedulerConfig
 from megainfer.engine import SamplingParams
 from megainfer.engine.block_manager import BlockManager, hash_block_tokens
 from megainfer.engine.request import Request
-from megainfer.runtime.router import Router
+from megainfer.runtime.replicas.request_router import RequestRouter
 from repo_paths import MPI_PROGS
 
 HERE = os.path.dirname(__file__)
@@ -27,7 +27,7 @@ def _keys(tokens, bs=2):
 
 
 def _router(A=3, policy="cache_aware", max_num_seqs=8, **kw):
-    return Router(A, policy, 2, max_num_seqs, lambda inp: inp, **kw)
+    return RequestRouter(A, policy, 2, max_num_seqs, lambda inp: inp, **kw)
 
 
 def test_longest_cached_prefix_wins():

@@ -3,12 +3,12 @@ point to point from the ranks that held them (docs/replan.md).
 
 The placement is EPLB's (``Placement.from_rebalance``) over the load the old expert ranks
 counted (their windows summed), with the slots padded to a multiple of the new rank count as
-at launch (``runtime/placement.py``); with no load counted yet, the launch placement for that
+at launch (``runtime/eplb/initial.py``); with no load counted yet, the launch placement for that
 count. Every rank computes the same move list: each slot of each new expert rank takes its
 logical expert from itself when it held it, else from one old holder (the holders take turns,
 as in ``eplb.weight_moves``). Weights travel as one buffer per (layer, slot), over one of live
 rebalancing's two paths (``comm.eplb_moves``, docs/eplb.md): device to device over a transport
-built on the switch communicator for these moves (``runtime/weight_channel.py``), or staged on
+built on the switch communicator for these moves (``runtime/eplb/weight_channel.py``), or staged on
 the host over MPI. The receiving rank builds an experts-role model with empty slots and fills
 every slot from what arrived.
 """
@@ -24,12 +24,11 @@ from megainfer.eplb import Placement
 from megainfer.models import ParallelContext
 from megainfer.models.loader import DTYPES, _materialize, _on_meta
 from megainfer.models.model import MoECausalLM
+from megainfer.runtime import tags
+from megainfer.runtime.eplb.initial import initial_placement
+from megainfer.runtime.eplb.rebalancer import _flat, _host, _np, _parts, empty_slot, install_staged
+from megainfer.runtime.eplb.weight_channel import Inbound, Outbound, run_moves, world_ranks_of
 
-from .placement import initial_placement
-from .rebalancer import _flat, _host, _np, _parts, empty_slot, install_staged
-from .weight_channel import Inbound, Outbound, run_moves, world_ranks_of
-
-TAG_EXPERT = 2000  # + layer * new slots per rank + local slot, on the switch communicator
 
 
 def new_placement(cfg, eplb, load: np.ndarray, num_ranks: int) -> Placement:
@@ -131,7 +130,8 @@ def _stage_host(sw, control, old_model, model, moves, me, S1):
         if src == me and dst != me:  # my old slot -> a peer's new slot
             ex = old_model.layers[layer].mlp.experts
             buf = _host(_flat(ex, slot))
-            reqs.append((sw.Isend(_np(buf), dest=dst, tag=TAG_EXPERT + layer * S1 + t), dst, buf))
+            reqs.append((sw.Isend(_np(buf), dest=dst, tag=tags.REPLAN_EXPERT + layer * S1 + t),
+                         dst, buf))
     if model is not None:
         for layer, dst, t, src, slot in moves:
             if dst != me:
@@ -141,7 +141,8 @@ def _stage_host(sw, control, old_model, model, moves, me, S1):
                 staged[(layer, t)] = _flat(old_model.layers[layer].mlp.experts, slot)
                 continue
             buf = empty_slot(ex, t)
-            reqs.append((sw.Irecv(_np(buf), source=src, tag=TAG_EXPERT + layer * S1 + t), src, buf))
+            reqs.append((sw.Irecv(_np(buf), source=src, tag=tags.REPLAN_EXPERT + layer * S1 + t),
+                         src, buf))
             staged[(layer, t)] = buf
             received += buf.numel() * buf.element_size()
     for req, peer, _ in reqs:

@@ -1,7 +1,7 @@
 """Expert weight moves device to device: (layer, slot) weight buffers between expert ranks turned
 into fixed-capacity messages over the job's device transport (``comm.eplb_moves``;
-docs/eplb.md, docs/comm.md). Live EPLB (``runtime/rebalancer.py``) and a re-plan's weight moves
-(``runtime/replan_weights.py``) use it; without it they stage through host memory over MPI.
+docs/eplb.md, docs/comm.md). Live EPLB (``runtime/eplb/rebalancer.py``) and a re-plan's weight moves
+(``runtime/replan/weights.py``) use it; without it they stage through host memory over MPI.
 
 * What travels: a sender posts its old slot's weights straight from the parameters (the
   flattened ``gate_up_proj`` then ``down_proj`` of the slot: one device copy into the message
@@ -41,8 +41,7 @@ from megainfer.comm.select import device_path_kind
 from megainfer.comm.spec import MessageSpec
 from megainfer.comm.transport import Transport
 from megainfer.comm.wait import WaitPolicy, wait_until
-
-from .control import RankFailure
+from megainfer.runtime.control import RankFailure
 
 CHUNK_BYTES = 8 << 20  # the largest message (vLLM's custom all-reduce size, the TP channel's)
 ROW = 1024  # elements per message row (the row count stays small: the channel tabulates it)
@@ -87,13 +86,14 @@ class WeightChannel:
     def __init__(self, transport: Transport, dtype: torch.dtype, senders: list[int],
                  receivers: list[int], wait: WaitPolicy, world_ranks: list[int], me: str,
                  what: str, chunk_bytes: int = CHUNK_BYTES, row: int = ROW):
-        self.t, self.dtype, self.row = transport, dtype, row
+        self.transport, self.dtype, self.row = transport, dtype, row
         self.rank, self.size = transport.rank, transport.size
         self.world_ranks, self.me, self.what = list(world_ranks), me, what
         rows = max(1, chunk_bytes // (row * torch.empty(0, dtype=dtype).element_size()))
         self.per_message = rows * row  # elements
-        self.ch = Channel(transport, senders, receivers, MessageSpec.of(rows, w=((row,), dtype)),
-                          streams=1, depth=DEPTH, wait=wait, name="weights")
+        self.channel = Channel(transport, senders, receivers,
+                               MessageSpec.of(rows, w=((row,), dtype)),
+                               streams=1, depth=DEPTH, wait=wait, name="weights")
         self.sent = self.received = 0  # messages over the transport (tests, logs)
 
     def _fail(self, peer: int, e: CommTimeoutError):
@@ -104,12 +104,12 @@ class WeightChannel:
         hi = min(lo + self.per_message, sum(p.numel() for p in mv.parts))
         rows = -(-(hi - lo) // self.row)
         try:
-            out = self.ch.reserve(mv.peer, rows)
+            out = self.channel.reserve(mv.peer, rows)
         except CommTimeoutError as e:
             raise self._fail(mv.peer, e) from e
         _fill(out.views(rows)["w"].view(-1), mv.parts, lo, hi)
         self.sent += 1
-        return self.ch.post(out, iteration=c, layer=mv.layer, micro_batch=mv.slot)
+        return self.channel.post(out, iteration=c, layer=mv.layer, micro_batch=mv.slot)
 
     def _take(self, mv: Inbound, c: int, msg) -> None:
         lo = c * self.per_message
@@ -133,7 +133,8 @@ class WeightChannel:
             while ri < len(recv):
                 mv, c = recv[ri]
                 if msg is None:
-                    msg = self.ch.recv(mv.peer, layer=mv.layer, micro_batch=mv.slot, iteration=c)
+                    msg = self.channel.recv(mv.peer, layer=mv.layer, micro_batch=mv.slot,
+                                            iteration=c)
                 if not msg.test():
                     break
                 self._take(mv, c, msg)
@@ -141,7 +142,7 @@ class WeightChannel:
             state[:] = si, ri
             return moved or (si == len(send) and ri == len(recv))
         while state[0] < len(send) or state[1] < len(recv):
-            waited = wait_until(step, self.ch.policy)  # bounded since the last progress
+            waited = wait_until(step, self.channel.policy)  # bounded since the last progress
             if waited < 0:
                 late = src if state[1] < len(recv) else dst
                 raise RankFailure(self.me, self.world_ranks[late], self.what, -waited)
@@ -170,8 +171,8 @@ class WeightChannel:
                 self._round(dst, send, src, recv)
 
     def close(self) -> None:
-        self.ch.close()
-        self.t.close()
+        self.channel.close()
+        self.transport.close()
 
 
 def _fill(dst: torch.Tensor, parts, lo: int, hi: int) -> None:
@@ -191,7 +192,7 @@ def open_weight_channel(kind: str, comm, device, dtype: torch.dtype, senders: li
     """Collective over ``comm``: the transport ``kind`` and the channel on it, each collective
     call bounded by the control plane's timeout and naming a late rank. Returns the channel
     and the bounded communicator its ``close`` must go through (``close_weight_channel``)."""
-    from .replan_bounded import BoundedComm
+    from megainfer.runtime.bounded import BoundedComm
     bounded = BoundedComm(comm, control.me, control.policy, what)
 
     def build():

@@ -15,62 +15,56 @@ from __future__ import annotations
 from typing import Iterable, Iterator, Optional
 
 from megainfer.engine.outputs import PromptInput, RequestOutput
-
-from .control import TAG_GO, TAG_REQUESTS, TAG_STATUS
-from .pd_decode import DecodeSide
-from .pd_router import PDRouter
-from .replica_loop import ReplicaLoop
+from megainfer.runtime import tags
+from megainfer.runtime.messages import ReplicaStatus
+from megainfer.runtime.pd.decode import DecodeSide
+from megainfer.runtime.pd.router import PDRouter
+from megainfer.runtime.replicas.loop import ReplicaLoop
 
 
 class PDReplicaLoop(ReplicaLoop):
+    routes_requests = False  # decode replicas are not routed by prefix: no key events
+
     def __init__(self, engine, role, plan, control, exchange, first_moe_layer: int,
                  decode: DecodeSide, router: Optional[PDRouter]):
         super().__init__(engine, role, plan, control, exchange, first_moe_layer)
         self.decode, self.pd = decode, router
         self.idle = [0, 0]  # rank 0: iterations with nothing to decode; waits that timed out
-        self.track = False  # decode replicas are not routed by prefix: no key events
-        blocks = engine.blocks
-        blocks.key_events = None  # the base loop may have turned them on
-        if blocks.tier is not None:
-            blocks.tier.key_events = None
 
     def generate_stream(self, inputs: Iterable[PromptInput]) -> Iterator[RequestOutput]:
         self.pd.add(inputs)
-        for rank in self.attn_ranks[1:]:
-            self.control.send([], rank, TAG_REQUESTS)
+        self._send_to_attention_ranks([[] for _ in self.leaders], tags.REQUESTS)
         yield from self._loop([])
 
-    def _sync(self, finished: list[RequestOutput]) -> tuple[list[RequestOutput], bool, list]:
+    def _status(self, finished: list[RequestOutput]) -> ReplicaStatus:
         e, d = self.engine, self.decode
         for out in finished:
             if out.metrics is not None:
                 out.metrics.kv_handoff_s = d.handoff_s.pop(out.request_id, None)
         d.poll()
-        status = (finished, len(e.scheduler.waiting), len(e.scheduler.running), d.pending,
-                  e.has_unfinished())
+        return ReplicaStatus(finished, e.has_unfinished(), len(e.scheduler.waiting),
+                             len(e.scheduler.running), transfers_pending=d.pending)
+
+    def _sync(self, finished: list[RequestOutput]) -> tuple[list[RequestOutput], bool, list]:
+        d = self.decode
+        status = self._status(finished)
         if self.role.rank != 0:
-            if self.role.is_leader:
-                self.control.send(status, 0, TAG_STATUS)
-            go, msgs = self.control.recv(0, TAG_GO, "iteration sync (waiting for rank 0)")
-            d.apply(msgs)
-            return [], go, []
-        done, busy, decoding = list(finished), False, False
+            go = self._follow(status)
+            d.apply(go.items)
+            return [], go.proceed, []
+        done, busy, decoding = [], False, False
         loads = []
-        for i, leader in enumerate(self.leaders):
-            outs, waiting, running, pending, dec = status if i == 0 else self.control.recv(
-                leader, TAG_STATUS, "iteration sync (replica status)")
-            if i:
-                done += outs
-            busy = busy or dec or pending > 0  # decoding, or KV still arriving
-            decoding = decoding or dec
-            loads.append(waiting + running + pending)
+        for st in self._gather(status):
+            done += st.finished
+            busy = busy or st.busy or st.transfers_pending > 0  # decoding, or KV still arriving
+            decoding = decoding or st.busy
+            loads.append(st.load)
         msgs, prefilled = self.pd.iterate(loads)
         for out in done:
             out.request_id = self.pd.caller_id(out.request_id)
         done += prefilled
         go = busy or self.pd.busy
-        for rank in self.attn_ranks[1:]:
-            self.control.send((go, msgs[rank // self.plan.attention_tp]), rank, TAG_GO)
+        self._send_to_attention_ranks(msgs, tags.GO, proceed=go)
         d.apply(msgs[0])
         if not go:
             self.pd.stop()

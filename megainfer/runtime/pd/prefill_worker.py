@@ -11,8 +11,10 @@ layer: in a step that computes part of a request's prompt, the moment layer l ha
 is in the cache), that layer's blocks of the segments the step completed are posted to the
 decode ranks (``KVSender``), while layer l+1 computes. ``PrefillWorker`` is the rank's loop:
 
-    rank 0 --TAG_PD_WORK [(xfer, input, decode replica)] | STOP--> prefill rank
-    prefill rank --TAG_PD_DONE ([(xfer, kind, payload)], waiting, running, key events)--> rank 0
+    rank 0 --PD_WORK PrefillWork([WorkItem(xfer, input, decode replica)]) | PrefillStop-->
+        prefill rank
+    prefill rank --PD_DONE PrefillReport([PrefillResult(xfer, kind, payload)], waiting, running,
+                                          key events)--> rank 0
 
 after every step (a heartbeat too: rank 0 declares a silent prefill rank with work failed after
 ``comm.timeout_s``; the key events are its prefix cache's, for cache-aware routing over the
@@ -34,13 +36,13 @@ from megainfer.engine.errors import RequestError
 from megainfer.engine.kv_handoff import detach, export_state
 from megainfer.engine.outputs import RequestOutput
 from megainfer.engine.step import LocalExecutor
-
-from .control import RankFailure
-from .kv_stream import KVSender, Outgoing
+from megainfer.runtime import tags
+from megainfer.runtime.control import RankFailure
+from megainfer.runtime.messages import (PrefillReport, PrefillResult, PrefillStop, PrefillWork,
+                                         WorkItem)
+from megainfer.runtime.pd.kv_stream import KVSender, OutgoingKV
 
 log = logging.getLogger("megainfer.runtime")
-TAG_PD_WORK, TAG_PD_DONE = 201, 202
-STOP = "stop"
 
 
 class PrefillExecutor(LocalExecutor):
@@ -49,7 +51,7 @@ class PrefillExecutor(LocalExecutor):
     def __init__(self, model, kv_caches, block_size: int, sender: KVSender):
         super().__init__(model, kv_caches, block_size)
         self.sender = sender
-        self.planned: dict[int, Outgoing] = {}  # seq_id -> its transfer, until its prompt is done
+        self.planned: dict[int, OutgoingKV] = {}  # seq_id -> its transfer, until its prompt is done
         for l, layer in enumerate(model.layers):
             layer.register_forward_hook(self._hook(l))
 
@@ -87,7 +89,7 @@ class PrefillWorker:
         self.idle_policy = WaitPolicy(mode=policy.mode, timeout_s=min(0.05, policy.timeout_s))
         self.tracer = tracer
         self.xfer_of: dict[str, int] = {}  # engine request id -> transfer id
-        self.transfers: list[Outgoing] = []  # completed, for the stats
+        self.transfers: list[OutgoingKV] = []  # completed, for the stats
         self.steps = 0
         self.outbox: list = []  # reports to rank 0 in flight
         self.track = track_keys
@@ -102,13 +104,13 @@ class PrefillWorker:
                 self._forward(work)
             else:
                 work = self._from_leader()
-            if work == STOP:
+            if isinstance(work, PrefillStop):
                 MPI.Request.Waitall(self.outbox)  # rank 0 took every report before stopping
                 MPI.Request.Waitall(self.peer_outbox)
                 self.executor.sender.drain()
                 self._collect()
                 return self.steps
-            report = [self._add(*item) for item in work]
+            report = [self._add(item) for item in work]
             report = [r for r in report if r is not None]
             stepped = self.engine.has_unfinished()
             if stepped:
@@ -125,54 +127,59 @@ class PrefillWorker:
             return
         self.peer_outbox = [r for r in self.peer_outbox if not r.Test()]
         for t in range(1, self.peers.Get_size()):
-            self.peer_outbox.append(self.peers.isend(work, dest=t, tag=TAG_PD_WORK))
+            msg = work if isinstance(work, PrefillStop) else PrefillWork(work)
+            self.peer_outbox.append(self.peers.isend(msg, dest=t, tag=tags.PD_WORK))
 
     def _from_leader(self):
         """A TP rank other than the leader: the leader's next message (idle is legitimate, as
         the leader's own wait for rank 0; a dead leader ends the job through the process
         manager, or rank 0 notices the silent prefill replica)."""
-        while not self.peers.Iprobe(source=0, tag=TAG_PD_WORK):
+        while not self.peers.Iprobe(source=0, tag=tags.PD_WORK):
             self.executor.sender.poll()
             self._check_sends()
-            wait_until(lambda: self.peers.Iprobe(source=0, tag=TAG_PD_WORK), self.idle_policy)
-        return self.peers.recv(source=0, tag=TAG_PD_WORK)
+            wait_until(lambda: self.peers.Iprobe(source=0, tag=tags.PD_WORK), self.idle_policy)
+        msg = self.peers.recv(source=0, tag=tags.PD_WORK)
+        return msg if isinstance(msg, PrefillStop) else msg.items
 
     def _report(self, report: list) -> None:
         """Non-blocking: rank 0 may be sending us work at the same time (no send waits on a
         receive that waits on it)."""
         s, b = self.engine.scheduler, self.engine.blocks
-        msg = (report, len(s.waiting), len(s.running), b.take_key_events() if self.track else [])
+        msg = PrefillReport(report, len(s.waiting), len(s.running),
+                            b.take_key_events() if self.track else [])
         self.outbox = [r for r in self.outbox if not r.Test()]
-        self.outbox.append(self.comm.isend(msg, dest=0, tag=TAG_PD_DONE))
+        self.outbox.append(self.comm.isend(msg, dest=0, tag=tags.PD_DONE))
 
     def _receive(self, block: bool):
-        """Everything rank 0 sent since the last call (a list of items, or STOP)."""
+        """Everything rank 0 sent since the last call (a list of ``WorkItem``, or
+        ``PrefillStop``)."""
         items = []
         while True:
             st = MPI.Status()
-            if not self.comm.Iprobe(source=0, tag=TAG_PD_WORK, status=st):
+            if not self.comm.Iprobe(source=0, tag=tags.PD_WORK, status=st):
                 if items or not block:
                     return items
                 self.executor.sender.poll()
                 self._check_sends()
-                wait_until(lambda: self.comm.Iprobe(source=0, tag=TAG_PD_WORK), self.idle_policy)
+                wait_until(lambda: self.comm.Iprobe(source=0, tag=tags.PD_WORK), self.idle_policy)
                 continue  # idle is legitimate (decode may run long); rank 0 ends us with STOP
-            msg = self.comm.recv(source=0, tag=TAG_PD_WORK)
-            if msg == STOP:
-                return STOP
-            items += msg
+            msg = self.comm.recv(source=0, tag=tags.PD_WORK)
+            if isinstance(msg, PrefillStop):
+                return msg
+            items += msg.items
 
-    def _add(self, xfer: int, inp, replica: int):
+    def _add(self, item: WorkItem):
+        xfer, inp, replica = item.xfer, item.input, item.replica
         try:
             req = self.engine.add_request(inp.request_id, inp.prompt, inp.params,
                                           prompt_token_ids=inp.prompt_token_ids)
         except RequestError as e:
             log.warning("%s request %r refused: %s", self.tag, inp.request_id, e)
-            return xfer, "failed", RequestOutput.failed(inp.request_id, inp.prompt,
-                                                        inp.prompt_token_ids, e)
+            return PrefillResult(xfer, "failed", RequestOutput.failed(inp.request_id, inp.prompt,
+                                                                      inp.prompt_token_ids, e))
         self.xfer_of[req.request_id] = xfer
         if self.dests[replica]:  # a TP rank whose heads go elsewhere (MLA: rank 0's) sends none
-            self.executor.planned[req.seq_id] = Outgoing(xfer, req.request_id,
+            self.executor.planned[req.seq_id] = OutgoingKV(xfer, req.request_id,
                                                          self.dests[replica], req.num_prompt_tokens)
         return None
 
@@ -180,11 +187,12 @@ class PrefillWorker:
         t0 = time.perf_counter()
         finished = self.engine.step()
         self.steps += 1
-        report = [(self.xfer_of.pop(out.request_id), "output", out) for out in finished]
+        report = [PrefillResult(self.xfer_of.pop(out.request_id), "output", out)
+                  for out in finished]
         for req in [r for r in self.engine.requests.values() if r.output_token_ids]:
             state = export_state(req)
             detach(self.engine, req)
-            report.append((self.xfer_of.pop(req.request_id), "state", state))
+            report.append(PrefillResult(self.xfer_of.pop(req.request_id), "state", state))
         if self.tracer is not None:
             self.tracer.add("prefill", f"prefill step {self.steps}", (t0 - self.tracer.epoch) * 1e6,
                             (time.perf_counter() - t0) * 1e6, self.steps, -1, 0,

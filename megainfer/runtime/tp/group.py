@@ -11,9 +11,8 @@ import torch
 from mpi4py import MPI
 
 from megainfer.comm import make_transports
-
-from .control import ControlPlane
-from .tp_channel import TPChannel, tp_capacity, tp_collectives_kind
+from megainfer.runtime.control import ControlPlane
+from megainfer.runtime.tp.channel import TPChannel, tp_capacity, tp_collectives_kind
 
 
 def late_peer(leader: int, tp_rank: int, tp: int) -> Optional[int]:

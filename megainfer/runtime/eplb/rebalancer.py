@@ -10,7 +10,7 @@ iteration's tokens. Physical slots stay on their rank, so ``expert_map`` never c
 which logical expert a slot holds does.
 
 Two paths for the weight moves (``comm.eplb_moves``, docs/eplb.md): device to device over the
-job's device transport (``runtime/weight_channel.py``: fixed-size messages, device buffers), or
+job's device transport (``runtime/eplb/weight_channel.py``: fixed-size messages, device buffers), or
 host staging over MPI (one device -> host copy per move on a GPU). The load window counts on
 the experts' device (no host sync per layer and micro-batch); the load all-reduce copies it to
 the host and stays an MPI all-reduce either way (L x N int64 once per interval: 125 KB for
@@ -28,13 +28,12 @@ from mpi4py import MPI
 from megainfer.comm.spec import KIND_REBALANCE
 from megainfer.config import EplbConfig
 from megainfer.eplb import ExpertLoadWindow, Placement, weight_moves
-
-from .control import ControlPlane
-from .weight_channel import Inbound, Outbound, run_moves, world_ranks_of
+from megainfer.runtime import tags
+from megainfer.runtime.control import ControlPlane
+from megainfer.runtime.eplb.weight_channel import Inbound, Outbound, run_moves, world_ranks_of
+from megainfer.runtime.messages import PlacementUpdate
 
 log = logging.getLogger("megainfer.runtime")
-TAG_PLACEMENT = 105
-TAG_WEIGHTS = 1000  # + layer * num_slots + global destination slot
 
 
 class AttentionRebalancer:
@@ -58,8 +57,9 @@ class AttentionRebalancer:
                  for r in self.m2n.expert_ranks]
         for h in sends:
             h.wait()
-        phy2log = self.control.recv(self.expert0, TAG_PLACEMENT, "EPLB placement hand-over")
-        self.placement = Placement.from_phy2log(torch.tensor(phy2log), self.placement.num_experts,
+        update = self.control.recv(self.expert0, tags.EPLB_PLACEMENT, "EPLB placement hand-over")
+        self.placement = Placement.from_phy2log(torch.tensor(update.phy2log),
+                                                self.placement.num_experts,
                                                 self.placement.num_ranks)
 
 
@@ -125,7 +125,8 @@ class ExpertRebalancer:
         self.rebalances += 1
         if self.index == 0:
             for leader in self.leaders:
-                self.control.send(new.phy2log.tolist(), leader, TAG_PLACEMENT)
+                self.control.send(PlacementUpdate(new.phy2log.tolist()), leader,
+                                  tags.EPLB_PLACEMENT)
             log.info("%s EPLB rebalance %d: %d weight moves into this rank",
                      self.control.me, self.rebalances, self.moved)
 
@@ -172,7 +173,7 @@ class ExpertRebalancer:
         staged, reqs = {}, []
         for mv in sends:  # old weights of my slot src_slot go to rank mv.rank's slot dst_slot
             buf = _host(_flat(layers[mv.layer].mlp.experts, mv.src_slot))
-            tag = TAG_WEIGHTS + mv.layer * R + mv.rank * S + mv.dst_slot
+            tag = tags.EPLB_WEIGHTS + mv.layer * R + mv.rank * S + mv.dst_slot
             reqs.append((self.comm.Isend(_np(buf), dest=mv.rank, tag=tag), mv.rank, buf))
         for mv in moves:
             ex = layers[mv.layer].mlp.experts
@@ -180,7 +181,7 @@ class ExpertRebalancer:
                 staged[(mv.layer, mv.dst_slot)] = _flat(ex, mv.src_slot)
                 continue
             buf = empty_slot(ex, mv.dst_slot)  # host staging
-            tag = TAG_WEIGHTS + mv.layer * R + self.index * S + mv.dst_slot
+            tag = tags.EPLB_WEIGHTS + mv.layer * R + self.index * S + mv.dst_slot
             reqs.append((self.comm.Irecv(_np(buf), source=mv.src, tag=tag), mv.src, buf))
             staged[(mv.layer, mv.dst_slot)] = buf
         for req, peer, _ in reqs:

@@ -17,8 +17,7 @@ import torch
 
 from megainfer.comm import M2N, combine_spec, dispatch_spec, make_transports
 from megainfer.comm.spec import KIND_REBALANCE, KIND_STOP
-
-from .trace import Tracer
+from megainfer.runtime.trace import Tracer
 
 
 def make_m2n(comm, leaders: list[int], experts: list[int], hidden: int, top_k: int,
@@ -44,7 +43,7 @@ def rows_per_rank(owner: torch.Tensor, ranks: int) -> list[torch.Tensor]:
 
 
 @dataclass
-class _InFlight:
+class _Dispatched:
     iteration: int
     layer: int
     mb: int
@@ -72,31 +71,31 @@ class AttentionExchange:
             partner.partner = self
 
     def dispatch(self, iteration: int, layer: int, mb: int, x: torch.Tensor, ids: torch.Tensor,
-                 w: torch.Tensor) -> _InFlight:
+                 w: torch.Tensor) -> _Dispatched:
         """x [n, H], ids [n, k] physical slots, w [n, k] -> handle for ``combine``."""
         with self.tracer.span(self.lanes[0], f"{self.lanes[0]} L{layer} mb{mb}", iteration,
                               layer, mb, x.shape[0]):
             index = rows_per_rank(self.slot_owner[ids], len(self.experts))  # [n_j] per rank
             replies = None
             if self.partner is None:
-                replies = [self.m2n.recv_combine(r, layer=layer, micro_batch=mb,
+                replies = [self.m2n.e2a.recv(r, layer=layer, micro_batch=mb,
                                                  iteration=iteration) for r in self.experts]
             ids32, w32 = ids.to(torch.int32), w.to(torch.float32)
             with self.m2n.a2e.group():
                 for r, rows in zip(self.experts, index):
-                    self.m2n.dispatch(r, iteration=iteration, layer=layer, micro_batch=mb,
+                    self.m2n.a2e.send(r, iteration=iteration, layer=layer, micro_batch=mb,
                                       hidden=x[rows], topk_ids=ids32[rows], topk_weights=w32[rows])
                 if self.partner is not None:
                     self.partner.post(iteration, layer, mb)
-        return _InFlight(iteration, layer, mb, x.shape[0], index, replies)
+        return _Dispatched(iteration, layer, mb, x.shape[0], index, replies)
 
     def post_replies(self, iteration: int, layer: int, mb: int) -> None:
         """Colocated: this (layer, micro-batch)'s combine receives, issued by the partner."""
         self._replies[(iteration, layer, mb)] = [
-            self.m2n.recv_combine(r, layer=layer, micro_batch=mb, iteration=iteration)
+            self.m2n.e2a.recv(r, layer=layer, micro_batch=mb, iteration=iteration)
             for r in self.experts]
 
-    def combine(self, flight: _InFlight) -> torch.Tensor:
+    def combine(self, flight: _Dispatched) -> torch.Tensor:
         """Wait for every expert rank's partial sums; their sum [n, H] in expert-rank order,
         on the device and in the dtype of the parts."""
         f, out = flight, None
@@ -133,7 +132,7 @@ class ExpertExchange:
     def post(self, iteration: int, layer: int, mb: int) -> None:
         """Colocated: post this (layer, micro-batch)'s receives now (inside the dispatch group)."""
         self._posted[(iteration, layer, mb)] = [
-            self.m2n.recv_dispatch(a, layer=layer, micro_batch=mb, iteration=iteration)
+            self.m2n.a2e.recv(a, layer=layer, micro_batch=mb, iteration=iteration)
             for a in self.leaders]
 
     def receive(self, iteration: int, layer: int, mb: int):
@@ -141,7 +140,7 @@ class ExpertExchange:
         kind (``KIND_STOP`` / ``KIND_REBALANCE``) when the replicas sent one instead."""
         handles = self._posted.pop((iteration, layer, mb), None)
         if handles is None:
-            handles = [self.m2n.recv_dispatch(a, layer=layer, micro_batch=mb, iteration=iteration)
+            handles = [self.m2n.a2e.recv(a, layer=layer, micro_batch=mb, iteration=iteration)
                        for a in self.leaders]
         msgs = [h.wait() for h in handles]
         kinds = {m.kind for m in msgs}
@@ -158,7 +157,7 @@ class ExpertExchange:
     def reply(self, iteration: int, layer: int, mb: int, outs: list[torch.Tensor]) -> None:
         with self.m2n.e2a.group():
             for a, out in zip(self.leaders, outs):
-                self.m2n.combine(a, iteration=iteration, layer=layer, micro_batch=mb, out=out)
+                self.m2n.e2a.send(a, iteration=iteration, layer=layer, micro_batch=mb, out=out)
             if self.partner is not None:
                 self.partner.post_replies(iteration, layer, mb)
         for m in self._held:

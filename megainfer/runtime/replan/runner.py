@@ -5,12 +5,12 @@ A job runs in phases. In each, the ranks run as at launch (the attention ranks' 
 the expert ranks' workers) until rank 0 ends the loop: at the job's end, or with a
 ``ReplanOrder`` from its ``ReplanController`` (a forced switch of ``replan.force_schedule``,
 or a decision of ``replan_decider.decide`` every ``replan.interval`` iterations). Rank 0 then
-sends every rank the order (``TAG_REPLAN``; None: the job is over), all switch
+sends every rank the order (``tags.REPLAN_ORDER``; None: the job is over), all switch
 (``replan_switch.switch``) and the next phase starts. Rank 0 logs each re-plan (old plan, new
 plan, predicted gain, the switch's cost, and at the next re-plan or the end the measured
 gain: the job's decode tokens per second over the iterations before and after) and keeps the
 list in
-``Rank.parts["replans"]``.
+``Rank.replans``. ``REPLAN`` is how the feature plugs into the start-up (``startup.py``).
 """
 from __future__ import annotations
 
@@ -21,10 +21,13 @@ import statistics
 import time
 
 from megainfer.config.replan import parse_plan
-
-from .replan_measure import (TAG_SAMPLES, ExpertReporter, attention_samples, comm_samples,
-                             records, take_events)
-from .replan_switch import TAG_REPLAN, ReplanOrder, switch
+from megainfer.runtime import tags
+from megainfer.runtime.messages import ReplanOrder
+from megainfer.runtime.rank_parts import Feature
+from megainfer.runtime.replan.measure import (ExpertReporter, attention_samples, comm_samples,
+                                              records, take_events)
+from megainfer.runtime.replan.switch import check_replan, switch
+from megainfer.runtime.roles import expert_rank_ids
 
 log = logging.getLogger("megainfer.runtime")
 WINDOW = 16  # steps before / after a switch the measured gain compares
@@ -40,13 +43,13 @@ def run_replanning(r, inputs):
 
 
 def _auto(r) -> bool:
-    return not r.parts["job"].replan.force_schedule
+    return not r.job.replan.force_schedule
 
 
 def _attach_reporter(r) -> None:
     if r.worker is not None and _auto(r):
-        job = r.parts["job"]
-        r.worker.on_iteration = ExpertReporter(r.parts["comm"], r.tracer, job.replan.interval,
+        job = r.job
+        r.worker.on_iteration = ExpertReporter(r.comm, r.tracer, job.replan.interval,
                                                job.trace.enabled)
 
 
@@ -59,7 +62,7 @@ def _serve(r) -> None:
         else:
             r.worker.run()
         fresh = False
-        order = r.parts["control"].recv(0, TAG_REPLAN, "re-plan order (waiting for rank 0)")
+        order = r.control.recv(0, tags.REPLAN_ORDER, "re-plan order (waiting for rank 0)")
         if order is None:
             return
         switch(r, order)
@@ -69,12 +72,12 @@ def _rank0(r, inputs):
     ctl = ReplanController(r)
     r.loop.replan_hook = ctl.hook
     stream = r.loop.generate_stream(inputs)
-    world = r.parts["comm"].Get_size()
+    world = r.comm.Get_size()
     while True:
         yield from stream
         order = r.loop.order
         for k in range(1, world):
-            r.parts["control"].send(order, k, TAG_REPLAN)
+            r.control.send(order, k, tags.REPLAN_ORDER)
         if order is None:
             break
         ctl.switching(order)
@@ -96,13 +99,11 @@ class ReplanController:
     """Rank 0's ``ReplicaLoop.replan_hook``: forced switches, or measured decisions."""
 
     def __init__(self, r):
-        self.r = r
+        self.rank = r
         self.cfg = self.job.replan
         self.forced = list(self.cfg.force_schedule)
-        self.records: list[dict] = []
-        r.parts["replans"] = self.records
-        self.decisions: list[dict] = []  # every measured decision, switched or not
-        r.parts["replan_decisions"] = self.decisions
+        self.records: list[dict] = r.replans
+        self.decisions: list[dict] = r.replan_decisions  # every measured decision, switched or not
         self.ctx: dict = {}  # iteration -> mean computed length of rank 0's running sequences
         self.start = len(r.tracer.events)
         self.attn, self.expert, self.comm, self.slots = [], [], [], 1
@@ -111,7 +112,7 @@ class ReplanController:
 
     @property
     def job(self):  # the plan in it changes at each switch
-        return self.r.parts["job"]
+        return self.rank.job
 
     # ------------------------------------------------------------------ the hook
     def hook(self, loop, work: bool):
@@ -123,7 +124,7 @@ class ReplanController:
         if running:
             self.ctx[it - 1] = sum(q.num_computed_tokens for q in running) / len(running)
         if not self.cfg.force_schedule:  # measured decisions: record the next step's spans?
-            self.r.tracer.enabled = self.job.trace.enabled or records(it, self.cfg.interval)
+            self.rank.tracer.enabled = self.job.trace.enabled or records(it, self.cfg.interval)
         else:  # forced switches only (no measurements are sent), also once all are done
             if not self.forced or not work or self.forced[0][0] > it:
                 return None
@@ -140,23 +141,24 @@ class ReplanController:
         return self._decide(loop, it, cur) if work else None
 
     def _collect(self, it: int) -> None:
-        ev, self.start = take_events(self.r.tracer, self.start, self.job.trace.enabled)
+        ev, self.start = take_events(self.rank.tracer, self.start, self.job.trace.enabled)
         # a sliding window: a steady decode gives one batch size an interval, the fit needs two
         self.attn = (self.attn + attention_samples(ev, self.ctx))[-KEEP:]
-        control, replies = self.r.parts["control"], []
-        experts = range(self.job.plan.attention_replicas, self.r.parts["comm"].Get_size())
+        control, replies = self.rank.control, []
+        experts = expert_rank_ids(self.job.plan)
         for k in experts:
-            at, samples, self.slots, ends = control.recv(k, TAG_SAMPLES, "re-plan samples")
-            if at != it:
-                raise RuntimeError(f"[replan] expert rank {k} reported iteration {at}, rank 0 is "
-                                   f"at {it}")
-            self.expert = (self.expert + samples)[-KEEP:]
-            replies.append(ends)
+            got = control.recv(k, tags.REPLAN_SAMPLES, "re-plan samples")
+            if got.iteration != it:
+                raise RuntimeError(f"[replan] expert rank {k} reported iteration {got.iteration}, "
+                                   f"rank 0 is at {it}")
+            self.expert = (self.expert + got.samples)[-KEEP:]
+            self.slots = got.slots_per_rank
+            replies.append(got.reply_ends)
         self.comm = (self.comm + comm_samples(ev, replies, len(experts)))[-KEEP:]
         self.ctx = {i: c for i, c in self.ctx.items() if i >= it}
 
     def _decide(self, loop, it: int, cur: tuple):
-        from .replan_decider import JobState, Measurements, decide
+        from megainfer.runtime.replan.decider import JobState, Measurements, decide
         hw, shape = self._model()
         router, sched = loop.router, loop.engine.scheduler
         views = router.replicas
@@ -169,7 +171,7 @@ class ReplanController:
                          self.job.sched.max_num_seqs, tuple(v.running for v in views))
         t_c = statistics.median(self.comm) if self.comm else float("nan")  # traced E2A
         meas = Measurements(tuple(self.attn), tuple(self.expert), self.slots, t_c)
-        d = decide(meas, state, shape, hw, self.r.parts["comm"].Get_size(), cur[:2], cur[2],
+        d = decide(meas, state, shape, hw, self.rank.comm.Get_size(), cur[:2], cur[2],
                    self.cfg.min_gain, self.cfg.link_gbps, self.job.load.dtype,
                    vary_m=self.cfg.micro_batches == "plan")
         log.info("[replan] iteration %d: %s; T_c %s", it, d.describe(),
@@ -227,3 +229,12 @@ class ReplanController:
                      rec["iteration"], rec["old"], rec["new"], rec["seconds"],
                      "n/a" if math.isnan(rec.get("measured_gain", float("nan")))
                      else f"{100 * rec['measured_gain']:.1f}%")
+
+
+def _traced(job, role) -> bool:
+    """Measured decisions (no forced schedule) sample rank 0's spans and the expert ranks'."""
+    return not job.replan.force_schedule and (role.rank == 0 or not role.is_attention)
+
+
+REPLAN = Feature("replan", wants=lambda job: job.replan.enabled, check=check_replan,
+                 traced=_traced, run=run_replanning)

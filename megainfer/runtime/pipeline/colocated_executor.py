@@ -9,7 +9,7 @@ two isolates the architecture.
 """
 from __future__ import annotations
 
-from .attention_executor import DisaggregatedExecutor
+from megainfer.runtime.pipeline.attention_executor import DisaggregatedExecutor
 
 
 class ColocatedExecutor(DisaggregatedExecutor):

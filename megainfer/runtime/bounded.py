@@ -6,7 +6,7 @@ A blocking collective call cannot time out: one rank hung before reaching it kee
 inside it forever. ``BoundedComm`` runs each such call on a helper thread (the job runs MPI
 with ``MPI_THREAD_MULTIPLE``) while the rank's own thread waits, bounded, for it to return.
 Just before the call every rank sends every other an arrival token (on the job's
-communicator, ``TAG_ARRIVE``, in call order: tokens match calls first in, first out), and the
+communicator, ``tags.ARRIVE``, in call order: tokens match calls first in, first out), and the
 waiting thread takes the peers' tokens as they come. When the bound passes, the first peer whose
 token did not come is named (``RankFailure``: "rank 2 did not answer within 4.0s during re-plan
 channel rebuild (communicator duplication)"); if every peer arrived the call itself hung, and
@@ -26,10 +26,8 @@ import torch
 from mpi4py import MPI
 
 from megainfer.comm.wait import WaitPolicy, wait_until
-
-from .control import RankFailure
-
-TAG_ARRIVE = 108  # every rank -> every other, on the job's communicator: "I reached call k"
+from megainfer.runtime import tags
+from megainfer.runtime.control import RankFailure
 
 
 class BoundedComm:
@@ -48,8 +46,8 @@ class BoundedComm:
         peers = [k for k in range(n) if k != me]
         token = np.zeros(1, dtype=np.int8)
         got = np.empty(max(1, len(peers)), dtype=np.int8)
-        sends = [comm.Isend(token, dest=k, tag=TAG_ARRIVE) for k in peers]
-        recvs = {k: comm.Irecv(got[i:i + 1], source=k, tag=TAG_ARRIVE)
+        sends = [comm.Isend(token, dest=k, tag=tags.ARRIVE) for k in peers]
+        recvs = {k: comm.Irecv(got[i:i + 1], source=k, tag=tags.ARRIVE)
                  for i, k in enumerate(peers)}
         box: dict = {}
         cuda = torch.cuda.current_device() if torch.cuda.is_initialized() else None

@@ -4,8 +4,9 @@ replicas that stay (docs/replan.md).
 At the switch the pipeline is drained (it happens at an iteration boundary: every micro-batch
 of the last step came back). Each leaving replica hands its unfinished requests out in its
 queue order, running first, to the staying replicas in turn. A request whose KV is computed
-either keeps it (``move``: its blocks travel, one buffer of all layers; the receiver takes
-fresh blocks, copies them in and the request goes on decoding where it stopped) or drops it
+either keeps it (``move``: its blocks travel, one buffer of all layers, through the handoff
+path PD's decode side uses (``engine/kv_handoff.py``: ``export_kv``, ``reserve``,
+``import_kv``, ``adopt``); the request goes on decoding where it stopped) or drops it
 (``recompute``: it waits again with nothing computed, as after a preemption, and the next
 steps recompute prompt + generated tokens). ``replan.kv_transfer=auto`` picks the cheaper:
 its KV bytes over ``replan.link_gbps`` against its computed tokens at the replica's measured
@@ -22,45 +23,19 @@ from __future__ import annotations
 import logging
 
 import numpy as np
-import torch
 
+from megainfer.engine.kv_handoff import adopt, export_kv, import_kv, kv_bytes, reserve
 from megainfer.engine.request import RequestStatus
+from megainfer.runtime import tags
+from megainfer.runtime.messages import GroupHeader, SampleMove
 
 log = logging.getLogger("megainfer.runtime")
-TAG_HEADERS, TAG_KV = 1, 2  # on the switch communicator
 
 
 def _seconds_per_token(engine) -> float:
     log_ = getattr(engine.executor, "step_log", [])[-32:]
     tokens = sum(t for _, t, _ in log_)
     return sum(s for _, _, s in log_) / tokens if tokens else 0.0
-
-
-def _kv_bytes(engine, blocks: int) -> int:
-    d = engine.kv_spec.block_axis
-    return blocks * sum(kv.select(d, 0).numel() * kv.element_size() for kv in engine.kv_caches)
-
-
-def _export_kv(engine, table: list[int]) -> np.ndarray:
-    """The blocks' KV of every layer as one host byte buffer."""
-    d = engine.kv_spec.block_axis
-    idx = torch.tensor(table, dtype=torch.long, device=engine.kv_caches[0].device)
-    parts = [kv.index_select(d, idx).contiguous().view(torch.uint8).flatten().cpu()
-             for kv in engine.kv_caches]
-    return torch.cat(parts).numpy()
-
-
-def _import_kv(engine, table: list[int], buf: np.ndarray) -> None:
-    d = engine.kv_spec.block_axis
-    idx = torch.tensor(table, dtype=torch.long, device=engine.kv_caches[0].device)
-    data, off = torch.from_numpy(buf), 0
-    for kv in engine.kv_caches:
-        shape = list(kv.shape)
-        shape[d] = len(table)
-        n = int(np.prod(shape)) * kv.element_size()
-        part = data[off:off + n].view(kv.dtype).view(shape).to(kv.device)
-        kv.index_copy_(d, idx, part)
-        off += n
 
 
 def _groups(engine, limit=None) -> list:
@@ -93,9 +68,8 @@ def hand_out(engine, ids: dict, dests: list[int], mode: str, link_Bps: float, ta
     ``limit`` newest (a replica giving some to a new one). A group travels whole: its head (the
     ``Request`` that holds every sample, finished ones and samples not forked yet included) and,
     per sample in the scheduler, the choice made for it (its KV moved, recomputed, or not
-    started). Returns {dest rank: [((head, caller id, [(sample index, choice, computed
-    tokens)]), [kv bytes or None per sample])]} in queue order, and the counts per choice
-    (``multi``: samples of requests with n > 1)."""
+    started). Returns {dest rank: [(GroupHeader, [kv bytes or None per sample])]} in queue
+    order, and the counts per choice (``multi``: samples of requests with n > 1)."""
     bs = engine.cache_config.block_size
     per_tok = _seconds_per_token(engine)
     out = {d: [] for d in dests}
@@ -107,16 +81,16 @@ def hand_out(engine, ids: dict, dests: list[int], mode: str, link_Bps: float, ta
             blocks = -(-n // bs)
             choice = "waiting" if n == 0 else mode
             if choice == "auto":
-                move_s = _kv_bytes(engine, blocks) / link_Bps
+                move_s = kv_bytes(engine, blocks) / link_Bps
                 choice = "move" if move_s <= n * per_tok else "recompute"
-            kvs.append(_export_kv(engine, s.block_table[:blocks]) if choice == "move" else None)
+            kvs.append(export_kv(engine, s.block_table[:blocks]) if choice == "move" else None)
             engine.scheduler.finish(s)  # out of the queue, its blocks freed (shared ones kept)
             s.block_table, s.block_uids = [], []
-            plan.append((s.index, choice, n))
+            plan.append(SampleMove(s.index, choice, n))
             counts[choice] += 1
             counts["multi"] += len(head.samples) > 1
         engine.requests.pop(head.request_id, None)
-        header = (head, ids.pop(head.request_id, head.request_id), plan)
+        header = GroupHeader(head, ids.pop(head.request_id, head.request_id), plan)
         out[dests[j % len(dests)]].append((header, kvs))
     return out, counts
 
@@ -128,16 +102,20 @@ def take_in(engine, ids: dict, items: list, tag: str) -> dict:
     here. Seeds, outputs and log-probabilities are the request objects' own: they came too."""
     sched, back = engine.scheduler, []
     counts = {"move": 0, "recompute": 0, "waiting": 0, "multi": 0}
-    for (head, caller_id, plan), kvs in items:
+    for header, kvs in items:
+        head = header.head
         engine.requests[head.request_id] = head
-        ids[head.request_id] = caller_id
+        ids[head.request_id] = header.caller_id
         for k, s in enumerate(head.samples):  # fresh seq ids here, one per sample
             s.seq_id = engine._next_seq_id + k
         engine._next_seq_id += len(head.samples)
-        for (index, choice, n), kv in zip(plan, kvs):
+        for mv, kv in zip(header.samples, kvs):
+            index, choice, n = mv.index, mv.choice, mv.computed
             s = head.samples[index]
-            if choice == "move" and engine.blocks.allocate(s, n):
-                _import_kv(engine, s.block_table, kv)
+            blocks = reserve(engine, n, f"replan {s.request_id}") if choice == "move" else None
+            if blocks is not None:  # the KV came: fresh blocks here, as a PD decode side takes
+                import_kv(engine, blocks.block_table, kv)
+                adopt(s, blocks)
                 s.num_computed_tokens, s.status = n, RequestStatus.RUNNING
                 sched.running.append(s)
                 engine.blocks.cache_full_blocks(s)
@@ -178,27 +156,27 @@ def migrate(control, loop_or_none, leaving: list[int], staying: list[int], mode:
                  "started", tag, c["move"], c["recompute"], c["waiting"])
         reqs = []
         for dest in staying:
-            control.send([h for h, _ in out[dest]], dest, TAG_HEADERS)
+            control.send([h for h, _ in out[dest]], dest, tags.REPLAN_HEADERS)
             for _, kvs in out[dest]:
                 for kv in kvs:
                     if kv is not None:
-                        reqs.append((sw.Isend(kv, dest=dest, tag=TAG_KV), dest))
+                        reqs.append((sw.Isend(kv, dest=dest, tag=tags.REPLAN_KV), dest))
                         counts["kv_bytes"] += kv.nbytes
         for req, dest in reqs:
             control.wait(req, dest, "re-plan KV hand-over (sending)")
     elif me in staying:
         engine = loop_or_none.engine
         for src in leaving:
-            headers = control.recv(src, TAG_HEADERS, "re-plan request hand-over")
+            headers = control.recv(src, tags.REPLAN_HEADERS, "re-plan request hand-over")
             items = []
             for h in headers:
                 kvs = []
-                for _, choice, n in h[2]:
+                for mv in h.samples:
                     kv = None
-                    if choice == "move":
-                        blocks = -(-n // engine.cache_config.block_size)
-                        kv = np.empty(_kv_bytes(engine, blocks), dtype=np.uint8)
-                        control.wait(sw.Irecv(kv, source=src, tag=TAG_KV), src,
+                    if mv.choice == "move":
+                        blocks = -(-mv.computed // engine.cache_config.block_size)
+                        kv = np.empty(kv_bytes(engine, blocks), dtype=np.uint8)
+                        control.wait(sw.Irecv(kv, source=src, tag=tags.REPLAN_KV), src,
                                      "re-plan KV hand-over (receiving)")
                     kvs.append(kv)
                 items.append((h, kvs))

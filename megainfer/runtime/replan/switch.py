@@ -21,14 +21,14 @@ On a communicator of its own (a duplicate of the job's) the switch then:
    takes the model filled in step 3.
 
 Every wait is bounded by ``comm.timeout_s`` (twice it here) and a failure names the rank and
-the phase; the collective calls without a non-blocking form too (``replan_bounded``).
+the phase; the collective calls without a non-blocking form too (``runtime/bounded.py``).
 Restrictions: ``deploy.attention_tp=1``, no prefill ranks (``check_replan``).
 """
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 from mpi4py import MPI
@@ -36,38 +36,19 @@ from mpi4py import MPI
 from megainfer.comm.wait import WaitPolicy
 from megainfer.config import ConfigError
 from megainfer.config.replan import parse_split
-
-from .control import ControlPlane
-from .exchange import make_m2n
-from .rank_parts import DTYPES, build_attention, build_expert
-from .replan_bounded import BoundedComm
-from .replan_requests import balance_shares, group_count, migrate
-from .replan_weights import move_expert_weights, new_placement
-from .roles import assign_role, expert_rank_ids, leader_ranks
-from .tp_group import TPGroup, late_peer
-from .weight_channel import eplb_moves_kind
+from megainfer.runtime import tags
+from megainfer.runtime.bounded import BoundedComm
+from megainfer.runtime.control import ControlPlane
+from megainfer.runtime.eplb.weight_channel import eplb_moves_kind
+from megainfer.runtime.messages import ReplanOrder
+from megainfer.runtime.rank_parts import build_attention, build_expert
+from megainfer.runtime.replan.requests import balance_shares, group_count, migrate
+from megainfer.runtime.replan.weights import move_expert_weights, new_placement
+from megainfer.runtime.roles import assign_role, leader_ranks
+from megainfer.runtime.wiring import replica_tp_group, wire_rank
 
 log = logging.getLogger("megainfer.runtime")
-TAG_REPLAN = 106  # rank 0 -> every rank: the order ending a loop (None: the job is over)
-TAG_CHECKPOINT = 3  # on the switch communicator
 COUNTED = ("move", "recompute", "waiting", "multi", "kv_bytes")  # sequences handed over
-
-
-@dataclass(frozen=True)
-class ReplanOrder:
-    iteration: int  # the iteration the new plan starts at (every rank's counter)
-    old: tuple  # (attention replicas, expert ranks, micro-batches)
-    new: tuple
-    reason: str  # "forced" or the decision's description
-    predicted_gain: float = float("nan")
-
-    def name(self, p: tuple) -> str:
-        """'a2e2', or 'a2e2m3' when the order changes the micro-batch count."""
-        return f"a{p[0]}e{p[1]}" + (f"m{p[2]}" if self.old[2] != self.new[2] else "")
-
-    @property
-    def label(self) -> str:
-        return f"{self.name(self.old)} -> {self.name(self.new)}"
 
 
 def check_replan(job, world: int) -> None:
@@ -92,11 +73,11 @@ def checkpoint(control, phase: str) -> None:
     comm = control.comm
     me, n = comm.Get_rank(), comm.Get_size()
     token = np.zeros(1, dtype=np.int8)
-    sends = [comm.Isend(token, dest=k, tag=TAG_CHECKPOINT) for k in range(n) if k != me]
+    sends = [comm.Isend(token, dest=k, tag=tags.REPLAN_CHECKPOINT) for k in range(n) if k != me]
     for k in range(n):
         if k != me:
             got = np.empty(1, dtype=np.int8)
-            control.wait(comm.Irecv(got, source=k, tag=TAG_CHECKPOINT), k, phase)
+            control.wait(comm.Irecv(got, source=k, tag=tags.REPLAN_CHECKPOINT), k, phase)
     for req in sends:
         control.wait(req, None, phase)
 
@@ -111,7 +92,7 @@ def switch(r, order: ReplanOrder) -> dict:
     """Collective: turn this rank into its role under ``order.new``. Returns a record of what
     moved (this rank's share; rank 0 logs the job's)."""
     t0 = time.perf_counter()
-    job, comm = r.parts["job"], r.parts["comm"]
+    job, comm = r.job, r.comm
     rank, world, cfg = comm.Get_rank(), comm.Get_size(), job.model
     old_plan = job.plan
     new_plan = replace(old_plan, attention_replicas=order.new[0], expert_ranks=order.new[1],
@@ -133,21 +114,22 @@ def switch(r, order: ReplanOrder) -> dict:
     checkpoint(control, "re-plan expert placement")
     # 2. requests of leaving replicas to the staying ones
     a0, a1 = old_plan.attention_replicas, new_plan.attention_replicas
-    leaving, staying = list(range(a1, a0)), list(range(min(a0, a1)))
+    old_leaders, new_leaders = leader_ranks(old_plan), leader_ranks(new_plan)
+    leaving, staying = old_leaders[a1:], old_leaders[:min(a0, a1)]
     moved = migrate(control, r.loop, leaving, staying, job.replan.kv_transfer,
                     job.replan.link_gbps * 1e9 / 8, r.role.tag) if leaving else {}
     checkpoint(control, "re-plan request hand-over")
     # 3. expert weights into the new expert ranks' slots
     old_model = r.worker.model if r.worker is not None else None
+    moves = eplb_moves_kind(job.comm.eplb_moves, job.device.torch_device, job.comm.transport)
     model, weight_bytes = move_expert_weights(sw, control, cfg, job.load.dtype,
                                               job.device.torch_device, old_model, old_p, new_p,
-                                              a0, a1, eplb_moves_kind(job.comm.eplb_moves,
-                                                                      job.device.torch_device,
-                                                                      job.comm.transport))
+                                              old_plan.attention_ranks, new_plan.attention_ranks,
+                                              moves)
     checkpoint(control, "re-plan expert weight moves")  # the channels' rebuild is collective
     # 4. new channels, new parts
     keep = r.loop if (r.loop is not None and new_role.is_attention) else None
-    _rebuild(r, job, replace(job, plan=new_plan), new_role, new_p, model, keep, order, bounded)
+    _rebuild(r, replace(job, plan=new_plan), new_role, new_p, model, keep, order, bounded)
     if a1 > a0:  # 5. new replicas: the old ones give them their newest requests beyond a fair share
         mine = np.zeros(world, dtype=np.int64)
         if r.loop is not None and rank < a0:
@@ -156,7 +138,7 @@ def switch(r, order: ReplanOrder) -> dict:
         control.wait(sw.Iallreduce(mine, held, op=MPI.SUM), None, "re-plan request counts")
         give = balance_shares(held.tolist(), a0, a1)
         if any(give):
-            moved = migrate(control, r.loop, list(range(a0)), list(range(a0, a1)),
+            moved = migrate(control, r.loop, old_leaders, new_leaders[a0:],
                             job.replan.kv_transfer, job.replan.link_gbps * 1e9 / 8, r.role.tag,
                             limit=dict(enumerate(give)))
     mine = np.array([weight_bytes] + [moved.get(k, 0) for k in COUNTED], dtype=np.int64)
@@ -176,42 +158,29 @@ def switch(r, order: ReplanOrder) -> dict:
     return rec
 
 
-def _rebuild(r, job, new_job, role, placement, expert_model, keep, order, bounded) -> None:
-    comm, plan = r.parts["comm"], new_job.plan
+def _rebuild(r, new_job, role, placement, expert_model, keep, order, bounded) -> None:
+    comm, plan = r.comm, new_job.plan
     rank, was_attention = comm.Get_rank(), r.role.is_attention
-    r.parts["m2n"].close()  # the old channels: cancel what is posted ahead
+    r.m2n.close()  # the old channels: cancel what is posted ahead
     bounded.phase = "re-plan channel rebuild"  # every collective call below: bounded, named
     old_side = r.worker.rebalancer.comm if r.worker is not None else None  # old expert ranks'
-    bounded.call("old channels closed", r.parts["m2n"].close_transports)
+    bounded.call("old channels closed", r.m2n.close_transports)
     bounded.free("old expert ranks' communicator freed", old_side)
     dev = new_job.device.torch_device
-    policy = WaitPolicy(mode=job.comm.wait_mode,
-                        timeout_s=job.comm.timeout_s * (1 if role.is_attention else 2))
     # the channels: their transports' own collective calls on ``bounded`` are bounded and named
     # one by one; the whole set-up (a device transport's handle exchange too) within twice that
-    m2n = bounded.call("channels' set-up", make_m2n, bounded, leader_ranks(plan),
-                       expert_rank_ids(plan), job.model.hidden_size, job.model.top_k,
-                       job.sched.max_num_batched_tokens, plan.micro_batches, _dtype(job), policy,
-                       job.comm.transport, dev, scale=2.0)
-    tp_comm = bounded.Split(role.replica if role.is_attention else plan.attention_replicas + rank,
-                            rank)
-    side_comm = bounded.Split(0 if role.is_attention else 1, rank)
-    control = ControlPlane(comm, role.tag, policy)
+    w = wire_rank(new_job, comm, role, bounded=bounded)
     old_loop = r.loop
     r.role, r.loop, r.worker = role, None, None
     r.tracer.name = role.tag
-    if not job.trace.enabled and rank != 0:  # measured decisions sample rank 0 and experts only
-        r.tracer.enabled = not job.replan.force_schedule and not role.is_attention
+    if not new_job.trace.enabled and rank != 0:  # measured decisions sample rank 0 and experts
+        r.tracer.enabled = not new_job.replan.force_schedule and not role.is_attention
         if role.is_attention:
             r.tracer.events = []
-    r.closers = [m2n.close]
-    if dev.type == "cuda":
-        r.closers.append(m2n.close_transports)
+    r.job, r.m2n, r.policy, r.control, r.closers = new_job, w.m2n, w.policy, w.control, w.closers
     if role.is_attention:
-        tp = TPGroup(tp_comm, control, late_peer(role.replica * plan.attention_tp, role.tp_rank,
-                                                 plan.attention_tp))
-        build_attention(new_job, r, m2n, placement, control, tp, r.tracer,
-                         engine=keep.engine if keep is not None else None)
+        r.tp = replica_tp_group(new_job, w, role)
+        build_attention(new_job, r, placement, engine=keep.engine if keep is not None else None)
         r.loop.engine.executor.iteration = order.iteration
         r.loop.engine.executor.m = plan.micro_batches  # a kept engine: the new count too
         if keep is not None:
@@ -220,14 +189,13 @@ def _rebuild(r, job, new_job, role, placement, expert_model, keep, order, bounde
                 _carry_router(keep.router, r.loop.router)
             r.loop.replan_hook = keep.replan_hook
     else:
-        build_expert(new_job, r, m2n, placement, control, side_comm, r.tracer, model=expert_model)
+        build_expert(new_job, r, placement, w.side_comm, model=expert_model)
         r.worker.iteration = order.iteration
     if was_attention and old_loop is not None and old_loop is not keep:
         old_loop.engine = None  # a replica that became an expert rank: its KV cache goes
         if dev.type == "cuda":
             import torch
             torch.cuda.empty_cache()
-    r.parts.update(job=new_job, m2n=m2n, policy=policy, control=control)
 
 
 def _carry_router(old, new) -> None:
@@ -236,7 +204,3 @@ def _carry_router(old, new) -> None:
     for i in range(min(len(old.replicas), len(new.replicas))):
         new.replicas[i] = old.replicas[i]
         new.assigned[i] = old.assigned[i]
-
-
-def _dtype(job):
-    return DTYPES[job.load.dtype]

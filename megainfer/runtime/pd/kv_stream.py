@@ -42,10 +42,10 @@ import torch
 from mpi4py import MPI
 
 from megainfer.comm.wait import WaitPolicy, wait_until
-
-from .control import RankFailure
-from .kv_place import place, sender_scales
-from .kv_segments import Segments, gather_blocks, host_bytes, kv_tag, staging_shape
+from megainfer.runtime.control import RankFailure
+from megainfer.runtime.pd.kv_place import place, sender_scales
+from megainfer.runtime.pd.kv_segments import (Segments, gather_blocks, host_bytes, kv_tag,
+                                              staging_shape)
 @dataclass
 class Dest:
     rank: int  # world rank (of the KV communicator) of a decode TP rank
@@ -53,7 +53,7 @@ class Dest:
 
 
 @dataclass
-class Outgoing:
+class OutgoingKV:
     """One request's transfer on the prefill side."""
 
     xfer: int
@@ -79,14 +79,14 @@ class KVSender:
         self.comm, self.L, self.kind, self.me, self.policy = comm, num_layers, kind, me, policy
         self.segs, self.bs = segs, block_size
         self.tag_ub = comm.Get_attr(MPI.TAG_UB)
-        self.active: list[Outgoing] = []  # posting this step: every layer hook sends for them
-        self.open: list[Outgoing] = []  # some segments posted, the prompt not complete yet
-        self.inflight: list[Outgoing] = []  # every segment posted, not all complete
-        self.done: list[Outgoing] = []  # complete (the owner takes them for its stats)
+        self.active: list[OutgoingKV] = []  # posting this step: every layer hook sends for them
+        self.open: list[OutgoingKV] = []  # some segments posted, the prompt not complete yet
+        self.inflight: list[OutgoingKV] = []  # every segment posted, not all complete
+        self.done: list[OutgoingKV] = []  # complete (the owner takes them for its stats)
         self.bytes_sent = 0
         self.messages = 0  # Isends posted: KV segments, and with ``tensor`` scales, their scales
 
-    def begin(self, o: Outgoing, blocks: list[int], computed: int, final: bool) -> None:
+    def begin(self, o: OutgoingKV, blocks: list[int], computed: int, final: bool) -> None:
         """A step computes the request up to ``computed`` tokens (``final``: its prompt is
         then complete): post the segments that step completes."""
         o.blocks, o.final, o.layers_this_step = blocks, final, 0
@@ -170,7 +170,7 @@ class KVSender:
 
 
 @dataclass
-class Incoming:
+class IncomingKV:
     """One request's transfer on a decode rank: staging buffers and a receive per layer segment.
     Several senders (a tensor-parallel prefill replica) each send a run of this rank's heads."""
 
@@ -205,7 +205,7 @@ class KVReceiver:
         self.bytes_received = 0
 
     def post(self, xfer: int, src, num_blocks: int, request_id: str,
-             order: Optional[list[int]] = None) -> Incoming:
+             order: Optional[list[int]] = None) -> IncomingKV:
         """One ``Irecv`` per (layer, segment, sender) (``order``: the layers' posting order, for
         tests; any order works). ``src``: the sender's rank, or ``[(rank, heads)]`` in the order
         of this rank's heads (``heads``: how many of them that sender sends; None: all). Every
@@ -231,21 +231,21 @@ class KVReceiver:
                     if scales[l][k] is not None:
                         reqs.append(self.comm.Irecv([host_bytes(scales[l][k]), MPI.BYTE],
                                                     source=rank, tag=tag))
-        return Incoming(xfer, srcs[0][0], request_id, bufs, reqs, scales, heads,
+        return IncomingKV(xfer, srcs[0][0], request_id, bufs, reqs, scales, heads,
                         time.perf_counter())
 
-    def wait(self, inc: Incoming) -> None:
+    def wait(self, inc: IncomingKV) -> None:
         waited = wait_until(inc.test, self.policy)
         if waited < 0:
             raise RankFailure(self.me, inc.src, f"KV transfer of request {inc.request_id!r} "
                               f"(prefill rank {inc.src} sent {self._layers_in(inc)} of "
                               f"{self.L} layers)", -waited)
 
-    def _layers_in(self, inc: Incoming) -> int:
+    def _layers_in(self, inc: IncomingKV) -> int:
         per = len(inc.reqs) // self.L  # messages per layer
         return sum(1 for r in inc.reqs if r.Test()) // per
 
-    def scatter(self, inc: Incoming, kv_caches: list[torch.Tensor], blocks: list[int]) -> None:
+    def scatter(self, inc: IncomingKV, kv_caches: list[torch.Tensor], blocks: list[int]) -> None:
         """Every layer's staged blocks into the reserved ``blocks`` of the paged cache (each
         sender's into its heads, with its scales)."""
         for kv, bufs, scs in zip(kv_caches, inc.bufs, inc.scales):
@@ -256,7 +256,7 @@ class KVReceiver:
                 self.bytes_received += buf.numel() * buf.element_size()
         inc.bufs = []
 
-    def cancel(self, inc: Incoming) -> None:
+    def cancel(self, inc: IncomingKV) -> None:
         """The prefill rank will send nothing (the request was refused there)."""
         for r in inc.reqs:
             if not r.Test():

@@ -28,6 +28,12 @@ from megainfer.engine.errors import RequestError
 from megainfer.engine.intake import tokenize_prompt
 
 
+def tracks_keys(routing: str, num_replicas: int, prefix_caching: bool) -> bool:
+    """Whether the replicas (attention or prefill) must report their prefix-cache key events:
+    the one rule for it (cache-aware routing over more than one replica, prefix caching on)."""
+    return routing == "cache_aware" and num_replicas > 1 and prefix_caching
+
+
 def prompt_tokens_of(engine) -> Callable:
     """Rank 0's view of a request for routing: its prompt token ids, or None when it is invalid
     (the replica that gets it reports the error)."""
@@ -66,7 +72,7 @@ class ReplicaView:
         return key in self.held or key in self.expected
 
 
-class Router:
+class RequestRouter:
     """``tokens_of(input) -> token ids or None`` (None: routed without a prefix match)."""
 
     def __init__(self, num_replicas: int, policy: str, block_size: int, max_num_seqs: int,
@@ -88,7 +94,7 @@ class Router:
     @property
     def tracks_keys(self) -> bool:
         """Whether the replicas must report their key events."""
-        return self.policy == "cache_aware" and len(self.replicas) > 1 and self.use_keys
+        return tracks_keys(self.policy, len(self.replicas), self.use_keys)
 
     def add(self, inputs) -> None:
         self.pending.extend(inputs)

@@ -30,8 +30,7 @@ from megainfer.comm.select import device_path_kind
 from megainfer.comm.spec import MessageSpec
 from megainfer.comm.transport import Transport
 from megainfer.comm.wait import WaitPolicy
-
-from .control import RankFailure
+from megainfer.runtime.control import RankFailure
 
 MAX_MESSAGE_BYTES = 8 << 20  # the largest part sent point to point (vLLM's custom all-reduce: 8 MiB)
 SEQ_MOD = 1 << 30  # the header's int32 iteration field holds the collective's sequence number
@@ -50,12 +49,13 @@ class TPChannel:
 
     def __init__(self, transport: Transport, hidden: int, dtype: torch.dtype, capacity: int,
                  wait: WaitPolicy, world_ranks: list[int], me: str):
-        self.t, self.hidden, self.dtype, self.capacity = transport, hidden, dtype, capacity
+        self.transport, self.hidden, self.dtype, self.capacity = transport, hidden, dtype, capacity
         self.rank, self.size = transport.rank, transport.size
         self.world_ranks, self.me = list(world_ranks), me
         ranks = list(range(self.size))
-        self.ch = Channel(transport, ranks, ranks, MessageSpec.of(capacity, part=((hidden,), dtype)),
-                          streams=1, depth=2, wait=wait, name="tp")
+        self.channel = Channel(transport, ranks, ranks,
+                               MessageSpec.of(capacity, part=((hidden,), dtype)),
+                               streams=1, depth=2, wait=wait, name="tp")
         self.seq = 0
         self.sent = 0  # collectives that went point to point (tests, logs)
 
@@ -78,7 +78,7 @@ class TPChannel:
 
     def _recv(self, peer: int, seq: int, what: str):
         try:
-            return self.ch.recv(peer, layer=0, micro_batch=0, iteration=seq).wait()
+            return self.channel.recv(peer, layer=0, micro_batch=0, iteration=seq).wait()
         except CommTimeoutError as e:
             raise RankFailure(self.me, self.world_ranks[peer], what, e.waited_s) from e
 
@@ -100,7 +100,7 @@ class TPChannel:
         """One collective of at most ``capacity`` rows."""
         seq, t = self._next(), t.contiguous()
         what = "tensor-parallel all-reduce"
-        sends = [(p, self.ch.send(p, iteration=seq, layer=0, micro_batch=0, part=t))
+        sends = [(p, self.channel.send(p, iteration=seq, layer=0, micro_batch=0, part=t))
                  for p in range(self.size) if p != self.rank]
         total = None
         for r in range(self.size):  # TP-rank order: every rank adds alike
@@ -127,7 +127,7 @@ class TPChannel:
         seq, phase = self._next(), f"tensor-parallel broadcast of {what}"
         if self.rank == 0:
             t = t.contiguous()
-            sends = [(p, self.ch.send(p, iteration=seq, layer=0, micro_batch=0, part=t))
+            sends = [(p, self.channel.send(p, iteration=seq, layer=0, micro_batch=0, part=t))
                      for p in range(1, self.size)]
             self._wait_sends(sends, phase)
             return t
@@ -137,7 +137,7 @@ class TPChannel:
         return out
 
     def close(self) -> None:
-        self.ch.close()
+        self.channel.close()
 
 
 def tp_collectives_kind(choice: str, device: torch.device, transport: str) -> Optional[str]:

@@ -21,9 +21,8 @@ from typing import Optional
 import torch
 
 from megainfer.models.attention import AttentionMetadata
-
-from .microbatch import split_by_tokens
-from .trace import Tracer
+from megainfer.runtime.pipeline.microbatch import split_by_tokens
+from megainfer.runtime.trace import Tracer
 
 
 @dataclass

@@ -5,8 +5,9 @@ decision (docs/replan.md, docs/trace_format.md).
   (layer, micro-batch); the context is the mean computed length of rank 0's running
   sequences in that iteration (recorded by the controller every iteration).
 * experts (every expert rank, sent to rank 0 every ``replan.interval`` iterations with
-  ``TAG_SAMPLES``): ``(token-expert pairs, seconds)`` per ``expert`` span; the pairs of a span
-  are its rows times the iteration's pairs per row on that rank (the EPLB load counter's).
+  ``messages.ExpertSamples``): ``(token-expert pairs, seconds)`` per ``expert`` span; the pairs
+  of a span are its rows times the iteration's pairs per row on that rank (the EPLB load
+  counter's).
 * communication, T_c (one-way, E2A): each expert rank also sends when its reply of each
   (iteration, layer, micro-batch) left (the end of its ``E2A`` span); rank 0's own ``E2A`` span
   of the same key is its wait for every expert rank's reply. When rank 0 was already waiting as
@@ -23,7 +24,8 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
-TAG_SAMPLES = 107  # expert rank -> rank 0, on the job's communicator
+from megainfer.runtime import tags
+from megainfer.runtime.messages import ExpertSamples
 SAMPLE_ITERS = 4  # iterations recorded before each decision (all of them with trace.enabled)
 
 
@@ -118,6 +120,5 @@ class ExpertReporter:
         ev, self.start = take_events(self.tracer, self.start, self.keep)
         samples = expert_samples(ev, pairs)
         self.pending = [r for r in self.pending if not r.Test()]
-        self.pending.append(self.comm.isend((worker.iteration, samples,
-                                             reb.placement.slots_per_rank, reply_ends(ev)),
-                                            dest=0, tag=TAG_SAMPLES))
+        msg = ExpertSamples(worker.iteration, samples, reb.placement.slots_per_rank, reply_ends(ev))
+        self.pending.append(self.comm.isend(msg, dest=0, tag=tags.REPLAN_SAMPLES))

@@ -10,8 +10,7 @@ from typing import Optional
 import torch
 
 from megainfer.models.kv_spec import BLOCK_AXIS
-
-TAG_BASE = 1000
+from megainfer.runtime.tags import KV_SEGMENT
 
 
 @dataclass(frozen=True)
@@ -36,7 +35,7 @@ class Segments:
 
 def kv_tag(xfer: int, layer: int, seg: int, num_layers: int, segs: Segments, tag_ub: int) -> int:
     """The MPI tag of (transfer, layer, segment): distinct for every transfer in flight."""
-    return TAG_BASE + ((xfer * num_layers + layer) * segs.max_count + seg) % (tag_ub - TAG_BASE)
+    return KV_SEGMENT + ((xfer * num_layers + layer) * segs.max_count + seg) % (tag_ub - KV_SEGMENT)
 
 
 def host_bytes(t: torch.Tensor):

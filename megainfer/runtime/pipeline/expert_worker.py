@@ -8,8 +8,7 @@ import logging
 import torch
 
 from megainfer.comm.spec import KIND_REBALANCE, KIND_STOP
-
-from .trace import Tracer
+from megainfer.runtime.trace import Tracer
 
 log = logging.getLogger("megainfer.runtime")
 

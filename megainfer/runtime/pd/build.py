@@ -14,27 +14,26 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from megainfer.comm.wait import WaitPolicy
 from megainfer.config import ConfigError
 from megainfer.models import ParallelContext, build_model
+from megainfer.runtime.pd.decode import DecodeSide
+from megainfer.runtime.pd.kv_place import sender_scales
+from megainfer.runtime.pd.kv_routes import check_prefill_tp, routes_to
+from megainfer.runtime.pd.kv_segments import Segments
+from megainfer.runtime.pd.kv_stream import Dest, KVReceiver, KVSender
+from megainfer.runtime.pd.loop import PDReplicaLoop
+from megainfer.runtime.pd.prefill_experts import expert_slots_of, split_experts
+from megainfer.runtime.pd.prefill_worker import PrefillExecutor, PrefillWorker
+from megainfer.runtime.pd.router import PDRouter
+from megainfer.runtime.rank_parts import DTYPES, Feature, make_engine
+from megainfer.runtime.replicas.request_router import tracks_keys
+from megainfer.runtime.roles import assign_role, attention_rank, prefill_rank_ids
+from megainfer.runtime.trace import Tracer
+from megainfer.runtime.wiring import (build_base_rank, rank_of, replica_tp_group, wait_policy,
+                                      wire_rank)
 
-from .control import ControlPlane
-from .kv_place import sender_scales
-from .kv_routes import check_prefill_tp, routes_to
-from .kv_segments import Segments
-from .kv_stream import Dest, KVReceiver, KVSender
-from .pd_decode import DecodeSide
-from .pd_loop import PDReplicaLoop
-from .pd_router import PDRouter
-from .prefill_experts import expert_slots_of, split_experts
-from .prefill_worker import PrefillExecutor, PrefillWorker
-from .rank_parts import DTYPES, Rank, make_engine
-from .roles import assign_role, prefill_rank_ids
-from .tp_group import late_peer, make_tp_group
-from .trace import Tracer
 
-
-def build_pd_rank(job, comm, build_rank):
+def build_pd_rank(job, comm):
     plan, cfg = job.plan, job.model
     rank, world = comm.Get_rank(), comm.Get_size()
     role = assign_role(plan, rank, world)
@@ -45,46 +44,42 @@ def build_pd_rank(job, comm, build_rank):
     epoch = comm.bcast(time.perf_counter(), root=0)
     kv_comm = comm.Dup()
     core = comm.Split(1 if role.is_prefill else 0, rank)
-    policy = WaitPolicy(mode=job.comm.wait_mode, timeout_s=job.comm.timeout_s)
+    policy = wait_policy(job, role)  # the KV streams' and the hand-out's
     segs = Segments.for_job(job.sched.max_model_len, job.cache.block_size,
                             job.sched.max_num_batched_tokens)
     if role.is_prefill:
-        return _build_prefill(job, role, core, kv_comm, policy, segs, epoch)
-    r = build_rank(dataclasses.replace(job, plan=dataclasses.replace(plan, prefill_replicas=0)),
-                   core)
-    if r.loop is not None:
-        lp, e = r.loop, r.loop.engine
-        kv0 = e.kv_caches[0]
-        receiver = KVReceiver(kv_comm, e.kv_spec.kind, tuple(kv0.shape), kv0.dtype,
-                              cfg.num_layers, lp.role.tag, policy, segs, e.kv_spec.parts,
+        return _build_prefill(job, role, core, kv_comm, segs, epoch)
+
+    def decode_loop(r, engine, exchange, first_moe_layer):
+        """A decode replica's loop: receives KV from the prefill ranks (docs/pd.md)."""
+        kv0 = engine.kv_caches[0]
+        receiver = KVReceiver(kv_comm, engine.kv_spec.kind, tuple(kv0.shape), kv0.dtype,
+                              cfg.num_layers, r.role.tag, policy, segs, engine.kv_spec.parts,
                               scaled=sender_scales(kv0) is not None)
-        rts = routes_to(e.kv_spec.kind, cfg.num_kv_heads, plan.prefill_tp, plan.attention_tp,
-                        role.tp_rank)
-        decode = DecodeSide(e, receiver, r.tracer if job.trace.enabled else None,
+        rts = routes_to(engine.kv_spec.kind, cfg.num_kv_heads, plan.prefill_tp, plan.attention_tp,
+                        r.role.tp_rank)
+        decode = DecodeSide(engine, receiver, r.tracer if job.trace.enabled else None,
                             lambda leader: [(leader + x.src, x.count) for x in rts])
-        router = PDRouter(kv_comm, prefill_rank_ids(plan), plan.attention_replicas, e,
-                          lp.role.tag, policy) if rank == 0 else None
-        r.loop = PDReplicaLoop(e, lp.role, lp.plan, lp.control, lp.exchange, lp.first_moe_layer,
-                               decode, router)
-    return r
+        router = PDRouter(kv_comm, prefill_rank_ids(plan), plan.attention_replicas, engine,
+                          r.role.tag, policy) if rank == 0 else None
+        return PDReplicaLoop(engine, r.role, r.job.plan, r.control, exchange, first_moe_layer,
+                             decode, router)
+    return build_base_rank(dataclasses.replace(job, plan=dataclasses.replace(
+        plan, prefill_replicas=0)), core, make_loop=decode_loop)
 
 
-def _build_prefill(job, role, core, kv_comm, policy, segs, epoch):
+def _build_prefill(job, role, core, kv_comm, segs, epoch):
     """One TP rank of a prefill replica: the whole model (attention split over the replica's
     TP ranks as a decode replica's, the routed experts split over them too (``prefill_experts``),
     every other weight on every rank), its engine (identical on every TP rank: they get the same
     work at the same iteration), and the KV routes from this rank's heads to every decode TP
     rank."""
     plan, cfg, rank = job.plan, job.model, role.rank
-    tp = plan.prefill_tp
-    tp_rank = (rank - plan.attention_ranks - plan.expert_ranks) % tp
-    tag = role.tag if tp == 1 else f"[prefill {role.prefill_index} tp{tp_rank}]"
-    tp_comm = core.Split(role.prefill_index, rank)  # this prefill replica's TP ranks
-    par, slots, closers, group = ParallelContext(), None, [], None
+    tp, tp_rank, tag = plan.prefill_tp, role.tp_rank, role.tag
+    w = wire_rank(job, core, role)  # this prefill replica's TP ranks
+    par, slots, group = ParallelContext(), None, None
     if tp > 1:  # collectives over MPI, or the device transport (comm.tp_collectives)
-        named = late_peer(rank - tp_rank, tp_rank, tp)  # who a late all-reduce names
-        group = make_tp_group(tp_comm, ControlPlane(tp_comm, tag, policy), named, job,
-                              DTYPES[job.load.dtype], rank - tp_rank, closers)
+        group = replica_tp_group(job, w, role)
         par = ParallelContext(tp_rank, tp, group.all_reduce)
         slots = [expert_slots_of(cfg.num_experts, tp, tp_rank)] * cfg.num_layers
     dev = job.device.torch_device
@@ -96,16 +91,20 @@ def _build_prefill(job, role, core, kv_comm, policy, segs, epoch):
     kind = model.kv_cache_spec(DTYPES[job.load.dtype]).kind
     dests = []  # per decode replica: what this rank sends to which of its TP ranks
     for r in range(plan.attention_replicas):
-        dests.append([Dest(r * plan.attention_tp + t, x.sender_heads(cfg.num_kv_heads, tp))
+        dests.append([Dest(attention_rank(plan, r, t), x.sender_heads(cfg.num_kv_heads, tp))
                       for t in range(plan.attention_tp)
                       for x in routes_to(kind, cfg.num_kv_heads, tp, plan.attention_tp, t)
                       if x.src == tp_rank])
-    sender = KVSender(kv_comm, cfg.num_layers, kind, tag, policy, segs, job.cache.block_size)
+    sender = KVSender(kv_comm, cfg.num_layers, kind, tag, w.policy, segs, job.cache.block_size)
     engine = make_engine(job, role, model, lambda kv: PrefillExecutor(
         model, kv, job.cache.block_size, sender))
-    track = (job.sched.routing == "cache_aware" and plan.prefill_replicas > 1
-             and job.cache.enable_prefix_caching)  # as rank 0's Router.tracks_keys
-    worker = PrefillWorker(engine, engine.executor, kv_comm, dests, tag, policy, tracer,
+    track = tracks_keys(job.sched.routing, plan.prefill_replicas, job.cache.enable_prefix_caching)
+    worker = PrefillWorker(engine, engine.executor, kv_comm, dests, tag, w.policy, tracer,
                            track_keys=track and tp_rank == 0,
-                           peers=tp_comm if tp > 1 else None)
-    return Rank(role, tracer, worker=worker, closers=closers, parts={"tp": group})
+                           peers=w.tp_comm if tp > 1 else None)
+    out = rank_of(job, core, role, w, tracer)
+    out.tp, out.worker = group, worker
+    return out
+
+
+PD = Feature("pd", wants=lambda job: job.plan.prefill_replicas > 0, build=build_pd_rank)

@@ -4,8 +4,8 @@ prefill ranks' reports into messages for the decode replicas.
 
 Hand-out, every iteration, first come first served while the decode replicas have room (each
 under ``max_num_seqs`` requests running + waiting + transfers pending + handed out this
-iteration): the prefill rank is chosen by the attention replicas' ``Router``
-(``scheduler.routing``, megainfer/runtime/router.py) over the prefill ranks: with
+iteration): the prefill rank is chosen by the attention replicas' ``RequestRouter``
+(``scheduler.routing``, megainfer/runtime/replicas/request_router.py) over the prefill ranks: with
 ``cache_aware`` and prefix caching, the prefill rank holding the longest run of the prompt's
 blocks (the prefill ranks report their cache's key events), else the shortest queue, in
 rotation; the decode replica is the least loaded (ties in rotation): its KV comes whole from
@@ -29,14 +29,14 @@ from megainfer.comm.wait import WaitPolicy, wait_until
 from megainfer.engine.errors import RequestError
 from megainfer.engine.intake import tokenize_prompt
 from megainfer.engine.outputs import RequestOutput
-
-from .control import RankFailure
-from .prefill_worker import STOP, TAG_PD_DONE, TAG_PD_WORK
-from .router import Router
+from megainfer.runtime import tags
+from megainfer.runtime.control import RankFailure
+from megainfer.runtime.messages import Drop, Expect, PrefillStop, PrefillWork, Start, WorkItem
+from megainfer.runtime.replicas.request_router import RequestRouter
 
 
 @dataclass
-class _InFlight:
+class _Handout:
     prefill: int  # index into prefill ranks
     replica: int  # decode replica
     request_id: str
@@ -49,11 +49,11 @@ class PDRouter:
         self.engine, self.me, self.policy = engine, me, policy  # engine: tokenizer and limits
         sched, cache = engine.scheduler_config, engine.cache_config
         self.cap = cap or sched.max_num_seqs
-        self.router = Router(len(prefill_ranks), sched.routing, cache.block_size,
+        self.router = RequestRouter(len(prefill_ranks), sched.routing, cache.block_size,
                              sched.max_num_seqs, lambda item: item[1],  # (input, prompt ids)
                              use_keys=cache.enable_prefix_caching)
         self.pending: deque = deque()
-        self.inflight: dict[int, _InFlight] = {}
+        self.inflight: dict[int, _Handout] = {}
         self.outstanding = [0] * len(prefill_ranks)
         self.last_heard = [time.perf_counter()] * len(prefill_ranks)
         self.ids: dict[str, object] = {}  # engine request id -> the caller's id
@@ -91,38 +91,39 @@ class PDRouter:
     def wait(self) -> bool:
         """Nothing to decode: wait (bounded, well under the go timeout) for a report. True when
         one came."""
-        return wait_until(lambda: self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_PD_DONE),
+        return wait_until(lambda: self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=tags.PD_DONE),
                           self.idle_wait) >= 0
 
     def stop(self) -> None:
         for r in self.prefill_ranks:
-            self._send(STOP, r)
+            self._send(PrefillStop(), r)
         MPI.Request.Waitall(self.outbox)  # small, and every prefill rank is alive to take it
 
     def _send(self, msg, rank: int) -> None:
         """Non-blocking: the prefill rank may be sending its report at the same time."""
         self.outbox = [r for r in self.outbox if not r.Test()]
-        self.outbox.append(self.comm.isend(msg, dest=rank, tag=TAG_PD_WORK))
+        self.outbox.append(self.comm.isend(msg, dest=rank, tag=tags.PD_WORK))
 
     def _collect(self, msgs, done) -> None:
         st = MPI.Status()
-        while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_PD_DONE, status=st):
+        while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=tags.PD_DONE, status=st):
             src = st.Get_source()
-            report, waiting, running, events = self.comm.recv(source=src, tag=TAG_PD_DONE)
+            report = self.comm.recv(source=src, tag=tags.PD_DONE)
             self.reports += 1
             p = self.prefill_ranks.index(src)
             self.last_heard[p] = time.perf_counter()
-            self.router.update(p, waiting, running, events)
-            for xfer, kind, payload in report:
-                f = self.inflight.pop(xfer)
+            self.router.update(p, report.waiting, report.running, report.key_events)
+            for res in report.results:
+                f = self.inflight.pop(res.xfer)
                 self.outstanding[p] -= 1
                 self.prefilled[p] += 1
-                if kind == "state":
-                    msgs[f.replica].append(("start", xfer, payload))
+                if res.kind == "state":
+                    msgs[f.replica].append(Start(res.xfer, res.payload))
                 else:  # finished at its first token, or refused: nothing to decode
-                    payload.request_id = self.ids.pop(f.request_id, payload.request_id)
-                    done.append(payload)
-                    msgs[f.replica].append(("drop", xfer, kind == "output"))
+                    out = res.payload
+                    out.request_id = self.ids.pop(f.request_id, out.request_id)
+                    done.append(out)
+                    msgs[f.replica].append(Drop(res.xfer, res.kind == "output"))
 
     def _hand_out(self, loads, msgs, done) -> None:
         room = sum(max(0, self.cap - n) for n in loads)  # what the decode replicas can take
@@ -144,18 +145,18 @@ class PDRouter:
                 xfer, self.next_xfer = self.next_xfer, self.next_xfer + 1
                 rid = str(inp.request_id)
                 self.ids[rid] = inp.request_id
-                self.inflight[xfer] = _InFlight(p, d, rid)
+                self.inflight[xfer] = _Handout(p, d, rid)
                 if not self.outstanding[p]:
                     self.last_heard[p] = time.perf_counter()  # the silence clock starts now
                 self.outstanding[p] += 1
                 loads[d] += 1
                 self.assigned[d] += 1
                 self.next_d = (d + 1) % self.A
-                msgs[d].append(("expect", xfer, self.prefill_ranks[p], len(ids), rid))
-                work[p].append((xfer, inp, d))
+                msgs[d].append(Expect(xfer, self.prefill_ranks[p], len(ids), rid))
+                work[p].append(WorkItem(xfer, inp, d))
         for p, items in enumerate(work):
             if items:
-                self._send(items, self.prefill_ranks[p])
+                self._send(PrefillWork(items), self.prefill_ranks[p])
 
     def _check_silence(self) -> None:
         now = time.perf_counter()

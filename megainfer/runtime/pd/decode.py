@@ -2,13 +2,13 @@
 tells it about transfers, applied at the same iteration on every TP rank of the replica, so
 their schedulers stay identical.
 
-* ``("expect", xfer, src, num_tokens, request_id)``: post one receive per layer from each rank
+* ``Expect(xfer, src, num_tokens, request_id)``: post one receive per layer from each rank
   of the prefill replica starting at rank ``src`` that holds some of this rank's KV heads (the
   KV may start arriving at once), and reserve the prompt's blocks (first come
   first served; when too few blocks are free, retried every iteration).
-* ``("start", xfer, state)``: the prefill rank sampled the first token; once the blocks are
+* ``Start(xfer, state)``: the prefill rank sampled the first token; once the blocks are
   reserved, wait (bounded) for every layer, scatter them into the blocks and start the request.
-* ``("drop", xfer, sent)``: the request finished (or was refused) at the prefill rank: take the
+* ``Drop(xfer, sent)``: the request finished (or was refused) at the prefill rank: take the
   KV if it was sent (else cancel the receives) and give the blocks back.
 """
 from __future__ import annotations
@@ -19,17 +19,16 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megainfer.engine.kv_handoff import release, reserve, start
-
-from .kv_stream import Incoming, KVReceiver
+from megainfer.runtime.messages import Drop, Expect, Start
+from megainfer.runtime.pd.kv_stream import IncomingKV, KVReceiver
 
 
 @dataclass
 class _Expect:
-    inc: Incoming
+    inc: IncomingKV
     num_tokens: int
     placeholder: object = None  # the reserved blocks (a placeholder Request)
-    kind: Optional[str] = None  # "start" | "drop" once rank 0 says
-    payload: object = None  # HandoffState (start) or whether KV was sent (drop)
+    said: Optional[object] = None  # rank 0's Start or Drop, once it says
 
 
 class DecodeSide:
@@ -47,21 +46,20 @@ class DecodeSide:
 
     def apply(self, msgs: list) -> None:
         for m in msgs:
-            if m[0] == "expect":
-                _, xfer, src, n, rid = m
+            if isinstance(m, Expect):
                 bs = self.engine.cache_config.block_size
-                inc = self.receiver.post(xfer, self.sources(src), -(-n // bs), rid)
-                self.expects[xfer] = _Expect(inc, n)
+                inc = self.receiver.post(m.xfer, self.sources(m.src), -(-m.num_tokens // bs),
+                                         m.request_id)
+                self.expects[m.xfer] = _Expect(inc, m.num_tokens)
             else:
-                e = self.expects[m[1]]
-                e.kind, e.payload = m[0], m[2]
+                self.expects[m.xfer].said = m
         self._advance()
 
     def _advance(self) -> None:
         engine = self.engine
         for xfer, e in list(self.expects.items()):
-            if e.kind == "drop":
-                if e.payload:
+            if isinstance(e.said, Drop):
+                if e.said.sent:
                     self.receiver.wait(e.inc)
                 else:
                     self.receiver.cancel(e.inc)
@@ -73,12 +71,13 @@ class DecodeSide:
                 e.placeholder = reserve(engine, e.num_tokens, f"pd{xfer}")
                 if e.placeholder is None:
                     break  # first come first served: the later ones wait too
-            if e.kind == "start":
+            if isinstance(e.said, Start):
+                state = e.said.state
                 self.receiver.wait(e.inc)
                 self.receiver.scatter(e.inc, engine.kv_caches, e.placeholder.block_table)
-                req = start(engine, e.payload, e.placeholder)
+                req = start(engine, state, e.placeholder)
                 now = time.perf_counter()
-                self.handoff_s[req.request_id] = now - e.payload.t_prefill_end
+                self.handoff_s[req.request_id] = now - state.t_prefill_end
                 self.num_started += 1
                 if self.tracer is not None:
                     ep = self.tracer.epoch

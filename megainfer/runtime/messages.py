@@ -1,0 +1,161 @@
+"""Every control message between ranks, as a dataclass (the MPI tag each rides: ``tags.py``).
+
+Tensors never travel here (they use ``megainfer.comm``); these are small Python objects sent
+with mpi4py's object messages.
+
+* The replicas' lockstep loop (``replicas/loop.py``, ``pd/loop.py``): ``ReplicaStatus`` (a
+  replica leader's report after each step) and ``Go`` (rank 0's answer to every attention rank).
+* Live EPLB (``eplb/rebalancer.py``): ``PlacementUpdate``.
+* Prefill-decode (``pd/``): rank 0 -> prefill rank ``PrefillWork`` | ``PrefillStop``; prefill
+  rank -> rank 0 ``PrefillReport`` of ``PrefillResult``; in a ``Go`` to the decode replicas the
+  transfer messages ``Expect``, ``Start``, ``Drop``.
+* Re-planning (``replan/``): ``ReplanOrder`` (the phase boundary), ``ExpertSamples`` (the
+  measurements for a decision), ``GroupHeader`` of ``SampleMove`` (a request group handed over).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+# ---------------------------------------------------------------------- the replicas' loop
+@dataclass
+class ReplicaStatus:
+    """A replica leader -> rank 0 after every step."""
+
+    finished: list  # RequestOutputs finished in this step
+    busy: bool  # the replica has work left (decoding, or with PD transfers still arriving)
+    waiting: int
+    running: int
+    key_events: list = field(default_factory=list)  # prefix-cache (key, +-1) for cache-aware routing
+    transfers_pending: int = 0  # PD: KV transfers announced to this replica, not started yet
+
+    @property
+    def load(self) -> int:
+        """What the replica counts in a PD hand-out: its queue and the transfers on their way."""
+        return self.waiting + self.running + self.transfers_pending
+
+
+@dataclass
+class Go:
+    """Rank 0 -> every attention rank after each iteration's sync."""
+
+    proceed: bool  # False: stop (or end the loop for a re-plan)
+    items: list  # this replica's new requests (PromptInputs), or with PD its transfer messages
+
+
+# ---------------------------------------------------------------------- live EPLB
+@dataclass
+class PlacementUpdate:
+    """Expert rank 0 -> every replica leader after a rebalance."""
+
+    phy2log: list  # [L][R] logical expert of each physical slot
+
+
+# ---------------------------------------------------------------------- prefill-decode
+@dataclass(frozen=True)
+class WorkItem:
+    xfer: int  # the transfer's id (rank 0 counts them)
+    input: Any  # PromptInput
+    replica: int  # the decode replica that will run it
+
+
+@dataclass
+class PrefillWork:
+    """Rank 0 -> a prefill leader (and the leader -> its TP ranks): requests to prefill."""
+
+    items: list  # [WorkItem]
+
+
+@dataclass(frozen=True)
+class PrefillStop:
+    """Rank 0 -> every prefill rank: the job is over."""
+
+
+@dataclass
+class PrefillResult:
+    xfer: int
+    kind: str  # "state" (decode starts it) | "output" (finished at its first token) | "failed"
+    payload: Any  # HandoffState, or the RequestOutput
+
+
+@dataclass
+class PrefillReport:
+    """A prefill leader -> rank 0 after every step (a heartbeat too)."""
+
+    results: list  # [PrefillResult]
+    waiting: int
+    running: int
+    key_events: list = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Expect:
+    """To a decode replica: post the receives of a transfer and reserve its blocks."""
+
+    xfer: int
+    src: int  # the prefill replica's first rank
+    num_tokens: int  # the prompt's
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Start:
+    """To a decode replica: the first token is sampled; take the KV and start the request."""
+
+    xfer: int
+    state: Any  # HandoffState
+
+
+@dataclass(frozen=True)
+class Drop:
+    """To a decode replica: finished or refused at the prefill rank; give the blocks back."""
+
+    xfer: int
+    sent: bool  # whether the KV was sent (take it) or not (cancel the receives)
+
+
+# ---------------------------------------------------------------------- re-planning
+@dataclass(frozen=True)
+class ReplanOrder:
+    """Rank 0 -> every rank: the iteration loop ended at a boundary; switch to ``new``."""
+
+    iteration: int  # the iteration the new plan starts at (every rank's counter)
+    old: tuple  # (attention replicas, expert ranks, micro-batches)
+    new: tuple
+    reason: str  # "forced" or the decision's description
+    predicted_gain: float = float("nan")
+
+    def name(self, p: tuple) -> str:
+        """'a2e2', or 'a2e2m3' when the order changes the micro-batch count."""
+        return f"a{p[0]}e{p[1]}" + (f"m{p[2]}" if self.old[2] != self.new[2] else "")
+
+    @property
+    def label(self) -> str:
+        return f"{self.name(self.old)} -> {self.name(self.new)}"
+
+
+@dataclass
+class ExpertSamples:
+    """An expert rank -> rank 0 every ``replan.interval`` iterations."""
+
+    iteration: int
+    samples: list  # [(token-expert pairs, seconds)] per expert span
+    slots_per_rank: int
+    reply_ends: list  # [(iteration, layer, micro-batch, end us)] per E2A span
+
+
+@dataclass(frozen=True)
+class SampleMove:
+    index: int  # the sample's index in its request group
+    choice: str  # "move" (KV travels) | "recompute" | "waiting" (not started)
+    computed: int  # its computed tokens
+
+
+@dataclass
+class GroupHeader:
+    """A leaving replica -> a staying one: one request group, its samples' KV to follow."""
+
+    head: Any  # the Request holding every sample
+    caller_id: Any
+    samples: list  # [SampleMove]

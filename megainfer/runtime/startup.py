@@ -1,0 +1,48 @@
+"""Start one MPI rank of a distributed job: the entry launch, tests and benchmarks call.
+
+``build_rank`` picks the job's feature, the one named point where a mode beyond the base plugs
+in (``FEATURES``: re-planning, ``replan.REPLAN``; prefill replicas, ``pd.PD``; each a
+``rank_parts.Feature``), lets it refuse the job before anything collective, and builds the rank
+through it or through the base start-up (``wiring.build_base_rank``). ``run_rank`` runs it
+the same way. This is the only runtime module that imports a feature: the base path (pipeline,
+replicas, tp, eplb, wiring, rank parts) imports nothing from ``pd/`` or ``replan/``
+(docs/architecture.md, "Runtime rooms").
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+from mpi4py import MPI
+
+from megainfer.runtime.pd import PD
+from megainfer.runtime.rank_parts import Feature, JobSpec, Rank
+from megainfer.runtime.replan import REPLAN
+from megainfer.runtime.wiring import build_base_rank, run_base_rank
+
+# in this order: re-planning refuses a job with prefill replicas before PD would build it
+FEATURES = (REPLAN, PD)
+
+
+def feature_of(job: JobSpec) -> Optional[Feature]:
+    """The first feature the job wants (None: the base start-up alone)."""
+    return next((f for f in FEATURES if f.wants(job)), None)
+
+
+def build_rank(job: JobSpec, comm=MPI.COMM_WORLD) -> Rank:
+    """Collective: this rank's role, connections and parts."""
+    feature = feature_of(job)
+    if feature is not None and feature.check is not None:
+        feature.check(job, comm.Get_size())  # every rank refuses alike
+    if feature is not None and feature.build is not None:
+        r = feature.build(job, comm)
+    else:
+        r = build_base_rank(job, comm, feature)
+    r.feature = feature
+    return r
+
+
+def run_rank(r: Rank, inputs: Optional[Iterable] = None):
+    """Rank 0: a generator of outputs. Others: serve until stopped, then return None."""
+    if r.feature is not None and r.feature.run is not None:
+        return r.feature.run(r, inputs)
+    return run_base_rank(r, inputs)

@@ -1,0 +1,72 @@
+"""Every MPI tag the runtime uses, with the communicator it rides (one table, ``TAGS``).
+
+A tag only has to be unique among the messages of one communicator, so equal values on
+different communicators are fine; ``tests/test_runtime_tags.py`` checks that no two entries of
+one communicator overlap. The communicators:
+
+* ``job``: the job's communicator (``COMM_WORLD``; with prefill replicas, the decode and expert
+  ranks' ``core`` split), the control plane's (``runtime/control.py``);
+* ``experts``: the expert ranks among themselves (``Wiring.side_comm``, live EPLB);
+* ``switch``: a re-plan's duplicate of the job's communicator, one per switch;
+* ``kv``: the prefill-decode duplicate of the world communicator (``pd/build.py``); the
+  prefill replica's TP communicator carries ``PD_WORK`` too (the leader's forwards);
+* ``bounded``: whatever communicator a ``BoundedComm`` wraps (the job's, or a weight channel's);
+* ``channel``: each ``megainfer.comm`` transport's own duplicate, where a ``Channel`` uses
+  ``channel_id * MAX_STREAMS + stream`` below ``MAX_CHANNELS * MAX_STREAMS``.
+
+Ranges (``Tag.span > 1``) are a base plus an offset the owner computes: ``EPLB_WEIGHTS +
+layer * slots + slot``, ``REPLAN_EXPERT + layer * slots_per_rank + slot``, ``KV_SEGMENT +
+(transfer, layer, segment) mod (TAG_UB - KV_SEGMENT)``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megainfer.comm.channel import MAX_CHANNELS, MAX_STREAMS
+
+
+@dataclass(frozen=True)
+class Tag:
+    value: int
+    comm: str  # the communicator it rides (module docstring)
+    what: str  # the message: who sends what to whom
+    span: int = 1  # how many tags from ``value`` on it may use (None-like: up to TAG_UB)
+
+
+MPI_TAG_UB_MIN = 32767  # the smallest TAG_UB the MPI standard allows
+
+# the control plane (runtime/control.py): rank 0 and the attention ranks, every iteration
+REQUESTS, STATUS, GO = 101, 102, 103
+EPLB_PLACEMENT = 105  # expert rank 0 -> replica leaders: the new phy2log
+REPLAN_ORDER = 106  # rank 0 -> every rank: the order ending a loop (None: the job is over)
+REPLAN_SAMPLES = 107  # expert rank -> rank 0: measured spans for a decision
+ARRIVE = 108  # BoundedComm: every rank -> every other, "I reached call k"
+EPLB_WEIGHTS = 1000  # host-staged expert weights among expert ranks (+ layer * slots + slot)
+PD_WORK, PD_DONE = 201, 202  # rank 0 <-> prefill ranks
+KV_SEGMENT = 1000  # one (transfer, layer, segment) of prefill KV, up to TAG_UB
+REPLAN_HEADERS, REPLAN_KV, REPLAN_CHECKPOINT = 1, 2, 3  # the switch's own communicator
+REPLAN_EXPERT = 2000  # a re-plan's host-staged expert weights (+ layer * slots + slot)
+
+TAGS = (
+    Tag(REQUESTS, "job", "rank 0 -> attention ranks: a replica's first share of requests"),
+    Tag(STATUS, "job", "replica leader -> rank 0: messages.ReplicaStatus"),
+    Tag(GO, "job", "rank 0 -> attention ranks: messages.Go"),
+    Tag(EPLB_PLACEMENT, "job", "expert rank 0 -> replica leaders: messages.PlacementUpdate"),
+    Tag(REPLAN_ORDER, "job", "rank 0 -> every rank: messages.ReplanOrder or None"),
+    Tag(REPLAN_SAMPLES, "job", "expert rank -> rank 0: messages.ExpertSamples"),
+    Tag(ARRIVE, "bounded", "BoundedComm arrival tokens"),
+    Tag(EPLB_WEIGHTS, "experts", "host-staged expert weights of a rebalance",
+        span=MPI_TAG_UB_MIN - EPLB_WEIGHTS),
+    Tag(PD_WORK, "kv", "rank 0 -> prefill leader (and leader -> its TP ranks): "
+        "messages.PrefillWork or messages.PrefillStop"),
+    Tag(PD_DONE, "kv", "prefill leader -> rank 0: messages.PrefillReport"),
+    Tag(KV_SEGMENT, "kv", "prefill KV segments (pd/kv_segments.kv_tag)",
+        span=MPI_TAG_UB_MIN - KV_SEGMENT),
+    Tag(REPLAN_HEADERS, "switch", "leaving replica -> staying one: [messages.GroupHeader]"),
+    Tag(REPLAN_KV, "switch", "a moved sample's KV bytes"),
+    Tag(REPLAN_CHECKPOINT, "switch", "bounded barrier tokens"),
+    Tag(REPLAN_EXPERT, "switch", "host-staged expert weights of a re-plan",
+        span=MPI_TAG_UB_MIN - REPLAN_EXPERT),
+    Tag(0, "channel", "megainfer.comm.Channel: channel_id * MAX_STREAMS + stream",
+        span=MAX_CHANNELS * MAX_STREAMS),
+)
