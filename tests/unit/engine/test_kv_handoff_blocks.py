@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megainfer.engine.kv_handoff import export_kv, import_kv, kv_bytes
+from megainfer.models.kv_spec import BLOCK_AXIS
 
 SHAPES = {"gqa": (2, 6, 4, 2, 8), "mla": (6, 4, 24)}  # [2, NB, BS, H, D] / [NB, BS, R]
 
@@ -16,9 +17,9 @@ SHAPES = {"gqa": (2, 6, 4, 2, 8), "mla": (6, 4, 24)}  # [2, NB, BS, H, D] / [NB,
 def test_blocks_round_trip_into_other_blocks(kind, dtype):
     g = torch.Generator().manual_seed(0)
     caches = [torch.randn(SHAPES[kind], generator=g).to(dtype) for _ in range(3)]
-    src = SimpleNamespace(kv_caches=caches, kv_spec=SimpleNamespace(kind=kind))
+    src = SimpleNamespace(kv_caches=caches, kv_spec=SimpleNamespace(kind=kind, block_axis=BLOCK_AXIS[kind]))
     dst = SimpleNamespace(kv_caches=[torch.zeros_like(c) for c in caches],
-                          kv_spec=SimpleNamespace(kind=kind))
+                          kv_spec=SimpleNamespace(kind=kind, block_axis=BLOCK_AXIS[kind]))
     buf = export_kv(src, [4, 1])
     assert buf.nbytes == kv_bytes(src, 2)
     import_kv(dst, [0, 5], buf)
