@@ -17,7 +17,7 @@ in the same order, so both write the same bytes). Ties go to the earlier candida
 first). d = 6 is a candidate, so a block is never worse than with the plain amax / 6 rule in
 that measure. Readers are unchanged: the bytes mean what they meant.
 
-``scale_rule`` (ablations, perf/bench_kv_quant.py): ``amax/6`` (the previous rule: always
+``scale_rule`` (ablations, perf/bench/bench_kv_quant.py): ``amax/6`` (the previous rule: always
 d = 6) or ``per-tensor`` (every block scale fixed, the second-level scale alone).
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ from .kv_formats import E2M1_MAX, E4M3_MAX, FP4_BLOCK, SCALE_HEADROOM, value_dim
 # E2M1 magnitudes by 3-bit code, and the rounding boundaries between neighbours
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _E2M1_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
-# the block-scale candidates amax / d, in the order that breaks ties (perf/bench_fp4_scales.py)
+# the block-scale candidates amax / d, in the order that breaks ties (measured by a study kept in docs/kv_cache.md)
 FP4_DIVISORS = (6.0, 5.5, 5.0, 4.5, 4.0)
 SCALE_RULES = ("lsq", "amax/6", "per-tensor")
 _RULE = ["lsq"]
@@ -107,7 +107,7 @@ def block_scales(xb: torch.Tensor, g: torch.Tensor, rule: Optional[str] = None,
                  divisors: Sequence[float] = FP4_DIVISORS):
     """xb [..., nb, 16] fp32, ``g`` the second-level scale (broadcasting over [..., nb]) ->
     (E4M3 block scales [..., nb] (float8_e4m3fn), codes [..., nb, 16] uint8) by ``rule``
-    (``divisors``: the lsq candidates; other sets are measured by perf/bench_fp4_scales.py)."""
+    (``divisors``: the lsq candidates; other sets were measured by the study in docs/kv_cache.md)."""
     rule = rule or _RULE[0]
     ginv = torch.where(g > 0, 1.0 / g.clamp_min(1e-38), torch.zeros_like(g))
     if rule == "per-tensor":  # the block scale fixed: g x it covers the first amax x headroom

@@ -1,7 +1,7 @@
 """Tile configs of the Triton grouped GEMM, keyed by (E, N, K, M bucket, dtype, device).
 
 Tuned entries live in ``tile_configs.json`` beside this file (written by
-``perf/tune_moe_kernels.py`` on a GPU); anything not in the table gets a default chosen by
+``perf/bench/tune_moe_kernels.py`` on a GPU); anything not in the table gets a default chosen by
 tokens per expert. Under ``TRITON_INTERPRET=1`` every block is 32 (the interpreter is slow and
 ``tl.dot`` needs >= 16).
 """

@@ -239,7 +239,7 @@ def settings_from_config(cfg, world_size: int = 1, local_ranks: int = 1,
     cores = os.cpu_count() or 1
     if extra["comm"].wait_mode == "spin" and local_ranks > cores:
         log.warning("comm.wait_mode=spin with %d ranks on %d cores: a spinning wait holds a core "
-                    "another rank needs (orders of magnitude slower in perf/bench_m2n.py), and "
+                    "another rank needs (orders of magnitude slower in perf/bench/bench_m2n.py), and "
                     "spinning ranks on shared cores have hung MPI in that benchmark "
                     "(docs/comm.md); use backoff (the default) or yield", local_ranks, cores)
     return JobSettings(model, load, deploy, scheduler, cache, sampling, seed, io, workload,

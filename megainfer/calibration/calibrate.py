@@ -53,7 +53,7 @@ def _synced(fn, device: str):
 
 
 def transport_link(path: str) -> dict:
-    """intra_link from perf/bench_transport_gpu.py's JSON (``$MEGAINFER_CALIBRATE_LINK``):
+    """intra_link from perf/bench/bench_transport_gpu.py's JSON (``$MEGAINFER_CALIBRATE_LINK``):
     the cuda_ipc rows' one-way times fitted like an MPI ping-pong."""
     with open(path) as f:
         rows = [r for r in json.load(f)["rows"] if r["method"] == "cuda_ipc"]

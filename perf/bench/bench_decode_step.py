@@ -1,5 +1,5 @@
 """One CPU decode step against its physical floor, before and after issue 38, beside HF's step;
-then the engine-vs-HF job race (perf/bench_offline.py) with prefix caching off.
+then the engine-vs-HF job race (perf/bench/bench_offline.py) with prefix caching off.
 
     python perf/bench/bench_decode_step.py [--batches 1 8 32 64 --threads 1 2 --context 100
                                       --repeats 15 --no-jobs]

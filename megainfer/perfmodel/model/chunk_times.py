@@ -2,7 +2,7 @@
 
 A decode micro-batch of b tokens is b sequences, each attending over its own cached context; a
 prefill chunk of b tokens is a few prompts' consecutive tokens, and the two cost differently
-per token (``perf/calibrate_bench50m.py`` measures both). ``ChunkTimes`` answers
+per token (``perf/validate/calibrate_bench50m.py`` measures both). ``ChunkTimes`` answers
 ``t_attn(b, ctx)`` with the decode times while b is at most ``max_decode_tokens`` (a
 micro-batch cannot hold more decode tokens than the scheduler's ``max_num_seqs``) and with the
 prefill times above it; a micro-batch mixing a few decodes into a chunk is priced as a chunk.

@@ -12,7 +12,7 @@ rank, m = 1, so no two ranks compute at once and the node terms stay separate):
   ``tokens`` (token, expert) pairs: ``T_e = E * k4 + k3 * tokens``, i.e. ``k4`` per expert and
   ``k3`` per (token, expert) pair, as ``FittedTimes.t_expert`` sums them.
 
-The runs themselves are launched by ``perf/calibrate_in_situ.py``.
+The runs themselves are launched by ``perf/validate/calibrate_in_situ.py``.
 """
 from __future__ import annotations
 

@@ -60,7 +60,7 @@ class Node:
     prefill ranks busy at its start as extra ranks on its node (``Pipeline(others_busy=)``).
     ``idle_decode_busy``: the share of a core each decode rank (attention and expert) takes while
     the pool has nothing to decode (the CPU runtime keeps its lock-step pipeline stepping with
-    empty batches and its ranks poll: perf/bench_pd.py measured 0.15-0.4 CPU-s per second); a
+    empty batches and its ranks poll: perf/bench/bench_pd.py measured 0.15-0.4 CPU-s per second); a
     prefill step then time-shares the cores with that demand (u x the decode ranks on its node,
     added to the ranks computing beside it). GPU profiles (node.cores = 0) share nothing."""
 
