@@ -26,7 +26,7 @@ log = logging.getLogger("megainfer.launch")
 
 def single_generator(s: JobSettings):
     from megainfer.llm import LLM
-    return LLM.from_configs(s.model, s.load, s.scheduler, s.cache, seed=s.seed, device=s.device)
+    return LLM.from_job(s)
 
 
 def run_job(cfg, run_dir: str) -> int:
@@ -67,6 +67,15 @@ _FOLLOWER_OVERRIDES = ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job
 
 
 def main() -> None:
+    from .overrides import job_config_text, override_key_error, wants_job_config
+    bad = override_key_error(sys.argv[1:])
+    if bad is not None:
+        print(f"[launch rank{world_rank()}] error: {type(bad).__name__}: {bad}", file=sys.stderr,
+              flush=True)
+        sys.exit(2)
+    if wants_job_config(sys.argv[1:]):
+        print(job_config_text(sys.argv[1:]), end="")
+        return
     if world_size() > 1 and world_rank() != 0 and not any(a.startswith("-") for a in sys.argv[1:]):
         sys.argv += _FOLLOWER_OVERRIDES
         logging.basicConfig(level=logging.WARNING, format="%(message)s")

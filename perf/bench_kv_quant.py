@@ -90,7 +90,7 @@ def _models(tmp: str, a):
                                              dtype="float32")
     from omegaconf import OmegaConf
 
-    from megainfer.launch.model_source import model_config_from_arch
+    from megainfer.config.model_source import model_config_from_arch
     arch = OmegaConf.load(os.path.join(HERE, "..", "conf", "model", "bench50m.yaml")).arch
     cfg = model_config_from_arch(OmegaConf.to_container(arch))
     yield "bench50m-mixtral", cfg, LoadConfig(load_format="dummy", dtype="float32", seed=0)

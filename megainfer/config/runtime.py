@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .base import (ATTENTION_BACKENDS, DEVICES, DTYPE_NAMES, ConfigError,
-                   _require)
+                   _require, torch_dtype_of)
 from .model import ModelConfig
 
 # the cache's storage formats (auto: the model dtype; docs/kv_cache.md, kernels/kv_quant.py)
@@ -32,6 +32,11 @@ class LoadConfig:
         if self.load_format == "safetensors":
             _require(self.path is not None and os.path.isdir(self.path), "model.path", self.path,
                      "must be an existing checkpoint directory (or use load_format=dummy)")
+
+    @property
+    def torch_dtype(self):
+        """``dtype`` as the torch dtype the weights (and a full-precision KV cache) are held in."""
+        return torch_dtype_of(self.dtype)
 
 
 @dataclass(frozen=True)

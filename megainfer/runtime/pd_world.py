@@ -28,14 +28,14 @@ from .pd_loop import PDReplicaLoop
 from .pd_router import PDRouter
 from .prefill_experts import expert_slots_of, split_experts
 from .prefill_worker import PrefillExecutor, PrefillWorker
-from .rank_parts import DTYPES, Rank, make_engine
+from .rank_parts import Rank, make_engine
 from .roles import assign_role, prefill_rank_ids
 from .tp_group import late_peer, make_tp_group
 from .trace import Tracer
 
 
 def build_pd_rank(job, comm, build_rank):
-    plan, cfg = job.plan, job.model
+    plan, cfg = job.deploy, job.model
     rank, world = comm.Get_rank(), comm.Get_size()
     role = assign_role(plan, rank, world)
     why = check_prefill_tp(cfg.num_heads, cfg.num_kv_heads, cfg.is_mla, plan.prefill_tp,
@@ -46,11 +46,11 @@ def build_pd_rank(job, comm, build_rank):
     kv_comm = comm.Dup()
     core = comm.Split(1 if role.is_prefill else 0, rank)
     policy = WaitPolicy(mode=job.comm.wait_mode, timeout_s=job.comm.timeout_s)
-    segs = Segments.for_job(job.sched.max_model_len, job.cache.block_size,
-                            job.sched.max_num_batched_tokens)
+    segs = Segments.for_job(job.scheduler.max_model_len, job.cache.block_size,
+                            job.scheduler.max_num_batched_tokens)
     if role.is_prefill:
         return _build_prefill(job, role, core, kv_comm, policy, segs, epoch)
-    r = build_rank(dataclasses.replace(job, plan=dataclasses.replace(plan, prefill_replicas=0)),
+    r = build_rank(dataclasses.replace(job, deploy=dataclasses.replace(plan, prefill_replicas=0)),
                    core)
     if r.loop is not None:
         lp, e = r.loop, r.loop.engine
@@ -75,7 +75,7 @@ def _build_prefill(job, role, core, kv_comm, policy, segs, epoch):
     every other weight on every rank), its engine (identical on every TP rank: they get the same
     work at the same iteration), and the KV routes from this rank's heads to every decode TP
     rank."""
-    plan, cfg, rank = job.plan, job.model, role.rank
+    plan, cfg, rank = job.deploy, job.model, role.rank
     tp = plan.prefill_tp
     tp_rank = (rank - plan.attention_ranks - plan.expert_ranks) % tp
     tag = role.tag if tp == 1 else f"[prefill {role.prefill_index} tp{tp_rank}]"
@@ -84,7 +84,7 @@ def _build_prefill(job, role, core, kv_comm, policy, segs, epoch):
     if tp > 1:  # collectives over MPI, or the device transport (comm.tp_collectives)
         named = late_peer(rank - tp_rank, tp_rank, tp)  # who a late all-reduce names
         group = make_tp_group(tp_comm, ControlPlane(tp_comm, tag, policy), named, job,
-                              DTYPES[job.load.dtype], rank - tp_rank, closers)
+                              job.load.torch_dtype, rank - tp_rank, closers)
         par = ParallelContext(tp_rank, tp, group.all_reduce)
         slots = [expert_slots_of(cfg.num_experts, tp, tp_rank)] * cfg.num_layers
     dev = job.device.torch_device
@@ -93,7 +93,7 @@ def _build_prefill(job, role, core, kv_comm, policy, segs, epoch):
     if tp > 1:
         split_experts(model, group.all_reduce)  # this rank's experts, partial sums all-reduced
     model.set_attention_backend(job.device.attention_backend)
-    kind = model.kv_cache_spec(DTYPES[job.load.dtype]).kind
+    kind = model.kv_cache_spec(job.load.torch_dtype).kind
     dests = []  # per decode replica: what this rank sends to which of its TP ranks
     for r in range(plan.attention_replicas):
         dests.append([Dest(r * plan.attention_tp + t, x.sender_heads(cfg.num_kv_heads, tp))
@@ -103,7 +103,7 @@ def _build_prefill(job, role, core, kv_comm, policy, segs, epoch):
     sender = KVSender(kv_comm, cfg.num_layers, kind, tag, policy, segs, job.cache.block_size)
     engine = make_engine(job, role, model, lambda kv: PrefillExecutor(
         model, kv, job.cache.block_size, sender))
-    track = (job.sched.routing == "cache_aware" and plan.prefill_replicas > 1
+    track = (job.scheduler.routing == "cache_aware" and plan.prefill_replicas > 1
              and job.cache.enable_prefix_caching)  # as rank 0's Router.tracks_keys
     worker = PrefillWorker(engine, engine.executor, kv_comm, dests, tag, policy, tracer,
                            track_keys=track and tp_rank == 0,

@@ -1,6 +1,6 @@
-"""The parts one rank of a distributed job is made of, built from the frozen configs: an
-attention rank's model, engine and replica loop; an expert rank's model and worker; a colocated
-rank's both. ``world.build_rank`` wires them to the channels at start-up; a re-plan
+"""The parts one rank of a distributed job is made of, built from the job's frozen config
+(``megainfer.config.ResolvedJob``): an attention rank's model, engine and replica loop; an expert
+rank's model and worker; a colocated rank's both. ``world.build_rank`` wires them to the channels at start-up; a re-plan
 (replan_switch.py) and a prefill replica (pd_world.py) build them the same way.
 """
 from __future__ import annotations
@@ -10,8 +10,7 @@ from typing import Optional
 
 import torch
 
-from megainfer.config import (CacheConfig, CommConfig, DeployPlan, DeviceConfig, EplbConfig,
-                              LoadConfig, ModelConfig, ReplanConfig, SchedulerConfig, TraceConfig)
+from megainfer.config import ResolvedJob
 from megainfer.models import ParallelContext, build_model
 
 from .attention_executor import DisaggregatedExecutor
@@ -23,26 +22,6 @@ from .replica_loop import ReplicaLoop
 from .roles import expert_rank_ids, leader_ranks
 from .trace import Tracer
 from .weight_channel import eplb_moves_kind
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class JobSpec:
-    """Everything a rank needs to build its part."""
-
-    model: ModelConfig
-    load: LoadConfig
-    sched: SchedulerConfig
-    cache: CacheConfig
-    plan: DeployPlan
-    comm: CommConfig = CommConfig()
-    eplb: EplbConfig = EplbConfig()
-    trace: TraceConfig = TraceConfig()
-    tokenizer: object = None
-    seed: int = 0
-    device: DeviceConfig = DeviceConfig()  # cuda: every rank on GPU local_rank % visible
-    replan: ReplanConfig = ReplanConfig()  # online re-planning (docs/replan.md)
 
 
 @dataclass
@@ -63,7 +42,7 @@ class Rank:
 
 def build_expert(job, out, m2n, placement, control, side_comm, tracer, model=None):
     """An expert rank's model (``model``: one whose slots are already filled) and worker."""
-    me, cfg, plan = out.role.expert_index, job.model, job.plan
+    me, cfg, plan = out.role.expert_index, job.model, job.deploy
     if model is None:
         model = build_model(cfg, job.load, role="experts", phy2log=placement.phy2log.tolist(),
                             expert_slots=[list(placement.slots_of_rank(me))] * cfg.num_layers,
@@ -82,18 +61,20 @@ def slot_owner(placement, device) -> torch.Tensor:
     return placement.rank_of_slot(torch.arange(placement.num_replicas)).to(device)
 
 
-def make_engine(job: JobSpec, role, model, make_executor):
+def make_engine(job: ResolvedJob, role, model, make_executor):
     from megainfer.engine.engine import LLMEngine
-    return LLMEngine(job.model, job.sched, job.cache, make_executor, job.tokenizer,
-                     kv_spec=model.kv_cache_spec(DTYPES[job.load.dtype]),
-                     kv_dtype=DTYPES[job.load.dtype], device=job.device.torch_device,
+    from megainfer.engine.tokenizer import load_tokenizer
+    return LLMEngine(job.model, job.scheduler, job.cache, make_executor,
+                     load_tokenizer(job.load.path, job.model.eos_token_id),
+                     kv_spec=model.kv_cache_spec(job.load.torch_dtype),
+                     kv_dtype=job.load.torch_dtype, device=job.device.torch_device,
                      seed=job.seed, log_prefix=role.tag)
 
 
 def build_attention(job, out, m2n, placement, control, tp, tracer, engine=None):
     """An attention rank's model, engine and loop; ``engine``: keep this one (its model, KV
     cache and requests) and only rewire its executor to the new channels (a re-plan)."""
-    role, plan, cfg = out.role, job.plan, job.model
+    role, plan, cfg = out.role, job.deploy, job.model
     if engine is None:
         par = ParallelContext(role.tp_rank, plan.attention_tp,
                               tp.all_reduce if tp.size > 1 else None)
@@ -116,7 +97,7 @@ def build_attention(job, out, m2n, placement, control, tp, tracer, engine=None):
 
 
 def build_colocated(job, out, m2n, placement, control, tracer):
-    role, plan, cfg = out.role, job.plan, job.model
+    role, plan, cfg = out.role, job.deploy, job.model
     mine = list(placement.slots_of_rank(role.replica))
     model = build_model(cfg, job.load, role="full", expert_slots=[mine] * cfg.num_layers,
                         phy2log=placement.phy2log.tolist(), device=job.device.torch_device)

@@ -39,7 +39,7 @@ from megainfer.config.replan import parse_split
 
 from .control import ControlPlane
 from .exchange import make_m2n
-from .rank_parts import DTYPES, build_attention, build_expert
+from .rank_parts import build_attention, build_expert
 from .replan_bounded import BoundedComm
 from .replan_requests import balance_shares, group_count, migrate
 from .replan_weights import move_expert_weights, new_placement
@@ -72,7 +72,7 @@ class ReplanOrder:
 
 def check_replan(job, world: int) -> None:
     """Refuse, before any work, a job re-planning cannot run."""
-    p, r = job.plan, job.replan
+    p, r = job.deploy, job.replan
     if p.mode != "disaggregated" or p.attention_tp != 1 or p.prefill_replicas:
         raise ConfigError(f"replan.enabled=true: re-planning runs in deploy.mode=disaggregated "
                           f"with attention_tp=1 and no prefill replicas (got mode={p.mode}, "
@@ -113,7 +113,7 @@ def switch(r, order: ReplanOrder) -> dict:
     t0 = time.perf_counter()
     job, comm = r.parts["job"], r.parts["comm"]
     rank, world, cfg = comm.Get_rank(), comm.Get_size(), job.model
-    old_plan = job.plan
+    old_plan = job.deploy
     new_plan = replace(old_plan, attention_replicas=order.new[0], expert_ranks=order.new[1],
                        micro_batches=order.new[2])
     new_role = assign_role(new_plan, rank, world)
@@ -139,7 +139,7 @@ def switch(r, order: ReplanOrder) -> dict:
     checkpoint(control, "re-plan request hand-over")
     # 3. expert weights into the new expert ranks' slots
     old_model = r.worker.model if r.worker is not None else None
-    model, weight_bytes = move_expert_weights(sw, control, cfg, job.load.dtype,
+    model, weight_bytes = move_expert_weights(sw, control, cfg, job.load.torch_dtype,
                                               job.device.torch_device, old_model, old_p, new_p,
                                               a0, a1, eplb_moves_kind(job.comm.eplb_moves,
                                                                       job.device.torch_device,
@@ -147,7 +147,7 @@ def switch(r, order: ReplanOrder) -> dict:
     checkpoint(control, "re-plan expert weight moves")  # the channels' rebuild is collective
     # 4. new channels, new parts
     keep = r.loop if (r.loop is not None and new_role.is_attention) else None
-    _rebuild(r, job, replace(job, plan=new_plan), new_role, new_p, model, keep, order, bounded)
+    _rebuild(r, job, replace(job, deploy=new_plan), new_role, new_p, model, keep, order, bounded)
     if a1 > a0:  # 5. new replicas: the old ones give them their newest requests beyond a fair share
         mine = np.zeros(world, dtype=np.int64)
         if r.loop is not None and rank < a0:
@@ -191,7 +191,7 @@ def _rebuild(r, job, new_job, role, placement, expert_model, keep, order, bounde
     # one by one; the whole set-up (a device transport's handle exchange too) within twice that
     m2n = bounded.call("channels' set-up", make_m2n, bounded, leader_ranks(plan),
                        expert_rank_ids(plan), job.model.hidden_size, job.model.top_k,
-                       job.sched.max_num_batched_tokens, plan.micro_batches, _dtype(job), policy,
+                       job.scheduler.max_num_batched_tokens, plan.micro_batches, _dtype(job), policy,
                        job.comm.transport, dev, scale=2.0)
     tp_comm = bounded.Split(role.replica if role.is_attention else plan.attention_replicas + rank,
                             rank)
@@ -239,4 +239,4 @@ def _carry_router(old, new) -> None:
 
 
 def _dtype(job):
-    return DTYPES[job.load.dtype]
+    return job.load.torch_dtype

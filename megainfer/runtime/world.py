@@ -21,26 +21,26 @@ import torch
 from mpi4py import MPI
 
 from megainfer.comm.wait import WaitPolicy
-from megainfer.config import ConfigError
+from megainfer.config import ConfigError, ResolvedJob
 
 from .control import ControlPlane
 from .exchange import make_m2n
 from .placement import initial_placement
-from .rank_parts import DTYPES, JobSpec, Rank, build_attention, build_colocated, build_expert
+from .rank_parts import Rank, build_attention, build_colocated, build_expert
 from .roles import assign_role, expert_rank_ids, leader_ranks
 from .tp_group import late_peer, make_tp_group
 from .trace import Tracer
 
 log = logging.getLogger("megainfer.runtime")
-def build_rank(job: JobSpec, comm=MPI.COMM_WORLD) -> Rank:
+def build_rank(job: ResolvedJob, comm=MPI.COMM_WORLD) -> Rank:
     if job.replan.enabled:  # before anything collective: every rank refuses alike
         from .replan_switch import check_replan
         check_replan(job, comm.Get_size())
-    if job.plan.prefill_replicas:  # prefill ranks after the rest (docs/pd.md)
+    if job.deploy.prefill_replicas:  # prefill ranks after the rest (docs/pd.md)
         from .pd_world import build_pd_rank
         return build_pd_rank(job, comm, build_rank)
     rank, world = comm.Get_rank(), comm.Get_size()
-    plan, cfg = job.plan, job.model
+    plan, cfg = job.deploy, job.model
     role = assign_role(plan, rank, world)
     colocated = plan.mode == "colocated"
     if colocated and job.eplb.enabled:
@@ -64,7 +64,7 @@ def build_rank(job: JobSpec, comm=MPI.COMM_WORLD) -> Rank:
     leaders = leader_ranks(plan)
     experts = leaders if colocated else expert_rank_ids(plan)
     m2n = make_m2n(comm, leaders, experts, cfg.hidden_size, cfg.top_k,
-                   job.sched.max_num_batched_tokens, plan.micro_batches, DTYPES[job.load.dtype],
+                   job.scheduler.max_num_batched_tokens, plan.micro_batches, job.load.torch_dtype,
                    policy, job.comm.transport, dev)
     placement = initial_placement(cfg.num_layers, cfg.num_experts, len(experts), job.eplb)
     # the attention ranks of one replica share a TP communicator; others get their own colour
@@ -79,7 +79,7 @@ def build_rank(job: JobSpec, comm=MPI.COMM_WORLD) -> Rank:
         build_colocated(job, out, m2n, placement, control, tracer)
     elif role.is_attention:
         named = late_peer(role.replica * plan.attention_tp, role.tp_rank, plan.attention_tp)
-        tp = make_tp_group(tp_comm, control, named, job, DTYPES[job.load.dtype],
+        tp = make_tp_group(tp_comm, control, named, job, job.load.torch_dtype,
                            role.replica * plan.attention_tp, out.closers)
         build_attention(job, out, m2n, placement, control, tp, tracer)
     else:

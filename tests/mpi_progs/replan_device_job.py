@@ -24,7 +24,8 @@ from replan_job import CACHE, FORCE, SCHED, inputs, tokens_of, weights_ok  # noq
 from megainfer.config import (CommConfig, DeployPlan, EplbConfig, LoadConfig, ModelConfig,  # noqa: E402
                               ReplanConfig)
 from megainfer.runtime import replan_runner, weight_channel  # noqa: E402
-from megainfer.runtime.world import JobSpec, build_rank, run_rank  # noqa: E402
+from megainfer.config import ResolvedJob  # noqa: E402
+from megainfer.runtime.world import build_rank, run_rank  # noqa: E402
 
 
 def main():
@@ -48,7 +49,7 @@ def main():
     weight_channel.WeightChannel.exchange = counted_exchange
     replan = ReplanConfig(enabled=True, force_schedule=FORCE, kv_transfer="recompute")
     eplb = EplbConfig(enabled=True, redundant_experts=2, window=3, interval=3)
-    r = build_rank(JobSpec(cfg, load, SCHED, CACHE, plan,
+    r = build_rank(ResolvedJob(cfg, load, SCHED, CACHE, plan,
                            CommConfig(timeout_s=120, eplb_moves="device"), eplb, replan=replan))
     stream = run_rank(r, inputs(cfg.vocab_size))
     tokens = {o.request_id: tokens_of(o) for o in stream} if stream else None
