@@ -42,6 +42,7 @@ setup(
         "tqdm>=4.66",
         "tokenizers==0.23.3",
         "jinja2>=3.1.6",  # chat templates (LLM.chat, "messages" input lines), sandboxed
+        "huggingface_hub==2.4.0",  # model ids from the local HF cache (no download at run time)
     ],
     extras_require={
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "transformers==5.24.0", "matplotlib>=3.8"],

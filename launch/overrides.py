@@ -10,7 +10,6 @@ from typing import Optional, Sequence
 
 from megainfer.config import ConfigError, ModelConfig
 from megainfer.config.keys import closest, field_names, unknown_key_error
-from megainfer.config.presets import parse_override
 
 from .settings import known_keys
 
@@ -27,23 +26,30 @@ def override_key_error(args: Sequence[str]) -> Optional[ConfigError]:
     known = known_keys()
     for a in _overrides(args):
         name, _, text = a.partition("=")
-        if "." not in name:  # a group's preset (deploy=a1e2): Hydra lists the options
-            if name not in known:
-                near = closest(name, known)
-                return ConfigError(f"{a}: no such config group (" + (
-                    f"did you mean {near}?; " if near else "") + f"groups: {', '.join(sorted(known))})")
+        path = name.split(".")
+        if path[0] not in known:  # deploy=a1e2 selects a preset: Hydra lists a group's options
+            near = closest(path[0], known)
+            return ConfigError(f"{a}: no such config group (" + (
+                f"did you mean {near}?; " if near else "") + f"groups: {', '.join(sorted(known))})")
+        if len(path) == 1:
             continue
-        path, value = parse_override(a, "override")
         group, key = path[0], ".".join(path[1:])
-        if group not in known:
-            return unknown_key_error("config", group, {key: value}, known)
         if group == "model" and path[1] == "arch" and len(path) > 2:
             group, key, keys = "model.arch", ".".join(path[2:]), field_names(ModelConfig)
         else:
             keys = known[group]
         if key not in keys:
-            return unknown_key_error(group, key, value, keys)
+            return unknown_key_error(group, key, _value(text), keys)
     return None
+
+
+def _value(text: str):
+    """The value as the message shows it (YAML's reading; Hydra's own grammar as it stands)."""
+    import yaml
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
 
 
 def wants_job_config(args: Sequence[str]) -> bool:
