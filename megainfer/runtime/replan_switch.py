@@ -177,7 +177,7 @@ def switch(r, order: ReplanOrder) -> dict:
 
 
 def _rebuild(r, job, new_job, role, placement, expert_model, keep, order, bounded) -> None:
-    comm, plan = r.parts["comm"], new_job.plan
+    comm, plan = r.parts["comm"], new_job.deploy
     rank, was_attention = comm.Get_rank(), r.role.is_attention
     r.parts["m2n"].close()  # the old channels: cancel what is posted ahead
     bounded.phase = "re-plan channel rebuild"  # every collective call below: bounded, named
