@@ -105,11 +105,14 @@ class LLM:
                 raise
             raise named from e
         if job.deploy.mode != "single":
+            asked = ", ".join(f"{k}={v!r}" for k, v in (
+                ("deploy", deploy), ("tensor_parallel_size", tensor_parallel_size),
+                ("world_size", world_size)) if v is not None)
             raise DeployNotAvailableError(
-                f"LLM(deploy={deploy!r}): {job.deploy.mode} mode over {job.deploy.world_size} "
+                f"LLM({asked}): {job.deploy.mode} mode over {job.deploy.world_size} "
                 f"ranks ({job.deploy}) resolves and is valid, but is not yet available from "
                 "Python: LLM runs single mode only for now. Run it with the launcher: "
-                f"`{launcher_command(deploy, job.deploy.world_size, args['model'], overrides)}`")
+                f"`{launcher_command(deploy, job.deploy, args['model'], overrides)}`")
         self._build(job, tokenizer)
 
     @classmethod

@@ -122,6 +122,8 @@ def test_other_modes_resolve_then_say_they_are_not_available(kw, ranks, mode, th
     msg = str(info.value)
     assert f"{mode} mode over {ranks} ranks" in msg and "not yet available from Python" in msg
     assert f"mpirun -n {ranks} megainfer-launch" in msg
+    if "tensor_parallel_size" in kw:  # the line runs the same plan: its counts spelled out
+        assert "deploy.attention_tp=2 deploy.expert_ranks=1 deploy.micro_batches=" in msg
 
 
 # ------------------------------------------------------------------ the local Hugging Face cache

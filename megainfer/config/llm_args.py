@@ -8,6 +8,7 @@ from typing import Mapping, Optional, Sequence, Union
 
 from .base import ConfigError
 from .presets import load_preset, parse_override
+from .runtime import DeployPlan
 
 # LLM argument -> the config key it sets (seed also seeds dummy weights: model.seed)
 ARG_KEYS = {
@@ -101,15 +102,17 @@ def named_error(e: ConfigError, origin: Mapping[str, str], world: Optional[str])
     return type(e)(f"LLM({why}): {msg}")
 
 
-def launcher_command(deploy: Union[None, str, Mapping], world_size: int, model_path,
+def launcher_command(deploy: Union[None, str, Mapping], plan: DeployPlan, model_path,
                      overrides: Sequence[str] = ()) -> str:
-    """The ``mpirun ... megainfer-launch`` line that runs the plan ``LLM`` was asked for (the
-    other LLM arguments go on it as their ``group.key=value``: ``ARG_KEYS``)."""
-    parts = [f"mpirun -n {world_size} megainfer-launch"]
-    if isinstance(deploy, str):
+    """The ``mpirun ... megainfer-launch`` line that runs ``plan`` (a named preset as it is,
+    else the resolved counts); the other LLM arguments go on it as ``ARG_KEYS``' keys."""
+    parts = [f"mpirun -n {plan.world_size} megainfer-launch"]
+    if isinstance(deploy, str) and deploy != "auto":
         parts.append(f"deploy={deploy}")
-    elif isinstance(deploy, Mapping):
-        parts += [f"deploy.{k}={v}" for k, v in deploy.items() if v is not None]
+    else:
+        keys = ("attention_replicas", "attention_tp", "expert_ranks", "micro_batches") + (
+            ("prefill_replicas", "prefill_tp") if plan.prefill_replicas else ())
+        parts += [f"deploy.mode={plan.mode}"] + [f"deploy.{k}={getattr(plan, k)}" for k in keys]
     if isinstance(model_path, str):
         parts.append(f"model.path={model_path}")
     return " ".join(parts + list(overrides))
