@@ -92,7 +92,7 @@ def wait_until(test: Callable[[], bool], policy: WaitPolicy) -> float:
     A yielding policy yields before every poll, the first one too: the channel comes here when
     ``test()`` just failed, and a poll straight after it finds nothing new while its MPI
     progress call delays the rank that shares our core and owes us the message (measured:
-    docs/comm.md, "Where the channel's time goes")."""
+    docs/comm.md, "Findings")."""
     clock = time.perf_counter
     t0 = clock()
     mode, deadline = policy.mode, t0 + policy.timeout_s

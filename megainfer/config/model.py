@@ -41,46 +41,46 @@ class YarnScaling:
 class ModelConfig:
     """The architecture of one MoE checkpoint, read from its HF ``config.json``."""
 
-    family: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    num_experts: int
-    top_k: int
-    moe_intermediate_size: int
+    family: str  # mixtral | qwen3_moe | qwen2_moe | deepseek_v2 | deepseek_v3 (HF model_type)
+    vocab_size: int  # tokens in the vocabulary
+    hidden_size: int  # width of the residual stream
+    num_layers: int  # decoder layers (HF num_hidden_layers)
+    num_heads: int  # attention query heads
+    num_kv_heads: int  # key/value heads (HF num_key_value_heads; GQA when fewer than num_heads)
+    head_dim: int  # width of one attention head
+    num_experts: int  # routed experts per MoE layer
+    top_k: int  # experts each token is routed to
+    moe_intermediate_size: int  # width of one routed expert's MLP
     intermediate_size: int = 0  # dense MLP width (dense layers only)
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
-    norm_topk_prob: bool = True
-    qk_norm: bool = False
-    attention_bias: bool = False
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 4096
-    tie_word_embeddings: bool = False
-    mlp_only_layers: tuple[int, ...] = ()
-    decoder_sparse_step: int = 1
-    bos_token_id: Optional[int] = None
-    eos_token_id: tuple[int, ...] = ()
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
+    qk_norm: bool = False  # RMSNorm on queries and keys per head (Qwen3)
+    attention_bias: bool = False  # biases on the q/k/v projections (Qwen2)
+    rms_norm_eps: float = 1e-6  # epsilon of every RMSNorm
+    rope_theta: float = 10000.0  # RoPE base frequency
+    max_position_embeddings: int = 4096  # longest context the model was built for
+    tie_word_embeddings: bool = False  # lm_head shares the embedding matrix
+    mlp_only_layers: tuple[int, ...] = ()  # layers with a dense MLP instead of experts (Qwen)
+    decoder_sparse_step: int = 1  # every k-th layer is MoE (Qwen)
+    bos_token_id: Optional[int] = None  # beginning-of-sequence token
+    eos_token_id: tuple[int, ...] = ()  # end-of-sequence tokens (any of them stops a request)
     # DeepSeek-V3 (MLA, sigmoid routing); kv_lora_rank > 0 means MLA attention (docs/deepseek_v3.md)
-    q_lora_rank: Optional[int] = None
-    kv_lora_rank: int = 0
-    qk_nope_head_dim: int = 0
-    qk_rope_head_dim: int = 0
-    v_head_dim: int = 0
-    n_group: int = 1
-    topk_group: int = 1
-    routed_scaling_factor: float = 1.0
-    first_k_dense_replace: int = 0
-    moe_layer_freq: int = 1
+    q_lora_rank: Optional[int] = None  # MLA query compression rank (None: queries not compressed)
+    kv_lora_rank: int = 0  # MLA latent width cached per token (0: not MLA)
+    qk_nope_head_dim: int = 0  # MLA query/key width without RoPE
+    qk_rope_head_dim: int = 0  # MLA query/key width with RoPE (shared key part)
+    v_head_dim: int = 0  # MLA value width per head
+    n_group: int = 1  # expert groups for group-limited routing (DeepSeek)
+    topk_group: int = 1  # groups a token's experts may come from (DeepSeek)
+    routed_scaling_factor: float = 1.0  # scale on the routed experts' output (DeepSeek)
+    first_k_dense_replace: int = 0  # leading layers with a dense MLP (DeepSeek)
+    moe_layer_freq: int = 1  # every k-th layer after those is MoE (DeepSeek)
     n_shared_experts: int = 0  # ungated shared experts of width n_shared_experts * moe_inter
     scoring: str = "softmax"  # softmax | sigmoid (+ e_score_correction_bias)
     # softmax with n_group > 1 (DeepSeek-V2 group_limited_greedy): keep the topk_group groups
     # with the largest max score; sigmoid groups rank by the sum of their top-2 biased scores
-    rope_scaling: Optional[YarnScaling] = None
-    rope_interleave: bool = False
+    rope_scaling: Optional[YarnScaling] = None  # YaRN RoPE scaling (MLA families), else None
+    rope_interleave: bool = False  # RoPE on interleaved pairs, as DeepSeek's checkpoints store q/k
     mtp_layers: int = 0  # multi-token-prediction layers in the checkpoint (skipped at load)
 
     def __post_init__(self):

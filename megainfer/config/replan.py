@@ -21,7 +21,7 @@ class ReplanConfig:
     (a switch may also change the micro-batch count to the planner's best) or ``hold`` (the
     launch's count stays). A forced plan ``aNeMmK`` sets the count to K too."""
 
-    enabled: bool = False
+    enabled: bool = False  # re-plan the attention:expert split while the job runs
     interval: int = 64
     min_gain: float = 0.10
     force_schedule: tuple = ()

@@ -19,10 +19,10 @@ DEFAULT_KV_SCALE_GRANULARITY = "token_head"  # CacheConfig's and LLM(...)'s defa
 class LoadConfig:
     """Where weights come from. ``load_format='dummy'`` draws seeded random weights."""
 
-    path: Optional[str] = None
-    load_format: str = "safetensors"  # safetensors | dummy
-    dtype: str = "float32"
-    seed: int = 0
+    path: Optional[str] = None  # an HF checkpoint directory (safetensors; launcher and LLM: or an org/name model id in the local HF cache); null: dummy weights
+    load_format: str = "safetensors"  # safetensors | dummy (launcher: auto, safetensors with a path)
+    dtype: str = "float32"  # float32 | bfloat16 | float16 (auto: bfloat16 on cuda, float32 on cpu)
+    seed: int = 0  # seed of the dummy weights
 
     def __post_init__(self):
         _require(self.load_format in ("safetensors", "dummy"), "model.load_format",
@@ -113,10 +113,10 @@ class CacheConfig:
     ``kv_cache_dtype`` (``auto``: the model dtype); ``enable_prefix_caching`` reuses full blocks
     of a prompt prefix already computed (docs/engine.md)."""
 
-    block_size: int = 16
-    num_blocks: int = 512
-    enable_prefix_caching: bool = True
-    kv_cache_dtype: str = "auto"
+    block_size: int = 16  # tokens per KV block
+    num_blocks: int = 512  # KV blocks per layer
+    enable_prefix_caching: bool = True  # reuse full KV blocks of a prompt prefix already computed
+    kv_cache_dtype: str = "auto"  # auto | fp8_e4m3 | fp8_e5m2 | fp4_e2m1 (docs/kv_cache.md)
     host_kv_gib: float = 0.0  # the prefix cache's second tier (0: off; docs/kv_cache.md)
     kv_store_dir: Optional[str] = None  # cpu: the second tier's files (None: a temp dir)
     kv_scale_granularity: str = DEFAULT_KV_SCALE_GRANULARITY  # quantised caches: tensor | token_head
@@ -145,10 +145,10 @@ ROUTINGS = ("round_robin", "cache_aware")
 class SchedulerConfig:
     """Token budget per step (vLLM v1 style): decode tokens and prefill chunks share it."""
 
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int = 2048
-    enable_chunked_prefill: bool = True
+    max_num_seqs: int = 64  # sequences running at once per attention replica
+    max_num_batched_tokens: int = 512  # token budget per step: decodes plus prefill chunks
+    max_model_len: int = 2048  # prompt plus output tokens per sequence
+    enable_chunked_prefill: bool = True  # split long prompts into chunks that fit the token budget
     routing: str = "cache_aware"  # requests over attention replicas (runtime/router.py)
 
     def __post_init__(self):
@@ -170,13 +170,13 @@ DEPLOY_MODES = ("single", "colocated", "disaggregated")
 class DeployPlan:
     """How ranks are split: attention replicas x TP, then expert ranks (docs/design_rules.md)."""
 
-    mode: str = "single"
-    attention_replicas: int = 1
-    attention_tp: int = 1
-    expert_ranks: int = 0
-    micro_batches: int = 1
+    mode: str = "single"  # single | colocated | disaggregated (launcher: auto, the planner picks)
+    attention_replicas: int = 1  # data-parallel attention replicas
+    attention_tp: int = 1  # tensor-parallel ranks per attention replica
+    expert_ranks: int = 0  # expert-parallel ranks (disaggregated mode)
+    micro_batches: int = 1  # micro-batches in flight in the ping-pong pipeline
     prefill_replicas: int = 0  # prefill-decode disaggregation (docs/pd.md); 0: off
-    prefill_tp: int = 1
+    prefill_tp: int = 1  # tensor-parallel ranks per prefill replica
 
     def __post_init__(self):
         _require(self.mode in DEPLOY_MODES, "deploy.mode", self.mode,
@@ -235,14 +235,14 @@ class EplbConfig:
     new placement. ``initial``: ``identity`` (or balanced for uniform load when redundant) or
     ``shuffled`` (a seeded random placement, for testing that placements change nothing)."""
 
-    enabled: bool = False
-    redundant_experts: int = 0
-    window: int = 32
-    interval: int = 64
+    enabled: bool = False  # live rebalancing of expert placement (disaggregated mode)
+    redundant_experts: int = 0  # extra physical expert slots holding replicas of hot experts
+    window: int = 32  # iterations of load statistics a rebalance looks at
+    interval: int = 64  # iterations between rebalances
     num_groups: Optional[int] = None  # None: the model's n_group (DeepSeek), else 1
-    num_nodes: int = 1
-    initial: str = "identity"
-    seed: int = 0
+    num_nodes: int = 1  # nodes the hierarchical placement packs expert groups into
+    initial: str = "identity"  # identity | shuffled (a seeded random placement, for tests)
+    seed: int = 0  # seed of the shuffled initial placement
 
     def __post_init__(self):
         _require(isinstance(self.redundant_experts, int) and self.redundant_experts >= 0,
