@@ -45,6 +45,7 @@ setup(
         "huggingface_hub==2.4.0",  # model ids from the local HF cache (no download at run time)
     ],
     extras_require={
+        "plot": ["matplotlib>=3.8"],  # timeline.png of traced runs, megainfer-timeline
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "transformers==5.24.0", "matplotlib>=3.8"],
         "nccl": ["nvidia-nccl-cu12"],
         "deepspeed": ["deepspeed==0.19.8"],
@@ -53,6 +54,7 @@ setup(
         "console_scripts": [
             "megainfer-launch=megainfer.launch.main:main",
             "megainfer-plan=megainfer.launch.plan:main",
+            "megainfer-timeline=megainfer.tools.timeline:main",
         ]
     },
 )

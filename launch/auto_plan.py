@@ -53,20 +53,42 @@ def _gpu_preset(device) -> str | None:
 
 
 def hardware_for(name, device=None) -> tuple:
-    """(HardwareProfile, where it came from)."""
+    """(HardwareProfile, where it came from: a few words)."""
     from megainfer.perfmodel.hardware import load_hardware
     if name:
         return load_hardware(str(name)), f"deploy.hardware={name}"
     path = machine_profile_path()
     if os.path.isfile(path):
-        return load_hardware(path), f"calibrated profile {path}"
+        return load_hardware(path), f"calibrated, {path}"
     gpu = _gpu_preset(device)
-    if gpu:
-        return load_hardware(gpu), (f"no calibrated profile for this machine at {path}: using the "
-                                    f"{gpu} datasheet preset for its GPU")
-    return load_hardware(FALLBACK_PROFILE), (
-        f"no calibrated profile for this machine at {path}: using the {FALLBACK_PROFILE} preset "
-        f"(run `megainfer-plan calibrate calibrate.out={path}` to make one)")
+    preset = gpu or FALLBACK_PROFILE
+    return load_hardware(preset), "GPU datasheet preset" if gpu else "preset"
+
+
+def calibrate_hint() -> str:
+    """The one line saying how to calibrate this machine (logged when it is not)."""
+    return f"[plan] not calibrated: megainfer-plan calibrate calibrate.out={machine_profile_path()}"
+
+
+def model_shape(cfg: ModelConfig, name: str = "model"):
+    """ModelConfig -> ModelShape, MLA included: DeepSeek's attention is counted by its
+    parameters and its cache by the latent (kv_lora_rank + qk_rope_head_dim per token and
+    layer), its shared experts as n_shared_experts x moe_intermediate_size, as the
+    conf/plan_model/deepseek_v3.yaml preset does."""
+    from megainfer.perfmodel.shapes import ModelShape
+    shape = ModelShape.from_model_config(cfg, name)
+    if not cfg.is_mla:
+        return shape
+    h, n = cfg.hidden_size, cfg.num_heads
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    q = h * n * qk if cfg.q_lora_rank is None else h * cfg.q_lora_rank + cfg.q_lora_rank * n * qk
+    attn = (q + h * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)  # q, kv_a
+            + cfg.kv_lora_rank * n * (cfg.qk_nope_head_dim + cfg.v_head_dim)  # kv_b
+            + n * cfg.v_head_dim * h)  # o
+    return replace(shape, num_kv_heads=n, head_dim=qk, attn_params_override=attn,
+                   kv_elems_override=cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+                   shared_intermediate_size=(shape.shared_intermediate_size
+                                             or cfg.n_shared_experts * cfg.moe_intermediate_size))
 
 
 def shape_of(cfg: ModelConfig, hw):
@@ -75,7 +97,7 @@ def shape_of(cfg: ModelConfig, hw):
     import yaml
     from megainfer.perfmodel.hardware import hardware_dir
     from megainfer.perfmodel.shapes import ModelShape
-    shape = ModelShape.from_model_config(cfg, "model")
+    shape = model_shape(cfg, "model")
     mine = {k: v for k, v in asdict(shape).items() if k not in ("name", "source")}
     presets = os.path.join(os.path.dirname(hardware_dir()), "plan_model")
     for name in sorted(hw.fits):
@@ -90,7 +112,7 @@ def shape_of(cfg: ModelConfig, hw):
         except ConfigError:
             continue
         if {k: v for k, v in asdict(other).items() if k not in ("name", "source")} == mine:
-            return ModelShape.from_model_config(cfg, name)
+            return replace(shape, name=name)
     return shape
 
 
@@ -207,6 +229,8 @@ def _ranked(c: dict, d: dict, hw_name, pins: dict, world: int):
     log.info("[plan] deploy=auto over %d ranks: hardware %s (%s); %s timed by %s; job %d "
              "sequences, prompt ~%d tokens (%s), max_tokens %d", world, hw.name, hw_from,
              shape.name, timing, n_seqs, wl.input_len, src, wl.output_len)
+    if "preset" in hw_from:
+        log.info(calibrate_hint())
     log.info("[plan] chosen: %s", best.describe())
     if len(ranked) > 1:
         r = ranked[1]

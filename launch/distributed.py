@@ -1,6 +1,7 @@
 """``megainfer-launch`` under mpirun: every rank builds its part (``megainfer.runtime.world``);
 rank 0 runs the offline job over the replicas' output stream and writes the results, the summary
-and (with ``trace.enabled``) the merged trace into its run directory.
+and (with ``trace.enabled``) the merged trace, its ``timeline.png`` and its pipeline figures (in
+``summary.json``) into its run directory.
 
 A rank that fails (a peer silent past ``comm.timeout_s``, bad input found late) prints one line
 naming itself, the peer and the phase, writes that line and its traceback to
@@ -86,9 +87,12 @@ def _report_failure(line: str, run_dir: str, rank: int) -> None:
 
 
 def _write_traces(rank, comm, run_dir: str, summary) -> None:
-    """Each rank writes its trace; rank 0 merges them and prints the pipeline figures."""
+    """Each rank writes its trace; rank 0 merges them, puts the pipeline figures into the
+    summary (``summary.pipeline``, printed too) and draws ``timeline.png`` of a steady-state
+    iteration (``megainfer.tools.timeline``; without matplotlib the log names the extra)."""
     from megainfer.runtime.trace import merge_traces
     from megainfer.runtime.trace_metrics import pipeline_metrics
+    from megainfer.tools.timeline import PlotExtraMissing, draw_timeline
     rank.tracer.write(run_dir)
     comm.Barrier()
     if comm.Get_rank() != 0:
@@ -101,3 +105,19 @@ def _write_traces(rank, comm, run_dir: str, summary) -> None:
     print(f"[launch] pipeline (from {merged}): T_a {m['T_a_us']:.0f} us, T_e {m['T_e_us']:.0f} us, "
           f"T_c {m['T_c_us']:.0f} us, communication hidden {100 * m['hidden_fraction']:.0f}%, "
           f"bubbles {m['bubble_fraction']}", flush=True)
+    summary.pipeline = {k: _json_number(v) for k, v in m.items()}
+    png = os.path.join(run_dir, "timeline.png")
+    try:
+        it, _ = draw_timeline(merged, png)
+    except PlotExtraMissing as e:
+        log.warning("[launch] no timeline.png: %s", e)
+        return
+    summary.pipeline.update(timeline=png, timeline_iteration=it)
+    log.info("[launch] timeline of iteration %d: %s", it, png)
+
+
+def _json_number(v):
+    """NaN (a figure the trace could not give) -> None, so summary.json stays strict JSON."""
+    if isinstance(v, dict):
+        return {k: _json_number(x) for k, x in v.items()}
+    return None if isinstance(v, float) and v != v else v

@@ -3,8 +3,8 @@
 ``run_offline_job`` works with any generator that has ``generate_stream(requests) ->
 Iterator[RequestOutput]`` (single mode: ``megainfer.LLM``; the distributed runtime plugs in its
 own). Each line is written and flushed the moment its request finishes, so a killed job leaves
-every finished result on disk; a rerun with the same output skips the ids already there (error
-records included: delete an error line to retry it). Bad input lines (``inputs.BadLine``) are
+every finished result on disk; a rerun with the same output skips the ids whose record finished
+and runs again those whose record is an error, replacing it (``launch/resume.py``). Bad input lines (``inputs.BadLine``) are
 written as error records first, without reaching the generator, and counted in ``errors``. An
 output that cannot be created is an ``OutputFileError`` before the generator is asked for anything.
 """
@@ -22,6 +22,7 @@ import numpy as np
 from megainfer.engine import CompletionOutput, PromptInput, RequestOutput
 
 from .inputs import BadLine
+from .resume import OutputRecords, plan_resume, read_output
 from .settings import OutputFileError
 
 log = logging.getLogger("megainfer.launch")
@@ -35,7 +36,7 @@ class Generator(Protocol):
 class JobSummary:
     requests: int  # finished this run (errors excluded)
     errors: int
-    skipped: int  # already in the output (resume)
+    skipped: int  # already done in the output (resume)
     prompt_tokens: int
     output_tokens: int
     elapsed_s: float
@@ -52,12 +53,18 @@ class JobSummary:
     kv_handoff_p50_ms: Optional[float] = None
     kv_handoff_p99_ms: Optional[float] = None
     replans: list = field(default_factory=list)  # re-plans of the split (docs/replan.md)
+    # the input's requests = new + retried + skipped (resume; launch/resume.py)
+    new: int = 0  # no record in the output before this run
+    retried: int = 0  # their record was an error: run again, the record replaced
+    pipeline: Optional[dict] = None  # trace.enabled: figures read off the trace (trace_metrics)
 
     def table(self) -> str:
         def ms(v):
             return "-" if v is None else f"{v:.2f}"
-        rows = [("requests", f"{self.requests}"), ("errors", f"{self.errors}"),
-                ("skipped (already done)", f"{self.skipped}"),
+        total = self.new + self.retried + self.skipped
+        rows = [("requests", f"{total}: {self.new} new, {self.retried} retried, "
+                             f"{self.skipped} skipped (already done)"),
+                ("finished / errors", f"{self.requests} / {self.errors}"),
                 ("prompt / output tokens", f"{self.prompt_tokens} / {self.output_tokens}"),
                 ("prefix cache hit rate", "-" if self.prefix_hit_rate is None else
                  f"{100 * self.prefix_hit_rate:.1f}% ({self.cached_prompt_tokens} tokens)"),
@@ -120,29 +127,6 @@ def output_record(out: RequestOutput) -> dict:
     return rec
 
 
-def done_ids(path: str) -> set[str]:
-    """Ids already written (json-encoded). A torn last line (a killed job) is cut off."""
-    if not os.path.exists(path):
-        return set()
-    ids, good = set(), 0
-    with open(path, "rb") as f:
-        data = f.read()
-    for raw in data.splitlines(keepends=True):
-        try:
-            if not raw.endswith(b"\n"):
-                raise ValueError("torn line")
-            ids.add(json.dumps(json.loads(raw)["id"]))
-        except (ValueError, KeyError, TypeError):
-            break
-        good += len(raw)
-    if good < len(data):
-        log.warning("[launch] %s: dropping %d bytes after the last complete line", path,
-                    len(data) - good)
-        with open(path, "r+b") as f:
-            f.truncate(good)
-    return ids
-
-
 def _pct(xs: list[float], q: float) -> Optional[float]:
     return float(np.percentile(xs, q) * 1e3) if xs else None
 
@@ -153,15 +137,15 @@ def run_offline_job(requests: list[PromptInput], generator: Generator, output_pa
     ``BadLine`` entries are written as error records without reaching the generator."""
     try:
         os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)
-        done = done_ids(output_path) if resume else set()
+        plan = plan_resume(requests, read_output(output_path) if resume
+                           else OutputRecords(output_path))
         f = open(output_path, "a" if resume else "w", encoding="utf-8")
     except OSError as e:
         raise OutputFileError(f"io.output={output_path!r}: cannot write it "
                               f"({e.strerror or e})") from e
-    todo = [r for r in requests if json.dumps(r.request_id) not in done]
-    skipped = len(requests) - len(todo)
+    todo, skipped = plan.todo, plan.skipped
     if skipped:
-        log.info("[launch] resume: %d of %d requests already in %s", skipped, len(requests),
+        log.info("[launch] resume: %d of %d requests already done in %s", skipped, len(requests),
                  output_path)
     bad = [r for r in todo if isinstance(r, BadLine)]
     todo = [r for r in todo if not isinstance(r, BadLine)]
@@ -201,7 +185,8 @@ def run_offline_job(requests: list[PromptInput], generator: Generator, output_pa
                       _pct(ttft, 50), _pct(ttft, 99), _pct(tpot, 50), _pct(tpot, 99),
                       output=output_path, cached_prompt_tokens=c_tok,
                       prefix_hit_rate=c_tok / p_tok if p_tok else None,
-                      kv_handoff_p50_ms=_pct(handoff, 50), kv_handoff_p99_ms=_pct(handoff, 99))
+                      kv_handoff_p50_ms=_pct(handoff, 50), kv_handoff_p99_ms=_pct(handoff, 99),
+                      new=plan.new, retried=plan.retried)
 
 
 def _bad_line_output(b: BadLine) -> RequestOutput:

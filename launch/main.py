@@ -2,7 +2,9 @@
 
 World size 1 (no mpirun) runs ``deploy.mode=single`` in this process. Under mpirun every rank
 runs this too: ``launch/distributed.py`` builds the rank's part of the job. Only rank 0 keeps a
-Hydra run directory and logs at INFO; the other ranks log warnings and errors only.
+Hydra run directory and logs at INFO; the other ranks log warnings and errors only. A start-up
+failure (Hydra refusing the command line, a bad setting) is printed once, by rank 0
+(``launch/startup_errors.py``).
 """
 from __future__ import annotations
 
@@ -16,8 +18,10 @@ from omegaconf import DictConfig
 from megainfer.config import ConfigError
 from megainfer.engine import RequestError
 
+from . import startup_errors
 from .inputs import job_requests
 from .job import run_offline_job, write_summary
+from .overrides import job_config_text, override_key_error, wants_job_config
 from .settings import JobSettings, settings_from_config
 from .world import local_rank, local_ranks, world_rank, world_size
 
@@ -29,8 +33,7 @@ def single_generator(s: JobSettings):
     return LLM.from_job(s)
 
 
-def run_job(cfg, run_dir: str) -> int:
-    s = settings_from_config(cfg, world_size(), local_ranks(), local_rank())
+def run_job(s: JobSettings, run_dir: str) -> int:
     import torch
     torch.set_num_threads(s.cpu_threads)
     out = s.io.output or os.path.join(run_dir, "generations.jsonl")
@@ -48,11 +51,23 @@ def run_job(cfg, run_dir: str) -> int:
     return 0
 
 
+_held: startup_errors.HeldStderr | None = None  # stderr held back while Hydra composes
+
+
 @hydra.main(config_path="pkg://megainfer.conf", config_name="config", version_base=None)
 def _hydra_main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
+    if _held is not None:
+        sys.stderr.write(_held.release())  # composed: what Hydra printed so far was no error
+    failure = None
     try:
-        code = run_job(cfg, HydraConfig.get().runtime.output_dir)
+        s = settings_from_config(cfg, world_size(), local_ranks(), local_rank())
+    except ConfigError as e:
+        failure = startup_errors.config_error_line(e)
+    if startup_errors.report(startup_errors.agree(failure)):
+        sys.exit(2)
+    try:
+        code = run_job(s, HydraConfig.get().runtime.output_dir)
     except (ConfigError, RequestError) as e:
         print(f"[launch rank{world_rank()}] error: {type(e).__name__}: {e}", file=sys.stderr,
               flush=True)
@@ -67,19 +82,31 @@ _FOLLOWER_OVERRIDES = ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job
 
 
 def main() -> None:
-    from .overrides import job_config_text, override_key_error, wants_job_config
-    bad = override_key_error(sys.argv[1:])
-    if bad is not None:
-        print(f"[launch rank{world_rank()}] error: {type(bad).__name__}: {bad}", file=sys.stderr,
-              flush=True)
+    global _held
+    bad = override_key_error(sys.argv[1:])  # before Hydra, whose `+key` advice is wrong here
+    if startup_errors.report(startup_errors.agree(
+            None if bad is None else startup_errors.config_error_line(bad))):
         sys.exit(2)
     if wants_job_config(sys.argv[1:]):
         print(job_config_text(sys.argv[1:]), end="")
         return
-    if world_size() > 1 and world_rank() != 0 and not any(a.startswith("-") for a in sys.argv[1:]):
+    runs_job = not any(a.startswith("-") for a in sys.argv[1:])  # not --help, --cfg, ...
+    if world_size() > 1 and world_rank() != 0 and runs_job:
         sys.argv += _FOLLOWER_OVERRIDES
         logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    _hydra_main()
+    if not (runs_job and world_size() > 1):
+        _hydra_main()
+        return
+    _held = startup_errors.HeldStderr()
+    with _held:
+        try:
+            _hydra_main()
+        except SystemExit as e:
+            if _held.released or not e.code:
+                raise
+            text = _held.release()  # Hydra refused the command line: rank 0 says it once
+            startup_errors.report(startup_errors.agree(text or f"[launch] exit {e.code}"))
+            raise
 
 
 if __name__ == "__main__":

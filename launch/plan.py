@@ -1,7 +1,12 @@
 """megainfer-plan: Hydra front door of the performance model (config -> dataclasses -> perfmodel).
 
   megainfer-plan model=mixtral_8x22b hardware=h100 slo.tpot_ms=100
+  megainfer-plan model.path=DIR hardware=h100          # a checkpoint's config.json
   megainfer-plan calibrate [model=cpu_small calibrate.out=cpu_node.yaml]
+
+The model: ``model=NAME`` of conf/plan_model/ (shape presets), or of the launcher's conf/model/
+(``model=tiny``: its ``arch``), or ``model.path=DIR`` (a checkpoint: every family, DeepSeek's
+latent cache included, through ``auto_plan.model_shape``).
 """
 from __future__ import annotations
 
@@ -15,15 +20,62 @@ import megainfer.conf
 from megainfer.config import ConfigError
 
 CONF_DIR = os.path.dirname(os.path.abspath(megainfer.conf.__file__))
+SOURCE_KEYS = ("path", "launch_preset")  # where the shape comes from, when not the preset
+# the plan table's columns, in one line (printed under each table)
+LEGEND = ("T_a/T_e: attention/expert time of one micro-batch in one layer; T_c: its one-way "
+          "transfer; m: micro-batches; B: global batch; binding: what caps B")
+
+
+def _names(group: str) -> set[str]:
+    d = os.path.join(CONF_DIR, group)
+    return {f[:-5] for f in os.listdir(d) if f.endswith(".yaml")}
+
+
+def presets(group: str, *shadowing: str) -> str:
+    """The YAML names of conf/<group>/ but those of the ``shadowing`` groups (help text)."""
+    return ", ".join(sorted(_names(group).difference(*map(_names, shadowing))))
+
+
+OmegaConf.register_new_resolver("plan_presets", presets, replace=True)
+
+
+def _model_config(m: dict):
+    """The ModelConfig of ``model.path`` or ``model.launch_preset``, with the shape's name."""
+    import yaml
+
+    from megainfer.config.model_source import model_config_of
+    if m.get("path"):
+        path = os.path.expanduser(str(m["path"]))
+        return model_config_of({"path": path}), os.path.basename(os.path.normpath(path))
+    f = os.path.join(CONF_DIR, "model", f"{m['launch_preset']}.yaml")
+    with open(f) as fh:
+        return model_config_of(yaml.safe_load(fh) or {}), str(m["launch_preset"])
 
 
 def _shape(cfg: DictConfig):
+    from dataclasses import replace
+
     from megainfer.perfmodel.shapes import ModelShape
+
+    from .auto_plan import model_shape
     d = OmegaConf.to_container(cfg.model, resolve=True)
     cache = cfg.get("cache", {})
-    d.setdefault("kv_cache_dtype", cache.get("kv_cache_dtype", "auto"))
-    d.setdefault("kv_scale_granularity", cache.get("kv_scale_granularity", "token_head"))
-    return ModelShape.from_dict({k: v for k, v in d.items() if k != "name"}, d.get("name", "model"))
+    kv = {"kv_cache_dtype": d.get("kv_cache_dtype", cache.get("kv_cache_dtype", "auto")),
+          "kv_scale_granularity": d.get("kv_scale_granularity",
+                                        cache.get("kv_scale_granularity", "token_head"))}
+    if any(d.get(k) for k in SOURCE_KEYS):
+        mc, name = _model_config(d)
+        return replace(model_shape(mc, name), **kv)
+    d.update(kv)
+    return ModelShape.from_dict({k: v for k, v in d.items() if k != "name" and k not in SOURCE_KEYS},
+                                d.get("name", "model"))
+
+
+def _echo(text: str) -> None:
+    """print, and the legend under each plan table (its header ends in "binding")."""
+    print(text)
+    if text.split("\n", 1)[0].rstrip().endswith("binding"):
+        print(LEGEND)
 
 
 def _run(cfg: DictConfig) -> None:
@@ -76,7 +128,7 @@ def _run(cfg: DictConfig) -> None:
         _run_goodput(cfg, shape, profiles[0], space, opt)
         return
     run_plan(shape, profiles, Workload(int(cfg.workload.input_len), int(cfg.workload.output_len)),
-             space, opt)
+             space, opt, echo=_echo)
 
 
 def _run_goodput(cfg: DictConfig, shape, hw, space, opt) -> None:
@@ -136,14 +188,23 @@ def _hydra_main(cfg: DictConfig) -> None:
         sys.exit(2)
 
 
+def _is_preset(group: str, name: str) -> bool:
+    return os.path.isfile(os.path.join(CONF_DIR, group, f"{name}.yaml"))
+
+
 def _rewrite_argv(argv: list[str]) -> list[str]:
-    """`calibrate` -> command=calibrate; `model=<preset>` -> plan_model@model=<preset>."""
+    """`calibrate` -> command=calibrate; `model=<preset>` -> plan_model@model=<preset>, or
+    model.launch_preset=<name> for a model of the launcher's conf/model/ only (tiny)."""
     out = []
     for a in argv:
         if a == "calibrate":
             out.append("command=calibrate")
         elif a.startswith("model=") and "." not in a.split("=", 1)[0]:
-            out.append("plan_model@" + a)
+            name = a.split("=", 1)[1]
+            if not _is_preset("plan_model", name) and _is_preset("model", name):
+                out.append(f"model.launch_preset={name}")
+            else:
+                out.append("plan_model@" + a)
         else:
             out.append(a)
     if "command=calibrate" in out and not any(a.startswith("plan_model@model=") for a in out):

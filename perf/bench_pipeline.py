@@ -18,7 +18,6 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -89,8 +88,8 @@ def main():
     overhead = t2["decode_iter_s"] / statistics.median(
         [untraced_again[0]["decode_iter_s"], m2["decode_iter_ms"] / 1e3]) - 1
     if a.timeline:
-        subprocess.run([sys.executable, os.path.join(HERE, "plot_timeline.py"), t2["trace"],
-                        "-o", a.timeline, "--iter", "10"], check=False)
+        from megainfer.tools.timeline import draw_timeline
+        draw_timeline(t2["trace"], a.timeline, iteration=10)
     result = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} "
               f"{os.cpu_count()} cores, {platform.python_version()}, torch 1 thread per rank",
               "shape": runs[0].get("shape"), "repeats": a.repeats, "rows": rows,

@@ -36,7 +36,8 @@ SHAPES = {
 
 @pytest.fixture(scope="session")
 def tiny_ckpts(tmp_path_factory):
-    """{(family, shape): checkpoint dir}, built once per test session."""
+    """{(family, shape): checkpoint dir}, built once per test session (without a chat template:
+    the chat tests add their own)."""
     from megainfer.tools.make_tiny import make_tiny
     root = tmp_path_factory.mktemp("ckpts")
     out = {}
@@ -47,7 +48,8 @@ def tiny_ckpts(tmp_path_factory):
                 kw["mlp_only_layers"] = (1,)
             if shape == "odd" and fam == "qwen3_moe":
                 kw["norm_topk_prob"] = False
-            out[(fam, shape)] = make_tiny(fam, str(root / f"{fam}_{shape}"), seed=1, **kw)
+            out[(fam, shape)] = make_tiny(fam, str(root / f"{fam}_{shape}"), seed=1,
+                                          chat_template=False, **kw)
     return out
 
 

@@ -66,6 +66,19 @@ def test_chat_template_file_and_named_templates(tiny_ckpts, tmp_path):
     assert load_special_tokens(d2) == {}
 
 
+def test_make_tiny_writes_a_template_that_chats(tmp_path, capsys):
+    from megainfer.tools.make_tiny import main as make_tiny_main
+    make_tiny_main(["--family", "mixtral", "--out", str(tmp_path / "t")])  # template: default on
+    assert "with a chat template" in capsys.readouterr().out
+    llm = LLM(str(tmp_path / "t"), max_model_len=128)
+    out = llm.chat(CONV, GREEDY, use_tqdm=False)
+    text = "<|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\n"
+    assert out[0].prompt == text and out[0].prompt_token_ids == list(text.encode())
+    assert out[0].outputs[0].token_ids == llm.generate(text, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    make_tiny_main(["--family", "mixtral", "--out", str(tmp_path / "bare"), "--no-chat-template"])
+    assert load_chat_template(str(tmp_path / "bare")) is None
+
+
 def test_missing_template_is_a_typed_error(tiny_ckpts):
     llm = LLM(tiny_ckpts[("mixtral", "base")], max_model_len=64)
     with pytest.raises(ChatTemplateError, match="no chat template") as info:

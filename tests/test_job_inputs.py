@@ -86,6 +86,31 @@ def test_bad_lines_become_error_records(ckpt, tmp_path):
     assert again.skipped == len(GOOD) + len(BAD) and again.requests == again.errors == 0
 
 
+def test_resume_after_fixing_a_bad_line_runs_it_exactly_once(ckpt, tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "gen.jsonl"
+    good = ['{"id": "a", "prompt": "hello"}', '{"id": "b", "prompt_token_ids": [5, 6]}']
+    inp.write_text("\n".join(good + ['{"id": "k", "promt": "fixed later"}', '[1]']) + "\n")
+    s = _settings(f"model.path={ckpt}", f"io.input={inp}", f"io.output={out}",
+                  "sampling.max_tokens=3", "sampling.ignore_eos=true")
+    first = run_offline_job(job_requests(s), single_generator(s), str(out), progress=False)
+    assert (first.new, first.retried, first.skipped, first.requests, first.errors) == (4, 0, 0, 2, 2)
+    inp.write_text("\n".join(good + ['{"id": "k", "prompt": "fixed"}', '[1]']) + "\n")
+    gen = single_generator(s)
+    asked = []
+    stream = gen.generate_stream
+    gen.generate_stream = lambda reqs: (asked.extend(r.request_id for r in reqs), stream(reqs))[1]
+    again = run_offline_job(job_requests(s), gen, str(out), progress=False)
+    assert asked == ["k"]  # the fixed line alone; the still-bad line 4 keeps its record
+    assert (again.new, again.retried, again.skipped, again.requests, again.errors) == (0, 1, 3, 1, 0)
+    assert "4: 0 new, 1 retried, 3 skipped" in again.table()
+    recs = _records(out)
+    assert sorted(str(r["id"]) for r in recs) == ["4", "a", "b", "k"]  # one line per id
+    k = next(r for r in recs if r["id"] == "k")
+    assert k["finish_reason"] == "length" and len(k["token_ids"]) == 3
+    third = run_offline_job(job_requests(s), single_generator(s), str(out), progress=False)
+    assert (third.new, third.retried, third.skipped) == (0, 0, 4) and len(_records(out)) == 4
+
+
 def test_strict_refuses_the_file_listing_every_bad_line(ckpt, tmp_path):
     inp = tmp_path / "in.jsonl"
     bad = _write_input(inp)

@@ -13,7 +13,8 @@ from megainfer import LLM, SamplingParams
 from megainfer.config import ConfigError
 from megainfer.engine import PromptInput
 from megainfer.launch.inputs import BadLine, InputFileError, read_requests
-from megainfer.launch.job import done_ids, run_offline_job
+from megainfer.launch.job import run_offline_job
+from megainfer.launch.resume import done_ids
 from megainfer.launch.settings import settings_from_config
 
 
@@ -178,7 +179,9 @@ def test_offline_job_streams_and_resumes(tiny_ckpts, tmp_path):
     assert len(done_ids(str(part))) == 2 and part.read_text() == "".join(lines[:2])
     part.write_text("".join(lines[:2]) + lines[2][:10])
     s2 = run_offline_job(_requests(), llm, str(part), progress=False)
-    assert s2.skipped == 2 and s2.requests + s2.errors == 5
+    # issue 34: a record that is an error ("bad", refused) runs again; finished ones are skipped
+    e = sum(json.loads(line)["finish_reason"] == "error" for line in lines[:2])
+    assert (s2.skipped, s2.retried, s2.new) == (2 - e, e, 5) and s2.requests + s2.errors == 5 + e
     got = _lines(part)
     assert len(part.read_text().splitlines()) == 7
     for k in ref:  # seeded per id: the resumed job writes what the uninterrupted one did
@@ -238,3 +241,52 @@ def test_console_mpi_default_job_equals_single(tmp_path):
     want = {k: v["token_ids"] for k, v in _lines(tmp_path / "single" / "generations.jsonl").items()}
     got = {k: v["token_ids"] for k, v in _lines(tmp_path / "mpi" / "generations.jsonl").items()}
     assert got == want and len(got) == 8
+
+
+def _attention_params(ckpt: str, layer: int) -> int:
+    """Attention projection weights of one layer, counted off the checkpoint (norms, biases out)."""
+    from safetensors import safe_open
+    n = 0
+    with safe_open(os.path.join(ckpt, "model.safetensors"), "pt") as f:
+        for k in f.keys():
+            if f".layers.{layer}.self_attn." in k and k.endswith(("proj.weight", "mqa.weight")):
+                n += f.get_slice(k).get_shape()[0] * f.get_slice(k).get_shape()[1]
+    return n
+
+
+def test_plan_reads_a_checkpoint_of_each_family(tiny_ckpts, tmp_path, capsys):
+    from megainfer.config import ModelConfig
+    from megainfer.launch.plan import LEGEND, _rewrite_argv, _run, _shape
+    from megainfer.tools.make_tiny import make_tiny
+    ckpts = {f: tiny_ckpts[(f, "base")] for f in ("mixtral", "qwen2_moe", "qwen3_moe")}
+    for f in ("deepseek_v2", "deepseek_v3"):
+        ckpts[f] = make_tiny(f, str(tmp_path / f), seed=1, chat_template=False)
+    for fam, d in ckpts.items():
+        argv = _rewrite_argv([f"model.path={d}", "hardware=cpu_node", "dtype=float32", "top=1",
+                              "colocated=false", "out.timeline=false", f"out.dir={tmp_path}/o",
+                              "search.replica_choices=[1,2]", "search.tp_choices=[1]"])
+        with initialize_config_module(config_module="megainfer.conf", version_base=None):
+            cfg = compose("plan", overrides=argv)
+        shape, mc = _shape(cfg), ModelConfig.from_pretrained(d)
+        assert (shape.name, shape.hidden_size, shape.num_experts, shape.top_k) == (
+            os.path.basename(d), mc.hidden_size, mc.num_experts, mc.top_k), fam
+        assert shape.attn_params == _attention_params(d, mc.moe_layers()[0]), fam
+        if fam.startswith("deepseek"):  # the latent cache: one kv_lora_rank + rope row a token
+            assert shape.kv_elems == mc.kv_lora_rank + mc.qk_rope_head_dim == 40
+            assert shape.shared_intermediate_size == mc.n_shared_experts * mc.moe_intermediate_size
+        else:
+            assert shape.kv_elems == 2 * mc.num_kv_heads * mc.head_dim
+        _run(cfg)
+        out = capsys.readouterr().out
+        assert f"[plan] model={os.path.basename(d)} " in out, fam
+        table = out.split("binding\n", 1)[1].splitlines()
+        assert table[1] == LEGEND  # the table's one row, then its legend
+        assert json.loads((tmp_path / "o" / "plans.json").read_text())["model"] == os.path.basename(d)
+    # the launcher's tiny preset plans too, and --help lists the plan's own model presets
+    with initialize_config_module(config_module="megainfer.conf", version_base=None):
+        cfg = compose("plan", overrides=_rewrite_argv(["model=tiny"]))
+    assert _shape(cfg).name == "tiny" and _shape(cfg).hidden_size == 64
+    exe = os.path.join(os.path.dirname(sys.executable), "megainfer-plan")
+    h = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=120).stdout
+    assert "model=NAME, a shape preset: cpu_small, deepseek_v3," in h and "model.path=DIR" in h
+    assert "launcher's models: bench50m, tiny" in h and "== Configuration groups ==" not in h

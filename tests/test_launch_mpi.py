@@ -63,6 +63,13 @@ def test_heterogeneous_launch_and_trace(tmp_path, tiny_ckpts):
     for e in experts:  # causal order on one clock: A2E before the expert, expert before E2A
         assert sent[key(e)] <= e["ts"] + 50 and e["ts"] + e["dur"] <= back[key(e)] + 50, e
     assert "communication hidden" in p.stdout
+    # the picture of a steady-state iteration, and the pipeline figures as summary fields
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    pipe = summary["pipeline"]
+    assert pipe["mode"] == "disaggregated" and pipe["T_a_us"] > 0 and pipe["T_e_us"] > 0
+    assert 0 <= pipe["hidden_fraction"] <= 1 and pipe["events"] == len(ev)
+    assert pipe["timeline"] == str(tmp_path / "run" / "timeline.png") and pipe["timeline_iteration"] > 0
+    assert (tmp_path / "run" / "timeline.png").stat().st_size > 10_000
 
 
 def _check_trace(trace, ranks, lanes):
@@ -93,6 +100,24 @@ def test_world_size_that_does_not_fit_the_plan(tmp_path):
     p = _launch(["-n", "2", LAUNCH, "deploy=a2e4"], tmp_path, timeout=120)
     assert p.returncode != 0
     assert "needs 6 ranks" in p.stderr and "world size 2" in p.stderr
+
+
+@pytest.mark.parametrize("args,code", [(["deploy.micro_batchs=2"], 1),  # Hydra refuses the key
+                                       (["sampling.top_p=0"], 2)])  # megainfer refuses the value
+def test_a_start_up_error_is_printed_once_not_per_rank(tmp_path, args, code):
+    single = subprocess.run([LAUNCH, *args], cwd=tmp_path, env=_env(), capture_output=True,
+                            text=True, timeout=120)
+    p = _launch(["-n", "3", LAUNCH, *args], tmp_path, timeout=120)
+    assert p.returncode == single.returncode == code, p.stderr[-3000:]
+    assert p.stderr == single.stderr and single.stderr.strip()  # rank 0's report, as one process
+    if code == 1:
+        return
+    # ranks that disagree: rank 0 names the ones that failed
+    p = _launch(["-n", "1", LAUNCH, ":", "-n", "2", LAUNCH, "sampling.top_p=0"], tmp_path,
+                timeout=120)
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines() == [
+        "[launch] error: ConfigError: sampling.top_p=0: must be in (0, 1] (ranks 1, 2)"]
 
 
 def _pid_of_rank(mark: str, rank: int, deadline: float) -> int:

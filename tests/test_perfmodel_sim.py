@@ -1,6 +1,7 @@
 """Simulator: equals T_total exactly with zero jitter and balanced load; jitter and imbalance
 only slow it down; the trace follows docs/trace_format.md; plot_trace draws it."""
 import json
+import os
 import random
 
 import numpy as np
@@ -95,3 +96,30 @@ def test_trace_format_and_dependencies(tmp_path):
     png = tmp_path / "t.png"
     n = plot_trace(read_trace(str(path)), str(png), max_layer=1)
     assert n == len([e for e in xs if e["args"]["layer"] < 1]) and png.stat().st_size > 5000
+
+
+def test_megainfer_timeline_draws_a_steady_iteration(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    from megainfer.perfmodel.trace import TraceWriter
+    from megainfer.tools.timeline import PlotExtraMissing, draw_timeline, steady_iteration
+    w = TraceWriter()
+    w.name_ranks(1, 1, 1, 1)
+    for it, start, span in [(0, 0.0, 5.0), (1, 5.0, 1.2), (2, 6.2, 0.9), (3, 7.1, 1.0),
+                            (4, 8.1, 1.1)]:  # iteration 0: the start-up wait
+        for lane, pid, a, b in [("attention", 0, 0.0, 0.3), ("A2E", 0, 0.3, 0.4),
+                                ("expert", 1, 0.4, 0.7), ("E2A", 0, 0.4, 1.0)]:
+            w.span(pid, lane, start + a * span, start + b * span, it, 0, 0, 4)
+    path = tmp_path / "trace.json"
+    w.write(str(path))
+    assert steady_iteration(read_trace(str(path))) == 3  # the median span of iterations 1..4
+    exe = os.path.join(os.path.dirname(sys.executable), "megainfer-timeline")
+    r = subprocess.run([exe, str(path), "-o", str(tmp_path / "x.png"), "--iter", "2"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "drew 4 events of iteration 2" in r.stdout, r.stderr
+    assert (tmp_path / "x.png").stat().st_size > 5000
+    assert draw_timeline(str(path), str(tmp_path / "y.png")) == (3, 4)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed
+    with pytest.raises(PlotExtraMissing, match=r"pip install 'megainfer\[plot\]'"):
+        draw_timeline(str(path), str(tmp_path / "z.png"))

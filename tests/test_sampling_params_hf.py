@@ -1,6 +1,7 @@
 """vLLM's SamplingParams against the oracles: HF transformers where it has the feature
 (repetition_penalty, min_tokens, logprobs, prompt_logprobs, n), and single mode for the
 distributed runtime under mpiexec."""
+import copy
 import dataclasses
 import json
 import random
@@ -60,6 +61,36 @@ def test_min_tokens_matches_hf_min_new_tokens(llm, hf_models):
     c = got[0].outputs[0]
     assert c.token_ids == want and len(want) >= k + 4
     assert eos not in c.token_ids[:k + 4]
+
+
+def test_min_tokens_holds_back_eos_even_with_ignore_eos(llm, hf_models):
+    """vLLM: min_tokens masks eos even with ignore_eos; after it eos is a token like any other.
+    HF oracle: MinNewTokensLengthLogitsProcessor over eos, with eos never stopping generation."""
+    from transformers import LogitsProcessorList, MinNewTokensLengthLogitsProcessor
+    hf = hf_models(KEY)
+    p = _prompts(1, seed=6)[0]
+    free = hf_greedy(hf, p, 20)
+    eos = free[2]  # a token the free run emits: as eos it is the argmax at position k
+    k = free.index(eos)
+    eng = llm.engine
+    saved = eng.model_config
+    eng.model_config = dataclasses.replace(saved, eos_token_id=(eos,))
+    try:
+        got = llm.generate([p], SamplingParams(temperature=0, max_tokens=20, min_tokens=k + 4,
+                                               ignore_eos=True), use_tqdm=False)
+    finally:
+        eng.model_config = saved
+    gc = copy.deepcopy(hf.generation_config)
+    gc.eos_token_id, gc.pad_token_id, gc.do_sample, gc.max_new_tokens = 10**6, 0, False, 20
+    ids = torch.tensor([p])
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc,
+                          logits_processor=LogitsProcessorList(
+                              [MinNewTokensLengthLogitsProcessor(len(p), k + 4, eos)]))
+    want = out[0, len(p):].tolist()
+    c = got[0].outputs[0]
+    assert len(want) == 20 and c.token_ids == want and c.finish_reason == "length"
+    assert eos not in c.token_ids[:k + 4] and c.token_ids[:k] == free[:k]
 
 
 def test_logprobs_and_prompt_logprobs_match_hf(llm, hf_models):

@@ -2,7 +2,7 @@
 per-request seeds, and the log-probabilities asked for (sampled and prompt tokens).
 
 Order per row (vLLM v1): logprobs from the raw logits (log-softmax, before anything else);
-min_tokens masks eos / stop_token_ids to -inf, bad_words their last token; repetition penalty
+min_tokens masks eos (even with ignore_eos, as vLLM) / stop_token_ids to -inf, bad_words their last token; repetition penalty
 (HF: logit / p if > 0 else logit * p, on every token of prompt + output), then frequency and
 presence penalties (OpenAI, on output-token counts); greedy rows take the argmax of that;
 random rows divide by the temperature, filter, and race.
@@ -162,7 +162,7 @@ class Sampler:
                 if p.repetition_penalty != 1:
                     prompt_pairs += [(j, t) for t in r.prompt_set()]
             if p.min_tokens and len(r.output_token_ids) < p.min_tokens:
-                stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
+                stops = set(p.stop_token_ids) | set(r.eos_token_ids)  # eos even with ignore_eos (vLLM)
                 masks += [(i, t) for t in sorted(stops) if 0 <= t < V]
             n_out = len(r.output_token_ids)
             for w in r.bad_words_token_ids:  # vLLM: the last token, once the prefix matches

@@ -24,8 +24,8 @@ class SamplingParams:
     position, the sampled token's log-probability plus the top ``logprobs`` ones, from the raw
     model distribution (before penalties, temperature and filters). ``prompt_logprobs``: the
     same for every prompt token after the first. ``stop``: strings ending the output (cut from
-    the text unless ``include_stop_str_in_output``). ``min_tokens``: eos and ``stop_token_ids``
-    are masked until that many tokens were generated (stop strings are not checked either).
+    the text unless ``include_stop_str_in_output``). ``min_tokens``: eos (even with ``ignore_eos``, as
+    vLLM) and ``stop_token_ids`` are masked until that many tokens were generated (stop strings are not checked either).
     ``presence_penalty``/``frequency_penalty`` (OpenAI, on output tokens) and
     ``repetition_penalty`` (HF/CTRL, on prompt and output tokens). ``bad_words``: words never
     generated (their last token is masked once the output ends with the tokens before it)."""

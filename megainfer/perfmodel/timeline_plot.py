@@ -8,11 +8,13 @@ _COLORS = {"attention": "#4C72B0", "A2E": "#DD8452", "expert": "#C44E52", "E2A":
 
 
 def plot_trace(trace: dict, out_png: str, max_layer: int | None = None, max_ranks: int = 4,
-               iteration: int | None = None, title: str = "") -> int:
+               iteration: int | None = None, title: str = "", notes: str = "") -> int:
     """trace = read_trace(...) output. Returns the number of events drawn.
 
     One row per (rank, lane) with events; blocks labelled "<mb>_<layer>" like the paper's figure.
     max_layer: draw layers < max_layer only; max_ranks: first ranks of each role only.
+    A legend names each lane's colour; ``notes`` (e.g. what the send/receive lanes include)
+    is printed under the plot.
     """
     import matplotlib
     matplotlib.use("Agg")
@@ -54,7 +56,16 @@ def plot_trace(trace: dict, out_png: str, max_layer: int | None = None, max_rank
     ax.set_xlabel("time (ms)   block label: micro-batch_layer")
     src = trace.get("metadata", {}).get("source", "")
     ax.set_title(title or f"pipeline timeline ({src}, {mode})", fontsize=9)
-    fig.tight_layout()
+    from matplotlib.patches import Patch
+    ax.legend(handles=[Patch(facecolor=_COLORS.get(lane, "gray"), edgecolor="black", label=lane)
+                       for lane in lanes], loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=7,
+              ncol=len(lanes), frameon=False)
+    if notes:
+        fig.text(0.01, 0.01, notes, fontsize=7, va="bottom", ha="left", wrap=True)
+        fig.set_figheight(fig.get_figheight() + 0.16 * (notes.count("\n") + 1))
+        fig.tight_layout(rect=(0, 0.16 * (notes.count("\n") + 1) / fig.get_figheight(), 1, 1))
+    else:
+        fig.tight_layout()
     fig.savefig(out_png, dpi=120)
     plt.close(fig)
     return drawn

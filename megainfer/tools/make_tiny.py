@@ -4,11 +4,20 @@
 
 Seeded, and initialised wider than HF's default (``initializer_range``) so that greedy argmax
 margins sit well above float noise: tests compare greedy tokens across deploy modes.
+
+With ``--chat-template`` (the default; ``--no-chat-template`` leaves it out) the checkpoint
+also gets ``chat_template.jinja``, a minimal role-tagged template (``CHAT_TEMPLATE``), so
+``LLM.chat`` and "messages" input lines run on it. The checkpoint has no tokenizer files:
+megainfer reads its text as bytes (one token per byte), so the template is plain ASCII.
 """
 from __future__ import annotations
 
 import argparse
 import os
+
+# "<|user|>\nhi\n<|assistant|>\n": one tag line per message, the cue when asked
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
 FAMILY_CLASSES = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
@@ -70,8 +79,9 @@ def tiny_config_kwargs(family: str, *, vocab=256, hidden=64, layers=2, heads=4, 
     return kw
 
 
-def make_tiny(family: str, out: str, seed: int = 0, **shape) -> str:
-    """Build, seed-initialise and save a tiny HF checkpoint of ``family`` into ``out``."""
+def make_tiny(family: str, out: str, seed: int = 0, chat_template: bool = True, **shape) -> str:
+    """Build, seed-initialise and save a tiny HF checkpoint of ``family`` into ``out`` (with
+    ``chat_template``: and ``CHAT_TEMPLATE`` as its ``chat_template.jinja``)."""
     import torch
     import transformers
     cfg_cls, model_cls = (getattr(transformers, n) for n in FAMILY_CLASSES[family])
@@ -95,6 +105,10 @@ def make_tiny(family: str, out: str, seed: int = 0, **shape) -> str:
                     p.mul_(4.0)
     os.makedirs(out, exist_ok=True)
     model.save_pretrained(out)
+    if chat_template:
+        from megainfer.engine.chat_template import TEMPLATE_FILE
+        with open(os.path.join(out, TEMPLATE_FILE), "w", encoding="utf-8") as f:
+            f.write(CHAT_TEMPLATE)
     return out
 
 
@@ -112,6 +126,8 @@ def main(argv=None):
     ap.add_argument("--inter", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--q-lora-rank", type=int, default=None, help="deepseek_v2/v3 only")
+    ap.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=True,
+                    help="write a minimal chat_template.jinja (default: on)")
     a = ap.parse_args(argv)
     shape = dict(hidden=a.hidden, layers=a.layers, heads=a.heads, experts=a.experts,
                  top_k=a.top_k, inter=a.inter, vocab=a.vocab)
@@ -119,8 +135,9 @@ def main(argv=None):
         shape.update(q_lora_rank=a.q_lora_rank, layers=max(a.layers, 4), experts=max(a.experts, 8))
     else:
         shape.update(kv_heads=a.kv_heads)
-    make_tiny(a.family, a.out, a.seed, **shape)
-    print(f"wrote {a.family} checkpoint to {a.out}")
+    make_tiny(a.family, a.out, a.seed, chat_template=a.chat_template, **shape)
+    print(f"wrote {a.family} checkpoint to {a.out}"
+          + (" (with a chat template)" if a.chat_template else ""))
 
 
 if __name__ == "__main__":
