@@ -83,10 +83,12 @@ _FOLLOWER_OVERRIDES = ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job
 
 def main() -> None:
     global _held
-    bad = override_key_error(sys.argv[1:])  # before Hydra, whose `+key` advice is wrong here
+    # a key no group reads, refused before Hydra (whose `+key` advice is wrong here) with the
+    # exit code of a refused command line (1, as Hydra's; a bad value found later exits 2)
+    bad = override_key_error(sys.argv[1:])
     if startup_errors.report(startup_errors.agree(
             None if bad is None else startup_errors.config_error_line(bad))):
-        sys.exit(2)
+        sys.exit(1)
     if wants_job_config(sys.argv[1:]):
         print(job_config_text(sys.argv[1:]), end="")
         return

@@ -221,7 +221,7 @@ def test_console_errors_and_help(tmp_path):
 
 def test_console_mistyped_key_names_the_closest(tmp_path):
     r = _run(["deploy.micro_batchs=2", f"hydra.run.dir={tmp_path}/run"], tmp_path, timeout=120)
-    assert r.returncode == 2 and "did you mean deploy.micro_batches?" in r.stderr
+    assert r.returncode == 1 and "did you mean deploy.micro_batches?" in r.stderr
     assert "+deploy" not in r.stderr and not (tmp_path / "run").exists()
 
 
