@@ -18,6 +18,8 @@ core = find_packages(include=["megainfer", "megainfer.*"])
 conf_groups = sorted(d for d in os.listdir(os.path.join(HERE, "conf"))
                      if os.path.isdir(os.path.join(HERE, "conf", d)) and d.isidentifier()
                      and not d.startswith("_"))
+# megainfer-serve and megainfer-bench-serve (docs/serve.md); dev includes them so CI tests them
+SERVE = ["fastapi==0.165.0", "uvicorn==0.54.0", "prometheus-client==0.26.0", "httpx==0.28.1"]
 setup(
     name="megainfer",
     version="0.1.0",
@@ -46,7 +48,9 @@ setup(
     ],
     extras_require={
         "plot": ["matplotlib>=3.8"],  # timeline.png of traced runs, megainfer-timeline
-        "dev": ["pytest>=8", "pytest-timeout>=2.3", "transformers==5.24.0", "matplotlib>=3.8"],
+        "serve": SERVE,
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "transformers==5.24.0", "matplotlib>=3.8",
+                "openai==3.57.0"] + SERVE,
         "nccl": ["nvidia-nccl-cu12"],
         "deepspeed": ["deepspeed==0.19.8"],
     },
@@ -55,6 +59,8 @@ setup(
             "megainfer-launch=megainfer.launch.main:main",
             "megainfer-plan=megainfer.launch.plan:main",
             "megainfer-timeline=megainfer.tools.timeline:main",
+            "megainfer-serve=megainfer.launch.serve:main",
+            "megainfer-bench-serve=megainfer.serve.bench:main",
         ]
     },
 )

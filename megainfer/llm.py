@@ -210,14 +210,8 @@ class LLM:
             raise RequestError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
         out = []
         for p, sp in zip(prompts, params):
-            rid = f"{self._counter}"
+            out.append(PromptInput.of(f"{self._counter}", p, sp))
             self._counter += 1
-            if isinstance(p, dict):
-                out.append(PromptInput(rid, p.get("prompt"), p.get("prompt_token_ids"), sp))
-            elif isinstance(p, str):
-                out.append(PromptInput(rid, p, None, sp))
-            else:
-                out.append(PromptInput(rid, None, p, sp))
         return out
 
 

@@ -2,11 +2,13 @@
 from .engine import LLMEngine, check_cache_fits
 from .errors import (CacheTooSmallError, DuplicateRequestError, EmptyPromptError,
                      PromptTooLongError, RequestError, SamplingParamsError, TokenIdError)
-from .outputs import CompletionOutput, PromptInput, RequestMetrics, RequestOutput
+from .outputs import (CompletionOutput, PromptInput, RequestMetrics, RequestOutput, SampleDelta,
+                      StepOutputs)
 from .sampling_params import SamplingParams
 from .step import LocalExecutor, ModelExecutor, StepInput
 
 __all__ = ["LLMEngine", "check_cache_fits", "CacheTooSmallError", "DuplicateRequestError",
            "EmptyPromptError", "PromptTooLongError", "RequestError", "SamplingParamsError",
            "TokenIdError", "CompletionOutput", "PromptInput", "RequestMetrics", "RequestOutput",
+           "SampleDelta", "StepOutputs",
            "SamplingParams", "LocalExecutor", "ModelExecutor", "StepInput"]

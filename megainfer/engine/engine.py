@@ -1,11 +1,14 @@
-"""LLMEngine: requests in, finished outputs out, one ``step()`` at a time.
+"""LLMEngine: requests in, new tokens and finished outputs out, one ``step()`` at a time.
 
-A step is: schedule -> copy-on-write block copies -> ``StepInput`` -> ``executor.execute`` ->
-sample (and log-probabilities) -> fork the samples of ``n`` > 1 requests whose prompt just
-completed -> update requests -> finished outputs. The engine owns the requests, the scheduler,
-the block manager, the KV cache tensors, the sampler and the tokenizer; the executor (injected as a factory that
-receives the KV caches) only computes logits. Everything is deterministic: the same calls give
-the same schedule and the same tokens on every rank that runs them.
+A step, as nano-vllm's: ``schedule`` (the scheduler's batch, copy-on-write block copies, second
+tier loads) -> ``execute`` (``StepInput.from_batch`` -> the executor's logits, rows laid out by
+``StepInput.logit_rows``) -> ``postprocess`` (sample and log-probabilities, fork the samples of
+``n`` > 1 requests whose prompt just completed, update requests) -> ``StepOutputs`` (each
+sample's new token, finished outputs). Requests may be added and aborted between steps. The
+engine owns the requests, the scheduler, the block manager, the KV cache tensors, the sampler
+and the tokenizer; the executor (injected as a factory that receives the KV caches) only
+computes logits. Everything is deterministic: the same calls give the same schedule and the
+same tokens on every rank that runs them.
 """
 from __future__ import annotations
 
@@ -22,8 +25,9 @@ from megainfer.models.kv_spec import KVCacheSpec, kv_cache_spec_for
 from .block_manager import BlockManager
 from .kv_tier import make_kv_tier
 from .errors import CacheTooSmallError, DuplicateRequestError, RequestError
-from .intake import bad_words_token_ids, tokenize_prompt
-from .outputs import PromptInput, RequestOutput, logprob_dict, request_output
+from .intake import TokenizedPrompt, tokenize_request
+from .outputs import (PromptInput, RequestOutput, SampleDelta, StepOutputs, logprob_dict,
+                      request_output)
 from .request import Request
 from .sampler import PromptLogprobJob, Sampler, mix_seed
 from .sampling_params import SamplingParams
@@ -86,6 +90,7 @@ class LLMEngine:
         self.num_computed_prompt_tokens = 0  # prompt tokens fed to the model (recompute included,
         # prefix-cache hits excluded)
         self.num_block_copies = 0  # copy-on-write copies of shared blocks
+        self.detokenize = True  # finished outputs carry their text (False: the frontend decodes)
         log.info("%s engine: %d KV blocks x %d tokens, max_model_len=%d, max_num_seqs=%d, "
                  "max_num_batched_tokens=%d", log_prefix, cache_config.num_blocks,
                  cache_config.block_size, self.max_model_len, scheduler_config.max_num_seqs,
@@ -117,8 +122,18 @@ class LLMEngine:
                     prompt_token_ids: Optional[Sequence[int]] = None) -> Request:
         """Validate and queue one request; a ``RequestError`` refuses it and changes nothing."""
         params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise RequestError(f"params={params!r}: must be a SamplingParams")
+        return self.add_tokenized(request_id, self.tokenize(prompt, params, prompt_token_ids),
+                                  params)
+
+    def tokenize(self, prompt, params: SamplingParams, prompt_token_ids=None) -> TokenizedPrompt:
+        """A prompt validated into token ids, ``bad_words`` encoded; touches no engine state (a
+        frontend calls it off the engine's loop)."""
+        return tokenize_request(self.tokenizer, prompt, prompt_token_ids, params,
+                                self.model_config.vocab_size, self.max_model_len)
+
+    def add_tokenized(self, request_id, prompt: TokenizedPrompt, params: SamplingParams
+                      ) -> Request:
+        """Queue a request ``tokenize`` made; a ``RequestError`` refuses it, changing nothing."""
         rid = str(request_id)
         if rid in self.requests:
             raise DuplicateRequestError(f"request_id={rid!r}: already queued or running")
@@ -127,8 +142,7 @@ class LLMEngine:
             mode = getattr(self.executor, "deploy_mode", type(self.executor).__name__)
             raise RequestError(f"prompt_logprobs={params.prompt_logprobs}: not supported in "
                                f"deploy.mode={mode}")
-        text, ids = tokenize_prompt(self.tokenizer, prompt, prompt_token_ids,
-                                    self.model_config.vocab_size, self.max_model_len)
+        text, ids = prompt.prompt, prompt.prompt_token_ids
         seq_id = self._next_seq_id
         self._next_seq_id += params.n
         seed = params.seed if params.seed is not None else mix_seed(self.seed, seq_id)
@@ -138,11 +152,7 @@ class LLMEngine:
                 seq_id + i, rid, text, ids, params, seed=seed if i == 0 else mix_seed(seed, -i),
                 eos_token_ids=self.model_config.eos_token_id, max_model_len=self.max_model_len,
                 index=i, logprobs=None if params.logprobs is None else []))
-        if params.bad_words:
-            bad = bad_words_token_ids(self.tokenizer, params.bad_words,
-                                      self.model_config.vocab_size)
-            for r in samples:
-                r.bad_words_token_ids = bad
+            samples[-1].bad_words_token_ids = prompt.bad_words_token_ids
         req = samples[0]
         req.samples, req.pending = samples, samples[1:]
         if params.prompt_logprobs is not None:
@@ -160,7 +170,7 @@ class LLMEngine:
             self.scheduler.finish(s)
             if not s.is_finished:
                 s.finish("abort")
-        return request_output(self.tokenizer, req)
+        return request_output(self.tokenizer, req, self.detokenize)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -171,18 +181,35 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
-        """Run one iteration (an empty one when nothing is scheduled); return finished outputs."""
+        """One iteration (an empty one when nothing is scheduled); the finished outputs."""
+        return self.step_outputs().finished
+
+    def step_outputs(self) -> StepOutputs:
+        """One iteration: schedule -> execute -> postprocess; every sample's new token and the
+        finished outputs."""
+        batch = self.schedule()
+        step = StepInput.from_batch(batch.requests, batch.num_new_tokens)
+        logits = self.executor.execute(step)  # [rows of step.logit_rows(), V]
+        return self.postprocess(batch, step, logits)
+
+    def schedule(self) -> ScheduledBatch:
+        """The scheduler's batch, with the KV blocks it needs ready (copy-on-write copies done,
+        second-tier hits back in their fresh blocks)."""
         batch = self.scheduler.schedule()
         copies = self.blocks.take_copies()
         if copies:
             self._copy_blocks(copies)
-        if self.kv_tier is not None:  # second-tier hits back into their fresh blocks
+        if self.kv_tier is not None:
             self.kv_tier.apply_loads()
-        step = self.build_step(batch)
-        logits = self.executor.execute(step)  # [len(step.logit_token_list()), V]
+        return batch
+
+    def postprocess(self, batch: ScheduledBatch, step: StepInput,
+                    logits: torch.Tensor) -> StepOutputs:
+        """Advance the batch's requests by the step: cache their full blocks, sample the
+        sequences that completed their known tokens (and prompt logprobs), fork the samples of
+        requests whose prompt just completed, finish the requests that stop."""
         now = time.perf_counter()
-        # logits rows: each full_logits sequence's chunk, else one row per sampled sequence
-        full, last_row, jobs, job_reqs, r = set(step.full_logits), {}, [], [], 0
+        rows, full, jobs, job_reqs = step.logit_rows(), set(step.full_logits), [], []
         for i, (req, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
             c, P = req.num_computed_tokens, req.num_prompt_tokens
             self.num_computed_prompt_tokens += max(0, min(c + n, P) - c)
@@ -191,38 +218,38 @@ class LLMEngine:
             if i in full:
                 q0, q1 = max(c, len(req.prompt_logprobs) - 1), min(c + n, P - 1)
                 if q1 > q0:  # row of position q predicts prompt token q + 1
-                    jobs.append(PromptLogprobJob(r + q0 - c, req.prompt_token_ids[q0 + 1:q1 + 1],
+                    jobs.append(PromptLogprobJob(rows[i].start + q0 - c,
+                                                 req.prompt_token_ids[q0 + 1:q1 + 1],
                                                  req.params.prompt_logprobs))
                     job_reqs.append(req)
-                r += n
-                last_row[i] = r - 1
-            elif c + n == req.num_tokens:
-                last_row[i] = r
-                r += 1
-        sampled, rows, forks = [], [], []
+        sampled, sample_rows, forks = [], [], []
         for i in step.sample_rows:
-            req = batch.requests[i]
+            req, last = batch.requests[i], rows[i][-1]  # its next token comes from its last row
             sampled.append(req)
-            rows.append(last_row[i])
+            sample_rows.append(last)
             if req.pending and not req.output_token_ids:  # prompt done: fork its samples
                 forks += req.pending
                 sampled += req.pending
-                rows += [last_row[i]] * len(req.pending)
+                sample_rows += [last] * len(req.pending)
                 for child in req.pending:
                     self.blocks.fork(req, child)
                     child.num_computed_tokens = req.num_computed_tokens
                 req.pending = []
-        res = self.sampler.run(logits, sampled, rows, jobs) if sampled or jobs else None
+        res = self.sampler.run(logits, sampled, sample_rows, jobs) if sampled or jobs else None
         for req, recs in zip(job_reqs, res.prompt if res is not None else []):
             targets = req.prompt_token_ids[len(req.prompt_logprobs):]
             req.prompt_logprobs += [logprob_dict(self.tokenizer, t, rec) for t, rec in zip(targets, recs)]
-        forked, finished = set(map(id, forks)), []
+        forked, out = set(map(id, forks)), StepOutputs()
         for k, req in enumerate(sampled):
             tok, rec = res.tokens[k], res.logprobs[k]
+            lp = None
             if rec is not None:
-                req.logprobs.append(logprob_dict(self.tokenizer, tok, rec))
+                lp = [logprob_dict(self.tokenizer, tok, rec)]
+                req.logprobs += lp
                 req.cumulative_logprob += rec[0]
             req.append_token(tok, now, self.tokenizer)
+            out.new_tokens.append(SampleDelta(req.request_id, req.index, [tok], lp,
+                                              req.finish_reason, req.stop_reason))
             if id(req) in forked and not req.is_finished:
                 self.scheduler.add_running(req)
             if req.is_finished:
@@ -230,11 +257,11 @@ class LLMEngine:
                 head = self.requests[req.request_id]
                 if not head.pending and all(s.is_finished for s in head.samples):
                     del self.requests[req.request_id]
-                    finished.append(request_output(self.tokenizer, head))
+                    out.finished.append(request_output(self.tokenizer, head, self.detokenize))
         self.num_steps += 1
         self.num_generated_tokens += len(sampled)
         self.last_step_tokens = batch.num_tokens
-        return finished
+        return out
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write of shared KV blocks, in the order they were decided (a block freed and
@@ -245,27 +272,6 @@ class LLMEngine:
             for kv in self.kv_caches:
                 kv.select(dim, dst).copy_(kv.select(dim, src))
         self.num_block_copies += len(copies)
-
-    def build_step(self, batch: ScheduledBatch) -> StepInput:
-        if not batch.requests:
-            return StepInput.empty()
-        ids, pos, ctx, rows, full = [], [], [], [], []
-        for i, (req, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
-            c = req.num_computed_tokens
-            ids += req.token_slice(c, c + n)
-            pos += range(c, c + n)
-            ctx.append(c)
-            if c + n == req.num_tokens:
-                rows.append(i)
-            pl = req.prompt_logprobs
-            if pl is not None and len(pl) < req.num_prompt_tokens and c + n > len(pl) - 1:
-                full.append(i)  # this chunk holds prompt positions still without logprobs
-        return StepInput(
-            seq_ids=[r.seq_id for r in batch.requests], query_lens=list(batch.num_new_tokens),
-            context_lens=ctx, block_tables=[list(r.block_table) for r in batch.requests],
-            input_ids=torch.tensor(ids, dtype=torch.long),  # host tensors: the executor moves
-            positions=torch.tensor(pos, dtype=torch.long), sample_rows=rows,  # them in one copy
-            full_logits=full)
 
     # ------------------------------------------------------------------ streaming
     def add_inputs(self, inputs: Iterable[PromptInput], warn: bool = True

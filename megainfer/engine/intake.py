@@ -1,10 +1,33 @@
 """A request's prompt as the engine takes it: text or token ids validated into token ids, and
-``bad_words`` encoded as vLLM does. Every refusal is a ``RequestError`` naming the culprit."""
+``bad_words`` encoded as vLLM does (``TokenizedPrompt``). Every refusal is a ``RequestError``
+naming the culprit."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 from .errors import EmptyPromptError, PromptTooLongError, RequestError, TokenIdError
+from .sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class TokenizedPrompt:
+    """A request's prompt as the engine queues it: text (or None), validated token ids and its
+    ``bad_words`` encoded."""
+
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    bad_words_token_ids: list[list[int]]
+
+
+def tokenize_request(tokenizer, prompt, prompt_token_ids, params, V: int,
+                     max_model_len: int) -> TokenizedPrompt:
+    """``tokenize_prompt`` and ``bad_words_token_ids`` for one request, ``params`` checked."""
+    if not isinstance(params, SamplingParams):
+        raise RequestError(f"params={params!r}: must be a SamplingParams")
+    text, ids = tokenize_prompt(tokenizer, prompt, prompt_token_ids, V, max_model_len)
+    bad = bad_words_token_ids(tokenizer, params.bad_words, V) if params.bad_words else []
+    return TokenizedPrompt(text, ids, bad)
 
 
 def tokenize_prompt(tokenizer, prompt, prompt_token_ids, V: int,

@@ -1,5 +1,6 @@
-"""What goes in (``PromptInput``) and what comes out (``RequestOutput``, built from a finished
-request by ``request_output``; ``logprob_dict`` for one position), vLLM-shaped."""
+"""What goes in (``PromptInput``) and what comes out, vLLM-shaped: ``RequestOutput`` (built from a
+finished request by ``request_output``; ``logprob_dict`` for one position) and, per engine step,
+``StepOutputs`` (every sample's new tokens as a ``SampleDelta``, and the finished outputs)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -16,6 +17,17 @@ class PromptInput:
     prompt: Optional[str] = None
     prompt_token_ids: Optional[list[int]] = None
     params: SamplingParams = field(default_factory=SamplingParams)
+
+    @classmethod
+    def of(cls, request_id, prompt, params: Optional[SamplingParams] = None) -> "PromptInput":
+        """A prompt as ``LLM.generate`` takes one: text, token ids, or a dict with ``prompt`` or
+        ``prompt_token_ids``."""
+        params = SamplingParams() if params is None else params
+        if isinstance(prompt, dict):
+            return cls(request_id, prompt.get("prompt"), prompt.get("prompt_token_ids"), params)
+        if isinstance(prompt, str):
+            return cls(request_id, prompt, None, params)
+        return cls(request_id, None, prompt, params)
 
 
 @dataclass
@@ -90,6 +102,27 @@ class RequestOutput:
                    None, msg)
 
 
+@dataclass
+class SampleDelta:
+    """One sample's new tokens of one engine step (and how it ended, if it did)."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    logprobs: Optional[list[PositionLogprobs]] = None  # one per new token (params.logprobs)
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+
+
+@dataclass
+class StepOutputs:
+    """One engine step: the new tokens of every sample that got one, in sampling order, and the
+    outputs of the requests that finished (all their samples)."""
+
+    new_tokens: list[SampleDelta] = field(default_factory=list)
+    finished: list[RequestOutput] = field(default_factory=list)
+
+
 def logprob_dict(tokenizer, token: int, rec) -> dict:
     """vLLM's shape: {token: Logprob} with the sampled (or actual) token first, then the
     top-k by rank (1 = most likely)."""
@@ -102,13 +135,14 @@ def logprob_dict(tokenizer, token: int, rec) -> dict:
     return out
 
 
-def request_output(tokenizer, req) -> RequestOutput:
-    """The request's (group head's) output: one ``CompletionOutput`` per sample."""
+def request_output(tokenizer, req, decode: bool = True) -> RequestOutput:
+    """The request's (group head's) output: one ``CompletionOutput`` per sample. ``decode``
+    False leaves the text of samples not cut by a stop string empty (the frontend decodes)."""
     outs = []
     for s in req.samples:
         # a stop string cut the incrementally detokenized text; else decode it all
         text = s.text if isinstance(s.stop_reason, str) else \
-            tokenizer.decode(s.output_token_ids)
+            tokenizer.decode(s.output_token_ids) if decode else ""
         outs.append(CompletionOutput(
             s.index, text, list(s.output_token_ids), s.finish_reason, s.logprobs,
             None if s.logprobs is None else s.cumulative_logprob, s.stop_reason))

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from .detokenizer import detokenize_step, find_stop_string
 from .sampling_params import SamplingParams
 
 
@@ -51,7 +52,7 @@ class Request:
     cumulative_logprob: float = 0.0
     prompt_logprobs: Optional[list] = None  # head only: [None, dict, ...] as they are computed
     stop_reason: Union[int, str, None] = None
-    # stop strings: incremental detokenization (vLLM's prefix/read offsets) and the text so far
+    # stop strings: incremental detokenization (detokenizer.py: vLLM's offsets) and the text
     text: str = ""
     prefix_offset: int = 0
     read_offset: int = 0
@@ -98,7 +99,8 @@ class Request:
         if self.first_token_time is None:
             self.first_token_time = now
         p = self.params
-        new_chars = self._detokenize(tokenizer) if p.stop and tokenizer is not None else 0
+        new_chars = detokenize_step(self, tokenizer, self.output_token_ids) \
+            if p.stop and tokenizer is not None else 0
         if len(self.output_token_ids) >= p.min_tokens:
             if token in p.stop_token_ids:
                 self.stop_reason = token
@@ -107,38 +109,14 @@ class Request:
             if not p.ignore_eos and token in self.eos_token_ids:
                 self.finish("stop", now)
                 return
-            if new_chars and self._check_stop_strings(new_chars):
-                self.finish("stop", now)
-                return
+            if new_chars:
+                self.stop_reason = find_stop_string(self, p.stop, p.include_stop_str_in_output,
+                                                    new_chars)
+                if self.stop_reason is not None:
+                    self.finish("stop", now)
+                    return
         if len(self.output_token_ids) >= p.max_tokens or self.num_tokens >= self.max_model_len:
             self.finish("length", now)
-
-    def _detokenize(self, tokenizer) -> int:
-        """vLLM's incremental detokenization: append the new text to ``self.text`` once it is
-        complete (not ending in a partial character). Returns the number of new characters."""
-        ids = self.output_token_ids
-        prefix = tokenizer.decode(ids[self.prefix_offset:self.read_offset])
-        new = tokenizer.decode(ids[self.prefix_offset:])
-        if len(new) > len(prefix) and not new.endswith("\ufffd"):
-            delta = new[len(prefix):]
-            self.text += delta
-            self.prefix_offset, self.read_offset = self.read_offset, len(ids)
-            return len(delta)
-        return 0
-
-    def _check_stop_strings(self, new_chars: int) -> bool:
-        """vLLM's check: a stop string in the last ``new_chars`` + its length characters of the
-        text; cut the text before it (after it with ``include_stop_str_in_output``)."""
-        for s in self.params.stop:
-            i = self.text.find(s, 1 - new_chars - len(s))
-            if i == -1:
-                continue
-            if self.params.include_stop_str_in_output:
-                i += len(s)
-            self.text = self.text[:i]
-            self.stop_reason = s
-            return True
-        return False
 
     def finish(self, reason: str, now: Optional[float] = None) -> None:
         self.status, self.finish_reason = RequestStatus.FINISHED, reason

@@ -53,24 +53,60 @@ class StepInput:
             out.append(out[-1] + n)
         return out
 
-    def logit_token_list(self) -> list[int]:
-        """Flat token indices whose logits the executor returns, in order: for each sequence
-        (batch order) every token if it is in ``full_logits``, else its last token if it is in
-        ``sample_rows``, else none. Without ``full_logits``: one row per sampled sequence."""
-        offs = self.token_offsets()
-        if not self.full_logits:
-            return [offs[i + 1] - 1 for i in self.sample_rows]
-        full, want, out = set(self.full_logits), set(self.sample_rows), []
-        for i in range(self.num_seqs):
-            if i in full:
-                out += range(offs[i], offs[i + 1])
-            elif i in want:
-                out.append(offs[i + 1] - 1)
+    @classmethod
+    def from_batch(cls, requests, num_new_tokens) -> "StepInput":
+        """The scheduler's batch (``num_new_tokens[i]`` tokens of ``requests[i]``) as one flat
+        step: a sequence is sampled when the step completes all its known tokens, and wants every
+        row's logits while its chunk holds prompt positions still without logprobs."""
+        if not requests:
+            return cls.empty()
+        ids, pos, ctx, rows, full = [], [], [], [], []
+        for i, (req, n) in enumerate(zip(requests, num_new_tokens)):
+            c = req.num_computed_tokens
+            ids += req.token_slice(c, c + n)
+            pos += range(c, c + n)
+            ctx.append(c)
+            if c + n == req.num_tokens:
+                rows.append(i)
+            pl = req.prompt_logprobs
+            if pl is not None and len(pl) < req.num_prompt_tokens and c + n > len(pl) - 1:
+                full.append(i)
+        return cls(seq_ids=[r.seq_id for r in requests], query_lens=list(num_new_tokens),
+                   context_lens=ctx, block_tables=[list(r.block_table) for r in requests],
+                   input_ids=torch.tensor(ids, dtype=torch.long),  # host tensors: the executor
+                   positions=torch.tensor(pos, dtype=torch.long),  # moves them in one copy
+                   sample_rows=rows, full_logits=full)
+
+    def logit_rows(self) -> dict[int, range]:
+        """The logits-row layout (its one owner): sequence index -> its rows of the executor's
+        logits, in batch order: every new token's row for a ``full_logits`` sequence, the last
+        token's row for one in ``sample_rows``, none for the others. The last row of a sampled
+        sequence is the one its next token is sampled from."""
+        full, want, out, r = set(self.full_logits), set(self.sample_rows), {}, 0
+        for i, n in enumerate(self.query_lens):
+            k = n if i in full else 1 if i in want else 0
+            if k:
+                out[i] = range(r, r + k)
+                r += k
         return out
 
-    def sample_token_indices(self) -> torch.Tensor:
+    def logit_token_list(self, order: Optional[list[int]] = None) -> list[int]:
+        """The token behind each logits row (``logit_rows`` order), as its index in the step's
+        hidden states: laid out sequence after sequence in batch order, or in ``order`` (a
+        permutation of the sequence indices, e.g. micro-batches concatenated)."""
+        order = range(self.num_seqs) if order is None else order
+        start, base = {}, 0  # sequence index -> index of its first new token in that layout
+        for s in order:
+            start[s], base = base, base + self.query_lens[s]
+        out = []
+        for s, rows in self.logit_rows().items():
+            end = start[s] + self.query_lens[s]
+            out += range(end - len(rows), end)
+        return out
+
+    def sample_token_indices(self, order: Optional[list[int]] = None) -> torch.Tensor:
         """``logit_token_list`` as a tensor on the inputs' device."""
-        return torch.tensor(self.logit_token_list(), dtype=torch.long,
+        return torch.tensor(self.logit_token_list(order), dtype=torch.long,
                             device=self.input_ids.device)
 
     def split(self, groups: list[list[int]]) -> list["StepInput"]:

@@ -127,17 +127,8 @@ class DisaggregatedExecutor:
         of a ``full_logits`` sequence), in that order, from `hidden` in micro-batch order."""
         if not step.sample_rows and not step.full_logits:
             return torch.empty(0, self.model.config.vocab_size, device=self.device)
-        start, base = {}, 0  # sequence index -> row of its first new token in `hidden`
-        for g in groups:
-            for s in g:
-                start[s], base = base, base + step.query_lens[s]
-        full, want, rows = set(step.full_logits), set(step.sample_rows), []
-        for s, n in enumerate(step.query_lens):
-            if s in full:
-                rows.extend(range(start[s], start[s] + n))
-            elif s in want:
-                rows.append(start[s] + n - 1)
-        rows = torch.tensor(rows, dtype=torch.long)
+        rows = torch.tensor(step.logit_token_list([s for g in groups for s in g]),
+                            dtype=torch.long)  # `hidden` is in micro-batch order
         if self.device.type == "cuda":  # pinned: the copy does not wait for the device
             rows = rows.pin_memory().to(self.device, non_blocking=True)
         h = self.model.model.norm(hidden[rows])  # [S_sample, H]

@@ -25,7 +25,8 @@ from typing import Optional
 import yaml
 
 from megainfer.config import (CacheConfig, CommConfig, DeployPlan, DeviceConfig, EplbConfig,
-                              LoadConfig, ModelConfig, ReplanConfig, SchedulerConfig, TraceConfig)
+                              LoadConfig, ModelConfig, ReplanConfig, SchedulerConfig, ServeConfig,
+                              TraceConfig)
 from megainfer.engine.sampling_params import SamplingParams
 from megainfer.launch.settings import IOSettings, JobSettings, WorkloadSettings
 
@@ -47,6 +48,7 @@ GROUPS = {
     "trace": (TraceConfig, (), "pipeline traces"),
     "eplb": (EplbConfig, (), "expert-parallel load balancing"),
     "replan": (ReplanConfig, (), "online re-planning of the attention:expert split"),
+    "serve": (ServeConfig, (), "megainfer-serve's HTTP server (docs/serve.md)"),
 }
 # launcher keys that are no dataclass field: key -> (type, meaning source is the YAML comment)
 EXTRA_TYPES = {"model.arch": "mapping (ModelConfig fields)", "deploy.hardware": "str | null",

@@ -1,0 +1,173 @@
+"""``AsyncLLM``: vLLM's ``AsyncLLM`` shape over megainfer's engine core (single mode).
+
+    engine = AsyncLLM(model, **LLM's arguments)
+    async for out in engine.generate(prompt, SamplingParams(...), request_id="r1"):
+        ...  # a cumulative RequestOutput each time new tokens exist; finished=True last
+    await engine.abort("r1")  # its stream ends with finish_reason "abort"
+    engine.shutdown()
+
+Where things run: the engine core (``megainfer.engine.core.EngineCoreThread``) is a background
+thread of this process that owns the ``LLMEngine``; it takes typed inputs from a queue between
+iterations and blocks on that queue when idle. Each iteration's updates are handed to the event
+loop of every caller waiting on them with one ``loop.call_soon_threadsafe``; tokenising (in
+``generate``) and detokenising (``RequestStream``) happen on the event loop's thread, never on
+the core's. A thread rather than a process beside it (vLLM's choice): no serialisation of
+inputs and outputs, and the model's work releases the GIL; the price is that the frontend's
+Python shares the GIL with the core's scheduling. Many concurrent ``generate`` calls share one
+running batch. Construction goes through ``LLM`` (the same arguments and config resolution).
+docs/engine.md, "Online".
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from typing import Any, AsyncIterator, Optional
+
+from megainfer.engine import RequestError, RequestOutput, SamplingParams
+from megainfer.engine.core import (AbortRequest, AddRequest, CoreOutputs, EngineCore,
+                                   EngineCoreThread)
+from megainfer.engine.errors import DuplicateRequestError
+from megainfer.engine.outputs import PromptInput
+from megainfer.engine.stream import RequestStream
+from megainfer.llm import LLM
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core stopped (shut down, or its loop raised): no request can run."""
+
+
+class _Waiter:
+    """A request's stream with the event loop its ``generate`` waits on."""
+
+    def __init__(self, stream: RequestStream, loop: asyncio.AbstractEventLoop):
+        self.stream, self.loop, self.ready = stream, loop, asyncio.Event()
+        self.error: Optional[BaseException] = None
+
+
+class AsyncLLM:
+    """Single mode, online: ``AsyncLLM(model, **kwargs)`` takes ``LLM``'s arguments."""
+
+    def __init__(self, model, **kwargs):
+        self.llm = LLM(model, **kwargs)
+        self._start(self.llm.engine)
+
+    @classmethod
+    def from_engine(cls, engine) -> "AsyncLLM":
+        """Serve an existing ``LLMEngine`` (e.g. ``LLM(...).engine``); nothing else may drive
+        it meanwhile."""
+        self = cls.__new__(cls)
+        self.llm = None
+        self._start(engine)
+        return self
+
+    def _start(self, engine) -> None:
+        self.engine, self.tokenizer = engine, engine.tokenizer
+        self._waiters: dict[str, _Waiter] = {}
+        self._lock = threading.Lock()  # _waiters, _pending: the event loops' threads and the core's
+        self._pending: dict = {}  # event loop -> [(waiter, update, error)] not applied yet
+        self._ids = itertools.count()
+        self._dead: Optional[BaseException] = None
+        self._core = EngineCoreThread(EngineCore(self.engine), self._deliver)
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    @property
+    def is_running(self) -> bool:
+        return self._dead is None and self._core.alive
+
+    # ------------------------------------------------------------------ the API
+    async def generate(self, prompt, sampling_params: Optional[SamplingParams] = None,
+                       request_id: Any = None) -> AsyncIterator[RequestOutput]:
+        """Cumulative outputs of one request as its tokens come, ``finished=True`` last. A bad
+        prompt or parameter raises its ``RequestError`` before anything runs; leaving the loop
+        early (break, cancellation) aborts the request."""
+        if not self.is_running:
+            raise EngineDeadError(f"engine core is not running ({self._dead or 'shut down'})")
+        params = sampling_params or SamplingParams()
+        rid = f"async-{next(self._ids)}" if request_id is None else request_id
+        key = str(rid)
+        inp = PromptInput.of(rid, prompt, params)
+        tokens = self.engine.tokenize(inp.prompt, params, inp.prompt_token_ids)
+        waiter = _Waiter(RequestStream(rid, tokens, params, self.tokenizer),
+                         asyncio.get_running_loop())
+        with self._lock:
+            if key in self._waiters:
+                raise DuplicateRequestError(f"request_id={key!r}: already running")
+            self._waiters[key] = waiter
+        self._core.submit(AddRequest(key, tokens, params))
+        try:
+            while True:
+                await waiter.ready.wait()
+                waiter.ready.clear()
+                if waiter.error is not None and not waiter.stream.finished:
+                    raise EngineDeadError(f"engine core died: {waiter.error!r}") \
+                        from waiter.error
+                out = waiter.stream.output()
+                if out.error is not None and out.outputs[0].finish_reason == "error":
+                    raise RequestError(out.error)
+                yield out
+                if out.finished:
+                    return
+        finally:
+            with self._lock:
+                self._waiters.pop(key, None)
+            if not waiter.stream.finished and self._core.alive:
+                self._core.submit(AbortRequest(key))
+
+    async def abort(self, request_id: Any) -> None:
+        """End a request wherever it is (waiting, running, partly prefilled): its blocks are
+        freed and its stream ends with ``finish_reason="abort"``. Unknown or finished: no-op."""
+        self._core.submit(AbortRequest(str(request_id)))
+
+    def shutdown(self, timeout: Optional[float] = 30.0) -> None:
+        """Abort what runs (those streams end with "abort") and stop the engine core."""
+        self._core.shutdown(timeout)
+        self._dead = self._dead or EngineDeadError("shut down")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    # ------------------------------------------------------------------ the core's side
+    def _deliver(self, outs: CoreOutputs) -> None:
+        """On the core's thread: queue the updates for their callers' event loops, no work. A
+        loop is woken (one ``call_soon_threadsafe``) only when nothing is queued for it yet: a
+        loop that lags takes several iterations' updates in one wake-up."""
+        wake = []
+        with self._lock:
+            if outs.error is not None:
+                self._dead = outs.error
+            for w in self._waiters.values() if outs.error is not None else ():
+                wake += self._queue(w.loop, (w, None, outs.error))
+            for u in outs.updates:
+                w = self._waiters.get(u.request_id)
+                if w is not None:
+                    wake += self._queue(w.loop, (w, u, None))
+        for loop in wake:
+            try:
+                loop.call_soon_threadsafe(self._drain, loop)
+            except RuntimeError:  # that caller's loop is closed: nobody is waiting there
+                with self._lock:
+                    self._pending.pop(loop, None)
+
+    def _queue(self, loop, item) -> list:
+        """(under the lock) -> [loop] when ``loop`` must be woken for its first item."""
+        items = self._pending.setdefault(loop, [])
+        items.append(item)
+        return [loop] if len(items) == 1 else []
+
+    def _drain(self, loop) -> None:
+        """On a caller's event loop: detokenise the queued updates into their streams, wake
+        the callers."""
+        with self._lock:
+            items = self._pending.pop(loop, [])
+        for w, update, error in items:
+            if error is not None:
+                w.error = error
+                w.ready.set()
+            elif not w.stream.finished and w.stream.apply(update):
+                w.ready.set()

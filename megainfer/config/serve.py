@@ -1,0 +1,53 @@
+"""The HTTP server's section of the config tree (``serve.*``, docs/serve.md)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from .base import _require
+
+
+def _opt_text(v) -> bool:
+    return v is None or (isinstance(v, str) and bool(v.strip()))
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """``megainfer-serve``'s own settings; the model, scheduler and cache come from the
+    launcher's groups. Requests never name files: ``chat_template`` is the operator's."""
+
+    # bind address; loopback by default (0.0.0.0 exposes the server)
+    host: str = "127.0.0.1"
+    # TCP port (0: an ephemeral one, printed at start)
+    port: int = 8000
+    # the model id clients send; null: model.path as given (dummy weights: megainfer-<family>)
+    served_model_name: Optional[str] = None
+    # set: /v1/*, /tokenize and /detokenize need "Authorization: Bearer <key>" (401 otherwise)
+    api_key: Optional[str] = None
+    # requests admitted but not yet running; one more gets 503 with Retry-After
+    max_queued_requests: int = 256
+    # SIGTERM/SIGINT: in-flight requests get this long to finish, then are aborted
+    shutdown_grace_s: float = 30.0
+    # a Jinja chat template (text, or a file the operator names) instead of the checkpoint's
+    chat_template: Optional[str] = None
+    # the Retry-After header (seconds) of a 503 (queue full, draining)
+    retry_after_s: int = 1
+
+    def __post_init__(self):
+        _require(isinstance(self.host, str) and bool(self.host), "serve.host", self.host,
+                 "must be a host name or address")
+        _require(isinstance(self.port, int) and not isinstance(self.port, bool)
+                 and 0 <= self.port <= 65535, "serve.port", self.port, "must be in [0, 65535]")
+        for k in ("served_model_name", "api_key", "chat_template"):
+            _require(_opt_text(getattr(self, k)), f"serve.{k}", getattr(self, k),
+                     "must be a non-empty string or null")
+        _require(isinstance(self.max_queued_requests, int)
+                 and not isinstance(self.max_queued_requests, bool)
+                 and self.max_queued_requests >= 1, "serve.max_queued_requests",
+                 self.max_queued_requests, "must be an integer >= 1")
+        _require(isinstance(self.shutdown_grace_s, (int, float))
+                 and not isinstance(self.shutdown_grace_s, bool) and self.shutdown_grace_s >= 0,
+                 "serve.shutdown_grace_s", self.shutdown_grace_s, "must be a number >= 0")
+        _require(isinstance(self.retry_after_s, int) and not isinstance(self.retry_after_s, bool)
+                 and self.retry_after_s >= 1, "serve.retry_after_s", self.retry_after_s,
+                 "must be an integer >= 1")

@@ -1,0 +1,186 @@
+"""The online engine interface: an ``LLMEngine`` driven by typed messages while it runs.
+
+Inputs (``AddRequest``, ``AbortRequest``, ``Shutdown``) go in between iterations; each
+iteration comes out as ``RequestUpdate``s, one per request that changed: the new tokens of its
+samples (``SampleDelta``) and, once, its final ``RequestOutput`` (finished, aborted or refused).
+The idea is vLLM v1's ``EngineCore``; the code is megainfer's own.
+
+``EngineCore`` is the synchronous part (no threads; tests and any loop can drive it);
+``EngineCoreThread`` runs it in a background thread with an input queue, blocking on the
+queue while there is no work (no empty iterations, no polling) and handing each iteration's
+updates to a callback. Prompts arrive tokenized (``LLMEngine.tokenize``, called by the frontend)
+and outputs leave without text (``LLMEngine.detokenize`` False; the frontend decodes), so
+neither runs on the core's loop, except what decides a request's end: stop strings are matched
+here (``Request.append_token``), as in every deploy mode, and logprob entries carry their token
+text (``logprob_dict``). docs/engine.md, "Online".
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Protocol, Union
+
+from .errors import RequestError
+from .intake import TokenizedPrompt
+from .outputs import RequestOutput, SampleDelta, StepOutputs
+from .sampling_params import SamplingParams
+
+log = logging.getLogger("megainfer.engine")
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    request_id: str
+    prompt: TokenizedPrompt
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Abort every unfinished request (their outputs go out) and stop the loop."""
+
+
+CoreInput = Union[AddRequest, AbortRequest, Shutdown]
+
+
+@dataclass
+class RequestUpdate:
+    """What one iteration (or one input) changed for one request."""
+
+    request_id: str
+    new_tokens: list[SampleDelta] = field(default_factory=list)
+    output: Optional[RequestOutput] = None  # the last update of a request: finished, aborted
+    # ("abort") or refused (finish_reason "error", ``error`` naming the culprit)
+
+
+@dataclass
+class CoreOutputs:
+    """One batch of updates from the core's loop; ``error`` set when the loop died of it (every
+    unfinished request ends with it)."""
+
+    updates: list[RequestUpdate] = field(default_factory=list)
+    error: Optional[BaseException] = None
+
+
+class OnlineEngine(Protocol):
+    """What ``EngineCore`` needs of its engine: ``LLMEngine`` in single mode; the disaggregated
+    runtime's rank 0 can serve the same members later."""
+
+    requests: dict  # unfinished requests by id
+    detokenize: bool  # False: final outputs leave without text (the frontend decodes)
+    log_prefix: str
+
+    def tokenize(self, prompt, params: SamplingParams, prompt_token_ids=None
+                 ) -> TokenizedPrompt: ...
+
+    def add_tokenized(self, request_id, prompt: TokenizedPrompt, params: SamplingParams): ...
+
+    def abort_request(self, request_id) -> Optional[RequestOutput]: ...
+
+    def step_outputs(self) -> StepOutputs: ...
+
+    def has_unfinished(self) -> bool: ...
+
+
+class EngineCore:
+    """One ``OnlineEngine`` behind the message interface (synchronous)."""
+
+    def __init__(self, engine: OnlineEngine):
+        self.engine = engine
+        engine.detokenize = False
+
+    def has_work(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def handle(self, msg: CoreInput) -> list[RequestUpdate]:
+        """Apply one input between iterations; updates for refused or aborted requests."""
+        eng = self.engine
+        if isinstance(msg, AddRequest):
+            try:
+                eng.add_tokenized(msg.request_id, msg.prompt, msg.params)
+            except RequestError as e:
+                log.warning("%s request %r refused: %s", eng.log_prefix, msg.request_id, e)
+                return [RequestUpdate(msg.request_id, output=RequestOutput.failed(
+                    msg.request_id, msg.prompt.prompt, msg.prompt.prompt_token_ids, e))]
+            return []
+        if isinstance(msg, AbortRequest):
+            out = eng.abort_request(msg.request_id)  # None: finished already, or unknown
+            return [] if out is None else [RequestUpdate(msg.request_id, output=out)]
+        if isinstance(msg, Shutdown):
+            return [u for rid in list(eng.requests) for u in self.handle(AbortRequest(rid))]
+        raise TypeError(f"engine core input {msg!r}: not an AddRequest, AbortRequest or Shutdown")
+
+    def step(self) -> list[RequestUpdate]:
+        """One iteration; one update per request with new tokens or a final output."""
+        res = self.engine.step_outputs()
+        by_id: dict[str, RequestUpdate] = {}
+        for d in res.new_tokens:
+            u = by_id.get(d.request_id)
+            if u is None:
+                u = by_id[d.request_id] = RequestUpdate(d.request_id)
+            u.new_tokens.append(d)
+        for out in res.finished:
+            by_id.setdefault(out.request_id, RequestUpdate(out.request_id)).output = out
+        return list(by_id.values())
+
+
+class EngineCoreThread:
+    """``EngineCore``'s loop in a background thread: inputs through ``submit`` (any thread),
+    each iteration's updates to ``deliver`` (called on this thread: hand them on, do no work).
+    Idle, the thread blocks on its input queue (no CPU). A crash in the loop is delivered as
+    ``CoreOutputs.error`` and ends the thread."""
+
+    def __init__(self, core: EngineCore, deliver: Callable[[CoreOutputs], None],
+                 name: str = "megainfer-engine-core"):
+        self.core, self.deliver = core, deliver
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.error: Optional[BaseException] = None
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def submit(self, msg: CoreInput) -> None:
+        self.inbox.put(msg)
+
+    def shutdown(self, timeout: Optional[float] = None) -> None:
+        if self.thread.is_alive():
+            self.submit(Shutdown())
+            self.thread.join(timeout)
+
+    def _run(self) -> None:
+        try:
+            stop = False
+            while not stop:
+                updates = []
+                for msg in self._take(block=not self.core.has_work()):  # idle: sleep in get()
+                    updates += self.core.handle(msg)
+                    stop = stop or isinstance(msg, Shutdown)
+                    if stop:
+                        break  # inputs after a shutdown are dropped
+                if not stop and self.core.has_work():
+                    updates += self.core.step()
+                if updates:
+                    self.deliver(CoreOutputs(updates))
+        except BaseException as e:  # noqa: BLE001 - delivered: every waiting caller gets it
+            self.error = e
+            log.exception("%s engine core loop died", self.core.engine.log_prefix)
+            self.deliver(CoreOutputs(error=e))
+
+    def _take(self, block: bool) -> list[CoreInput]:
+        """Every input queued now (waiting for the first one when ``block``)."""
+        msgs = [self.inbox.get()] if block else []
+        while True:
+            try:
+                msgs.append(self.inbox.get_nowait())
+            except queue.Empty:
+                return msgs

@@ -1,0 +1,108 @@
+"""The server's one handle on the engine: admission (the queue bound, draining), the metrics of
+each request, and the ``AsyncLLM`` streams. Single mode serves a local ``AsyncLLM``; the
+disaggregated modes will plug rank 0's online engine in behind the same ``generate`` (not yet:
+docs/serve.md, "Not yet served")."""
+from __future__ import annotations
+
+import itertools
+from typing import AsyncIterator, Optional
+
+from megainfer.async_llm import AsyncLLM
+from megainfer.engine import RequestError, RequestOutput, SamplingParams
+
+from .errors import APIError, request_error
+from .metrics import MeteredEngine, RequestTimer, ServeMetrics
+
+
+class EngineClient:
+    def __init__(self, engine, model_name: str, max_queued_requests: int = 256,
+                 retry_after_s: int = 1):
+        """``engine``: a single-mode ``LLMEngine`` (``LLM(...).engine``); served through an
+        ``AsyncLLM`` over a ``MeteredEngine`` of it."""
+        self.engine, self.model_name = engine, model_name
+        self.metrics = ServeMetrics(model_name)
+        self.metrics.watch_engine(engine)
+        self.llm = AsyncLLM.from_engine(MeteredEngine(engine, self.metrics))
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.max_queued, self.retry_after = max_queued_requests, retry_after_s
+        self.in_flight = 0
+        self.draining = False
+        self._ids = itertools.count()
+
+    @property
+    def healthy(self) -> bool:
+        return self.llm.is_running
+
+    def new_id(self, prefix: str) -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    def num_running(self) -> int:
+        return len(self.engine.scheduler.running)
+
+    def admit(self, count: int = 1) -> "Admission":
+        """Hold ``count`` requests' places until ``release``; 503 with Retry-After when the
+        queue is full or the server drains."""
+        headers = {"Retry-After": str(self.retry_after)}
+        if self.draining:
+            raise APIError("server is shutting down", 503, code="shutting_down", headers=headers)
+        if not self.healthy:
+            raise APIError("engine is not running", 503, code="engine_dead", headers=headers)
+        queued = self.in_flight - self.num_running()
+        if queued + count > self.max_queued:
+            raise APIError(f"queue full: {queued} requests waiting (serve.max_queued_requests="
+                           f"{self.max_queued})", 503, code="queue_full", headers=headers)
+        self.in_flight += count
+        return Admission(self, count)
+
+    def check_prompt(self, prompt, params: SamplingParams, prompt_field: str = "prompt"
+                     ) -> list[int]:
+        """The prompt's token ids, validated as the engine will (a 400 naming the field)."""
+        try:
+            ids = self.engine.tokenize(prompt, params).prompt_token_ids
+        except RequestError as e:
+            raise request_error(e, prompt_field) from e
+        return ids
+
+    def token_budget(self, ids: list[int], asked: Optional[int], field: str) -> int:
+        """``max_tokens``: the asked number (400 when the prompt leaves no room for it), or all
+        that max_model_len leaves."""
+        room = self.max_model_len - len(ids)
+        if asked is None:
+            if room < 1:
+                raise APIError(f"prompt length={len(ids)} tokens: leaves no room to generate "
+                               f"within max_model_len={self.max_model_len}", 400, "prompt")
+            return room
+        if not isinstance(asked, int) or asked < 1:
+            raise APIError(f"{field}={asked!r}: must be an integer >= 1", 400, field)
+        if asked > room:
+            raise APIError(f"{field}={asked} with a prompt of {len(ids)} tokens: exceeds "
+                           f"max_model_len={self.max_model_len}", 400, field)
+        return asked
+
+    async def generate(self, ids: list[int], params: SamplingParams, request_id: str
+                       ) -> AsyncIterator[RequestOutput]:
+        """Cumulative outputs, metrics observed; leaving early aborts the request."""
+        m = self.metrics
+        m.labels(m.prompt_tokens).inc(len(ids))
+        timer = RequestTimer(m)
+        async for out in self.llm.generate({"prompt_token_ids": ids}, params, request_id):
+            timer.tokens(sum(len(c.token_ids) for c in out.outputs))
+            if out.finished:
+                timer.finished(out)
+            yield out
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
+
+
+class Admission:
+    """Places held in the server's queue bound; ``release`` (idempotent) gives them back."""
+
+    def __init__(self, client: EngineClient, count: int):
+        self.client, self.count = client, count
+
+    def release(self) -> None:
+        if self.count:
+            self.client.in_flight -= self.count
+            self.count = 0
