@@ -4,7 +4,7 @@
 The composed config -> this job as the planner sees it (the model's shape from its config.json
 or preset, the prompt lengths of ``io.input`` or the workload, ``sampling.max_tokens``, the
 scheduler's per-replica sequence limit) and this machine's hardware profile -> the fastest
-split of exactly N ranks (``megainfer/perfmodel/world_plan.py``), logged with its predicted
+split of exactly N ranks (``megainfer/perfmodel/plan/world_plan.py``), logged with its predicted
 iteration time and the runner-up. Explicit ``deploy.*`` counts pin their dimension; with all
 of them given the planner is not asked.
 
@@ -47,14 +47,14 @@ def _gpu_preset(device) -> str | None:
         gpu = torch.cuda.get_device_name(0).lower().replace("-", "").replace(" ", "")
     except Exception:  # no usable CUDA: the CPU fallback below
         return None
-    from megainfer.perfmodel.hardware import known_hardware
+    from megainfer.perfmodel.model.hardware import known_hardware
     hits = [n for n in known_hardware() if n.split("_")[0] in gpu]
     return max(hits, key=len) if hits else None
 
 
 def hardware_for(name, device=None) -> tuple:
     """(HardwareProfile, where it came from: a few words)."""
-    from megainfer.perfmodel.hardware import load_hardware
+    from megainfer.perfmodel.model.hardware import load_hardware
     if name:
         return load_hardware(str(name)), f"deploy.hardware={name}"
     path = machine_profile_path()
@@ -75,7 +75,7 @@ def model_shape(cfg: ModelConfig, name: str = "model"):
     parameters and its cache by the latent (kv_lora_rank + qk_rope_head_dim per token and
     layer), its shared experts as n_shared_experts x moe_intermediate_size, as the
     conf/plan_model/deepseek_v3.yaml preset does."""
-    from megainfer.perfmodel.shapes import ModelShape
+    from megainfer.perfmodel.model.shapes import ModelShape
     shape = ModelShape.from_model_config(cfg, name)
     if not cfg.is_mla:
         return shape
@@ -95,8 +95,8 @@ def shape_of(cfg: ModelConfig, hw):
     """ModelShape; named after a plan_model preset with the same numbers when the profile has a
     calibrated fit under that name (so the fit, not the roofline, times it)."""
     import yaml
-    from megainfer.perfmodel.hardware import hardware_dir
-    from megainfer.perfmodel.shapes import ModelShape
+    from megainfer.perfmodel.model.hardware import hardware_dir
+    from megainfer.perfmodel.model.shapes import ModelShape
     shape = model_shape(cfg, "model")
     mine = {k: v for k, v in asdict(shape).items() if k not in ("name", "source")}
     presets = os.path.join(os.path.dirname(hardware_dir()), "plan_model")
@@ -198,8 +198,8 @@ def _max_seqs(sched: dict) -> int:
 def _ranked(c: dict, d: dict, hw_name, pins: dict, world: int):
     """The planner's best WorldChoice for this job (logged with its runner-up), or None when
     no split fits (deploy.py then infers the counts and names a fix)."""
-    from megainfer.perfmodel.model import Workload
-    from megainfer.perfmodel.world_plan import JobLoad, NoWorldPlanError, Pins, plan_world
+    from megainfer.perfmodel.model.disagg import Workload
+    from megainfer.perfmodel.plan.world_plan import JobLoad, NoWorldPlanError, Pins, plan_world
     hw, hw_from = hardware_for(hw_name, d.get("device"))
     cfg = model_config_of(c.get("model") or {})
     shape = shape_of(cfg, hw)

@@ -55,7 +55,7 @@ def _model_config(m: dict):
 def _shape(cfg: DictConfig):
     from dataclasses import replace
 
-    from megainfer.perfmodel.shapes import ModelShape
+    from megainfer.perfmodel.model.shapes import ModelShape
 
     from .auto_plan import model_shape
     d = OmegaConf.to_container(cfg.model, resolve=True)
@@ -79,7 +79,7 @@ def _echo(text: str) -> None:
 
 
 def _run(cfg: DictConfig) -> None:
-    from megainfer.perfmodel.hardware import load_hardware, profile_from_dict
+    from megainfer.perfmodel.model.hardware import load_hardware, profile_from_dict
     shape = _shape(cfg)
     if cfg.command == "calibrate":
         from megainfer.calibration.calibrate import calibrate, merge_profile, remeasure_node, write_profile
@@ -107,9 +107,9 @@ def _run(cfg: DictConfig) -> None:
         return
     if cfg.command != "plan":
         raise ConfigError(f"command={cfg.command!r}: must be plan or calibrate")
-    from megainfer.perfmodel.api import PlanOptions, run_plan
-    from megainfer.perfmodel.model import Workload
-    from megainfer.perfmodel.planner import SearchSpace
+    from megainfer.perfmodel.plan.api import PlanOptions, run_plan
+    from megainfer.perfmodel.model.disagg import Workload
+    from megainfer.perfmodel.plan.planner import SearchSpace
     hw = OmegaConf.to_container(cfg.hardware, resolve=True)
     profiles = [profile_from_dict(hw, hw.get("name", "hardware"))]
     if cfg.expert_hardware:
@@ -132,11 +132,11 @@ def _run(cfg: DictConfig) -> None:
 
 
 def _run_goodput(cfg: DictConfig, shape, hw, space, opt) -> None:
-    from megainfer.perfmodel.api import run_goodput
-    from megainfer.perfmodel.events import LengthDist, poisson_requests, read_request_trace
-    from megainfer.perfmodel.goodput import Slo
-    from megainfer.perfmodel.goodput_search import GoodputSpace, Roles
-    from megainfer.perfmodel.hardware import load_hardware
+    from megainfer.perfmodel.plan.api import run_goodput
+    from megainfer.perfmodel.sim.events import LengthDist, poisson_requests, read_request_trace
+    from megainfer.perfmodel.plan.goodput import Slo
+    from megainfer.perfmodel.plan.goodput_search import GoodputSpace, Roles
+    from megainfer.perfmodel.model.hardware import load_hardware
     w, g, s = cfg.workload, cfg.goodput, cfg.slo
     slo = Slo(float(s.ttft_ms) / 1e3, float(s.tpot_ms) / 1e3, float(s.percentile))
     if w.get("trace"):

@@ -7,30 +7,30 @@
 # then the figures run one by one, alone on the GPU.
 #   env       nvidia-smi, torch / triton / transformers versions, mpi4py's MPI, libnccl;
 #   tests     the Triton MoE kernels compiled for real against their torch references and the
-#             NCCL transport on one GPU (tests/test_kernels_triton.py, test_comm_nccl.py);
+#             NCCL transport on one GPU (tests/unit/kernels/test_kernels_triton.py, tests/unit/comm/test_comm_nccl.py);
 #   attn      the Triton paged-attention, MLA and quantised-KV kernels against their torch
 #             references, and the whole engine with them against HF greedy (ATTN_TESTS=files);
 #   gputests  pytest -m gpu: the engine on cuda (fp32 greedy = HF, bf16 within HF's top-5,
 #             past position 2000, CUDA graphs = eager, Triton = torch attention, host syncs of
 #             a decode step), the sampler on cuda, a CUDA load against a host load, an expert
 #             rank's load count with no host sync;
-#   ipc       tests/test_runtime_gpu.py: cuda_ipc and staged mpi round trips, mpiexec -n 2 / 3
+#   ipc       tests/gpu/test_runtime_gpu.py: cuda_ipc and staged mpi round trips, mpiexec -n 2 / 3
 #             on the one GPU, both layouts (self-peers), and the CUDA runtime wrapper;
 #   tokens    the runtime on the GPU, -n 2 / 3, cuda_ipc and mpi: fp32 tokens = single mode,
 #             bf16 equal across transports, host syncs of the attention rank's decode step;
 #   tp        attention TP 2 + 1 expert rank on the one GPU: TP collectives point to point over
 #             cuda_ipc (runtime/tp_channel.py) and through host memory (mpi): fp32 tokens =
 #             single mode, bf16 equal across the two;
-#   eplb      tests/test_eplb_device_moves.py -m gpu: expert weight moves over cuda_ipc
+#   eplb      tests/gpu/test_eplb_device_moves.py -m gpu: expert weight moves over cuda_ipc
 #             (comm.eplb_moves), buffers exact, live EPLB tokens = single mode, -n 3 / 4;
 #   trace     the traced-run test, then megainfer-launch under mpiexec -n 3 (deploy=a1e2,
 #             Mixtral-8x7B's shapes cut to 2 layers, bf16, cuda_ipc, traced);
-#   online    the engine core and AsyncLLM tests on cuda (tests/test_engine_online.py, test_async_llm.py);
-#   engine    perf/bench_gpu_engine.py: megainfer (graphs on, ENGINE_SYSTEMS also
+#   online    the engine core and AsyncLLM tests on cuda (tests/unit/engine/test_engine_online.py, tests/unit/engine/test_async_llm.py);
+#   engine    perf/bench/bench_gpu_engine.py: megainfer (graphs on, ENGINE_SYSTEMS also
 #             megainfer-eager) vs HF generate, Mixtral-8x7B / Qwen3-30B-A3B shapes cut to 8
 #             layers (ENGINE_MODELS), bf16, batch 1 / 64 / 256, 256 in and out, against the HBM
 #             roofline; --budget-s (ENGINE_S - 15) stops it between rows;
-#   transport perf/bench_transport_gpu.py: 2 KB / 64 KB / 8 MB one-way, cuda_ipc (host-fenced,
+#   transport perf/bench/bench_transport_gpu.py: 2 KB / 64 KB / 8 MB one-way, cuda_ipc (host-fenced,
 #             as on a shared GPU) and cuda_ipc_device vs mpi staging vs the copy floor; NCCL
 #             with two ranks on one GPU tried and recorded; the TP all-reduce of bf16
 #             [1 / 64 / 256, 4096] over cuda_ipc vs through host memory.
@@ -38,11 +38,11 @@
 #   calib     megainfer-plan calibrate on the GPU (bench=megainfer_cuda, full sizes unless
 #             CALIB_SMOKE=true: the 2026-11-30 smoke run was too small to use; link from
 #             the transport bench) -> h200_measured.yaml;
-#   nccl      perf/bench_nccl_self.py: Channel over NCCL vs raw NCCL vs a device copy;
-#   tune1/2   perf/tune_moe_kernels.py --space small (kernels/tile_configs.json is committed);
-#   bench     perf/bench_moe_kernels.py --device cuda: Triton vs the torch path, TFLOP/s;
-#   m2n       the MPI layer on the machine's 16 cores (bench_m2n, bench_m2n_ladder).
-#   serve     perf/bench_serve.py --device cuda: megainfer-serve (bench50m, bf16, on the GPU, a
+#   nccl      perf/bench/bench_nccl_self.py: Channel over NCCL vs raw NCCL vs a device copy;
+#   tune1/2   perf/bench/tune_moe_kernels.py --space small (kernels/tile_configs.json is committed);
+#   bench     perf/bench/bench_moe_kernels.py --device cuda: Triton vs the torch path, TFLOP/s;
+#   m2n       the MPI layer on the machine's 16 cores (bench_m2n).
+#   serve     perf/bench/bench_serve.py --device cuda: megainfer-serve (bench50m, bf16, on the GPU, a
 #             subprocess) driven by megainfer-bench-serve's client at three Poisson rates
 #             (SERVE_RATES, default 8,32,inf) beside the offline job on the same requests and
 #             one request at a time against the engine's prefill; needs fastapi, uvicorn,
@@ -78,7 +78,7 @@ mkdir -p "$SRC"
 cp -r megainfer "$SRC/" && cp -r kernels "$SRC/megainfer/kernels" \
   && cp -r launch "$SRC/megainfer/launch" && cp -r conf "$SRC/megainfer/conf" && cp -r tests "$ROOT/"
 if ls .whl/py/*.whl >/dev/null 2>&1; then  # pure-Python packages the image lacks (hydra-core,
-  # omegaconf, antlr4: the launcher and tests/test_device_config.py need them)
+  # omegaconf, antlr4: the launcher and tests/unit/launch/test_device_config.py need them)
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$ROOT/pyext" \
     .whl/py/*.whl && PY_EXTRA="$ROOT/pyext${PY_EXTRA:+:$PY_EXTRA}"
 fi
@@ -163,51 +163,47 @@ PYT="$PY -m pytest -q -rs -m gpu -p no:cacheprovider --continue-on-collection-er
 
 step env 30 bash -c "cd $ROOT; nvidia-smi; $PY -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())'; $PY -c 'import transformers; print(\"transformers\", transformers.__version__)'; $PY -c 'from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])'; $PY -c 'from megainfer.comm import nccl; lib = nccl.load_nccl(); print(\"nccl\", nccl.nccl_version(lib), lib._name)'"
 # ---- correctness (concurrent, PAR_STEPS)
-step tests 150 bash -c "cd $ROOT && $PY -m pytest -q -rs -p no:cacheprovider -o timeout=120 ${TESTS:-tests/test_kernels_triton.py tests/test_comm_nccl.py}"
-step attn 170 bash -c "cd $ROOT && $PY -m pytest -q -rs -p no:cacheprovider -o timeout=120 ${ATTN_TESTS:-tests/test_attention_triton.py tests/test_engine_triton.py tests/test_mla_triton.py tests/test_kv_quant_triton.py}"
-GPUTESTS=$(cd "$ROOT" && ls tests/test_gpu_engine.py tests/test_sampler.py tests/test_device_config.py tests/test_loader_memory.py tests/test_expert_load_count.py 2>/dev/null)
+step tests 150 bash -c "cd $ROOT && $PY -m pytest -q -rs -p no:cacheprovider -o timeout=120 ${TESTS:-tests/unit/kernels/test_kernels_triton.py tests/unit/comm/test_comm_nccl.py}"
+step attn 170 bash -c "cd $ROOT && $PY -m pytest -q -rs -p no:cacheprovider -o timeout=120 ${ATTN_TESTS:-tests/unit/kernels/test_attention_triton.py tests/parity/test_engine_triton.py tests/unit/kernels/test_mla_triton.py tests/unit/kernels/test_kv_quant_triton.py}"
+GPUTESTS=$(cd "$ROOT" && ls tests/gpu/test_gpu_engine.py tests/unit/engine/test_sampler.py tests/unit/launch/test_device_config.py tests/unit/models/test_loader_memory.py tests/unit/runtime/test_expert_load_count.py 2>/dev/null)
 step gputests 170 bash -c "cd $ROOT && $PYT -o timeout=120 $(echo $GPUTESTS)"
 # issue 18: the disaggregated runtime on the GPU, every rank on the one GPU
-step ipc 120 "${R18[@]}" bash -c "cd $ROOT && $PYT -o timeout=100 tests/test_runtime_gpu.py -k 'round_trips or cudart'"
-step tokens 170 "${R18[@]}" bash -c "cd $ROOT && $PYT -o timeout=160 tests/test_runtime_gpu.py -k 'tokens and not tp2'"
-step tp 170 "${R18[@]}" bash -c "cd $ROOT && $PYT -o timeout=160 tests/test_runtime_gpu.py -k tp2"
-step eplb 170 "${R18[@]}" bash -c "cd $ROOT && $PYT -o timeout=160 tests/test_eplb_device_moves.py"
-step trace 170 "${R18[@]}" bash -c "cd $ROOT && $PYT -o timeout=80 tests/test_runtime_gpu.py -k traced; \
+step ipc 120 "${R18[@]}" bash -c "cd $ROOT && $PYT -o timeout=100 tests/gpu/test_runtime_gpu.py -k 'round_trips or cudart'"
+step tokens 170 "${R18[@]}" bash -c "cd $ROOT && $PYT -o timeout=160 tests/gpu/test_runtime_gpu.py -k 'tokens and not tp2'"
+step tp 170 "${R18[@]}" bash -c "cd $ROOT && $PYT -o timeout=160 tests/gpu/test_runtime_gpu.py -k tp2"
+step eplb 170 "${R18[@]}" bash -c "cd $ROOT && $PYT -o timeout=160 tests/gpu/test_eplb_device_moves.py"
+step trace 170 "${R18[@]}" bash -c "cd $ROOT && $PYT -o timeout=80 tests/gpu/test_runtime_gpu.py -k traced; \
     \$MPIEXEC -n 3 $PY -m megainfer.launch.main model=mixtral_8x7b model.arch.num_layers=2 \
       deploy=a1e2 deploy.device=cuda model.dtype=bfloat16 comm.transport=cuda_ipc \
       trace.enabled=true sampling.max_tokens=8 hydra.run.dir=$W/trace_run \
     && cp $W/trace_run/trace.json $W/trace_mixtral_n3.json"
 # online: the engine core and AsyncLLM on cuda (LLM's default device when one is visible)
-step online 150 bash -c "cd $ROOT && $PY -m pytest -q -rs -p no:cacheprovider -o timeout=120 tests/test_engine_online.py tests/test_async_llm.py"
+step online 150 bash -c "cd $ROOT && $PY -m pytest -q -rs -p no:cacheprovider -o timeout=120 tests/unit/engine/test_engine_online.py tests/unit/engine/test_async_llm.py"
 # ---- figures (each alone on the GPU)
-step engine ${ENGINE_S:-200} "$PY" perf/bench_gpu_engine.py --device cuda --budget-s $(( ${ENGINE_S:-200} - 15 )) \
+step engine ${ENGINE_S:-200} "$PY" perf/bench/bench_gpu_engine.py --device cuda --budget-s $(( ${ENGINE_S:-200} - 15 )) \
   --models "${ENGINE_MODELS:-mixtral_8x7b,qwen3_30b_a3b}" \
   --systems "${ENGINE_SYSTEMS:-megainfer,megainfer-eager,hf}" --out "$W/bench_gpu_engine_cuda.json"
-step transport 75 "${R18[@]}" "$PY" perf/bench_transport_gpu.py --mpiexec "$MPIEXEC" --iters 200 \
+step transport 75 "${R18[@]}" "$PY" perf/bench/bench_transport_gpu.py --mpiexec "$MPIEXEC" --iters 200 \
   --out "$W/bench_transport_gpu.json"
 step calib 200 "${R18[@]}" MEGAINFER_CALIBRATE_LINK="$W/bench_transport_gpu.json" bash -c "cd $ROOT && \
   $PY -m megainfer.launch.plan calibrate model=mixtral_8x7b model.num_layers=2 \
     calibrate.bench=megainfer_cuda calibrate.mpi=false calibrate.node=false calibrate.smoke=${CALIB_SMOKE:-false} \
     calibrate.merge=false calibrate.out=$W/h200_measured.yaml"
-step nccl 60 "$PY" perf/bench_nccl_self.py --out "$W/bench_nccl_self.json"
-step tune1 90 "$PY" perf/tune_moe_kernels.py --space small --shape 8,14336,4096 --top-k 2 --m 4,32,256,2048,8192 --table "$TUNED" --log "$W/tune_mixtral.json"
-step tune2 80 "$PY" perf/tune_moe_kernels.py --space small --shape 64,1408,2048 --top-k 6 --m 10,85,682,5461 --table "$TUNED" --log "$W/tune_dsv2lite.json"
-step bench 150 "$PY" perf/bench_moe_kernels.py --device cuda
-step serve ${SERVE_S:-300} bash -c "cd $ROOT && $PY $PWD/perf/bench_serve.py --device cuda --threads 4 \
+step nccl 60 "$PY" perf/bench/bench_nccl_self.py --out "$W/bench_nccl_self.json"
+step tune1 90 "$PY" perf/bench/tune_moe_kernels.py --space small --shape 8,14336,4096 --top-k 2 --m 4,32,256,2048,8192 --table "$TUNED" --log "$W/tune_mixtral.json"
+step tune2 80 "$PY" perf/bench/tune_moe_kernels.py --space small --shape 64,1408,2048 --top-k 6 --m 10,85,682,5461 --table "$TUNED" --log "$W/tune_dsv2lite.json"
+step bench 150 "$PY" perf/bench/bench_moe_kernels.py --device cuda
+step serve ${SERVE_S:-300} bash -c "cd $ROOT && $PY $PWD/perf/bench/bench_serve.py --device cuda --threads 4 \
   --num-prompts ${SERVE_PROMPTS:-256} --input-len 128 --output-len 64 --max-num-seqs 64 \
   --rates ${SERVE_RATES:-8,32,inf} --out $W/bench_serve_cuda.json"
-# Not in the default STEPS (STEPS=m2n to run it): bench_m2n's collectives and ping-pong, and the
-# ladder (perf/bench_m2n_ladder.py), on this machine's 16 cores (4 ranks, no oversubscription),
-# under MPICH 5.0.2 from the carried wheel with the carried mpi4py 4.1.2 bound to it, as on the
-# 2-core dev box.
+# Not in the default STEPS (STEPS=m2n to run it): bench_m2n's collectives and ping-pong on this
+# machine's 16 cores (4 ranks, no oversubscription), under MPICH 5.0.2 from the carried wheel with
+# the carried mpi4py 4.1.2 bound to it, as on the 2-core dev box.
 if [[ " $STEPS " == *" m2n "* ]]; then
   carried_mpi
   step m2n 280 env PYTHONPATH="$MPI_SITE:$PYTHONPATH" MPI4PY_LIBMPI="$LIBMPI" \
-    "$PY" perf/bench_m2n.py --mpiexec "$MPICH_BIN/mpiexec" --parts collectives,pingpong \
+    "$PY" perf/bench/bench_m2n.py --mpiexec "$MPICH_BIN/mpiexec" --parts collectives,pingpong \
     --scale "${M2N_SCALE:-0.5}" --out "$W/bench_m2n.json"
-  # where the channel's time goes with a core per rank (on 2 cores: docs/comm.md)
-  STEPS="$STEPS m2nladder" step m2nladder 120 env PYTHONPATH="$MPI_SITE:$PYTHONPATH" MPI4PY_LIBMPI="$LIBMPI" \
-    "$PY" perf/bench_m2n_ladder.py --mpiexec "$MPICH_BIN/mpiexec" --out "$W/bench_m2n_ladder.json"
 fi
 join
 echo "== summary"

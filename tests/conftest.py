@@ -2,12 +2,20 @@
 import os
 import sys
 
+# The helpers (mpi_util, parity_util, perfmodel_helpers, tp_threads, ...) sit here, the tests in
+# folders below (unit/<package>/, parity/, distributed/, gpu/). Test files import each other's
+# helpers by basename (basenames are unique across the folders), so every folder goes on the path.
+TESTS = os.path.dirname(os.path.abspath(__file__))
+for _dir, _, _ in sorted(os.walk(TESTS), reverse=True):  # TESTS itself ends up first
+    if "mpi_progs" not in _dir and "__pycache__" not in _dir and _dir not in sys.path:
+        sys.path.insert(0, _dir)
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from repo_paths import MPI_PROGS  # noqa: E402
 
 torch.set_num_threads(1)  # the suite shares 2 cores with its own mpiexec ranks
 
@@ -69,7 +77,7 @@ def hf_models(tiny_ckpts):
 @pytest.fixture(scope="session")
 def single_mode_tokens(tiny_ckpts):
     """{ckpt: {request id: tokens}} from deploy.mode=single, in process."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "mpi_progs"))
+    sys.path.insert(0, MPI_PROGS)
     from runtime_job import CACHE, SCHED, inputs
 
     from megainfer.config import LoadConfig, ModelConfig

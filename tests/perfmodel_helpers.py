@@ -1,6 +1,6 @@
 """Shared small fixtures for the perfmodel tests: a tiny shape and a synthetic profile."""
-from megainfer.perfmodel.hardware import profile_from_dict
-from megainfer.perfmodel.shapes import ModelShape
+from megainfer.perfmodel.model.hardware import profile_from_dict
+from megainfer.perfmodel.model.shapes import ModelShape
 
 TINY = ModelShape(name="tiny", hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
                   head_dim=16, num_experts=8, top_k=2, moe_intermediate_size=128, vocab_size=256)

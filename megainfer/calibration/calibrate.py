@@ -21,10 +21,10 @@ import torch
 import yaml
 
 from megainfer.config import ConfigError
-from megainfer.perfmodel.fit import fit_attention, fit_line
+from megainfer.perfmodel.model.fit import fit_attention, fit_line
 from megainfer.calibration.layer_bench import measure_layers, time_fn
 from megainfer.calibration.node_bench import measure_node
-from megainfer.perfmodel.shapes import ModelShape
+from megainfer.perfmodel.model.shapes import ModelShape
 
 
 def matmul_flops(n: int = 512, dtype=torch.float32, device: str = "cpu") -> float:

@@ -16,7 +16,7 @@ import time
 from typing import Callable
 
 from megainfer.config import ConfigError
-from megainfer.perfmodel.shapes import ModelShape
+from megainfer.perfmodel.model.shapes import ModelShape
 
 from .module_bench import module_attention, module_experts
 from .torch_ops_bench import torch_attention, torch_experts

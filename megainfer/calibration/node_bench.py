@@ -25,7 +25,7 @@ import time
 import torch
 
 from megainfer.calibration.layer_bench import bench_fns, time_fn
-from megainfer.perfmodel.shapes import ModelShape
+from megainfer.perfmodel.model.shapes import ModelShape
 
 
 def _kernel(shape: ModelShape, kind: str, b: int, ctx: int, experts: int, bench: str, copies: int):

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from megainfer.config.base import torch_dtype_of
-from megainfer.perfmodel.shapes import ModelShape
+from megainfer.perfmodel.model.shapes import ModelShape
 
 
 

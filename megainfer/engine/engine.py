@@ -265,9 +265,8 @@ class LLMEngine:
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write of shared KV blocks, in the order they were decided (a block freed and
-        reused within one schedule is read before it is overwritten). The block axis: 0 for
-        MLA latent caches, 1 for GQA ``[2, blocks, ...]``."""
-        dim = 0 if self.kv_spec.kind == "mla" else 1
+        reused within one schedule is read before it is overwritten), along the spec's block axis."""
+        dim = self.kv_spec.block_axis
         for src, dst in copies:
             for kv in self.kv_caches:
                 kv.select(dim, dst).copy_(kv.select(dim, src))

@@ -110,8 +110,8 @@ class FileStore:
 
 
 class KVTier:
-    """The second tier over one rank's per-layer KV cache tensors (``block_dim``: 0 for MLA
-    latent caches, 1 for GQA)."""
+    """The second tier over one rank's per-layer KV cache tensors (``block_dim``: the
+    spec's ``block_axis``)."""
 
     def __init__(self, kv_caches: list[torch.Tensor], block_dim: int, capacity: int,
                  store_dir: Optional[str] = None, name: str = "rank", log_prefix: str = ""):
@@ -253,7 +253,7 @@ def make_kv_tier(cache_config, kv_spec, kv_caches, log_prefix: str = "") -> Opti
     gib = cache_config.host_kv_gib
     if not gib or not cache_config.enable_prefix_caching or not kv_caches:
         return None
-    dim = 0 if kv_spec.kind == "mla" else 1
+    dim = kv_spec.block_axis
     per_block = sum(kv.select(dim, 0).numel() * kv.element_size() for kv in kv_caches)
     capacity = int(gib * 2 ** 30) // per_block
     if capacity < 1:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +34,9 @@ class AttentionMetadata:
     decode_rows      [S_d] int64  their rows in the flat batch
 
     The host lists beside the tensors let the attention code size its work without reading a
-    device tensor back (no host synchronisation per layer).
+    device tensor back (no host synchronisation per layer). ``step_cache``: what every layer of
+    the step shares and the first layer computes (rotary tables, the decode batch's block ids
+    and mask), keyed by what it depends on.
     """
 
     query_start_loc: torch.Tensor
@@ -50,6 +52,7 @@ class AttentionMetadata:
     query_starts_list: list[int] = field(default_factory=list)
     decode_seqs_list: list[int] = field(default_factory=list)
     max_query_len: int = 0
+    step_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def build(cls, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
@@ -151,10 +154,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     Decode sequences (one new token) run as one padded batch; prefill chunks one by one.
     """
     store_kv_torch(k, v, kv_cache, meta.slot_mapping)
+    if meta.max_query_len == 1:  # pure decode: every row is a sequence's one new token
+        return _decode_batch(q, kv_cache, meta, scale)
     out = torch.empty_like(q)
     qlens, starts = meta.query_lens_list, meta.query_starts_list
     if meta.decode_seqs_list:
-        _decode_batch(q, kv_cache, meta, scale, out)
+        out[meta.decode_rows] = _decode_batch(q[meta.decode_rows], kv_cache, meta, scale)
     for i, n in enumerate(qlens):
         if n > 1:
             _prefill_one(q, kv_cache, meta, i, starts[i], n, scale, out)
@@ -206,20 +211,45 @@ def _gather_context(kv_cache: torch.Tensor, blocks: torch.Tensor, length: int,
     return kc, vc
 
 
-def _decode_batch(q, kv_cache, meta, scale, out):
-    """The S_d sequences with one query each, padded to the longest context."""
-    BS = meta.block_size
-    L = max(meta.seq_lens_list[i] for i in meta.decode_seqs_list)
-    idx, rows = meta.decode_seqs, meta.decode_rows  # [S_d], [S_d]
-    blocks = meta.block_tables[idx, : math.ceil(L / BS)]  # [S_d, nb]
-    keys, vals = _gather_context(kv_cache, blocks, L, q.dtype)  # [S_d, L, Hkv, D]
-    qd = q[rows]  # [S_d, Hq, D]
-    mask = torch.arange(L, device=q.device)[None, :] < meta.seq_lens[idx][:, None]  # [S_d, L]
+@dataclass(frozen=True)
+class _DecodePlan:
+    """What every layer's decode batch shares within a step (``AttentionMetadata.step_cache``).
+
+    blocks [S_d, nb] block ids, padded to the longest context ``length``;
+    mask   [S_d, 1, 1, length] additive (0 / -inf) in the query dtype, None when no row pads."""
+
+    length: int
+    blocks: torch.Tensor
+    mask: Optional[torch.Tensor]
+
+
+def _decode_plan(meta: AttentionMetadata, dtype: torch.dtype, device) -> _DecodePlan:
+    key = ("decode", dtype)
+    plan = meta.step_cache.get(key)
+    if plan is None:
+        lens = [meta.seq_lens_list[i] for i in meta.decode_seqs_list]
+        L = max(lens)
+        idx = meta.decode_seqs  # [S_d]
+        blocks = meta.block_tables[idx, : math.ceil(L / meta.block_size)]  # [S_d, nb]
+        mask = None
+        if min(lens) < L:
+            keep = torch.arange(L, device=device)[None, :] < meta.seq_lens[idx][:, None]
+            mask = torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill_(
+                ~keep, float("-inf"))[:, None, None, :]  # [S_d, 1, 1, L]
+        plan = meta.step_cache[key] = _DecodePlan(L, blocks, mask)
+    return plan
+
+
+def _decode_batch(qd, kv_cache, meta, scale):
+    """The S_d sequences with one query each (qd [S_d, Hq, D], in decode_seqs order), padded to
+    the longest context -> [S_d, Hq, D]."""
+    plan = _decode_plan(meta, qd.dtype, qd.device)
+    keys, vals = _gather_context(kv_cache, plan.blocks, plan.length, qd.dtype)  # [S_d, L, Hkv, D]
     # enable_gqa: query head h reads kv head h // group, without materialising repeated K/V
     o = F.scaled_dot_product_attention(qd[:, :, None, :], keys.transpose(1, 2), vals.transpose(1, 2),
-                                       attn_mask=mask[:, None, None, :], scale=scale,
+                                       attn_mask=plan.mask, scale=scale,
                                        enable_gqa=True)  # [S_d, Hq, 1, D]
-    out[rows] = o[:, :, 0, :]
+    return o[:, :, 0, :]
 
 
 def _prefill_one(q, kv_cache, meta, i, start, n, scale, out):

@@ -6,6 +6,9 @@
   normalised ``c_kv`` (kv_lora_rank) then the rotated ``k_pe`` (qk_rope_head_dim); a layer's
   cache is ``[num_blocks, block_size, R + P]``. Every TP rank keeps the whole latent.
 
+The block axis (``block_axis``, ``BLOCK_AXIS[kind]``: GQA 1, MLA 0) is owned here; whoever
+selects, gathers or copies blocks of a cache reads it from the spec.
+
 ``kv_format`` (``cache.kv_cache_dtype``, ``megainfer.kernels.kv_quant``): ``auto`` stores the
 model dtype; ``fp8_e4m3`` / ``fp8_e5m2`` store float8 elements (same shapes); ``fp4_e2m1``
 stores uint8 rows of ``D/2 + D/16`` bytes per ``D`` values (packed E2M1 codes + E4M3 block
@@ -26,6 +29,7 @@ import torch
 from megainfer.kernels import kv_quant
 
 KINDS = ("gqa", "mla")
+BLOCK_AXIS = {"gqa": 1, "mla": 0}  # the num_blocks dimension of a layer's cache tensor
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,11 @@ class KVCacheSpec:
         if len(self.shape_per_token) != want or min(self.shape_per_token) < 1:
             raise ValueError(f"kv cache shape_per_token={self.shape_per_token}: {self.kind} wants "
                              f"{want} positive sizes")
+
+    @property
+    def block_axis(self) -> int:
+        """The dimension of a layer's cache that indexes blocks (``layer_shape``: GQA 1, MLA 0)."""
+        return BLOCK_AXIS[self.kind]
 
     def stored_row(self) -> int:
         """Storage elements of one row (GQA: one head's D; MLA: the latent)."""

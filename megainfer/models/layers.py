@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megainfer.kernels import kv_quant
+from megainfer.kernels import cpu_gemm, kv_quant
 
 from .attention import AttentionMetadata, causal_attention
 from .attention_backends import TorchAttention
@@ -41,6 +41,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # one fused op, bit-identical in fp32 to the lines below (test_decode_step_ops)
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -70,14 +73,32 @@ class RotaryEmbedding(nn.Module):
                                     / D))
         self.inv_freq = inv.to(device=device, dtype=torch.float32)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                step_cache: Optional[dict] = None):
         """q [T, Hq, D], k [T, Hkv, D], positions [T] -> rotated q, k."""
+        cos, sin = self.tables(positions, q.dtype, step_cache)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype,
+               step_cache: Optional[dict] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> cos, sin [T, 1, D] in ``dtype``; with ``step_cache`` (a step's
+        ``AttentionMetadata.step_cache``) computed once per step for every layer of this
+        theta and width, not once per layer."""
+        key = ("rope", self.theta, self.inv_freq.shape[0], dtype, positions.data_ptr(),
+               positions.shape[0])
+        if step_cache is not None and key in step_cache:
+            return step_cache[key]
         # fp32 whatever the model's dtype: bf16 inverse frequencies are whole radians off at
         # positions in the thousands (HF computes these in fp32 too, then casts cos/sin)
         freqs = positions[:, None].float() * self.inv_freq.float()[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-        cos, sin = emb.cos().to(q.dtype)[:, None, :], emb.sin().to(q.dtype)[:, None, :]
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        cos, sin = emb.cos(), emb.sin()
+        if dtype != torch.float32:
+            cos, sin = cos.to(dtype), sin.to(dtype)
+        out = cos[:, None, :], sin[:, None, :]
+        if step_cache is not None:
+            step_cache[key] = out
+        return out
 
 
 class GatedMLP(nn.Module):
@@ -90,7 +111,14 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = linear(self.gate_proj, x), linear(self.up_proj, x)  # [T, I] each
+        return linear(self.down_proj, F.silu(gate).mul_(up))
+
+
+def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)`` through ``cpu_gemm.linear`` (the GEMM measured fastest for the row count;
+    plain ``F.linear`` off the CPU or in another dtype)."""
+    return cpu_gemm.linear(x, layer.weight, layer.bias)
 
 
 class SelfAttention(nn.Module):
@@ -135,19 +163,20 @@ class SelfAttention(nn.Module):
                 kv_cache: Optional[torch.Tensor]) -> torch.Tensor:
         """x [T, H] -> [T, H]; without meta the T tokens are one sequence and nothing is cached."""
         T, D = x.shape[0], self.head_dim
-        q = self.q_proj(x).view(T, self.q_heads, D)
-        k = self.k_proj(x).view(T, self.kv_heads, D)
-        v = self.v_proj(x).view(T, self.kv_heads, D)
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        q, k, v = cpu_gemm.linear_split(x, [p.weight for p in projs], [p.bias for p in projs])
+        q, k, v = (q.view(T, self.q_heads, D), k.view(T, self.kv_heads, D),
+                   v.view(T, self.kv_heads, D))
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(q, k, positions)
+        q, k = self.rotary(q, k, positions, None if meta is None else meta.step_cache)
         if meta is None:
             o = causal_attention(q, k, v, self.scale)
         else:
             if self.par.tp_size > 1 and kv_cache is not None:
                 agree_kv_scales(kv_cache, k, v, self.par)
             o = self.attn_backend(q, k, v, kv_cache, meta, self.scale)
-        out = self.o_proj(o.reshape(T, self.q_heads * D))  # [T, H], partial sum under TP
+        out = linear(self.o_proj, o.reshape(T, self.q_heads * D))  # [T, H], partial sum under TP
         if self.par.tp_size > 1:
             out = self.par.all_reduce(out)
         return out

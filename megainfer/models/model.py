@@ -19,7 +19,7 @@ from megainfer.config import ModelConfig
 
 from .attention import AttentionMetadata
 from .attention_backends import TorchAttention, make_attention_backend
-from .layers import GatedMLP, ParallelContext, RMSNorm, SelfAttention
+from .layers import GatedMLP, ParallelContext, RMSNorm, SelfAttention, linear
 from .deepseek_v3 import MLAAttention
 from .kv_spec import KVCacheSpec, kv_cache_spec_for
 from .mla_attention import make_mla_backend
@@ -130,4 +130,4 @@ class MoECausalLM(nn.Module):
         return self.model.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [S, H] -> [S, V] fp32
-        return self.lm_head(hidden).float()
+        return linear(self.lm_head, hidden).float()

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megainfer.kernels import fused_moe, select_experts
+from megainfer.kernels import cpu_gemm, fused_moe, select_experts
 
 from .layers import GatedMLP
 
@@ -106,6 +106,12 @@ class RoutedExperts(nn.Module):
         emap[torch.tensor(self.slots, dtype=torch.long, device="cpu")] = torch.arange(
             len(self.slots), dtype=torch.int32, device="cpu")
         self.expert_map = emap.to(device)
+
+    def slot_written(self, local: int) -> None:
+        """Local slot ``local``'s weights were overwritten in place (through ``.data``, as EPLB
+        and re-plan moves do): its GEMM layouts are rebuilt on the next call."""
+        cpu_gemm.forget_packed(self.gate_up_proj, local)
+        cpu_gemm.forget_packed(self.down_proj, local)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor):
         """x [T, H], topk_* [T, k] (physical slot ids) -> partial sum [T, H] over local slots."""

@@ -1,10 +1,10 @@
 """Draw a pipeline trace (docs/trace_format.md) as lanes over time per rank (matplotlib)."""
 from __future__ import annotations
 
-from megainfer.perfmodel.trace import LANES
+from megainfer.perfmodel.trace import A2E, ATTENTION, COMBINE, DISPATCH, E2A, EXPERT, LANES
 
-_COLORS = {"attention": "#4C72B0", "A2E": "#DD8452", "expert": "#C44E52", "E2A": "#55A868",
-           "dispatch": "#DD8452", "combine": "#55A868"}
+_COLORS = {ATTENTION: "#4C72B0", A2E: "#DD8452", EXPERT: "#C44E52", E2A: "#55A868",
+           DISPATCH: "#DD8452", COMBINE: "#55A868"}
 
 
 def plot_trace(trace: dict, out_png: str, max_layer: int | None = None, max_ranks: int = 4,
@@ -24,8 +24,8 @@ def plot_trace(trace: dict, out_png: str, max_layer: int | None = None, max_rank
            if (max_layer is None or e.get("args", {}).get("layer", 0) < max_layer)
            and (iteration is None or e.get("args", {}).get("iter", 0) == iteration)]
     names = trace.get("names", {})
-    attn = sorted({e["pid"] for e in evs if e["cat"] in ("attention", "A2E", "dispatch")})
-    expt = sorted({e["pid"] for e in evs if e["cat"] in ("expert", "E2A", "combine")} - set(attn))
+    attn = sorted({e["pid"] for e in evs if e["cat"] in (ATTENTION, A2E, DISPATCH)})
+    expt = sorted({e["pid"] for e in evs if e["cat"] in (EXPERT, E2A, COMBINE)} - set(attn))
     pids = attn[:max_ranks] + [p for p in expt if p not in attn][:max_ranks]
     mode = trace.get("metadata", {}).get("mode", "disaggregated")
     lanes = LANES.get(mode, LANES["disaggregated"])

@@ -1,13 +1,67 @@
-"""Write and read the pipeline trace format (docs/trace_format.md): Chrome trace-event JSON."""
+"""The pipeline trace format (docs/trace_format.md): Chrome trace-event JSON, and its vocabulary.
+
+One owner for what the runtime (``runtime/trace.py``) and the simulators write and what every
+reader (``runtime/trace_metrics.py``, ``model/insitu.py``, ``timeline_plot.py``) matches on:
+the lanes of a rank per mode (their order is the ``tid``), the extra lanes appended when first
+used, a span's name (``span_name``, ``wait_name``) and the event dicts themselves.
+"""
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
 
-LANES = {"disaggregated": ("attention", "A2E", "expert", "E2A"),
-         "colocated": ("attention", "dispatch", "expert", "combine")}
-_SHORT = {"attention": "attn", "A2E": "A2E", "expert": "expert", "E2A": "E2A",
-          "dispatch": "dispatch", "combine": "combine"}
+# Lanes (a span's "cat"; the lane's index in LANES[mode] is its "tid").
+ATTENTION, EXPERT = "attention", "expert"
+A2E, E2A = "A2E", "E2A"  # disaggregated: attention -> experts, experts -> attention
+DISPATCH, COMBINE = "dispatch", "combine"  # colocated: the all-to-alls inside the group
+LANES = {"disaggregated": (ATTENTION, A2E, EXPERT, E2A),
+         "colocated": (ATTENTION, DISPATCH, EXPERT, COMBINE)}
+# Extra lanes, appended to a rank's lanes as they first appear (docs/pd.md, docs/replan.md).
+PREFILL, KV_SEND, KV_RECV, REPLAN = "prefill", "KV send", "KV recv", "replan"
+
+# A span's name: "<prefix> L<layer> mb<mb>"; an attention span of an MoE layer is "attn ...",
+# a dense layer's "dense ..."; a receiver blocked on a lane: "<lane> wait L<layer> mb<mb>".
+ATTN, DENSE, WAIT = "attn", "dense", "wait"
+_PREFIX = {ATTENTION: ATTN, A2E: A2E, EXPERT: EXPERT, E2A: E2A, DISPATCH: DISPATCH,
+           COMBINE: COMBINE}
+
+
+def span_name(lane: str, layer: int, mb: int) -> str:
+    return f"{_PREFIX[lane]} L{layer} mb{mb}"
+
+
+def wait_name(lane: str, layer: int, mb: int) -> str:
+    return f"{lane} {WAIT} L{layer} mb{mb}"
+
+
+def is_moe_attention(event: dict) -> bool:
+    """An attention span of an MoE layer (what T_a is read from; dense layers excluded)."""
+    return event["cat"] == ATTENTION and event["name"].startswith(ATTN)
+
+
+def is_wait(event: dict) -> bool:
+    """A span of a rank blocked on its lane (``wait_name``), not the transfer itself."""
+    return event["name"].startswith(f"{event['cat']} {WAIT}")
+
+
+def complete_event(pid: int, lane: str, tid: int, name: str, ts_us: float, dur_us: float,
+                   iteration: int, layer: int, mb: int, tokens) -> dict:
+    """One span ("ph": "X"), times in microseconds on the job's clock."""
+    return {"ph": "X", "name": name, "cat": lane, "pid": pid, "tid": tid, "ts": round(ts_us, 3),
+            "dur": round(max(dur_us, 0.0), 3),
+            "args": {"iter": iteration, "layer": layer, "mb": mb, "tokens": tokens}}
+
+
+def rank_metadata(pid: int, name: str, lanes) -> list[dict]:
+    """The process name of a rank and the thread names of its lanes."""
+    meta = [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}}]
+    meta += [{"ph": "M", "name": "thread_name", "pid": pid, "tid": t, "args": {"name": n}}
+             for t, n in enumerate(lanes)]
+    return meta
+
+
+def trace_document(events: list, metadata: dict) -> dict:
+    return {"traceEvents": events, "displayTimeUnit": "ms", "metadata": metadata}
 
 
 @dataclass
@@ -35,21 +89,16 @@ class TraceWriter:
 
     def span(self, pid: int, cat: str, start_s: float, end_s: float, it: int, layer: int, mb: int,
              tokens: float) -> None:
-        self.events.append({
-            "ph": "X", "name": f"{_SHORT[cat]} L{layer} mb{mb}", "cat": cat, "pid": pid,
-            "tid": LANES[self.mode].index(cat), "ts": round(start_s * 1e6, 3),
-            "dur": round(max(0.0, end_s - start_s) * 1e6, 3),
-            "args": {"iter": it, "layer": layer, "mb": mb, "tokens": int(round(tokens))}})
+        self.events.append(complete_event(pid, cat, LANES[self.mode].index(cat),
+                                          span_name(cat, layer, mb), start_s * 1e6,
+                                          (end_s - start_s) * 1e6, it, layer, mb,
+                                          int(round(tokens))))
 
     def to_dict(self, plan: dict | None = None) -> dict:
-        meta = []
-        for pid, name in sorted(self.names.items()):
-            meta.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}})
-            for tid, lane in enumerate(LANES[self.mode]):
-                meta.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
-                             "args": {"name": lane}})
-        return {"traceEvents": meta + self.events, "displayTimeUnit": "ms",
-                "metadata": {"source": self.source, "mode": self.mode, "plan": plan or {}}}
+        meta = [m for pid, name in sorted(self.names.items())
+                for m in rank_metadata(pid, name, LANES[self.mode])]
+        return trace_document(meta + self.events,
+                              {"source": self.source, "mode": self.mode, "plan": plan or {}})
 
     def write(self, path: str, plan: dict | None = None) -> None:
         with open(path, "w") as f:

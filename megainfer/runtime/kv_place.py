@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from megainfer.kernels import kv_quant
+from megainfer.models.kv_spec import BLOCK_AXIS
 
 
 def sender_scales(kv: torch.Tensor):
@@ -35,7 +36,7 @@ def place(kv: torch.Tensor, kind: str, blocks: list[int], buf: torch.Tensor,
     ``heads``: (first, count) of the cache's heads ``buf`` holds, the rest left alone; several
     prefill TP ranks each send a run). A quantised part whose scale differs from the sender's
     is requantised (module docstring)."""
-    dim = 1 if kind == "gqa" else 0
+    dim = BLOCK_AXIS[kind]
     idx = torch.tensor(blocks, dtype=torch.long, device=kv.device)
     buf = buf.to(kv.device)
     if src_scales is not None and kv_quant.granularity_of(kv) == "tensor":

@@ -9,6 +9,8 @@ from typing import Optional
 
 import torch
 
+from megainfer.models.kv_spec import BLOCK_AXIS
+
 TAG_BASE = 1000
 
 
@@ -52,11 +54,10 @@ def gather_blocks(kv: torch.Tensor, kind: str, blocks: list[int], num_tokens: in
     idx = torch.tensor(blocks, dtype=torch.long, device=kv.device)
     if kv.element_size() == 1:  # float8 / packed fp4: gather and zero as bytes
         kv = kv.view(torch.uint8)
+    g = kv.index_select(BLOCK_AXIS[kind], idx).contiguous()
     if kind == "gqa":
-        g = kv.index_select(1, idx).contiguous()
         g.view(2, -1, *g.shape[3:])[:, num_tokens:] = 0
     else:
-        g = kv.index_select(0, idx).contiguous()
         g.view(-1, g.shape[-1])[num_tokens:] = 0
     return g
 

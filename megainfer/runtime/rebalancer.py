@@ -195,6 +195,7 @@ def install_staged(model, staged: dict) -> None:
         n = ex.gate_up_proj[slot].numel()
         ex.gate_up_proj.data[slot].copy_(buf[:n].view(ex.gate_up_proj[slot].shape))
         ex.down_proj.data[slot].copy_(buf[n:].view(ex.down_proj[slot].shape))
+        ex.slot_written(slot)
 
 
 def _parts(ex, slot: int) -> tuple:

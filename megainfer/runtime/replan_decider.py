@@ -8,10 +8,10 @@ ranks measured since the last decision:
   holding ``experts_on_rank`` slots; ``t_c``: the traced one-way time of a message between
   the sides (``replan_measure.comm_samples``; nan: not traced, the link model's).
 
-The per-layer model is refitted from them (``perfmodel.insitu.fit_in_situ``: the same k1..k4
+The per-layer model is refitted from them (``perfmodel.model.insitu.fit_in_situ``: the same k1..k4
 the planner's fitted times use), the traced T_c replaces the link's latency (and the node's
 wake-up, which it includes), and the planner
-(``perfmodel.world_plan.plan_world``) ranks every split of the same world for the work left
+(``perfmodel.plan.world_plan.plan_world``) ranks every split of the same world for the work left
 (``JobState``), with the replica TP held and the micro-batch count held or free (``vary_m``:
 ``replan.micro_batches=plan``; the best plan may then have another count). The current plan's
 remaining time is compared with the best plan's remaining time plus the switch's own cost:
@@ -28,11 +28,11 @@ import math
 from dataclasses import dataclass, replace
 
 from megainfer.config import ConfigError
-from megainfer.perfmodel.hardware import HardwareProfile, LayerFit
-from megainfer.perfmodel.insitu import fit_in_situ
-from megainfer.perfmodel.model import Workload
-from megainfer.perfmodel.shapes import ModelShape, dtype_bytes
-from megainfer.perfmodel.world_plan import JobLoad, NoWorldPlanError, Pins, plan_world
+from megainfer.perfmodel.model.disagg import Workload
+from megainfer.perfmodel.model.hardware import HardwareProfile, LayerFit
+from megainfer.perfmodel.model.insitu import fit_in_situ
+from megainfer.perfmodel.model.shapes import ModelShape, dtype_bytes
+from megainfer.perfmodel.plan.world_plan import JobLoad, NoWorldPlanError, Pins, plan_world
 
 
 @dataclass(frozen=True)

@@ -30,10 +30,6 @@ log = logging.getLogger("megainfer.runtime")
 TAG_HEADERS, TAG_KV = 1, 2  # on the switch communicator
 
 
-def _block_dim(engine) -> int:
-    return 0 if engine.kv_spec.kind == "mla" else 1
-
-
 def _seconds_per_token(engine) -> float:
     log_ = getattr(engine.executor, "step_log", [])[-32:]
     tokens = sum(t for _, t, _ in log_)
@@ -41,13 +37,13 @@ def _seconds_per_token(engine) -> float:
 
 
 def _kv_bytes(engine, blocks: int) -> int:
-    d = _block_dim(engine)
+    d = engine.kv_spec.block_axis
     return blocks * sum(kv.select(d, 0).numel() * kv.element_size() for kv in engine.kv_caches)
 
 
 def _export_kv(engine, table: list[int]) -> np.ndarray:
     """The blocks' KV of every layer as one host byte buffer."""
-    d = _block_dim(engine)
+    d = engine.kv_spec.block_axis
     idx = torch.tensor(table, dtype=torch.long, device=engine.kv_caches[0].device)
     parts = [kv.index_select(d, idx).contiguous().view(torch.uint8).flatten().cpu()
              for kv in engine.kv_caches]
@@ -55,7 +51,7 @@ def _export_kv(engine, table: list[int]) -> np.ndarray:
 
 
 def _import_kv(engine, table: list[int], buf: np.ndarray) -> None:
-    d = _block_dim(engine)
+    d = engine.kv_spec.block_axis
     idx = torch.tensor(table, dtype=torch.long, device=engine.kv_caches[0].device)
     data, off = torch.from_numpy(buf), 0
     for kv in engine.kv_caches:

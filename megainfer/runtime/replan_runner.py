@@ -185,8 +185,8 @@ class ReplanController:
 
     def _model(self):
         if self.hw is None:
-            from megainfer.perfmodel.hardware import load_hardware
-            from megainfer.perfmodel.shapes import ModelShape
+            from megainfer.perfmodel.model.hardware import load_hardware
+            from megainfer.perfmodel.model.shapes import ModelShape
             path = os.environ.get("MEGAINFER_HARDWARE_PROFILE")
             self.hw = load_hardware(path if path and os.path.isfile(path) else "cpu_node")
             self.shape = ModelShape.from_model_config(self.job.model, "replan_measured")

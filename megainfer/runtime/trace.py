@@ -1,4 +1,6 @@
-"""Per-rank pipeline traces in the Chrome/Perfetto format of ``docs/trace_format.md``."""
+"""Per-rank pipeline traces in the Chrome/Perfetto format of ``docs/trace_format.md``; the lanes,
+span names and event dicts are the format's own (``megainfer.perfmodel.trace``, pure), shared
+with the simulators."""
 from __future__ import annotations
 
 import json
@@ -8,8 +10,7 @@ from contextlib import contextmanager
 
 import torch
 
-LANES = {"disaggregated": ("attention", "A2E", "expert", "E2A"),
-         "colocated": ("attention", "dispatch", "expert", "combine")}
+from megainfer.perfmodel.trace import LANES, complete_event, rank_metadata, trace_document
 
 
 class Tracer:
@@ -63,10 +64,8 @@ class Tracer:
         if self.enabled:
             if lane not in self.lanes:  # an extra lane (KV transfers, docs/pd.md)
                 self.lanes = (*self.lanes, lane)
-            self.events.append({"ph": "X", "name": name, "cat": lane, "pid": self.rank,
-                                "tid": self.lanes.index(lane), "ts": round(ts_us, 3),
-                                "dur": round(max(dur_us, 0.0), 3),
-                                "args": {"iter": iteration, "layer": layer, "mb": mb, "tokens": tokens}})
+            self.events.append(complete_event(self.rank, lane, self.lanes.index(lane), name,
+                                              ts_us, dur_us, iteration, layer, mb, tokens))
 
     def resolve(self) -> None:
         """Device-timed spans -> host-clock ts/dur (waits once for their last event)."""
@@ -80,11 +79,8 @@ class Tracer:
 
     def to_json(self) -> dict:
         self.resolve()
-        meta = [{"ph": "M", "name": "process_name", "pid": self.rank, "args": {"name": self.name}}]
-        meta += [{"ph": "M", "name": "thread_name", "pid": self.rank, "tid": t, "args": {"name": n}}
-                 for t, n in enumerate(self.lanes)]
-        return {"traceEvents": meta + self.events, "displayTimeUnit": "ms",
-                "metadata": {"source": "runtime", "mode": self.mode}}
+        return trace_document(rank_metadata(self.rank, self.name, self.lanes) + self.events,
+                              {"source": "runtime", "mode": self.mode})
 
     def write(self, directory: str) -> str:
         path = os.path.join(directory, f"trace.rank{self.rank}.json")
@@ -103,5 +99,5 @@ def merge_traces(paths: list[str], out: str, metadata: dict | None = None) -> st
         meta.update(d.get("metadata", {}))
     meta.update(metadata or {})
     with open(out, "w") as f:
-        json.dump({"traceEvents": events, "displayTimeUnit": "ms", "metadata": meta}, f)
+        json.dump(trace_document(events, meta), f)
     return out

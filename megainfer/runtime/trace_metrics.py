@@ -14,6 +14,9 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 
+from megainfer.perfmodel.trace import (A2E, ATTENTION, COMBINE, DISPATCH, E2A, EXPERT,
+                                       is_moe_attention, is_wait)
+
 
 def _median(xs):
     return statistics.median(xs) if xs else float("nan")
@@ -22,14 +25,14 @@ def _median(xs):
 def pipeline_metrics(trace: dict) -> dict:
     ev = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     mode = trace.get("metadata", {}).get("mode", "disaggregated")
-    send_lane, recv_lane = ("dispatch", "combine") if mode == "colocated" else ("A2E", "E2A")
-    attention_ranks = {e["pid"] for e in ev if e["cat"] == "attention"}
+    send_lane, recv_lane = (DISPATCH, COMBINE) if mode == "colocated" else (A2E, E2A)
+    attention_ranks = {e["pid"] for e in ev if e["cat"] == ATTENTION}
     key = lambda e: (e["args"]["iter"], e["args"]["layer"], e["args"]["mb"])  # noqa: E731
-    t_a = [e["dur"] for e in ev if e["cat"] == "attention" and e["name"].startswith("attn")]
-    t_e = [e["dur"] for e in ev if e["cat"] == "expert"]
+    t_a = [e["dur"] for e in ev if is_moe_attention(e)]
+    t_e = [e["dur"] for e in ev if e["cat"] == EXPERT]
     dispatch_end, round_trip, blocked = {}, [], []
     for e in ev:
-        if e["cat"] == send_lane and e["pid"] in attention_ranks and not e["name"].endswith("wait"):
+        if e["cat"] == send_lane and e["pid"] in attention_ranks and not is_wait(e):
             dispatch_end[(e["pid"],) + key(e)] = e["ts"] + e["dur"]
     for e in ev:
         if e["cat"] == recv_lane and e["pid"] in attention_ranks:
@@ -43,7 +46,7 @@ def pipeline_metrics(trace: dict) -> dict:
     for k, end in dispatch_end.items():
         by_key[k[1:]].append(end)
     for e in ev:  # expert ranks' receive waits: the message arrived at the wait's end
-        if e["cat"] == "A2E" and e["name"].startswith("A2E wait") and e["dur"] > 0:
+        if e["cat"] == A2E and is_wait(e) and e["dur"] > 0:
             ends = by_key.get(key(e))
             if ends:
                 lat.append(e["ts"] + e["dur"] - max(ends))
@@ -65,7 +68,7 @@ def _bubbles(ev) -> dict:
     for e in ev:
         s = spans[(e["pid"], e["args"]["iter"])]
         s[0], s[1] = min(s[0], e["ts"]), max(s[1], e["ts"] + e["dur"])
-        if e["cat"] in ("attention", "expert"):
+        if e["cat"] in (ATTENTION, EXPERT):
             busy[(e["pid"], e["cat"])] += e["dur"]
     window = defaultdict(float)
     for (pid, _), (a, b) in spans.items():

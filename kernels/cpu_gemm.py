@@ -1,0 +1,206 @@
+"""CPU matmuls of the weights a decode step reads: ``y = x @ W.T`` through the GEMM measured
+fastest for the step's row count and this process's thread count.
+
+At decode row counts (1-64 rows against a 512 x 2048 weight) MKL's fp32 sgemm reads weights
+at 3-18 GB/s on this machine, a quarter of what a plain ``sum`` reads; oneDNN's inner-product
+over a weight reordered once into its blocked layout reads them at 25-60 GB/s (perf/
+tune_cpu_gemm.py, perf/bench/bench_decode_step.py). Three methods:
+
+* ``mm``      ``torch.mm(x, W.t())``: MKL, what ``F.linear`` does.
+* ``skinny``  ``torch.mm(W, x.t()).t()``: weight-major, the old rule for 3-16 rows.
+* ``onednn``  ``torch.ops.mkldnn._linear_pointwise`` over ``torch.ops.mkldnn.
+  _reorder_linear_weight(W)``: the pair torch.compile's CPU backend emits for frozen linear
+  weights. Private ops: ``tests/test_cpu_gemm.py`` pins their schemas and results, so a torch
+  upgrade that changes or drops them fails there, loudly, instead of here.
+
+Which method runs for how many rows is a table per weight kind (``expert``: the routed
+experts' [2N, H] and [H, N]; ``dense``: attention projections, dense MLPs, lm_head) and thread
+count (``cpu_gemm_rules.json`` beside this file, written by ``perf/bench/tune_cpu_gemm.py`` from
+measurement); ``use_rules`` swaps it (the benches' "before" runs ``OLD_RULES``, the path before
+issue 38, through it). Only float32 CPU
+weights take the oneDNN path; other dtypes and devices use ``F.linear`` / ``torch.mm``.
+
+Reordered weights are cached on the weight tensor, keyed by its storage, shape, strides and
+version counter, so an in-place ``copy_`` repacks on the next call; writes through ``.data``
+bypass the version counter: whoever writes weights that way calls ``forget_packed``.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+METHODS = ("mm", "skinny", "onednn")
+RULES_PATH = Path(__file__).with_name("cpu_gemm_rules.json")
+KINDS = ("expert", "dense")
+# before issue 38: experts weight-major for 3-16 rows (SKINNY=(3, 16)), everything else F.linear
+OLD_RULES = {"expert": {"1": [[2, "mm"], [16, "skinny"], [None, "mm"]]},
+             "dense": {"1": [[None, "mm"]]}}
+_ATTR, _ATTR_CAT = "_megainfer_onednn", "_megainfer_onednn_cat"
+
+
+class CpuGemmRuleError(ValueError):
+    """A rule table is malformed; the message names the entry."""
+
+
+def check_rules(rules: dict) -> dict:
+    """{kind: {threads: [[max_rows or None, method], ...]}} for every kind in KINDS, rows
+    ascending and a None catch-all last -> the same with int thread keys and tuple entries."""
+    if set(rules) != set(KINDS):
+        raise CpuGemmRuleError(f"cpu gemm rules: kinds {sorted(rules)} must be {sorted(KINDS)}")
+    return {kind: _check_kind(kind, rules[kind]) for kind in KINDS}
+
+
+def _check_kind(kind: str, rules: dict) -> dict:
+    if not rules:
+        raise CpuGemmRuleError(f"cpu gemm rules[{kind}]: empty table")
+    for t, steps in rules.items():
+        if not str(t).isdigit() or int(t) < 1:
+            raise CpuGemmRuleError(f"cpu gemm rules[{kind}]: thread key {t!r} must be a positive "
+                                  "integer")
+        where, last = f"cpu gemm rules[{kind}][{t}]", 0
+        for i, (rows, method) in enumerate(steps):
+            if method not in METHODS:
+                raise CpuGemmRuleError(f"{where}[{i}]: method {method!r} not in {METHODS}")
+            if rows is None and i != len(steps) - 1:
+                raise CpuGemmRuleError(f"{where}[{i}]: None must be the last entry")
+            if rows is not None and rows <= last:
+                raise CpuGemmRuleError(f"{where}[{i}]: max rows {rows} not ascending")
+            last = rows or last
+        if not steps or steps[-1][0] is not None:
+            raise CpuGemmRuleError(f"{where}: the last entry must be [None, method]")
+    return {int(t): [tuple(s) for s in steps] for t, steps in rules.items()}
+
+
+@functools.lru_cache(maxsize=1)
+def _table_rules() -> dict:
+    if not RULES_PATH.exists():  # an install without the measured table: oneDNN throughout
+        return {kind: {1: [(None, "onednn")]} for kind in KINDS}
+    with open(RULES_PATH) as f:
+        return check_rules(json.load(f)["rules"])
+
+
+_override: Optional[dict] = None
+
+
+@contextlib.contextmanager
+def use_rules(rules: Optional[dict]):
+    """Run a block under another rule table (``check_rules``' form); None: the measured table.
+    ``use_rules(OLD_RULES)`` is the path before issue 38 (MKL; experts weight-major for 3-16
+    rows)."""
+    global _override
+    prev, _override = _override, None if rules is None else check_rules(rules)
+    try:
+        yield
+    finally:
+        _override = prev
+
+
+def method_for(rows: int, kind: str = "dense", threads: Optional[int] = None) -> str:
+    """The method for ``rows`` rows of a ``kind`` weight at ``threads`` (default: torch's)
+    threads: the entry of the largest thread key <= threads (the smallest key if none is)."""
+    rules = (_override if _override is not None else _table_rules())[kind]
+    t = torch.get_num_threads() if threads is None else threads
+    keys = sorted(rules)
+    steps = rules[max((k for k in keys if k <= t), default=keys[0])]
+    return next(m for r, m in steps if r is None or rows <= r)
+
+
+def onednn_ok(w: torch.Tensor) -> bool:
+    return (w.device.type == "cpu" and w.dtype == torch.float32
+            and torch.backends.mkldnn.is_available())
+
+
+def _version(w: torch.Tensor) -> int:
+    try:
+        return w._version
+    except RuntimeError:  # an inference tensor keeps no version counter
+        return -1
+
+
+def _key(w: torch.Tensor) -> tuple:
+    return (w.data_ptr(), tuple(w.shape), tuple(w.stride()), _version(w))
+
+
+def packed(w: torch.Tensor, index: Optional[int] = None) -> torch.Tensor:
+    """The oneDNN-reordered copy of ``w`` [N, K] (``index``: of ``w[index]`` for a stacked
+    [E, N, K] weight), made on first use and cached on ``w``."""
+    cache = getattr(w, _ATTR, None)
+    key = _key(w)
+    if cache is None or cache[0] != key:
+        cache = (key, {})
+        setattr(w, _ATTR, cache)
+    packs = cache[1]
+    p = packs.get(index)
+    if p is None:
+        # a stacked weight packs every index the first time (at load, not over the first steps)
+        todo = [index] if index is None or packs else range(w.shape[0])
+        with torch.no_grad():
+            for i in todo:
+                src = w if i is None else w[i]
+                packs[i] = torch.ops.mkldnn._reorder_linear_weight(src.detach().contiguous())
+        p = packs[index]
+    return p
+
+
+def forget_packed(w: torch.Tensor, index: Optional[int] = None) -> None:
+    """Drop ``w``'s reordered copies (``index``: only ``w[index]``'s) after writing it through
+    ``.data``, which the version counter does not see."""
+    cache = getattr(w, _ATTR, None)
+    if hasattr(w, _ATTR_CAT):
+        delattr(w, _ATTR_CAT)
+    if cache is not None:
+        if index is None:
+            cache[1].clear()
+        else:
+            cache[1].pop(index, None)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
+           index: Optional[int] = None, kind: str = "dense") -> torch.Tensor:
+    """x [..., K] @ w.T (+ bias) -> [..., N]; ``index``: use ``w[index]`` of a stacked weight."""
+    if not onednn_ok(w) or x.dtype != w.dtype:
+        return F.linear(x, w if index is None else w[index], bias)
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # [n, K]
+    method = method_for(x2.shape[0], kind)
+    if method == "onednn" and x2.shape[0]:
+        y = torch.ops.mkldnn._linear_pointwise(x2 if x2.is_contiguous() else x2.contiguous(),
+                                               packed(w, index), bias, "none", [], "")
+    elif method == "skinny":
+        y = torch.mm(w if index is None else w[index], x2.t()).t()
+        if bias is not None:
+            y = y + bias
+    else:
+        y = F.linear(x2, w if index is None else w[index], bias)
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def linear_split(x: torch.Tensor, ws: Sequence[torch.Tensor],
+                 biases: Optional[Sequence[Optional[torch.Tensor]]] = None,
+                 kind: str = "dense") -> list[torch.Tensor]:
+    """[x @ w.T (+ b) for w, b in zip(ws, biases)]: one GEMM over the weights stacked along N
+    (reordered once, cached on ``ws[0]``) when the rule says oneDNN, as views of its output;
+    otherwise one ``linear`` per weight. x [T, K], ws[i] [N_i, K] -> [T, N_i] each."""
+    biases = list(biases) if biases is not None else [None] * len(ws)
+    w0 = ws[0]
+    if (not onednn_ok(w0) or x.dtype != w0.dtype or x.dim() != 2 or not x.shape[0]
+            or method_for(x.shape[0], kind) != "onednn"):
+        return [linear(x, w, b, kind=kind) for w, b in zip(ws, biases)]
+    key = tuple(_key(t) for t in (*ws, *biases) if t is not None)
+    cache = getattr(w0, _ATTR_CAT, None)
+    if cache is None or cache[0] != key:
+        with torch.no_grad():
+            w = torch.cat([t.detach() for t in ws])  # [sum N_i, K]
+            b = None if all(t is None for t in biases) else torch.cat(
+                [t.detach() if t is not None else w.new_zeros(n.shape[0])
+                 for t, n in zip(biases, ws)])
+            cache = (key, torch.ops.mkldnn._reorder_linear_weight(w), b)
+        setattr(w0, _ATTR_CAT, cache)
+    x = x if x.is_contiguous() else x.contiguous()
+    y = torch.ops.mkldnn._linear_pointwise(x, cache[1], cache[2], "none", [], "")
+    return list(y.split([w.shape[0] for w in ws], dim=-1))

@@ -1,0 +1,116 @@
+"""What megainfer-plan does, as library calls: search, print, simulate the chosen plan, draw it."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from megainfer.config import ConfigError
+from megainfer.perfmodel.model.disagg import DisaggModel, Workload
+from megainfer.perfmodel.model.hardware import HardwareProfile
+from megainfer.perfmodel.model.layer_times import layer_times_for
+from megainfer.perfmodel.model.shapes import ModelShape
+from megainfer.perfmodel.plan.planner import PlanError, SearchSpace, plan_colocated, plan_disaggregated
+from megainfer.perfmodel.plan.report import as_dict, table
+from megainfer.perfmodel.sim.fixed_batch import simulate_plan
+from megainfer.perfmodel.timeline_plot import plot_trace
+from megainfer.perfmodel.trace import read_trace
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    dtype: str = "bfloat16"
+    heterogeneous: bool = True
+    use_fit: bool = True
+    colocated: bool = True
+    top: int = 10
+    out_dir: str = "plan_out"
+    timeline: bool = True
+    timeline_layers: int = 3
+    jitter_s: float = 0.0
+    routing: str = "balanced"
+    skew: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.top < 1:
+            raise ConfigError(f"top={self.top!r}: must be >= 1")
+
+
+def run_plan(shape: ModelShape, profiles: list[HardwareProfile], workload: Workload,
+             space: SearchSpace, opt: PlanOptions, echo=print) -> dict:
+    ranked = plan_disaggregated(shape, profiles, workload, space, opt.dtype, opt.heterogeneous,
+                                opt.use_fit)
+    best = ranked[0].pred
+    kind = layer_times_for(profiles[0], shape, opt.dtype, opt.use_fit).kind
+    echo(f"[plan] model={shape.name} hardware={'/'.join(p.name for p in profiles)} "
+         f"T_a/T_e from {kind}, TPOT SLO {space.tpot_slo_s * 1e3:g} ms, "
+         f"workload in={workload.input_len} out={workload.output_len}")
+    echo(table(ranked, opt.top))
+    result = {"model": shape.name, "plans": [as_dict(r) for r in ranked[:opt.top]]}
+    if opt.colocated:
+        try:
+            col = plan_colocated(shape, profiles[0], workload, space, opt.dtype, opt.use_fit)
+            echo("\n[plan] best colocated baseline on " + profiles[0].name)
+            echo(table(col, 1))
+            ratio = best.tokens_per_s_per_device / col[0].pred.tokens_per_s_per_device
+            echo(f"[plan] disaggregated / colocated tokens/s per device: {ratio:.2f}x")
+            result["colocated"] = as_dict(col[0])
+        except PlanError as e:
+            echo(f"[plan] colocated baseline: no feasible plan ({e})")
+    os.makedirs(opt.out_dir, exist_ok=True)
+    plan = best.plan
+    hw = {p.name: p for p in profiles}
+    model = DisaggModel(shape, layer_times_for(hw[plan.hw_a], shape, opt.dtype, opt.use_fit),
+                        layer_times_for(hw[plan.hw_e], shape, opt.dtype, opt.use_fit), workload,
+                        opt.dtype)
+    sim = simulate_plan(model, plan, opt.jitter_s, opt.routing, opt.skew, seed=opt.seed)
+    trace_path = os.path.join(opt.out_dir, "trace.json")
+    sim.trace.write(trace_path, plan=as_dict(ranked[0]))
+    echo(f"\n[plan] simulated iteration {sim.mean_iteration_s * 1e3:.2f} ms "
+         f"(model T_total {best.t_total * 1e3:.2f} ms); trace: {trace_path}")
+    if opt.timeline:
+        png = os.path.join(opt.out_dir, "timeline.png")
+        plot_trace(read_trace(trace_path), png, max_layer=opt.timeline_layers,
+                   title=f"{shape.name}: {plan.label()} m={plan.m} B={plan.batch}")
+        echo(f"[plan] timeline: {png}")
+    with open(os.path.join(opt.out_dir, "plans.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    return result
+
+
+def run_goodput(shape: ModelShape, roles, reqs, slo, space, dtype: str, use_fit: bool, top: int,
+                out_dir: str, seed: int = 0, echo=print) -> dict:
+    """Goodput planning (``workload.arrival_rate`` or ``workload.trace`` given): the search of
+    ``goodput_search``, printed as the chosen plan, the runners-up and why the best is bound
+    where it is; ``<out_dir>/goodput.json``."""
+    from megainfer.perfmodel.plan.goodput_search import search_goodput, why_bound
+    span = float(reqs.arrival_s.max() - reqs.arrival_s.min())
+    echo(f"[goodput] model={shape.name} prefill={roles.prefill.name} attention={roles.attention.name} "
+         f"experts={roles.experts.name}; {len(reqs)} requests over {span:.3g} s, prompt mean "
+         f"{reqs.prompt_len.mean():.0f}, output mean {reqs.output_len.mean():.0f}; SLO TTFT "
+         f"{slo.ttft_s * 1e3:g} ms, TPOT {slo.tpot_s * 1e3:g} ms at p{slo.percentile:g}")
+    out = search_goodput(shape, roles, reqs, slo, space, dtype, use_fit, seed)
+    echo(f"[goodput] {len(out.candidates)} candidates after the closed-form prune, "
+         f"{out.simulated} simulated, {len(out.ranked)} attain the SLOs"
+         + (f", {out.unsimulated} left unsimulated (goodput.max_sims)" if out.unsimulated else ""))
+    hdr = (f"{'#':>2} {'family':<6} {'plan':<72} {'dev':>4} {'$/h':>7} {'goodput/s':>9} "
+           f"{'req/$':>8} {'req/dev-h':>9} {'TTFT p ms':>9} {'TPOT p ms':>9}")
+    rows = [hdr]
+    for i, c in enumerate(out.ranked[:top]):
+        r = c.result
+        rows.append(f"{i:>2} {c.family:<6} {c.label():<72} {c.devices:>4} {c.cost_per_hour:7.2f} "
+                    f"{r.goodput_req_s:9.3g} {c.per_dollar():8.4g} {r.goodput_req_s * 3600 / c.devices:9.4g} "
+                    f"{r.ttft_p * 1e3:9.4g} {r.tpot_p * 1e3:9.4g}")
+    echo("\n".join(rows))
+    for line in why_bound(out, slo):
+        echo(f"[goodput] {line}")
+    res = {"model": shape.name, "plans": [
+        {"family": c.family, "label": c.label(), "devices": c.devices, "cost_per_hour": c.cost_per_hour,
+         "goodput_req_s": c.result.goodput_req_s, "requests_per_dollar": c.per_dollar(),
+         "ttft_p_s": c.result.ttft_p, "tpot_p_s": c.result.tpot_p, "attained": c.result.fraction}
+        for c in out.ranked[:top]], "ruled_out": out.ruled, "simulated": out.simulated}
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "goodput.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    return res

@@ -1,0 +1,211 @@
+"""One event loop for a prefill/decode (PD) split: prefill replicas, KV transfers, decode pool.
+
+What ``runtime/pd_router.py``, ``runtime/prefill_worker.py`` and ``runtime/pd_decode.py`` do
+(docs/pd.md), as a discrete-event simulation over one clock (docs/perfmodel.md, "PD as one
+simulation", has each rule):
+
+* **Admission** (rank 0): one FCFS queue, handed out while a decode replica has room (fewer
+  than ``max_num_seqs`` requests handed to it and unfinished); least-loaded decode replica,
+  prefill replica with the fewest unfinished prompts, ties in rotation.
+* **Prefill replicas** (``PrefillPool``): each its own chunked-prefill scheduler (unfinished
+  prompts first, then FCFS, within ``prefill_tokens`` and ``max_num_seqs``); a step of n tokens
+  at mean context c costs, per layer, ``T_a(n, c)`` + every expert's time for its ``Routing``
+  draw + ``prompt_host_s`` per prompt, plus the lm_head over the prompts it completes, whose
+  first tokens are sampled at the step's end (TTFT).
+* **KV transfers**: each step's new KV streams layer by layer to the request's decode replica,
+  holding the prefill egress (``tp_p`` NICs) and the decode ingress (``tp_a`` NICs) at the
+  slower bandwidth, FIFO on both; it ends no earlier than the step's end plus its last layer's
+  share, plus the link latency.
+* **Decode pool**: ``sim.job.Pipeline.iteration``, replicas in lock step; a request decodes from
+  the first iteration that begins after its first token and its whole KV have arrived (exact
+  contexts P + j); an iteration's E2A messages wait for the KV message in flight on the ingress.
+
+Invariants: events (prefill step ends, decode iteration ends, arrivals, KV arrivals) are
+applied before anything starts at the same time, so what is ready at t is seen by what starts
+at t. Shared cores (``node.cores`` > 0): prefill and decode ranks of one profile time-share
+them (``pd_parts.Node``), rates recomputed at every event; ``idle_decode_busy`` is the share an
+idle decode rank still takes. Not modelled: the decode pool's own A2E/E2A traffic delaying a
+later KV transfer on the same link; prefix caching on prefill ranks; KV blocks (no preemption).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from megainfer.perfmodel.model.disagg import DisaggModel, Plan
+from megainfer.perfmodel.sim.events import Requests, draw_counts
+from megainfer.perfmodel.sim.job import JobConfig, _split
+from megainfer.perfmodel.sim.job_result import JobResult
+from megainfer.perfmodel.sim.pd_parts import Node, Prefill, PrefillStep
+
+
+@dataclass
+class PdJobResult(JobResult):
+    """JobResult (decode iterations in ``iteration_s``) plus the prefill side."""
+
+    prefill_steps: list = field(default_factory=list)  # (replica, start, duration, tokens)
+    kv_ready_s: np.ndarray | None = None  # when each request's whole KV had arrived
+
+    @property
+    def handoff_s(self) -> np.ndarray:
+        """First token to KV arrived (0 when the transfer was hidden behind prefill)."""
+        return np.maximum(self.kv_ready_s - self.first_token_s, 0.0)
+
+
+def simulate_pd_job(pool, model: DisaggModel, plan: Plan, requests: Requests,
+                    cfg: JobConfig = JobConfig(), dtype: str = "bfloat16",
+                    prefill_tokens: int | None = None, idle_decode_busy: float = 0.0) -> PdJobResult:
+    """Run ``requests`` through ``pool`` (``model.prefill_pool.PrefillPool``) and the decode ``plan``;
+    ``idle_decode_busy``: the share of a core each decode rank takes while the pool has nothing
+    to decode (``pd_parts.Node``; 0: they wait without computing)."""
+    rng = np.random.default_rng(cfg.seed)
+    s = model.shape
+    probs = cfg.routing.probabilities(s.num_layers, s.num_experts, rng)
+    pre = Prefill(pool, probs, rng)
+    node = Node(pool, model, plan, idle_decode_busy)
+    budget = prefill_tokens or cfg.max_num_batched_tokens
+    n, n_a, n_p, m = len(requests), plan.n_a, pool.n_p, plan.m
+    A, P, O = requests.arrival_s, requests.prompt_len, requests.output_len
+    order = np.argsort(A, kind="stable")
+    kvb = s.kv_bytes_per_token(dtype)
+    bw = min(pool.hw.inter_link.bandwidth_Bps * pool.tp_p, model.hw_a.inter_link.bandwidth_Bps * plan.tp_a)
+    lat = max(pool.hw.inter_link.latency_s, model.hw_a.inter_link.latency_s)
+    egress, ingress, msg = np.zeros(n_p), np.zeros(n_a), np.zeros(n_a)
+    computed, gen = np.zeros(n, np.int64), np.zeros(n, np.int64)
+    first, fin, ready = np.full(n, np.nan), np.full(n, np.nan), np.full(n, np.nan)
+    dec_of, pre_of = np.full(n, -1), np.full(n, -1)
+    load, pload = np.zeros(n_a, np.int64), np.zeros(n_p, np.int64)
+    pending: list = []  # arrived, not yet handed out (FCFS)
+    p_queue = [[] for _ in range(n_p)]  # handed to prefill replica p, prompt unfinished
+    p_busy: list = [None] * n_p  # p's PrefillStep in flight
+    d_wait = [[] for _ in range(n_a)]  # handed to decode replica a, not yet decoding
+    d_run = [[] for _ in range(n_a)]
+    d_busy = None  # (end, [(a, ids)]) of the decode iteration in flight
+    nxt, left, t, rot_a, rot_p = 0, n, 0.0, 0, 0
+    iters, psteps = [], []
+    for _ in range(cfg.max_iterations * 4):
+        if left == 0:
+            break
+        # 1. what ended at t
+        while nxt < n and A[order[nxt]] <= t:
+            pending.append(int(order[nxt]))
+            nxt += 1
+        for b in p_busy:  # a step progresses at its rate since the last event
+            if b is not None:
+                b.left -= (t - b.since) * b.rate
+                b.since = t
+        for p in range(n_p):
+            if p_busy[p] is not None and p_busy[p].end <= t:
+                end, start, work = p_busy[p].end, p_busy[p].start, p_busy[p].work
+                p_busy[p].row[2] = end - start  # the step's duration, stretched by sharing
+                p_busy[p] = None
+                for k, ns in work:
+                    computed[k] += ns
+                    a = dec_of[k]
+                    nbytes = ns * kvb
+                    go = max(start, egress[p], ingress[a])
+                    done = max(go + nbytes / bw, end + nbytes / (s.num_layers * bw))
+                    egress[p] = ingress[a] = done
+                    msg[a] = nbytes / (s.num_layers * bw)  # one layer's message of it
+                    if computed[k] >= P[k]:  # prompt done: first token, leave the prefill rank
+                        first[k], ready[k] = end, max(end, done + lat)
+                        gen[k] = 1
+                        p_queue[p].remove(k)
+                        pload[p] -= 1
+                        if O[k] <= 1:
+                            fin[k] = end
+                            load[a] -= 1
+                            left -= 1
+                        else:
+                            d_wait[a].append(k)
+        if d_busy is not None and d_busy[0] <= t:
+            end, work = d_busy
+            d_busy = None
+            for a, ids in work:
+                computed[ids] += 1
+                gen[ids] += 1
+                done = ids[gen[ids] >= O[ids]]
+                fin[done] = end
+                left -= len(done)
+                load[a] -= len(done)
+                if len(done):
+                    dset = set(done.tolist())
+                    d_run[a] = [k for k in d_run[a] if k not in dset]
+        if left == 0:
+            break
+        # 2. admission (rank 0): FCFS while a decode replica has room
+        while pending:
+            room = np.flatnonzero(load < cfg.max_num_seqs)
+            if not len(room):
+                break
+            a = int(room[np.argmin((load[room] * n_a + (room - rot_a) % n_a))])
+            q = np.arange(n_p)
+            p = int(q[np.argmin(pload * n_p + (q - rot_p) % n_p)])
+            rot_a, rot_p = (a + 1) % n_a, (p + 1) % n_p
+            k = pending.pop(0)
+            dec_of[k], pre_of[k] = a, p
+            load[a] += 1
+            pload[p] += 1
+            p_queue[p].append(k)
+        # 3. idle prefill replicas take a step
+        for p in range(n_p):
+            if p_busy[p] is not None or not p_queue[p]:
+                continue
+            work, room, tok, ctxw, rows = [], budget, 0, 0.0, 0
+            for k in p_queue[p][:cfg.max_num_seqs]:
+                if room <= 0:
+                    break
+                ns = int(min(P[k] - computed[k], room))
+                work.append((k, ns))
+                room -= ns
+                tok += ns
+                ctxw += ns * (computed[k] + (ns + 1) / 2)
+                rows += int(computed[k] + ns >= P[k])
+            ta, te = pre.step_s(tok, ctxw / tok, rows, len(work))
+            ta += cfg.iteration_overhead_s
+            psteps.append([p, t, ta + te, tok])
+            p_busy[p] = PrefillStep(t + ta + te, t, work, ta, te, psteps[-1], ta + te, 1.0, t)
+        n_busy = sum(b is not None for b in p_busy)  # prefill replicas computing from here on
+        # 4. an idle decode pool starts an iteration with what is runnable at t
+        if d_busy is None:
+            for a in range(n_a):
+                go = [k for k in d_wait[a] if ready[k] <= t]
+                if go:
+                    d_wait[a] = [k for k in d_wait[a] if ready[k] > t]
+                    d_run[a].extend(go)
+            if any(d_run):
+                tok, ctx, rows = np.zeros((n_a, m)), np.zeros((n_a, m)), np.zeros((n_a, m))
+                work = []
+                for a in range(n_a):
+                    ids = np.array(d_run[a][:cfg.max_num_batched_tokens], np.int64)
+                    if len(ids):
+                        mb = _split(np.ones(len(ids)), m)
+                        tok[a] = np.bincount(mb, minlength=m)
+                        ctx[a] = np.bincount(mb, computed[ids] + 1.0, m)
+                        rows[a] = tok[a]
+                    work.append((a, ids))
+                ctx = np.divide(ctx, tok, out=np.zeros_like(ctx), where=tok > 0)
+                counts = draw_counts(probs, tok.sum(axis=0), s.top_k, s.num_experts, s.num_layers, rng)
+                busy = np.minimum(ingress, t + msg)  # E2A waits for the KV message in flight
+                pipe = node.pipeline(n_busy)
+                end = pipe.iteration(t, tok, ctx, rows, counts, ingress_free=busy) + cfg.iteration_overhead_s
+                iters.append((t, end - t, float(tok.sum())))
+                d_busy = (end, work)
+        # 5. prefill steps' rates under what now runs beside them; the next event
+        for b in p_busy:
+            if b is not None:
+                r = node.rate(b.attn_s, b.exp_s, n_busy, d_busy is not None)
+                if r != b.rate:
+                    b.rate, b.end = r, t + b.left / r
+        cand = [b.end for b in p_busy if b is not None]
+        if d_busy is not None:
+            cand.append(d_busy[0])
+        else:
+            cand += [ready[k] for w in d_wait for k in w]
+        if nxt < n:
+            cand.append(float(A[order[nxt]]))
+        if not cand:
+            break
+        t = max(t, min(cand))
+    return PdJobResult(A, first, fin, O, iters, None, [tuple(x) for x in psteps], ready)

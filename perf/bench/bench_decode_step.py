@@ -1,0 +1,244 @@
+"""One CPU decode step against its physical floor, before and after issue 38, beside HF's step;
+then the engine-vs-HF job race (perf/bench_offline.py) with prefix caching off.
+
+    python perf/bench/bench_decode_step.py [--batches 1 8 32 64 --threads 1 2 --context 100
+                                      --repeats 15 --no-jobs]
+
+Model: the 54.5M Mixtral-shaped checkpoint of issue 38 (vocab 1024, hidden 512, inter 1024,
+4 layers, 8/4 heads, 8 experts top-2; random weights, saved by bench_offline.build_checkpoint),
+fp32. A step: B sequences with ``--context`` cached tokens each and one new token, through
+``AttentionMetadata.build_with`` + ``MoECausalLM.forward`` + ``compute_logits`` (what
+``LocalExecutor.execute`` runs; the engine's scheduler and sampler are not in it).
+
+* after:  the measured GEMM rules (``kernels/cpu_gemm_rules.json``), as shipped.
+* before: ``cpu_gemm.use_rules(OLD_RULES)``: MKL everywhere, experts weight-major for 3-16 rows
+  (the GEMMs before issue 38; the attention and host-op changes have no switch, so "before"
+  is an upper bound on what the GEMMs alone bought).
+* HF:     ``MixtralForCausalLM`` forward of one token per sequence over a ``DynamicCache`` of
+  the same context (cropped back after each step).
+* floor:  max(bytes / read bandwidth, FLOPs / matmul rate), both measured in this run by
+  bench_offline's probes: bytes = every weight the step reads (the experts the batch can hit:
+  min(E, B * top_k) per layer; all but the embedding) + the KV cache; FLOPs = 2 x active
+  parameters per token + attention.
+
+Rounds alternate after, before, HF; medians over ``--repeats`` rounds. Jobs (``--no-jobs`` skips
+them): bench_offline's race at each thread count, equal lengths (B=32, 64 in / 64 out) and
+mixed lengths (64 requests, prompts 16-192, outputs 16-128), prefix caching off. Writes
+``perf/results/bench_decode_step.json`` with the machine and the load average.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from types import SimpleNamespace
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "harness"))
+import bench_offline  # noqa: E402
+from megainfer.bench.results_io import write_json  # noqa: E402
+from perf_paths import RESULTS  # noqa: E402
+
+SHAPE = dict(vocab=1024, hidden=512, layers=4, heads=8, kv_heads=4, experts=8, top_k=2,
+             inter=1024)
+
+
+def step_floor(a, B: int, ctx: int, n_params: int, bw: float, rate: float) -> dict:
+    """``a``: the model shape (SHAPE's fields) -> the step's bytes, FLOPs and floor seconds."""
+    D = a.hidden // a.heads
+    per_expert = 3 * a.hidden * a.inter
+    experts_read = min(a.experts, B * a.top_k)
+    weights = n_params - a.vocab * a.hidden - a.layers * (a.experts - experts_read) * per_expert
+    kv = 4 * 2 * a.layers * a.kv_heads * D * B * (ctx + 1)
+    nbytes = 4 * weights + kv
+    flops = B * bench_offline.active_flops_per_token(a, ctx + 1)
+    return dict(bytes=nbytes, flops=flops, read_s=nbytes / bw, flops_s=flops / rate,
+                seconds=max(nbytes / bw, flops / rate))
+
+
+class OursStep:
+    """B decode rows over a paged cache of ``ctx`` tokens each (block 16)."""
+
+    def __init__(self, model, B: int, ctx: int, block: int = 16):
+        from megainfer.models.attention import allocate_kv_cache
+        cfg = model.config
+        nb = math.ceil((ctx + 1) / block)
+        self.model, self.B, self.ctx, self.block = model, B, ctx, block
+        self.caches = allocate_kv_cache(cfg.num_layers, B * nb + 1, block, cfg.num_kv_heads,
+                                        cfg.head_dim)
+        for c in self.caches:
+            c.normal_()
+        self.tables = [[1 + s * nb + j for j in range(nb)] for s in range(B)]
+        g = torch.Generator().manual_seed(B)
+        self.ids = torch.randint(3, cfg.vocab_size, (B,), generator=g)
+
+    @torch.inference_mode()
+    def __call__(self):
+        from megainfer.models.attention import AttentionMetadata
+        B = self.B
+        meta, (ids, pos) = AttentionMetadata.build_with(
+            [1] * B, [self.ctx] * B, self.tables, self.block,
+            extras=[self.ids, torch.full((B,), self.ctx, dtype=torch.long)])
+        return self.model.compute_logits(self.model(ids, pos, meta, self.caches))
+
+
+class HFStep:
+    def __init__(self, hf, B: int, ctx: int):
+        from transformers import DynamicCache
+        g = torch.Generator().manual_seed(B)
+        prompt = torch.randint(3, hf.config.vocab_size, (B, ctx), generator=g)
+        self.cache = DynamicCache()
+        with torch.inference_mode():
+            hf(prompt, past_key_values=self.cache, use_cache=True)
+        self.hf, self.ctx = hf, ctx
+        self.ids = torch.randint(3, hf.config.vocab_size, (B, 1), generator=g)
+
+    @torch.inference_mode()
+    def __call__(self):
+        out = self.hf(self.ids, past_key_values=self.cache, use_cache=True)
+        self.cache.crop(-1)  # back to ctx tokens
+        return out.logits
+
+
+def time_once(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def bench_steps(a, shape, model, hf, n_params: int) -> list[dict]:
+    from megainfer.kernels import cpu_gemm
+    rows = []
+    for t in a.threads:
+        torch.set_num_threads(t)
+        rate, bw = bench_offline.matmul_roofline() * 1e9, bench_offline.read_bandwidth()
+        for B in a.batches:
+            ours, theirs = OursStep(model, B, a.context), HFStep(hf, B, a.context)
+            for _ in range(3):  # warm-up: first-touch packs and scratch buffers
+                ours()
+                with cpu_gemm.use_rules(cpu_gemm.OLD_RULES):
+                    ours()
+                theirs()
+            s = dict(after=[], before=[], hf=[])
+            for _ in range(a.repeats):
+                s["after"].append(time_once(ours))
+                with cpu_gemm.use_rules(cpu_gemm.OLD_RULES):
+                    s["before"].append(time_once(ours))
+                s["hf"].append(time_once(theirs))
+            med = {k: statistics.median(v) for k, v in s.items()}
+            floor = step_floor(shape, B, a.context, n_params, bw, rate)
+            rows.append(dict(threads=t, batch=B, context=a.context, floor=floor,
+                             read_Bps=bw, matmul_flops=rate, median_s=med, samples_s=s,
+                             load_average=os.getloadavg()))
+            r = rows[-1]
+            print(f"{t:>3} {B:>4} {floor['seconds'] * 1e3:8.2f} {med['after'] * 1e3:8.2f} "
+                  f"{med['before'] * 1e3:8.2f} {med['hf'] * 1e3:8.2f} "
+                  f"{med['after'] / floor['seconds']:8.2f}x {med['before'] / floor['seconds']:7.2f}x "
+                  f"{med['hf'] / med['after']:7.2f}x {r['load_average'][0]:5.1f}", flush=True)
+    return rows
+
+
+def mixed_workload(n: int, vocab: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(16, 193, (n,), generator=g).tolist()
+    outs = torch.randint(16, 129, (n,), generator=g).tolist()
+    return [torch.randint(3, vocab, (L,), generator=g).tolist() for L in lens], outs
+
+
+def bench_jobs(a, path: str, progress) -> list[dict]:
+    from megainfer import LLM
+    import transformers
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    equal = (torch.randint(3, a.vocab, (32, 64), generator=g).tolist(), [64] * 32)
+    for t in a.threads:
+        torch.set_num_threads(t)
+        for name, (prompts, outs) in (("equal", equal),
+                                      ("mixed", mixed_workload(64, a.vocab))):
+            longest = max(len(p) for p in prompts) + max(outs)
+            llm = LLM(path, max_num_seqs=64, max_num_batched_tokens=2048,
+                      max_model_len=longest, block_size=16, enable_prefix_caching=False)
+            bench_offline.run_ours(llm, prompts[:2], outs[:2])  # warm-up both sides
+            bench_offline.run_hf(hf, prompts[:2], outs[:2])
+            hf_t, our_t, agree = [], [], []
+            for _ in range(a.job_repeats):
+                dt, hf_tok = bench_offline.run_hf(hf, prompts, outs)
+                hf_t.append(dt)
+                dt, our_tok = bench_offline.run_ours(llm, prompts, outs)
+                our_t.append(dt)
+                agree.append(bench_offline.agreement(hf_tok, our_tok))
+            r = dict(threads=t, workload=name, requests=len(prompts),
+                     output_tokens=sum(outs), hf_s=hf_t, ours_s=our_t,
+                     speedup=statistics.median(hf_t) / statistics.median(our_t),
+                     greedy_agreement=agree[-1], load_average=os.getloadavg())
+            rows.append(r)
+            progress(rows)
+            print(f"{t:>3} {name:<6} {statistics.median(hf_t):8.2f} {statistics.median(our_t):8.2f} "
+                  f"{r['speedup']:7.2f}x {100 * r['greedy_agreement']:6.1f}% "
+                  f"{r['load_average'][0]:5.1f}", flush=True)
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--context", type=int, default=100)
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--job-repeats", type=int, default=3)
+    ap.add_argument("--no-jobs", dest="jobs", action="store_false")
+    ap.add_argument("--out", default=os.path.join(RESULTS, "bench_decode_step.json"))
+    a = ap.parse_args(argv)
+    shape = SimpleNamespace(**SHAPE)
+    import transformers
+
+    from megainfer.config import LoadConfig, ModelConfig
+    from megainfer.models.loader import build_model
+    load0 = os.getloadavg()
+    with tempfile.TemporaryDirectory() as d:
+        bench_offline.build_checkpoint(d, shape)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(d).eval()
+        n_params = sum(p.numel() for p in hf.parameters())
+        model = build_model(ModelConfig.from_pretrained(d), LoadConfig(path=d))
+        print(f"decode step, {n_params / 1e6:.1f}M params, context {a.context}, "
+              f"load average {load0[0]:.1f}")
+        print(f"{'thr':>3} {'B':>4} {'floor ms':>8} {'after':>8} {'before':>8} {'HF':>8} "
+              f"{'after/fl':>9} {'bef/fl':>8} {'HF/aft':>8} {'load':>5}")
+        result = dict(name="bench_decode_step", args=vars(a), shape=SHAPE, params=n_params,
+                      steps=[], jobs=[], complete=False,
+                      baseline="before: cpu_gemm.OLD_RULES in the same rounds; HF: transformers "
+                               "forward / generate")
+        result["steps"] = bench_steps(a, shape, model, hf, n_params)
+        save(a, result, load0)  # written after each part: a run cut short keeps what it measured
+        if a.jobs:
+            a.vocab = shape.vocab
+            print(f"\njobs, prefix caching off\n{'thr':>3} {'job':<6} {'HF s':>8} {'ours s':>8} "
+                  f"{'speedup':>8} {'greedy':>7} {'load':>5}")
+            result["jobs"] = bench_jobs(a, d, lambda rows: save(a, dict(result, jobs=rows), load0))
+    result["complete"] = True
+    load = save(a, result, load0)
+    print(f"load average at start / end: {load0[0]:.1f} / {load[0]:.1f} on {os.cpu_count()} cores "
+          "(a shared machine: medians, and ratios from the same rounds)")
+
+
+def save(a, result: dict, load0) -> tuple:
+    load = os.getloadavg()
+    write_json(a.out, dict(
+        result, date=datetime.datetime.now().isoformat(timespec="seconds"),
+        machine=dict(platform=platform.platform(), processor=platform.processor(),
+                     cpu_count=os.cpu_count(), python=sys.version.split()[0],
+                     torch=torch.__version__, load_average=[load0, load])), indent=2)
+    return load
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""Measure the CPU GEMM methods of ``megainfer.kernels.cpu_gemm`` per row count and thread
+count, and write the rule table the library reads (``kernels/cpu_gemm_rules.json``).
+
+    python perf/bench/tune_cpu_gemm.py [--threads 1 2 --repeats 11 --no-write]
+
+Shapes: the bench50m-family weights a decode step reads, per kind: ``expert`` (gate_up
+[2N, H] and down [H, N] of 8 experts, timed together as one layer's expert pass, so the cache
+holds what a real step holds) and ``dense`` (q/k/v/o projections and lm_head). Rows: 1 to 512
+(decode to prefill chunks). For each (kind, threads, rows) the fastest of ``--repeats``
+samples of every method (mm, skinny, onednn): the minimum, not the median, since on a shared
+machine other processes only ever add time. At 1 thread the clock is this thread's CPU time
+(what the op costs, whoever else runs); at more threads the wall clock (CPU time would hide a
+thread that waits descheduled), so those rules are only as good as the quietest sample. The
+rule keeps, among the methods within ``--margin`` of the fastest, the first in the order
+onednn, mm, skinny; a cell at more threads whose fastest sample is 1.5x slower than at fewer
+threads was disturbed and keeps the fewer-thread choice. Prints a table and writes
+``perf/results/tune_cpu_gemm.json`` (the samples, the machine, the load average).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+
+from megainfer.kernels import cpu_gemm
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "harness"))
+from megainfer.bench.results_io import write_json  # noqa: E402
+from perf_paths import RESULTS  # noqa: E402
+
+ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 512)
+PREFERENCE = ("onednn", "mm", "skinny")
+DISTURBED = 1.5
+
+
+def weights(kind: str, hidden: int, inter: int, experts: int, vocab: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    if kind == "expert":
+        shapes = [(2 * inter, hidden), (hidden, inter)] * experts
+    else:
+        shapes = [(hidden, hidden), (hidden // 2, hidden), (hidden // 2, hidden), (hidden, hidden),
+                  (vocab, hidden)]
+    return [torch.randn(*s, generator=g) * 0.02 for s in shapes]
+
+
+def time_method(ws, rows: int, method: str, kind: str, repeats: int) -> float:
+    xs = [torch.randn(rows, w.shape[1]) for w in ws]
+    rules = {k: {"1": [[None, method]]} for k in cpu_gemm.KINDS}
+
+    def run():
+        for x, w in zip(xs, ws):
+            cpu_gemm.linear(x, w, kind=kind)
+
+    threads = torch.get_num_threads()
+    clock = time.thread_time if threads == 1 else time.perf_counter
+    with cpu_gemm.use_rules(rules):
+        run()
+        samples = []
+        for _ in range(repeats):
+            t0 = clock()
+            run()
+            samples.append(clock() - t0)
+    return min(samples)
+
+
+def choices(times: dict, margin: float, fewer: dict = None) -> dict:
+    """{rows: {method: s}} -> {rows: method}. ``fewer``: the same at the next lower thread
+    count ({rows: (method, fastest s)}); a cell whose fastest sample is over ``DISTURBED`` x
+    slower than there was disturbed by other load (more threads are not that much slower on
+    an idle machine) and keeps the lower count's choice."""
+    out = {}
+    for rows, t in times.items():
+        fastest = min(t.values())
+        if fewer is not None and fastest > DISTURBED * fewer[rows][1]:
+            out[rows] = (fewer[rows][0], fewer[rows][1])
+            continue
+        out[rows] = (next(m for m in PREFERENCE if t[m] <= fastest * (1 + margin)), fastest)
+    return out
+
+
+def rule_from(chosen: dict) -> list:
+    """{rows: (method, s)} -> [[max_rows, method], ..., [None, method]] (runs merged)."""
+    best = [(rows, chosen[rows][0]) for rows in sorted(chosen)]
+    steps = []
+    for i, (rows, m) in enumerate(best):
+        last = i == len(best) - 1
+        if last or best[i + 1][1] != m:
+            steps.append([None if last else rows, m])
+    return steps
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--repeats", type=int, default=11)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--inter", type=int, default=1024)
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--margin", type=float, default=0.05)
+    ap.add_argument("--no-write", dest="write", action="store_false")
+    ap.add_argument("--out", default=os.path.join(RESULTS, "tune_cpu_gemm.json"))
+    a = ap.parse_args(argv)
+    samples, rules = {}, {k: {} for k in cpu_gemm.KINDS}
+    load0 = os.getloadavg()
+    for kind in cpu_gemm.KINDS:
+        ws = weights(kind, a.hidden, a.inter, a.experts, a.vocab)
+        nbytes = sum(w.numel() * 4 for w in ws)
+        fewer = None
+        for t in sorted(a.threads):
+            torch.set_num_threads(t)
+            times = {}
+            for rows in ROWS:
+                times[rows] = {m: time_method(ws, rows, m, kind, a.repeats)
+                               for m in cpu_gemm.METHODS}
+                r = times[rows]
+                print(f"{kind:<7}{t:>3} thr {rows:>5} rows  " + "  ".join(
+                    f"{m} {r[m] * 1e3:7.2f} ms ({nbytes / r[m] / 1e9:5.1f} GB/s)"
+                    for m in cpu_gemm.METHODS), flush=True)
+            fewer = choices(times, a.margin, fewer)
+            rules[kind][str(t)] = rule_from(fewer)
+            samples[f"{kind},{t}"] = {str(r): v for r, v in times.items()}
+    load = [load0, os.getloadavg()]
+    print("rules:", json.dumps(rules))
+    print(f"load average at start / end: {load[0][0]:.1f} / {load[1][0]:.1f}")
+    machine = dict(platform=platform.platform(), processor=platform.processor(),
+                   cpu_count=os.cpu_count(), torch=torch.__version__, load_average=load)
+    write_json(a.out, dict(name="tune_cpu_gemm",
+                           date=datetime.datetime.now().isoformat(timespec="seconds"),
+                           machine=machine, args=vars(a), seconds=samples, rules=rules), indent=2)
+    if a.write:
+        table = dict(source="perf/bench/tune_cpu_gemm.py", date=datetime.date.today().isoformat(),
+                     machine=machine, rules=rules)
+        with open(cpu_gemm.RULES_PATH, "w") as f:
+            json.dump(table, f, indent=1)
+            f.write("\n")
+
+
+if __name__ == "__main__":
+    main()
