@@ -44,6 +44,7 @@ setup(
         "tqdm>=4.66",
         "tokenizers==0.23.3",
         "jinja2>=3.1.6",  # chat templates (LLM.chat, "messages" input lines), sandboxed
+        "huggingface_hub==2.4.0",  # model ids from the local HF cache (no download at run time)
     ],
     extras_require={
         "plot": ["matplotlib>=3.8"],  # timeline.png of traced runs, megainfer-timeline

@@ -22,8 +22,7 @@ import socket
 from dataclasses import asdict, replace
 
 from megainfer.config import ConfigError, ModelConfig, SchedulerConfig
-
-from .model_source import model_config_of
+from megainfer.config.model_source import model_config_of
 
 log = logging.getLogger("megainfer.launch")
 

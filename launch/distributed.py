@@ -38,15 +38,6 @@ class _ReplicaStream:
         return run_rank(self.rank, requests)
 
 
-def _job_spec(s):
-    from megainfer.engine.tokenizer import load_tokenizer
-    from megainfer.runtime.startup import JobSpec
-    tok = load_tokenizer(s.load.path, s.model.eos_token_id)
-    return JobSpec(s.model, s.load, s.scheduler, s.cache, s.deploy, s.comm, s.eplb, s.trace,
-                   tokenizer=tok, seed=s.seed, device=s.device,
-                   replan=s.replan)
-
-
 def run_distributed(s, requests, output_path: str, run_dir: str) -> int:
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
@@ -57,7 +48,7 @@ def run_distributed(s, requests, output_path: str, run_dir: str) -> int:
         from megainfer.runtime.roles import assign_role
         from megainfer.runtime.startup import build_rank, run_rank
         tag = assign_role(s.deploy, comm.Get_rank(), comm.Get_size()).tag
-        rank = build_rank(_job_spec(s), comm)
+        rank = build_rank(s, comm)
         pids = comm.gather((tag, os.getpid()), root=0)
         if pids:  # so a process manager's "PID n died" can be read as a rank and role
             log.info("[launch] ranks: %s", ", ".join(f"{r} {t} pid {p}" for r, (t, p) in enumerate(pids)))

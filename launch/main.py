@@ -21,6 +21,7 @@ from megainfer.engine import RequestError
 from . import startup_errors
 from .inputs import job_requests
 from .job import run_offline_job, write_summary
+from .overrides import job_config_text, override_key_error, wants_job_config
 from .settings import JobSettings, settings_from_config
 from .world import local_rank, local_ranks, world_rank, world_size
 
@@ -29,7 +30,7 @@ log = logging.getLogger("megainfer.launch")
 
 def single_generator(s: JobSettings):
     from megainfer.llm import LLM
-    return LLM.from_configs(s.model, s.load, s.scheduler, s.cache, seed=s.seed, device=s.device)
+    return LLM.from_job(s)
 
 
 def run_job(s: JobSettings, run_dir: str) -> int:
@@ -82,6 +83,15 @@ _FOLLOWER_OVERRIDES = ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job
 
 def main() -> None:
     global _held
+    # a key no group reads, refused before Hydra (whose `+key` advice is wrong here) with the
+    # exit code of a refused command line (1, as Hydra's; a bad value found later exits 2)
+    bad = override_key_error(sys.argv[1:])
+    if startup_errors.report(startup_errors.agree(
+            None if bad is None else startup_errors.config_error_line(bad))):
+        sys.exit(1)
+    if wants_job_config(sys.argv[1:]):
+        print(job_config_text(sys.argv[1:]), end="")
+        return
     runs_job = not any(a.startswith("-") for a in sys.argv[1:])  # not --help, --cfg, ...
     if world_size() > 1 and world_rank() != 0 and runs_job:
         sys.argv += _FOLLOWER_OVERRIDES

@@ -43,7 +43,7 @@ def _model_config(m: dict):
     """The ModelConfig of ``model.path`` or ``model.launch_preset``, with the shape's name."""
     import yaml
 
-    from .model_source import model_config_of
+    from megainfer.config.model_source import model_config_of
     if m.get("path"):
         path = os.path.expanduser(str(m["path"]))
         return model_config_of({"path": path}), os.path.basename(os.path.normpath(path))

@@ -14,11 +14,11 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from megainfer.config import ConfigError, ServeConfig
+from megainfer.config.keys import field_names, take
 from megainfer.engine import RequestError
 
 from megainfer.serve.server import check_servable
 
-from .config_keys import field_names, take
 from .settings import settings_from_config
 from .world import local_rank, local_ranks, world_size
 
@@ -41,7 +41,7 @@ def run_server(cfg) -> int:
     import torch
     torch.set_num_threads(s.cpu_threads)
     from megainfer.llm import LLM
-    llm = LLM.from_configs(s.model, s.load, s.scheduler, s.cache, seed=s.seed, device=s.device)
+    llm = LLM.from_job(s)
     return serve_engine(llm.engine, serve, s.load.path,
                         served_name(serve, cfg.model.get("path"), s.model.family))
 

@@ -1,8 +1,9 @@
 """Composed Hydra config -> frozen, validated settings objects (no Hydra beyond this door).
 
-Every group is checked key by key: an unknown key is a ``ConfigError`` naming it (Hydra's
-struct mode already refuses ``group.key=value`` overrides of missing keys; this also catches
-``+group.key=...`` and hand-written YAML).
+The job's groups go through the one resolution ``LLM`` uses too (``megainfer.config.resolve``:
+every key checked, an unknown one a ``ConfigError`` naming it and the closest known key); this
+adds the groups only the offline job reads (sampling defaults, io, workload) and the launch-time
+planner for ``deploy=auto`` over N > 1 ranks.
 """
 from __future__ import annotations
 
@@ -11,24 +12,17 @@ import logging
 import os
 from typing import Optional
 
-from megainfer.config import (CacheConfig, CommConfig, ConfigError, DeployPlan, DeviceConfig,
-                              EplbConfig, LoadConfig, ModelConfig, ReplanConfig, SchedulerConfig,
-                              TraceConfig)
-from megainfer.engine import SamplingParams, check_cache_fits
+from megainfer.config import ConfigError, ResolvedJob
+from megainfer.config.keys import field_names, take
+from megainfer.config.resolve import GROUP_KEYS, resolve_job
+from megainfer.engine import SamplingParams
 from megainfer.engine.errors import SamplingParamsError
-from megainfer.engine.sizing import (check_kv_cache_dtype, derive_num_blocks,
-                                     resolve_max_model_len)
-from megainfer.models.loader import DTYPES
 
 from .auto_plan import auto_plan
-from .config_keys import field_names, take
-from .deploy import plan_for_world
-from .model_source import model_config_of
 
 log = logging.getLogger("megainfer.launch")
 
-GROUPS = ("model", "deploy", "scheduler", "cache", "sampling", "io", "workload", "comm", "trace",
-          "eplb", "engine", "replan")
+JOB_GROUPS = ("sampling", "io", "workload")  # the offline job's own groups
 
 
 class OutputFileError(ConfigError):
@@ -91,31 +85,19 @@ class WorkloadSettings:
                               f"{self.input_len}: a random workload needs both >= 1")
 
 
-@dataclass(frozen=True)
-class JobSettings:
-    model: ModelConfig
-    load: LoadConfig
-    deploy: DeployPlan
-    scheduler: SchedulerConfig
-    cache: CacheConfig
-    sampling: SamplingParams  # the job's defaults; requests get their own seeds from seed
-    seed: int
-    io: IOSettings
-    workload: WorkloadSettings
-    cpu_threads: int  # torch intra-op threads of this process
-    comm: CommConfig = CommConfig()
-    trace: TraceConfig = TraceConfig()
-    eplb: EplbConfig = EplbConfig()
-    device: DeviceConfig = DeviceConfig()
-    replan: ReplanConfig = ReplanConfig()  # online re-planning (docs/replan.md)
+@dataclass(frozen=True, kw_only=True)
+class JobSettings(ResolvedJob):
+    """The resolved job (``ResolvedJob``) and the offline job's own groups."""
+
+    sampling: SamplingParams = SamplingParams()  # the job's defaults; request seeds from seed
+    io: IOSettings = IOSettings()
+    workload: WorkloadSettings = WorkloadSettings()
 
 
-def auto_cpu_threads(model: ModelConfig, local_ranks: int) -> int:
-    """This process's share of the cores; one thread for a model too small to split
-    (hidden_size < 512: per-op threading overhead exceeds the work, badly so on a busy host)."""
-    if model.hidden_size < 512:
-        return 1
-    return max(1, (os.cpu_count() or 1) // max(1, local_ranks))
+def known_keys() -> dict[str, set]:
+    """Every group the launcher reads -> its keys (``model.arch`` -> ModelConfig's fields)."""
+    return {**GROUP_KEYS, "sampling": field_names(SamplingParams),
+            "io": field_names(IOSettings), "workload": field_names(WorkloadSettings)}
 
 
 def _plain(cfg) -> dict:
@@ -128,58 +110,14 @@ def _plain(cfg) -> dict:
     return dict(cfg)
 
 
-def _model(d: dict, device: DeviceConfig) -> tuple[ModelConfig, LoadConfig]:
-    d = take("model", d, {"path", "load_format", "dtype", "seed", "arch", "attention_backend"})
-    cfg = model_config_of(d)
-    path, fmt = d.get("path"), d.get("load_format", "auto")
-    path = os.path.expanduser(str(path)) if path else path
-    if fmt == "auto":
-        fmt = "safetensors" if path else "dummy"
-    dtype = d.get("dtype", "auto")
-    dtype = device.default_dtype() if dtype in (None, "auto") else dtype
-    device.check_model(cfg, dtype)  # before any weight is read
-    load = LoadConfig(path=path, load_format=fmt, dtype=dtype, seed=int(d.get("seed", 0)))
-    return cfg, load
-
-
-def resolve_device(c: dict, local_rank: int, distributed: bool) -> DeviceConfig:
-    """``deploy.device``, ``model.attention_backend``, ``engine.cuda_graphs`` -> DeviceConfig.
-    ``auto`` is cuda when one is visible, except for the distributed modes (cpu unless
-    ``deploy.device=cuda`` is named: each rank then takes GPU ``local_rank % visible``)."""
-    e = take("engine", c.get("engine") or {}, {"cuda_graphs"})
-    device = (c.get("deploy") or {}).get("device")
-    if distributed and device in (None, "auto"):
-        device = "cpu"
-    return DeviceConfig.resolve(device,
-                                (c.get("model") or {}).get("attention_backend"),
-                                e.get("cuda_graphs", True), local_rank)
-
-
-def resolve_deploy(d: dict, world_size: int) -> DeployPlan:
-    """``deploy.*`` (checked key by key) -> a DeployPlan for ``world_size`` ranks
-    (``launch/deploy.py``)."""
-    d = take("deploy", d, field_names(DeployPlan) | {"cpu_threads", "device", "hardware"})
-    d.pop("cpu_threads", None)
-    d.pop("device", None)
-    d.pop("hardware", None)  # the planner's profile (launch/auto_plan.py)
-    return plan_for_world(d, world_size)
-
-
-def _sampling(d: dict) -> tuple[SamplingParams, int]:
+def _sampling(d: dict) -> SamplingParams:
+    """The job's default SamplingParams; ``sampling.seed`` is the job seed (ResolvedJob.seed)."""
     d = take("sampling", d, field_names(SamplingParams))
-    seed = d.pop("seed", 0)
-    seed = 0 if seed is None else seed
+    d.pop("seed", None)
     try:
-        return SamplingParams(**d), seed
+        return SamplingParams(**d)
     except SamplingParamsError as e:
         raise ConfigError(f"sampling.{e}") from e
-
-
-def _prefill_ranks(d: dict) -> int:
-    """``deploy.prefill_replicas x prefill_tp`` when both are valid (DeployPlan names bad ones)."""
-    p, tp = d.get("prefill_replicas") or 0, d.get("prefill_tp") or 1
-    ok = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (p, tp))
-    return p * tp if ok else 0
 
 
 def settings_from_config(cfg, world_size: int = 1, local_ranks: int = 1,
@@ -189,38 +127,10 @@ def settings_from_config(cfg, world_size: int = 1, local_ranks: int = 1,
     process's index among them (on cuda it takes that GPU, modulo the visible ones)."""
     c = _plain(cfg)
     c.pop("hydra", None)
-    take("config", c, set(GROUPS))
-    take("deploy", c.get("deploy") or {}, field_names(DeployPlan) | {"cpu_threads", "device", "hardware"})
     # deploy=auto: the planner sizes the decode side over the ranks prefill ranks leave (docs/pd.md)
-    planned, sched = auto_plan(c, world_size - _prefill_ranks(c.get("deploy") or {}))
-    deploy = resolve_deploy(planned, world_size)
-    device = resolve_device(c, local_rank, distributed=deploy.mode != "single")
-    model, load = _model(c.get("model", {}), device)
-    s = take("scheduler", sched, field_names(SchedulerConfig))  # the plan's batch limit applied
-    s["max_model_len"] = resolve_max_model_len(model, s.get("max_model_len"))
-    scheduler = SchedulerConfig(**s)
-    k = take("cache", c.get("cache", {}), {"block_size", "num_blocks", "memory_gib",
-                                            "enable_prefix_caching", "kv_cache_dtype",
-                                            "host_kv_gib", "kv_store_dir", "kv_scale_granularity"})
-    block_size = k.get("block_size", 16)
-    num_blocks = k.get("num_blocks")
-    if num_blocks is None:
-        if not isinstance(block_size, int) or block_size < 1:
-            raise ConfigError(f"cache.block_size={block_size!r}: must be a positive integer")
-        kv_heads = max(1, model.num_kv_heads // deploy.attention_tp)
-        fmt = CacheConfig(**{f: k[f] for f in ("kv_cache_dtype", "kv_scale_granularity")
-                             if f in k})  # validated first
-        num_blocks = derive_num_blocks(model, scheduler.max_model_len, scheduler.max_num_seqs,
-                                       block_size, float(k.get("memory_gib", 4.0)),
-                                       DTYPES[load.dtype], kv_heads, fmt.kv_cache_dtype,
-                                       fmt.kv_scale_granularity)
-    cache = CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                        **{f: k[f] for f in ("enable_prefix_caching", "kv_cache_dtype",
-                                             "host_kv_gib", "kv_store_dir",
-                                             "kv_scale_granularity") if f in k})
-    check_kv_cache_dtype(model, cache.kv_cache_dtype, device.attention_backend)
-    check_cache_fits(cache, scheduler.max_model_len)
-    sampling, seed = _sampling(c.get("sampling", {}))
+    job = resolve_job(c, world_size, local_ranks, local_rank, planner=auto_plan,
+                      other_groups=JOB_GROUPS)
+    sampling = _sampling(c.get("sampling", {}))
     io = IOSettings(**take("io", c.get("io", {}), field_names(IOSettings)))
     if io.output:
         check_output_path(io.output)
@@ -228,20 +138,11 @@ def settings_from_config(cfg, world_size: int = 1, local_ranks: int = 1,
     if "prompts" in w:
         w["prompts"] = tuple(w["prompts"] or ())
     workload = WorkloadSettings(**w)
-    threads = c.get("deploy", {}).get("cpu_threads")
-    if threads is None:
-        threads = auto_cpu_threads(model, local_ranks)
-    elif not isinstance(threads, int) or threads < 1:
-        raise ConfigError(f"deploy.cpu_threads={threads!r}: must be a positive integer or null")
-    extra = {g: cls(**take(g, c.get(g) or {}, field_names(cls)))
-             for g, cls in (("comm", CommConfig), ("trace", TraceConfig), ("eplb", EplbConfig),
-                                          ("replan", ReplanConfig))}
     cores = os.cpu_count() or 1
-    if extra["comm"].wait_mode == "spin" and local_ranks > cores:
+    if job.comm.wait_mode == "spin" and local_ranks > cores:
         log.warning("comm.wait_mode=spin with %d ranks on %d cores: a spinning wait holds a core "
                     "another rank needs (orders of magnitude slower in perf/bench/bench_m2n.py), and "
                     "spinning ranks on shared cores have hung MPI in that benchmark "
                     "(docs/comm.md); use backoff (the default) or yield", local_ranks, cores)
-    return JobSettings(model, load, deploy, scheduler, cache, sampling, seed, io, workload,
-                       threads, device=device, **extra)
-
+    return JobSettings(**{f: getattr(job, f) for f in field_names(ResolvedJob)},
+                       sampling=sampling, io=io, workload=workload)

@@ -4,15 +4,14 @@ from __future__ import annotations
 import logging
 from typing import Iterable, Iterator, Mapping, Optional, Sequence, Union
 
-
-from megainfer.config import CacheConfig, DeviceConfig, LoadConfig, ModelConfig, SchedulerConfig
-from megainfer.config.runtime import DEFAULT_KV_SCALE_GRANULARITY
-from megainfer.engine import (LLMEngine, PromptInput, RequestError, RequestOutput, SamplingParams,
-                              check_cache_fits)
-from megainfer.engine.sizing import (check_kv_cache_dtype, derive_num_blocks,
-                                     resolve_max_model_len)
+from megainfer.config import ConfigError, ResolvedJob, ModelConfig
+from megainfer.config.llm_args import (DeployNotAvailableError, launcher_command, llm_tree,
+                                       named_error)
+from megainfer.config.resolve import resolve_job
+from megainfer.config.runtime import DEFAULT_KV_SCALE_GRANULARITY, DeviceConfig
+from megainfer.engine import LLMEngine, PromptInput, RequestError, RequestOutput, SamplingParams
 from megainfer.engine.tokenizer import Tokenizer, load_tokenizer
-from megainfer.models.loader import DTYPES, build_model
+from megainfer.models.loader import build_model
 
 Prompt = Union[str, Sequence[int], dict]
 log = logging.getLogger("megainfer.engine")
@@ -26,77 +25,121 @@ def _device_name(device: DeviceConfig) -> str:
 
 
 class LLM:
-    """Single mode: one process, the whole model local.
+    """One model, vLLM's constructor names where they mean the same thing.
 
-    ``model``: an HF checkpoint directory, or a ``ModelConfig`` (then ``load_format`` is dummy:
-    seeded random weights, drawn straight onto the device). ``seed`` seeds the sampling of
-    requests without their own seed. ``device``: ``cpu`` | ``cuda`` (default: cuda when one is
-    visible); ``dtype``: ``float32`` | ``bfloat16`` | ``float16`` (default: bfloat16 on cuda,
-    float32 on cpu); ``attention_backend``: ``torch`` | ``triton`` (default: triton on cuda,
-    torch on cpu); ``cuda_graphs``: decode steps replay CUDA graphs (cuda with triton only).
-    ``host_kv_gib`` / ``kv_store_dir``: the prefix cache's second tier (docs/kv_cache.md).
-    Bad settings raise ``ConfigError`` naming the key before any weight is loaded.
+    ``model``: a checkpoint directory, a Hugging Face model id (``"org/name"``, read from the
+    local HF cache at ``revision``; nothing is downloaded), or a ``ModelConfig`` (then
+    ``load_format`` is dummy: seeded random weights drawn straight onto the device).
+    ``trust_remote_code=True`` is refused: megainfer runs its own model code only.
+    ``seed`` seeds the sampling of requests without their own seed (and dummy weights).
+    ``device``: ``cpu`` | ``cuda`` (default: cuda when one is visible); ``dtype``: ``float32`` |
+    ``bfloat16`` | ``float16`` (default: bfloat16 on cuda, float32 on cpu);
+    ``attention_backend``: ``torch`` | ``triton`` (default: triton on cuda, torch on cpu);
+    ``enforce_eager`` (or ``cuda_graphs=False``): no CUDA graphs for decode steps (cuda with
+    triton only replays them). KV pool: ``num_blocks``, else enough for ``max_num_seqs`` x
+    ``max_model_len`` within ``kv_cache_memory_gib``, or on cuda within
+    ``gpu_memory_utilization`` of the free GPU memory less the weights. ``host_kv_gib`` /
+    ``kv_store_dir``: the prefix cache's second tier (docs/kv_cache.md). ``cpu_threads``: torch
+    threads of this process (default: the launcher's rule, this process's share of the cores, 1
+    for a model with hidden_size < 512).
+
+    ``deploy``: a preset of conf/deploy (``"single"``, ``"a1e2"``, ``"p1a1e2"``,
+    ``"colocated2"``, ``"auto"``) or a mapping of ``deploy.*`` keys; ``tensor_parallel_size``:
+    attention TP; ``world_size``: the ranks (default: what the plan needs, else 1);
+    ``overrides``: any launcher key as ``"group.key=value"``. All of it goes through the
+    launcher's resolution (``megainfer.config.resolve``). Only single mode runs from Python
+    yet: any other mode is resolved and validated, then ``DeployNotAvailableError`` names the
+    ``mpirun -n N megainfer-launch ...`` line that runs it. Bad settings raise ``ConfigError``
+    naming the argument (and its config key) before any weight is loaded.
     """
 
-    def __init__(self, model: Union[str, ModelConfig], *, load_format: str = "auto",
-                 dtype: Optional[str] = None, device: Optional[str] = None,
-                 attention_backend: Optional[str] = None, cuda_graphs: bool = True,
-                 seed: int = 0, max_model_len: Optional[int] = None,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-                 enable_chunked_prefill: bool = True, block_size: int = 16,
-                 num_blocks: Optional[int] = None, kv_cache_memory_gib: float = 4.0,
+    def __init__(self, model: Union[str, ModelConfig], *, tokenizer: Optional[Tokenizer] = None,
+                 revision: Optional[str] = None, trust_remote_code: bool = False,
+                 load_format: str = "auto", dtype: Optional[str] = None,
+                 device: Optional[str] = None, attention_backend: Optional[str] = None,
+                 cuda_graphs: bool = True, enforce_eager: bool = False, seed: int = 0,
+                 max_model_len: Optional[int] = None, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 512, enable_chunked_prefill: bool = True,
+                 block_size: int = 16, num_blocks: Optional[int] = None,
+                 kv_cache_memory_gib: float = 4.0, gpu_memory_utilization: Optional[float] = None,
                  enable_prefix_caching: Optional[bool] = None, kv_cache_dtype: str = "auto",
                  host_kv_gib: float = 0.0, kv_store_dir: Optional[str] = None,
                  kv_scale_granularity: str = DEFAULT_KV_SCALE_GRANULARITY,
-                 tokenizer: Optional[Tokenizer] = None):
-        path = model if isinstance(model, str) else None
-        model_config = ModelConfig.from_pretrained(path) if path else model
-        if load_format == "auto":
-            load_format = "safetensors" if path else "dummy"
-        dev = DeviceConfig.resolve(device, attention_backend, cuda_graphs)
-        dtype = dtype or dev.default_dtype()
-        dev.check_model(model_config, dtype)
-        load = LoadConfig(path=path, load_format=load_format, dtype=dtype, seed=seed)
-        mml = resolve_max_model_len(model_config, max_model_len)
-        scheduler = SchedulerConfig(max_num_seqs, max_num_batched_tokens, mml, enable_chunked_prefill)
-        check_kv_cache_dtype(model_config, kv_cache_dtype, dev.attention_backend)
-        if num_blocks is None:
-            num_blocks = derive_num_blocks(model_config, mml, max_num_seqs, block_size,
-                                           kv_cache_memory_gib, DTYPES[dtype],
-                                           kv_cache_dtype=kv_cache_dtype,
-                                           kv_scale_granularity=kv_scale_granularity)
-        prefix = CacheConfig.enable_prefix_caching if enable_prefix_caching is None \
-            else enable_prefix_caching
-        cache = CacheConfig(block_size, num_blocks, prefix, kv_cache_dtype, host_kv_gib, kv_store_dir,
-                            kv_scale_granularity)
-        self._build(model_config, load, scheduler, cache, dev, tokenizer, seed)
+                 tensor_parallel_size: Optional[int] = None, cpu_threads: Optional[int] = None,
+                 deploy: Union[None, str, Mapping] = None, world_size: Optional[int] = None,
+                 overrides: Sequence[str] = ()):
+        if trust_remote_code:
+            raise ConfigError("LLM(trust_remote_code=True): refused: megainfer runs only its own "
+                              "model code (Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3 families), never "
+                              "code shipped with a checkpoint")
+        if not isinstance(model, (str, ModelConfig)):
+            raise ConfigError(f"LLM(model={model!r}): give a checkpoint directory, a Hugging Face "
+                              "model id (org/name) or a ModelConfig")
+        args = dict(model=model if isinstance(model, str) else None, revision=revision,
+                    load_format=load_format, dtype=dtype, device=device,
+                    attention_backend=attention_backend,
+                    cuda_graphs=None if cuda_graphs and not enforce_eager else False, seed=seed,
+                    max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                    max_num_batched_tokens=max_num_batched_tokens,
+                    enable_chunked_prefill=enable_chunked_prefill, block_size=block_size,
+                    num_blocks=num_blocks, kv_cache_memory_gib=kv_cache_memory_gib,
+                    gpu_memory_utilization=gpu_memory_utilization,
+                    enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype,
+                    host_kv_gib=host_kv_gib, kv_store_dir=kv_store_dir,
+                    kv_scale_granularity=kv_scale_granularity,
+                    tensor_parallel_size=tensor_parallel_size, cpu_threads=cpu_threads)
+        world = None if world_size is None else f"world_size={world_size!r}"
+        origin: dict = {}
+        try:
+            tree, origin = llm_tree(args, "single" if deploy is None and tensor_parallel_size
+                                    in (None, 1) and world_size in (None, 1) else deploy,
+                                    overrides)
+            if enforce_eager:
+                origin["engine.cuda_graphs"] = "enforce_eager=True"
+            if isinstance(model, ModelConfig):
+                tree.setdefault("model", {})["arch"] = model
+            job = resolve_job(tree, _world_size(world_size, tree), planner=_planner(tree))
+        except ConfigError as e:
+            named = named_error(e, origin, world)
+            if named is e:
+                raise
+            raise named from e
+        if job.deploy.mode != "single":
+            asked = ", ".join(f"{k}={v!r}" for k, v in (
+                ("deploy", deploy), ("tensor_parallel_size", tensor_parallel_size),
+                ("world_size", world_size)) if v is not None)
+            raise DeployNotAvailableError(
+                f"LLM({asked}): {job.deploy.mode} mode over {job.deploy.world_size} "
+                f"ranks ({job.deploy}) resolves and is valid, but is not yet available from "
+                "Python: LLM runs single mode only for now. Run it with the launcher: "
+                f"`{launcher_command(deploy, job.deploy, args['model'], overrides)}`")
+        self._build(job, tokenizer)
 
     @classmethod
-    def from_configs(cls, model_config: ModelConfig, load: LoadConfig, scheduler: SchedulerConfig,
-                     cache: CacheConfig, tokenizer: Optional[Tokenizer] = None, seed: int = 0,
-                     device: DeviceConfig = DeviceConfig()) -> "LLM":
-        """From already-resolved config objects (the Hydra launcher's path)."""
+    def from_job(cls, job: ResolvedJob, tokenizer: Optional[Tokenizer] = None) -> "LLM":
+        """From an already-resolved single-mode job (the launcher's path)."""
         self = cls.__new__(cls)
-        device.check_model(model_config, load.dtype)
-        check_kv_cache_dtype(model_config, cache.kv_cache_dtype, device.attention_backend)
-        self._build(model_config, load, scheduler, cache, device, tokenizer, seed)
+        self._build(job, tokenizer)
         return self
 
-    def _build(self, model_config, load, scheduler, cache, device: DeviceConfig, tokenizer, seed):
-        self.model_config, self.load_config = model_config, load
-        self.scheduler_config, self.cache_config, self.device_config = scheduler, cache, device
-        check_cache_fits(cache, scheduler.max_model_len)
+    def _build(self, job: ResolvedJob, tokenizer):
+        import torch
+        self.job, self.model_config, self.load_config = job, job.model, job.load
+        self.scheduler_config, self.cache_config = job.scheduler, job.cache
+        device = self.device_config = job.device
+        if job.cpu_threads is not None:
+            torch.set_num_threads(job.cpu_threads)
         if device.device == "cuda":
-            import torch
             torch.cuda.set_device(device.index)  # Triton launches on the current device
-        self.model = build_model(model_config, load, device=device.torch_device)
+        self.model = build_model(job.model, job.load, device=device.torch_device)
         self.model.set_attention_backend(device.attention_backend)
-        log.info("[attn dp0 tp0] %s on %s (%s), %s weights, attention %s%s", model_config.family,
-                 _device_name(device), load.dtype, load.load_format, device.attention_backend,
-                 ", CUDA graphs for decode" if device.cuda_graphs else "")
+        log.info("[attn dp0 tp0] %s on %s (%s), %s weights, attention %s%s, %d cpu threads",
+                 job.model.family, _device_name(device), job.load.dtype, job.load.load_format,
+                 device.attention_backend, ", CUDA graphs for decode" if device.cuda_graphs else "",
+                 torch.get_num_threads())
         self.engine = LLMEngine.from_model(
-            self.model, scheduler, cache,
-            tokenizer or load_tokenizer(load.path, model_config.eos_token_id), seed=seed,
+            self.model, job.scheduler, job.cache,
+            tokenizer or load_tokenizer(job.load.path, job.model.eos_token_id), seed=job.seed,
             cuda_graphs=device.cuda_graphs)
         self._counter = 0
 
@@ -170,6 +213,28 @@ class LLM:
             out.append(PromptInput.of(f"{self._counter}", p, sp))
             self._counter += 1
         return out
+
+
+def _world_size(world_size: Optional[int], tree: dict) -> int:
+    """``world_size``, else what the deploy plan's counts need (a preset with every count), else 1."""
+    if world_size is not None:
+        return world_size
+    d = tree.get("deploy") or {}
+    if d.get("mode") == "colocated" and isinstance(d.get("attention_replicas"), int):
+        return d["attention_replicas"]
+    counts = [d.get(k) for k in ("attention_replicas", "attention_tp", "expert_ranks")]
+    if d.get("mode") == "disaggregated" and all(isinstance(v, int) for v in counts):
+        pre = d.get("prefill_replicas") or 0
+        return counts[0] * counts[1] + counts[2] + pre * (d.get("prefill_tp") or 1)
+    return 1
+
+
+def _planner(tree: dict):
+    """deploy=auto over N > 1 ranks: the launcher's planner (the performance model)."""
+    if (tree.get("deploy") or {}).get("mode", "auto") not in (None, "auto"):
+        return None
+    from megainfer.launch.auto_plan import auto_plan
+    return auto_plan
 
 
 class _Progress:

@@ -9,7 +9,9 @@ from typing import Callable
 
 import torch
 
-from .torch_ops_bench import DTYPES, rotating
+from megainfer.config.base import torch_dtype_of
+
+from .torch_ops_bench import rotating
 
 
 def _config(shape, experts: int):
@@ -24,7 +26,7 @@ def _config(shape, experts: int):
 
 def module_attention(shape, b: int, ctx: int, dtype: str = "float32", copies: int = 1,
                      device: str = "cpu") -> Callable[[], None]:
-    return rotating([_attention_copy(shape, b, ctx, DTYPES[dtype], s, device) for s in range(copies)])
+    return rotating([_attention_copy(shape, b, ctx, torch_dtype_of(dtype), s, device) for s in range(copies)])
 
 
 def _sync(device: str):
@@ -61,7 +63,7 @@ def _attention_copy(shape, b, ctx, dt, seed, device="cpu"):
 
 def module_experts(shape, b: int, experts: int, dtype: str = "float32", copies: int = 1,
                    device: str = "cpu") -> Callable[[], None]:
-    return rotating([_experts_copy(shape, b, experts, DTYPES[dtype], s, device) for s in range(copies)])
+    return rotating([_experts_copy(shape, b, experts, torch_dtype_of(dtype), s, device) for s in range(copies)])
 
 
 def _experts_copy(shape, b, experts, dt, seed, device="cpu"):

@@ -2,7 +2,7 @@
 and its local experts written as bare torch ops at a model's shapes, no project module involved
 (q/k/v/o projections + SDPA over the KV cache + router; gate_up / SiLU*mul / down per expert).
 Each builder rotates over ``copies`` distinct layers so the working set is a real rank's.
-``DTYPES`` and ``rotating`` are shared with the project-module bench (module_bench)."""
+``rotating`` is shared with the project-module bench (module_bench)."""
 from __future__ import annotations
 
 from typing import Callable
@@ -10,9 +10,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from megainfer.config.base import torch_dtype_of
 from megainfer.perfmodel.model.shapes import ModelShape
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def rotating(runs):
@@ -32,7 +32,7 @@ def _rand(g, *shape, dt, scale=1.0):
 def torch_attention(shape: ModelShape, b: int, ctx: int, dtype: str = "float32",
                     copies: int = 1) -> Callable[[], None]:
     """One decode micro-batch through one layer's attention half; rotates over `copies` layers."""
-    return rotating([_attention_copy(shape, b, ctx, DTYPES[dtype], s) for s in range(copies)])
+    return rotating([_attention_copy(shape, b, ctx, torch_dtype_of(dtype), s) for s in range(copies)])
 
 
 def _attention_copy(shape: ModelShape, b: int, ctx: int, dt, seed: int) -> Callable[[], None]:
@@ -62,7 +62,7 @@ def _attention_copy(shape: ModelShape, b: int, ctx: int, dt, seed: int) -> Calla
 def torch_experts(shape: ModelShape, b: int, experts: int, dtype: str = "float32",
                   copies: int = 1) -> Callable[[], None]:
     """`experts` local experts with b tokens each through one layer; rotates over `copies` layers."""
-    return rotating([_experts_copy(shape, b, experts, DTYPES[dtype], s) for s in range(copies)])
+    return rotating([_experts_copy(shape, b, experts, torch_dtype_of(dtype), s) for s in range(copies)])
 
 
 def _experts_copy(shape: ModelShape, b: int, experts: int, dt, seed: int) -> Callable[[], None]:

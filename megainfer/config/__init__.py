@@ -5,7 +5,11 @@ these objects. Nothing under ``megainfer/`` imports Hydra. Every validation fail
 ``ConfigError`` (a ``ValueError``) whose message names the offending field and value.
 
 ``model.py``: the checkpoint's architecture; ``runtime.py``: how a job runs it; ``replan.py``:
-online re-planning; ``serve.py``: the HTTP server; ``base.py``: the error type and the fixed vocabularies.
+online re-planning; ``serve.py``: the HTTP server; ``job.py``: all of one job's groups in one
+bundle; ``base.py``: the error type and the fixed vocabularies. ``resolve.py`` (imported by the
+front doors only: ``LLM`` and the launcher) turns a tree of ``group.key`` values into a
+``ResolvedJob``, with ``keys.py``, ``deploy_fit.py``, ``model_source.py``, ``hf_cache.py`` and,
+for ``LLM``, ``llm_args.py``.
 """
 from .base import (ATTENTION_BACKENDS, DEVICES, DTYPE_NAMES, MLA_FAMILIES,
                    SUPPORTED_FAMILIES, ConfigError)
@@ -15,8 +19,10 @@ from .runtime import (DEPLOY_MODES, KV_CACHE_DTYPES, CacheConfig, CommConfig, De
                       TraceConfig)
 from .replan import ReplanConfig
 from .serve import ServeConfig
+from .job import ResolvedJob
 
 __all__ = ["ConfigError", "YarnScaling", "ModelConfig", "LoadConfig", "DeviceConfig",
            "CacheConfig", "SchedulerConfig", "DeployPlan", "EplbConfig", "CommConfig",
-           "TraceConfig", "ReplanConfig", "ServeConfig", "ATTENTION_BACKENDS", "DEVICES", "DTYPE_NAMES",
+           "TraceConfig", "ReplanConfig", "ServeConfig", "ResolvedJob", "ATTENTION_BACKENDS",
+           "DEVICES", "DTYPE_NAMES",
            "MLA_FAMILIES", "SUPPORTED_FAMILIES", "DEPLOY_MODES", "KV_CACHE_DTYPES"]

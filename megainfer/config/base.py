@@ -8,6 +8,13 @@ ATTENTION_BACKENDS = ("torch", "triton")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
+def torch_dtype_of(name: str):
+    """A ``DTYPE_NAMES`` entry (``model.dtype``, a profile's dtype) -> its torch dtype."""
+    _require(name in DTYPE_NAMES, "dtype", name, f"must be one of {', '.join(DTYPE_NAMES)}")
+    import torch
+    return getattr(torch, name)
+
+
 class ConfigError(ValueError):
     """A config field has a bad value; the message names the field."""
 

@@ -194,6 +194,8 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, path: str) -> "ModelConfig":
+        if not os.path.isdir(path):
+            raise ConfigError(f"model.path={path!r}: no such directory")
         cfg_path = os.path.join(path, "config.json")
         if not os.path.isfile(cfg_path):
             raise ConfigError(f"model.path={path!r}: no config.json in that directory")

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .base import (ATTENTION_BACKENDS, DEVICES, DTYPE_NAMES, ConfigError,
-                   _require)
+                   _require, torch_dtype_of)
 from .model import ModelConfig
 
 # the cache's storage formats (auto: the model dtype; docs/kv_cache.md, kernels/kv_quant.py)
@@ -19,7 +19,7 @@ DEFAULT_KV_SCALE_GRANULARITY = "token_head"  # CacheConfig's and LLM(...)'s defa
 class LoadConfig:
     """Where weights come from. ``load_format='dummy'`` draws seeded random weights."""
 
-    path: Optional[str] = None  # an HF checkpoint directory (safetensors); null: dummy weights
+    path: Optional[str] = None  # an HF checkpoint directory (safetensors; launcher and LLM: or an org/name model id in the local HF cache); null: dummy weights
     load_format: str = "safetensors"  # safetensors | dummy (launcher: auto, safetensors with a path)
     dtype: str = "float32"  # float32 | bfloat16 | float16 (auto: bfloat16 on cuda, float32 on cpu)
     seed: int = 0  # seed of the dummy weights
@@ -32,6 +32,11 @@ class LoadConfig:
         if self.load_format == "safetensors":
             _require(self.path is not None and os.path.isdir(self.path), "model.path", self.path,
                      "must be an existing checkpoint directory (or use load_format=dummy)")
+
+    @property
+    def torch_dtype(self):
+        """``dtype`` as the torch dtype the weights (and a full-precision KV cache) are held in."""
+        return torch_dtype_of(self.dtype)
 
 
 @dataclass(frozen=True)

@@ -35,11 +35,10 @@ from .qwen2_moe import QWEN2_MOE
 from .qwen3_moe import QWEN3_MOE
 
 FAMILIES = {f.name: f for f in (MIXTRAL, QWEN3_MOE, QWEN2_MOE, DEEPSEEK_V2, DEEPSEEK_V3)}
-__all__ = ["build_model", "DTYPES", "FAMILIES", "CheckpointError", "ConfigMismatchError",
+__all__ = ["build_model", "weight_bytes", "FAMILIES", "CheckpointError", "ConfigMismatchError",
            "CorruptCheckpointError", "MissingTensorError", "ShapeMismatchError",
            "UnexpectedTensorError"]
 log = logging.getLogger("megainfer.models")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def build_model(cfg: ModelConfig, load: LoadConfig, par: ParallelContext = ParallelContext(),
@@ -53,7 +52,7 @@ def build_model(cfg: ModelConfig, load: LoadConfig, par: ParallelContext = Paral
     The module is built on the meta device, every parameter is then allocated once on
     ``device`` in the target dtype and filled tensor by tensor: no host copy of the model, no
     fp32 staging. Peak memory is the model plus at most its largest tensor."""
-    dtype, device = DTYPES[load.dtype], torch.device(device)
+    dtype, device = load.torch_dtype, torch.device(device)
     num_slots = len(phy2log[0]) if phy2log is not None else cfg.num_experts
     with _on_meta():
         model = MoECausalLM(cfg, par, role, expert_slots, num_slots)
@@ -64,6 +63,16 @@ def build_model(cfg: ModelConfig, load: LoadConfig, par: ParallelContext = Paral
         else:
             _load_safetensors(model, cfg, load.path, phy2log)
     return model.eval().requires_grad_(False)
+
+
+def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, par: ParallelContext = ParallelContext(),
+                 role: str = "full") -> int:
+    """Bytes the weights of ``role`` take in ``dtype`` (router weights kept float32 counted so),
+    counted on the meta device: nothing is allocated."""
+    with _on_meta():
+        model = MoECausalLM(cfg, par, role)
+    return sum(p.numel() * (4 if getattr(p, "keep_fp32", False) else dtype.itemsize)
+               for p in model.parameters())
 
 
 @contextlib.contextmanager

@@ -15,8 +15,7 @@ import torch
 
 from megainfer.comm import M2N
 from megainfer.comm.wait import WaitPolicy
-from megainfer.config import (CacheConfig, CommConfig, DeployPlan, DeviceConfig, EplbConfig,
-                              LoadConfig, ModelConfig, ReplanConfig, SchedulerConfig, TraceConfig)
+from megainfer.config import ResolvedJob
 from megainfer.models import ParallelContext, build_model
 from megainfer.runtime.control import ControlPlane
 from megainfer.runtime.eplb.rebalancer import AttentionRebalancer, ExpertRebalancer
@@ -30,27 +29,6 @@ from megainfer.runtime.roles import RankRole, expert_rank_ids, leader_ranks
 from megainfer.runtime.tp.group import TPGroup
 from megainfer.runtime.trace import Tracer
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class JobSpec:
-    """Everything a rank needs to build its part."""
-
-    model: ModelConfig
-    load: LoadConfig
-    sched: SchedulerConfig
-    cache: CacheConfig
-    plan: DeployPlan
-    comm: CommConfig = CommConfig()
-    eplb: EplbConfig = EplbConfig()
-    trace: TraceConfig = TraceConfig()
-    tokenizer: object = None
-    seed: int = 0
-    device: DeviceConfig = DeviceConfig()  # cuda: every rank on GPU local_rank % visible
-    replan: ReplanConfig = ReplanConfig()  # online re-planning (docs/replan.md)
-
-
 @dataclass
 class Rank:
     """What one rank built; ``loop`` (attention side) or ``worker`` (expert or prefill rank)
@@ -58,7 +36,7 @@ class Rank:
 
     role: RankRole
     tracer: Tracer
-    job: Optional[JobSpec] = None  # the plan in it changes at a re-plan
+    job: Optional[ResolvedJob] = None  # the plan in it changes at a re-plan
     comm: Optional[object] = None  # the job's communicator (PD: the decode and expert ranks')
     m2n: Optional[M2N] = None
     policy: Optional[WaitPolicy] = None
@@ -98,7 +76,7 @@ class Feature:
 def build_expert(job, out: Rank, placement, side_comm, model=None) -> None:
     """An expert rank's model (``model``: one whose slots are already filled) and worker, on
     ``out``'s connections."""
-    me, cfg, plan = out.role.expert_index, job.model, job.plan
+    me, cfg, plan = out.role.expert_index, job.model, job.deploy
     if model is None:
         model = build_model(cfg, job.load, role="experts", phy2log=placement.phy2log.tolist(),
                             expert_slots=[list(placement.slots_of_rank(me))] * cfg.num_layers,
@@ -117,11 +95,13 @@ def slot_owner(placement, device) -> torch.Tensor:
     return placement.rank_of_slot(torch.arange(placement.num_replicas)).to(device)
 
 
-def make_engine(job: JobSpec, role, model, make_executor):
+def make_engine(job: ResolvedJob, role, model, make_executor):
     from megainfer.engine.engine import LLMEngine
-    return LLMEngine(job.model, job.sched, job.cache, make_executor, job.tokenizer,
-                     kv_spec=model.kv_cache_spec(DTYPES[job.load.dtype]),
-                     kv_dtype=DTYPES[job.load.dtype], device=job.device.torch_device,
+    from megainfer.engine.tokenizer import load_tokenizer
+    return LLMEngine(job.model, job.scheduler, job.cache, make_executor,
+                     load_tokenizer(job.load.path, job.model.eos_token_id),
+                     kv_spec=model.kv_cache_spec(job.load.torch_dtype),
+                     kv_dtype=job.load.torch_dtype, device=job.device.torch_device,
                      seed=job.seed, log_prefix=role.tag)
 
 
@@ -131,7 +111,7 @@ def build_attention(job, out: Rank, placement, engine=None,
     ``engine``: keep this one (its model, KV cache and requests) and only rewire its executor
     to the new channels (a re-plan). ``make_loop(out, engine, exchange, first_moe_layer)``:
     the loop (default ``ReplicaLoop``; prefill replicas give theirs, ``pd/build.py``)."""
-    role, plan, cfg, tp, tracer = out.role, job.plan, job.model, out.tp, out.tracer
+    role, plan, cfg, tp, tracer = out.role, job.deploy, job.model, out.tp, out.tracer
     if engine is None:
         par = ParallelContext(role.tp_rank, plan.attention_tp,
                               tp.all_reduce if tp.size > 1 else None)
@@ -158,7 +138,7 @@ def build_attention(job, out: Rank, placement, engine=None,
 
 
 def build_colocated(job, out: Rank, placement) -> None:
-    role, plan, cfg, tracer, m2n = out.role, job.plan, job.model, out.tracer, out.m2n
+    role, plan, cfg, tracer, m2n = out.role, job.deploy, job.model, out.tracer, out.m2n
     mine = list(placement.slots_of_rank(role.replica))
     model = build_model(cfg, job.load, role="full", expert_slots=[mine] * cfg.num_layers,
                         phy2log=placement.phy2log.tolist(), device=job.device.torch_device)

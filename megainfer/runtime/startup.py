@@ -15,7 +15,8 @@ from typing import Iterable, Optional
 from mpi4py import MPI
 
 from megainfer.runtime.pd import PD
-from megainfer.runtime.rank_parts import Feature, JobSpec, Rank
+from megainfer.config import ResolvedJob
+from megainfer.runtime.rank_parts import Feature, Rank
 from megainfer.runtime.replan import REPLAN
 from megainfer.runtime.wiring import build_base_rank, run_base_rank
 
@@ -23,12 +24,12 @@ from megainfer.runtime.wiring import build_base_rank, run_base_rank
 FEATURES = (REPLAN, PD)
 
 
-def feature_of(job: JobSpec) -> Optional[Feature]:
+def feature_of(job: ResolvedJob) -> Optional[Feature]:
     """The first feature the job wants (None: the base start-up alone)."""
     return next((f for f in FEATURES if f.wants(job)), None)
 
 
-def build_rank(job: JobSpec, comm=MPI.COMM_WORLD) -> Rank:
+def build_rank(job: ResolvedJob, comm=MPI.COMM_WORLD) -> Rank:
     """Collective: this rank's role, connections and parts."""
     feature = feature_of(job)
     if feature is not None and feature.check is not None:

@@ -30,11 +30,11 @@ from mpi4py import MPI
 
 from megainfer.comm import M2N
 from megainfer.comm.wait import WaitPolicy
-from megainfer.config import ConfigError
+from megainfer.config import ConfigError, ResolvedJob
 from megainfer.runtime.control import ControlPlane
 from megainfer.runtime.eplb.initial import initial_placement
 from megainfer.runtime.pipeline.exchange import make_m2n
-from megainfer.runtime.rank_parts import (DTYPES, Feature, JobSpec, Rank, build_attention,
+from megainfer.runtime.rank_parts import (Feature, Rank, build_attention,
                                           build_colocated, build_expert)
 from megainfer.runtime.roles import (RankRole, assign_role, expert_rank_ids, leader_ranks,
                                      tp_colour)
@@ -44,7 +44,7 @@ from megainfer.runtime.trace import Tracer
 log = logging.getLogger("megainfer.runtime")
 
 
-def wait_policy(job: JobSpec, role: RankRole) -> WaitPolicy:
+def wait_policy(job: ResolvedJob, role: RankRole) -> WaitPolicy:
     """Expert ranks idle legitimately while attention runs long steps, and a dead expert rank
     must be named by the attention rank waiting on it: expert ranks wait twice as long."""
     return WaitPolicy(mode=job.comm.wait_mode,
@@ -63,11 +63,11 @@ class Wiring:
     closers: list = field(default_factory=list)
 
 
-def wire_rank(job: JobSpec, comm, role: RankRole, bounded=None) -> Wiring:
+def wire_rank(job: ResolvedJob, comm, role: RankRole, bounded=None) -> Wiring:
     """Collective over ``comm`` (every rank of it calls this, in the same order). ``bounded``:
     a ``BoundedComm`` over ``comm`` that makes every collective call bounded and named (a
     re-plan's rebuild; the channels' whole set-up within twice the timeout)."""
-    plan, cfg, dev = job.plan, job.model, job.device.torch_device
+    plan, cfg, dev = job.deploy, job.model, job.device.torch_device
     policy = wait_policy(job, role)
     coll = comm if bounded is None else bounded
     m2n = side_comm = None
@@ -75,7 +75,7 @@ def wire_rank(job: JobSpec, comm, role: RankRole, bounded=None) -> Wiring:
         leaders = leader_ranks(plan)
         experts = leaders if plan.mode == "colocated" else expert_rank_ids(plan)
         args = (coll, leaders, experts, cfg.hidden_size, cfg.top_k,
-                job.sched.max_num_batched_tokens, plan.micro_batches, DTYPES[job.load.dtype],
+                job.scheduler.max_num_batched_tokens, plan.micro_batches, job.load.torch_dtype,
                 policy, job.comm.transport, dev)
         m2n = (make_m2n(*args) if bounded is None
                else bounded.call("channels' set-up", make_m2n, *args, scale=2.0))
@@ -90,27 +90,27 @@ def wire_rank(job: JobSpec, comm, role: RankRole, bounded=None) -> Wiring:
     return w
 
 
-def replica_tp_group(job: JobSpec, w: Wiring, role: RankRole) -> TPGroup:
+def replica_tp_group(job: ResolvedJob, w: Wiring, role: RankRole) -> TPGroup:
     """The TP group of an attention or prefill replica (collective over ``w.tp_comm``), with
     the device channel ``comm.tp_collectives`` asks for."""
     named = late_peer(role.leader_rank, role.tp_rank, role.tp_size)
-    return make_tp_group(w.tp_comm, w.control, named, job, DTYPES[job.load.dtype],
+    return make_tp_group(w.tp_comm, w.control, named, job, job.load.torch_dtype,
                          role.leader_rank, w.closers)
 
 
-def rank_of(job: JobSpec, comm, role: RankRole, w: Wiring, tracer: Tracer) -> Rank:
+def rank_of(job: ResolvedJob, comm, role: RankRole, w: Wiring, tracer: Tracer) -> Rank:
     """A ``Rank`` holding ``w``'s connections (its parts not built yet)."""
     return Rank(role, tracer, job=job, comm=comm, m2n=w.m2n, policy=w.policy, control=w.control,
                 closers=w.closers)
 
 
-def build_base_rank(job: JobSpec, comm=MPI.COMM_WORLD, feature: Optional[Feature] = None,
+def build_base_rank(job: ResolvedJob, comm=MPI.COMM_WORLD, feature: Optional[Feature] = None,
                     make_loop: Optional[Callable] = None) -> Rank:
     """Collective: this rank's role, connections and parts. ``feature``'s ``traced`` may turn
     tracing on; ``make_loop(rank, engine, exchange, first_moe_layer)`` builds the attention
     ranks' loop (default ``ReplicaLoop``)."""
     rank, world = comm.Get_rank(), comm.Get_size()
-    plan, cfg = job.plan, job.model
+    plan, cfg = job.deploy, job.model
     role = assign_role(plan, rank, world)
     colocated = plan.mode == "colocated"
     if colocated and job.eplb.enabled:

@@ -52,6 +52,7 @@ GROUPS = {
 }
 # launcher keys that are no dataclass field: key -> (type, meaning source is the YAML comment)
 EXTRA_TYPES = {"model.arch": "mapping (ModelConfig fields)", "deploy.hardware": "str | null",
+               "model.revision": "str | null", "cache.gpu_memory_utilization": "float | null",
                "cache.memory_gib": "float"}
 PLAN_NULL_TYPES = {"workload.arrival_rate": "float | null"}  # plan.yaml keys whose default is null
 # fields of a key class that are not keys, and keys read from another class's field

@@ -21,7 +21,8 @@ from megainfer.config import (CacheConfig, CommConfig, DeployPlan, EplbConfig,  
 from megainfer.engine.outputs import PromptInput  # noqa: E402
 from megainfer.engine.sampling_params import SamplingParams  # noqa: E402
 from megainfer.kernels import select_experts  # noqa: E402
-from megainfer.runtime.startup import JobSpec, build_rank, run_rank  # noqa: E402
+from megainfer.config import ResolvedJob  # noqa: E402
+from megainfer.runtime.startup import build_rank, run_rank  # noqa: E402
 
 
 def bias_routers(model, zipf: float, seed: int) -> None:
@@ -65,7 +66,7 @@ def main():
     eplb = EplbConfig() if a.static else EplbConfig(enabled=True, redundant_experts=a.redundant,
                                                     window=a.interval, interval=a.interval)
     plan = DeployPlan(mode="disaggregated", expert_ranks=2, micro_batches=1)
-    r = build_rank(JobSpec(cfg, LoadConfig(load_format="dummy"), sched, cache, plan,
+    r = build_rank(ResolvedJob(cfg, LoadConfig(load_format="dummy"), sched, cache, plan,
                            CommConfig(timeout_s=120), eplb, TraceConfig(enabled=a.trace is not None)))
     if r.loop is not None:
         bias_routers(r.loop.engine.executor.model, a.zipf, seed=1)

@@ -21,7 +21,8 @@ from megainfer.config import (CacheConfig, CommConfig, DeployPlan, EplbConfig,  
 from megainfer.engine.outputs import PromptInput  # noqa: E402
 from megainfer.engine.sampling_params import SamplingParams  # noqa: E402
 from megainfer.runtime.trace import merge_traces  # noqa: E402
-from megainfer.runtime.startup import JobSpec, build_rank, run_rank  # noqa: E402
+from megainfer.config import ResolvedJob  # noqa: E402
+from megainfer.runtime.startup import build_rank, run_rank  # noqa: E402
 
 
 # the shape of conf/plan_model/cpu_small.yaml, which the performance model is calibrated on
@@ -45,7 +46,7 @@ def run_config(a, mode: str, m: int, trace_dir: str | None) -> dict:
     sched = SchedulerConfig(max_num_seqs=a.batch, max_num_batched_tokens=max(a.batch * a.prompt, 256),
                             max_model_len=a.prompt + a.decode + 8)
     cache = CacheConfig(block_size=16, num_blocks=a.batch * ((a.prompt + a.decode) // 16 + 2))
-    rank = build_rank(JobSpec(model_config(a), LoadConfig(load_format="dummy", seed=0), sched, cache,
+    rank = build_rank(ResolvedJob(model_config(a), LoadConfig(load_format="dummy", seed=0), sched, cache,
                               plan, CommConfig(timeout_s=120, wait_mode=a.wait), EplbConfig(),
                               TraceConfig(enabled=trace_dir is not None)), comm)
     g = torch.Generator().manual_seed(0)

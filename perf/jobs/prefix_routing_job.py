@@ -24,7 +24,8 @@ from megainfer.config import (CacheConfig, CommConfig, DeployPlan, LoadConfig,  
                               SchedulerConfig)
 from megainfer.engine.outputs import PromptInput  # noqa: E402
 from megainfer.engine.sampling_params import SamplingParams  # noqa: E402
-from megainfer.runtime.startup import JobSpec, build_rank, run_rank  # noqa: E402
+from megainfer.config import ResolvedJob  # noqa: E402
+from megainfer.runtime.startup import build_rank, run_rank  # noqa: E402
 
 
 class Args:
@@ -36,7 +37,7 @@ def run(a, cfg, plan, routing, prompts):
     max_len = a.system_len + a.suffix_len + a.output_len
     sched = SchedulerConfig(a.max_num_seqs, a.max_num_batched_tokens, max_len, routing=routing)
     cache = CacheConfig(a.block_size, a.routing_blocks)
-    r = build_rank(JobSpec(cfg, LoadConfig(load_format="dummy"), sched, cache, plan,
+    r = build_rank(ResolvedJob(cfg, LoadConfig(load_format="dummy"), sched, cache, plan,
                            CommConfig(timeout_s=600, transport="mpi")))
     sp = SamplingParams(temperature=0, max_tokens=a.output_len, ignore_eos=True)
     t0, c0 = time.perf_counter(), time.process_time()

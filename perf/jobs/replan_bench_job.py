@@ -25,7 +25,8 @@ from megainfer.config import (CacheConfig, CommConfig, DeployPlan, LoadConfig,  
                               ReplanConfig, SchedulerConfig, TraceConfig)
 from megainfer.engine.outputs import PromptInput  # noqa: E402
 from megainfer.engine.sampling_params import SamplingParams  # noqa: E402
-from megainfer.runtime.startup import JobSpec, build_rank, run_rank  # noqa: E402
+from megainfer.config import ResolvedJob  # noqa: E402
+from megainfer.runtime.startup import build_rank, run_rank  # noqa: E402
 
 
 def inputs(segments, seed: int):
@@ -42,7 +43,7 @@ def run(a: dict, cfg, segments, replan):
                       micro_batches=a["m"])
     longest = max(p + o for _, p, o in segments)
     sched = SchedulerConfig(a["max_num_seqs"], a["max_num_batched_tokens"], longest)
-    r = build_rank(JobSpec(cfg, LoadConfig(load_format="dummy"), sched,
+    r = build_rank(ResolvedJob(cfg, LoadConfig(load_format="dummy"), sched,
                            CacheConfig(a["block_size"], a["num_blocks"]), plan,
                            CommConfig(timeout_s=600, transport="mpi"),
                            trace=TraceConfig(enabled=bool(a.get("trace"))), replan=replan))

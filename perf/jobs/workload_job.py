@@ -38,7 +38,8 @@ from megainfer.config import (CacheConfig, CommConfig, DeployPlan, EplbConfig,  
 from megainfer.engine.sampling_params import SamplingParams  # noqa: E402
 from megainfer.runtime.tags import GO as TAG_GO, REQUESTS as TAG_REQUESTS, STATUS as TAG_STATUS  # noqa: E402
 from megainfer.runtime.trace import merge_traces  # noqa: E402
-from megainfer.runtime.startup import JobSpec, build_rank, run_rank  # noqa: E402
+from megainfer.config import ResolvedJob  # noqa: E402
+from megainfer.runtime.startup import build_rank, run_rank  # noqa: E402
 
 
 def count_routes(model, counts: torch.Tensor) -> None:
@@ -125,7 +126,7 @@ def main():
     sched = SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                             max_model_len=max_len)
     cache = CacheConfig(block_size=16, num_blocks=len(reqs) * (max_len // 16 + 2) + 16)
-    r = build_rank(JobSpec(model_config(a), LoadConfig(load_format="dummy", seed=0), sched, cache, plan,
+    r = build_rank(ResolvedJob(model_config(a), LoadConfig(load_format="dummy", seed=0), sched, cache, plan,
                            CommConfig(timeout_s=120, transport="mpi"), EplbConfig(), TraceConfig(enabled=a.trace_dir is not None)), comm)
     if r.loop is None:  # expert rank: serve until the attention side says stop
         run_rank(r)

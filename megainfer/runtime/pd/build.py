@@ -25,7 +25,7 @@ from megainfer.runtime.pd.loop import PDReplicaLoop
 from megainfer.runtime.pd.prefill_experts import expert_slots_of, split_experts
 from megainfer.runtime.pd.prefill_worker import PrefillExecutor, PrefillWorker
 from megainfer.runtime.pd.router import PDRouter
-from megainfer.runtime.rank_parts import DTYPES, Feature, make_engine
+from megainfer.runtime.rank_parts import Feature, make_engine
 from megainfer.runtime.replicas.request_router import tracks_keys
 from megainfer.runtime.roles import assign_role, attention_rank, prefill_rank_ids
 from megainfer.runtime.trace import Tracer
@@ -34,7 +34,7 @@ from megainfer.runtime.wiring import (build_base_rank, rank_of, replica_tp_group
 
 
 def build_pd_rank(job, comm):
-    plan, cfg = job.plan, job.model
+    plan, cfg = job.deploy, job.model
     rank, world = comm.Get_rank(), comm.Get_size()
     role = assign_role(plan, rank, world)
     why = check_prefill_tp(cfg.num_heads, cfg.num_kv_heads, cfg.is_mla, plan.prefill_tp,
@@ -45,8 +45,8 @@ def build_pd_rank(job, comm):
     kv_comm = comm.Dup()
     core = comm.Split(1 if role.is_prefill else 0, rank)
     policy = wait_policy(job, role)  # the KV streams' and the hand-out's
-    segs = Segments.for_job(job.sched.max_model_len, job.cache.block_size,
-                            job.sched.max_num_batched_tokens)
+    segs = Segments.for_job(job.scheduler.max_model_len, job.cache.block_size,
+                            job.scheduler.max_num_batched_tokens)
     if role.is_prefill:
         return _build_prefill(job, role, core, kv_comm, segs, epoch)
 
@@ -62,9 +62,9 @@ def build_pd_rank(job, comm):
                             lambda leader: [(leader + x.src, x.count) for x in rts])
         router = PDRouter(kv_comm, prefill_rank_ids(plan), plan.attention_replicas, engine,
                           r.role.tag, policy) if rank == 0 else None
-        return PDReplicaLoop(engine, r.role, r.job.plan, r.control, exchange, first_moe_layer,
+        return PDReplicaLoop(engine, r.role, r.job.deploy, r.control, exchange, first_moe_layer,
                              decode, router)
-    return build_base_rank(dataclasses.replace(job, plan=dataclasses.replace(
+    return build_base_rank(dataclasses.replace(job, deploy=dataclasses.replace(
         plan, prefill_replicas=0)), core, make_loop=decode_loop)
 
 
@@ -74,7 +74,7 @@ def _build_prefill(job, role, core, kv_comm, segs, epoch):
     every other weight on every rank), its engine (identical on every TP rank: they get the same
     work at the same iteration), and the KV routes from this rank's heads to every decode TP
     rank."""
-    plan, cfg, rank = job.plan, job.model, role.rank
+    plan, cfg, rank = job.deploy, job.model, role.rank
     tp, tp_rank, tag = plan.prefill_tp, role.tp_rank, role.tag
     w = wire_rank(job, core, role)  # this prefill replica's TP ranks
     par, slots, group = ParallelContext(), None, None
@@ -88,7 +88,7 @@ def _build_prefill(job, role, core, kv_comm, segs, epoch):
     if tp > 1:
         split_experts(model, group.all_reduce)  # this rank's experts, partial sums all-reduced
     model.set_attention_backend(job.device.attention_backend)
-    kind = model.kv_cache_spec(DTYPES[job.load.dtype]).kind
+    kind = model.kv_cache_spec(job.load.torch_dtype).kind
     dests = []  # per decode replica: what this rank sends to which of its TP ranks
     for r in range(plan.attention_replicas):
         dests.append([Dest(attention_rank(plan, r, t), x.sender_heads(cfg.num_kv_heads, tp))
@@ -98,7 +98,7 @@ def _build_prefill(job, role, core, kv_comm, segs, epoch):
     sender = KVSender(kv_comm, cfg.num_layers, kind, tag, w.policy, segs, job.cache.block_size)
     engine = make_engine(job, role, model, lambda kv: PrefillExecutor(
         model, kv, job.cache.block_size, sender))
-    track = tracks_keys(job.sched.routing, plan.prefill_replicas, job.cache.enable_prefix_caching)
+    track = tracks_keys(job.scheduler.routing, plan.prefill_replicas, job.cache.enable_prefix_caching)
     worker = PrefillWorker(engine, engine.executor, kv_comm, dests, tag, w.policy, tracer,
                            track_keys=track and tp_rank == 0,
                            peers=w.tp_comm if tp > 1 else None)
@@ -107,4 +107,4 @@ def _build_prefill(job, role, core, kv_comm, segs, epoch):
     return out
 
 
-PD = Feature("pd", wants=lambda job: job.plan.prefill_replicas > 0, build=build_pd_rank)
+PD = Feature("pd", wants=lambda job: job.deploy.prefill_replicas > 0, build=build_pd_rank)

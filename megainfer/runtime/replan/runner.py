@@ -117,7 +117,7 @@ class ReplanController:
     # ------------------------------------------------------------------ the hook
     def hook(self, loop, work: bool):
         it = loop.engine.executor.iteration
-        plan = self.job.plan
+        plan = self.job.deploy
         cur = (plan.attention_replicas, plan.expert_ranks, plan.micro_batches)
         self.clock.append((time.perf_counter(), sum(v.running for v in loop.router.replicas)))
         running = loop.engine.scheduler.running
@@ -145,7 +145,7 @@ class ReplanController:
         # a sliding window: a steady decode gives one batch size an interval, the fit needs two
         self.attn = (self.attn + attention_samples(ev, self.ctx))[-KEEP:]
         control, replies = self.rank.control, []
-        experts = expert_rank_ids(self.job.plan)
+        experts = expert_rank_ids(self.job.deploy)
         for k in experts:
             got = control.recv(k, tags.REPLAN_SAMPLES, "re-plan samples")
             if got.iteration != it:
@@ -168,7 +168,7 @@ class ReplanController:
         left += [getattr(p.params, "max_tokens", 16) or 16 for p in router.pending]
         state = JobState(sum(v.queue for v in views) + len(router.pending), max(1, int(ctx)),
                          max(1, int(sum(left) / len(left))) if left else 0,
-                         self.job.sched.max_num_seqs, tuple(v.running for v in views))
+                         self.job.scheduler.max_num_seqs, tuple(v.running for v in views))
         t_c = statistics.median(self.comm) if self.comm else float("nan")  # traced E2A
         meas = Measurements(tuple(self.attn), tuple(self.expert), self.slots, t_c)
         d = decide(meas, state, shape, hw, self.rank.comm.Get_size(), cur[:2], cur[2],

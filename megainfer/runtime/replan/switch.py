@@ -53,7 +53,7 @@ COUNTED = ("move", "recompute", "waiting", "multi", "kv_bytes")  # sequences han
 
 def check_replan(job, world: int) -> None:
     """Refuse, before any work, a job re-planning cannot run."""
-    p, r = job.plan, job.replan
+    p, r = job.deploy, job.replan
     if p.mode != "disaggregated" or p.attention_tp != 1 or p.prefill_replicas:
         raise ConfigError(f"replan.enabled=true: re-planning runs in deploy.mode=disaggregated "
                           f"with attention_tp=1 and no prefill replicas (got mode={p.mode}, "
@@ -94,7 +94,7 @@ def switch(r, order: ReplanOrder) -> dict:
     t0 = time.perf_counter()
     job, comm = r.job, r.comm
     rank, world, cfg = comm.Get_rank(), comm.Get_size(), job.model
-    old_plan = job.plan
+    old_plan = job.deploy
     new_plan = replace(old_plan, attention_replicas=order.new[0], expert_ranks=order.new[1],
                        micro_batches=order.new[2])
     new_role = assign_role(new_plan, rank, world)
@@ -129,7 +129,7 @@ def switch(r, order: ReplanOrder) -> dict:
     checkpoint(control, "re-plan expert weight moves")  # the channels' rebuild is collective
     # 4. new channels, new parts
     keep = r.loop if (r.loop is not None and new_role.is_attention) else None
-    _rebuild(r, replace(job, plan=new_plan), new_role, new_p, model, keep, order, bounded)
+    _rebuild(r, replace(job, deploy=new_plan), new_role, new_p, model, keep, order, bounded)
     if a1 > a0:  # 5. new replicas: the old ones give them their newest requests beyond a fair share
         mine = np.zeros(world, dtype=np.int64)
         if r.loop is not None and rank < a0:
@@ -159,7 +159,7 @@ def switch(r, order: ReplanOrder) -> dict:
 
 
 def _rebuild(r, new_job, role, placement, expert_model, keep, order, bounded) -> None:
-    comm, plan = r.comm, new_job.plan
+    comm, plan = r.comm, new_job.deploy
     rank, was_attention = comm.Get_rank(), r.role.is_attention
     r.m2n.close()  # the old channels: cancel what is posted ahead
     bounded.phase = "re-plan channel rebuild"  # every collective call below: bounded, named

@@ -22,7 +22,7 @@ from mpi4py import MPI
 
 from megainfer.eplb import Placement
 from megainfer.models import ParallelContext
-from megainfer.models.loader import DTYPES, _materialize, _on_meta
+from megainfer.models.loader import _materialize, _on_meta
 from megainfer.models.model import MoECausalLM
 from megainfer.runtime import tags
 from megainfer.runtime.eplb.initial import initial_placement
@@ -74,7 +74,7 @@ def _empty_experts(cfg, dtype, slots, num_slots, device) -> MoECausalLM:
     return model.eval().requires_grad_(False)
 
 
-def move_expert_weights(sw: MPI.Comm, control, cfg, load_dtype: str, device, old_model,
+def move_expert_weights(sw: MPI.Comm, control, cfg, dtype: torch.dtype, device, old_model,
                         old: Placement, new: Placement, old_first: int, new_first: int,
                         kind: Optional[str] = None):
     """Collective over ``sw``: every rank sends the slots it owes; a new expert rank returns
@@ -86,11 +86,11 @@ def move_expert_weights(sw: MPI.Comm, control, cfg, load_dtype: str, device, old
     j = me - new_first
     model = None
     if 0 <= j < new.num_ranks:
-        model = _empty_experts(cfg, DTYPES[load_dtype], new.slots_of_rank(j), new.num_replicas,
+        model = _empty_experts(cfg, dtype, new.slots_of_rank(j), new.num_replicas,
                                device)
     remote = [mv for mv in moves if mv[1] != mv[3]]  # every rank alike
     if kind is not None and remote:
-        staged, received = _stage_device(sw, control, kind, device, DTYPES[load_dtype],
+        staged, received = _stage_device(sw, control, kind, device, dtype,
                                          old_model, model, moves, remote, me)
     else:
         staged, received = _stage_host(sw, control, old_model, model, moves, me,

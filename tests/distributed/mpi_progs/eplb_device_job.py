@@ -26,7 +26,7 @@ from runtime_job import CACHE, SCHED, inputs  # noqa: E402
 from megainfer.config import (CommConfig, DeployPlan, DeviceConfig, EplbConfig, LoadConfig,  # noqa: E402
                               ModelConfig)
 from megainfer.models import build_model  # noqa: E402
-from megainfer.runtime.startup import JobSpec  # noqa: E402
+from megainfer.config import ResolvedJob  # noqa: E402
 
 EPLB = EplbConfig(enabled=True, redundant_experts=2, window=3, interval=3)
 MAX_TOKENS = 12
@@ -65,7 +65,7 @@ def main():
                 "device_messages": reb.device_messages, "kind": reb.moves,
                 "weights_ok": weights_ok(r, cfg, load)}
     for choice in moves:
-        job = JobSpec(cfg, load, SCHED, CACHE, plan, CommConfig(timeout_s=120, eplb_moves=choice),
+        job = ResolvedJob(cfg, load, SCHED, CACHE, plan, CommConfig(timeout_s=120, eplb_moves=choice),
                       EPLB, device=dev)
         tokens, experts = run_and_gather(job, cfg.vocab_size, MAX_TOKENS, stats)
         if comm.Get_rank() == 0:

@@ -22,7 +22,8 @@ from runtime_job import CACHE, SCHED, inputs  # noqa: E402
 
 from megainfer.config import CommConfig, DeployPlan, EplbConfig, LoadConfig, ModelConfig  # noqa: E402
 from megainfer.models import build_model  # noqa: E402
-from megainfer.runtime.startup import JobSpec, build_rank, run_rank  # noqa: E402
+from megainfer.config import ResolvedJob  # noqa: E402
+from megainfer.runtime.startup import build_rank, run_rank  # noqa: E402
 
 RUNS = {
     "static_shuffled": EplbConfig(redundant_experts=2, initial="shuffled", seed=5),
@@ -41,7 +42,7 @@ def check_weights(r, cfg, load) -> bool:
                for a, b in zip(r.worker.model.layers, ref.layers) if a.is_moe)  # any device
 
 
-def run_and_gather(job: JobSpec, vocab_size: int, max_tokens: int, expert_stats):
+def run_and_gather(job: ResolvedJob, vocab_size: int, max_tokens: int, expert_stats):
     """One job: (rank 0's greedy tokens, every expert rank's ``expert_stats(rank)``) on rank 0,
     (None, None) elsewhere. Rank 0's stream is consumed before the gather."""
     comm = MPI.COMM_WORLD
@@ -66,7 +67,7 @@ def main():
         reb = r.worker.rebalancer
         return reb.rebalances, reb.moved, check_weights(r, cfg, load), reb.placement.phy2log.tolist()
     for name, eplb in RUNS.items():
-        job = JobSpec(cfg, load, SCHED, CACHE, plan, CommConfig(timeout_s=120), eplb)
+        job = ResolvedJob(cfg, load, SCHED, CACHE, plan, CommConfig(timeout_s=120), eplb)
         tokens, experts = run_and_gather(job, cfg.vocab_size, 12, stats)
         if comm.Get_rank() == 0:
             result[name] = {"tokens": tokens, "rebalances": [e[0] for e in experts],

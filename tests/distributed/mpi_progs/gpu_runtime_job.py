@@ -29,7 +29,8 @@ from megainfer.config import (CommConfig, DeployPlan, DeviceConfig, LoadConfig, 
                               TraceConfig)
 from megainfer.engine.engine import LLMEngine
 from megainfer.models import build_model
-from megainfer.runtime.startup import JobSpec, build_rank, run_rank
+from megainfer.config import ResolvedJob  # noqa: E402
+from megainfer.runtime.startup import build_rank, run_rank
 
 WORLD = MPI.COMM_WORLD
 MAX_TOKENS = 8
@@ -109,7 +110,7 @@ def main():
         trace = traced and i == len(runs) - 1
         plan = DeployPlan(mode="disaggregated", attention_replicas=1, attention_tp=tp,
                           expert_ranks=E, micro_batches=m)
-        job = JobSpec(cfg, LoadConfig(path=ckpt, dtype=dtype), SCHED, CACHE, plan,
+        job = ResolvedJob(cfg, LoadConfig(path=ckpt, dtype=dtype), SCHED, CACHE, plan,
                       CommConfig(timeout_s=60, transport=transport), trace=TraceConfig(enabled=trace),
                       device=device_config())
         r = build_rank(job)

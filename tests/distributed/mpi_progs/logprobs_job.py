@@ -17,7 +17,8 @@ from runtime_job import CACHE, SCHED, prompts  # noqa: E402
 from megainfer.config import CommConfig, DeployPlan, LoadConfig, ModelConfig  # noqa: E402
 from megainfer.engine.outputs import PromptInput  # noqa: E402
 from megainfer.engine.sampling_params import SamplingParams  # noqa: E402
-from megainfer.runtime.startup import JobSpec, build_rank, run_rank  # noqa: E402
+from megainfer.config import ResolvedJob  # noqa: E402
+from megainfer.runtime.startup import build_rank, run_rank  # noqa: E402
 
 PARAMS = SamplingParams(temperature=0.8, seed=7, n=2, max_tokens=6, ignore_eos=True,
                         logprobs=3, prompt_logprobs=2)
@@ -43,7 +44,7 @@ def main():
     cfg = ModelConfig.from_pretrained(ckpt)
     plan = DeployPlan(mode="disaggregated" if E else "colocated", attention_replicas=A,
                       attention_tp=TP, expert_ranks=E, micro_batches=m)
-    r = build_rank(JobSpec(cfg, LoadConfig(path=ckpt), SCHED, CACHE, plan, CommConfig(timeout_s=120)))
+    r = build_rank(ResolvedJob(cfg, LoadConfig(path=ckpt), SCHED, CACHE, plan, CommConfig(timeout_s=120)))
     stream = run_rank(r, inputs(cfg.vocab_size))
     if stream is not None:
         with open(out, "w") as f:

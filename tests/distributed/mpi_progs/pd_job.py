@@ -38,7 +38,8 @@ from mpi4py import MPI  # noqa: E402
 
 from megainfer.config import CommConfig, DeployPlan, LoadConfig, ModelConfig  # noqa: E402
 from megainfer.runtime.pd.prefill_worker import PrefillWorker  # noqa: E402
-from megainfer.runtime.startup import JobSpec, build_rank, run_rank  # noqa: E402
+from megainfer.config import ResolvedJob  # noqa: E402
+from megainfer.runtime.startup import build_rank, run_rank  # noqa: E402
 
 
 def sampled_inputs(vocab: int, max_tokens: int, n: int):
@@ -112,7 +113,7 @@ def main():
                               prefill_tp=ptp)
             comm = CommConfig(timeout_s=3 if kill else 120, transport="mpi",
                               tp_collectives=opts.get("tp", "auto"))
-            r = build_rank(JobSpec(cfg, LoadConfig(path=ckpt), sched, cache, plan, comm))
+            r = build_rank(ResolvedJob(cfg, LoadConfig(path=ckpt), sched, cache, plan, comm))
             stream = run_rank(r, make_inputs(cfg.vocab_size, max_tokens))
             outs = list(stream) if stream is not None else None  # rank 0: the job runs here
             group = r.tp

@@ -25,7 +25,8 @@ from megainfer.config import (CommConfig, DeployPlan, EplbConfig, LoadConfig, Mo
                               ReplanConfig)
 from megainfer.runtime.eplb import weight_channel  # noqa: E402
 from megainfer.runtime.replan import runner as replan_runner  # noqa: E402
-from megainfer.runtime.startup import JobSpec, build_rank, run_rank  # noqa: E402
+from megainfer.config import ResolvedJob  # noqa: E402
+from megainfer.runtime.startup import build_rank, run_rank  # noqa: E402
 
 
 def main():
@@ -49,7 +50,7 @@ def main():
     weight_channel.WeightChannel.exchange = counted_exchange
     replan = ReplanConfig(enabled=True, force_schedule=FORCE, kv_transfer="recompute")
     eplb = EplbConfig(enabled=True, redundant_experts=2, window=3, interval=3)
-    r = build_rank(JobSpec(cfg, load, SCHED, CACHE, plan,
+    r = build_rank(ResolvedJob(cfg, load, SCHED, CACHE, plan,
                            CommConfig(timeout_s=120, eplb_moves="device"), eplb, replan=replan))
     stream = run_rank(r, inputs(cfg.vocab_size))
     tokens = {o.request_id: tokens_of(o) for o in stream} if stream else None

@@ -32,7 +32,8 @@ from megainfer.engine.outputs import PromptInput  # noqa: E402
 from megainfer.engine.sampling_params import SamplingParams  # noqa: E402
 from megainfer.models import build_model  # noqa: E402
 from megainfer.runtime.replan import runner as replan_runner  # noqa: E402
-from megainfer.runtime.startup import JobSpec, build_rank, run_rank  # noqa: E402
+from megainfer.config import ResolvedJob  # noqa: E402
+from megainfer.runtime.startup import build_rank, run_rank  # noqa: E402
 
 SCHED = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128)
 CACHE = CacheConfig(block_size=4, num_blocks=256)
@@ -97,7 +98,7 @@ def main():
         replan = runs[mode]
         eplb = EplbConfig(enabled=True, redundant_experts=2, window=3, interval=3) \
             if mode == "recompute" else EplbConfig()  # live EPLB around the switches too
-        r = build_rank(JobSpec(cfg, load, SCHED, CACHE, plan, CommConfig(timeout_s=120), eplb,
+        r = build_rank(ResolvedJob(cfg, load, SCHED, CACHE, plan, CommConfig(timeout_s=120), eplb,
                                trace=TraceConfig(enabled=True), replan=replan))
         stream = run_rank(r, inputs(cfg.vocab_size, n2=mode.startswith("n2")))
         tokens = {o.request_id: tokens_of(o) for o in stream} if stream else None
@@ -135,7 +136,7 @@ def hang(cfg, load, plan, where):
             name = {"hang": "new_placement", "hang_dup": "assign_role"}[where]
             setattr(replan_switch, name, lambda *a, **k: time.sleep(3600))
     replan = ReplanConfig(enabled=True, force_schedule=FORCE[:1])
-    r = build_rank(JobSpec(cfg, load, SCHED, CACHE, plan, CommConfig(timeout_s=2), replan=replan))
+    r = build_rank(ResolvedJob(cfg, load, SCHED, CACHE, plan, CommConfig(timeout_s=2), replan=replan))
     stream = run_rank(r, inputs(cfg.vocab_size))
     if stream is not None:
         list(stream)

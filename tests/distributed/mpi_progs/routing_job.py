@@ -21,7 +21,8 @@ from abort_on_error import run_or_abort  # noqa: E402
 from runtime_job import SCHED, SHARED_CACHE, dump_results, shared_inputs  # noqa: E402
 
 from megainfer.config import CommConfig, DeployPlan, LoadConfig, ModelConfig  # noqa: E402
-from megainfer.runtime.startup import JobSpec, build_rank, run_rank  # noqa: E402
+from megainfer.config import ResolvedJob  # noqa: E402
+from megainfer.runtime.startup import build_rank, run_rank  # noqa: E402
 
 
 def main():
@@ -36,7 +37,7 @@ def main():
             sched = dataclasses.replace(SCHED, routing=routing, max_model_len=48)
             cache = dataclasses.replace(SHARED_CACHE, enable_prefix_caching=caching,
                                         num_blocks=14, host_kv_gib=0.01 if caching else 0.0)
-            r = build_rank(JobSpec(cfg, LoadConfig(path=ckpt), sched, cache, plan,
+            r = build_rank(ResolvedJob(cfg, LoadConfig(path=ckpt), sched, cache, plan,
                                    CommConfig(timeout_s=120, transport="mpi")))
             stream = run_rank(r, shared_inputs(cfg.vocab_size, max_tokens))
             if stream is not None:

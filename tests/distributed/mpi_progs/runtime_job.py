@@ -22,7 +22,8 @@ from megainfer.config import (CacheConfig, CommConfig, DeployPlan, LoadConfig, M
                               SchedulerConfig)
 from megainfer.engine.outputs import PromptInput  # noqa
 from megainfer.engine.sampling_params import SamplingParams  # noqa
-from megainfer.runtime.startup import JobSpec, build_rank, run_rank  # noqa
+from megainfer.config import ResolvedJob  # noqa: E402
+from megainfer.runtime.startup import build_rank, run_rank  # noqa
 
 SCHED = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128)
 CACHE = CacheConfig(block_size=4, num_blocks=256)
@@ -92,7 +93,7 @@ def main():
         for m in ms:
             plan = DeployPlan(mode="disaggregated" if E else "colocated", attention_replicas=A,
                               attention_tp=TP, expert_ranks=E, micro_batches=m)
-            r = build_rank(JobSpec(cfg, LoadConfig(path=ckpt), SCHED, cache, plan,
+            r = build_rank(ResolvedJob(cfg, LoadConfig(path=ckpt), SCHED, cache, plan,
                                    comm))
             stream = run_rank(r, make_inputs(cfg.vocab_size, max_tokens))
             if stream is not None:

@@ -219,6 +219,12 @@ def test_console_errors_and_help(tmp_path):
     assert r.returncode == 0 and "hidden_size: 512" in r.stdout and "max_num_batched_tokens" in r.stdout
 
 
+def test_console_mistyped_key_names_the_closest(tmp_path):
+    r = _run(["deploy.micro_batchs=2", f"hydra.run.dir={tmp_path}/run"], tmp_path, timeout=120)
+    assert r.returncode == 1 and "did you mean deploy.micro_batches?" in r.stderr
+    assert "+deploy" not in r.stderr and not (tmp_path / "run").exists()
+
+
 def test_console_mpi_default_job_equals_single(tmp_path):
     """mpiexec -n 3: the default job on 1 attention + 2 expert ranks writes single mode's tokens."""
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")

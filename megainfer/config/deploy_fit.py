@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from megainfer.config import ConfigError, DeployPlan
+from .base import ConfigError
+from .runtime import DeployPlan
 
 
 COUNTS = ("attention_replicas", "attention_tp", "expert_ranks")
@@ -93,7 +94,7 @@ def _disaggregated(d: dict, world: int) -> dict:
     raise _deploy_error("disaggregated", world, have, why, _fixes(world, reps, tp, exp))
 
 
-def _prefill_ranks(d: dict) -> int:
+def prefill_ranks(d: dict) -> int:
     """``prefill_replicas x prefill_tp`` (docs/pd.md) when valid (DeployPlan names bad ones)."""
     p, tp = d.get("prefill_replicas") or 0, d.get("prefill_tp") or 1
     ok = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (p, tp))
@@ -125,7 +126,7 @@ def plan_for_world(d: dict, world_size: int) -> DeployPlan:
     elif mode == "colocated":
         d = _colocated(d, world_size)
     elif mode == "disaggregated":
-        pre = _prefill_ranks(d)  # prefill ranks come last: the rest is sized as without them
+        pre = prefill_ranks(d)  # prefill ranks come last: the rest is sized as without them
         try:
             d = _disaggregated(d, world_size - pre)
         except ConfigError as e:

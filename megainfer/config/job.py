@@ -1,0 +1,38 @@
+"""``ResolvedJob``: every resolved group of one job in one frozen bundle. ``resolve.resolve_job``
+makes it for ``LLM`` and the launcher alike; every rank of the distributed runtime builds its
+part from it (``megainfer/runtime``); the launcher's ``JobSettings`` is this plus the groups only
+the offline job reads (sampling defaults, io, workload)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from .base import _require
+from .model import ModelConfig
+from .replan import ReplanConfig
+from .runtime import (CacheConfig, CommConfig, DeployPlan, DeviceConfig, EplbConfig, LoadConfig,
+                      SchedulerConfig, TraceConfig)
+
+
+@dataclass(frozen=True)
+class ResolvedJob:
+    model: ModelConfig
+    load: LoadConfig
+    scheduler: SchedulerConfig
+    cache: CacheConfig
+    deploy: DeployPlan = DeployPlan()
+    comm: CommConfig = CommConfig()
+    eplb: EplbConfig = EplbConfig()
+    trace: TraceConfig = TraceConfig()
+    seed: int = 0  # requests without their own seed draw from it (sampling.seed)
+    device: DeviceConfig = DeviceConfig()  # cuda: every rank on GPU local_rank % visible
+    replan: ReplanConfig = ReplanConfig()  # online re-planning (docs/replan.md)
+    cpu_threads: Optional[int] = None  # torch intra-op threads of this process; None: torch's
+
+    def __post_init__(self):
+        _require(isinstance(self.seed, int) and not isinstance(self.seed, bool), "sampling.seed",
+                 self.seed, "must be an integer")
+        _require(self.cpu_threads is None or (isinstance(self.cpu_threads, int)
+                                              and not isinstance(self.cpu_threads, bool)
+                                              and self.cpu_threads >= 1),
+                 "deploy.cpu_threads", self.cpu_threads, "must be a positive integer or null")

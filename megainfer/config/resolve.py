@@ -1,0 +1,197 @@
+"""One config resolution for ``LLM`` and the launcher: a plain tree of ``group.key`` values ->
+``ResolvedJob``, every check run once, before any weight is read.
+
+The launcher hands in Hydra's composed config as a plain dict (``launch/settings.py``); ``LLM``
+hands in its arguments laid out as the same keys (``llm_args.py``). In order: every key of every
+group checked against the groups' schemas (``GROUP_KEYS``); ``model.path`` made local (a
+directory, or a model id in the Hugging Face cache); the deploy plan (``deploy=auto`` over N > 1
+ranks asks the ``planner`` the front door passes: the launcher's perfmodel planner) fitted to the
+world size; the device; model and weights; the scheduler; the KV cache (format, block count from
+the memory budget, fit); the CPU threads; comm, trace, EPLB and re-plan.
+
+This module is the one place under ``megainfer/config`` that reaches into the layers above it
+(the KV spec's sizes in ``engine/sizing.py``, the weights' bytes): it is imported by front doors
+only, never by ``megainfer.config`` itself."""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable, Mapping, Optional
+
+from megainfer.engine.engine import check_cache_fits
+from megainfer.engine.sizing import check_kv_cache_dtype, derive_num_blocks, resolve_max_model_len
+
+from .base import ConfigError, _require
+from .deploy_fit import plan_for_world, prefill_ranks
+from .hf_cache import checkpoint_dir
+from .job import ResolvedJob
+from .keys import field_names, take
+from .model import ModelConfig
+from .model_source import model_config_of
+from .replan import ReplanConfig
+from .runtime import (CacheConfig, CommConfig, DeployPlan, DeviceConfig, EplbConfig, LoadConfig,
+                      SchedulerConfig, TraceConfig)
+
+log = logging.getLogger("megainfer.config")
+
+# group -> the keys it takes (docs/config.md lists them with their meaning)
+GROUP_KEYS: dict[str, set] = {
+    "model": {"path", "revision", "load_format", "dtype", "seed", "arch", "attention_backend"},
+    "deploy": field_names(DeployPlan) | {"cpu_threads", "device", "hardware"},
+    "scheduler": field_names(SchedulerConfig),
+    "cache": {"block_size", "num_blocks", "memory_gib", "gpu_memory_utilization",
+              "enable_prefix_caching", "kv_cache_dtype", "host_kv_gib", "kv_store_dir",
+              "kv_scale_granularity"},
+    "engine": {"cuda_graphs"},
+    "comm": field_names(CommConfig),
+    "trace": field_names(TraceConfig),
+    "eplb": field_names(EplbConfig),
+    "replan": field_names(ReplanConfig),
+}
+_PLAIN_GROUPS = (("comm", CommConfig), ("trace", TraceConfig), ("eplb", EplbConfig),
+                 ("replan", ReplanConfig))
+_NOT_PLAN_KEYS = ("cpu_threads", "device", "hardware")  # deploy.* keys that are not DeployPlan's
+
+# (config tree, ranks left after the prefill ranks) -> (deploy, scheduler) groups with the
+# planner's choice filled in (launch/auto_plan.py)
+Planner = Callable[[dict, int], tuple[dict, dict]]
+
+
+def resolve_job(tree: Mapping, world_size: int = 1, local_ranks: int = 1, local_rank: int = 0,
+                planner: Optional[Planner] = None, other_groups: tuple = ()) -> ResolvedJob:
+    """``tree`` ({group: {key: value}}) -> the job's ResolvedJob. ``local_ranks``: processes of
+    this job on this host (they share its cores); ``local_rank``: this process's index among
+    them (on cuda it takes that GPU, modulo the visible ones). ``other_groups``: top-level
+    groups the caller reads itself (the launcher's sampling, io, workload); ``sampling.seed`` is
+    the job seed here."""
+    c = {g: dict(v) if isinstance(v, Mapping) else v for g, v in tree.items()}
+    take("config", c, set(GROUP_KEYS) | {"sampling"} | set(other_groups))
+    for g, known in GROUP_KEYS.items():
+        c[g] = take(g, c.get(g) or {}, known)
+    c["model"] = local_model(c["model"])
+    d = c["deploy"]
+    if planner is not None:
+        planned, sched = planner(c, world_size - prefill_ranks(d))
+    else:
+        planned, sched = d, c["scheduler"]
+    deploy = plan_for_world({k: v for k, v in planned.items() if k not in _NOT_PLAN_KEYS},
+                            world_size)
+    device = resolve_device(c, local_rank, distributed=deploy.mode != "single")
+    model, load = _model(c["model"], device)
+    s = take("scheduler", sched, field_names(SchedulerConfig))  # the plan's batch limit applied
+    s["max_model_len"] = resolve_max_model_len(model, s.get("max_model_len"))
+    scheduler = SchedulerConfig(**s)
+    cache = _cache(c["cache"], model, load, deploy, scheduler, device)
+    seed = (c.get("sampling") or {}).get("seed")
+    return ResolvedJob(model, load, scheduler, cache, deploy, seed=0 if seed is None else seed,
+                     device=device, cpu_threads=_threads(d.get("cpu_threads"), model, local_ranks),
+                     **{g: cls(**c[g]) for g, cls in _PLAIN_GROUPS})
+
+
+def local_model(m: dict) -> dict:
+    """The ``model`` group with ``path`` a local directory (a Hugging Face model id resolved from
+    the local cache at ``revision``) and ``revision`` spent."""
+    m = dict(m)
+    revision = m.pop("revision", None)
+    if m.get("path"):
+        m["path"] = checkpoint_dir(m["path"], revision)
+    elif revision is not None:
+        raise ConfigError(f"model.revision={revision!r}: a revision needs model.path (a Hugging "
+                          "Face model id)")
+    return m
+
+
+def resolve_device(c: Mapping, local_rank: int, distributed: bool) -> DeviceConfig:
+    """``deploy.device``, ``model.attention_backend``, ``engine.cuda_graphs`` -> DeviceConfig.
+    ``auto`` is cuda when one is visible, except for the distributed modes (cpu unless
+    ``deploy.device=cuda`` is named: each rank then takes GPU ``local_rank % visible``)."""
+    device = (c.get("deploy") or {}).get("device")
+    if distributed and device in (None, "auto"):
+        device = "cpu"
+    return DeviceConfig.resolve(device, (c.get("model") or {}).get("attention_backend"),
+                                (c.get("engine") or {}).get("cuda_graphs", True), local_rank)
+
+
+def _model(d: dict, device: DeviceConfig) -> tuple[ModelConfig, LoadConfig]:
+    cfg = model_config_of(d)
+    path, fmt = d.get("path"), d.get("load_format", "auto")
+    if fmt == "auto":
+        fmt = "safetensors" if path else "dummy"
+    dtype = d.get("dtype", "auto")
+    dtype = device.default_dtype() if dtype in (None, "auto") else dtype
+    device.check_model(cfg, dtype)  # before any weight is read
+    return cfg, LoadConfig(path=path, load_format=fmt, dtype=dtype, seed=int(d.get("seed") or 0))
+
+
+def _cache(k: dict, model: ModelConfig, load: LoadConfig, deploy: DeployPlan,
+           scheduler: SchedulerConfig, device: DeviceConfig) -> CacheConfig:
+    """``cache.*`` -> CacheConfig: its format checked against the model and the attention
+    backend, ``num_blocks=null`` derived from the memory budget, the pool's fit checked."""
+    _require(isinstance(k.get("block_size", 1), int) and not isinstance(k.get("block_size"), bool),
+             "cache.block_size", k.get("block_size"), "must be a positive integer")
+    fields = {f: k[f] for f in ("block_size", "enable_prefix_caching", "kv_cache_dtype",
+                                "host_kv_gib", "kv_store_dir", "kv_scale_granularity") if f in k}
+    fmt = CacheConfig(**fields)  # every field but the block count validated first
+    check_kv_cache_dtype(model, fmt.kv_cache_dtype, device.attention_backend)
+    num_blocks = k.get("num_blocks")
+    if num_blocks is None:
+        memory_gib = kv_memory_gib(k, model, load, deploy, device)
+        num_blocks = derive_num_blocks(model, scheduler.max_model_len, scheduler.max_num_seqs,
+                                       fmt.block_size, memory_gib, load.torch_dtype,
+                                       max(1, model.num_kv_heads // deploy.attention_tp),
+                                       fmt.kv_cache_dtype, fmt.kv_scale_granularity)
+    cache = CacheConfig(num_blocks=num_blocks, **fields)
+    check_cache_fits(cache, scheduler.max_model_len)
+    return cache
+
+
+def kv_memory_gib(k: Mapping, model: ModelConfig, load: LoadConfig, deploy: DeployPlan,
+                  device: DeviceConfig) -> float:
+    """The KV pool's budget: ``cache.memory_gib``; on cuda with ``cache.gpu_memory_utilization``
+    that share of the GPU's free memory less this rank's weights (counted, not loaded)."""
+    util = k.get("gpu_memory_utilization")
+    memory_gib = k.get("memory_gib", 4.0)
+    _require(isinstance(memory_gib, (int, float)) and not isinstance(memory_gib, bool)
+             and memory_gib > 0, "cache.memory_gib", memory_gib, "must be a number > 0")
+    if util is None:
+        return float(memory_gib)
+    _require(isinstance(util, (int, float)) and not isinstance(util, bool) and 0 < util <= 1,
+             "cache.gpu_memory_utilization", util, "must be a fraction in (0, 1]")
+    if device.device != "cuda":
+        log.info("cache.gpu_memory_utilization=%s applies on cuda; on cpu the KV pool is "
+                 "cache.memory_gib=%s GiB", util, memory_gib)
+        return float(memory_gib)
+    import torch
+    from megainfer.models import ParallelContext
+    from megainfer.models.loader import weight_bytes
+    free, _ = torch.cuda.mem_get_info(device.index)
+    role = "attention" if deploy.mode == "disaggregated" else "full"
+    weights = weight_bytes(model, load.torch_dtype, ParallelContext(0, deploy.attention_tp), role)
+    return kv_budget_gib(util, free, weights, device.index)
+
+
+def kv_budget_gib(util: float, free_bytes: int, weight_bytes: int, index: int = 0) -> float:
+    """``util`` of ``free_bytes`` less ``weight_bytes``, in GiB; none left is a ConfigError."""
+    budget = util * free_bytes - weight_bytes
+    if budget <= 0:
+        raise ConfigError(f"cache.gpu_memory_utilization={util}: {util:.0%} of the "
+                          f"{free_bytes / 2**30:.2f} GiB free on cuda:{index} leaves no room for "
+                          f"the KV cache after {weight_bytes / 2**30:.2f} GiB of weights; raise "
+                          "it, or give cache.num_blocks")
+    return budget / 2**30
+
+
+def auto_cpu_threads(model: ModelConfig, local_ranks: int) -> int:
+    """This process's share of the cores; one thread for a model too small to split
+    (hidden_size < 512: per-op threading overhead exceeds the work, badly so on a busy host)."""
+    if model.hidden_size < 512:
+        return 1
+    return max(1, (os.cpu_count() or 1) // max(1, local_ranks))
+
+
+def _threads(threads, model: ModelConfig, local_ranks: int) -> int:
+    if threads is None:
+        return auto_cpu_threads(model, local_ranks)
+    _require(isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1,
+             "deploy.cpu_threads", threads, "must be a positive integer or null")
+    return threads
