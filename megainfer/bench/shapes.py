@@ -13,7 +13,7 @@ import yaml
 
 import megainfer.conf
 from megainfer.config import ModelConfig
-from megainfer.launch.model_source import model_config_from_arch
+from megainfer.config.model_source import model_config_from_arch
 from megainfer.perfmodel.model.shapes import ModelShape
 
 CONF = os.path.dirname(megainfer.conf.__file__)
