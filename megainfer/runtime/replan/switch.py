@@ -122,7 +122,7 @@ def switch(r, order: ReplanOrder) -> dict:
     # 3. expert weights into the new expert ranks' slots
     old_model = r.worker.model if r.worker is not None else None
     moves = eplb_moves_kind(job.comm.eplb_moves, job.device.torch_device, job.comm.transport)
-    model, weight_bytes = move_expert_weights(sw, control, cfg, job.load.dtype,
+    model, weight_bytes = move_expert_weights(sw, control, cfg, job.load.torch_dtype,
                                               job.device.torch_device, old_model, old_p, new_p,
                                               old_plan.attention_ranks, new_plan.attention_ranks,
                                               moves)
