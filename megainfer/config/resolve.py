@@ -27,7 +27,7 @@ from .hf_cache import checkpoint_dir
 from .job import ResolvedJob
 from .keys import field_names, take
 from .model import ModelConfig
-from megainfer.config.model_source import model_config_of
+from .model_source import model_config_of
 from .replan import ReplanConfig
 from .runtime import (CacheConfig, CommConfig, DeployPlan, DeviceConfig, EplbConfig, LoadConfig,
                       SchedulerConfig, TraceConfig)

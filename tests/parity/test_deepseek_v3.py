@@ -323,12 +323,11 @@ def test_triton_mla_backend_same_tokens(ckpts):
 
 
 def _mpi_tools():
-    """(run_mpi, tests dir) with tests/mpi_progs importable."""
+    """run_mpi, with tests/distributed/mpi_progs importable."""
     import sys
-    here = os.path.dirname(__file__)
     sys.path.insert(0, MPI_PROGS)
     from mpi_util import run_mpi
-    return run_mpi, here
+    return run_mpi
 
 
 def _single_mode_tokens(path):
@@ -352,7 +351,7 @@ def test_multi_process_modes_equal_single_mode(ckpts, tmp_path, A, TP, E):
     """Disaggregated (TP=2 attention + an expert rank) and colocated runs under real mpiexec
     give single mode's greedy tokens: dense first layers, sigmoid router, shared experts."""
     path = ckpts[24]
-    want, run_mpi, here = _single_mode_tokens(path), *_mpi_tools()
+    want, run_mpi = _single_mode_tokens(path), _mpi_tools()
     out = tmp_path / "out.json"
     run_mpi(A * TP + E, os.path.join(MPI_PROGS, "runtime_job.py"),
             [out, A, TP, E, "1,2", path], timeout=600)
@@ -366,7 +365,7 @@ def test_eplb_placements_keep_tokens(ckpts, tmp_path):
     own routing groups (eplb.num_groups defaults to n_group=4): single mode's greedy tokens,
     and every slot ends up holding its logical expert's weights."""
     path = ckpts[24]
-    want, run_mpi, here = _single_mode_tokens(path), *_mpi_tools()
+    want, run_mpi = _single_mode_tokens(path), _mpi_tools()
     out = tmp_path / "eplb.json"
     run_mpi(3, os.path.join(MPI_PROGS, "eplb_job.py"), [out, path], timeout=600)
     res = json.loads(out.read_text())

@@ -147,7 +147,6 @@ def test_distributed_modes_give_single_mode_logprobs(tiny_ckpts, tmp_path, A, E)
     the same n seeded samples, logprobs and prompt_logprobs as single mode."""
     import os
     import sys
-    here = os.path.dirname(__file__)
     sys.path.insert(0, MPI_PROGS)
     from logprobs_job import inputs, summarize
     from mpi_util import run_mpi

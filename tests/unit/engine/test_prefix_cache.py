@@ -245,7 +245,6 @@ def test_disaggregated_with_caching_gives_single_mode_tokens(tiny_ckpts, tmp_pat
     import sys
 
     from mpi_util import run_mpi
-    here = os.path.dirname(__file__)
     sys.path.insert(0, MPI_PROGS)
     from runtime_job import shared_reference
 
