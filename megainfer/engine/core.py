@@ -70,12 +70,18 @@ class CoreOutputs:
 
 
 class OnlineEngine(Protocol):
-    """What ``EngineCore`` needs of its engine: ``LLMEngine`` in single mode; the disaggregated
-    runtime's rank 0 can serve the same members later."""
+    """What ``EngineCore`` needs of its engine: ``LLMEngine`` in single mode; in every other
+    mode rank 0 of the runtime (``megainfer.runtime.replicas.online.RuntimeEngine``).
+
+    An abort may end a request later than the call (the runtime's rank 0 tells the replica
+    holding it; its final output comes with a later ``step_outputs``). ``idle_interval_s``: not
+    None when the engine must be stepped (``idle_tick``) at least that often while idle (the
+    runtime's ranks watch each other with timeouts); ``close``: end it (its ranks too)."""
 
     requests: dict  # unfinished requests by id
     detokenize: bool  # False: final outputs leave without text (the frontend decodes)
     log_prefix: str
+    idle_interval_s: Optional[float]
 
     def tokenize(self, prompt, params: SamplingParams, prompt_token_ids=None
                  ) -> TokenizedPrompt: ...
@@ -87,6 +93,15 @@ class OnlineEngine(Protocol):
     def step_outputs(self) -> StepOutputs: ...
 
     def has_unfinished(self) -> bool: ...
+
+    def idle_tick(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+# at shutdown, iterations to wait for the aborted requests' last outputs (the runtime's
+# replicas answer an abort at their next iteration)
+SHUTDOWN_ITERATIONS = 64
 
 
 class EngineCore:
@@ -114,7 +129,12 @@ class EngineCore:
             out = eng.abort_request(msg.request_id)  # None: finished already, or unknown
             return [] if out is None else [RequestUpdate(msg.request_id, output=out)]
         if isinstance(msg, Shutdown):
-            return [u for rid in list(eng.requests) for u in self.handle(AbortRequest(rid))]
+            updates = [u for rid in list(eng.requests) for u in self.handle(AbortRequest(rid))]
+            for _ in range(SHUTDOWN_ITERATIONS):
+                if not eng.has_unfinished():
+                    break
+                updates += self.step()
+            return updates
         raise TypeError(f"engine core input {msg!r}: not an AddRequest, AbortRequest or Shutdown")
 
     def step(self) -> list[RequestUpdate]:
@@ -158,27 +178,42 @@ class EngineCoreThread:
             self.thread.join(timeout)
 
     def _run(self) -> None:
+        engine = self.core.engine
+        idle_s = getattr(engine, "idle_interval_s", None)
         try:
             stop = False
             while not stop:
                 updates = []
-                for msg in self._take(block=not self.core.has_work()):  # idle: sleep in get()
+                msgs = self._take(block=not self.core.has_work(), timeout=idle_s)  # idle: sleep
+                for msg in msgs:
                     updates += self.core.handle(msg)
                     stop = stop or isinstance(msg, Shutdown)
                     if stop:
                         break  # inputs after a shutdown are dropped
                 if not stop and self.core.has_work():
                     updates += self.core.step()
+                elif not stop and not msgs and idle_s is not None:
+                    engine.idle_tick()  # nothing came for idle_s: keep the ranks' watch alive
                 if updates:
                     self.deliver(CoreOutputs(updates))
         except BaseException as e:  # noqa: BLE001 - delivered: every waiting caller gets it
             self.error = e
-            log.exception("%s engine core loop died", self.core.engine.log_prefix)
+            log.exception("%s engine core loop died", engine.log_prefix)
             self.deliver(CoreOutputs(error=e))
+        finally:
+            close = getattr(engine, "close", None)
+            if close is not None:
+                close()  # on this thread: the runtime's MPI calls stay on one thread
 
-    def _take(self, block: bool) -> list[CoreInput]:
-        """Every input queued now (waiting for the first one when ``block``)."""
-        msgs = [self.inbox.get()] if block else []
+    def _take(self, block: bool, timeout: Optional[float] = None) -> list[CoreInput]:
+        """Every input queued now (waiting up to ``timeout`` for the first one when
+        ``block``)."""
+        msgs = []
+        if block:
+            try:
+                msgs.append(self.inbox.get(timeout=timeout))
+            except queue.Empty:
+                return msgs
         while True:
             try:
                 msgs.append(self.inbox.get_nowait())

@@ -1,0 +1,70 @@
+"""Open the engine core a frontend talks to, in any deploy mode (docs/python_api.md).
+
+* single mode in one process: an ``EngineCoreThread`` over this process's ``LLMEngine``;
+* under ``mpiexec -n N python script.py``: every rank builds its part of the runtime; rank 0
+  runs an ``EngineCoreThread`` over the runtime's ``RuntimeEngine`` and returns it; every other
+  rank serves inside the call until rank 0 closes, then ends its process with status 0, so the
+  script's code after it runs on rank 0 only;
+* otherwise (a plain ``python script.py`` asking for several ranks): the ranks are started as
+  an ``mpiexec`` child job (``spawn.SpawnedCore``), rank 0 of it serving the core over a local
+  socket.
+
+Every path gives a ``CoreClient``: inputs through ``submit``, each batch of ``CoreOutputs``
+to the ``deliver`` callback (on a thread of the client's; hand them on, do no work).
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass
+from typing import Callable, Optional, Protocol
+
+from megainfer.config import ResolvedJob
+from megainfer.engine.core import CoreInput, CoreOutputs, EngineCore, EngineCoreThread
+
+from .ranks import mpi_world, rank_job, single_engine, start_ranks
+
+log = logging.getLogger("megainfer.engine")
+
+
+class CoreClient(Protocol):
+    def submit(self, msg: CoreInput) -> None: ...
+
+    @property
+    def alive(self) -> bool: ...
+
+    def shutdown(self, timeout: Optional[float] = None) -> None: ...
+
+
+@dataclass(frozen=True)
+class JobTree:
+    """What every rank resolves its own ``ResolvedJob`` from (its GPU and threads depend on its
+    rank): the config tree, the world size and whether ``deploy=auto`` asks the planner."""
+
+    tree: dict
+    world_size: int
+    auto_plan: bool = False
+
+    def resolve(self, rank: int) -> ResolvedJob:
+        planner = None
+        if self.auto_plan:
+            from megainfer.launch.auto_plan import auto_plan as planner
+        return rank_job(self.tree, self.world_size, rank, planner)
+
+
+Deliver = Callable[[CoreOutputs], None]
+
+
+def open_core(spec: JobTree, job: ResolvedJob, deliver: Deliver, tokenizer=None) -> CoreClient:
+    """``job``: this process's resolution of ``spec`` (rank 0's when it starts the ranks)."""
+    size, rank = mpi_world()
+    if size == 1 and job.deploy.mode == "single":
+        return EngineCoreThread(EngineCore(single_engine(job, tokenizer)), deliver)
+    if size > 1:
+        engine = start_ranks(job)
+        if engine is None:  # a rank other than 0: it served until rank 0 closed
+            log.debug("rank %d: the job is over, exiting", rank)
+            sys.exit(0)
+        return EngineCoreThread(EngineCore(engine), deliver)
+    from .spawn import SpawnedCore
+    return SpawnedCore(spec, deliver)

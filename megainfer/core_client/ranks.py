@@ -1,0 +1,84 @@
+"""Build an engine core's engine from a resolved job, in any deploy mode: single mode's
+``LLMEngine`` in this process, or this MPI rank's part of the distributed runtime, whose rank 0
+is the engine (``RuntimeEngine``) and whose other ranks serve it until it closes."""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional
+
+from megainfer.config import ResolvedJob
+from megainfer.config.resolve import resolve_job
+
+log = logging.getLogger("megainfer.engine")
+
+# the launcher's environment (mpiexec's), read without initialising MPI
+_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE")
+_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+
+
+def _env_int(names) -> Optional[int]:
+    for n in names:
+        v = os.environ.get(n, "").strip()
+        if v.isdigit():
+            return int(v)
+    return None
+
+
+def mpi_world() -> tuple[int, int]:
+    """(size, rank) of the MPI launch this process is part of; (1, 0) outside one."""
+    return _env_int(_SIZE_VARS) or 1, _env_int(_RANK_VARS) or 0
+
+
+def rank_job(tree: dict, world: int, rank: int, planner=None) -> ResolvedJob:
+    """This rank's resolution of ``tree`` (every rank of one host: ``local_rank`` picks its GPU
+    and its share of the cores)."""
+    return resolve_job(tree, world, local_ranks=world, local_rank=rank, planner=planner)
+
+
+def single_engine(job: ResolvedJob, tokenizer=None):
+    """Single mode: the whole model in this process and its ``LLMEngine``."""
+    import torch
+
+    from megainfer.engine import LLMEngine
+    from megainfer.engine.tokenizer import load_tokenizer
+    from megainfer.models.loader import build_model
+    device = job.device
+    if job.cpu_threads is not None:
+        torch.set_num_threads(job.cpu_threads)
+    if device.device == "cuda":
+        torch.cuda.set_device(device.index)  # Triton launches on the current device
+    model = build_model(job.model, job.load, device=device.torch_device)
+    model.set_attention_backend(device.attention_backend)
+    log.info("[attn dp0 tp0] %s on %s, %s weights, attention %s%s, %d cpu threads",
+             job.model.family, device.torch_device, job.load.dtype, device.attention_backend,
+             ", CUDA graphs for decode" if device.cuda_graphs else "", torch.get_num_threads())
+    return LLMEngine.from_model(
+        model, job.scheduler, job.cache,
+        tokenizer or load_tokenizer(job.load.path, job.model.eos_token_id), seed=job.seed,
+        cuda_graphs=device.cuda_graphs)
+
+
+def start_ranks(job: ResolvedJob, comm=None):
+    """Collective over ``comm`` (default ``MPI.COMM_WORLD``; every rank calls it): build this
+    rank's part of the job. Rank 0 returns its ``OnlineEngine`` (single mode, world 1: an
+    ``LLMEngine``; else the runtime's ``RuntimeEngine``). Every other rank serves rank 0 until
+    rank 0 closes its engine, then returns None."""
+    if job.deploy.mode == "single":
+        return single_engine(job)
+    import torch
+    from mpi4py import MPI
+
+    from megainfer.runtime.replicas.online import RuntimeEngine
+    from megainfer.runtime.startup import build_rank, serve_rank
+    comm = MPI.COMM_WORLD if comm is None else comm
+    if job.cpu_threads is not None:
+        torch.set_num_threads(job.cpu_threads)
+    r = build_rank(job, comm)
+    if r.role.rank == 0:
+        return RuntimeEngine(r)
+    try:
+        serve_rank(r)
+    finally:
+        r.close()
+    return None
