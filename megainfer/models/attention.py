@@ -11,14 +11,16 @@ is set or read.
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
 from megainfer.kernels import kv_quant
+
+from .decode_attention import decode_attention
+from .kv_gather import gather_context
 
 
 @dataclass
@@ -35,8 +37,8 @@ class AttentionMetadata:
 
     The host lists beside the tensors let the attention code size its work without reading a
     device tensor back (no host synchronisation per layer). ``step_cache``: what every layer of
-    the step shares and the first layer computes (rotary tables, the decode batch's block ids
-    and mask), keyed by what it depends on.
+    the step shares and the first layer computes (rotary tables, the decode plan of
+    ``decode_attention``: length groups, block ids, masks), keyed by what it depends on.
     """
 
     query_start_loc: torch.Tensor
@@ -142,8 +144,10 @@ def store_kv_torch(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
     if fmt != "auto":
         scales, g = kv_quant.scales_for_write(kv_cache, k, v), kv_quant.granularity_of(kv_cache)
         k, v = kv_quant.quantize(k, scales[0], fmt, g), kv_quant.quantize(v, scales[1], fmt, g)
-    flat[0, slot_mapping] = k.to(flat.dtype)  # same dtype: k itself
-    flat[1, slot_mapping] = v.to(flat.dtype)
+    if k.dtype != flat.dtype:
+        k, v = k.to(flat.dtype), v.to(flat.dtype)
+    flat[0, slot_mapping] = k
+    flat[1, slot_mapping] = v
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -151,105 +155,20 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     """Write k/v of the new tokens into the cache, then attend over each sequence's context.
 
     q [T, Hq, D], k/v [T, Hkv, D], kv_cache [2, NB, BS, Hkv, D] -> out [T, Hq, D].
-    Decode sequences (one new token) run as one padded batch; prefill chunks one by one.
+    Decode sequences (one new token) run batched (``decode_attention``: one SDPA call per group
+    of similar length); prefill chunks one by one.
     """
     store_kv_torch(k, v, kv_cache, meta.slot_mapping)
     if meta.max_query_len == 1:  # pure decode: every row is a sequence's one new token
-        return _decode_batch(q, kv_cache, meta, scale)
+        return decode_attention(q, kv_cache, meta, scale)
     out = torch.empty_like(q)
     qlens, starts = meta.query_lens_list, meta.query_starts_list
     if meta.decode_seqs_list:
-        out[meta.decode_rows] = _decode_batch(q[meta.decode_rows], kv_cache, meta, scale)
+        out[meta.decode_rows] = decode_attention(q[meta.decode_rows], kv_cache, meta, scale)
     for i, n in enumerate(qlens):
         if n > 1:
             _prefill_one(q, kv_cache, meta, i, starts[i], n, scale, out)
     return out
-
-
-class _GatherScratch:
-    """Reused buffers for gathered K/V blocks. A fresh multi-MB tensor per layer and step costs
-    more in first-touch page faults than the copy itself (3-8x on this VM), so the gather writes
-    into buffers that only grow. Owned by this module, one set per thread; one pair per (dtype,
-    device, block shape)."""
-
-    def __init__(self):
-        self.local = threading.local()
-
-    def take(self, like: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        bufs = self.local.__dict__.setdefault("bufs", {})
-        key = (like.dtype, like.device, tuple(like.shape[1:]))
-        kv = bufs.get(key)
-        if kv is None or kv[0].shape[0] < n:
-            with torch.inference_mode(False):  # usable both inside and outside inference mode
-                kv = tuple(torch.empty((max(n, 16), *like.shape[1:]), dtype=like.dtype,
-                                       device=like.device) for _ in range(2))
-            bufs[key] = kv
-        return kv[0][:n], kv[1][:n]
-
-
-_SCRATCH = _GatherScratch()
-
-
-def _gather_context(kv_cache: torch.Tensor, blocks: torch.Tensor, length: int,
-                    dtype: torch.dtype = None):
-    """blocks [..., nb] -> keys, values [..., nb*BS, Hkv, D] cut to ``length`` (views into
-    scratch buffers, valid until the next gather). A quantised cache: the gathered blocks
-    dequantised to ``dtype`` (new tensors)."""
-    flat = blocks.reshape(-1)  # index_select: several times faster than advanced indexing on CPU
-    kc, vc = _SCRATCH.take(kv_cache[0], flat.numel())  # [prod(...) * nb, BS, Hkv, D]
-    torch.index_select(kv_cache[0], 0, flat, out=kc)
-    torch.index_select(kv_cache[1], 0, flat, out=vc)
-    shape = (*blocks.shape[:-1], -1, *kc.shape[-2:])
-    kc, vc = kc.reshape(shape)[..., :length, :, :], vc.reshape(shape)[..., :length, :, :]
-    fmt = kv_quant.format_of(kv_cache)
-    if fmt != "auto":
-        scales, g = kv_quant.scales_of(kv_cache), kv_quant.granularity_of(kv_cache)
-        kc = kv_quant.dequantize(kc, scales[0], fmt, dtype, g)
-        vc = kv_quant.dequantize(vc, scales[1], fmt, dtype, g)
-    elif dtype is not None and kc.dtype != dtype:  # a cache kept in another float dtype
-        kc, vc = kc.to(dtype), vc.to(dtype)
-    return kc, vc
-
-
-@dataclass(frozen=True)
-class _DecodePlan:
-    """What every layer's decode batch shares within a step (``AttentionMetadata.step_cache``).
-
-    blocks [S_d, nb] block ids, padded to the longest context ``length``;
-    mask   [S_d, 1, 1, length] additive (0 / -inf) in the query dtype, None when no row pads."""
-
-    length: int
-    blocks: torch.Tensor
-    mask: Optional[torch.Tensor]
-
-
-def _decode_plan(meta: AttentionMetadata, dtype: torch.dtype, device) -> _DecodePlan:
-    key = ("decode", dtype)
-    plan = meta.step_cache.get(key)
-    if plan is None:
-        lens = [meta.seq_lens_list[i] for i in meta.decode_seqs_list]
-        L = max(lens)
-        idx = meta.decode_seqs  # [S_d]
-        blocks = meta.block_tables[idx, : math.ceil(L / meta.block_size)]  # [S_d, nb]
-        mask = None
-        if min(lens) < L:
-            keep = torch.arange(L, device=device)[None, :] < meta.seq_lens[idx][:, None]
-            mask = torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill_(
-                ~keep, float("-inf"))[:, None, None, :]  # [S_d, 1, 1, L]
-        plan = meta.step_cache[key] = _DecodePlan(L, blocks, mask)
-    return plan
-
-
-def _decode_batch(qd, kv_cache, meta, scale):
-    """The S_d sequences with one query each (qd [S_d, Hq, D], in decode_seqs order), padded to
-    the longest context -> [S_d, Hq, D]."""
-    plan = _decode_plan(meta, qd.dtype, qd.device)
-    keys, vals = _gather_context(kv_cache, plan.blocks, plan.length, qd.dtype)  # [S_d, L, Hkv, D]
-    # enable_gqa: query head h reads kv head h // group, without materialising repeated K/V
-    o = F.scaled_dot_product_attention(qd[:, :, None, :], keys.transpose(1, 2), vals.transpose(1, 2),
-                                       attn_mask=plan.mask, scale=scale,
-                                       enable_gqa=True)  # [S_d, Hq, 1, D]
-    return o[:, :, 0, :]
 
 
 def _prefill_one(q, kv_cache, meta, i, start, n, scale, out):
@@ -257,7 +176,7 @@ def _prefill_one(q, kv_cache, meta, i, start, n, scale, out):
     L = meta.seq_lens_list[i]
     ctx = L - n
     blocks = meta.block_tables[i, : math.ceil(L / meta.block_size)]
-    keys, vals = _gather_context(kv_cache, blocks, L, q.dtype)  # [L, Hkv, D]
+    keys, vals = gather_context(kv_cache, blocks, L, q.dtype)  # [L, Hkv, D]
     qpos = torch.arange(ctx, L, device=q.device)[:, None]
     mask = torch.arange(L, device=q.device)[None, :] <= qpos  # [n, L]
     o = F.scaled_dot_product_attention(q[start:start + n].transpose(0, 1), keys.transpose(0, 1),

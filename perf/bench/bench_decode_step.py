@@ -2,7 +2,7 @@
 then the engine-vs-HF job race (perf/bench/bench_offline.py) with prefix caching off.
 
     python perf/bench/bench_decode_step.py [--batches 1 8 32 64 --threads 1 2 --context 100
-                                      --repeats 15 --no-jobs]
+                                      --repeats 15 --no-jobs --no-contention]
 
 Model: the 54.5M Mixtral-shaped checkpoint of issue 38 (vocab 1024, hidden 512, inter 1024,
 4 layers, 8/4 heads, 8 experts top-2; random weights, saved by bench_offline.build_checkpoint),
@@ -17,11 +17,15 @@ fp32. A step: B sequences with ``--context`` cached tokens each and one new toke
 * HF:     ``MixtralForCausalLM`` forward of one token per sequence over a ``DynamicCache`` of
   the same context (cropped back after each step).
 * floor:  max(bytes / read bandwidth, FLOPs / matmul rate), both measured in this run by
-  bench_offline's probes: bytes = every weight the step reads (the experts the batch can hit:
+  bench_offline's probes, three times before and once after each thread count's steps, the
+  best of them used; "trusted" when the slowest probe is within 15% of the best and the load
+  average left this process its cores (``floor_trust``): bytes = every weight the step reads (the experts the batch can hit:
   min(E, B * top_k) per layer; all but the embedding) + the KV cache; FLOPs = 2 x active
   parameters per token + attention.
 
-Rounds alternate after, before, HF; medians over ``--repeats`` rounds. Jobs (``--no-jobs`` skips
+Rounds alternate after, before, HF; medians over ``--repeats`` rounds. Contention
+(``--no-contention`` skips it): the step at B = 1 and 8 at each thread count, alone and beside
+one busy-looping process. Jobs (``--no-jobs`` skips
 them): bench_offline's race at each thread count, equal lengths (B=32, 64 in / 64 out) and
 mixed lengths (64 requests, prompts 16-192, outputs 16-128), prefix caching off. Writes
 ``perf/results/bench_decode_step.json`` with the machine and the load average.
@@ -115,12 +119,31 @@ def time_once(fn) -> float:
     return time.perf_counter() - t
 
 
+def probe_machine(n: int = 3) -> list[tuple[float, float]]:
+    """n x (matmul FLOP/s, read bytes/s) on this process's threads (bench_offline's probes)."""
+    return [(bench_offline.matmul_roofline() * 1e9, bench_offline.read_bandwidth())
+            for _ in range(n)]
+
+
+def floor_trust(probes: list[tuple[float, float]], threads: int) -> dict:
+    """The floor uses the best rate the probes saw (what the machine can do when this process
+    has its cores: the lowest, most demanding floor); it is trusted when the slowest probe is
+    within 15% of the best, before and after the steps, and the load average left the cores
+    free (other jobs on the cores make every probe slow and the floor too lenient)."""
+    rates, bws = [p[0] for p in probes], [p[1] for p in probes]
+    spread = min(min(rates) / max(rates), min(bws) / max(bws))
+    load = os.getloadavg()[0]
+    free = load <= (os.cpu_count() or 1) - threads + 0.5
+    return dict(rate=max(rates), bw=max(bws), probe_spread=spread, load_average=load,
+                trusted=spread >= 0.85 and free, probes=probes)
+
+
 def bench_steps(a, shape, model, hf, n_params: int) -> list[dict]:
     from megainfer.kernels import cpu_gemm
     rows = []
     for t in a.threads:
         torch.set_num_threads(t)
-        rate, bw = bench_offline.matmul_roofline() * 1e9, bench_offline.read_bandwidth()
+        probes, block = probe_machine(), []
         for B in a.batches:
             ours, theirs = OursStep(model, B, a.context), HFStep(hf, B, a.context)
             for _ in range(3):  # warm-up: first-touch packs and scratch buffers
@@ -135,15 +158,52 @@ def bench_steps(a, shape, model, hf, n_params: int) -> list[dict]:
                     s["before"].append(time_once(ours))
                 s["hf"].append(time_once(theirs))
             med = {k: statistics.median(v) for k, v in s.items()}
-            floor = step_floor(shape, B, a.context, n_params, bw, rate)
-            rows.append(dict(threads=t, batch=B, context=a.context, floor=floor,
-                             read_Bps=bw, matmul_flops=rate, median_s=med, samples_s=s,
-                             load_average=os.getloadavg()))
-            r = rows[-1]
+            block.append(dict(threads=t, batch=B, context=a.context, median_s=med, samples_s=s,
+                              load_average=os.getloadavg()))
+        trust = floor_trust(probes + probe_machine(), t)  # probed before and after the steps
+        for r in block:
+            B, med = r["batch"], r["median_s"]
+            floor = step_floor(shape, B, a.context, n_params, trust["bw"], trust["rate"])
+            r.update(floor=floor, read_Bps=trust["bw"], matmul_flops=trust["rate"],
+                     floor_trust=trust)
+            rows.append(r)
             print(f"{t:>3} {B:>4} {floor['seconds'] * 1e3:8.2f} {med['after'] * 1e3:8.2f} "
                   f"{med['before'] * 1e3:8.2f} {med['hf'] * 1e3:8.2f} "
                   f"{med['after'] / floor['seconds']:8.2f}x {med['before'] / floor['seconds']:7.2f}x "
-                  f"{med['hf'] / med['after']:7.2f}x {r['load_average'][0]:5.1f}", flush=True)
+                  f"{med['hf'] / med['after']:7.2f}x {r['load_average'][0]:5.1f} "
+                  f"{'yes' if trust['trusted'] else 'no':>5}", flush=True)
+        print(f"    {t} thread(s): {trust['rate'] / 1e9:.0f} GFLOP/s, {trust['bw'] / 1e9:.1f} GB/s, "
+              f"slowest probe {100 * trust['probe_spread']:.0f}% of the best", flush=True)
+    return rows
+
+
+def bench_contention(a, model) -> list[dict]:
+    """The step at each thread count alone and beside one busy-looping process (what another
+    job on a 2-core machine is): with as many threads as cores, each parallel region waits for
+    the thread the scheduler took away, so 2 threads lose more than 1 does."""
+    import subprocess
+    rows = []
+    for busy in (0, 1):
+        spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                    for _ in range(busy)]
+        try:
+            time.sleep(0.5 if busy else 0)
+            for t in a.threads:
+                torch.set_num_threads(t)
+                for B in (1, 8):
+                    ours = OursStep(model, B, a.context)
+                    for _ in range(3):
+                        ours()
+                    ts = [time_once(ours) for _ in range(a.repeats)]
+                    rows.append(dict(threads=t, batch=B, busy_processes=busy,
+                                     median_s=statistics.median(ts), samples_s=ts,
+                                     load_average=os.getloadavg()))
+                    print(f"{t:>3} {B:>4} {busy:>5} {rows[-1]['median_s'] * 1e3:8.2f} "
+                          f"{rows[-1]['load_average'][0]:5.1f}", flush=True)
+        finally:
+            for p in spinners:
+                p.kill()
+                p.wait()
     return rows
 
 
@@ -197,6 +257,7 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--job-repeats", type=int, default=3)
     ap.add_argument("--no-jobs", dest="jobs", action="store_false")
+    ap.add_argument("--no-contention", dest="contention", action="store_false")
     ap.add_argument("--out", default=os.path.join(RESULTS, "bench_decode_step.json"))
     a = ap.parse_args(argv)
     shape = SimpleNamespace(**SHAPE)
@@ -213,13 +274,18 @@ def main(argv=None):
         print(f"decode step, {n_params / 1e6:.1f}M params, context {a.context}, "
               f"load average {load0[0]:.1f}")
         print(f"{'thr':>3} {'B':>4} {'floor ms':>8} {'after':>8} {'before':>8} {'HF':>8} "
-              f"{'after/fl':>9} {'bef/fl':>8} {'HF/aft':>8} {'load':>5}")
+              f"{'after/fl':>9} {'bef/fl':>8} {'HF/aft':>8} {'load':>5} {'trust':>5}")
         result = dict(name="bench_decode_step", args=vars(a), shape=SHAPE, params=n_params,
                       steps=[], jobs=[], complete=False,
                       baseline="before: cpu_gemm.OLD_RULES in the same rounds; HF: transformers "
                                "forward / generate")
         result["steps"] = bench_steps(a, shape, model, hf, n_params)
         save(a, result, load0)  # written after each part: a run cut short keeps what it measured
+        if a.contention:
+            print(f"\nthe step beside busy processes\n{'thr':>3} {'B':>4} {'busy':>5} "
+                  f"{'ms':>8} {'load':>5}")
+            result["contention"] = bench_contention(a, model)
+            save(a, result, load0)
         if a.jobs:
             a.vocab = shape.vocab
             print(f"\njobs, prefix caching off\n{'thr':>3} {'job':<6} {'HF s':>8} {'ours s':>8} "
