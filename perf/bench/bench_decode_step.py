@@ -51,6 +51,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "harness"))
 import bench_offline  # noqa: E402
 from megainfer.bench.results_io import write_json  # noqa: E402
 from perf_paths import RESULTS  # noqa: E402
+from tune_cpu_gemm import cores_were_free  # noqa: E402
 
 SHAPE = dict(vocab=1024, hidden=512, layers=4, heads=8, kv_heads=4, experts=8, top_k=2,
              inter=1024)
@@ -125,17 +126,18 @@ def probe_machine(n: int = 3) -> list[tuple[float, float]]:
             for _ in range(n)]
 
 
-def floor_trust(probes: list[tuple[float, float]], threads: int) -> dict:
+def floor_trust(probes: list[tuple[float, float]], threads: int, load_at_start: float) -> dict:
     """The floor uses the best rate the probes saw (what the machine can do when this process
     has its cores: the lowest, most demanding floor); it is trusted when the slowest probe is
     within 15% of the best, before and after the steps, and the load average left the cores
-    free (other jobs on the cores make every probe slow and the floor too lenient)."""
+    free (``tune_cpu_gemm.cores_were_free``: other jobs on the cores make every probe slow and
+    the floor too lenient)."""
     rates, bws = [p[0] for p in probes], [p[1] for p in probes]
     spread = min(min(rates) / max(rates), min(bws) / max(bws))
-    load = os.getloadavg()[0]
-    free = load <= (os.cpu_count() or 1) - threads + 0.5
-    return dict(rate=max(rates), bw=max(bws), probe_spread=spread, load_average=load,
-                trusted=spread >= 0.85 and free, probes=probes)
+    return dict(rate=max(rates), bw=max(bws), probe_spread=spread,
+                load_average=[load_at_start, os.getloadavg()[0]],
+                trusted=spread >= 0.85 and cores_were_free(threads, load_at_start),
+                probes=probes)
 
 
 def bench_steps(a, shape, model, hf, n_params: int) -> list[dict]:
@@ -143,7 +145,7 @@ def bench_steps(a, shape, model, hf, n_params: int) -> list[dict]:
     rows = []
     for t in a.threads:
         torch.set_num_threads(t)
-        probes, block = probe_machine(), []
+        load_at_start, probes, block = os.getloadavg()[0], probe_machine(), []
         for B in a.batches:
             ours, theirs = OursStep(model, B, a.context), HFStep(hf, B, a.context)
             for _ in range(3):  # warm-up: first-touch packs and scratch buffers
@@ -160,7 +162,7 @@ def bench_steps(a, shape, model, hf, n_params: int) -> list[dict]:
             med = {k: statistics.median(v) for k, v in s.items()}
             block.append(dict(threads=t, batch=B, context=a.context, median_s=med, samples_s=s,
                               load_average=os.getloadavg()))
-        trust = floor_trust(probes + probe_machine(), t)  # probed before and after the steps
+        trust = floor_trust(probes + probe_machine(), t, load_at_start)  # before and after
         for r in block:
             B, med = r["batch"], r["median_s"]
             floor = step_floor(shape, B, a.context, n_params, trust["bw"], trust["rate"])

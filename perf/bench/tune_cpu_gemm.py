@@ -13,7 +13,9 @@ machine other processes only ever add time. At 1 thread the clock is this thread
 thread that waits descheduled), so those rules are only as good as the quietest sample. The
 rule keeps, among the methods within ``--margin`` of the fastest, the first in the order
 onednn, mm, skinny; a cell at more threads whose fastest sample is 1.5x slower than at fewer
-threads was disturbed and keeps the fewer-thread choice. Prints a table and writes
+threads was disturbed and keeps the fewer-thread choice; a thread count > 1 timed while the
+load average left it fewer free cores than threads gets no rule at all (``cores_were_free``:
+``cpu_gemm.method_for`` then uses the fewer-thread rule). Prints a table and writes
 ``perf/results/tune_cpu_gemm.json`` (the samples, the machine, the load average).
 """
 from __future__ import annotations
@@ -86,6 +88,15 @@ def choices(times: dict, margin: float, fewer: dict = None) -> dict:
     return out
 
 
+def cores_were_free(threads: int, load_at_start: float) -> bool:
+    """Wall-clock samples at ``threads`` threads mean something only when other processes left
+    that many cores: the 1-minute load average, before and after the cell, at most
+    cpu_count - threads + 0.5 (the 2-thread rules of 2026-12-01, timed at load 15, chose MKL and
+    the weight-major form where oneDNN was faster on a quieter machine)."""
+    free = (os.cpu_count() or 1) - threads + 0.5
+    return load_at_start <= free and os.getloadavg()[0] <= free
+
+
 def rule_from(chosen: dict) -> list:
     """{rows: (method, s)} -> [[max_rows, method], ..., [None, method]] (runs merged)."""
     best = [(rows, chosen[rows][0]) for rows in sorted(chosen)]
@@ -109,7 +120,7 @@ def main(argv=None):
     ap.add_argument("--no-write", dest="write", action="store_false")
     ap.add_argument("--out", default=os.path.join(RESULTS, "tune_cpu_gemm.json"))
     a = ap.parse_args(argv)
-    samples, rules = {}, {k: {} for k in cpu_gemm.KINDS}
+    samples, rules, skipped = {}, {k: {} for k in cpu_gemm.KINDS}, []
     load0 = os.getloadavg()
     for kind in cpu_gemm.KINDS:
         ws = weights(kind, a.hidden, a.inter, a.experts, a.vocab)
@@ -117,6 +128,7 @@ def main(argv=None):
         fewer = None
         for t in sorted(a.threads):
             torch.set_num_threads(t)
+            load_at_start = os.getloadavg()[0]
             times = {}
             for rows in ROWS:
                 times[rows] = {m: time_method(ws, rows, m, kind, a.repeats)
@@ -126,8 +138,14 @@ def main(argv=None):
                     f"{m} {r[m] * 1e3:7.2f} ms ({nbytes / r[m] / 1e9:5.1f} GB/s)"
                     for m in cpu_gemm.METHODS), flush=True)
             fewer = choices(times, a.margin, fewer)
-            rules[kind][str(t)] = rule_from(fewer)
             samples[f"{kind},{t}"] = {str(r): v for r, v in times.items()}
+            if t == 1 or cores_were_free(t, load_at_start):
+                rules[kind][str(t)] = rule_from(fewer)
+            else:  # no rule from wall clocks of shared cores: t threads use the fewer-thread one
+                skipped.append(dict(kind=kind, threads=t, load_average=os.getloadavg()[0]))
+                print(f"{kind} {t} threads: not written, the load average "
+                      f"{os.getloadavg()[0]:.1f} left fewer than {t} of {os.cpu_count()} "
+                      "cores free", flush=True)
     load = [load0, os.getloadavg()]
     print("rules:", json.dumps(rules))
     print(f"load average at start / end: {load[0][0]:.1f} / {load[1][0]:.1f}")
@@ -135,7 +153,8 @@ def main(argv=None):
                    cpu_count=os.cpu_count(), torch=torch.__version__, load_average=load)
     write_json(a.out, dict(name="tune_cpu_gemm",
                            date=datetime.datetime.now().isoformat(timespec="seconds"),
-                           machine=machine, args=vars(a), seconds=samples, rules=rules), indent=2)
+                           machine=machine, args=vars(a), seconds=samples, rules=rules,
+                           not_written=skipped), indent=2)
     if a.write:
         table = dict(source="perf/bench/tune_cpu_gemm.py", date=datetime.date.today().isoformat(),
                      machine=machine, rules=rules)

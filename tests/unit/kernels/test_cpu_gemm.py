@@ -98,3 +98,33 @@ def test_measured_table_is_valid():
 def test_bad_rules_name_the_entry(rules, culprit):
     with pytest.raises(cpu_gemm.CpuGemmRuleError, match=culprit):
         cpu_gemm.check_rules(rules)
+
+
+def test_tuner_writes_no_multithread_rule_from_busy_cores(tmp_path, monkeypatch):
+    """perf/bench/tune_cpu_gemm.py: a thread count > 1 timed while the load average left fewer
+    free cores than threads gets no rule (method_for falls back to the 1-thread one)."""
+    import json
+    import os
+
+    from repo_paths import PERF
+    monkeypatch.syspath_prepend(os.path.join(PERF, "bench"))
+    monkeypatch.syspath_prepend(os.path.join(PERF, "harness"))
+    import tune_cpu_gemm
+    out = tmp_path / "tune.json"
+    args = ["--threads", "1", "2", "--repeats", "1", "--hidden", "32", "--inter", "32",
+            "--experts", "2", "--vocab", "64", "--no-write", "--out", str(out)]
+    threads = torch.get_num_threads()
+    try:
+        monkeypatch.setattr(tune_cpu_gemm.os, "getloadavg", lambda: (9.0, 9.0, 9.0))
+        monkeypatch.setattr(tune_cpu_gemm.os, "cpu_count", lambda: 2)
+        tune_cpu_gemm.main(args)
+        busy = json.loads(out.read_text())
+        monkeypatch.setattr(tune_cpu_gemm.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+        tune_cpu_gemm.main(args)
+        quiet = json.loads(out.read_text())
+    finally:
+        torch.set_num_threads(threads)
+    assert all(sorted(busy["rules"][k]) == ["1"] for k in cpu_gemm.KINDS)
+    assert sorted((r["kind"], r["threads"]) for r in busy["not_written"]) == \
+        [("dense", 2), ("expert", 2)]
+    assert all(sorted(quiet["rules"][k]) == ["1", "2"] for k in cpu_gemm.KINDS)
