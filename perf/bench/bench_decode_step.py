@@ -23,7 +23,9 @@ fp32. A step: B sequences with ``--context`` cached tokens each and one new toke
   min(E, B * top_k) per layer; all but the embedding) + the KV cache; FLOPs = 2 x active
   parameters per token + attention.
 
-Rounds alternate after, before, HF; medians over ``--repeats`` rounds. Contention
+Rounds alternate after, before, HF; medians over ``--repeats`` rounds. Mixed contexts: a
+step at B = 32 and 64 over contexts of 16-320 tokens, length-grouped decode attention against
+one batch padded to the longest (``decode_attention.MAX_GROUPS = 1``), alternating. Contention
 (``--no-contention`` skips it): the step at B = 1 and 8 at each thread count, alone and beside
 one busy-looping process. Jobs (``--no-jobs`` skips
 them): bench_offline's race at each thread count, equal lengths (B=32, 64 in / 64 out) and
@@ -94,6 +96,61 @@ class OursStep:
             [1] * B, [self.ctx] * B, self.tables, self.block,
             extras=[self.ids, torch.full((B,), self.ctx, dtype=torch.long)])
         return self.model.compute_logits(self.model(ids, pos, meta, self.caches))
+
+
+class MixedStep(OursStep):
+    """B decode rows whose contexts are drawn from [lo, hi] (seeded), block 16."""
+
+    def __init__(self, model, B: int, lo: int, hi: int, block: int = 16):
+        from megainfer.models.attention import allocate_kv_cache
+        cfg = model.config
+        g = torch.Generator().manual_seed(B)
+        self.ctxs = torch.randint(lo, hi + 1, (B,), generator=g).tolist()
+        nbs = [math.ceil((c + 1) / block) for c in self.ctxs]
+        self.model, self.B, self.block = model, B, block
+        self.caches = allocate_kv_cache(cfg.num_layers, sum(nbs) + 1, block, cfg.num_kv_heads,
+                                        cfg.head_dim)
+        for c in self.caches:
+            c.normal_()
+        at, self.tables = 1, []
+        for n in nbs:
+            self.tables.append(list(range(at, at + n)))
+            at += n
+        self.ids = torch.randint(3, cfg.vocab_size, (B,), generator=g)
+
+    @torch.inference_mode()
+    def __call__(self):
+        from megainfer.models.attention import AttentionMetadata
+        meta, (ids, pos) = AttentionMetadata.build_with(
+            [1] * self.B, self.ctxs, self.tables, self.block,
+            extras=[self.ids, torch.tensor(self.ctxs, dtype=torch.long)])
+        return self.model.compute_logits(self.model(ids, pos, meta, self.caches))
+
+
+def bench_mixed_steps(a, model) -> list[dict]:
+    """A decode step over mixed contexts (16 to 320 tokens, what the mixed job's steps hold):
+    length groups (``decode_attention``, as shipped) against one batch padded to the longest
+    context (``MAX_GROUPS = 1``, the attention before), alternating rounds, same caches."""
+    from megainfer.models import decode_attention
+    rows, shipped = [], decode_attention.MAX_GROUPS
+    for t in a.threads:
+        torch.set_num_threads(t)
+        for B in (32, 64):
+            step, s = MixedStep(model, B, 16, 320), dict(grouped=[], padded=[])
+            try:
+                for _ in range(a.repeats + 3):
+                    for name, groups in (("grouped", shipped), ("padded", 1)):
+                        decode_attention.MAX_GROUPS = groups
+                        s[name].append(time_once(step))
+            finally:
+                decode_attention.MAX_GROUPS = shipped
+            med = {k: statistics.median(v[3:]) for k, v in s.items()}  # 3 warm-up rounds
+            rows.append(dict(threads=t, batch=B, contexts=[16, 320], median_s=med,
+                             samples_s=s, load_average=os.getloadavg()))
+            print(f"{t:>3} {B:>4} {med['grouped'] * 1e3:8.2f} {med['padded'] * 1e3:8.2f} "
+                  f"{med['padded'] / med['grouped']:7.2f}x {rows[-1]['load_average'][0]:5.1f}",
+                  flush=True)
+    return rows
 
 
 class HFStep:
@@ -283,6 +340,10 @@ def main(argv=None):
                                "forward / generate")
         result["steps"] = bench_steps(a, shape, model, hf, n_params)
         save(a, result, load0)  # written after each part: a run cut short keeps what it measured
+        print(f"\nmixed contexts 16-320: length groups vs one padded batch\n{'thr':>3} "
+              f"{'B':>4} {'grouped':>8} {'padded':>8} {'gain':>8} {'load':>5}")
+        result["mixed_steps"] = bench_mixed_steps(a, model)
+        save(a, result, load0)
         if a.contention:
             print(f"\nthe step beside busy processes\n{'thr':>3} {'B':>4} {'busy':>5} "
                   f"{'ms':>8} {'load':>5}")
