@@ -2,10 +2,12 @@
 
 No loop over tokens: one stable sort, one gather, two matmuls per local expert that has
 slots (``cpu_gemm.linear``: the GEMM measured fastest for that many rows at this thread count,
-over weights reordered once) with the activation ``silu(gate) * up`` applied once over every
-expert's rows between them, one scatter back into a per-slot buffer, then one sum over each
-token's k slots (deterministic, independent of the expert grouping). Per layer that is two
-GEMMs per expert with slots plus a fixed ~15 ops (``tests/unit/models/test_decode_step_ops.py``).
+over weights reordered once) with ``silu(gate) * up`` between them as two ops writing a fresh
+contiguous tensor (the down GEMM's input, no copy), one scatter back into a per-slot buffer,
+then one sum over each token's k slots (deterministic, independent of the expert grouping).
+Per layer: 4 ops per expert with slots plus a fixed ~15 (``tests/unit/models/
+test_decode_step_ops.py``). One activation over all experts' rows (a ``cat`` of the gate/up
+outputs first) dispatches fewer ops but was slower at B = 64: a fresh MB-sized buffer per layer.
 """
 from __future__ import annotations
 
@@ -45,13 +47,11 @@ def fused_moe_torch(hidden: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     slots = order[:n_here]  # [n_here] slots of the experts on this rank
     x = hidden.index_select(0, slots // k)  # [n_here, K] gathered token rows
     here = [(e, n) for e, n in enumerate(counts[:E_l]) if n]  # experts with slots, in order
-    sizes = [n for _, n in here]
-    gs = [cpu_gemm.linear(xe, w1, index=e, kind="expert")  # [n, 2N] each
-          for (e, _), xe in zip(here, x.split(sizes))]
-    g = gs[0] if len(gs) == 1 else torch.cat(gs)  # [n_here, 2N]
-    act = F.silu(g[:, :N]).mul_(g[:, N:])  # [n_here, N], contiguous: one op pair for all experts
-    ys = [cpu_gemm.linear(ae, w2, index=e, kind="expert")  # [n, K] each
-          for (e, _), ae in zip(here, act.split(sizes))]
+    ys = []
+    for (e, _), xe in zip(here, x.split([n for _, n in here])):  # xe [n, K]: views, one split
+        g = cpu_gemm.linear(xe, w1, index=e, kind="expert")  # [n, 2N]
+        act = F.silu(g[:, :N]).mul_(g[:, N:])  # [n, N]: a fresh contiguous tensor, no copy
+        ys.append(cpu_gemm.linear(act, w2, index=e, kind="expert"))  # [n, K]
     y = _fp32(ys[0] if len(ys) == 1 else torch.cat(ys))  # [n_here, K]
     w = _fp32(topk_weights).reshape(-1).index_select(0, slots)  # [n_here]
     alloc = torch.empty if n_here == M * k else torch.zeros  # absent slots must read 0
