@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import math
 import os
 import platform
 import statistics
@@ -53,128 +52,11 @@ sys.path.insert(0, os.path.join(HERE, "..", "harness"))
 import bench_offline  # noqa: E402
 from megainfer.bench.results_io import write_json  # noqa: E402
 from perf_paths import RESULTS  # noqa: E402
+from decode_steps import HFStep, MixedStep, OursStep, step_floor, time_once  # noqa: E402
 from tune_cpu_gemm import cores_were_free  # noqa: E402
 
 SHAPE = dict(vocab=1024, hidden=512, layers=4, heads=8, kv_heads=4, experts=8, top_k=2,
              inter=1024)
-
-
-def step_floor(a, B: int, ctx: int, n_params: int, bw: float, rate: float) -> dict:
-    """``a``: the model shape (SHAPE's fields) -> the step's bytes, FLOPs and floor seconds."""
-    D = a.hidden // a.heads
-    per_expert = 3 * a.hidden * a.inter
-    experts_read = min(a.experts, B * a.top_k)
-    weights = n_params - a.vocab * a.hidden - a.layers * (a.experts - experts_read) * per_expert
-    kv = 4 * 2 * a.layers * a.kv_heads * D * B * (ctx + 1)
-    nbytes = 4 * weights + kv
-    flops = B * bench_offline.active_flops_per_token(a, ctx + 1)
-    return dict(bytes=nbytes, flops=flops, read_s=nbytes / bw, flops_s=flops / rate,
-                seconds=max(nbytes / bw, flops / rate))
-
-
-class OursStep:
-    """B decode rows over a paged cache of ``ctx`` tokens each (block 16)."""
-
-    def __init__(self, model, B: int, ctx: int, block: int = 16):
-        from megainfer.models.attention import allocate_kv_cache
-        cfg = model.config
-        nb = math.ceil((ctx + 1) / block)
-        self.model, self.B, self.ctx, self.block = model, B, ctx, block
-        self.caches = allocate_kv_cache(cfg.num_layers, B * nb + 1, block, cfg.num_kv_heads,
-                                        cfg.head_dim)
-        for c in self.caches:
-            c.normal_()
-        self.tables = [[1 + s * nb + j for j in range(nb)] for s in range(B)]
-        g = torch.Generator().manual_seed(B)
-        self.ids = torch.randint(3, cfg.vocab_size, (B,), generator=g)
-
-    @torch.inference_mode()
-    def __call__(self):
-        from megainfer.models.attention import AttentionMetadata
-        B = self.B
-        meta, (ids, pos) = AttentionMetadata.build_with(
-            [1] * B, [self.ctx] * B, self.tables, self.block,
-            extras=[self.ids, torch.full((B,), self.ctx, dtype=torch.long)])
-        return self.model.compute_logits(self.model(ids, pos, meta, self.caches))
-
-
-class MixedStep(OursStep):
-    """B decode rows whose contexts are drawn from [lo, hi] (seeded), block 16."""
-
-    def __init__(self, model, B: int, lo: int, hi: int, block: int = 16):
-        from megainfer.models.attention import allocate_kv_cache
-        cfg = model.config
-        g = torch.Generator().manual_seed(B)
-        self.ctxs = torch.randint(lo, hi + 1, (B,), generator=g).tolist()
-        nbs = [math.ceil((c + 1) / block) for c in self.ctxs]
-        self.model, self.B, self.block = model, B, block
-        self.caches = allocate_kv_cache(cfg.num_layers, sum(nbs) + 1, block, cfg.num_kv_heads,
-                                        cfg.head_dim)
-        for c in self.caches:
-            c.normal_()
-        at, self.tables = 1, []
-        for n in nbs:
-            self.tables.append(list(range(at, at + n)))
-            at += n
-        self.ids = torch.randint(3, cfg.vocab_size, (B,), generator=g)
-
-    @torch.inference_mode()
-    def __call__(self):
-        from megainfer.models.attention import AttentionMetadata
-        meta, (ids, pos) = AttentionMetadata.build_with(
-            [1] * self.B, self.ctxs, self.tables, self.block,
-            extras=[self.ids, torch.tensor(self.ctxs, dtype=torch.long)])
-        return self.model.compute_logits(self.model(ids, pos, meta, self.caches))
-
-
-def bench_mixed_steps(a, model) -> list[dict]:
-    """A decode step over mixed contexts (16 to 320 tokens, what the mixed job's steps hold):
-    length groups (``decode_attention``, as shipped) against one batch padded to the longest
-    context (``MAX_GROUPS = 1``, the attention before), alternating rounds, same caches."""
-    from megainfer.models import decode_attention
-    rows, shipped = [], decode_attention.MAX_GROUPS
-    for t in a.threads:
-        torch.set_num_threads(t)
-        for B in (32, 64):
-            step, s = MixedStep(model, B, 16, 320), dict(grouped=[], padded=[])
-            try:
-                for _ in range(a.repeats + 3):
-                    for name, groups in (("grouped", shipped), ("padded", 1)):
-                        decode_attention.MAX_GROUPS = groups
-                        s[name].append(time_once(step))
-            finally:
-                decode_attention.MAX_GROUPS = shipped
-            med = {k: statistics.median(v[3:]) for k, v in s.items()}  # 3 warm-up rounds
-            rows.append(dict(threads=t, batch=B, contexts=[16, 320], median_s=med,
-                             samples_s=s, load_average=os.getloadavg()))
-            print(f"{t:>3} {B:>4} {med['grouped'] * 1e3:8.2f} {med['padded'] * 1e3:8.2f} "
-                  f"{med['padded'] / med['grouped']:7.2f}x {rows[-1]['load_average'][0]:5.1f}",
-                  flush=True)
-    return rows
-
-
-class HFStep:
-    def __init__(self, hf, B: int, ctx: int):
-        from transformers import DynamicCache
-        g = torch.Generator().manual_seed(B)
-        prompt = torch.randint(3, hf.config.vocab_size, (B, ctx), generator=g)
-        self.cache = DynamicCache()
-        with torch.inference_mode():
-            hf(prompt, past_key_values=self.cache, use_cache=True)
-        self.hf, self.ctx = hf, ctx
-        self.ids = torch.randint(3, hf.config.vocab_size, (B, 1), generator=g)
-
-    @torch.inference_mode()
-    def __call__(self):
-        out = self.hf(self.ids, past_key_values=self.cache, use_cache=True)
-        self.cache.crop(-1)  # back to ctx tokens
-        return out.logits
-
-
-def time_once(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
 
 
 def probe_machine(n: int = 3) -> list[tuple[float, float]]:
@@ -233,6 +115,32 @@ def bench_steps(a, shape, model, hf, n_params: int) -> list[dict]:
                   f"{'yes' if trust['trusted'] else 'no':>5}", flush=True)
         print(f"    {t} thread(s): {trust['rate'] / 1e9:.0f} GFLOP/s, {trust['bw'] / 1e9:.1f} GB/s, "
               f"slowest probe {100 * trust['probe_spread']:.0f}% of the best", flush=True)
+    return rows
+
+
+def bench_mixed_steps(a, model) -> list[dict]:
+    """A decode step over mixed contexts (16 to 320 tokens, what the mixed job's steps hold):
+    length groups (``decode_attention``, as shipped) against one batch padded to the longest
+    context (``MAX_GROUPS = 1``, the attention before), alternating rounds, same caches."""
+    from megainfer.models import decode_attention
+    rows, shipped = [], decode_attention.MAX_GROUPS
+    for t in a.threads:
+        torch.set_num_threads(t)
+        for B in (32, 64):
+            step, s = MixedStep(model, B, 16, 320), dict(grouped=[], padded=[])
+            try:
+                for _ in range(a.repeats + 3):
+                    for name, groups in (("grouped", shipped), ("padded", 1)):
+                        decode_attention.MAX_GROUPS = groups
+                        s[name].append(time_once(step))
+            finally:
+                decode_attention.MAX_GROUPS = shipped
+            med = {k: statistics.median(v[3:]) for k, v in s.items()}  # 3 warm-up rounds
+            rows.append(dict(threads=t, batch=B, contexts=[16, 320], median_s=med,
+                             samples_s=s, load_average=os.getloadavg()))
+            print(f"{t:>3} {B:>4} {med['grouped'] * 1e3:8.2f} {med['padded'] * 1e3:8.2f} "
+                  f"{med['padded'] / med['grouped']:7.2f}x {rows[-1]['load_average'][0]:5.1f}",
+                  flush=True)
     return rows
 
 
