@@ -31,6 +31,7 @@ class ReplicaStatus:
     key_events: list = field(default_factory=list)  # prefix-cache (key, +-1) for cache-aware routing
     transfers_pending: int = 0  # PD: KV transfers announced to this replica, not started yet
     new_tokens: list = field(default_factory=list)  # online: this step's SampleDeltas
+    kv_usage: float = 0.0  # the share of the replica's KV blocks in use
 
     @property
     def load(self) -> int:

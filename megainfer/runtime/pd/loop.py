@@ -19,7 +19,7 @@ from megainfer.runtime import tags
 from megainfer.runtime.messages import ReplicaStatus
 from megainfer.runtime.pd.decode import DecodeSide
 from megainfer.runtime.pd.router import PDRouter
-from megainfer.runtime.replicas.loop import ReplicaLoop
+from megainfer.runtime.replicas.loop import ReplicaLoop, kv_usage
 
 
 class PDReplicaLoop(ReplicaLoop):
@@ -39,6 +39,10 @@ class PDReplicaLoop(ReplicaLoop):
 
     def submit(self, inputs: list[PromptInput]) -> None:
         self.pd.add(inputs)
+
+    def pending_count(self) -> int:
+        """Rank 0: requests not handed to a prefill rank yet, and those on one."""
+        return len(self.pd.pending) + len(self.pd.router.pending) + len(self.pd.inflight)
 
     def abort(self, request_id: str) -> Optional[RequestOutput]:
         """Rank 0, online: not handed out, or on a prefill rank (its KV, when it arrives, is
@@ -62,7 +66,7 @@ class PDReplicaLoop(ReplicaLoop):
         d.poll()
         return ReplicaStatus(finished, e.has_unfinished(), len(e.scheduler.waiting),
                              len(e.scheduler.running), transfers_pending=d.pending,
-                             new_tokens=self.deltas)
+                             new_tokens=self.deltas, kv_usage=kv_usage(e))
 
     def _sync(self, finished: list[RequestOutput]
               ) -> tuple[list[RequestOutput], bool, list, list[str]]:

@@ -29,6 +29,11 @@ from megainfer.runtime.replicas.request_router import (RequestRouter, prompt_tok
 from megainfer.runtime.roles import RankRole, attention_rank_ids, leader_ranks, replica_of
 
 
+def kv_usage(engine) -> float:
+    b = engine.blocks
+    return 1.0 - b.num_free_blocks / max(1, b.num_blocks)
+
+
 class ReplicaLoop:
     routes_requests = True  # rank 0 hands requests to the replicas (PD: to the prefill ranks)
 
@@ -59,6 +64,7 @@ class ReplicaLoop:
         self.where: dict[str, int] = {}
         self.aborts: list[list[str]] = [[] for _ in self.leaders]
         self.new_tokens: list = []
+        self.statuses: list[ReplicaStatus] = []  # rank 0: the last iteration's, per replica
         if role.rank == 0:
             self.router = RequestRouter(plan.attention_replicas, sched.routing, cache.block_size,
                                         sched.max_num_seqs, prompt_tokens_of(engine),
@@ -110,6 +116,10 @@ class ReplicaLoop:
         if replica is not None:
             self.aborts[replica].append(request_id)
         return None
+
+    def pending_count(self) -> int:
+        """Rank 0: requests not handed out yet."""
+        return len(self.router.pending)
 
     def iterate(self) -> list[RequestOutput]:
         """Rank 0, online: one iteration of every rank; its finished outputs (the new tokens:
@@ -191,7 +201,7 @@ class ReplicaLoop:
         return ReplicaStatus(finished, e.has_unfinished(), len(e.scheduler.waiting),
                              len(e.scheduler.running),
                              e.blocks.take_key_events() if self.track else [],
-                             new_tokens=self.deltas)
+                             new_tokens=self.deltas, kv_usage=kv_usage(e))
 
     def _gather(self, status: ReplicaStatus) -> list[ReplicaStatus]:
         """Rank 0: every replica's status (its own first), in replica order; online, the
@@ -200,6 +210,7 @@ class ReplicaLoop:
                                             "iteration sync (replica status)")
                           for leader in self.leaders[1:]]
         self.new_tokens = [d for st in got for d in st.new_tokens]
+        self.statuses = got
         for st in got if self.online or self.where else ():
             for out in st.finished:
                 self.where.pop(str(out.request_id), None)

@@ -14,6 +14,8 @@ job is refused before anything starts (``ranks.start_ranks``).
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass
 from typing import Optional
 
 from megainfer.engine.errors import DuplicateRequestError
@@ -24,6 +26,17 @@ from megainfer.engine.sampling_params import SamplingParams
 log = logging.getLogger("megainfer.runtime")
 
 IDLE_TICKS_PER_TIMEOUT = 8  # idle iterations per comm.timeout_s (at most 2 per second)
+
+
+@dataclass(frozen=True)
+class RuntimeLoad:
+    """Every decode replica's queue at the last iteration (sequences, not requests), the
+    requests rank 0 has not handed out yet, and the KV blocks in use."""
+
+    running: int
+    waiting: int
+    not_handed_out: int
+    kv_usage: float  # mean over the replicas (1 = every block in use)
 
 
 class RuntimeEngine:
@@ -37,7 +50,28 @@ class RuntimeEngine:
         self.failed: Optional[BaseException] = None
         self.closed = False
         self.num_iterations = 0
+        self.last_iteration_at = time.monotonic()  # every rank answered then
         self.loop.open_online()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def model_config(self):
+        return self.engine.model_config
+
+    def load(self) -> RuntimeLoad:
+        """The replicas' queues as the last iteration's reports gave them (safe to read from
+        another thread: a list replaced whole each iteration)."""
+        sts = self.loop.statuses
+        return RuntimeLoad(sum(s.running for s in sts), sum(s.waiting for s in sts),
+                           self.loop.pending_count(),
+                           sum(s.kv_usage for s in sts) / max(1, len(sts)))
 
     # ------------------------------------------------------------------ OnlineEngine
     def tokenize(self, prompt, params: SamplingParams, prompt_token_ids=None) -> TokenizedPrompt:
@@ -68,6 +102,7 @@ class RuntimeEngine:
             self.failed = e
             raise
         self.num_iterations += 1
+        self.last_iteration_at = time.monotonic()
         finished = []
         for out in done:
             if self.requests.pop(str(out.request_id), None) is not None:
