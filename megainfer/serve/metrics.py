@@ -1,13 +1,17 @@
 """Prometheus metrics under vLLM's names with a ``megainfer:`` prefix, one registry per server.
 
-Gauges (running, waiting, KV use) are read from the engine when scraped. Per-request figures
-(TTFT, inter-token latency, end-to-end latency, finish reasons, prompt tokens, prefix-cache
-queries and hits) are observed by the frontend as outputs reach it (``RequestTimer``); the
-iteration time, the generated tokens and each request's queue time by ``MeteredEngine``, on the
+Gauges (running, waiting, KV use) are read from the engine when scraped (``engine_load``:
+single mode's scheduler and block pool; the runtime's ``RuntimeEngine.load()``, every replica's
+queues at the last iteration). Per-request figures (TTFT, inter-token latency, end-to-end
+latency, finish reasons, prompt tokens, prefix-cache queries and hits) are observed by the
+frontend as outputs reach it (``RequestTimer``); the iteration time, the generated tokens, PD's
+KV-transfer time and (single mode only) each request's queue time by ``MeteredEngine``, on the
 engine core's thread, around each iteration (prometheus-client's metrics are thread-safe)."""
 from __future__ import annotations
 
 import time
+from collections import deque
+from dataclasses import dataclass
 from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
@@ -48,20 +52,40 @@ class ServeMetrics:
         self.queue = Histogram(P + "request_queue_time_seconds", "Time waiting before the first "
                                "scheduled iteration", buckets=_LATENCY, **lab)
         self.iteration = Histogram(P + "iteration_time_seconds", "Engine iteration time "
-                                   "(schedule, forward, sample)", buckets=_ITL,
+                                   "(schedule, forward, sample; the runtime: one iteration of "
+                                   "every rank, as rank 0 sees it)", buckets=_ITL,
                                    labelnames=["model_name", "role"], registry=r)
+        self.kv_transfer = Histogram(P + "kv_transfer_seconds", "PD: a request's KV from the "
+                                     "end of its prefill to its decode start", buckets=_LATENCY,
+                                     **lab)
         self.model_name = model_name
 
     def labels(self, metric, **kw):
         return metric.labels(model_name=self.model_name, **kw)
 
     def watch_engine(self, engine) -> None:
-        """Scrape-time gauges over an ``LLMEngine`` (lengths only: safe from another thread)."""
-        sched, blocks = engine.scheduler, engine.blocks
-        self.labels(self.running).set_function(lambda: len(sched.running))
-        self.labels(self.waiting).set_function(lambda: len(sched.waiting))
-        total = max(1, blocks.num_blocks)
-        self.labels(self.kv_usage).set_function(lambda: 1.0 - blocks.num_free_blocks / total)
+        """Scrape-time gauges over either engine (``engine_load``)."""
+        self.labels(self.running).set_function(lambda: engine_load(engine).running)
+        self.labels(self.waiting).set_function(lambda: engine_load(engine).waiting)
+        self.labels(self.kv_usage).set_function(lambda: engine_load(engine).kv_usage)
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    running: int  # sequences in the running batch (the runtime: summed over its replicas)
+    waiting: int  # sequences waiting (the runtime: and the requests rank 0 has not handed out)
+    kv_usage: float  # 1 = every KV block in use (the runtime: the replicas' mean)
+
+
+def engine_load(engine) -> EngineLoad:
+    """The online engine's queues, safe from another thread (lengths and the runtime's
+    last-iteration reports only): a ``RuntimeEngine`` (it has ``load()``) or an ``LLMEngine``."""
+    if hasattr(engine, "load"):
+        ld = engine.load()
+        return EngineLoad(ld.running, ld.waiting + ld.not_handed_out, ld.kv_usage)
+    sched, blocks = engine.scheduler, engine.blocks
+    return EngineLoad(len(sched.running), len(sched.waiting),
+                      1.0 - blocks.num_free_blocks / max(1, blocks.num_blocks))
 
 
 class RequestTimer:
@@ -98,14 +122,53 @@ class RequestTimer:
         m.labels(m.prefix_hits).inc(min(n, out.num_cached_tokens or 0))
 
 
+class QueueTimes:
+    """Single mode: each request's queue time (arrival to the first iteration that schedules
+    it), read from the ``LLMEngine``'s waiting queue around each iteration. (The runtime's rank
+    0 cannot see when a replica first schedules a request: no queue time there.)"""
+
+    def __init__(self, engine, metrics: ServeMetrics):
+        self.engine, self.m, self.started = engine, metrics, set()
+        self.waiting: list = []
+
+    def before(self) -> None:
+        self.waiting = list(self.engine.scheduler.waiting)  # the core's thread: nothing mutates it
+
+    def after(self, t0: float, finished) -> None:
+        left = {id(r) for r in self.engine.scheduler.waiting}
+        for r in self.waiting:
+            if id(r) not in left and r.request_id not in self.started:
+                self.started.add(r.request_id)
+                self.m.labels(self.m.queue).observe(t0 - r.arrival_time)
+        for out in finished:
+            self.started.discard(str(out.request_id))
+
+    def forget(self, request_id) -> None:
+        self.started.discard(str(request_id))
+
+
+RECENT_ITERATIONS = 16  # the slowest of these bounds how long an iteration may take (health)
+
+
+def iteration_role(job) -> str:
+    """The ``role`` label of ``iteration_time_seconds``: the deploy mode (``pd`` with prefill
+    ranks)."""
+    if job is None or job.deploy.mode == "single":
+        return "single"
+    return "pd" if job.deploy.prefill_replicas else job.deploy.mode
+
+
 class MeteredEngine:
     """An ``OnlineEngine`` (engine/core.py) that times each iteration of the engine it wraps,
-    counts its generated tokens and observes each request's queue time (arrival to first
-    scheduled). Every other member is the wrapped engine's."""
+    counts its generated tokens, observes PD's KV-transfer time of each finished request and,
+    in single mode, each request's queue time. Every other member is the wrapped engine's."""
 
     def __init__(self, engine, metrics: ServeMetrics, role: str = "single"):
-        self.__dict__.update(_engine=engine, _m=metrics, _started=set(),
-                             _iter=metrics.labels(metrics.iteration, role=role))
+        queue = None if hasattr(engine, "load") else QueueTimes(engine, metrics)
+        self.__dict__.update(_engine=engine, _m=metrics, _queue=queue,
+                             _iter=metrics.labels(metrics.iteration, role=role),
+                             _kv=metrics.labels(metrics.kv_transfer),
+                             recent_s=deque(maxlen=RECENT_ITERATIONS), error=None)
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
@@ -113,22 +176,42 @@ class MeteredEngine:
     def __setattr__(self, name, value):  # detokenize, set by EngineCore
         setattr(self._engine, name, value)
 
+    def slowest_recent_s(self) -> float:
+        """The longest of the last ``RECENT_ITERATIONS`` iterations (0 before the first)."""
+        return max(self.recent_s, default=0.0)
+
     def step_outputs(self):
-        eng, m = self._engine, self._m
-        waiting = list(eng.scheduler.waiting)  # the core's thread: nothing mutates it now
+        eng, m, q = self._engine, self._m, self._queue
+        if q is not None:
+            q.before()
         t0 = time.perf_counter()
-        res = eng.step_outputs()
-        self._iter.observe(time.perf_counter() - t0)
-        left = {id(r) for r in eng.scheduler.waiting}
-        for r in waiting:
-            if id(r) not in left and r.request_id not in self._started:
-                self._started.add(r.request_id)
-                m.labels(m.queue).observe(t0 - r.arrival_time)
+        try:
+            res = eng.step_outputs()
+        except BaseException as e:
+            self.__dict__["error"] = e  # the core dies of it (the server's watchdog reports it)
+            raise
+        dt = time.perf_counter() - t0
+        self._iter.observe(dt)
+        self.recent_s.append(dt)
+        if q is not None:
+            q.after(t0, res.finished)
         for out in res.finished:
-            self._started.discard(str(out.request_id))
+            kv = getattr(out.metrics, "kv_handoff_s", None)
+            if kv is not None:
+                self._kv.observe(kv)
         m.labels(m.generation_tokens).inc(sum(len(d.token_ids) for d in res.new_tokens))
         return res
 
+    def idle_tick(self):  # timed like any iteration (the runtime's ranks all take part)
+        t0 = time.perf_counter()
+        try:
+            self._engine.idle_tick()
+        except BaseException as e:
+            self.__dict__["error"] = e
+            raise
+        self.recent_s.append(time.perf_counter() - t0)
+
     def abort_request(self, request_id):
-        self._started.discard(str(request_id))
+        if self._queue is not None:
+            self._queue.forget(request_id)
         return self._engine.abort_request(request_id)
