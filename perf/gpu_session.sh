@@ -45,7 +45,9 @@
 #   bench     perf/bench/bench_moe_kernels.py --device cuda: Triton vs the torch path, TFLOP/s;
 #   m2n       the MPI layer on the machine's 16 cores (bench_m2n).
 #   serve     perf/bench/bench_serve.py --device cuda: megainfer-serve (bench50m, bf16, on the GPU, a
-#             subprocess) driven by megainfer-bench-serve's client at three Poisson rates
+#             subprocess; SERVE_MODES, default single,a1e2: also mpiexec -n 3 deploy=a1e2, its 3
+#             ranks sharing the GPU, beside the simulator's prediction) driven by
+#             megainfer-bench-serve's client at three Poisson rates
 #             (SERVE_RATES, default 8,32,inf) beside the offline job on the same requests and
 #             one request at a time against the engine's prefill; needs fastapi, uvicorn,
 #             prometheus-client, httpx (+ starlette, pydantic, anyio, h11, ...) as pure-Python
@@ -197,8 +199,9 @@ step nccl 60 "$PY" perf/bench/bench_nccl_self.py --out "$W/bench_nccl_self.json"
 step tune1 90 "$PY" perf/bench/tune_moe_kernels.py --space small --shape 8,14336,4096 --top-k 2 --m 4,32,256,2048,8192 --table "$TUNED" --log "$W/tune_mixtral.json"
 step tune2 80 "$PY" perf/bench/tune_moe_kernels.py --space small --shape 64,1408,2048 --top-k 6 --m 10,85,682,5461 --table "$TUNED" --log "$W/tune_dsv2lite.json"
 step bench 150 "$PY" perf/bench/bench_moe_kernels.py --device cuda
-step serve ${SERVE_S:-300} bash -c "cd $ROOT && $PY $PWD/perf/bench/bench_serve.py --device cuda --threads 4 \
+step serve ${SERVE_S:-420} "${R18[@]}" bash -c "cd $ROOT && $PY $PWD/perf/bench/bench_serve.py --device cuda --threads 4 \
   --num-prompts ${SERVE_PROMPTS:-256} --input-len 128 --output-len 64 --max-num-seqs 64 \
+  --modes ${SERVE_MODES:-single,a1e2} --mpiexec \${MPIEXEC:-mpiexec} \
   --rates ${SERVE_RATES:-8,32,inf} --out $W/bench_serve_cuda.json"
 # Not in the default STEPS (STEPS=m2n to run it): bench_m2n's collectives and ping-pong on this
 # machine's 16 cores (4 ranks, no oversubscription), under MPICH 5.0.2 from the carried wheel with
