@@ -5,7 +5,6 @@ against a server (small)."""
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,19 +14,13 @@ import httpx
 import pytest
 
 from megainfer.serve import bench
-from serve_util import ThreadServer
+from serve_util import ThreadServer, free_port
 
 BIN = os.path.dirname(sys.executable)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_sigterm_drains_and_exits_0(tiny_ckpts):
-    port = _free_port()
+    port = free_port()
     p = subprocess.Popen([os.path.join(BIN, "megainfer-serve"), f"serve.port={port}",
                           f"model.path={tiny_ckpts[('qwen3_moe', 'base')]}",
                           "serve.shutdown_grace_s=20", "hydra.run.dir=.", "hydra.output_subdir=null",
