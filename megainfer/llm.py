@@ -7,7 +7,7 @@ from typing import Iterable, Iterator, Mapping, Optional, Sequence, Union
 from megainfer.config import ConfigError, ResolvedJob, ModelConfig
 from megainfer.config.llm_args import (DeployNotAvailableError, launcher_command, llm_tree,
                                        named_error)
-from megainfer.config.resolve import resolve_job
+from megainfer.engine.resolve import resolve_job
 from megainfer.config.runtime import DEFAULT_KV_SCALE_GRANULARITY, DeviceConfig
 from megainfer.engine import LLMEngine, PromptInput, RequestError, RequestOutput, SamplingParams
 from megainfer.engine.tokenizer import Tokenizer, load_tokenizer
@@ -47,7 +47,7 @@ class LLM:
     ``"colocated2"``, ``"auto"``) or a mapping of ``deploy.*`` keys; ``tensor_parallel_size``:
     attention TP; ``world_size``: the ranks (default: what the plan needs, else 1);
     ``overrides``: any launcher key as ``"group.key=value"``. All of it goes through the
-    launcher's resolution (``megainfer.config.resolve``). Only single mode runs from Python
+    launcher's resolution (``megainfer.engine.resolve``). Only single mode runs from Python
     yet: any other mode is resolved and validated, then ``DeployNotAvailableError`` names the
     ``mpirun -n N megainfer-launch ...`` line that runs it. Bad settings raise ``ConfigError``
     naming the argument (and its config key) before any weight is loaded.
@@ -233,7 +233,7 @@ def _planner(tree: dict):
     """deploy=auto over N > 1 ranks: the launcher's planner (the performance model)."""
     if (tree.get("deploy") or {}).get("mode", "auto") not in (None, "auto"):
         return None
-    from megainfer.launch.auto_plan import auto_plan
+    from megainfer.perfmodel.plan.auto_plan import auto_plan
     return auto_plan
 
 
