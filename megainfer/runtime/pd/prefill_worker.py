@@ -36,6 +36,7 @@ from megainfer.engine.errors import RequestError
 from megainfer.engine.kv_handoff import detach, export_state
 from megainfer.engine.outputs import RequestOutput
 from megainfer.engine.step import LocalExecutor
+from megainfer.perfmodel.trace import KV_SEND, PREFILL, kv_transfer_name, prefill_step_name
 from megainfer.runtime import tags
 from megainfer.runtime.control import RankFailure
 from megainfer.runtime.messages import (PrefillReport, PrefillResult, PrefillStop, PrefillWork,
@@ -194,7 +195,7 @@ class PrefillWorker:
             detach(self.engine, req)
             report.append(PrefillResult(self.xfer_of.pop(req.request_id), "state", state))
         if self.tracer is not None:
-            self.tracer.add("prefill", f"prefill step {self.steps}", (t0 - self.tracer.epoch) * 1e6,
+            self.tracer.add(PREFILL, prefill_step_name(self.steps), (t0 - self.tracer.epoch) * 1e6,
                             (time.perf_counter() - t0) * 1e6, self.steps, -1, 0,
                             self.engine.last_step_tokens)
         self._collect()
@@ -205,7 +206,8 @@ class PrefillWorker:
         s.poll()
         for o in s.done:
             if self.tracer is not None:
-                self.tracer.add("KV send", f"KV {o.request_id}", (o.t_first - self.tracer.epoch) * 1e6,
+                self.tracer.add(KV_SEND, kv_transfer_name(o.request_id),
+                                (o.t_first - self.tracer.epoch) * 1e6,
                                 (o.t_done - o.t_first) * 1e6, self.steps, -1, 0, o.num_tokens)
         self.transfers += s.done
         s.done = []

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from mpi4py import MPI
 
+from megainfer.perfmodel.trace import E2A, EXPERT, is_moe_attention
 from megainfer.runtime import tags
 from megainfer.runtime.messages import ExpertSamples
 SAMPLE_ITERS = 4  # iterations recorded before each decision (all of them with trace.enabled)
@@ -50,7 +51,7 @@ def attention_samples(events: list, ctx_of_iter: dict) -> list:
     out = []
     for e in events:
         a = e.get("args", {})
-        if e["cat"] == "attention" and e["name"].startswith("attn") and a.get("tokens", 0) > 0:
+        if is_moe_attention(e) and a.get("tokens", 0) > 0:
             ctx = ctx_of_iter.get(a["iter"])
             if ctx:
                 out.append((a["tokens"], ctx, e["dur"] / 1e6))
@@ -59,7 +60,7 @@ def attention_samples(events: list, ctx_of_iter: dict) -> list:
 
 def expert_samples(events: list, pairs_of_iter: dict) -> list:
     rows: dict = {}
-    spans = [e for e in events if e["cat"] == "expert" and e["args"].get("tokens", 0) > 0]
+    spans = [e for e in events if e["cat"] == EXPERT and e["args"].get("tokens", 0) > 0]
     for e in spans:
         rows[e["args"]["iter"]] = rows.get(e["args"]["iter"], 0) + e["args"]["tokens"]
     out = []
@@ -73,7 +74,7 @@ def expert_samples(events: list, pairs_of_iter: dict) -> list:
 def reply_ends(events: list) -> list:
     """An expert rank's ``(iteration, layer, micro-batch, end us)`` per reply (``E2A`` span)."""
     return [(e["args"]["iter"], e["args"]["layer"], e["args"]["mb"], e["ts"] + e["dur"])
-            for e in events if e["cat"] == "E2A"]
+            for e in events if e["cat"] == E2A]
 
 
 def comm_samples(events: list, replies: list, expert_ranks: int) -> list:
@@ -89,7 +90,7 @@ def comm_samples(events: list, replies: list, expert_ranks: int) -> list:
             count[k] = count.get(k, 0) + 1
     out = []
     for e in events:
-        if e["cat"] != "E2A":
+        if e["cat"] != E2A:
             continue
         a = e["args"]
         k = (a["iter"], a["layer"], a["mb"])

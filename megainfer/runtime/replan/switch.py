@@ -36,6 +36,7 @@ from mpi4py import MPI
 from megainfer.comm.wait import WaitPolicy
 from megainfer.config import ConfigError
 from megainfer.config.replan import parse_split
+from megainfer.perfmodel.trace import REPLAN, replan_name
 from megainfer.runtime import tags
 from megainfer.runtime.bounded import BoundedComm
 from megainfer.runtime.control import ControlPlane
@@ -146,7 +147,7 @@ def switch(r, order: ReplanOrder) -> dict:
     control.wait(sw.Iallreduce(mine, job_total, op=MPI.SUM), None, "re-plan totals")
     bounded.free("the switch's communicator freed", sw)
     dt = time.perf_counter() - t0
-    r.tracer.add("replan", f"replan {order.label}", t_start, r.tracer.now_us() - t_start,
+    r.tracer.add(REPLAN, replan_name(order.label), t_start, r.tracer.now_us() - t_start,
                  order.iteration, -1, -1, 0)
     rec = dict(iteration=order.iteration, old=order.name(order.old), new=order.name(order.new),
                micro_batches=[order.old[2], order.new[2]], reason=order.reason,

@@ -94,3 +94,28 @@ def test_a_package_surface_names_no_module_of_its_own(package):
     pkg = importlib.import_module(f"megainfer.runtime.{package}")
     modules = {f[:-3] for f in os.listdir(os.path.join(RUNTIME, package)) if f.endswith(".py")}
     assert pkg.__all__ and not set(pkg.__all__) & modules
+
+
+# the integrator's files, written before the vocabulary's names: their spans move to it at merge
+SPAN_LITERALS_PENDING = {"pd/decode.py"}
+
+
+def _tracer_calls(path):
+    import ast
+    for node in ast.walk(ast.parse(open(path).read())):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("span", "add") and "tracer" in ast.unparse(node.func.value)):
+            yield node
+
+
+def test_span_lanes_and_names_come_from_the_trace_vocabulary():
+    """The runtime names its lanes and spans through ``megainfer.perfmodel.trace`` (the one
+    vocabulary the readers and the simulators match on), never as string literals."""
+    import ast
+    literal = (ast.Constant, ast.JoinedStr)
+    for path in py_files(RUNTIME):
+        if os.path.relpath(path, RUNTIME) in SPAN_LITERALS_PENDING:
+            continue
+        for call in _tracer_calls(path):
+            assert not any(isinstance(a, literal) for a in call.args[:2]), (
+                f"{path}:{call.lineno}: {ast.unparse(call)[:80]}")
