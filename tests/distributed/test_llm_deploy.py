@@ -29,11 +29,13 @@ def deepseek_ckpt(tmp_path_factory):
                      chat_template=False)
 
 
-def _single(ckpt, what):
+def _single(ckpt, what, **kw):
+    """Single mode in this process on the same job (``kw``: more LLM arguments)."""
     from megainfer import AsyncLLM, LLM
+    kw = dict(ENGINE_ARGS, **kw)
     if what == "offline":
-        return offline_outputs(LLM(ckpt, **ENGINE_ARGS))
-    engine = AsyncLLM(ckpt, **ENGINE_ARGS)
+        return offline_outputs(LLM(ckpt, **kw))
+    engine = AsyncLLM(ckpt, **kw)
     try:
         return async_outputs(engine)
     finally:
