@@ -12,6 +12,12 @@ replica's new requests (``messages.Go``): the TP ranks of a replica get exactly 
 leader gets, in the same order, so their schedulers stay identical. On stop, leaders send the
 expert ranks a stop message.
 
+Online (``open_online``, driven by ``online.RuntimeEngine``): rank 0 runs one iteration per
+``iterate`` call and never stops for lack of work; requests come in through ``submit``, the
+leaders also report each step's new tokens, and ``abort`` reaches a request's replica through
+the next go (``Go.aborts``); ``close`` runs the iteration that stops every rank
+(docs/python_api.md).
+
 Re-planning (docs/replan.md): rank 0's ``replan_hook`` may end the loop at an iteration
 boundary with an order (``self.order``) instead of a stop; the ranks then switch roles and
 the loops that remain go on with ``resume``/``resume_stream``, nothing finished lost.
