@@ -76,15 +76,13 @@ class ReplicaLoop:
                                         sched.max_num_seqs, prompt_tokens_of(engine),
                                         use_keys=cache.enable_prefix_caching)
 
-    def _send_to_attention_ranks(self, per_replica: list, tag: int, proceed=None,
+    def _send_to_attention_ranks(self, per_replica: list, tag: int, proceed: bool = True,
                                  aborts=None) -> None:
-        """Rank 0: each other attention rank its replica's entry of ``per_replica`` (as a
-        ``Go`` when ``proceed`` is given, with its replica's ``aborts``): the TP ranks of a
-        replica get their leader's."""
+        """Rank 0: each other attention rank a ``Go`` with its replica's entry of
+        ``per_replica`` (and of ``aborts``): the TP ranks of a replica get their leader's."""
         for rank in self.attn_ranks[1:]:
             r = replica_of(self.plan, rank)
-            self.control.send(per_replica[r] if proceed is None else
-                              Go(proceed, per_replica[r], aborts[r] if aborts else []), rank, tag)
+            self.control.send(Go(proceed, per_replica[r], aborts[r] if aborts else []), rank, tag)
 
     # ------------------------------------------------------------------ rank 0
     def generate_stream(self, inputs: Iterable[PromptInput]) -> Iterator[RequestOutput]:
@@ -143,7 +141,7 @@ class ReplicaLoop:
     # ------------------------------------------------------------------ other attention ranks
     def serve(self) -> None:
         """Attention ranks other than 0: take this replica's requests, run until told to stop."""
-        mine = self.control.recv(0, tags.REQUESTS, "request hand-out")
+        mine = self.control.recv(0, tags.REQUESTS, "request hand-out").items
         for _ in self._loop(mine):
             pass
 
