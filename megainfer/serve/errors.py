@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from megainfer.core_client.errors import EngineDeadError
+from megainfer.engine.errors import EngineDeadError
 from megainfer.engine import RequestError
 from megainfer.engine.errors import EmptyPromptError, PromptTooLongError, TokenIdError
 

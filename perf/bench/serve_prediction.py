@@ -7,8 +7,8 @@ An AE plan (attention replicas and expert ranks, prefill chunked into the decode
 through ``plan.goodput.simulate_ae``; a PD plan (prefill ranks before the decode pool) through
 ``plan.goodput.simulate_pd``, exactly as ``plan.goodput_search`` simulates its candidates.
 Single mode is no plan of either family: no prediction (None). The hardware profile is this
-machine's calibrated one, else the ``cpu_node`` preset (``launch.auto_plan.hardware_for``),
-recorded beside the figures.
+machine's calibrated one, else the ``cpu_node`` preset
+(``perfmodel.plan.auto_plan.hardware_for``), recorded beside the figures.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from typing import Optional
 import numpy as np
 
 from megainfer.config import DeployPlan
-from megainfer.launch.auto_plan import hardware_for
+from megainfer.perfmodel.plan.auto_plan import hardware_for
 from megainfer.perfmodel.model.disagg import Plan, Workload
 from megainfer.perfmodel.model.prefill_pool import PrefillPool, decode_model
 from megainfer.perfmodel.model.shapes import ModelShape

@@ -5,7 +5,7 @@ not, with concurrent streams; a client that hangs up frees its request (running 
 0); PD's KV-transfer histogram fills; SIGTERM to mpiexec drains and leaves no process. A rank
 that hangs (SIGSTOP) turns /health 503, ends the in-flight stream with an error event and the
 job exits non-zero naming the rank; a rank killed outright ends the job at once (MPICH's
-process manager), leaving no process."""
+process manager kills every rank), leaving no process."""
 import asyncio
 import json
 import os
@@ -154,7 +154,7 @@ def test_a_killed_rank_ends_the_job(ckpt):
         assert httpx.get(srv.url + "/health").status_code == 200
         os.kill(srv.pids[1], signal.SIGKILL)
         assert srv.wait(20) != 0
-        assert f"PID {srv.pids[1]}" in srv.output()  # the process manager names the pid
+        assert "BAD TERMINATION" in srv.output()  # MPICH's process manager ended the job
         wait_for(lambda: not srv.alive_pids(), 10, "every rank gone")
         with pytest.raises(httpx.ConnectError):
             httpx.get(srv.url + "/health")
