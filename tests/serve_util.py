@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 
 import httpx
 
@@ -78,8 +79,9 @@ class MpiServe:
     def __init__(self, ranks: int, overrides: list[str], start_timeout: float = 240.0):
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
+        self.tag = f"serve-test-{uuid.uuid4().hex[:12]}"  # on every rank's command line
         cmd = [os.path.join(BIN, "mpiexec"), "-n", str(ranks), os.path.join(BIN, "megainfer-serve"),
-               f"serve.port={port}", *overrides, *HYDRA_QUIET]
+               f"serve.port={port}", *overrides, *HYDRA_QUIET, f"hydra.job.name={self.tag}"]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, env=env, start_new_session=True)
@@ -114,9 +116,9 @@ class MpiServe:
         return rc
 
     def alive_pids(self) -> list[int]:
-        """The ranks' processes still there (``pgrep`` by pid)."""
-        out = subprocess.run(["pgrep", "-s", str(self.proc.pid)], capture_output=True,
-                             text=True).stdout
+        """The job's processes still there: mpiexec and every rank (``pgrep -f`` of the tag on
+        their command lines; the ranks run in a session of their own)."""
+        out = subprocess.run(["pgrep", "-f", self.tag], capture_output=True, text=True).stdout
         return [int(x) for x in out.split()]
 
     def close(self) -> None:
