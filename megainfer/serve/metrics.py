@@ -5,8 +5,9 @@ single mode's scheduler and block pool; the runtime's ``RuntimeEngine.load()``, 
 queues at the last iteration). Per-request figures (TTFT, inter-token latency, end-to-end
 latency, finish reasons, prompt tokens, prefix-cache queries and hits) are observed by the
 frontend as outputs reach it (``RequestTimer``); the iteration time, the generated tokens, PD's
-KV-transfer time and (single mode only) each request's queue time by ``MeteredEngine``, on the
-engine core's thread, around each iteration (prometheus-client's metrics are thread-safe)."""
+KV-transfer time, rank 0's T_a (tracing on) and (single mode only) each request's queue time by
+``MeteredEngine``, on the engine core's thread, around each iteration (prometheus-client's
+metrics are thread-safe)."""
 from __future__ import annotations
 
 import time
@@ -16,11 +17,14 @@ from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
+from megainfer.perfmodel.trace import is_moe_attention
+
 disable_created_metrics()  # no *_created series (vLLM does the same)
 
 P = "megainfer:"
 _LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
             7.5, 10.0, 20.0, 40.0, 80.0)
+_SPAN = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25)
 _ITL = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
         0.4, 0.5, 0.75, 1.0, 2.5)
 
@@ -55,6 +59,10 @@ class ServeMetrics:
                                    "(schedule, forward, sample; the runtime: one iteration of "
                                    "every rank, as rank 0 sees it)", buckets=_ITL,
                                    labelnames=["model_name", "role"], registry=r)
+        self.attention_layer = Histogram(P + "attention_layer_seconds", "T_a: one MoE "
+                                         "layer's attention span of one micro-batch on rank 0 "
+                                         "(trace.enabled=true on cpu only)", buckets=_SPAN,
+                                         **lab)
         self.kv_transfer = Histogram(P + "kv_transfer_seconds", "PD: a request's KV from the "
                                      "end of its prefill to its decode start", buckets=_LATENCY,
                                      **lab)
@@ -147,6 +155,29 @@ class QueueTimes:
         self.started.discard(str(request_id))
 
 
+class RankZeroSpans:
+    """T_a as rank 0 records it: its tracer's MoE attention spans (``is_moe_attention``, what
+    ``runtime/trace_metrics`` takes T_a from) since the last iteration, into
+    ``attention_layer_seconds``. Only with ``trace.enabled=true`` and on cpu (a cuda span's
+    duration is known only when the trace is resolved, which synchronises the device); T_e and
+    T_c live on the other ranks' tracers and are not observed here."""
+
+    def __init__(self, engine, metrics: ServeMetrics):
+        tracer = getattr(getattr(engine, "rank", None), "tracer", None)
+        ok = tracer is not None and tracer.enabled and not tracer.cuda
+        self.tracer = tracer if ok else None
+        self.hist, self.seen = metrics.labels(metrics.attention_layer), 0
+
+    def observe(self) -> None:
+        if self.tracer is None:
+            return
+        events = self.tracer.events
+        for e in events[self.seen:]:
+            if is_moe_attention(e):
+                self.hist.observe(e["dur"] / 1e6)
+        self.seen = len(events)
+
+
 RECENT_ITERATIONS = 16  # the slowest of these bounds how long an iteration may take (health)
 
 
@@ -166,6 +197,7 @@ class MeteredEngine:
     def __init__(self, engine, metrics: ServeMetrics, role: str = "single"):
         queue = None if hasattr(engine, "load") else QueueTimes(engine, metrics)
         self.__dict__.update(_engine=engine, _m=metrics, _queue=queue,
+                             _spans=RankZeroSpans(engine, metrics),
                              _iter=metrics.labels(metrics.iteration, role=role),
                              _kv=metrics.labels(metrics.kv_transfer),
                              recent_s=deque(maxlen=RECENT_ITERATIONS), error=None)
@@ -195,6 +227,7 @@ class MeteredEngine:
         self.recent_s.append(dt)
         if q is not None:
             q.after(t0, res.finished)
+        self._spans.observe()
         for out in res.finished:
             kv = getattr(out.metrics, "kv_handoff_s", None)
             if kv is not None:

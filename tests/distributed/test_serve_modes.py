@@ -2,7 +2,7 @@
 disaggregated (a1e2) and PD (p1a1e2) runtimes served from rank 0 give the greedy completions and
 chat that ``LLM.generate`` / ``LLM.chat`` give in single mode, streamed (chunks concatenated) and
 not, with concurrent streams; a client that hangs up frees its request (running gauge back to
-0); PD's KV-transfer histogram fills; SIGTERM to mpiexec drains and leaves no process. A rank
+0); PD's KV-transfer histogram fills, rank 0's T_a one with tracing on; SIGTERM to mpiexec drains and leaves no process. A rank
 that hangs (SIGSTOP) turns /health 503, ends the in-flight stream with an error event and the
 job exits non-zero naming the rank; a rank killed outright ends the job at once (MPICH's
 process manager kills every rank), leaving no process."""
@@ -68,9 +68,11 @@ async def _streams(url, n):
         await client.close()
 
 
-@pytest.mark.parametrize("ranks,deploy", [(3, "a1e2"), (4, "p1a1e2")], ids=["a1e2", "p1a1e2"])
-def test_served_mode_equals_single_mode(ckpt, template, want, ranks, deploy):
-    srv = _start(ranks, ckpt, deploy, f"serve.chat_template={template}")
+@pytest.mark.parametrize("ranks,deploy,trace", [(3, "a1e2", True), (4, "p1a1e2", False)],
+                         ids=["a1e2", "p1a1e2"])
+def test_served_mode_equals_single_mode(ckpt, template, want, ranks, deploy, trace):
+    srv = _start(ranks, ckpt, deploy, f"serve.chat_template={template}",
+                 f"trace.enabled={str(trace).lower()}")
     try:
         url = srv.url
         assert httpx.get(url + "/health").status_code == 200
@@ -108,6 +110,8 @@ def test_served_mode_equals_single_mode(ckpt, template, want, ranks, deploy):
         assert f'iteration_time_seconds_count{{model_name="tiny",role="{role}"}}' in m
         kv = gauge(url, "kv_transfer_seconds_count")
         assert (kv >= 12) if deploy == "p1a1e2" else kv == 0  # every PD request handed its KV
+        t_a = gauge(url, "attention_layer_seconds_count")  # rank 0's T_a spans: tracing on
+        assert (t_a > 0) if trace else t_a == 0
         srv.signal(signal.SIGTERM)
         assert srv.wait(60) == 0, srv.output()
         wait_for(lambda: not srv.alive_pids(), 10, "every rank gone")
