@@ -100,10 +100,8 @@ class CoreWatchdog:
             if not self.client.healthy:
                 self.died = True
                 self.error = self.client.metered.error
-                log.error("[serve] engine core died: %s; stopping the server",
-                          self.describe())
-                print(f"[serve] error: engine core died: {self.describe()}", file=sys.stderr,
-                      flush=True)
+                print(f"[serve] error: engine core died: {self.describe()}; stopping the "
+                      "server", file=sys.stderr, flush=True)  # once (stderr: seen under mpiexec)
                 self.client.draining = True
                 self.server.should_exit = True
                 return
