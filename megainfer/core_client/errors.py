@@ -18,3 +18,8 @@ class RankLostError(EngineDeadError):
 
     def __reduce__(self):  # picklable with its fields (it crosses processes)
         return (type(self), (str(self), self.rank, self.role))
+
+
+class CoreStartError(EngineDeadError):
+    """The ranks of a spawned child job did not start (a rank failed, exited or timed out);
+    the message carries the child job's last output lines."""

@@ -1,0 +1,203 @@
+"""The engine core of a plain script's own ``mpiexec`` child job (``SpawnedCore``): single
+mode's greedy tokens, aborts, shutdown, and no process left behind however the script ends
+(close, ``with``, garbage collection, interpreter exit, an uncaught exception, SIGTERM,
+SIGINT, SIGKILL of the script, SIGKILL of a rank; docs/python_api.md)."""
+import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from repo_paths import MPI_PROGS
+
+sys.path.insert(0, MPI_PROGS)
+from spawned_core_script import Collector, add, job_tree  # noqa: E402
+from runtime_job import inputs  # noqa: E402
+
+from megainfer.core_client.errors import CoreStartError, EngineDeadError, RankLostError  # noqa
+from megainfer.core_client.intake import Intake  # noqa: E402
+from megainfer.core_client.mpiexec_job import pid_alive  # noqa: E402
+from megainfer.core_client.spawn import SpawnedCore  # noqa: E402
+from megainfer.engine.core import AbortRequest  # noqa: E402
+
+SCRIPT = os.path.join(MPI_PROGS, "spawned_core_script.py")
+GONE_S = 15.0  # a job's processes are all gone within this after the script's end
+
+
+def _pids(core) -> list[int]:
+    return [core.job.pid] + [r.pid for r in core.ranks]
+
+
+def _assert_gone(pids, marker: str, within: float = GONE_S) -> None:
+    """Every pid of the job gone, and no process naming its socket (pgrep -f)."""
+    end = time.monotonic() + within
+    while time.monotonic() < end:
+        left = [p for p in pids if pid_alive(p)]
+        found = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout
+        if not left and not found.strip():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"left behind: pids {left}, pgrep -f {marker}: {found!r}")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_ckpts):
+    return tiny_ckpts[("mixtral", "base")]
+
+
+def test_greedy_tokens_abort_and_shutdown(ckpt, single_mode_tokens):
+    """Greedy tokens equal in-process single mode's; an abort ends a running request with
+    "abort" while the others go on; shutdown ends the requests still running with "abort";
+    then no process of the job is left."""
+    spec = job_tree(ckpt)
+    intake = Intake.for_job(spec.resolve(0))
+    col = Collector()
+    core = SpawnedCore(spec, col.deliver)
+    pids, marker = _pids(core), core.job.marker
+    assert [r.role for r in core.ranks] == ["[attn dp0 tp0]"] and core.alive
+    try:
+        reqs = inputs(intake.vocab_size, 12)
+        add(core, intake, "doomed", [9, 8, 7], max_tokens=100)
+        for r in reqs:
+            core.submit(_add_request(intake, r))
+        col.until_tokens("doomed")
+        core.submit(AbortRequest("doomed"))
+        done = col.until_done([r.request_id for r in reqs] + ["doomed"])
+        assert done["doomed"].outputs[0].finish_reason == "abort"
+        assert len(done["doomed"].outputs[0].token_ids) < 100
+        got = {r.request_id: done[r.request_id].outputs[0].token_ids for r in reqs}
+        assert got == single_mode_tokens[ckpt]
+        add(core, intake, "running", [4, 5], max_tokens=100)
+        col.until_tokens("running")
+    finally:
+        core.shutdown()
+    last = col.until_done(["running"], timeout=5)
+    assert last["running"].outputs[0].finish_reason == "abort"
+    assert not core.alive and core.job.returncode() == 0
+    with pytest.raises(EngineDeadError):
+        add(core, intake, "late", [1])
+    _assert_gone(pids, marker, within=1.0)
+
+
+def _add_request(intake, r):
+    from megainfer.engine.core import AddRequest
+    return AddRequest(r.request_id, intake.tokenize(None, r.params, r.prompt_token_ids), r.params)
+
+
+def test_with_block_and_garbage_collection_end_the_job(ckpt):
+    spec = job_tree(ckpt)
+    with pytest.raises(ZeroDivisionError):
+        with SpawnedCore(spec, Collector().deliver) as core:
+            pids, marker = _pids(core), core.job.marker
+            1 / 0
+    _assert_gone(pids, marker, within=1.0)
+    core = SpawnedCore(spec, Collector().deliver)
+    pids, marker = _pids(core), core.job.marker
+    del core
+    gc.collect()
+    _assert_gone(pids, marker, within=1.0)
+
+
+def test_killed_rank_raises_rank_lost_and_leaves_nothing(ckpt):
+    spec = job_tree(ckpt)
+    intake = Intake.for_job(spec.resolve(0))
+    col = Collector()
+    core = SpawnedCore(spec, col.deliver)
+    pids, marker = _pids(core), core.job.marker
+    try:
+        add(core, intake, "long", [3, 4], max_tokens=100)
+        col.until_tokens("long")
+        t0 = time.monotonic()
+        os.kill(core.ranks[0].pid, signal.SIGKILL)
+        with pytest.raises(RankLostError) as e:
+            col.until_done(["long"], timeout=spec.resolve(0).comm.timeout_s)
+        assert time.monotonic() - t0 < spec.resolve(0).comm.timeout_s
+        assert (e.value.rank, e.value.role) == (0, "[attn dp0 tp0]"), e.value
+        assert not core.alive
+        with pytest.raises(RankLostError):
+            add(core, intake, "late", [1])
+        _assert_gone(pids, marker, within=5.0)
+    finally:
+        core.shutdown()
+
+
+def test_stopped_rank_0_is_declared_hung_within_the_timeout(ckpt):
+    """A rank 0 that stops answering (SIGSTOP) raises RankLostError naming it within
+    comm.timeout_s (its heartbeats stop), and the stopped job is ended."""
+    spec = job_tree(ckpt, timeout_s=3.0)
+    intake = Intake.for_job(spec.resolve(0))
+    col = Collector()
+    core = SpawnedCore(spec, col.deliver)
+    pids, marker = _pids(core), core.job.marker
+    try:
+        add(core, intake, "long", [3, 4], max_tokens=100)
+        col.until_tokens("long")
+        t0 = time.monotonic()
+        os.kill(core.ranks[0].pid, signal.SIGSTOP)
+        with pytest.raises(RankLostError, match="hangs") as e:
+            col.until_done(["long"], timeout=30)
+        assert 3.0 < time.monotonic() - t0 < 3.0 + 5.0
+        assert (e.value.rank, e.value.role) == (0, "[attn dp0 tp0]"), e.value
+        _assert_gone(pids, marker, within=5.0)
+    finally:
+        core.shutdown()
+
+
+def test_start_failures_raise_with_the_job_output(ckpt, tmp_path):
+    """A rank that cannot start (its config does not resolve) and a start that outlasts its
+    bound raise CoreStartError carrying the job's output; the job is ended."""
+    bad = job_tree(ckpt)
+    bad.tree["scheduler"]["max_num_seqs"] = 0
+    with pytest.raises(CoreStartError, match="max_num_seqs") as e:
+        SpawnedCore(bad, Collector().deliver)
+    assert "the job's last output lines" in str(e.value)
+    with pytest.raises(CoreStartError, match="timed out"):
+        SpawnedCore(job_tree(ckpt), Collector().deliver, start_timeout_s=0.5)
+    left = subprocess.run(["pgrep", "-f", "megainfer.core_client.rank_job"], capture_output=True,
+                          text=True)
+    mine = [p for p in left.stdout.split() if _started_by_me(int(p))]
+    assert not mine, mine
+
+
+def _started_by_me(pid: int) -> bool:
+    """A process under this test process (the rank_job processes of its own jobs)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read()
+    except OSError:
+        return False
+    return f"MEGAINFER_TEST_PARENT={os.getpid()}".encode() in env
+
+
+@pytest.fixture(autouse=True)
+def _tag_children(monkeypatch):
+    monkeypatch.setenv("MEGAINFER_TEST_PARENT", str(os.getpid()))
+
+
+ENDINGS = {  # script mode, signal sent once it generates, its expected exit status
+    "exit": ("exit", None, 0), "raise": ("raise", None, 1),
+    "sigterm": ("wait", signal.SIGTERM, 128 + signal.SIGTERM),
+    "sigint": ("wait", signal.SIGINT, -signal.SIGINT), "sigkill": ("wait", signal.SIGKILL, -signal.SIGKILL)}
+
+
+@pytest.mark.parametrize("ending", list(ENDINGS))
+def test_a_script_that_ends_leaves_no_process(ckpt, ending):
+    mode, sig, status = ENDINGS[ending]
+    p = subprocess.Popen([sys.executable, SCRIPT, ckpt, "single", mode], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        info = json.loads(p.stdout.readline() or "null")
+        assert info, p.communicate(timeout=30)
+        assert p.stdout.readline().strip() == "GENERATING"
+        if sig is not None:
+            p.send_signal(sig)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == status, err[-3000:]
+    _assert_gone([info["mpiexec"], *info["ranks"]], info["address"])
