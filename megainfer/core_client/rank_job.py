@@ -12,8 +12,8 @@ script's inputs to the core while the core's outputs go back over the socket; th
 A failure before ``Launched`` aborts the whole job (the others may wait in a collective); after
 it, the failing rank logs its traceback and exits 1 at once (no ``MPI_Finalize``: its peers are
 alive), and the script, which watches the ranks' pids, names it. Exceptions sent to the script
-are ``EngineDeadError``s: a ``RankFailure`` (a peer silent past ``comm.timeout_s``) becomes a
-``RankLostError`` naming that peer's rank and role.
+are ``EngineDeadError``s: a ``RankFailure`` or ``CommTimeoutError`` (a peer silent past
+``comm.timeout_s``) becomes a ``RankLostError`` naming that peer's rank and role.
 """
 from __future__ import annotations
 
@@ -35,16 +35,19 @@ ABORT_GRACE_S = 0.5  # lets mpiexec forward a rank's last lines before MPI_Abort
 
 
 def wire_error(e: BaseException, ranks: dict):
-    """``e`` as the ``EngineDeadError`` the script gets: a ``RankFailure`` anywhere in its chain
-    names the peer (``ranks``: rank -> ``RankInfo``)."""
+    """``e`` as the ``EngineDeadError`` the script gets: a peer that did not answer in time
+    anywhere in its chain (the control plane's ``RankFailure``, a channel's
+    ``CommTimeoutError``) is named by its rank and role (``ranks``: rank -> ``RankInfo``)."""
+    from megainfer.comm.errors import CommTimeoutError
     from megainfer.runtime.control import RankFailure
 
     from .errors import EngineDeadError, RankLostError
     seen, cur = set(), e
     while cur is not None and id(cur) not in seen:
-        if isinstance(cur, RankFailure):
-            info = ranks.get(cur.peer)
-            return RankLostError(str(cur), cur.peer, info.role if info else None)
+        if isinstance(cur, (RankFailure, CommTimeoutError)) and isinstance(cur.peer, int):
+            role = ranks[cur.peer].role if cur.peer in ranks else None
+            return RankLostError(f"rank {cur.peer} {role} of the spawned job stopped answering: "
+                                 f"{cur}", cur.peer, role)
         seen.add(id(cur))
         cur = cur.__cause__ or cur.__context__
     if isinstance(e, EngineDeadError):

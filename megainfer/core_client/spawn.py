@@ -7,8 +7,8 @@ authkey, handed to the child in its environment; one authenticated connection is
 then the socket is removed), starts the job (``MpiexecJob``), sends rank 0 the ``JobTree`` and
 blocks until rank 0's ``Ready`` (bounded: a start failure or a timeout raises
 ``CoreStartError`` with the job's last output lines, the job ended). A reader thread then
-hands each ``CoreOutputs`` to ``deliver`` and watches the ranks' pids: a rank that dies (or an
-``mpiexec`` that exits) while the core runs ends the job and is delivered as
+hands each ``CoreOutputs`` to ``deliver`` and watches the ranks (``RankWatch``): a rank that
+dies (or an ``mpiexec`` that exits) while the core runs ends the job and is delivered as
 ``CoreOutputs(error=RankLostError(...))`` naming the rank and its role; a rank that hangs is
 named by the runtime's own timeouts (``comm.timeout_s``) on rank 0, which sends the error, and
 a rank 0 silent for ``comm.timeout_s`` (no output, no heartbeat) is declared hung.
@@ -36,7 +36,7 @@ from multiprocessing.connection import AuthenticationError, Connection, answer_c
     deliver_challenge
 from typing import Callable, Optional
 
-from megainfer.engine.core import CoreInput, CoreOutputs, Shutdown
+from megainfer.engine.core import AddRequest, CoreInput, CoreOutputs, Shutdown
 
 from . import sigterm_exit
 from .errors import CoreStartError, EngineDeadError
@@ -83,8 +83,9 @@ class SpawnedCore:
         return self._link.job
 
     def submit(self, msg: CoreInput) -> None:
-        """Raises ``EngineDeadError`` (``RankLostError``: the rank to blame) once the core is
-        gone: nothing would answer."""
+        """An ``AddRequest`` raises ``EngineDeadError`` (``RankLostError``: the rank to blame)
+        once the core is gone (nothing would answer); an abort or a shutdown then does
+        nothing."""
         self._link.submit(msg)
 
     def shutdown(self, timeout: Optional[float] = None) -> None:
@@ -145,10 +146,11 @@ class _Link:
             if isinstance(msg, Launched):
                 self.ranks = msg.ranks
                 self.job.track([r.pid for r in msg.ranks])
+                self.watch = RankWatch(self.job, self.ranks, timeout_s=None)
             elif isinstance(msg, StartFailed):
                 raise self._start_error(f"{msg.error}") from msg.error
-            elif isinstance(msg, Ready):
-                self.watch = RankWatch(self.job, self.ranks, msg.timeout_s)
+            elif isinstance(msg, Ready) and self.watch is not None:
+                self.watch.timeout_s = msg.timeout_s
                 break
             else:
                 raise self._start_error(f"rank 0 sent {type(msg).__name__} before Ready")
@@ -179,18 +181,24 @@ class _Link:
         while True:
             self._check_starting(deadline, "the ranks were ready")
             try:
-                if self.conn.poll(WATCH_S):
+                if self._wait(WATCH_S):
                     return self.conn.recv()
             except (EOFError, OSError):
                 raise self._start_error("rank 0 closed its socket before it was ready") from None
 
+    def _wait(self, timeout_s: float) -> bool:
+        """Until rank 0 sent something (True), a rank died or ``timeout_s`` passed."""
+        if self.watch is None:
+            return self.conn.poll(timeout_s)
+        return self.watch.wait(self.conn.fileno(), timeout_s)
+
     def _check_starting(self, deadline: float, until: str) -> None:
+        lost = self.watch.lost() if self.watch is not None else None
+        if lost is not None:
+            raise self._start_error(f"{lost} before {until}") from lost
         rc = self.job.returncode()
         if rc is not None:
             raise self._start_error(f"mpiexec exited with status {rc} before {until}")
-        r = RankWatch(self.job, self.ranks, 0.0).dead_rank()
-        if r is not None:
-            raise self._start_error(f"rank {r.rank} {r.role} (pid {r.pid}) exited before {until}")
         if time.monotonic() > deadline:
             raise self._start_error(f"timed out before {until}")
 
@@ -209,9 +217,11 @@ class _Link:
                 and self.job.returncode() is None)
 
     def submit(self, msg: CoreInput) -> None:
-        if self.error is not None:
-            raise copy.copy(self.error)
-        if self.closing or self.conn is None:
+        if self.error is not None or self.closing or self.conn is None:
+            if not isinstance(msg, AddRequest):
+                return  # an abort or a shutdown of a core that is gone: done already
+            if self.error is not None:
+                raise copy.copy(self.error)
             raise EngineDeadError("the spawned engine core is shut down")
         try:
             with self.send_lock:
@@ -224,7 +234,7 @@ class _Link:
         try:
             while True:
                 try:
-                    msg = self.conn.recv() if self.conn.poll(WATCH_S) else None
+                    msg = self.conn.recv() if self._wait(WATCH_S) else None
                 except (EOFError, OSError):
                     break
                 if msg is None:
@@ -261,15 +271,15 @@ class _Link:
         log.error("%s the spawned engine core died: %s", self.who, err)
         self._deliver(last)
         if not self.job.wait(1.0):
-            self.job.end()
+            self.job.kill()
 
     def _fail(self, error: EngineDeadError) -> None:
-        """A rank is lost: kill the job first (nothing is left waiting), then tell the frontend."""
+        """A rank is lost: tell the frontend, kill the job (nothing is left waiting)."""
         self.error = error
+        self._deliver(CoreOutputs(error=error))
         self.job.kill()
         log.error("%s %s\n--- the job's last output lines ---\n%s", self.who, error,
                   self.job.output_tail())
-        self._deliver(CoreOutputs(error=error))
 
     # -- end --------------------------------------------------------------------------------
     def close(self, timeout: float) -> None:
@@ -296,5 +306,7 @@ class _Link:
             if self.conn is not None:
                 self.conn.close()
             shutil.rmtree(self.dir, ignore_errors=True)
+            if self.watch is not None:
+                self.watch.close()
             if self.job is not None:
                 sigterm_exit.release()

@@ -49,16 +49,20 @@ def ckpt(tiny_ckpts):
     return tiny_ckpts[("mixtral", "base")]
 
 
-def test_greedy_tokens_abort_and_shutdown(ckpt, single_mode_tokens):
+ROLES = {"single": ["[attn dp0 tp0]"], "a1e2": ["[attn dp0 tp0]", "[expert 0]", "[expert 1]"]}
+
+
+@pytest.mark.parametrize("deploy", list(ROLES))
+def test_greedy_tokens_abort_and_shutdown(ckpt, single_mode_tokens, deploy):
     """Greedy tokens equal in-process single mode's; an abort ends a running request with
     "abort" while the others go on; shutdown ends the requests still running with "abort";
     then no process of the job is left."""
-    spec = job_tree(ckpt)
+    spec = job_tree(ckpt, deploy)
     intake = Intake.for_job(spec.resolve(0))
     col = Collector()
     core = SpawnedCore(spec, col.deliver)
     pids, marker = _pids(core), core.job.marker
-    assert [r.role for r in core.ranks] == ["[attn dp0 tp0]"] and core.alive
+    assert [r.role for r in core.ranks] == ROLES[deploy] and core.alive
     try:
         reqs = inputs(intake.vocab_size, 12)
         add(core, intake, "doomed", [9, 8, 7], max_tokens=100)
@@ -105,6 +109,9 @@ def test_with_block_and_garbage_collection_end_the_job(ckpt):
 FAULTS = {  # deploy, the rank hit, the signal, comm.timeout_s, its role, the error's words
     "single-rank0-killed": ("single", 0, signal.SIGKILL, 10.0, "[attn dp0 tp0]", "died"),
     "single-rank0-stopped": ("single", 0, signal.SIGSTOP, 3.0, "[attn dp0 tp0]", "hangs"),
+    "a1e2-expert1-killed": ("a1e2", 2, signal.SIGKILL, 10.0, "[expert 1]", "died"),
+    # a hung expert: rank 0's control plane names it after comm.timeout_s (RankFailure)
+    "a1e2-expert0-stopped": ("a1e2", 1, signal.SIGSTOP, 4.0, "[expert 0]", "stopped answering"),
 }
 
 
@@ -168,16 +175,19 @@ def _tag_children(monkeypatch):
     monkeypatch.setenv("MEGAINFER_TEST_PARENT", str(os.getpid()))
 
 
-ENDINGS = {  # script mode, signal sent once it generates, its expected exit status
-    "exit": ("exit", None, 0), "raise": ("raise", None, 1),
-    "sigterm": ("wait", signal.SIGTERM, 128 + signal.SIGTERM),
-    "sigint": ("wait", signal.SIGINT, -signal.SIGINT), "sigkill": ("wait", signal.SIGKILL, -signal.SIGKILL)}
+ENDINGS = {  # deploy, script mode, signal sent once it generates, its expected exit status
+    "exit": ("single", "exit", None, 0), "raise": ("single", "raise", None, 1),
+    "sigterm": ("single", "wait", signal.SIGTERM, 128 + signal.SIGTERM),
+    "sigint": ("single", "wait", signal.SIGINT, -signal.SIGINT),
+    "sigkill": ("single", "wait", signal.SIGKILL, -signal.SIGKILL),
+    "a1e2-sigterm": ("a1e2", "wait", signal.SIGTERM, 128 + signal.SIGTERM),
+    "a1e2-sigkill": ("a1e2", "wait", signal.SIGKILL, -signal.SIGKILL)}
 
 
 @pytest.mark.parametrize("ending", list(ENDINGS))
 def test_a_script_that_ends_leaves_no_process(ckpt, ending):
-    mode, sig, status = ENDINGS[ending]
-    p = subprocess.Popen([sys.executable, SCRIPT, ckpt, "single", mode], stdout=subprocess.PIPE,
+    deploy, mode, sig, status = ENDINGS[ending]
+    p = subprocess.Popen([sys.executable, SCRIPT, ckpt, deploy, mode], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         info = json.loads(p.stdout.readline() or "null")
