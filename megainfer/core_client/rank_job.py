@@ -165,6 +165,7 @@ def main(argv=None) -> int:
             except (OSError, EOFError):
                 pass
         _end(comm, launched, 1)
+        return 1  # not reached: _end exits
     if engine is None:  # a rank other than 0: it served until rank 0 closed
         log.debug("%s the job is over", prefix)
         return 0

@@ -1,13 +1,16 @@
-"""The engine core of a plain script's own ``mpiexec`` child job (``SpawnedCore``): single
-mode's greedy tokens, aborts, shutdown, and no process left behind however the script ends
-(close, ``with``, garbage collection, interpreter exit, an uncaught exception, SIGTERM,
-SIGINT, SIGKILL of the script, SIGKILL of a rank; docs/python_api.md)."""
+"""The engine core of a plain script's own ``mpiexec`` child job (``SpawnedCore``), in single
+mode (one rank) and a1e2 (three): single mode's greedy tokens, aborts, shutdown, a killed or
+hung rank named by ``RankLostError`` within ``comm.timeout_s``, and no process left behind
+however the script ends (close, ``with``, garbage collection, interpreter exit, an uncaught
+exception, SIGTERM, SIGINT, SIGKILL of the script, SIGKILL of a rank; docs/python_api.md,
+"Ranks started from a plain script")."""
 import gc
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -22,7 +25,7 @@ from megainfer.core_client.errors import CoreStartError, EngineDeadError, RankLo
 from megainfer.core_client.intake import Intake  # noqa: E402
 from megainfer.core_client.mpiexec_job import pid_alive  # noqa: E402
 from megainfer.core_client.spawn import SpawnedCore  # noqa: E402
-from megainfer.engine.core import AbortRequest  # noqa: E402
+from megainfer.engine.core import AbortRequest, AddRequest  # noqa: E402
 
 SCRIPT = os.path.join(MPI_PROGS, "spawned_core_script.py")
 GONE_S = 15.0  # a job's processes are all gone within this after the script's end
@@ -88,7 +91,6 @@ def test_greedy_tokens_abort_and_shutdown(ckpt, single_mode_tokens, deploy):
 
 
 def _add_request(intake, r):
-    from megainfer.engine.core import AddRequest
     return AddRequest(r.request_id, intake.tokenize(None, r.params, r.prompt_token_ids), r.params)
 
 
@@ -142,6 +144,42 @@ def test_a_lost_rank_raises_rank_lost_error_naming_it(ckpt, fault):
         _assert_gone(pids, marker, within=5.0)
     finally:
         core.shutdown()
+
+
+LLM_ARGS = dict(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128, block_size=4,
+                num_blocks=256, cpu_threads=1, overrides=["comm.timeout_s=10"])
+
+
+def test_llm_a1e2_from_a_plain_process(ckpt):
+    """``LLM(deploy="a1e2")`` in this (plain, non-MPI) process starts its 3 ranks itself: its
+    greedy tokens equal single mode's; an expert rank killed mid-generate raises
+    RankLostError naming it out of ``generate``; then nothing of the job is left."""
+    from megainfer import LLM, SamplingParams
+    prompts = [{"prompt_token_ids": p} for p in ([5, 6, 7], [9, 10, 11, 12, 13], [3])]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    single = LLM(ckpt, **LLM_ARGS)
+    want = [o.outputs[0].token_ids for o in single.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(ckpt, deploy="a1e2", **LLM_ARGS)
+    core = llm._core.core
+    assert isinstance(core, SpawnedCore)
+    pids, marker = _pids(core), core.job.marker
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert got == want
+
+        def kill_expert_once_generating():
+            start = llm._core.num_generated_tokens
+            while llm._core.num_generated_tokens == start:
+                time.sleep(0.005)
+            os.kill(core.ranks[2].pid, signal.SIGKILL)
+        threading.Thread(target=kill_expert_once_generating, daemon=True).start()
+        long = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+        with pytest.raises(RankLostError) as e:
+            llm.generate(prompts, long, use_tqdm=False)
+        assert (e.value.rank, e.value.role) == (2, "[expert 1]"), e.value
+    finally:
+        llm.close()
+    _assert_gone(pids, marker, within=5.0)
 
 
 def test_start_failures_raise_with_the_job_output(ckpt, tmp_path):
