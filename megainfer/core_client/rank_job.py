@@ -23,8 +23,6 @@ import sys
 import threading
 import time
 from multiprocessing.connection import Client
-from typing import Optional
-
 from .mpiexec_job import parent_death_signal
 from .spawn_messages import (AUTHKEY_ENV, HEARTBEAT_S, LOG_LEVEL_ENV, Heartbeat, Launched,
                              RankInfo, Ready, StartFailed)
@@ -34,7 +32,7 @@ POLL_S = 0.25  # rank 0's main thread: how often it checks its core thread while
 ABORT_GRACE_S = 0.5  # lets mpiexec forward a rank's last lines before MPI_Abort
 
 
-def wire_error(e: BaseException, ranks: dict):
+def wire_error(e: BaseException, ranks: dict, what: str = "rank 0's engine core died"):
     """``e`` as the ``EngineDeadError`` the script gets: a peer that did not answer in time
     anywhere in its chain (the control plane's ``RankFailure``, a channel's
     ``CommTimeoutError``) is named by its rank and role (``ranks``: rank -> ``RankInfo``)."""
@@ -52,8 +50,8 @@ def wire_error(e: BaseException, ranks: dict):
         cur = cur.__cause__ or cur.__context__
     if isinstance(e, EngineDeadError):
         return e
-    return EngineDeadError(f"rank 0's engine core died: {type(e).__name__}: {e} (its traceback "
-                           "is in the job's log)")
+    return EngineDeadError(f"{what}: {type(e).__name__}: {e} (its traceback is in the job's "
+                           "log)")
 
 
 class _Outbox:
@@ -117,19 +115,16 @@ def serve_script(conn, engine, job, ranks: dict, prefix: str) -> bool:
     return core.error is None
 
 
-def _start(rank: int, world: int, comm, address: Optional[str]):
-    """(connection or None, this rank's job, {rank: RankInfo} on rank 0, role tag)."""
+def _launch(rank: int, world: int, comm, spec):
+    """(this rank's job, {rank: RankInfo} on rank 0, role tag); ``spec``: rank 0's
+    ``JobTree`` (None on the others)."""
     from megainfer.runtime.roles import assign_role
-    conn = spec = None
-    if rank == 0:
-        conn = Client(address, family="AF_UNIX", authkey=bytes.fromhex(os.environ[AUTHKEY_ENV]))
-        spec = conn.recv()
     spec = comm.bcast(spec, root=0)
     job = spec.resolve(rank)
     tag = assign_role(job.deploy, rank, world).tag
     table = comm.gather(RankInfo(rank, os.getpid(), tag), root=0)
     ranks = {i.rank: i for i in table} if rank == 0 else {}
-    return conn, job, ranks, tag
+    return job, ranks, tag
 
 
 def main(argv=None) -> int:
@@ -146,10 +141,13 @@ def main(argv=None) -> int:
     rank, world = comm.Get_rank(), comm.Get_size()
     prefix, conn, ranks, launched = f"[rank {rank}]", None, {}, False
     try:
-        if rank == 0 and len(argv) != 1:
-            raise CoreStartError(f"rank_job: give the script's socket address, got {argv!r}")
-        conn, job, ranks, prefix = _start(rank, world, comm, argv[0] if argv else None)
+        if rank == 0:
+            if len(argv) != 1:
+                raise CoreStartError(f"rank_job: give the script's socket address, got {argv!r}")
+            conn = Client(argv[0], family="AF_UNIX",
+                          authkey=bytes.fromhex(os.environ[AUTHKEY_ENV]))
         os.environ.pop(AUTHKEY_ENV, None)
+        job, ranks, prefix = _launch(rank, world, comm, conn.recv() if conn else None)
         if rank == 0:
             conn.send(Launched(tuple(ranks[r] for r in sorted(ranks))))
         launched = True
@@ -161,7 +159,7 @@ def main(argv=None) -> int:
         log.exception("%s failed to start", prefix)
         if conn is not None:
             try:
-                conn.send(StartFailed(wire_error(e, ranks)))
+                conn.send(StartFailed(wire_error(e, ranks, f"{prefix} failed to start")))
             except (OSError, EOFError):
                 pass
         _end(comm, launched, 1)

@@ -187,7 +187,8 @@ def test_start_failures_raise_with_the_job_output(ckpt, tmp_path):
     bound raise CoreStartError carrying the job's output; the job is ended."""
     bad = job_tree(ckpt)
     bad.tree["scheduler"]["max_num_seqs"] = 0
-    with pytest.raises(CoreStartError, match="max_num_seqs") as e:
+    with pytest.raises(CoreStartError, match=r"did not start: \[rank 0\] failed to start: "
+                       r"ConfigError: scheduler.max_num_seqs=0") as e:
         SpawnedCore(bad, Collector().deliver)
     assert "the job's last output lines" in str(e.value)
     with pytest.raises(CoreStartError, match="timed out"):
