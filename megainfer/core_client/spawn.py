@@ -2,9 +2,9 @@
 ``mpiexec`` child job (``rank_job``) whose rank 0 serves the core over a local socket
 (docs/python_api.md, "Ranks started from a plain script").
 
-``SpawnedCore(spec, deliver)`` listens on a unix socket in a fresh private directory (a random
-authkey, handed to the child in its environment; one authenticated connection is accepted,
-then the socket is removed), starts the job (``MpiexecJob``), sends rank 0 the ``JobTree`` and
+``SpawnedCore(spec, deliver)`` listens on a unix socket in a fresh private directory
+(``CoreSocket``: a random authkey, handed to the child in its environment; one authenticated
+connection is accepted, then the socket is removed), starts the job (``MpiexecJob``), sends rank 0 the ``JobTree`` and
 blocks until rank 0's ``Ready`` (bounded: a start failure or a timeout raises
 ``CoreStartError`` with the job's last output lines, the job ended). A reader thread then
 hands each ``CoreOutputs`` to ``deliver`` and watches the ranks (``RankWatch``): a rank that
@@ -24,21 +24,16 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import secrets
-import select
-import shutil
-import socket
-import tempfile
 import threading
 import time
 import weakref
-from multiprocessing.connection import AuthenticationError, Connection, answer_challenge, \
-    deliver_challenge
+from multiprocessing.connection import Connection
 from typing import Callable, Optional
 
 from megainfer.engine.core import AddRequest, CoreInput, CoreOutputs, Shutdown
 
 from . import sigterm_exit
+from .core_socket import CoreSocket
 from .errors import CoreStartError, EngineDeadError
 from .mpiexec_job import MpiexecJob
 from .rank_watch import RankWatch
@@ -109,38 +104,33 @@ class _Link:
         self.conn: Optional[Connection] = None
         self.ranks: tuple[RankInfo, ...] = ()
         self.error: Optional[EngineDeadError] = None
-        self.watch: Optional[RankWatch] = None  # once rank 0 is ready
+        self.watch: Optional[RankWatch] = None  # once every rank has launched
         self.closing = self.closed = False
         self.send_lock, self.state_lock = threading.Lock(), threading.Lock()
         self.reader: Optional[threading.Thread] = None
-        self.dir = tempfile.mkdtemp(prefix="megainfer-core-")  # 0700: only this user connects
-        self.address = os.path.join(self.dir, "core.sock")
-        self.authkey = secrets.token_bytes(32)
+        self.socket = CoreSocket()
         self.who = f"[script pid {os.getpid()}]"
 
     # -- start ------------------------------------------------------------------------------
     def start(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         world = self.spec.world_size
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        address = self.socket.address
+        env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_ENV_PREFIXES)}
+        env.update({AUTHKEY_ENV: self.socket.authkey.hex(), "PYTHONUNBUFFERED": "1",
+                    LOG_LEVEL_ENV: logging.getLevelName(
+                        logging.getLogger("megainfer").getEffectiveLevel())})
+        self.job = MpiexecJob(world, "megainfer.core_client.rank_job", [address], env,
+                              marker=address)
+        sigterm_exit.hold()
+        log.info("%s started %d ranks: %s (pid %d)", self.who, world, " ".join(self.job.cmd),
+                 self.job.pid)
+        self.conn = self.socket.accept(lambda: self._check_starting(deadline, "rank 0 connected"),
+                                       WATCH_S)
         try:
-            listener.bind(self.address)
-            listener.listen(1)
-            env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_ENV_PREFIXES)}
-            env.update({AUTHKEY_ENV: self.authkey.hex(), "PYTHONUNBUFFERED": "1",
-                        LOG_LEVEL_ENV: logging.getLevelName(
-                            logging.getLogger("megainfer").getEffectiveLevel())})
-            self.job = MpiexecJob(world, "megainfer.core_client.rank_job", [self.address], env,
-                                  marker=self.address)
-            sigterm_exit.hold()
-            log.info("%s started %d ranks: %s (pid %d)", self.who, world, " ".join(self.job.cmd),
-                     self.job.pid)
-            self.conn = self._accept(listener, deadline)
-        finally:
-            listener.close()
-            if os.path.exists(self.address):
-                os.unlink(self.address)  # nothing else is accepted
-        self.conn.send(self.spec)
+            self.conn.send(self.spec)
+        except OSError:
+            raise self._start_error("rank 0 closed its socket before it got the job") from None
         while True:
             msg = self._start_message(deadline)
             if isinstance(msg, Launched):
@@ -159,23 +149,6 @@ class _Link:
         self.reader = threading.Thread(target=self._read, name="megainfer-spawned-core",
                                        daemon=True)
         self.reader.start()
-
-    def _accept(self, listener: socket.socket, deadline: float) -> Connection:
-        """Rank 0's authenticated connection (others are dropped), bounded by ``deadline`` and
-        by the job's life."""
-        while True:
-            self._check_starting(deadline, "rank 0 connected")
-            if not select.select([listener], [], [], WATCH_S)[0]:
-                continue
-            sock, _ = listener.accept()
-            conn = Connection(sock.detach())
-            try:
-                deliver_challenge(conn, self.authkey)
-                answer_challenge(conn, self.authkey)
-                return conn
-            except (AuthenticationError, OSError, EOFError) as e:
-                log.warning("%s refused a connection to %s: %s", self.who, self.address, e)
-                conn.close()
 
     def _start_message(self, deadline: float):
         while True:
@@ -305,7 +278,7 @@ class _Link:
         finally:
             if self.conn is not None:
                 self.conn.close()
-            shutil.rmtree(self.dir, ignore_errors=True)
+            self.socket.close()
             if self.watch is not None:
                 self.watch.close()
             if self.job is not None:
