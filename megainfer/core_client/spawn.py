@@ -45,8 +45,9 @@ log = logging.getLogger("megainfer.core_client")
 START_TIMEOUT_S = 600.0  # starting N ranks: imports, MPI start-up, weights (a slow disk, a big model)
 SHUTDOWN_TIMEOUT_S = 60.0  # the last outputs and the job's exit, then it is killed
 WATCH_S = 0.25  # how often the reader checks the ranks' pids while no output comes
-# a launcher's variables must not reach the child job's mpiexec (this script may run under one)
-_LAUNCHER_ENV_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPIR_", "PALS_")
+# the variables a launcher gives its processes must not reach the child job's mpiexec (this
+# script may be one of them); MPICH's own settings (MPIR_CVAR_*, HYDRA_*) do reach the ranks
+_LAUNCHER_ENV_PREFIXES = ("PMI_", "PMIX_", "OMPI_COMM_WORLD_", "HYDI_", "MPI_LOCAL")
 
 
 class SpawnedCore:
