@@ -240,3 +240,13 @@ def test_a_script_that_ends_leaves_no_process(ckpt, ending):
             os.killpg(p.pid, signal.SIGKILL)
     assert p.returncode == status, err[-3000:]
     _assert_gone([info["mpiexec"], *info["ranks"]], info["address"])
+
+
+def test_a_script_under_mpiexec_n1_starts_its_own_job(ckpt):
+    """``mpiexec -n 1 python script.py`` asking for a1e2 (a launch of one process, not of the
+    job's ranks) starts its own 3-rank child job, generates, and ends it with the script."""
+    from mpi_util import run_mpi
+    res = run_mpi(1, SCRIPT, [ckpt, "a1e2", "exit"], timeout=180)
+    info = json.loads(res.stdout.splitlines()[0])
+    assert len(info["ranks"]) == 3 and "GENERATING" in res.stdout
+    _assert_gone([info["mpiexec"], *info["ranks"]], info["address"])
