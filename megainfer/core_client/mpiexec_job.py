@@ -6,8 +6,9 @@
 SIGKILL. MPICH's ``mpiexec`` puts every rank in a session of its own, so ending the job is:
 SIGTERM to ``mpiexec`` (it ends its ranks), SIGKILL after a grace period, then SIGKILL to any
 rank process still there (their pids are ``track``ed). ``-disable-auto-cleanup``: a rank that
-dies leaves the others running, so the job can tell which one died (``SpawnedCore`` watches the
-pids; the runtime's own timeouts name a hung peer).
+exits leaves ``mpiexec`` running the others (rank 0 can still report; the script ends the job;
+a rank killed mid-communication still takes the others down with it, MPICH's doing: the
+script's ``RankWatch`` names the first to die).
 
 The job's stdout and stderr are forwarded, line by line, to this process's stderr and the last
 lines are kept for error messages (``output_tail``). The process is created and waited for on a

@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 from multiprocessing.connection import Client
+
 from .mpiexec_job import parent_death_signal
 from .spawn_messages import (AUTHKEY_ENV, HEARTBEAT_S, LOG_LEVEL_ENV, Heartbeat, Launched,
                              RankInfo, Ready, StartFailed)
@@ -92,8 +93,8 @@ def serve_script(conn, engine, job, ranks: dict, prefix: str) -> bool:
     from megainfer.engine.core import (AbortRequest, AddRequest, EngineCore, EngineCoreThread,
                                        Shutdown)
     out = _Outbox(conn, ranks)
+    out.send(Ready(engine.log_prefix, float(job.comm.timeout_s)))  # before any output
     core = EngineCoreThread(EngineCore(engine), out.deliver)
-    out.send(Ready(engine.log_prefix, float(job.comm.timeout_s)))
     log.info("%s serving the script's engine core", prefix)
     while core.alive:
         out.heartbeat()
