@@ -38,7 +38,7 @@ class LLM:
     ``"colocated2"``, ``"auto"``) or a mapping of ``deploy.*`` keys; ``tensor_parallel_size``:
     attention TP; ``world_size``: the ranks (default: what the plan needs, else 1);
     ``overrides``: any launcher key as ``"group.key=value"``. All of it goes through the
-    launcher's resolution (``megainfer.config.resolve``). Bad settings raise ``ConfigError``
+    launcher's resolution (``megainfer.engine.resolve``). Bad settings raise ``ConfigError``
     naming the argument (and its config key) before any weight is loaded.
 
     Every mode runs (docs/python_api.md). Under ``mpiexec -n N python script.py`` every rank

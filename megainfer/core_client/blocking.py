@@ -13,7 +13,7 @@ from megainfer.engine.outputs import PromptInput, RequestOutput
 from megainfer.engine.stream import RequestStream
 
 from .client import JobTree, open_core
-from .errors import EngineDeadError
+from megainfer.engine.errors import EngineDeadError
 from .intake import Intake
 
 POLL_S = 1.0  # how often a waiting generate checks that the core still runs

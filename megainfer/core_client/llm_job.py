@@ -1,5 +1,5 @@
 """``LLM(...)``'s arguments -> the job it runs: the config tree through the launcher's
-resolution (``megainfer.config.resolve``), its world size (the ``mpiexec`` launch this process
+resolution (``megainfer.engine.resolve``), its world size (the ``mpiexec`` launch this process
 is part of, else ``world_size``, else what the plan's counts need), and the ``JobTree`` every
 rank resolves again for itself. A ``ConfigError`` names the Python argument the bad value came
 from."""

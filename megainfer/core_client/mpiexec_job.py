@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Optional, Sequence
 
-from .errors import CoreStartError
+from megainfer.engine.errors import CoreStartError
 
 PR_SET_PDEATHSIG = 1
 TAIL_LINES = 40

@@ -34,13 +34,16 @@ ABORT_GRACE_S = 0.5  # lets mpiexec forward a rank's last lines before MPI_Abort
 
 
 def wire_error(e: BaseException, ranks: dict, what: str = "rank 0's engine core died"):
-    """``e`` as the ``EngineDeadError`` the script gets: a peer that did not answer in time
-    anywhere in its chain (the control plane's ``RankFailure``, a channel's
-    ``CommTimeoutError``) is named by its rank and role (``ranks``: rank -> ``RankInfo``)."""
+    """``e`` as the ``EngineDeadError`` the script gets: one already (the runtime's engine
+    names a silent peer itself: ``RankLostError``) as it is; a peer that did not answer in time
+    anywhere else in its chain (the control plane's ``RankFailure``, a channel's
+    ``CommTimeoutError``, e.g. while the ranks start) named by its rank and role (``ranks``:
+    rank -> ``RankInfo``); anything else by its type and message."""
     from megainfer.comm.errors import CommTimeoutError
+    from megainfer.engine.errors import EngineDeadError, RankLostError
     from megainfer.runtime.control import RankFailure
-
-    from .errors import EngineDeadError, RankLostError
+    if isinstance(e, EngineDeadError):
+        return e
     seen, cur = set(), e
     while cur is not None and id(cur) not in seen:
         if isinstance(cur, (RankFailure, CommTimeoutError)) and isinstance(cur.peer, int):
@@ -49,8 +52,6 @@ def wire_error(e: BaseException, ranks: dict, what: str = "rank 0's engine core 
                                  f"{cur}", cur.peer, role)
         seen.add(id(cur))
         cur = cur.__cause__ or cur.__context__
-    if isinstance(e, EngineDeadError):
-        return e
     return EngineDeadError(f"{what}: {type(e).__name__}: {e} (its traceback is in the job's "
                            "log)")
 
@@ -82,7 +83,7 @@ class _Outbox:
         try:
             self.send(outputs)
         except Exception as e:  # noqa: BLE001 - an output that does not pickle: say so
-            from .errors import EngineDeadError
+            from megainfer.engine.errors import EngineDeadError
             self.send(CoreOutputs(error=EngineDeadError(f"rank 0 could not send its outputs: "
                                                         f"{type(e).__name__}: {e}")))
 
@@ -136,7 +137,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=os.environ.get(LOG_LEVEL_ENV, "WARNING"), format="%(message)s")
     from mpi4py import MPI
 
-    from .errors import CoreStartError
+    from megainfer.engine.errors import CoreStartError
     from .ranks import start_ranks
     comm = MPI.COMM_WORLD
     rank, world = comm.Get_rank(), comm.Get_size()

@@ -16,7 +16,8 @@ import select
 import time
 from typing import Optional
 
-from .errors import RankLostError
+from megainfer.engine.errors import RankLostError
+
 from .mpiexec_job import MpiexecJob
 from .spawn_messages import RankInfo
 

@@ -8,7 +8,7 @@ import os
 from typing import Optional
 
 from megainfer.config import ConfigError, ResolvedJob
-from megainfer.config.resolve import resolve_job
+from megainfer.engine.resolve import resolve_job
 
 log = logging.getLogger("megainfer.engine")
 

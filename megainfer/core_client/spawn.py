@@ -31,10 +31,10 @@ from multiprocessing.connection import Connection
 from typing import Callable, Optional
 
 from megainfer.engine.core import AddRequest, CoreInput, CoreOutputs, Shutdown
+from megainfer.engine.errors import CoreStartError, EngineDeadError
 
 from . import sigterm_exit
 from .core_socket import CoreSocket
-from .errors import CoreStartError, EngineDeadError
 from .mpiexec_job import MpiexecJob
 from .rank_watch import RankWatch
 from .spawn_messages import (AUTHKEY_ENV, LOG_LEVEL_ENV, Heartbeat, Launched, RankInfo, Ready,

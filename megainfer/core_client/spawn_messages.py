@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import EngineDeadError
+from megainfer.engine.errors import EngineDeadError
 
 # the child's environment: the authkey of the socket (never on a command line) and the log level
 AUTHKEY_ENV = "MEGAINFER_CORE_AUTHKEY"

@@ -41,7 +41,8 @@ class ReplicaStatus:
 
 @dataclass
 class Go:
-    """Rank 0 -> every attention rank after each iteration's sync."""
+    """Rank 0 -> every attention rank after each iteration's sync (``tags.GO``), and once
+    before the first with its first share of requests (``tags.REQUESTS``)."""
 
     proceed: bool  # False: stop (or end the loop for a re-plan)
     items: list  # this replica's new requests (PromptInputs), or with PD its transfer messages

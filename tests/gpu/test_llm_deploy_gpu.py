@@ -12,8 +12,7 @@ import mpi_util
 from repo_paths import MPI_PROGS
 
 sys.path.insert(0, MPI_PROGS)
-from llm_deploy_job import ENGINE_ARGS, async_outputs, offline_outputs  # noqa: E402
-from test_llm_deploy import _check_streams  # noqa: E402
+from test_llm_deploy import _check_streams, _single  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 JOB = os.path.join(MPI_PROGS, "llm_deploy_job.py")
@@ -26,24 +25,13 @@ def _mpiexec(monkeypatch):
         monkeypatch.setattr(mpi_util, "mpiexec_path", lambda: os.environ["MPIEXEC"])
 
 
-def _single(ckpt, what):
-    from megainfer import AsyncLLM, LLM
-    kw = dict(ENGINE_ARGS, device="cuda", dtype="float32")
-    if what == "offline":
-        return offline_outputs(LLM(ckpt, **kw))
-    engine = AsyncLLM(ckpt, **kw)
-    try:
-        return async_outputs(engine)
-    finally:
-        engine.shutdown()
-
-
 @pytest.mark.parametrize("what", ["offline", "async"])
 def test_a1e2_on_the_gpu_equals_single_mode(tiny_ckpts, tmp_path, what):
     ckpt = tiny_ckpts[("mixtral", "base")]
     out = tmp_path / "out.json"
     mpi_util.run_mpi(3, JOB, [out, ckpt, "a1e2", what, *ON_GPU], timeout=300)
-    got, want = json.loads(out.read_text()), _single(ckpt, what)
+    got = json.loads(out.read_text())
+    want = _single(ckpt, what, device="cuda", dtype="float32")
     if what == "offline":
         assert got["greedy"] == want["greedy"] and got["seeded"] == want["seeded"]
     else:

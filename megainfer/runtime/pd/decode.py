@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megainfer.engine.kv_handoff import release, reserve, start
+from megainfer.perfmodel.trace import KV_RECV, kv_transfer_name
 from megainfer.runtime.messages import Drop, Expect, Start
 from megainfer.runtime.pd.kv_stream import IncomingKV, KVReceiver
 
@@ -99,7 +100,7 @@ class DecodeSide:
                 self.num_started += 1
                 if self.tracer is not None:
                     ep = self.tracer.epoch
-                    self.tracer.add("KV recv", f"KV {req.request_id}", (e.inc.t_posted - ep) * 1e6,
+                    self.tracer.add(KV_RECV, kv_transfer_name(req.request_id), (e.inc.t_posted - ep) * 1e6,
                                     (e.inc.t_received - e.inc.t_posted) * 1e6, -1, -1, 0,
                                     e.num_tokens)
                 del self.expects[xfer]

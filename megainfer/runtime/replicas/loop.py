@@ -12,6 +12,12 @@ replica's new requests (``messages.Go``): the TP ranks of a replica get exactly 
 leader gets, in the same order, so their schedulers stay identical. On stop, leaders send the
 expert ranks a stop message.
 
+Online (``open_online``, driven by ``online.RuntimeEngine``): rank 0 runs one iteration per
+``iterate`` call and never stops for lack of work; requests come in through ``submit``, the
+leaders also report each step's new tokens, and ``abort`` reaches a request's replica through
+the next go (``Go.aborts``); ``close`` runs the iteration that stops every rank
+(docs/python_api.md).
+
 Re-planning (docs/replan.md): rank 0's ``replan_hook`` may end the loop at an iteration
 boundary with an order (``self.order``) instead of a stop; the ranks then switch roles and
 the loops that remain go on with ``resume``/``resume_stream``, nothing finished lost.
@@ -70,15 +76,13 @@ class ReplicaLoop:
                                         sched.max_num_seqs, prompt_tokens_of(engine),
                                         use_keys=cache.enable_prefix_caching)
 
-    def _send_to_attention_ranks(self, per_replica: list, tag: int, proceed=None,
+    def _send_to_attention_ranks(self, per_replica: list, tag: int, proceed: bool = True,
                                  aborts=None) -> None:
-        """Rank 0: each other attention rank its replica's entry of ``per_replica`` (as a
-        ``Go`` when ``proceed`` is given, with its replica's ``aborts``): the TP ranks of a
-        replica get their leader's."""
+        """Rank 0: each other attention rank a ``Go`` with its replica's entry of
+        ``per_replica`` (and of ``aborts``): the TP ranks of a replica get their leader's."""
         for rank in self.attn_ranks[1:]:
             r = replica_of(self.plan, rank)
-            self.control.send(per_replica[r] if proceed is None else
-                              Go(proceed, per_replica[r], aborts[r] if aborts else []), rank, tag)
+            self.control.send(Go(proceed, per_replica[r], aborts[r] if aborts else []), rank, tag)
 
     # ------------------------------------------------------------------ rank 0
     def generate_stream(self, inputs: Iterable[PromptInput]) -> Iterator[RequestOutput]:
@@ -137,7 +141,7 @@ class ReplicaLoop:
     # ------------------------------------------------------------------ other attention ranks
     def serve(self) -> None:
         """Attention ranks other than 0: take this replica's requests, run until told to stop."""
-        mine = self.control.recv(0, tags.REQUESTS, "request hand-out")
+        mine = self.control.recv(0, tags.REQUESTS, "request hand-out").items
         for _ in self._loop(mine):
             pass
 

@@ -18,10 +18,11 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from megainfer.engine.errors import DuplicateRequestError
+from megainfer.engine.errors import DuplicateRequestError, RankLostError
 from megainfer.engine.intake import TokenizedPrompt
 from megainfer.engine.outputs import PromptInput, RequestOutput, StepOutputs
 from megainfer.engine.sampling_params import SamplingParams
+from megainfer.runtime.roles import assign_role
 
 log = logging.getLogger("megainfer.runtime")
 
@@ -100,7 +101,7 @@ class RuntimeEngine:
             done = self.loop.iterate()
         except BaseException as e:
             self.failed = e
-            raise
+            raise self._named(e) from e
         self.num_iterations += 1
         self.last_iteration_at = time.monotonic()
         finished = []
@@ -111,6 +112,18 @@ class RuntimeEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def _named(self, e: BaseException) -> BaseException:
+        """A peer that did not answer (``RankFailure``, ``CommTimeoutError``: their ``peer``)
+        -> ``RankLostError`` naming its rank and role; anything else as it is."""
+        peer = getattr(e, "peer", None)
+        if not isinstance(peer, int):
+            return e
+        job = self.rank.job
+        world = job.deploy.world_size
+        role = assign_role(job.deploy, peer, world).tag if 0 <= peer < world else None
+        return RankLostError(f"{role or f'rank {peer}'} (rank {peer}) stopped answering: {e}",
+                             peer, role)
 
     def idle_tick(self) -> None:
         self.step_outputs()

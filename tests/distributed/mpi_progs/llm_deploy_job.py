@@ -49,8 +49,8 @@ def offline_outputs(llm) -> dict:
         "greedy": [o.outputs[0].token_ids for o in greedy],
         "greedy_text": [o.outputs[0].text for o in greedy],
         "seeded": [[c.token_ids for c in o.outputs] for o in seeded],
-        "logprobs": [[[sorted((t, round(lp.logprob, 4)) for t, lp in pos.items())
-                       for pos in o.outputs[0].logprobs] for o in lps]],
+        "logprobs": [[sorted([t, lp.logprob] for t, lp in pos.items())
+                      for pos in o.outputs[0].logprobs] for o in lps],
         "stop": [stop[0].outputs[0].text, stop[0].outputs[0].finish_reason],
         "chat": chat[0].outputs[0].token_ids,
     }
@@ -94,7 +94,22 @@ def async_outputs(engine) -> dict:
     return asyncio.run(_async_job(engine))
 
 
+def idle_cpu(pids, seconds: float = 2.0) -> list[float]:
+    """Each process's CPU (cores' worth, from /proc) over ``seconds`` of an idle runtime."""
+    import time
+
+    def cpu(pid):
+        f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+    c0, t0 = [cpu(p) for p in pids], time.perf_counter()
+    time.sleep(seconds)
+    dt = time.perf_counter() - t0
+    return [(cpu(p) - c) / dt for p, c in zip(pids, c0)]
+
+
 def main():
+    from mpi4py import MPI
+    pids = MPI.COMM_WORLD.allgather(os.getpid())  # before LLM(...): only rank 0 leaves it
     out, ckpt, deploy, what = sys.argv[1:5]
     overrides = ["comm.timeout_s=30", *sys.argv[5:]]
     deploy = json.loads(deploy) if deploy.startswith("{") else deploy
@@ -104,11 +119,11 @@ def main():
     else:
         from megainfer import AsyncLLM
         llm = AsyncLLM(ckpt, deploy=deploy, overrides=overrides, **ENGINE_ARGS)
-    from mpi4py import MPI
     with open(f"{out}.after.{MPI.COMM_WORLD.Get_rank()}", "w"):  # code after LLM(): rank 0 only
         pass
     got = offline_outputs(llm) if what == "offline" else async_outputs(llm)
     if what == "offline":
+        got["idle_cpu"] = idle_cpu(pids)
         llm.close()
     else:
         llm.shutdown()

@@ -1,4 +1,4 @@
-"""One config resolution for LLM and the launcher (megainfer.config.resolve): each check once,
+"""One config resolution for LLM and the launcher (megainfer.engine.resolve): each check once,
 LLM's vLLM-named arguments and every launcher key, model ids from the local Hugging Face
 cache, and errors that name the Python argument or the closest known key."""
 import dataclasses
@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_module
 import megainfer.models.loader as loader
 from megainfer import LLM, SamplingParams
 from megainfer.config import ConfigError, DeviceConfig, LoadConfig, ModelConfig, ResolvedJob
-from megainfer.config.resolve import kv_budget_gib
+from megainfer.engine.resolve import kv_budget_gib
 from megainfer.launch.overrides import job_config_text, override_key_error
 from megainfer.launch.settings import JobSettings, settings_from_config
 
