@@ -52,6 +52,16 @@ class _Waiter:
         self.error: Optional[BaseException] = None
 
 
+def _weak_deliver(method: weakref.WeakMethod):
+    """The core's callback without a strong reference to the ``AsyncLLM``: dropping the last
+    reference collects it, and its finalizer ends the core (and the ranks)."""
+    def deliver(outs: CoreOutputs) -> None:
+        m = method()
+        if m is not None:
+            m(outs)
+    return deliver
+
+
 class AsyncLLM:
     """Online: ``AsyncLLM(model, **kwargs)`` takes ``LLM``'s arguments (``deploy`` included)."""
 
@@ -78,7 +88,7 @@ class AsyncLLM:
         self._pending: dict = {}  # event loop -> [(waiter, update, error)] not applied yet
         self._ids = itertools.count()
         self._dead: Optional[BaseException] = None
-        self._core = make_core(self._deliver)
+        self._core = make_core(_weak_deliver(weakref.WeakMethod(self._deliver)))
         # the engine in this process (single mode; rank 0 under mpiexec), else None
         self.engine = getattr(getattr(self._core, "core", None), "engine", None)
         self._finalizer = weakref.finalize(self, self._core.shutdown, 30.0)  # at exit too

@@ -56,6 +56,12 @@ class RankLostError(EngineDeadError):
         return (type(self), (str(self), self.rank, self.role))
 
 
+class CoreStartError(EngineDeadError):
+    """The ranks of a child job started from a plain script (``core_client.spawn``) did not
+    start: a rank failed, exited or timed out; the message carries the job's last output
+    lines."""
+
+
 __all__ = ["RequestError", "SamplingParamsError", "EmptyPromptError", "PromptTooLongError",
            "TokenIdError", "DuplicateRequestError", "CacheTooSmallError", "ConfigError",
-           "EngineDeadError", "RankLostError"]
+           "EngineDeadError", "RankLostError", "CoreStartError"]
