@@ -26,11 +26,7 @@ import argparse
 import asyncio
 import os
 import platform
-import re
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 
@@ -38,6 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from perf_paths import RESULTS  # noqa: E402
 from serve_prediction import predict  # noqa: E402
+from serve_process import ServerProcess, idle_cpu  # noqa: E402
 
 from megainfer.bench.results_io import write_json  # noqa: E402
 from megainfer.bench.shapes import BENCH50M, BENCH50M_SHAPE  # noqa: E402
@@ -58,53 +55,6 @@ def bench_args(port, n, rate, conc, a):
                             + (["--max-concurrency", str(conc)] if conc else []))
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (Linux /proc)."""
-    with open(f"/proc/{pid}/stat") as f:
-        parts = f.read().rsplit(")", 1)[1].split()
-    return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
-    """A megainfer-serve job (one process, or ``mpiexec -n ranks``) until it listens;
-    ``pids``: its ranks' processes (rank order)."""
-
-    def __init__(self, ranks: int, overrides: list[str], mpiexec: str):
-        self.port = free_port()
-        cmd = [sys.executable, "-m", "megainfer.launch.serve", f"serve.port={self.port}",
-               *overrides, "hydra.run.dir=.", "hydra.output_subdir=null",
-               "hydra/job_logging=none", "hydra/hydra_logging=none"]
-        if ranks > 1:
-            cmd = [mpiexec, "-n", str(ranks), *cmd]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env=env, start_new_session=True)
-        self.pids, line = [self.proc.pid], ""
-        while " on http://" not in line:
-            line = self.proc.stdout.readline()
-            if not line and self.proc.poll() is not None:
-                raise SystemExit(f"server ({' '.join(overrides)}) exited before serving")
-            if line.startswith("[serve] ranks: "):
-                self.pids = [int(p) for p in re.findall(r"pid (\d+)", line)]
-
-    def cpu_s(self) -> list[float]:
-        return [cpu_seconds(p) for p in self.pids]
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)  # mpiexec forwards it: rank 0 drains
-        try:
-            return self.proc.wait(120)
-        finally:
-            if self.proc.poll() is None:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-
-
 def run_bench(server: ServerProcess, reqs, rate, conc, a) -> dict:
     """One benchmark run; with the server's (every rank's) and this client's CPU seconds."""
     from megainfer.serve import bench
@@ -118,14 +68,6 @@ def run_bench(server: ServerProcess, reqs, rate, conc, a) -> dict:
           f"{d['client_cpu_s']:.2f} s", flush=True)
     return {k: v for k, v in d.items() if k not in ("input_lens", "output_lens", "ttfts",
                                                     "itls", "errors")}
-
-
-def idle_cpu(server: ServerProcess, seconds: float = 3.0) -> list[float]:
-    """Each rank's CPU over ``seconds`` idle, as a fraction of a core."""
-    c0, t0 = server.cpu_s(), time.perf_counter()
-    time.sleep(seconds)
-    dt = time.perf_counter() - t0
-    return [(c - b) / dt for c, b in zip(server.cpu_s(), c0)]
 
 
 class OfflineEngine:
