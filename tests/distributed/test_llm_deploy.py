@@ -122,3 +122,22 @@ def test_a_rank_that_hangs_raises_naming_it_within_the_timeout(tiny_ckpts, tmp_p
     assert got["seconds"] < timeout_s + 8, got
     left = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout
     assert not left.strip(), left
+
+
+def test_the_batch_example_runs_under_mpiexec_and_self_spawned(tiny_ckpts):
+    """examples/batch_deploy.py: the same outputs as `mpiexec -n 3 python ...` and as a plain
+    `python ...` that starts its three ranks itself."""
+    import subprocess
+
+    from mpi_util import mpiexec_path
+    from repo_paths import REPO
+    example = os.path.join(REPO, "examples", "batch_deploy.py")
+    args = [example, tiny_ckpts[("mixtral", "base")], "--deploy", "a1e2"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    runs = [subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+            for cmd in ([mpiexec_path(), "-n", "3", sys.executable, *args],
+                        [sys.executable, *args])]
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert r.stdout.count("Prompt: ") == 3 and "a1e2: done, 3 outputs" in r.stdout
+    assert runs[0].stdout == runs[1].stdout
