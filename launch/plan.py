@@ -6,7 +6,7 @@
 
 The model: ``model=NAME`` of conf/plan_model/ (shape presets), or of the launcher's conf/model/
 (``model=tiny``: its ``arch``), or ``model.path=DIR`` (a checkpoint: every family, DeepSeek's
-latent cache included, through ``auto_plan.model_shape``).
+latent cache included, through ``megainfer.perfmodel.plan.auto_plan.model_shape``).
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def _shape(cfg: DictConfig):
 
     from megainfer.perfmodel.model.shapes import ModelShape
 
-    from .auto_plan import model_shape
+    from megainfer.perfmodel.plan.auto_plan import model_shape
     d = OmegaConf.to_container(cfg.model, resolve=True)
     cache = cfg.get("cache", {})
     kv = {"kv_cache_dtype": d.get("kv_cache_dtype", cache.get("kv_cache_dtype", "auto")),

@@ -2,12 +2,21 @@
 
 The launcher's config tree (``conf/config.yaml``: model, deploy, scheduler, cache, ...) plus the
 ``serve`` group (``conf/serve/default.yaml`` -> ``megainfer.config.ServeConfig``); everything but
-``serve.*`` resolves through ``settings_from_config`` exactly as for ``megainfer-launch``. Single
-mode only for now: another deploy mode (or a world size above 1) is refused with
-``ModeNotServedError``, before any weight is loaded.
+``serve.*`` resolves through ``settings_from_config`` exactly as for ``megainfer-launch``.
+
+Every deploy mode: one process runs single mode; ``mpiexec -n N megainfer-serve deploy=...``
+has every rank resolve the same settings and build its part of the runtime
+(``core_client.start_ranks``, collective). Rank 0 gets the runtime's online engine
+(``RuntimeEngine``) and serves it with the HTTP frontend; every other rank serves rank 0 inside
+``start_ranks`` until rank 0's closing iteration, then exits 0. SIGTERM/SIGINT, which mpiexec
+forwards to every rank, drains on rank 0 and is ignored elsewhere (those ranks end with rank 0's
+closing iteration). A failure after start-up on any rank aborts the whole job (non-zero),
+naming the rank.
 """
 from __future__ import annotations
 
+import logging
+import signal
 import sys
 
 import hydra
@@ -17,33 +26,78 @@ from megainfer.config import ConfigError, ServeConfig
 from megainfer.config.keys import field_names, take
 from megainfer.engine import RequestError
 
-from megainfer.serve.server import check_servable
-
 from .settings import settings_from_config
-from .world import local_rank, local_ranks, world_size
+from .world import local_rank, local_ranks, world_rank, world_size
+
+log = logging.getLogger("megainfer.serve")
 
 
 def serve_settings(cfg):
-    """The composed config -> (JobSettings, ServeConfig), validated."""
+    """The composed config -> (JobSettings, ServeConfig), validated (identically on every
+    rank: ``deploy=auto`` plans from the same inputs)."""
     c = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
     c.pop("hydra", None)
-    mode = (c.get("deploy") or {}).get("mode", "auto")
-    if world_size() > 1 or mode not in ("single", "auto"):  # before any planning or loading
-        check_servable(mode, world_size())
     serve = ServeConfig(**take("serve", c.pop("serve", None) or {}, field_names(ServeConfig)))
     return settings_from_config(c, world_size(), local_ranks(), local_rank()), serve
 
 
+def _abort_job(line: str, code: int) -> None:
+    """Print ``line`` and end every rank of the job (a rank alone cannot leave it)."""
+    print(line, file=sys.stderr, flush=True)
+    from mpi4py import MPI
+    MPI.COMM_WORLD.Abort(code)
+
+
+def _log_ranks(s) -> None:
+    """Rank 0 prints every rank's role and pid (a process manager's "PID n died" names a pid)."""
+    import os
+
+    from mpi4py import MPI
+
+    from megainfer.runtime.roles import assign_role
+    comm = MPI.COMM_WORLD
+    tag = assign_role(s.deploy, comm.Get_rank(), comm.Get_size()).tag
+    pids = comm.gather((tag, os.getpid()), root=0)
+    if pids:
+        print("[serve] ranks: " + ", ".join(f"{r} {t} pid {p}" for r, (t, p) in enumerate(pids)),
+              flush=True)
+
+
 def run_server(cfg) -> int:
+    from megainfer.core_client.ranks import start_ranks
+    from megainfer.serve.metrics import iteration_role
     from megainfer.serve.server import serve_engine, served_name
-    s, serve = serve_settings(cfg)
-    check_servable(s.deploy.mode, world_size())
-    import torch
-    torch.set_num_threads(s.cpu_threads)
-    from megainfer.llm import LLM
-    llm = LLM.from_job(s)
-    return serve_engine(llm.engine, serve, s.load.path,
-                        served_name(serve, cfg.model.get("path"), s.model.family))
+    s, serve = serve_settings(cfg)  # a ConfigError here is every rank's alike: exit 2
+    distributed, rank = world_size() > 1, world_rank()
+    if distributed and rank != 0:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 drains, then stops this rank
+            signal.signal(sig, signal.SIG_IGN)
+    try:
+        if distributed:
+            _log_ranks(s)
+        engine = start_ranks(s)
+        if engine is None:  # a rank other than 0: it served until rank 0 closed
+            return 0
+        if distributed:
+            log.info("[serve] rank 0 serves %s over %d ranks", s.deploy.mode, world_size())
+        code = serve_engine(engine, serve, s.load.path,
+                            served_name(serve, cfg.model.get("path"), s.model.family),
+                            iteration_role(s))
+    except (ConfigError, RequestError):
+        if not distributed:
+            raise
+        code, why = 2, sys.exc_info()[1]
+    except Exception as e:  # noqa: BLE001 - any failure on any rank ends the whole job
+        if not distributed:
+            raise
+        code, why = 1, e
+    else:
+        why = None
+    if distributed and code:
+        _abort_job(f"[serve] rank {rank} error: "
+                   f"{'engine core died' if why is None else f'{type(why).__name__}: {why}'}; "
+                   "aborting the job", code)
+    return code
 
 
 @hydra.main(config_path="pkg://megainfer.conf", config_name="serve", version_base=None)
@@ -51,7 +105,8 @@ def _hydra_main(cfg: DictConfig) -> None:
     try:
         code = run_server(cfg)
     except (ConfigError, RequestError) as e:
-        print(f"[serve] error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        if world_rank() == 0:
+            print(f"[serve] error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         code = 2
     if code:
         sys.exit(code)

@@ -1,6 +1,6 @@
 """Composed Hydra config -> frozen, validated settings objects (no Hydra beyond this door).
 
-The job's groups go through the one resolution ``LLM`` uses too (``megainfer.config.resolve``:
+The job's groups go through the one resolution ``LLM`` uses too (``megainfer.engine.resolve``:
 every key checked, an unknown one a ``ConfigError`` naming it and the closest known key); this
 adds the groups only the offline job reads (sampling defaults, io, workload) and the launch-time
 planner for ``deploy=auto`` over N > 1 ranks.
@@ -14,11 +14,11 @@ from typing import Optional
 
 from megainfer.config import ConfigError, ResolvedJob
 from megainfer.config.keys import field_names, take
-from megainfer.config.resolve import GROUP_KEYS, resolve_job
+from megainfer.engine.resolve import GROUP_KEYS, resolve_job
 from megainfer.engine import SamplingParams
 from megainfer.engine.errors import SamplingParamsError
 
-from .auto_plan import auto_plan
+from megainfer.perfmodel.plan.auto_plan import auto_plan
 
 log = logging.getLogger("megainfer.launch")
 

@@ -1,4 +1,4 @@
-"""``AsyncLLM``: vLLM's ``AsyncLLM`` shape over megainfer's engine core (single mode).
+"""``AsyncLLM``: vLLM's ``AsyncLLM`` shape over megainfer's engine core, in every deploy mode.
 
     engine = AsyncLLM(model, **LLM's arguments)
     async for out in engine.generate(prompt, SamplingParams(...), request_id="r1"):
@@ -6,24 +6,28 @@
     await engine.abort("r1")  # its stream ends with finish_reason "abort"
     engine.shutdown()
 
-Where things run: the engine core (``megainfer.engine.core.EngineCoreThread``) is a background
-thread of this process that owns the ``LLMEngine``; it takes typed inputs from a queue between
-iterations and blocks on that queue when idle. Each iteration's updates are handed to the event
+Where things run: in single mode the engine core (``megainfer.engine.core.EngineCoreThread``)
+is a background thread of this process that owns the ``LLMEngine``; in every other mode it runs
+the runtime's rank 0 (a thread of rank 0 under ``mpiexec``, or rank 0 of a child job started
+from a plain script, over a local socket: ``megainfer.core_client``). It takes typed inputs
+between iterations and sleeps when idle. Each iteration's updates are handed to the event
 loop of every caller waiting on them with one ``loop.call_soon_threadsafe``; tokenising (in
 ``generate``) and detokenising (``RequestStream``) happen on the event loop's thread, never on
 the core's. A thread rather than a process beside it (vLLM's choice): no serialisation of
 inputs and outputs, and the model's work releases the GIL; the price is that the frontend's
 Python shares the GIL with the core's scheduling. Many concurrent ``generate`` calls share one
-running batch. Construction goes through ``LLM`` (the same arguments and config resolution).
-docs/engine.md, "Online".
+running batch. Construction takes ``LLM``'s arguments (the same config resolution, ``deploy``
+included). docs/engine.md, "Online"; docs/python_api.md.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
 import threading
+import weakref
 from typing import Any, AsyncIterator, Optional
 
+from megainfer.core_client import EngineDeadError, Intake, open_core
 from megainfer.engine import RequestError, RequestOutput, SamplingParams
 from megainfer.engine.core import (AbortRequest, AddRequest, CoreOutputs, EngineCore,
                                    EngineCoreThread)
@@ -33,8 +37,11 @@ from megainfer.engine.stream import RequestStream
 from megainfer.llm import LLM
 
 
-class EngineDeadError(RuntimeError):
-    """The engine core stopped (shut down, or its loop raised): no request can run."""
+class _LLMArguments(LLM):
+    """``LLM``'s argument checks and resolution, nothing built."""
+
+    def _setup(self, resolved, tokenizer) -> None:
+        self.resolved, self.tokenizer_arg = resolved, tokenizer
 
 
 class _Waiter:
@@ -45,30 +52,46 @@ class _Waiter:
         self.error: Optional[BaseException] = None
 
 
+def _weak_deliver(method: weakref.WeakMethod):
+    """The core's callback without a strong reference to the ``AsyncLLM``: dropping the last
+    reference collects it, and its finalizer ends the core (and the ranks)."""
+    def deliver(outs: CoreOutputs) -> None:
+        m = method()
+        if m is not None:
+            m(outs)
+    return deliver
+
+
 class AsyncLLM:
-    """Single mode, online: ``AsyncLLM(model, **kwargs)`` takes ``LLM``'s arguments."""
+    """Online: ``AsyncLLM(model, **kwargs)`` takes ``LLM``'s arguments (``deploy`` included)."""
 
     def __init__(self, model, **kwargs):
-        self.llm = LLM(model, **kwargs)
-        self._start(self.llm.engine)
+        args = _LLMArguments(model, **kwargs)
+        spec, job, tok = args.resolved.spec, args.resolved.job, args.tokenizer_arg
+        self.job = job
+        self._start(Intake.for_job(job, tok), lambda deliver: open_core(spec, job, deliver, tok))
 
     @classmethod
     def from_engine(cls, engine) -> "AsyncLLM":
         """Serve an existing ``LLMEngine`` (e.g. ``LLM(...).engine``); nothing else may drive
         it meanwhile."""
         self = cls.__new__(cls)
-        self.llm = None
-        self._start(engine)
+        self.job = None
+        self._start(engine, lambda deliver: EngineCoreThread(EngineCore(engine), deliver))
         return self
 
-    def _start(self, engine) -> None:
-        self.engine, self.tokenizer = engine, engine.tokenizer
+    def _start(self, intake, make_core) -> None:
+        """``intake``: what tokenizes here (an ``Intake``, or the engine itself)."""
+        self.intake, self.tokenizer = intake, intake.tokenizer
         self._waiters: dict[str, _Waiter] = {}
         self._lock = threading.Lock()  # _waiters, _pending: the event loops' threads and the core's
         self._pending: dict = {}  # event loop -> [(waiter, update, error)] not applied yet
         self._ids = itertools.count()
         self._dead: Optional[BaseException] = None
-        self._core = EngineCoreThread(EngineCore(self.engine), self._deliver)
+        self._core = make_core(_weak_deliver(weakref.WeakMethod(self._deliver)))
+        # the engine in this process (single mode; rank 0 under mpiexec), else None
+        self.engine = getattr(getattr(self._core, "core", None), "engine", None)
+        self._finalizer = weakref.finalize(self, self._core.shutdown, 30.0)  # at exit too
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -89,7 +112,7 @@ class AsyncLLM:
         rid = f"async-{next(self._ids)}" if request_id is None else request_id
         key = str(rid)
         inp = PromptInput.of(rid, prompt, params)
-        tokens = self.engine.tokenize(inp.prompt, params, inp.prompt_token_ids)
+        tokens = self.intake.tokenize(inp.prompt, params, inp.prompt_token_ids)
         waiter = _Waiter(RequestStream(rid, tokens, params, self.tokenizer),
                          asyncio.get_running_loop())
         with self._lock:
@@ -102,6 +125,8 @@ class AsyncLLM:
                 await waiter.ready.wait()
                 waiter.ready.clear()
                 if waiter.error is not None and not waiter.stream.finished:
+                    if isinstance(waiter.error, EngineDeadError):  # e.g. RankLostError
+                        raise waiter.error
                     raise EngineDeadError(f"engine core died: {waiter.error!r}") \
                         from waiter.error
                 out = waiter.stream.output()
@@ -123,6 +148,7 @@ class AsyncLLM:
 
     def shutdown(self, timeout: Optional[float] = 30.0) -> None:
         """Abort what runs (those streams end with "abort") and stop the engine core."""
+        self._finalizer.detach()
         self._core.shutdown(timeout)
         self._dead = self._dead or EngineDeadError("shut down")
 

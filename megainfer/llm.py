@@ -5,23 +5,14 @@ import logging
 from typing import Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 from megainfer.config import ConfigError, ResolvedJob, ModelConfig
-from megainfer.config.llm_args import (DeployNotAvailableError, launcher_command, llm_tree,
-                                       named_error)
-from megainfer.config.resolve import resolve_job
-from megainfer.config.runtime import DEFAULT_KV_SCALE_GRANULARITY, DeviceConfig
+from megainfer.config.runtime import DEFAULT_KV_SCALE_GRANULARITY
 from megainfer.engine import LLMEngine, PromptInput, RequestError, RequestOutput, SamplingParams
-from megainfer.engine.tokenizer import Tokenizer, load_tokenizer
-from megainfer.models.loader import build_model
+from megainfer.engine.tokenizer import Tokenizer
+from megainfer.core_client.llm_job import LLMJob, resolve_llm_job
+from megainfer.core_client.ranks import single_engine
 
 Prompt = Union[str, Sequence[int], dict]
 log = logging.getLogger("megainfer.engine")
-
-
-def _device_name(device: DeviceConfig) -> str:
-    if device.device != "cuda":
-        return "cpu"
-    import torch
-    return f"cuda:{device.index} ({torch.cuda.get_device_name(device.index)})"
 
 
 class LLM:
@@ -47,10 +38,17 @@ class LLM:
     ``"colocated2"``, ``"auto"``) or a mapping of ``deploy.*`` keys; ``tensor_parallel_size``:
     attention TP; ``world_size``: the ranks (default: what the plan needs, else 1);
     ``overrides``: any launcher key as ``"group.key=value"``. All of it goes through the
-    launcher's resolution (``megainfer.config.resolve``). Only single mode runs from Python
-    yet: any other mode is resolved and validated, then ``DeployNotAvailableError`` names the
-    ``mpirun -n N megainfer-launch ...`` line that runs it. Bad settings raise ``ConfigError``
+    launcher's resolution (``megainfer.engine.resolve``). Bad settings raise ``ConfigError``
     naming the argument (and its config key) before any weight is loaded.
+
+    Every mode runs (docs/python_api.md). Under ``mpiexec -n N python script.py`` every rank
+    runs the script: ``LLM(...)`` returns on rank 0 only; on every other rank it serves inside
+    the call until rank 0 closes the LLM (``close()``, a ``with`` block, garbage collection or
+    interpreter exit), then ends that process with status 0, so the code after ``LLM(...)``
+    runs once. From a plain ``python script.py``, a mode with several ranks starts them as an
+    ``mpiexec`` child job and ends them the same ways (also when the script raises or gets
+    SIGINT/SIGTERM). A rank that dies or hangs raises ``RankLostError`` (naming it) within
+    ``comm.timeout_s``. Re-planning (``replan.enabled``) runs in the launcher's batch jobs only.
     """
 
     def __init__(self, model: Union[str, ModelConfig], *, tokenizer: Optional[Tokenizer] = None,
@@ -88,63 +86,46 @@ class LLM:
                     host_kv_gib=host_kv_gib, kv_store_dir=kv_store_dir,
                     kv_scale_granularity=kv_scale_granularity,
                     tensor_parallel_size=tensor_parallel_size, cpu_threads=cpu_threads)
-        world = None if world_size is None else f"world_size={world_size!r}"
-        origin: dict = {}
-        try:
-            tree, origin = llm_tree(args, "single" if deploy is None and tensor_parallel_size
-                                    in (None, 1) and world_size in (None, 1) else deploy,
-                                    overrides)
-            if enforce_eager:
-                origin["engine.cuda_graphs"] = "enforce_eager=True"
-            if isinstance(model, ModelConfig):
-                tree.setdefault("model", {})["arch"] = model
-            job = resolve_job(tree, _world_size(world_size, tree), planner=_planner(tree))
-        except ConfigError as e:
-            named = named_error(e, origin, world)
-            if named is e:
-                raise
-            raise named from e
-        if job.deploy.mode != "single":
-            asked = ", ".join(f"{k}={v!r}" for k, v in (
-                ("deploy", deploy), ("tensor_parallel_size", tensor_parallel_size),
-                ("world_size", world_size)) if v is not None)
-            raise DeployNotAvailableError(
-                f"LLM({asked}): {job.deploy.mode} mode over {job.deploy.world_size} "
-                f"ranks ({job.deploy}) resolves and is valid, but is not yet available from "
-                "Python: LLM runs single mode only for now. Run it with the launcher: "
-                f"`{launcher_command(deploy, job.deploy, args['model'], overrides)}`")
-        self._build(job, tokenizer)
+        self._setup(resolve_llm_job(args, model, deploy, tensor_parallel_size, world_size,
+                                    overrides, enforce_eager), tokenizer)
 
     @classmethod
     def from_job(cls, job: ResolvedJob, tokenizer: Optional[Tokenizer] = None) -> "LLM":
         """From an already-resolved single-mode job (the launcher's path)."""
         self = cls.__new__(cls)
-        self._build(job, tokenizer)
+        self._setup(LLMJob(None, job), tokenizer)
         return self
 
-    def _build(self, job: ResolvedJob, tokenizer):
-        import torch
+    def _setup(self, resolved: "LLMJob", tokenizer) -> None:
+        job = resolved.job
         self.job, self.model_config, self.load_config = job, job.model, job.load
         self.scheduler_config, self.cache_config = job.scheduler, job.cache
-        device = self.device_config = job.device
-        if job.cpu_threads is not None:
-            torch.set_num_threads(job.cpu_threads)
-        if device.device == "cuda":
-            torch.cuda.set_device(device.index)  # Triton launches on the current device
-        self.model = build_model(job.model, job.load, device=device.torch_device)
-        self.model.set_attention_backend(device.attention_backend)
-        log.info("[attn dp0 tp0] %s on %s (%s), %s weights, attention %s%s, %d cpu threads",
-                 job.model.family, _device_name(device), job.load.dtype, job.load.load_format,
-                 device.attention_backend, ", CUDA graphs for decode" if device.cuda_graphs else "",
-                 torch.get_num_threads())
-        self.engine = LLMEngine.from_model(
-            self.model, job.scheduler, job.cache,
-            tokenizer or load_tokenizer(job.load.path, job.model.eos_token_id), seed=job.seed,
-            cuda_graphs=device.cuda_graphs)
+        self.device_config = job.device
         self._counter = 0
+        self.engine: Optional[LLMEngine] = None  # single mode: driven here
+        self._core = None  # every other mode: the runtime's engine core (core_client)
+        if job.deploy.mode == "single":
+            self.engine = single_engine(job, tokenizer)
+        else:
+            from megainfer.core_client.blocking import BlockingCore
+            self._core = BlockingCore(resolved.spec, job, tokenizer)
+            log.info("[attn dp0 tp0] %s mode over %d ranks (%s)", job.deploy.mode,
+                     job.deploy.world_size, job.deploy)
+
+    def close(self) -> None:
+        """End the runtime's ranks (every mode but single; a no-op in single mode). Also at
+        garbage collection and at interpreter exit."""
+        if self._core is not None:
+            self._core.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def get_tokenizer(self) -> Tokenizer:
-        return self.engine.tokenizer
+        return self.engine.tokenizer if self.engine is not None else self._core.tokenizer
 
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
@@ -152,6 +133,10 @@ class LLM:
         """Outputs in input order. Every prompt is validated before any work starts: a bad one
         raises its ``RequestError`` and nothing runs."""
         inputs = self._inputs(prompts, sampling_params)
+        if self._core is not None:
+            with _Progress(len(inputs), use_tqdm, self._core) as bar:
+                done = self._core.run(inputs, bar.update)
+            return [done[str(inp.request_id)] for inp in inputs]
         added = []
         try:
             for inp in inputs:
@@ -183,7 +168,7 @@ class LLM:
         convs = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         renderer = ChatRenderer(self.load_config.path, chat_template)
         texts = [renderer.render(c, add_generation_prompt) for c in convs]
-        tok = self.engine.tokenizer
+        tok = self.get_tokenizer()
         outs = self.generate([{"prompt_token_ids": encode_chat(tok, t)} for t in texts],
                              sampling_params, use_tqdm)
         for out, text in zip(outs, texts):
@@ -192,7 +177,11 @@ class LLM:
 
     def generate_stream(self, requests: Iterable[PromptInput],
                         use_tqdm: bool = False, total: Optional[int] = None) -> Iterator[RequestOutput]:
-        """Each output as soon as its request finishes (invalid ones at once, as errors)."""
+        """Each output as soon as its request finishes (invalid ones at once, as errors). Single
+        mode only (the launcher's offline job); ``generate`` runs every mode."""
+        if self.engine is None:
+            raise NotImplementedError("LLM.generate_stream runs single mode; use generate, or "
+                                      "AsyncLLM for outputs as they come")
         with _Progress(total, use_tqdm, self.engine) as bar:
             for out in self.engine.generate_stream(requests):
                 bar.update(out)
@@ -215,32 +204,10 @@ class LLM:
         return out
 
 
-def _world_size(world_size: Optional[int], tree: dict) -> int:
-    """``world_size``, else what the deploy plan's counts need (a preset with every count), else 1."""
-    if world_size is not None:
-        return world_size
-    d = tree.get("deploy") or {}
-    if d.get("mode") == "colocated" and isinstance(d.get("attention_replicas"), int):
-        return d["attention_replicas"]
-    counts = [d.get(k) for k in ("attention_replicas", "attention_tp", "expert_ranks")]
-    if d.get("mode") == "disaggregated" and all(isinstance(v, int) for v in counts):
-        pre = d.get("prefill_replicas") or 0
-        return counts[0] * counts[1] + counts[2] + pre * (d.get("prefill_tp") or 1)
-    return 1
-
-
-def _planner(tree: dict):
-    """deploy=auto over N > 1 ranks: the launcher's planner (the performance model)."""
-    if (tree.get("deploy") or {}).get("mode", "auto") not in (None, "auto"):
-        return None
-    from megainfer.launch.auto_plan import auto_plan
-    return auto_plan
-
-
 class _Progress:
     """A tqdm bar over finished requests showing output tokens/s (no-op when disabled)."""
 
-    def __init__(self, total: Optional[int], enabled: bool, engine: LLMEngine):
+    def __init__(self, total: Optional[int], enabled: bool, engine):
         self.bar, self.engine = None, engine
         if enabled:
             from tqdm.auto import tqdm

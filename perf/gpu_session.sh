@@ -2,7 +2,7 @@
 # The one prepared script for a session that is lent a GPU (see /work/.library/device): it runs
 # from the repository root on the GPU machine and writes everything under $OUT.
 #
-# Default steps (STEPS="env attn gputests ipc tokens tp eplb trace online engine transport", about 7.5 min).
+# Default steps (STEPS="env attn gputests ipc tokens tp eplb trace online pyapi engine transport", about 7.5 min).
 # The correctness steps (PAR_STEPS) run at the same time, sharing the GPU and the 16 cores;
 # then the figures run one by one, alone on the GPU.
 #   env       nvidia-smi, torch / triton / transformers versions, mpi4py's MPI, libnccl;
@@ -26,6 +26,8 @@
 #   trace     the traced-run test, then megainfer-launch under mpiexec -n 3 (deploy=a1e2,
 #             Mixtral-8x7B's shapes cut to 2 layers, bf16, cuda_ipc, traced);
 #   online    the engine core and AsyncLLM tests on cuda (tests/unit/engine/test_engine_online.py, tests/unit/engine/test_async_llm.py);
+#   pyapi     LLM(deploy="a1e2") and AsyncLLM(deploy="a1e2") under mpiexec -n 3 on the one GPU
+#             (cuda_ipc, fp32) against single mode on it (tests/gpu/test_llm_deploy_gpu.py);
 #   engine    perf/bench/bench_gpu_engine.py: megainfer (graphs on, ENGINE_SYSTEMS also
 #             megainfer-eager) vs HF generate, Mixtral-8x7B / Qwen3-30B-A3B shapes cut to 8
 #             layers (ENGINE_MODELS), bf16, batch 1 / 64 / 256, 256 in and out, against the HBM
@@ -43,7 +45,9 @@
 #   bench     perf/bench/bench_moe_kernels.py --device cuda: Triton vs the torch path, TFLOP/s;
 #   m2n       the MPI layer on the machine's 16 cores (bench_m2n).
 #   serve     perf/bench/bench_serve.py --device cuda: megainfer-serve (bench50m, bf16, on the GPU, a
-#             subprocess) driven by megainfer-bench-serve's client at three Poisson rates
+#             subprocess; SERVE_MODES, default single,a1e2: also mpiexec -n 3 deploy=a1e2, its 3
+#             ranks sharing the GPU, beside the simulator's prediction) driven by
+#             megainfer-bench-serve's client at three Poisson rates
 #             (SERVE_RATES, default 8,32,inf) beside the offline job on the same requests and
 #             one request at a time against the engine's prefill; needs fastapi, uvicorn,
 #             prometheus-client, httpx (+ starlette, pydantic, anyio, h11, ...) as pure-Python
@@ -84,10 +88,10 @@ if ls .whl/py/*.whl >/dev/null 2>&1; then  # pure-Python packages the image lack
 fi
 export PYTHONPATH="$SRC:$ROOT/tests${PY_EXTRA:+:$PY_EXTRA}" PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 HF_HUB_OFFLINE=1
 
-STEPS=${STEPS:-env attn gputests ipc tokens tp eplb trace online engine transport}  # or name others
+STEPS=${STEPS:-env attn gputests ipc tokens tp eplb trace online pyapi engine transport}  # or name others
 # Correctness steps in PAR_STEPS run at the same time (the GPU and 16 cores are shared; their
 # timings are not figures); the rest run alone, one after the other, in the order below.
-PAR_STEPS=${PAR_STEPS:-tests attn gputests ipc tokens tp eplb trace online}
+PAR_STEPS=${PAR_STEPS:-tests attn gputests ipc tokens tp eplb trace online pyapi}
 PIDS=()
 wanted() { case " $STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
 concurrent() { case " $PAR_STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
@@ -179,6 +183,8 @@ step trace 170 "${R18[@]}" bash -c "cd $ROOT && $PYT -o timeout=80 tests/gpu/tes
     && cp $W/trace_run/trace.json $W/trace_mixtral_n3.json"
 # online: the engine core and AsyncLLM on cuda (LLM's default device when one is visible)
 step online 150 bash -c "cd $ROOT && $PY -m pytest -q -rs -p no:cacheprovider -o timeout=120 tests/unit/engine/test_engine_online.py tests/unit/engine/test_async_llm.py"
+# pyapi: every deploy mode from Python, on the GPU (rank 0 of an mpiexec launch serving the core)
+step pyapi 150 "${R18[@]}" bash -c "cd $ROOT && $PYT -o timeout=140 tests/gpu/test_llm_deploy_gpu.py"
 # ---- figures (each alone on the GPU)
 step engine ${ENGINE_S:-200} "$PY" perf/bench/bench_gpu_engine.py --device cuda --budget-s $(( ${ENGINE_S:-200} - 15 )) \
   --models "${ENGINE_MODELS:-mixtral_8x7b,qwen3_30b_a3b}" \
@@ -193,8 +199,9 @@ step nccl 60 "$PY" perf/bench/bench_nccl_self.py --out "$W/bench_nccl_self.json"
 step tune1 90 "$PY" perf/bench/tune_moe_kernels.py --space small --shape 8,14336,4096 --top-k 2 --m 4,32,256,2048,8192 --table "$TUNED" --log "$W/tune_mixtral.json"
 step tune2 80 "$PY" perf/bench/tune_moe_kernels.py --space small --shape 64,1408,2048 --top-k 6 --m 10,85,682,5461 --table "$TUNED" --log "$W/tune_dsv2lite.json"
 step bench 150 "$PY" perf/bench/bench_moe_kernels.py --device cuda
-step serve ${SERVE_S:-300} bash -c "cd $ROOT && $PY $PWD/perf/bench/bench_serve.py --device cuda --threads 4 \
+step serve ${SERVE_S:-420} "${R18[@]}" bash -c "cd $ROOT && $PY $PWD/perf/bench/bench_serve.py --device cuda --threads 4 \
   --num-prompts ${SERVE_PROMPTS:-256} --input-len 128 --output-len 64 --max-num-seqs 64 \
+  --modes ${SERVE_MODES:-single,a1e2} --mpiexec \${MPIEXEC:-mpiexec} \
   --rates ${SERVE_RATES:-8,32,inf} --out $W/bench_serve_cuda.json"
 # Not in the default STEPS (STEPS=m2n to run it): bench_m2n's collectives and ping-pong on this
 # machine's 16 cores (4 ranks, no oversubscription), under MPICH 5.0.2 from the carried wheel with

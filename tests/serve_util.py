@@ -1,9 +1,21 @@
-"""A megainfer-serve app on 127.0.0.1 and an ephemeral port, in a background thread of the test
-process (uvicorn's own server; the engine core is the AsyncLLM's thread)."""
+"""Servers for the serve tests, on 127.0.0.1: ``ThreadServer``, a megainfer-serve app on an
+ephemeral port in a background thread of the test process (uvicorn's own server; the engine
+core is the AsyncLLM's thread), and ``MpiServe``, the installed ``megainfer-serve`` under a
+real ``mpiexec -n K`` (its own process group, killed at ``close``); ``gauge`` reads one series
+of ``/metrics``."""
 from __future__ import annotations
 
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
+import uuid
+
+import httpx
 
 from megainfer import LLM
 from megainfer.config import ServeConfig
@@ -12,6 +24,9 @@ from megainfer.serve.server import make_server
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+BIN = os.path.dirname(sys.executable)
+HYDRA_QUIET = ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=none",
+               "hydra/hydra_logging=none"]
 
 
 class ThreadServer:
@@ -35,3 +50,84 @@ class ThreadServer:
         self.server.should_exit = True
         self.thread.join(30)
         self.client.shutdown()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def gauge(url: str, name: str) -> float:
+    """One series of ``/metrics`` (0 while a labelled counter has no sample yet)."""
+    m = httpx.get(url + "/metrics").text
+    hit = re.search(rf"^megainfer:{name}\{{[^}}]*\}} (\S+)$", m, re.M)
+    return float(hit.group(1)) if hit else 0.0
+
+
+def wait_for(cond, timeout: float = 10.0, what: str = "condition") -> None:
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, f"{what}: not within {timeout}s"
+        time.sleep(0.05)
+
+
+class MpiServe:
+    """``mpiexec -n ranks megainfer-serve OVERRIDES`` until it prints its address; ``pids``:
+    rank -> pid (from its ``[serve] ranks:`` line); ``lines``: what it printed so far."""
+
+    def __init__(self, ranks: int, overrides: list[str], start_timeout: float = 240.0):
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.tag = f"serve-test-{uuid.uuid4().hex[:12]}"  # on every rank's command line
+        cmd = [os.path.join(BIN, "mpiexec"), "-n", str(ranks), os.path.join(BIN, "megainfer-serve"),
+               f"serve.port={port}", *overrides, *HYDRA_QUIET, f"hydra.job.name={self.tag}"]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, env=env, start_new_session=True)
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+        try:
+            wait_for(lambda: self.proc.poll() is not None or any(" on http://" in x
+                                                                 for x in self.lines),
+                     start_timeout, "server start")
+            assert self.proc.poll() is None, f"server exited:\n{self.output()}"
+        except BaseException:
+            self.close()
+            raise
+        ranks_line = next((x for x in self.lines if x.startswith("[serve] ranks: ")), "")
+        self.pids = {int(r): int(p) for r, p in re.findall(r"(\d+) \[[^]]*\] pid (\d+)",
+                                                           ranks_line)}
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def output(self) -> str:
+        return "\n".join(self.lines[-80:])
+
+    def signal(self, sig) -> None:
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float) -> int:
+        rc = self.proc.wait(timeout)
+        self.reader.join(5)
+        return rc
+
+    def alive_pids(self) -> list[int]:
+        """The job's processes still there: mpiexec and every rank (``pgrep -f`` of the tag on
+        their command lines; the ranks run in a session of their own)."""
+        out = subprocess.run(["pgrep", "-f", self.tag], capture_output=True, text=True).stdout
+        return [int(x) for x in out.split()]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+        for pid in self.pids.values() if hasattr(self, "pids") else ():
+            try:
+                os.kill(pid, signal.SIGCONT)  # a rank a test stopped goes with its group
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -1,24 +1,14 @@
-"""Teacher-forced logits through a (quantised) paged KV cache, and how far they move.
+"""Teacher-forced logits through a (quantised) paged KV cache, and how far they move: what
+``perf/bench/bench_kv_quant.py`` measures accuracy with (docs/kv_cache.md, "Accuracy, capacity and job time").
 
-What ``perf/bench/bench_kv_quant.py`` measures accuracy with:
-
-* ``forced_logits``: sequences teacher-forced in chunks through a paged cache stored in a
-  ``cache.kv_cache_dtype`` with ``tensor`` scales (the first chunk sets the per-layer scales) or
-  ``token_head`` ones (stored inline per row). ``emulate``: ablations the engine does not store
-  (``per-token``: FP8 with one float32 scale per token and KV head, amax / format max; the
-  stored ``token_head`` keeps a bfloat16 one, so the two differ only by that rounding, a
-  measure of the bench's noise): keys and values go through that
-  quantise -> dequantise before they are written into a full-precision cache, so attention reads
-  exactly the values such a cache would give. ``per-layer`` emulates the real FP8 format the
-  same way (a fidelity check: it must match the stored format). (The fp4 block-scale rules are
-  stored for real, not emulated: ``kv_fp4.scale_rule``.)
+* ``forced_logits``: sequences teacher-forced in chunks through a cache stored in a
+  ``cache.kv_cache_dtype`` with ``tensor`` or ``token_head`` scales; ``emulate`` runs ablations
+  the engine does not store (``per-token`` FP8 with a float32 scale, ``per-layer`` as a fidelity
+  check of the stored format) by quantising keys and values before a full-precision cache.
 * ``compare``: top-1 agreement, mean KL(full || quantised), max |logit error|, and why top-1 is
-  fragile on random-weight models: the reference's top-1/top-2 logit margin, the format's logit
-  error scale sigma (RMS of the logit error over positions and vocabulary), and top-1 agreement
-  restricted to positions whose reference margin exceeds 3 sigma (a flip needs the two logits'
-  errors to differ by the margin; their difference has about sqrt(2) sigma). The goal stays
-  top-1 agreement over all positions; the restricted number explains it, it does not replace it.
-"""
+  fragile on random-weight models: the reference's top-1/top-2 margin, the logit error's sigma,
+  and top-1 agreement at positions whose margin exceeds 3 sigma (it explains the all-position
+  agreement, the goal; it does not replace it)."""
 from __future__ import annotations
 
 import contextlib

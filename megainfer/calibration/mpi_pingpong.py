@@ -1,8 +1,8 @@
 """MPI ping-pong between ranks 0 and 1 over message sizes; rank 0 writes JSON.
 
 Run: mpiexec -n 2 python -m megainfer.calibration.mpi_pingpong OUT.json [max_bytes] [repeats]
-One-way time per size = median round trip / 2 (torch-free: numpy buffers, like the comm layer's
-CPU transport).
+One-way time per size = median round trip / 2 (numpy buffers, like the comm layer's CPU
+transport; the tags are ``runtime/tags.py``'s ``PING`` and ``PONG``).
 """
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import sys
 
 import numpy as np
 from mpi4py import MPI
+
+from megainfer.runtime import tags
 
 
 def main() -> None:
@@ -33,11 +35,11 @@ def main() -> None:
             comm.Barrier()
             t0 = MPI.Wtime()
             if rank == 0:
-                comm.Send(buf, 1, tag=7)
-                comm.Recv(buf, 1, tag=8)
+                comm.Send(buf, 1, tag=tags.PING)
+                comm.Recv(buf, 1, tag=tags.PONG)
             elif rank == 1:
-                comm.Recv(buf, 0, tag=7)
-                comm.Send(buf, 0, tag=8)
+                comm.Recv(buf, 0, tag=tags.PING)
+                comm.Send(buf, 0, tag=tags.PONG)
             if it >= 2:
                 times.append((MPI.Wtime() - t0) / 2)
         res.append({"bytes": size, "one_way_s": statistics.median(times)})

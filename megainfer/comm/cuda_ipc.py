@@ -1,31 +1,16 @@
 """CUDA IPC transport: ranks of one node (several may share a GPU) write straight into their
-peer's receive slots.
+peer's receive slots (docs/comm.md, "Device tensors: which transport, and what it costs").
 
-* Memory. Every slot buffer is a raw ``cudaMalloc`` (an IPC handle covers a whole
-  allocation). The receiver owns its receive rings; at ``connect`` (the end of each channel's
-  construction, collective) it sends each sender the IPC handles of that sender's rings, and
-  the sender opens them once. A rank that is its own peer uses its pointers directly.
-* Data. ``start`` of a send makes the transport's comm stream wait for the caller's stream (a
-  local fence), then for the peer's *consumed* event of the target slot, copies
-  ``nbytes - 32`` bytes of fields into the peer slot and records the slot's *ready* event:
-  all on the device, the host never waits.
-* Headers, grants. The 32-byte header goes over MPI (host to host, like the handles) after
-  the ready event was recorded; the receiver's stream waits on that event once the header is
-  in (``cudaStreamWaitEvent``), so the fields are read after the copy, and the host knows the
-  row count without a device copy. Re-arming a receive slot (the channel does it after the
-  caller released the message) records the slot's consumed event on the caller's stream and
-  sends the sender a 4-byte *grant*: the k-th grant of a (peer, tag) ring frees slot
-  ``k % depth``; a send waits (without blocking: any poll of this transport pumps it) until
-  its grant is in. An interprocess event is recorded only by the process that created it
-  (ready: the sender; consumed: the receiver) and waited on by the other.
-* Host-fenced sync (``sync="host"``; ``auto`` picks it when ranks share a GPU). The first H200
-  run (one GPU, two processes) measured the device-side waits above at a flat 1.34 ms per
-  message from 2 KB to 8 MB: a stream of one process waiting on another process's event on
-  the same GPU. So with a shared GPU no stream waits on a peer's event: the sender's host
-  sends the header only once its copy's ready event has completed (``cudaEventQuery``, polled
-  by any wait on this transport), and the receiver sends a grant only once its consumed event
-  has completed. The header then means "the bytes are there", the grant "the slot is free".
-"""
+* Memory: every slot is a raw ``cudaMalloc``; the receiver owns its rings and hands each sender
+  their IPC handles at ``connect`` (collective, at a channel's construction).
+* Data: a send fences on the caller's stream and on the target slot's *consumed* event, copies
+  the fields into the peer slot and records its *ready* event; the 32-byte header follows over
+  MPI. The receiver reads the fields after the ready event; re-arming a slot records its
+  consumed event and sends the sender a 4-byte *grant* (the k-th grant of a ring frees slot
+  ``k % depth``). An interprocess event is recorded only by its creator.
+* ``sync="host"`` (``auto`` when ranks share a GPU, where a stream waiting on another process's
+  event costs a flat 1.34 ms a message): no stream waits on a peer's event; the header is sent
+  once the copy completed and the grant once the slot was consumed."""
 from __future__ import annotations
 
 import ctypes

@@ -1,30 +1,17 @@
-"""NCCL transport: ctypes over ``libnccl.so.2``, grouped send/recv on a dedicated CUDA stream.
+"""NCCL transport: ctypes over ``libnccl.so.2``, grouped send/recv on a dedicated CUDA stream
+(docs/comm.md, "Transports").
 
-The library is found lazily (importing this module needs no GPU and no NCCL):
-``$MEGAINFER_NCCL_LIB``, then the ``nvidia-nccl-cu12``/``-cu13`` wheels (the ``nccl`` extra, also
-what a CUDA build of torch depends on), then the loader's search path. The communicator is made
-from a unique id that rank 0 draws and broadcasts over MPI (raw bytes, no pickle).
-
-Semantics differ from MPI in two ways, both handled by ``Channel``:
-* NCCL has no tags: a pair's receives match its sends in post order, so ``ordered_posts`` is
-  True and the channel posts a receive only when ``recv()`` is called, in the caller's order.
-  A posted receive occupies the channel's stream until its send arrives, so give each
-  direction its own transport (``M2N`` does): a rank then only sends or only receives on it.
-* One rank per GPU: NCCL refuses a communicator that holds a device twice. NCCL 2.30 added
-  ``NCCL_MULTI_RANK_GPU_ENABLE=1`` to allow it; ``megainfer.comm.select`` refuses shared GPUs
-  at start-up (naming the ranks) unless that variable is set on such a version, and
-  perf/bench/bench_transport_gpu.py tries it and records what happened.
-* Send and receive counts must match, so every message moves the slot's full
-  ``nbytes(capacity)``; the header (rows, ...) says how much of it is real.
-
-No host synchronisation per message: a group makes the comm stream wait on the caller's
-current stream (device-side), copies each send's header from pinned host memory in, issues
-the NCCL group, copies each received header out to pinned host memory and records one CUDA
-event per buffer; ``test()`` queries that event. These few CUDA calls go straight to the
-driver (``libcuda.so.1``, the library every CUDA program already has loaded) through ctypes:
-through torch's Python API the same work made a message 5.2x raw NCCL's time, against 2.9x
-this way (perf/bench/bench_nccl_self.py on an H200, same run; docs/comm.md).
-"""
+The library is found lazily (``$MEGAINFER_NCCL_LIB``, then the ``nvidia-nccl-cu12``/``-cu13``
+wheels, then the loader's path); rank 0's unique id is broadcast over MPI as raw bytes.
+Where NCCL differs from MPI (``Channel`` handles each):
+* no tags: receives match sends in post order (``ordered_posts``), and a posted receive holds
+  the stream, so each direction has its own transport;
+* one rank per GPU (``megainfer.comm.select`` refuses shared GPUs unless
+  ``NCCL_MULTI_RANK_GPU_ENABLE=1`` on NCCL >= 2.30);
+* counts must match: every message moves the slot's full size, its header says how much is real.
+No host synchronisation per message: the group waits on the caller's stream, headers move
+through pinned host memory, and ``test()`` queries one CUDA event per buffer, the few CUDA calls
+going straight to ``libcuda.so.1``."""
 from __future__ import annotations
 
 import ctypes

@@ -6,10 +6,10 @@ these objects. Nothing under ``megainfer/`` imports Hydra. Every validation fail
 
 ``model.py``: the checkpoint's architecture; ``runtime.py``: how a job runs it; ``replan.py``:
 online re-planning; ``serve.py``: the HTTP server; ``job.py``: all of one job's groups in one
-bundle; ``base.py``: the error type and the fixed vocabularies. ``resolve.py`` (imported by the
-front doors only: ``LLM`` and the launcher) turns a tree of ``group.key`` values into a
-``ResolvedJob``, with ``keys.py``, ``deploy_fit.py``, ``model_source.py``, ``hf_cache.py`` and,
-for ``LLM``, ``llm_args.py``.
+bundle; ``base.py``: the error type and the fixed vocabularies; ``keys.py``, ``deploy_fit.py``,
+``model_source.py``, ``hf_cache.py``, ``llm_args.py``: the pieces the one resolution
+(``megainfer/engine/resolve.py``) turns a ``group.key`` tree into a ``ResolvedJob`` with.
+This package imports nothing of megainfer above it (only ``megainfer.kernels``' limits).
 """
 from .base import (ATTENTION_BACKENDS, DEVICES, DTYPE_NAMES, MLA_FAMILIES,
                    SUPPORTED_FAMILIES, ConfigError)

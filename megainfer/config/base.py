@@ -10,7 +10,7 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 def torch_dtype_of(name: str):
     """A ``DTYPE_NAMES`` entry (``model.dtype``, a profile's dtype) -> its torch dtype."""
-    _require(name in DTYPE_NAMES, "dtype", name, f"must be one of {', '.join(DTYPE_NAMES)}")
+    require(name in DTYPE_NAMES, "dtype", name, f"must be one of {', '.join(DTYPE_NAMES)}")
     import torch
     return getattr(torch, name)
 
@@ -19,6 +19,7 @@ class ConfigError(ValueError):
     """A config field has a bad value; the message names the field."""
 
 
-def _require(ok: bool, name: str, value, why: str) -> None:
+def require(ok: bool, name: str, value, why: str) -> None:
+    """ConfigError ``name=value: why`` unless ``ok``."""
     if not ok:
         raise ConfigError(f"{name}={value!r}: {why}")

@@ -104,11 +104,11 @@ def prefill_ranks(d: dict) -> int:
 def plan_for_world(d: dict, world_size: int) -> DeployPlan:
     """``deploy.*`` -> DeployPlan. The counts (attention_replicas, attention_tp, expert_ranks)
     may be null: ``auto`` picks single for one process, else disaggregated (with N > 1 ranks
-    ``launch/auto_plan.py`` has already filled in the planner's choice); colocated takes one
+    ``megainfer/perfmodel/plan/auto_plan.py`` has already filled in the planner's choice); colocated takes one
     replica per rank; disaggregated fills what is not given where the world size leaves one
     choice. A plan that does not fit the world size names an override that would."""
     d = dict(d)
-    if d.get("micro_batches") is None:  # not chosen by the planner (launch/auto_plan.py)
+    if d.get("micro_batches") is None:  # not chosen by the planner (megainfer/perfmodel/plan/auto_plan.py)
         d["micro_batches"] = DEFAULT_MICRO_BATCHES
     mode = d.get("mode", "auto")
     if mode in (None, "auto"):

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .base import _require
+from .base import require
 from .model import ModelConfig
 from .replan import ReplanConfig
 from .runtime import (CacheConfig, CommConfig, DeployPlan, DeviceConfig, EplbConfig, LoadConfig,
@@ -30,9 +30,9 @@ class ResolvedJob:
     cpu_threads: Optional[int] = None  # torch intra-op threads of this process; None: torch's
 
     def __post_init__(self):
-        _require(isinstance(self.seed, int) and not isinstance(self.seed, bool), "sampling.seed",
+        require(isinstance(self.seed, int) and not isinstance(self.seed, bool), "sampling.seed",
                  self.seed, "must be an integer")
-        _require(self.cpu_threads is None or (isinstance(self.cpu_threads, int)
+        require(self.cpu_threads is None or (isinstance(self.cpu_threads, int)
                                               and not isinstance(self.cpu_threads, bool)
                                               and self.cpu_threads >= 1),
                  "deploy.cpu_threads", self.cpu_threads, "must be a positive integer or null")

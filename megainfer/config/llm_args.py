@@ -1,5 +1,5 @@
 """``LLM(...)``'s arguments (vLLM's names where they mean the same) -> the launcher's config tree
-(``resolve.py`` reads both), and back: a ``ConfigError`` the resolution raises names the Python
+(``engine/resolve.py`` reads both), and back: a ``ConfigError`` the resolution raises names the Python
 argument the bad value came from (``LLM(max_num_seqs=0): scheduler.max_num_seqs=0: ...``)."""
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from typing import Mapping, Optional, Sequence, Union
 
 from .base import ConfigError
 from .presets import load_preset, parse_override
-from .runtime import DeployPlan
 
 # LLM argument -> the config key it sets (seed also seeds dummy weights: model.seed)
 ARG_KEYS = {
@@ -28,11 +27,6 @@ ARG_KEYS = {
 }
 _LEADING_KEY = re.compile(r"^([A-Za-z_][\w]*(?:\.[\w]+)+)=")
 _OFFLINE_GROUPS = ("io", "workload")
-
-
-class DeployNotAvailableError(NotImplementedError):
-    """A deploy plan that resolves and validates, in a mode ``LLM`` cannot run yet (all but
-    single): the launcher runs it (``mpirun -n N megainfer-launch deploy=...``)."""
 
 
 def llm_tree(args: Mapping, deploy: Union[None, str, Mapping] = None,
@@ -101,18 +95,3 @@ def named_error(e: ConfigError, origin: Mapping[str, str], world: Optional[str])
         return e
     return type(e)(f"LLM({why}): {msg}")
 
-
-def launcher_command(deploy: Union[None, str, Mapping], plan: DeployPlan, model_path,
-                     overrides: Sequence[str] = ()) -> str:
-    """The ``mpirun ... megainfer-launch`` line that runs ``plan`` (a named preset as it is,
-    else the resolved counts); the other LLM arguments go on it as ``ARG_KEYS``' keys."""
-    parts = [f"mpirun -n {plan.world_size} megainfer-launch"]
-    if isinstance(deploy, str) and deploy != "auto":
-        parts.append(f"deploy={deploy}")
-    else:
-        keys = ("attention_replicas", "attention_tp", "expert_ranks", "micro_batches") + (
-            ("prefill_replicas", "prefill_tp") if plan.prefill_replicas else ())
-        parts += [f"deploy.mode={plan.mode}"] + [f"deploy.{k}={getattr(plan, k)}" for k in keys]
-    if isinstance(model_path, str):
-        parts.append(f"model.path={model_path}")
-    return " ".join(parts + list(overrides))

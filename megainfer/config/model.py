@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .base import (MLA_FAMILIES, SUPPORTED_FAMILIES, ConfigError,
-                   _require)
+                   require)
 
 
 @dataclass(frozen=True)
@@ -26,15 +26,15 @@ class YarnScaling:
     truncate: bool = True
 
     def __post_init__(self):
-        _require(self.factor is None or self.factor > 0, "rope_scaling.factor", self.factor,
+        require(self.factor is None or self.factor > 0, "rope_scaling.factor", self.factor,
                  "must be > 0")
-        _require(isinstance(self.original_max_position_embeddings, int)
+        require(isinstance(self.original_max_position_embeddings, int)
                  and self.original_max_position_embeddings > 0,
                  "rope_scaling.original_max_position_embeddings",
                  self.original_max_position_embeddings, "must be a positive integer")
         for name in ("beta_fast", "beta_slow"):
             v = getattr(self, name)
-            _require(v > 0, f"rope_scaling.{name}", v, "must be > 0")
+            require(v > 0, f"rope_scaling.{name}", v, "must be > 0")
 
 
 @dataclass(frozen=True)
@@ -84,51 +84,51 @@ class ModelConfig:
     mtp_layers: int = 0  # multi-token-prediction layers in the checkpoint (skipped at load)
 
     def __post_init__(self):
-        _require(self.family in SUPPORTED_FAMILIES, "model.family", self.family,
+        require(self.family in SUPPORTED_FAMILIES, "model.family", self.family,
                  f"unsupported; supported families: {', '.join(SUPPORTED_FAMILIES)}")
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                      "head_dim", "num_experts", "top_k", "moe_intermediate_size",
                      "max_position_embeddings", "decoder_sparse_step"):
             v = getattr(self, name)
-            _require(isinstance(v, int) and v > 0, f"model.{name}", v, "must be a positive integer")
-        _require(self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads", self.num_kv_heads,
+            require(isinstance(v, int) and v > 0, f"model.{name}", v, "must be a positive integer")
+        require(self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads", self.num_kv_heads,
                  f"must divide num_heads={self.num_heads}")
-        _require(self.top_k <= self.num_experts, "model.top_k", self.top_k,
+        require(self.top_k <= self.num_experts, "model.top_k", self.top_k,
                  f"must be <= num_experts={self.num_experts}")
-        _require(self.rms_norm_eps > 0, "model.rms_norm_eps", self.rms_norm_eps, "must be > 0")
-        _require(self.scoring in ("softmax", "sigmoid"), "model.scoring", self.scoring,
+        require(self.rms_norm_eps > 0, "model.rms_norm_eps", self.rms_norm_eps, "must be > 0")
+        require(self.scoring in ("softmax", "sigmoid"), "model.scoring", self.scoring,
                  "must be softmax or sigmoid")
         for name in ("first_k_dense_replace", "n_shared_experts", "mtp_layers"):
             v = getattr(self, name)
-            _require(isinstance(v, int) and v >= 0, f"model.{name}", v, "must be an integer >= 0")
-        _require(isinstance(self.moe_layer_freq, int) and self.moe_layer_freq >= 1,
+            require(isinstance(v, int) and v >= 0, f"model.{name}", v, "must be an integer >= 0")
+        require(isinstance(self.moe_layer_freq, int) and self.moe_layer_freq >= 1,
                  "model.moe_layer_freq", self.moe_layer_freq, "must be an integer >= 1")
-        _require(self.routed_scaling_factor > 0, "model.routed_scaling_factor",
+        require(self.routed_scaling_factor > 0, "model.routed_scaling_factor",
                  self.routed_scaling_factor, "must be > 0")
-        _require(isinstance(self.n_group, int) and self.n_group >= 1
+        require(isinstance(self.n_group, int) and self.n_group >= 1
                  and self.num_experts % self.n_group == 0, "model.n_group", self.n_group,
                  f"must be a positive divisor of num_experts={self.num_experts}")
-        _require(isinstance(self.topk_group, int) and 1 <= self.topk_group <= self.n_group,
+        require(isinstance(self.topk_group, int) and 1 <= self.topk_group <= self.n_group,
                  "model.topk_group", self.topk_group, f"must be in [1, n_group={self.n_group}]")
-        _require(self.top_k <= self.topk_group * (self.num_experts // self.n_group), "model.top_k",
+        require(self.top_k <= self.topk_group * (self.num_experts // self.n_group), "model.top_k",
                  self.top_k, f"more than the topk_group={self.topk_group} kept groups hold")
         if self.family in MLA_FAMILIES:
             for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
                 v = getattr(self, name)
-                _require(isinstance(v, int) and v > 0, f"model.{name}", v,
+                require(isinstance(v, int) and v > 0, f"model.{name}", v,
                          "must be a positive integer (MLA)")
-            _require(self.qk_rope_head_dim % 2 == 0, "model.qk_rope_head_dim",
+            require(self.qk_rope_head_dim % 2 == 0, "model.qk_rope_head_dim",
                      self.qk_rope_head_dim, "must be even (RoPE rotates pairs)")
-            _require(self.q_lora_rank is None or (isinstance(self.q_lora_rank, int)
+            require(self.q_lora_rank is None or (isinstance(self.q_lora_rank, int)
                                                   and self.q_lora_rank > 0),
                      "model.q_lora_rank", self.q_lora_rank, "must be None or a positive integer")
         else:
-            _require(self.rope_scaling is None, "config.json rope_type", "yarn",
+            require(self.rope_scaling is None, "config.json rope_type", "yarn",
                      f"only default RoPE is supported for {self.family}")
-            _require(self.kv_lora_rank == 0, "model.kv_lora_rank", self.kv_lora_rank,
+            require(self.kv_lora_rank == 0, "model.kv_lora_rank", self.kv_lora_rank,
                      f"MLA is only supported for {' and '.join(MLA_FAMILIES)}, not {self.family}")
         if self.dense_layers():
-            _require(self.intermediate_size > 0, "model.intermediate_size", self.intermediate_size,
+            require(self.intermediate_size > 0, "model.intermediate_size", self.intermediate_size,
                      "dense layers need a positive intermediate_size")
 
     @property
@@ -152,7 +152,7 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, cfg: dict) -> "ModelConfig":
         family = cfg.get("model_type", "")
-        _require(family in SUPPORTED_FAMILIES, "config.json model_type", family,
+        require(family in SUPPORTED_FAMILIES, "config.json model_type", family,
                  f"unsupported; supported families: {', '.join(SUPPORTED_FAMILIES)}")
         if cfg.get("sliding_window") and cfg.get("use_sliding_window", family == "mixtral"):
             raise ConfigError(f"config.json sliding_window={cfg['sliding_window']!r}: "
@@ -161,7 +161,7 @@ class ModelConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if family in MLA_FAMILIES:
             return _deepseek_from_hf(cls, cfg, rope, rope_type)
-        _require(rope_type == "default", "config.json rope_type", rope_type,
+        require(rope_type == "default", "config.json rope_type", rope_type,
                  "only default RoPE is supported")
         theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         heads = cfg["num_attention_heads"]
@@ -220,17 +220,17 @@ def _deepseek_from_hf(cls, cfg: dict, rope: dict, rope_type: str) -> ModelConfig
     V2 (HF ``DeepseekV2TopkRouter``): softmax, ``greedy`` or ``group_limited_greedy`` (group
     max), never renormalised whatever ``norm_topk_prob`` says, then routed_scaling_factor."""
     family = cfg["model_type"]
-    _require(rope_type in ("default", "yarn"), "config.json rope_type", rope_type,
+    require(rope_type in ("default", "yarn"), "config.json rope_type", rope_type,
              f"{family} supports default or yarn RoPE")
     v3 = family == "deepseek_v3"
     scoring = cfg.get("scoring_func", "sigmoid" if v3 else "softmax")
-    _require(scoring == ("sigmoid" if v3 else "softmax"), "config.json scoring_func", scoring,
+    require(scoring == ("sigmoid" if v3 else "softmax"), "config.json scoring_func", scoring,
              f"{family} routes with {'sigmoid' if v3 else 'softmax'} scores")
     method = cfg.get("topk_method", "noaux_tc" if v3 else "greedy")
-    _require(method in (("noaux_tc",) if v3 else ("greedy", "group_limited_greedy")),
+    require(method in (("noaux_tc",) if v3 else ("greedy", "group_limited_greedy")),
              "config.json topk_method", method, f"not supported for {family}")
     grouped = v3 or method == "group_limited_greedy"
-    _require(not cfg.get("mlp_bias"), "config.json mlp_bias", cfg.get("mlp_bias"),
+    require(not cfg.get("mlp_bias"), "config.json mlp_bias", cfg.get("mlp_bias"),
              "MLP biases are not supported")
     scaling = None
     if rope_type == "yarn":

@@ -5,7 +5,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from .base import _require
+from .base import require
 
 
 @dataclass(frozen=True)
@@ -30,30 +30,30 @@ class ReplanConfig:
     micro_batches: str = "plan"
 
     def __post_init__(self):
-        _require(isinstance(self.enabled, bool), "replan.enabled", self.enabled,
+        require(isinstance(self.enabled, bool), "replan.enabled", self.enabled,
                  "must be true or false")
-        _require(isinstance(self.interval, int) and not isinstance(self.interval, bool)
+        require(isinstance(self.interval, int) and not isinstance(self.interval, bool)
                  and self.interval >= 1, "replan.interval", self.interval, "must be an integer >= 1")
-        _require(isinstance(self.min_gain, (int, float)) and not isinstance(self.min_gain, bool)
+        require(isinstance(self.min_gain, (int, float)) and not isinstance(self.min_gain, bool)
                  and 0 <= self.min_gain < 1, "replan.min_gain", self.min_gain,
                  "must be a number in [0, 1)")
-        _require(self.kv_transfer in ("auto", "move", "recompute"), "replan.kv_transfer",
+        require(self.kv_transfer in ("auto", "move", "recompute"), "replan.kv_transfer",
                  self.kv_transfer, "must be auto, move or recompute")
-        _require(self.micro_batches in ("plan", "hold"), "replan.micro_batches",
+        require(self.micro_batches in ("plan", "hold"), "replan.micro_batches",
                  self.micro_batches, "must be plan or hold")
-        _require(isinstance(self.link_gbps, (int, float)) and not isinstance(self.link_gbps, bool)
+        require(isinstance(self.link_gbps, (int, float)) and not isinstance(self.link_gbps, bool)
                  and self.link_gbps > 0, "replan.link_gbps", self.link_gbps, "must be > 0")
         sched = []
         for item in self.force_schedule or ():
             ok = isinstance(item, (list, tuple)) and len(item) == 2
             it, plan = item if ok else (None, None)
-            _require(ok and isinstance(it, int) and not isinstance(it, bool) and it >= 1
+            require(ok and isinstance(it, int) and not isinstance(it, bool) and it >= 1
                      and parse_split(plan) is not None, "replan.force_schedule", item,
                      "each entry must be [iteration >= 1, 'aNeM' or 'aNeMmK'] (e.g. [8, "
                      "'a2e2'] or [8, 'a2e2m3'])")
             sched.append((it, str(plan)))
         its = [it for it, _ in sched]
-        _require(its == sorted(set(its)), "replan.force_schedule", self.force_schedule,
+        require(its == sorted(set(its)), "replan.force_schedule", self.force_schedule,
                  "iterations must be strictly increasing")
         object.__setattr__(self, "force_schedule", tuple(sched))
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .base import (ATTENTION_BACKENDS, DEVICES, DTYPE_NAMES, ConfigError,
-                   _require, torch_dtype_of)
+                   require, torch_dtype_of)
 from .model import ModelConfig
 
 # the cache's storage formats (auto: the model dtype; docs/kv_cache.md, kernels/kv_quant.py)
@@ -25,12 +25,12 @@ class LoadConfig:
     seed: int = 0  # seed of the dummy weights
 
     def __post_init__(self):
-        _require(self.load_format in ("safetensors", "dummy"), "model.load_format",
+        require(self.load_format in ("safetensors", "dummy"), "model.load_format",
                  self.load_format, "must be 'safetensors' or 'dummy'")
-        _require(self.dtype in DTYPE_NAMES, "model.dtype", self.dtype,
+        require(self.dtype in DTYPE_NAMES, "model.dtype", self.dtype,
                  "must be float32, bfloat16 or float16")
         if self.load_format == "safetensors":
-            _require(self.path is not None and os.path.isdir(self.path), "model.path", self.path,
+            require(self.path is not None and os.path.isdir(self.path), "model.path", self.path,
                      "must be an existing checkpoint directory (or use load_format=dummy)")
 
     @property
@@ -53,22 +53,22 @@ class DeviceConfig:
     index: int = 0
 
     def __post_init__(self):
-        _require(self.device in DEVICES, "deploy.device", self.device,
+        require(self.device in DEVICES, "deploy.device", self.device,
                  f"must be one of {', '.join(DEVICES)}")
-        _require(self.attention_backend in ATTENTION_BACKENDS, "model.attention_backend",
+        require(self.attention_backend in ATTENTION_BACKENDS, "model.attention_backend",
                  self.attention_backend, f"must be one of {', '.join(ATTENTION_BACKENDS)}")
-        _require(isinstance(self.cuda_graphs, bool), "engine.cuda_graphs", self.cuda_graphs,
+        require(isinstance(self.cuda_graphs, bool), "engine.cuda_graphs", self.cuda_graphs,
                  "must be true or false")
         if self.device == "cuda":
             import torch
-            _require(torch.cuda.is_available(), "deploy.device", self.device,
+            require(torch.cuda.is_available(), "deploy.device", self.device,
                      "no CUDA device is visible to this process (check CUDA_VISIBLE_DEVICES and "
                      "the driver); use deploy.device=cpu")
             n = torch.cuda.device_count()
-            _require(0 <= self.index < n, "deploy.device index", self.index,
+            require(0 <= self.index < n, "deploy.device index", self.index,
                      f"{n} CUDA device(s) visible")
         elif self.attention_backend == "triton":
-            _require(os.environ.get("TRITON_INTERPRET") == "1", "model.attention_backend",
+            require(os.environ.get("TRITON_INTERPRET") == "1", "model.attention_backend",
                      self.attention_backend, "Triton kernels on cpu run only under the interpreter "
                      "(TRITON_INTERPRET=1, slow: for tests); use attention_backend=torch on cpu")
 
@@ -84,7 +84,7 @@ class DeviceConfig:
         torch on cpu. On cuda this process takes GPU ``local_rank % visible GPUs`` (its
         node-local rank; ``CUDA_VISIBLE_DEVICES`` is respected by CUDA itself)."""
         import torch
-        _require(isinstance(cuda_graphs, bool), "engine.cuda_graphs", cuda_graphs,
+        require(isinstance(cuda_graphs, bool), "engine.cuda_graphs", cuda_graphs,
                  "must be true or false")
         if device in (None, "auto"):
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -99,11 +99,11 @@ class DeviceConfig:
 
     def check_model(self, model: "ModelConfig", dtype: str) -> None:
         """Refuse, before any weight is loaded, what the chosen kernels cannot take."""
-        _require(dtype in DTYPE_NAMES, "model.dtype", dtype, f"must be one of {', '.join(DTYPE_NAMES)}")
+        require(dtype in DTYPE_NAMES, "model.dtype", dtype, f"must be one of {', '.join(DTYPE_NAMES)}")
         if self.attention_backend == "triton" and not model.is_mla:  # MLA: its own backend
             from megainfer.kernels.attention_limits import attention_limits_error
             why = attention_limits_error(model.head_dim, model.num_heads, model.num_kv_heads, dtype)
-            _require(why is None, "model.attention_backend", self.attention_backend,
+            require(why is None, "model.attention_backend", self.attention_backend,
                      f"{why}; use attention_backend=torch")
 
 
@@ -122,19 +122,19 @@ class CacheConfig:
     kv_scale_granularity: str = DEFAULT_KV_SCALE_GRANULARITY  # quantised caches: tensor | token_head
 
     def __post_init__(self):
-        _require(self.block_size > 0, "cache.block_size", self.block_size, "must be > 0")
-        _require(self.num_blocks > 0, "cache.num_blocks", self.num_blocks, "must be > 0")
-        _require(isinstance(self.enable_prefix_caching, bool), "cache.enable_prefix_caching",
+        require(self.block_size > 0, "cache.block_size", self.block_size, "must be > 0")
+        require(self.num_blocks > 0, "cache.num_blocks", self.num_blocks, "must be > 0")
+        require(isinstance(self.enable_prefix_caching, bool), "cache.enable_prefix_caching",
                  self.enable_prefix_caching, "must be true or false")
-        _require(self.kv_cache_dtype in KV_CACHE_DTYPES, "cache.kv_cache_dtype",
+        require(self.kv_cache_dtype in KV_CACHE_DTYPES, "cache.kv_cache_dtype",
                  self.kv_cache_dtype, f"must be one of {', '.join(KV_CACHE_DTYPES)}")
-        _require(isinstance(self.host_kv_gib, (int, float)) and not isinstance(
+        require(isinstance(self.host_kv_gib, (int, float)) and not isinstance(
             self.host_kv_gib, bool) and self.host_kv_gib >= 0, "cache.host_kv_gib",
             self.host_kv_gib, "must be a number >= 0 (0: no second tier)")
-        _require(self.kv_store_dir is None or (isinstance(self.kv_store_dir, str)
+        require(self.kv_store_dir is None or (isinstance(self.kv_store_dir, str)
                                                and self.kv_store_dir != ""),
                  "cache.kv_store_dir", self.kv_store_dir, "must be null or a directory path")
-        _require(self.kv_scale_granularity in KV_SCALE_GRANULARITIES, "cache.kv_scale_granularity",
+        require(self.kv_scale_granularity in KV_SCALE_GRANULARITIES, "cache.kv_scale_granularity",
                  self.kv_scale_granularity, f"must be one of {', '.join(KV_SCALE_GRANULARITIES)}")
 
 
@@ -154,11 +154,11 @@ class SchedulerConfig:
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             v = getattr(self, name)
-            _require(isinstance(v, int) and v > 0, f"scheduler.{name}", v, "must be a positive integer")
-        _require(self.routing in ROUTINGS, "scheduler.routing", self.routing,
+            require(isinstance(v, int) and v > 0, f"scheduler.{name}", v, "must be a positive integer")
+        require(self.routing in ROUTINGS, "scheduler.routing", self.routing,
                  f"must be one of {', '.join(ROUTINGS)}")
         if not self.enable_chunked_prefill:
-            _require(self.max_num_batched_tokens >= self.max_model_len,
+            require(self.max_num_batched_tokens >= self.max_model_len,
                      "scheduler.max_num_batched_tokens", self.max_num_batched_tokens,
                      f"must be >= max_model_len={self.max_model_len} without chunked prefill")
 
@@ -179,28 +179,28 @@ class DeployPlan:
     prefill_tp: int = 1  # tensor-parallel ranks per prefill replica
 
     def __post_init__(self):
-        _require(self.mode in DEPLOY_MODES, "deploy.mode", self.mode,
+        require(self.mode in DEPLOY_MODES, "deploy.mode", self.mode,
                  f"must be one of {', '.join(DEPLOY_MODES)}")
         for name in ("attention_replicas", "attention_tp", "micro_batches"):
             v = getattr(self, name)
-            _require(isinstance(v, int) and v >= 1, f"deploy.{name}", v, "must be an integer >= 1")
-        _require(isinstance(self.expert_ranks, int) and self.expert_ranks >= 0,
+            require(isinstance(v, int) and v >= 1, f"deploy.{name}", v, "must be an integer >= 1")
+        require(isinstance(self.expert_ranks, int) and self.expert_ranks >= 0,
                  "deploy.expert_ranks", self.expert_ranks, "must be an integer >= 0")
         if self.mode == "disaggregated":
-            _require(self.expert_ranks >= 1, "deploy.expert_ranks", self.expert_ranks,
+            require(self.expert_ranks >= 1, "deploy.expert_ranks", self.expert_ranks,
                      "disaggregated mode needs at least one expert rank")
         if self.mode == "colocated":
-            _require(self.attention_tp == 1, "deploy.attention_tp", self.attention_tp,
+            require(self.attention_tp == 1, "deploy.attention_tp", self.attention_tp,
                      "colocated mode runs data parallel attention only (attention_tp=1)")
-        _require(isinstance(self.prefill_replicas, int) and self.prefill_replicas >= 0,
+        require(isinstance(self.prefill_replicas, int) and self.prefill_replicas >= 0,
                  "deploy.prefill_replicas", self.prefill_replicas, "must be an integer >= 0")
-        _require(isinstance(self.prefill_tp, int) and self.prefill_tp >= 1, "deploy.prefill_tp",
+        require(isinstance(self.prefill_tp, int) and self.prefill_tp >= 1, "deploy.prefill_tp",
                  self.prefill_tp, "must be an integer >= 1")
         if self.prefill_replicas:
-            _require(self.mode == "disaggregated", "deploy.prefill_replicas", self.prefill_replicas,
+            require(self.mode == "disaggregated", "deploy.prefill_replicas", self.prefill_replicas,
                      f"prefill replicas hand off to disaggregated decode (deploy.mode={self.mode})")
         if self.mode == "single":
-            _require(self.world_size == 1, "deploy.mode", self.mode,
+            require(self.world_size == 1, "deploy.mode", self.mode,
                      "single mode runs one process: attention_replicas=1, attention_tp=1, expert_ranks=0")
 
     @property
@@ -245,15 +245,15 @@ class EplbConfig:
     seed: int = 0  # seed of the shuffled initial placement
 
     def __post_init__(self):
-        _require(isinstance(self.redundant_experts, int) and self.redundant_experts >= 0,
+        require(isinstance(self.redundant_experts, int) and self.redundant_experts >= 0,
                  "eplb.redundant_experts", self.redundant_experts, "must be an integer >= 0")
-        _require(self.num_groups is None or (isinstance(self.num_groups, int)
+        require(self.num_groups is None or (isinstance(self.num_groups, int)
                                              and self.num_groups >= 1),
                  "eplb.num_groups", self.num_groups, "must be null or an integer >= 1")
         for name in ("window", "interval", "num_nodes"):
             v = getattr(self, name)
-            _require(isinstance(v, int) and v >= 1, f"eplb.{name}", v, "must be an integer >= 1")
-        _require(self.initial in ("identity", "shuffled"), "eplb.initial", self.initial,
+            require(isinstance(v, int) and v >= 1, f"eplb.{name}", v, "must be an integer >= 1")
+        require(self.initial in ("identity", "shuffled"), "eplb.initial", self.initial,
                  "must be identity or shuffled")
 
     def groups_for(self, model: "ModelConfig") -> int:
@@ -278,15 +278,15 @@ class CommConfig:
     eplb_moves: str = "auto"
 
     def __post_init__(self):
-        _require(isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0, "comm.timeout_s",
+        require(isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0, "comm.timeout_s",
                  self.timeout_s, "must be > 0")
-        _require(self.wait_mode in ("spin", "yield", "backoff"), "comm.wait_mode", self.wait_mode,
+        require(self.wait_mode in ("spin", "yield", "backoff"), "comm.wait_mode", self.wait_mode,
                  "must be spin, yield or backoff")
-        _require(self.transport in ("auto", "mpi", "cuda_ipc", "nccl"), "comm.transport",
+        require(self.transport in ("auto", "mpi", "cuda_ipc", "nccl"), "comm.transport",
                  self.transport, "must be auto, mpi, cuda_ipc or nccl")
-        _require(self.tp_collectives in ("auto", "mpi", "channel"), "comm.tp_collectives",
+        require(self.tp_collectives in ("auto", "mpi", "channel"), "comm.tp_collectives",
                  self.tp_collectives, "must be auto, mpi or channel")
-        _require(self.eplb_moves in ("auto", "mpi", "device"), "comm.eplb_moves",
+        require(self.eplb_moves in ("auto", "mpi", "device"), "comm.eplb_moves",
                  self.eplb_moves, "must be auto, mpi or device")
 
 

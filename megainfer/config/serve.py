@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .base import _require
+from .base import require
 
 
 def _opt_text(v) -> bool:
@@ -34,20 +34,20 @@ class ServeConfig:
     retry_after_s: int = 1
 
     def __post_init__(self):
-        _require(isinstance(self.host, str) and bool(self.host), "serve.host", self.host,
+        require(isinstance(self.host, str) and bool(self.host), "serve.host", self.host,
                  "must be a host name or address")
-        _require(isinstance(self.port, int) and not isinstance(self.port, bool)
+        require(isinstance(self.port, int) and not isinstance(self.port, bool)
                  and 0 <= self.port <= 65535, "serve.port", self.port, "must be in [0, 65535]")
         for k in ("served_model_name", "api_key", "chat_template"):
-            _require(_opt_text(getattr(self, k)), f"serve.{k}", getattr(self, k),
+            require(_opt_text(getattr(self, k)), f"serve.{k}", getattr(self, k),
                      "must be a non-empty string or null")
-        _require(isinstance(self.max_queued_requests, int)
+        require(isinstance(self.max_queued_requests, int)
                  and not isinstance(self.max_queued_requests, bool)
                  and self.max_queued_requests >= 1, "serve.max_queued_requests",
                  self.max_queued_requests, "must be an integer >= 1")
-        _require(isinstance(self.shutdown_grace_s, (int, float))
+        require(isinstance(self.shutdown_grace_s, (int, float))
                  and not isinstance(self.shutdown_grace_s, bool) and self.shutdown_grace_s >= 0,
                  "serve.shutdown_grace_s", self.shutdown_grace_s, "must be a number >= 0")
-        _require(isinstance(self.retry_after_s, int) and not isinstance(self.retry_after_s, bool)
+        require(isinstance(self.retry_after_s, int) and not isinstance(self.retry_after_s, bool)
                  and self.retry_after_s >= 1, "serve.retry_after_s", self.retry_after_s,
                  "must be an integer >= 1")

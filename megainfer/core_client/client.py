@@ -48,7 +48,7 @@ class JobTree:
     def resolve(self, rank: int) -> ResolvedJob:
         planner = None
         if self.auto_plan:
-            from megainfer.launch.auto_plan import auto_plan as planner
+            from megainfer.perfmodel.plan.auto_plan import auto_plan as planner
         return rank_job(self.tree, self.world_size, rank, planner)
 
 

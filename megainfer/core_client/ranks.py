@@ -7,8 +7,8 @@ import logging
 import os
 from typing import Optional
 
-from megainfer.config import ResolvedJob
-from megainfer.config.resolve import resolve_job
+from megainfer.config import ConfigError, ResolvedJob
+from megainfer.engine.resolve import resolve_job
 
 log = logging.getLogger("megainfer.engine")
 
@@ -36,6 +36,13 @@ def rank_job(tree: dict, world: int, rank: int, planner=None) -> ResolvedJob:
     return resolve_job(tree, world, local_ranks=world, local_rank=rank, planner=planner)
 
 
+def device_name(device) -> str:
+    if device.device != "cuda":
+        return "cpu"
+    import torch
+    return f"cuda:{device.index} ({torch.cuda.get_device_name(device.index)})"
+
+
 def single_engine(job: ResolvedJob, tokenizer=None):
     """Single mode: the whole model in this process and its ``LLMEngine``."""
     import torch
@@ -51,7 +58,7 @@ def single_engine(job: ResolvedJob, tokenizer=None):
     model = build_model(job.model, job.load, device=device.torch_device)
     model.set_attention_backend(device.attention_backend)
     log.info("[attn dp0 tp0] %s on %s, %s weights, attention %s%s, %d cpu threads",
-             job.model.family, device.torch_device, job.load.dtype, device.attention_backend,
+             job.model.family, device_name(device), job.load.dtype, device.attention_backend,
              ", CUDA graphs for decode" if device.cuda_graphs else "", torch.get_num_threads())
     return LLMEngine.from_model(
         model, job.scheduler, job.cache,
@@ -66,11 +73,14 @@ def start_ranks(job: ResolvedJob, comm=None):
     rank 0 closes its engine, then returns None."""
     if job.deploy.mode == "single":
         return single_engine(job)
+    if job.replan.enabled:  # every rank refuses alike, before anything collective
+        raise ConfigError("replan.enabled=true: re-planning runs in megainfer-launch batch jobs "
+                          "only; LLM, AsyncLLM and megainfer-serve do not re-plan yet")
     import torch
     from mpi4py import MPI
 
     from megainfer.runtime.replicas.online import RuntimeEngine
-    from megainfer.runtime.startup import build_rank, serve_rank
+    from megainfer.runtime.startup import build_rank, run_rank
     comm = MPI.COMM_WORLD if comm is None else comm
     if job.cpu_threads is not None:
         torch.set_num_threads(job.cpu_threads)
@@ -78,7 +88,7 @@ def start_ranks(job: ResolvedJob, comm=None):
     if r.role.rank == 0:
         return RuntimeEngine(r)
     try:
-        serve_rank(r)
+        run_rank(r)  # serves until rank 0's last iteration says stop
     finally:
         r.close()
     return None

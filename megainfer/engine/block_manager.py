@@ -1,35 +1,19 @@
-"""Paged KV cache bookkeeping: fixed-size blocks, a free list, reference counts, prefix caching.
+"""Paged KV cache bookkeeping: fixed-size blocks, a free list, reference counts, forks with
+copy-on-write, and the prefix cache (docs/engine.md, "Prefix caching").
 
-The manager never touches tensors; it hands out physical block ids that index the
-``[2, num_blocks, block_size, kv_heads, head_dim]`` cache of every layer. Blocks are taken
-from the front of the free list and returned to its back, so the same sequence of calls gives
-the same block ids on every rank (TP ranks of one replica must agree).
-
-Forks (``SamplingParams.n``): a forked sequence shares its parent's blocks (``fork``). The
-first write into a shared block (the prompt's partially filled last block) copies it first:
-``allocate`` gives the writer a fresh block and records ``(src, dst)`` in ``pending_copies``,
-which the engine applies to the KV tensors before the step runs (``take_copies``).
-
-Prefix caching (``enable_prefix_caching``): once a block is full and computed
-(``cache_full_blocks``), it is keyed by ``hash_block_tokens(parent key, its token ids)``, a
-deterministic 64-bit blake2b (the same on every rank and process). Each cached block also keeps
-its token ids and the *content id* of its parent (a serial number never reused), and a hit is
-taken only when both match, block after block from the first: a hash collision can never serve
-wrong KV. ``find_cached`` returns the longest such run of a waiting request's full blocks
-(never its last token: at least one token is computed so there are logits to sample), and
-``allocate(..., cached=)`` takes it (reference counts) before growing the table. A block whose
-last reference goes keeps its contents and key and joins an LRU list (``evictable``); a new
-block is the front of the never-used / uncached free list if any, else the least recently freed
-cached block (its key dropped). Full blocks are never written again, so copy-on-write only ever
-concerns a shared partial last block. Everything is ordered (deques, insertion-ordered dicts):
-the same calls give the same hits, evictions and block ids on every rank.
-
-Second tier (``tier``, ``megainfer.engine.kv_tier``): an evicted cached block is handed to the
-tier (``save``) before its block is reused; ``find_cached`` continues a run past the first tier
-with the tier's entries (same key, tokens and parent content id, bytes checked), returned as
-``TierEntry`` objects among the block ids; ``allocate`` gives each a fresh block, registered
-with the entry's identity, and asks the tier to copy it back (``load``) before the step.
-"""
+The manager never touches tensors: it hands out physical block ids into every layer's cache.
+Invariants:
+* Deterministic: blocks leave the front of the free list and return to its back, and every
+  structure is ordered, so the same calls give the same block ids, hits and evictions on every
+  rank (TP ranks of one replica must agree).
+* A shared block is copied before it is written (``pending_copies``, applied by the engine
+  before the step); full blocks are never written again, so only a partial last block is.
+* A prefix hit needs the chained blake2b key, the block's token ids and its parent's content
+  id to match, block after block from the first: a hash collision can never serve wrong KV.
+  A request's last token is never a hit (there must be logits to sample).
+* A block whose last reference goes keeps its key and joins an LRU list; a new block is an
+  uncached free one if any, else the least recently freed cached one. With a second tier
+  (``kv_tier``) an evicted block is saved there first and a run of hits may continue into it."""
 from __future__ import annotations
 
 import hashlib

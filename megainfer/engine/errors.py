@@ -2,8 +2,12 @@
 
 A ``RequestError`` concerns one request only: the engine refuses that request and keeps
 serving the others. Start-up problems (a KV pool too small, bad config) are ``ConfigError``.
+An engine core that cannot serve any more ends every request with ``EngineDeadError``
+(``RankLostError`` when a rank of the runtime died or stopped answering).
 """
 from __future__ import annotations
+
+from typing import Optional
 
 from megainfer.config import ConfigError
 
@@ -36,5 +40,28 @@ class CacheTooSmallError(ConfigError):
     """The KV block pool cannot hold one request of ``max_model_len`` tokens."""
 
 
+class EngineDeadError(RuntimeError):
+    """The engine core stopped (shut down, or its loop raised): no request can run."""
+
+
+class RankLostError(EngineDeadError):
+    """A rank of the distributed runtime died or stopped answering: ``rank`` and ``role`` name
+    it (None when nobody could tell which)."""
+
+    def __init__(self, message: str, rank: Optional[int] = None, role: Optional[str] = None):
+        super().__init__(message)
+        self.rank, self.role = rank, role
+
+    def __reduce__(self):  # picklable with its fields (it crosses processes)
+        return (type(self), (str(self), self.rank, self.role))
+
+
+class CoreStartError(EngineDeadError):
+    """The ranks of a child job started from a plain script (``core_client.spawn``) did not
+    start: a rank failed, exited or timed out; the message carries the job's last output
+    lines."""
+
+
 __all__ = ["RequestError", "SamplingParamsError", "EmptyPromptError", "PromptTooLongError",
-           "TokenIdError", "DuplicateRequestError", "CacheTooSmallError", "ConfigError"]
+           "TokenIdError", "DuplicateRequestError", "CacheTooSmallError", "ConfigError",
+           "EngineDeadError", "RankLostError", "CoreStartError"]

@@ -1,30 +1,16 @@
-"""The prefix cache's second tier: cached KV blocks evicted from the first tier (the engine's
-paged KV tensors) are kept here, bounded and least-recently-used, and copied back on a hit.
+"""The prefix cache's second tier: cached KV blocks evicted from the engine's paged KV tensors are
+kept here, bounded by ``cache.host_kv_gib`` and least-recently-used, and copied back on a hit
+(docs/kv_cache.md, "Prefix caching: the second tier").
 
-Stores (``cache.host_kv_gib`` bounds both; docs/kv_cache.md, "The second tier"):
+* ``HostStore`` (cuda): one pinned host buffer; a block comes back layer by layer on a side
+  stream, each layer's forward waiting on its own copy's event (``attach``).
+* ``FileStore`` (cpu): one safetensors file per block under ``cache.kv_store_dir`` (a temporary
+  directory when unset), read with plain reads, never mmap or pickle.
 
-* ``HostStore`` (cuda): one pinned host buffer of ``capacity`` slots; a block goes down with a
-  device-to-host copy at eviction (the GPU is idle then: the schedule runs after the previous
-  step's sampling synchronised), and comes back with host-to-device copies, layer by layer, on
-  a side stream, each layer's copy recorded by an event the layer's forward waits on
-  (``attach`` installs a forward pre-hook per layer), so layer 0 computes while later layers'
-  blocks are still on the way.
-* ``FileStore`` (cpu): one safetensors file per block under a fresh directory inside
-  ``cache.kv_store_dir`` (a temporary directory when unset), removed when the engine goes.
-  Read back with plain reads, never mmap or pickle. On cpu the copies back are plain copies,
-  layer by layer, before the step runs.
-
-A block is stored as raw bytes, every layer's ``kv.select(block_dim, b)`` one after the other,
-whatever the cache format (GQA ``[2, NB, BS, Hkv, D]``, MLA latent ``[NB, BS, R + P]``, fp8 or
-packed fp4 rows with their block scales; ``token_head``: each row's own scale too): a ``tensor``
-cache's per-layer scales are set once and kept, so a block's bytes mean the same when back.
-
-An entry keeps the block's key, token ids, content id and parent's content id (the first
-tier's identity, ``BlockManager``) and a blake2b checksum of its bytes. ``lookup`` serves it
-only when the tokens and the parent match and the bytes read back match the checksum; a
-corrupt or truncated entry is logged, dropped and reported as a miss (the block is recomputed).
-The bytes verified by ``lookup`` are the ones ``apply_loads`` copies (staged until the step).
-"""
+A block is stored as raw bytes of every layer, whatever the cache format. An entry keeps the
+first tier's identity (key, tokens, content ids) and a blake2b checksum; ``lookup`` serves it
+only when tokens, parent and checksum match (else it is dropped and recomputed), and the bytes
+it verified are the ones ``apply_loads`` copies."""
 from __future__ import annotations
 
 import hashlib

@@ -101,6 +101,13 @@ class RequestOutput:
                    list(prompt_token_ids or []), [CompletionOutput(0, "", [], "error")], True,
                    None, msg)
 
+    @classmethod
+    def aborted(cls, request_id, prompt, prompt_token_ids, n: int = 1) -> "RequestOutput":
+        """A request aborted before any replica ran it: ``n`` empty samples ended "abort"."""
+        return cls(request_id, prompt if isinstance(prompt, str) else None,
+                   list(prompt_token_ids or []),
+                   [CompletionOutput(i, "", [], "abort") for i in range(n)], True)
+
 
 @dataclass
 class SampleDelta:

@@ -1,26 +1,15 @@
 """Logits -> next tokens: penalties, min-tokens, greedy, temperature, top-k, top-p, min-p,
-per-request seeds, and the log-probabilities asked for (sampled and prompt tokens).
+per-request seeds, and the log-probabilities asked for (docs/engine.md, "Sampling").
 
-Order per row (vLLM v1): logprobs from the raw logits (log-softmax, before anything else);
-min_tokens masks eos (even with ignore_eos, as vLLM) / stop_token_ids to -inf, bad_words their last token; repetition penalty
-(HF: logit / p if > 0 else logit * p, on every token of prompt + output), then frequency and
-presence penalties (OpenAI, on output-token counts); greedy rows take the argmax of that;
-random rows divide by the temperature, filter, and race.
+Order per row (vLLM v1): logprobs from the raw logits; min_tokens and bad_words masks;
+repetition, frequency and presence penalties; greedy rows take the argmax, random rows divide by
+the temperature, filter, and race (argmax of probs / E, E ~ Exp(1)).
 
-Everything runs on the logits' device. Random rows sample with the exponential race
-(argmax of probs / E, E ~ Exp(1)). The noise is counter-based: E for row r, vocab position j is
-a function of (key_r, j) alone, where key_r = mix_seed(request seed, output index) is computed
-on the host. The function is Philox4x32-10 (Salmon et al., SC'11; the generator behind curand),
-written with exact int64 torch ops, so CPU and CUDA give the same bits. A request's samples
-therefore depend on its seed, its output index and its logits, never on which other requests
-share the batch, on preemption, or on how many steps ran before.
-
-Per step: one small host->device copy (one fp64 buffer: the random rows' table of row index,
-temperature, top-k, top-p, min-p and key; the penalised rows' table and their (row, token)
-pairs; the masked (row, token) pairs; logits row indices), no logits to the host, no random
-numbers drawn on the host, and one device->host copy at the end (the tokens, with the asked
-log-probabilities packed in the same fp64 tensor). Token ids are exact in fp64 (< 2**53).
-"""
+Invariants: everything runs on the logits' device, with one host->device copy of the step's
+tables and one device->host copy of its tokens (and asked log-probabilities). The noise E of
+row r at vocab position j is Philox4x32-10 of (key_r, j), key_r from the request's seed and
+output index, in exact int64 torch ops: CPU and CUDA give the same bits, and a request's
+samples never depend on which requests share its batch, on preemption, or on earlier steps."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

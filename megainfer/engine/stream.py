@@ -67,4 +67,6 @@ class RequestStream:
             if not isinstance(c.stop_reason, str) and c.finish_reason != "error":
                 c.text = self.tokenizer.decode(c.token_ids)  # as request_output decodes
         out.request_id = self.request_id
+        if out.prompt is None:  # the runtime's replicas get token ids; the text stayed here
+            out.prompt = self.prompt.prompt
         return out

@@ -3,7 +3,8 @@
 One owner for what the runtime (``runtime/trace.py``) and the simulators write and what every
 reader (``runtime/trace_metrics.py``, ``model/insitu.py``, ``timeline_plot.py``) matches on:
 the lanes of a rank per mode (their order is the ``tid``), the extra lanes appended when first
-used, a span's name (``span_name``, ``wait_name``) and the event dicts themselves.
+used, every span's name (``span_name``, ``dense_name``, ``wait_name``, ``prefill_step_name``,
+``kv_transfer_name``, ``replan_name``), the filters on them and the event dicts themselves.
 """
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ LANES = {"disaggregated": (ATTENTION, A2E, EXPERT, E2A),
 PREFILL, KV_SEND, KV_RECV, REPLAN = "prefill", "KV send", "KV recv", "replan"
 
 # A span's name: "<prefix> L<layer> mb<mb>"; an attention span of an MoE layer is "attn ...",
-# a dense layer's "dense ..."; a receiver blocked on a lane: "<lane> wait L<layer> mb<mb>".
-ATTN, DENSE, WAIT = "attn", "dense", "wait"
+# a dense layer's "dense ..."; a receiver blocked on a lane: "<lane> wait L<layer> mb<mb>";
+# the extra lanes' spans: "prefill step <n>", "KV <request id>", "replan <aNeM>".
+ATTN, DENSE, WAIT, KV = "attn", "dense", "wait", "KV"
 _PREFIX = {ATTENTION: ATTN, A2E: A2E, EXPERT: EXPERT, E2A: E2A, DISPATCH: DISPATCH,
            COMBINE: COMBINE}
 
@@ -30,8 +32,28 @@ def span_name(lane: str, layer: int, mb: int) -> str:
     return f"{_PREFIX[lane]} L{layer} mb{mb}"
 
 
+def dense_name(layer: int, mb: int) -> str:
+    """The attention lane's span of a dense (not MoE) layer: no expert exchange follows it."""
+    return f"{DENSE} L{layer} mb{mb}"
+
+
 def wait_name(lane: str, layer: int, mb: int) -> str:
     return f"{lane} {WAIT} L{layer} mb{mb}"
+
+
+def prefill_step_name(step: int) -> str:
+    """A prefill rank's step (lane ``PREFILL``)."""
+    return f"{PREFILL} step {step}"
+
+
+def kv_transfer_name(request_id) -> str:
+    """One request's KV transfer, on the sender's ``KV_SEND`` and the receiver's ``KV_RECV``."""
+    return f"{KV} {request_id}"
+
+
+def replan_name(label: str) -> str:
+    """A re-plan's switch to the split ``label`` (``aNeM``; lane ``REPLAN``)."""
+    return f"{REPLAN} {label}"
 
 
 def is_moe_attention(event: dict) -> bool:

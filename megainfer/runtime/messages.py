@@ -4,7 +4,8 @@ Tensors never travel here (they use ``megainfer.comm``); these are small Python 
 with mpi4py's object messages.
 
 * The replicas' lockstep loop (``replicas/loop.py``, ``pd/loop.py``): ``ReplicaStatus`` (a
-  replica leader's report after each step) and ``Go`` (rank 0's answer to every attention rank).
+  replica leader's report after each step) and ``Go`` (rank 0's answer to every attention rank,
+  online with the requests to abort).
 * Live EPLB (``eplb/rebalancer.py``): ``PlacementUpdate``.
 * Prefill-decode (``pd/``): rank 0 -> prefill rank ``PrefillWork`` | ``PrefillStop``; prefill
   rank -> rank 0 ``PrefillReport`` of ``PrefillResult``; in a ``Go`` to the decode replicas the
@@ -23,12 +24,14 @@ from typing import Any
 class ReplicaStatus:
     """A replica leader -> rank 0 after every step."""
 
-    finished: list  # RequestOutputs finished in this step
+    finished: list  # RequestOutputs finished (or aborted) in this step
     busy: bool  # the replica has work left (decoding, or with PD transfers still arriving)
     waiting: int
     running: int
     key_events: list = field(default_factory=list)  # prefix-cache (key, +-1) for cache-aware routing
     transfers_pending: int = 0  # PD: KV transfers announced to this replica, not started yet
+    new_tokens: list = field(default_factory=list)  # online: this step's SampleDeltas
+    kv_usage: float = 0.0  # the share of the replica's KV blocks in use
 
     @property
     def load(self) -> int:
@@ -38,10 +41,12 @@ class ReplicaStatus:
 
 @dataclass
 class Go:
-    """Rank 0 -> every attention rank after each iteration's sync."""
+    """Rank 0 -> every attention rank after each iteration's sync (``tags.GO``), and once
+    before the first with its first share of requests (``tags.REQUESTS``)."""
 
     proceed: bool  # False: stop (or end the loop for a re-plan)
     items: list  # this replica's new requests (PromptInputs), or with PD its transfer messages
+    aborts: list = field(default_factory=list)  # request ids this replica ends now (online)
 
 
 # ---------------------------------------------------------------------- live EPLB

@@ -17,6 +17,7 @@ from megainfer.comm import M2N
 from megainfer.comm.wait import WaitPolicy
 from megainfer.config import ResolvedJob
 from megainfer.models import ParallelContext, build_model
+from megainfer.perfmodel.trace import COMBINE, DISPATCH
 from megainfer.runtime.control import ControlPlane
 from megainfer.runtime.eplb.rebalancer import AttentionRebalancer, ExpertRebalancer
 from megainfer.runtime.eplb.weight_channel import eplb_moves_kind
@@ -145,7 +146,7 @@ def build_colocated(job, out: Rank, placement) -> None:
     model.set_attention_backend(job.device.attention_backend)
     expert_side = ExpertExchange(m2n)  # its receives and sends are grouped with the attention
     exchange = AttentionExchange(m2n, slot_owner(placement, job.device.torch_device), tracer,
-                                 lanes=("dispatch", "combine"), partner=expert_side)  # side's
+                                 lanes=(DISPATCH, COMBINE), partner=expert_side)  # side's
     worker = ExpertWorker(model, plan.micro_batches, expert_side, role.tag, tracer,
                           trace_comm=False)
     rebalancer = AttentionRebalancer(placement, job.eplb, out.control, m2n, 0, role.replica)

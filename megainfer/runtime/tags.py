@@ -1,8 +1,10 @@
-"""Every MPI tag the runtime uses, with the communicator it rides (one table, ``TAGS``).
+"""Every MPI tag megainfer uses (the runtime's and the calibration's), with the communicator it
+rides: one table, ``TAGS`` (docs/architecture.md, "Runtime rooms").
 
 A tag only has to be unique among the messages of one communicator, so equal values on
-different communicators are fine; ``tests/test_runtime_tags.py`` checks that no two entries of
-one communicator overlap. The communicators:
+different communicators are fine; ``tests/unit/runtime/test_runtime_layout.py`` checks that no
+two entries of one communicator overlap and that no tag is defined outside this table. The
+communicators:
 
 * ``job``: the job's communicator (``COMM_WORLD``; with prefill replicas, the decode and expert
   ranks' ``core`` split), the control plane's (``runtime/control.py``);
@@ -12,7 +14,9 @@ one communicator overlap. The communicators:
   prefill replica's TP communicator carries ``PD_WORK`` too (the leader's forwards);
 * ``bounded``: whatever communicator a ``BoundedComm`` wraps (the job's, or a weight channel's);
 * ``channel``: each ``megainfer.comm`` transport's own duplicate, where a ``Channel`` uses
-  ``channel_id * MAX_STREAMS + stream`` below ``MAX_CHANNELS * MAX_STREAMS``.
+  ``channel_id * MAX_STREAMS + stream`` below ``MAX_CHANNELS * MAX_STREAMS``;
+* ``calibration``: the ``mpiexec -n 2`` job of ``megainfer-plan calibrate``'s MPI ping-pong
+  (``megainfer/calibration/mpi_pingpong.py``), its own ``COMM_WORLD``.
 
 Ranges (``Tag.span > 1``) are a base plus an offset the owner computes: ``EPLB_WEIGHTS +
 layer * slots + slot``, ``REPLAN_EXPERT + layer * slots_per_rank + slot``, ``KV_SEGMENT +
@@ -46,6 +50,7 @@ PD_WORK, PD_DONE = 201, 202  # rank 0 <-> prefill ranks
 KV_SEGMENT = 1000  # one (transfer, layer, segment) of prefill KV, up to TAG_UB
 REPLAN_HEADERS, REPLAN_KV, REPLAN_CHECKPOINT = 1, 2, 3  # the switch's own communicator
 REPLAN_EXPERT = 2000  # a re-plan's host-staged expert weights (+ layer * slots + slot)
+PING, PONG = 7, 8  # calibration: rank 0 -> rank 1, and back
 
 TAGS = (
     Tag(REQUESTS, "job", "rank 0 -> attention ranks: a replica's first share of requests"),
@@ -67,6 +72,8 @@ TAGS = (
     Tag(REPLAN_CHECKPOINT, "switch", "bounded barrier tokens"),
     Tag(REPLAN_EXPERT, "switch", "host-staged expert weights of a re-plan",
         span=MPI_TAG_UB_MIN - REPLAN_EXPERT),
+    Tag(PING, "calibration", "rank 0 -> rank 1: one ping-pong message"),
+    Tag(PONG, "calibration", "rank 1 -> rank 0: its echo"),
     Tag(0, "channel", "megainfer.comm.Channel: channel_id * MAX_STREAMS + stream",
         span=MAX_CHANNELS * MAX_STREAMS),
 )

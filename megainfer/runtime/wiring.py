@@ -104,6 +104,12 @@ def rank_of(job: ResolvedJob, comm, role: RankRole, w: Wiring, tracer: Tracer) -
                 closers=w.closers)
 
 
+def trace_epoch(comm) -> float:
+    """Collective: rank 0's monotonic clock reading, every rank's trace epoch (CLOCK_MONOTONIC
+    is shared by the processes of one node; across nodes this is as good as the hosts' clocks)."""
+    return comm.bcast(time.perf_counter(), root=0)
+
+
 def build_base_rank(job: ResolvedJob, comm=MPI.COMM_WORLD, feature: Optional[Feature] = None,
                     make_loop: Optional[Callable] = None) -> Rank:
     """Collective: this rank's role, connections and parts. ``feature``'s ``traced`` may turn
@@ -117,12 +123,10 @@ def build_base_rank(job: ResolvedJob, comm=MPI.COMM_WORLD, feature: Optional[Fea
         raise ConfigError("eplb.enabled=true: live rebalancing runs in disaggregated mode only "
                           "(colocated mode takes static placements: eplb.redundant_experts, "
                           "eplb.initial)")
-    # one clock: rank 0's monotonic clock reading is every rank's trace epoch (CLOCK_MONOTONIC is
-    # shared by the processes of one node; across nodes this is as good as the hosts' clocks)
     dev = job.device.torch_device
     if dev.type == "cuda":
         torch.cuda.set_device(dev)  # Triton launches, streams and IPC all on this rank's GPU
-    epoch = comm.bcast(time.perf_counter(), root=0)
+    epoch = trace_epoch(comm)
     traced = job.trace.enabled or (feature is not None and feature.traced is not None
                                    and feature.traced(job, role))
     tracer = Tracer(enabled=traced, rank=rank, name=role.tag, mode=plan.mode, epoch=epoch,

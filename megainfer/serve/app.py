@@ -206,7 +206,7 @@ def build_app(client: EngineClient, cfg: ServeConfig, model_dir: Optional[str]) 
 
     @app.get("/health")
     async def health():
-        ok = client.healthy and not client.draining
+        ok = client.answering() and not client.draining
         return Response(status_code=200 if ok else 503)
 
     @app.get("/metrics")

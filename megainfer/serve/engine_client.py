@@ -1,28 +1,32 @@
-"""The server's one handle on the engine: admission (the queue bound, draining), the metrics of
-each request, and the ``AsyncLLM`` streams. Single mode serves a local ``AsyncLLM``; the
-disaggregated modes will plug rank 0's online engine in behind the same ``generate`` (not yet:
-docs/serve.md, "Not yet served")."""
+"""The server's one handle on the engine: admission (the queue bound, draining), health, the
+metrics of each request, and the ``AsyncLLM`` streams. The engine is single mode's
+``LLMEngine`` or, in every other mode, rank 0's ``RuntimeEngine`` (``core_client.start_ranks``);
+either is served through an ``AsyncLLM`` over a ``MeteredEngine`` of it (docs/serve.md)."""
 from __future__ import annotations
 
 import itertools
+import time
 from typing import AsyncIterator, Optional
 
 from megainfer.async_llm import AsyncLLM
 from megainfer.engine import RequestError, RequestOutput, SamplingParams
 
 from .errors import APIError, request_error
-from .metrics import MeteredEngine, RequestTimer, ServeMetrics
+from .metrics import MeteredEngine, RequestTimer, ServeMetrics, engine_load
+
+MIN_ITERATION_ALLOWANCE_S = 1.0  # health: the least time one iteration may take
 
 
 class EngineClient:
     def __init__(self, engine, model_name: str, max_queued_requests: int = 256,
-                 retry_after_s: int = 1):
-        """``engine``: a single-mode ``LLMEngine`` (``LLM(...).engine``); served through an
-        ``AsyncLLM`` over a ``MeteredEngine`` of it."""
+                 retry_after_s: int = 1, role: str = "single"):
+        """``engine``: a single-mode ``LLMEngine`` (``LLM(...).engine``) or rank 0's
+        ``RuntimeEngine``; ``role``: the iteration-time label (``metrics.iteration_role``)."""
         self.engine, self.model_name = engine, model_name
         self.metrics = ServeMetrics(model_name)
         self.metrics.watch_engine(engine)
-        self.llm = AsyncLLM.from_engine(MeteredEngine(engine, self.metrics))
+        self.metered = MeteredEngine(engine, self.metrics, role)
+        self.llm = AsyncLLM.from_engine(self.metered)
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.max_queued, self.retry_after = max_queued_requests, retry_after_s
@@ -32,13 +36,30 @@ class EngineClient:
 
     @property
     def healthy(self) -> bool:
+        """The engine core runs (it has not died or shut down)."""
         return self.llm.is_running
+
+    def stale_after_s(self) -> Optional[float]:
+        """The runtime: how long since its last iteration means a rank stopped answering (two
+        idle intervals plus twice the slowest recent iteration, at least
+        ``MIN_ITERATION_ALLOWANCE_S``); None for single mode (one process: alive is enough)."""
+        idle = getattr(self.engine, "idle_interval_s", None)
+        if idle is None or not hasattr(self.engine, "last_iteration_at"):
+            return None
+        return 2 * idle + max(MIN_ITERATION_ALLOWANCE_S, 2 * self.metered.slowest_recent_s())
+
+    def answering(self) -> bool:
+        """Every rank answers: the core runs and (the runtime) its iterations keep coming."""
+        if not self.healthy:
+            return False
+        bound = self.stale_after_s()
+        return bound is None or time.monotonic() - self.engine.last_iteration_at <= bound
 
     def new_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}"
 
     def num_running(self) -> int:
-        return len(self.engine.scheduler.running)
+        return engine_load(self.engine).running
 
     def admit(self, count: int = 1) -> "Admission":
         """Hold ``count`` requests' places until ``release``; 503 with Retry-After when the

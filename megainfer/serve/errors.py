@@ -10,6 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from megainfer.engine.errors import EngineDeadError
 from megainfer.engine import RequestError
 from megainfer.engine.errors import EmptyPromptError, PromptTooLongError, TokenIdError
 
@@ -79,6 +80,10 @@ def install(app: FastAPI) -> None:
     async def _engine(_: Request, e: RequestError):
         err = request_error(e)
         return error_response(400, err.message, err.param)
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(_: Request, e: EngineDeadError):  # the engine core died (a rank lost)
+        return error_response(503, f"engine is not running: {e}", code="engine_dead")
 
     @app.exception_handler(HTTPException)
     async def _http(_: Request, e: HTTPException):

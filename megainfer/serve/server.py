@@ -1,17 +1,19 @@
-"""Run the app under uvicorn: build the engine, bind (loopback by default), serve until SIGTERM
-or SIGINT, then drain: no new requests (503), in-flight ones get ``serve.shutdown_grace_s`` to
-finish, the rest are aborted, the engine core stops and the process exits 0."""
+"""Run the app under uvicorn: bind (loopback by default), serve until SIGTERM or SIGINT, then
+drain: no new requests (503), in-flight ones get ``serve.shutdown_grace_s`` to finish, the rest
+are aborted, the engine core stops (the runtime: its closing iteration stops every rank) and the
+process exits 0. A watchdog stops the server when the engine core dies (exit 1)."""
 from __future__ import annotations
 
 import contextlib
 import logging
 import signal
+import sys
 import threading
 from typing import Optional
 
 import uvicorn
 
-from megainfer.config import ConfigError, ServeConfig
+from megainfer.config import ServeConfig
 
 from .app import build_app
 from .engine_client import EngineClient
@@ -72,28 +74,60 @@ def make_server(client: EngineClient, cfg: ServeConfig, model_dir: Optional[str]
     return DrainingServer(config, client)
 
 
-def serve_engine(engine, cfg: ServeConfig, model_dir: Optional[str], name: str) -> int:
-    """Serve a single-mode ``LLMEngine`` until a signal; 0 when drained."""
-    client = EngineClient(engine, name, cfg.max_queued_requests, cfg.retry_after_s)
+WATCH_INTERVAL_S = 0.2
+
+
+class CoreWatchdog:
+    """Stops the server when the engine core dies (a rank lost, an iteration that raised):
+    logs the error once, turns new requests away (503) and lets uvicorn shut down. In-flight
+    requests have already ended with an error event (``AsyncLLM`` hands every waiter the
+    core's error). ``error``: what the core died of, None while it lives or after a shutdown
+    of ours."""
+
+    def __init__(self, client: EngineClient, server: DrainingServer):
+        self.client, self.server = client, server
+        self.error: Optional[BaseException] = None
+        self.died = False
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="megainfer-serve-watchdog",
+                                       daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.wait(WATCH_INTERVAL_S):
+            if self.server.should_exit:
+                return  # our own shutdown: the core stops because we stop it
+            if not self.client.healthy:
+                self.died = True
+                self.error = self.client.metered.error
+                print(f"[serve] error: engine core died: {self.describe()}; stopping the "
+                      "server", file=sys.stderr, flush=True)  # once (stderr: seen under mpiexec)
+                self.client.draining = True
+                self.server.should_exit = True
+                return
+
+    def describe(self) -> str:
+        e = self.error
+        return "the engine core stopped" if e is None else f"{type(e).__name__}: {e}"
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(1.0)
+
+
+def serve_engine(engine, cfg: ServeConfig, model_dir: Optional[str], name: str,
+                 role: str = "single") -> int:
+    """Serve an online engine (single mode's ``LLMEngine``, or rank 0's ``RuntimeEngine``)
+    until a signal: 0 when drained; 1 when the engine core died (the watchdog said why)."""
+    client = EngineClient(engine, name, cfg.max_queued_requests, cfg.retry_after_s, role)
     server = make_server(client, cfg, model_dir)
     if cfg.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("[serve] serve.host=%s: reachable beyond this machine%s", cfg.host,
                     "" if cfg.api_key else " and serve.api_key is unset")
+    watchdog = CoreWatchdog(client, server)
     try:
         server.run()
     finally:
+        watchdog.close()
         client.shutdown()
-    return 0
-
-
-class ModeNotServedError(ConfigError):
-    """A deploy mode ``megainfer-serve`` cannot serve yet (only single mode is)."""
-
-
-def check_servable(deploy_mode: str, world_size: int) -> None:
-    if deploy_mode != "single" or world_size != 1:
-        raise ModeNotServedError(
-            f"deploy.mode={deploy_mode!r} (world size {world_size}): not yet served by "
-            "megainfer-serve; only deploy.mode=single (one process) is. The disaggregated "
-            "runtime's rank 0 does not host the online engine interface yet (docs/serve.md, "
-            "\"Not yet served\"); run the offline job (megainfer-launch) for that mode")
+    return 1 if watchdog.died else 0

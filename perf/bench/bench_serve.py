@@ -1,20 +1,24 @@
-"""megainfer-serve vs the offline engine on the same requests (single mode, bench50m shapes,
-dummy weights), in one run:
+"""megainfer-serve in several deploy modes against the offline engine and the planner's simulator
+on the same requests (bench50m shapes, dummy weights), in one run:
 
-    python perf/bench/bench_serve.py [--device cpu|cuda] [--num-prompts 64 --input-len 64
-                                --output-len 32 --rates 2,8,inf --out PATH]
+    python perf/bench/bench_serve.py [--device cpu|cuda] [--modes single,auto,pd]
+        [--num-prompts 32 --input-len 32 --output-len 16 --rates 1,4,inf --out PATH]
 
+Modes: ``single`` (one process), ``auto`` (``mpiexec -n 3 ... deploy=auto``: the planner's
+split of 3 ranks), ``a1e2`` (``mpiexec -n 3``), ``pd`` (``mpiexec -n 4 ... deploy=p1a1e2``).
+For each mode a server (``python -m megainfer.launch.serve``, under mpiexec for all but single;
+the same scheduler and cache settings) is started and, once listening and idle, its CPU per
+rank over 3 s is recorded; megainfer-bench-serve's client (this process) then runs each
+``--rates`` value (Poisson; ``inf``: all at once), reporting TTFT / TPOT p50 and p99 and goodput
+for ``--slo-ttft-ms`` / ``--slo-tpot-ms``, beside what the planner's job simulator predicts for
+the same plan, rate and SLOs (``serve_prediction.py``; none for single mode). Single mode also
+measures its two goals, ``--reps`` times each with the two sides back to back (the offline
+engine in this process while the server sleeps, then the server), and takes the medians:
 1. the offline job: ``LLM.generate`` on every request at once (greedy, eos ignored): output
-   tokens/s;
-2. the engine's own prefill time: ``LLM.generate`` of one prompt with max_tokens=1 (median of 5);
-3. a ``megainfer-serve`` subprocess (``python -m megainfer.launch.serve model=bench50m``, the same
-   scheduler and cache settings) driven by megainfer-bench-serve's client from this process:
-   one request at a time (TTFT against 1.2 x prefill + 5 ms), then each ``--rates`` value
-   (Poisson; ``inf``: all at once, the saturated throughput against the offline job's, goal
-   >= 90%).
-The server process is idle (asleep) while the offline part runs; its CPU over 3 s idle is
-recorded first. Writes
-``perf/results/bench_serve[_cuda].json``.
+   tokens/s, against the server's with every request at once (goal >= 0.90x);
+2. the engine's own prefill time (``LLM.generate`` of one prompt, max_tokens=1, median of 5),
+   against the server's median TTFT one request at a time (goal <= 1.2 x prefill + 5 ms).
+Writes ``perf/results/bench_serve[_cuda].json``.
 """
 from __future__ import annotations
 
@@ -22,17 +26,21 @@ import argparse
 import asyncio
 import os
 import platform
-import socket
 import statistics
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "harness"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from perf_paths import RESULTS  # noqa: E402
+from serve_prediction import predict  # noqa: E402
+from serve_process import ServerProcess, idle_cpu  # noqa: E402
 
 from megainfer.bench.results_io import write_json  # noqa: E402
-from megainfer.bench.shapes import BENCH50M  # noqa: E402
+from megainfer.bench.shapes import BENCH50M, BENCH50M_SHAPE  # noqa: E402
+
+MODES = {"single": (1, "single"), "auto": (3, "auto"), "a1e2": (3, "a1e2"),
+         "pd": (4, "p1a1e2")}  # name -> (ranks, deploy preset)
 
 
 def bench_args(port, n, rate, conc, a):
@@ -47,14 +55,14 @@ def bench_args(port, n, rate, conc, a):
                             + (["--max-concurrency", str(conc)] if conc else []))
 
 
-def run_bench(server, port, reqs, rate, conc, a) -> dict:
-    """One benchmark run; with the server's and this client's CPU seconds during it."""
+def run_bench(server: ServerProcess, reqs, rate, conc, a) -> dict:
+    """One benchmark run; with the server's (every rank's) and this client's CPU seconds."""
     from megainfer.serve import bench
-    ba = bench_args(port, len(reqs), rate, conc, a)
-    c_srv, c_cli = cpu_seconds(server.pid), time.process_time()
+    ba = bench_args(server.port, len(reqs), rate, conc, a)
+    c_srv, c_cli = server.cpu_s(), time.process_time()
     res, dur = asyncio.run(bench.run(ba, reqs))
     d = bench.summarize(ba, res, dur)
-    d["server_cpu_s"] = cpu_seconds(server.pid) - c_srv
+    d["server_cpu_s"] = sum(server.cpu_s()) - sum(c_srv)
     d["client_cpu_s"] = time.process_time() - c_cli
     print(bench.table(ba, d), f"\nserver CPU {d['server_cpu_s']:.2f} s, client CPU "
           f"{d['client_cpu_s']:.2f} s", flush=True)
@@ -62,106 +70,192 @@ def run_bench(server, port, reqs, rate, conc, a) -> dict:
                                                     "itls", "errors")}
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (Linux /proc)."""
-    with open(f"/proc/{pid}/stat") as f:
-        parts = f.read().rsplit(")", 1)[1].split()
-    return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+class OfflineEngine:
+    """The offline job in this process (the same scheduler settings and torch threads as the
+    server): ``generate`` times ``LLM.generate`` on every request at once (output tokens/s, CPU
+    seconds); ``prefill_s`` the engine's own prefill of one prompt (max_tokens=1, median of 5)."""
+
+    def __init__(self, reqs, a):
+        from megainfer import LLM, SamplingParams
+        self.reqs = reqs
+        self.llm = LLM(BENCH50M, device=a.device, max_num_seqs=a.max_num_seqs,
+                       cpu_threads=a.threads)
+        self.params = SamplingParams(temperature=0, max_tokens=a.output_len, ignore_eos=True)
+        self.one = SamplingParams(temperature=0, max_tokens=1)
+        self.llm.generate([r.prompt for r in reqs[:4]], self.params, use_tqdm=False)  # warm-up
+
+    def generate(self) -> dict:
+        t, c = time.perf_counter(), time.process_time()
+        outs = self.llm.generate([r.prompt for r in self.reqs], self.params, use_tqdm=False)
+        s, cpu = time.perf_counter() - t, time.process_time() - c
+        tok = sum(len(o.outputs[0].token_ids) for o in outs)
+        return {"seconds": s, "cpu_s": cpu, "output_tokens": tok, "output_throughput": tok / s}
+
+    def prefill_s(self) -> float:
+        pre = []
+        for r in self.reqs[:5]:
+            t = time.perf_counter()
+            self.llm.generate(r.prompt, self.one, use_tqdm=False)
+            pre.append(time.perf_counter() - t)
+        return statistics.median(pre)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def single_goals(server: "ServerProcess", reqs, a) -> dict:
+    """The two single-mode goals, each ratio taken ``--reps`` times with its two sides run back
+    to back (a shared host's load moves within seconds), and their medians: saturated
+    throughput (all requests at once) against the offline job's, and the median TTFT one
+    request at a time against the engine's prefill + 5 ms."""
+    off = OfflineEngine(reqs, a)
+    reps = []
+    for _ in range(a.reps):
+        o, sat = off.generate(), run_bench(server, reqs, "inf", None, a)
+        pre, low = off.prefill_s(), run_bench(server, reqs[:8], "inf", 1, a)
+        reps.append({"offline": o, "saturated": sat, "engine_prefill_s": pre,
+                     "one_at_a_time": low,
+                     "saturated_vs_offline": sat["output_throughput"] / o["output_throughput"],
+                     "saturated_server_cpu_vs_offline_cpu": sat["server_cpu_s"] / o["cpu_s"],
+                     "ttft_vs_prefill_plus_5ms": low["median_ttft_ms"] / 1000 / (pre + 0.005)})
+    med = {k: statistics.median(r[k] for r in reps) for k in (
+        "saturated_vs_offline", "saturated_server_cpu_vs_offline_cpu",
+        "ttft_vs_prefill_plus_5ms")}
+    for k, f in (("offline_tok_s", lambda r: r["offline"]["output_throughput"]),
+                 ("saturated_tok_s", lambda r: r["saturated"]["output_throughput"]),
+                 ("engine_prefill_ms", lambda r: 1e3 * r["engine_prefill_s"]),
+                 ("one_at_a_time_ttft_ms", lambda r: r["one_at_a_time"]["median_ttft_ms"])):
+        med[k] = statistics.median(f(r) for r in reps)
+    return {"reps": reps, "median": med}
+
+
+def resolved_deploy(deploy: str, ranks: int, overrides: list[str]):
+    """The plan rank 0 resolves (``deploy=auto``: the planner's split of ``ranks``)."""
+    from hydra import compose, initialize_config_module
+
+    from megainfer.launch.settings import settings_from_config
+    with initialize_config_module("megainfer.conf", version_base=None):
+        c = compose("serve", [f"deploy={deploy}", *overrides])
+    from omegaconf import OmegaConf
+    tree = OmegaConf.to_container(c, resolve=True)
+    tree.pop("serve", None)
+    return settings_from_config(tree, ranks, ranks, 0).deploy
+
+
+def run_mode(name: str, reqs, a) -> dict:
+    from megainfer.perfmodel.plan.goodput import Slo
+    ranks, deploy = MODES[name]
+    common = ["model=bench50m", f"scheduler.max_num_seqs={a.max_num_seqs}",
+              f"deploy.device={a.device}", f"deploy.cpu_threads={a.threads}"]
+    plan = resolved_deploy(deploy, ranks, common)
+    server = ServerProcess(ranks, [f"deploy={deploy}", "serve.served_model_name=bench50m",
+                                   *common], a.mpiexec)
+    out = {"ranks": ranks, "deploy": deploy, "plan": {
+        k: getattr(plan, k) for k in ("mode", "attention_replicas", "attention_tp",
+                                      "expert_ranks", "micro_batches", "prefill_replicas")}}
+    try:
+        out["idle_cpu_per_rank"] = idle_cpu(server)
+        run_bench(server, reqs[:4], "inf", None, a)  # warm-up
+        if name == "single":
+            out["goals"] = single_goals(server, reqs, a)
+        out["rates"] = {r: run_bench(server, reqs, r, None, a) for r in a.rates.split(",")}
+    finally:
+        out["exit_code"] = server.stop()
+    slo = Slo(a.slo_ttft_ms / 1e3, a.slo_tpot_ms / 1e3, a.slo_percentile)
+    dtype = "bfloat16" if a.device == "cuda" else "float32"
+    out["predicted"] = {r: predict(BENCH50M_SHAPE, plan, float(r), len(reqs), a.input_len,
+                                   a.output_len, slo, a.max_num_seqs, 512, dtype, a.device)
+                        for r in a.rates.split(",")}
+    return out
+
+
+def comparison(modes: dict, a) -> str:
+    rows = [f"{'mode':<8} {'rate':>5} | {'TTFT p50':>9} {'p99':>8} {'TPOT p50':>9} {'p99':>7} "
+            f"{'goodput':>8} | {'sim TTFT p50':>12} {'p99':>8} {'TPOT p50':>9} {'p99':>7} "
+            f"{'goodput':>8}"]
+    f = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+    g = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+    for name, m in modes.items():
+        for r, d in m["rates"].items():
+            p = m["predicted"].get(r) or {}
+            rows.append(f"{name:<8} {r:>5} | {f(d['median_ttft_ms']):>9} "
+                        f"{f(d['p99_ttft_ms']):>8} {f(d['median_tpot_ms']):>9} "
+                        f"{f(d['p99_tpot_ms']):>7} {g(d['request_goodput']):>8} | "
+                        f"{f(p.get('p50_ttft_ms')):>12} {f(p.get('p99_ttft_ms')):>8} "
+                        f"{f(p.get('p50_tpot_ms')):>9} {f(p.get('p99_tpot_ms')):>7} "
+                        f"{g(p.get('request_goodput')):>8}")
+    return (f"TTFT/TPOT in ms, goodput in req/s within TTFT {a.slo_ttft_ms:g} ms and TPOT "
+            f"{a.slo_tpot_ms:g} ms; sim: the planner's job simulator, same plan and workload\n"
+            + "\n".join(rows))
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--device", default="cpu")
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", type=int, default=64)
-    p.add_argument("--output-len", type=int, default=32)
-    p.add_argument("--rates", default="2,8,inf")
+    p.add_argument("--modes", default="single,auto,pd", help=f"of {','.join(MODES)}")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--rates", default="1,4,inf")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--slo-ttft-ms", type=float, default=1000)
     p.add_argument("--slo-tpot-ms", type=float, default=200)
-    p.add_argument("--threads", type=int, default=1, help="torch threads of the server and "
-                   "of the offline engine (1: two OpenMP threads on a busy 2-core host ran the "
-                   "50M model ~10x slower)")
+    p.add_argument("--slo-percentile", type=float, default=90)
+    p.add_argument("--reps", type=int, default=7, help="back-to-back pairs per single-mode "
+                   "goal (their median is the figure)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads of each server rank "
+                   "and of the offline engine (1: two OpenMP threads on a busy 2-core host ran "
+                   "the 50M model ~10x slower)")
+    p.add_argument("--mpiexec", default=os.path.join(os.path.dirname(sys.executable), "mpiexec"),
+                   help="the MPI launcher of the distributed modes (default: the venv's)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
+    for m in a.modes.split(","):
+        if m not in MODES:
+            raise SystemExit(f"--modes: {m!r} is not one of {', '.join(MODES)}")
     import torch
-    from megainfer import LLM, SamplingParams
     from megainfer.serve.bench_client import random_requests
-    threads = a.threads
-    torch.set_num_threads(threads)
+    torch.set_num_threads(a.threads)
     reqs = random_requests(a.num_prompts, a.input_len, a.output_len, 0.0, 8192, 0)
-    port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "megainfer.launch.serve", "model=bench50m", f"serve.port={port}",
-         "serve.served_model_name=bench50m", f"scheduler.max_num_seqs={a.max_num_seqs}",
-         f"deploy.device={a.device}", f"deploy.cpu_threads={threads}",
-         "hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=none",
-         "hydra/hydra_logging=none"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        line = ""  # the server loaded and listening (then asleep) before the offline part
-        while "[serve]" not in line:
-            line = server.stdout.readline()
-            if not line and server.poll() is not None:
-                raise SystemExit("server exited before serving")
-        c0, t0 = cpu_seconds(server.pid), time.perf_counter()
-        time.sleep(3.0)
-        idle_cpu = (cpu_seconds(server.pid) - c0) / (time.perf_counter() - t0)
-        llm = LLM(BENCH50M, device=a.device, max_num_seqs=a.max_num_seqs)
-        params = SamplingParams(temperature=0, max_tokens=a.output_len, ignore_eos=True)
-        llm.generate([r.prompt for r in reqs[:4]], params, use_tqdm=False)  # warm-up
-        t, c = time.perf_counter(), time.process_time()
-        outs = llm.generate([r.prompt for r in reqs], params, use_tqdm=False)
-        off_s, off_cpu = time.perf_counter() - t, time.process_time() - c
-        off_tok = sum(len(o.outputs[0].token_ids) for o in outs)
-        one = SamplingParams(temperature=0, max_tokens=1)
-        pre = []
-        for r in reqs[:5]:
-            t = time.perf_counter()
-            llm.generate(r.prompt, one, use_tqdm=False)
-            pre.append(time.perf_counter() - t)
-        prefill_s = statistics.median(pre)
-        del llm
-        run_bench(server, port, reqs[:4], "inf", None, a)  # warm-up
-        low = run_bench(server, port, reqs[:8], "inf", 1, a)
-        rates = {}
-        for r in a.rates.split(","):
-            rates[r] = run_bench(server, port, reqs, r, None, a)
-    finally:
-        server.terminate()
-        server.wait(60)
-    sat = rates.get("inf")
+    load_before = os.getloadavg()
+    modes, failed = {}, {}
+    for m in a.modes.split(","):
+        try:
+            modes[m] = run_mode(m, reqs, a)
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - the other modes still run
+            print(f"[bench_serve] mode {m} failed: {type(e).__name__}: {e}", flush=True)
+            failed[m] = f"{type(e).__name__}: {e}"
     res = {
-        "conditions": {"device": a.device, "host": platform.node(), "cpu_threads": threads,
-                       "cores": os.cpu_count(),
+        "conditions": {"device": a.device, "host": platform.node(), "cpu_threads": a.threads,
+                       "cores": os.cpu_count(), "load_average_before": load_before,
                        "load_average": os.getloadavg(), "model": "bench50m (dummy weights)",
                        "num_prompts": a.num_prompts, "input_len": a.input_len,
                        "output_len": a.output_len, "max_num_seqs": a.max_num_seqs,
-                       "note": "server in a subprocess, client (httpx) in this process"},
-        "offline": {"seconds": off_s, "cpu_s": off_cpu, "output_tokens": off_tok,
-                    "output_throughput": off_tok / off_s},
-        "engine_prefill_s": prefill_s,
-        "idle_server_cpu_fraction_of_a_core": idle_cpu,
-        "one_at_a_time": low,
-        "rates": rates,
-        "saturated_vs_offline": None if sat is None else
-        sat["output_throughput"] / (off_tok / off_s),
-        "saturated_server_cpu_vs_offline_cpu": None if sat is None else
-        sat["server_cpu_s"] / off_cpu,
-        "ttft_vs_prefill_plus_5ms": low["median_ttft_ms"] / 1000 / (prefill_s + 0.005),
+                       "slo_ms": {"ttft": a.slo_ttft_ms, "tpot": a.slo_tpot_ms,
+                                  "percentile": a.slo_percentile},
+                       "note": "servers in subprocesses (mpiexec for the distributed modes), "
+                               "client (httpx) in this process"},
+        "modes": modes,
+        "failed_modes": failed,
     }
-    print(f"\noffline {off_tok / off_s:.1f} tok/s; served saturated "
-          f"{sat['output_throughput'] if sat else float('nan'):.1f} tok/s "
-          f"(ratio {res['saturated_vs_offline'] or float('nan'):.3f}, goal >= 0.90); "
-          f"TTFT one at a time {low['median_ttft_ms']:.1f} ms vs prefill "
-          f"{prefill_s * 1000:.1f} ms + 5 ms (ratio {res['ttft_vs_prefill_plus_5ms']:.3f}, "
-          f"goal <= 1.2); saturated server CPU / offline CPU "
-          f"{res['saturated_server_cpu_vs_offline_cpu'] or float('nan'):.3f}; idle server {100 * idle_cpu:.2f}% of a core")
+    print("\n" + comparison(modes, a))
+    single = modes.get("single")
+    if single:
+        med = single["goals"]["median"]
+        res.update({k: med[k] for k in ("saturated_vs_offline", "ttft_vs_prefill_plus_5ms",
+                                        "saturated_server_cpu_vs_offline_cpu")})
+        print(f"\nsingle, medians of {a.reps} back-to-back pairs: offline "
+              f"{med['offline_tok_s']:.1f} tok/s, served saturated {med['saturated_tok_s']:.1f} "
+              f"tok/s (ratio {med['saturated_vs_offline']:.3f}, goal >= 0.90; each pair: "
+              + ", ".join(f"{r['saturated_vs_offline']:.2f}" for r in single["goals"]["reps"])
+              + f"); TTFT one at a time {med['one_at_a_time_ttft_ms']:.1f} ms vs prefill "
+              f"{med['engine_prefill_ms']:.1f} ms + 5 ms (ratio "
+              f"{med['ttft_vs_prefill_plus_5ms']:.3f}, goal <= 1.2; each pair: "
+              + ", ".join(f"{r['ttft_vs_prefill_plus_5ms']:.2f}" for r in single["goals"]["reps"])
+              + f"); saturated server CPU / offline CPU "
+              f"{med['saturated_server_cpu_vs_offline_cpu']:.3f}")
+    for name, m in modes.items():
+        print(f"{name}: idle CPU per rank (% of a core) "
+              + ", ".join(f"{100 * c:.2f}" for c in m["idle_cpu_per_rank"])
+              + f"; exit code after SIGTERM {m['exit_code']}")
+    print(f"load average before {load_before}, after {os.getloadavg()}")
     out = a.out or os.path.join(RESULTS, "bench_serve" +
                                 ("_cuda" if a.device == "cuda" else "") + ".json")
     write_json(out, res)

@@ -1,32 +1,18 @@
-"""Expert weight moves device to device: (layer, slot) weight buffers between expert ranks turned
-into fixed-capacity messages over the job's device transport (``comm.eplb_moves``;
-docs/eplb.md, docs/comm.md). Live EPLB (``runtime/eplb/rebalancer.py``) and a re-plan's weight moves
-(``runtime/replan/weights.py``) use it; without it they stage through host memory over MPI.
+"""Expert weight moves device to device: (layer, slot) weights between expert ranks as
+fixed-capacity messages over the job's device transport (``comm.eplb_moves``; docs/eplb.md,
+"Where the bytes go"). Live EPLB (``rebalancer.py``) and a re-plan (``replan/weights.py``) use it;
+without it they stage through host memory over MPI.
 
-* What travels: a sender posts its old slot's weights straight from the parameters (the
-  flattened ``gate_up_proj`` then ``down_proj`` of the slot: one device copy into the message
-  slot, no ``.cpu()``); the receiver copies each message into a flat device buffer of the
-  move, and the caller switches the buffers in once every move is done.
-* Chunking: an expert can weigh hundreds of MB (DeepSeek-V3, bf16: 88 MB), so a move goes as
-  messages of at most ``CHUNK_BYTES`` (8 MiB, as the TP channel), rows of ``ROW`` elements (the
-  tail row of a move's last message is padded; only the move's elements are read). The rings
-  are fixed (depth 2 per peer: on ``cuda_ipc`` raw ``cudaMalloc`` slots), whatever the expert size.
-* Order: every rank builds the same schedule. Round ``d = 1 .. n-1``: send to ``rank + d``,
-  receive from ``rank - d`` (mod n); within a round a rank posts as its ring to ``dst`` frees
-  and takes what ``src`` sent as it comes (one polling loop), so every (sender, receiver)
-  pair is drained in the same round on both sides, and a late ``src`` never keeps a rank from
-  feeding ``dst``. Within a pair the moves go in (layer, slot) order; the header carries
-  (layer, slot, chunk index) in its (layer, micro_batch, iteration) fields, so a stream out of
-  step fails the channel's header check.
-* Lifetime: the transport and channel are built for one set of moves and closed after it
-  (collective; each call bounded by ``comm.timeout_s`` and naming a late rank, as a re-plan's
-  set-up is: ``replan_bounded.BoundedComm``). A rebalance is rare, and the rings' device
-  memory (``2 * depth * CHUNK_BYTES`` per peer) is not held between rebalances.
-* Failures: every wait is bounded by the wait policy, counted from the last message that
-  moved (a large move takes many messages); a silent peer is named by its job rank
-  (``RankFailure``), as in the TP channel: the sender still owed, else the receiver not
-  draining.
-"""
+Invariants:
+* A slot's weights are sent straight from the parameters (``gate_up_proj`` then ``down_proj``)
+  in messages of at most ``CHUNK_BYTES``, whatever the expert size; the caller switches the
+  received buffers in once every move is done.
+* Every rank builds the same schedule: in round ``d`` it sends to ``rank + d`` and receives
+  from ``rank - d`` (mod n), moves of a pair in (layer, slot) order; the header carries
+  (layer, slot, chunk), so a stream out of step fails the channel's header check.
+* The transport and its rings live for one set of moves (collective construction and close,
+  bounded); every wait is bounded from the last message that moved, and a silent peer is named
+  by its job rank (``RankFailure``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -12,7 +12,6 @@ messages travel on a duplicate of the world communicator.
 from __future__ import annotations
 
 import dataclasses
-import time
 
 from megainfer.config import ConfigError
 from megainfer.models import ParallelContext, build_model
@@ -29,8 +28,8 @@ from megainfer.runtime.rank_parts import Feature, make_engine
 from megainfer.runtime.replicas.request_router import tracks_keys
 from megainfer.runtime.roles import assign_role, attention_rank, prefill_rank_ids
 from megainfer.runtime.trace import Tracer
-from megainfer.runtime.wiring import (build_base_rank, rank_of, replica_tp_group, wait_policy,
-                                      wire_rank)
+from megainfer.runtime.wiring import (build_base_rank, rank_of, replica_tp_group, trace_epoch,
+                                      wait_policy, wire_rank)
 
 
 def build_pd_rank(job, comm):
@@ -41,7 +40,7 @@ def build_pd_rank(job, comm):
                            cfg.num_experts)
     if why is not None:  # every rank raises the same, before any collective call
         raise ConfigError(f"deploy.prefill_tp={plan.prefill_tp}: {why}")
-    epoch = comm.bcast(time.perf_counter(), root=0)
+    epoch = trace_epoch(comm)
     kv_comm = comm.Dup()
     core = comm.Split(1 if role.is_prefill else 0, rank)
     policy = wait_policy(job, role)  # the KV streams' and the hand-out's

@@ -8,8 +8,11 @@ their schedulers stay identical.
   first served; when too few blocks are free, retried every iteration).
 * ``Start(xfer, state)``: the prefill rank sampled the first token; once the blocks are
   reserved, wait (bounded) for every layer, scatter them into the blocks and start the request.
-* ``Drop(xfer, sent)``: the request finished (or was refused) at the prefill rank: take the
-  KV if it was sent (else cancel the receives) and give the blocks back.
+* ``Drop(xfer, sent)``: the request finished (or was refused, or was aborted online) at the
+  prefill rank: take the KV if it was sent (else cancel the receives) and give the blocks back.
+
+Online, rank 0's go may also abort a request this replica decodes (``ReplicaLoop`` ends it in
+the engine) or one started but still waiting for blocks or KV (``abort``: it ends as it starts).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megainfer.engine.kv_handoff import release, reserve, start
+from megainfer.perfmodel.trace import KV_RECV, kv_transfer_name
 from megainfer.runtime.messages import Drop, Expect, Start
 from megainfer.runtime.pd.kv_stream import IncomingKV, KVReceiver
 
@@ -29,6 +33,7 @@ class _Expect:
     num_tokens: int
     placeholder: object = None  # the reserved blocks (a placeholder Request)
     said: Optional[object] = None  # rank 0's Start or Drop, once it says
+    abort: bool = False  # aborted after its Start, before it started: ends as it starts
 
 
 class DecodeSide:
@@ -39,6 +44,20 @@ class DecodeSide:
         self.expects: "OrderedDict[int, _Expect]" = OrderedDict()
         self.handoff_s: dict[str, float] = {}  # request id -> prefill end to decode start
         self.num_started = 0
+        self.aborted: list = []  # outputs of requests aborted as they started
+
+    def abort(self, request_id: str) -> bool:
+        """End a request whose start is announced but waits for blocks or KV: it ends (output
+        in ``take_aborted``) as soon as it starts. False: not waiting here."""
+        for e in self.expects.values():
+            if isinstance(e.said, Start) and e.said.state.request_id == request_id:
+                e.abort = True
+                return True
+        return False
+
+    def take_aborted(self) -> list:
+        out, self.aborted = self.aborted, []
+        return out
 
     @property
     def pending(self) -> int:
@@ -81,10 +100,12 @@ class DecodeSide:
                 self.num_started += 1
                 if self.tracer is not None:
                     ep = self.tracer.epoch
-                    self.tracer.add("KV recv", f"KV {req.request_id}", (e.inc.t_posted - ep) * 1e6,
+                    self.tracer.add(KV_RECV, kv_transfer_name(req.request_id), (e.inc.t_posted - ep) * 1e6,
                                     (e.inc.t_received - e.inc.t_posted) * 1e6, -1, -1, 0,
                                     e.num_tokens)
                 del self.expects[xfer]
+                if e.abort:
+                    self.aborted.append(engine.abort_request(req.request_id))
 
     def poll(self) -> None:
         """Progress for the receives in flight (called once per iteration)."""

@@ -1,37 +1,20 @@
-"""Layer-wise KV streaming from a prefill rank to the ranks of a decode replica (docs/pd.md).
+"""Layer-wise KV streaming from a prefill rank to the ranks of a decode replica (docs/pd.md,
+"Layer-wise KV streaming").
 
-One *transfer* moves one request's prompt KV: for every layer, the request's first
-``ceil(P / block_size)`` blocks of that layer's paged cache, as raw bytes of the cache's storage
-format (model dtype, fp8 elements or packed fp4 rows with their block scales). Positions at or
-past the prompt length P in the last block are zeroed, so a transfer's bytes depend only on the
-prompt. A decode TP rank gets its own KV heads (GQA: heads ``t*H//tp ..``, as
-``layers.SelfAttention`` splits them; MLA: the whole latent, every TP rank keeps one). From a
-tensor-parallel prefill replica each prefill TP rank sends the runs of those heads it holds
-(``kv_routes``): a decode rank may then receive one layer segment from several senders.
+One transfer moves one request's prompt KV, layer by layer, as raw bytes of the cache's storage
+format (fp8 and fp4 rows travel as stored; a ``tensor`` cache's two float32 scales follow each
+segment), cut into segments of about one prefill chunk; positions past the prompt are zeroed,
+so a transfer's bytes depend only on the prompt. A decode TP rank gets its own KV heads; from a
+TP prefill replica each prefill rank sends the heads it holds (``kv_routes``).
 
-A transfer is cut into *segments* of ``S = max_num_batched_tokens // block_size`` blocks (about
-one prefill chunk), one message per (layer, segment), so a prompt prefilled in several chunks
-streams each segment in the step that completes it, not everything in its last step.
+* ``KVSender`` (prefill rank): right after layer l ran, that layer's completed segments are
+  gathered block-major per destination and sent non-blocking, overlapping layer l+1.
+* ``KVReceiver`` (decode rank): one ``Irecv`` per (layer, segment, sender), one tag each; waits
+  bounded by ``comm.timeout_s``, naming the prefill rank and the request; ``scatter`` places
+  every layer into the blocks the decode engine reserved (``kv_place``).
 
-* ``KVSender`` (prefill rank): ``begin`` names the segments a step completes (all full blocks;
-  the last one, partial block included, in the step that completes the prompt); ``send_layer``
-  gathers a layer's blocks of those segments into one contiguous, block-major buffer per
-  destination and posts a non-blocking ``Isend`` right after the layer ran, so the transfer of
-  layer l overlaps the compute of layer l+1; ``poll`` completes them.
-* ``KVReceiver`` (decode rank): ``post`` opens one ``Irecv`` per (layer, segment, sender) into
-  its slice of that sender's staging buffer (one tag each: layers and segments may complete in any order); ``wait``
-  bounds the wait by ``comm.timeout_s`` and names the prefill rank and the request; ``scatter``
-  copies every layer into the blocks the decode engine reserved.
-
-Quantised caches (``cache.kv_cache_dtype`` fp8 / fp4): the bytes travel as stored; with
-``tensor`` scales each segment is followed by the layer's two float32 scales (same tag: MPI keeps
-their order), and ``kv_place.place`` adopts them or requantises to the cache's; ``token_head``
-rows carry their own scales and are placed verbatim.
-
-Every message travels on a communicator of its own (``comm.Dup()``), so its tags never meet
-the control plane's or the M2N channels'. Segments, tags and the gathered bytes:
-``kv_segments``.
-"""
+Every message rides a communicator of its own, so its tags never meet the control plane's or
+the M2N channels'. Segments, tags and the gathered bytes: ``kv_segments``."""
 from __future__ import annotations
 
 import time

@@ -12,14 +12,14 @@ prefill ranks.
 """
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Optional
+from typing import Iterable, Optional
 
 from megainfer.engine.outputs import PromptInput, RequestOutput
 from megainfer.runtime import tags
 from megainfer.runtime.messages import ReplicaStatus
 from megainfer.runtime.pd.decode import DecodeSide
 from megainfer.runtime.pd.router import PDRouter
-from megainfer.runtime.replicas.loop import ReplicaLoop
+from megainfer.runtime.replicas.loop import ReplicaLoop, kv_usage
 
 
 class PDReplicaLoop(ReplicaLoop):
@@ -31,27 +31,51 @@ class PDReplicaLoop(ReplicaLoop):
         self.decode, self.pd = decode, router
         self.idle = [0, 0]  # rank 0: iterations with nothing to decode; waits that timed out
 
-    def generate_stream(self, inputs: Iterable[PromptInput]) -> Iterator[RequestOutput]:
+    def _hand_out_first(self, inputs: Iterable[PromptInput]) -> list[PromptInput]:
+        """Rank 0: the requests go to the prefill ranks; the replicas' first share is empty."""
         self.pd.add(inputs)
         self._send_to_attention_ranks([[] for _ in self.leaders], tags.REQUESTS)
-        yield from self._loop([])
+        return []
+
+    def submit(self, inputs: list[PromptInput]) -> None:
+        self.pd.add(inputs)
+
+    def pending_count(self) -> int:
+        """Rank 0: requests not handed to a prefill rank yet, and those on one."""
+        return len(self.pd.pending) + len(self.pd.router.pending) + len(self.pd.inflight)
+
+    def abort(self, request_id: str) -> Optional[RequestOutput]:
+        """Rank 0, online: not handed out, or on a prefill rank (its KV, when it arrives, is
+        dropped and its blocks freed): its aborted output now; decoding: its replica ends it
+        at the next go (the output comes then)."""
+        out, replica = self.pd.abort(request_id)
+        if replica is not None:
+            self.aborts[replica].append(request_id)
+        return out
+
+    def _abort_here(self, request_ids: list[str]) -> list[RequestOutput]:
+        rest = [rid for rid in request_ids if not self.decode.abort(rid)]  # KV still coming
+        return super()._abort_here(rest)
 
     def _status(self, finished: list[RequestOutput]) -> ReplicaStatus:
         e, d = self.engine, self.decode
+        finished = finished + d.take_aborted()
         for out in finished:
             if out.metrics is not None:
                 out.metrics.kv_handoff_s = d.handoff_s.pop(out.request_id, None)
         d.poll()
         return ReplicaStatus(finished, e.has_unfinished(), len(e.scheduler.waiting),
-                             len(e.scheduler.running), transfers_pending=d.pending)
+                             len(e.scheduler.running), transfers_pending=d.pending,
+                             new_tokens=self.deltas, kv_usage=kv_usage(e))
 
-    def _sync(self, finished: list[RequestOutput]) -> tuple[list[RequestOutput], bool, list]:
+    def _sync(self, finished: list[RequestOutput]
+              ) -> tuple[list[RequestOutput], bool, list, list[str]]:
         d = self.decode
         status = self._status(finished)
         if self.role.rank != 0:
             go = self._follow(status)
             d.apply(go.items)
-            return [], go.proceed, []
+            return [], go.proceed, [], go.aborts
         done, busy, decoding = [], False, False
         loads = []
         for st in self._gather(status):
@@ -60,16 +84,18 @@ class PDReplicaLoop(ReplicaLoop):
             decoding = decoding or st.busy
             loads.append(st.load)
         msgs, prefilled = self.pd.iterate(loads)
+        self.new_tokens += self.pd.take_first_tokens()  # sampled on the prefill ranks
         for out in done:
             out.request_id = self.pd.caller_id(out.request_id)
         done += prefilled
-        go = busy or self.pd.busy
-        self._send_to_attention_ranks(msgs, tags.GO, proceed=go)
+        go = (busy or self.pd.busy or self.online) and not self.stop_now
+        aborts = self._take_aborts()
+        self._send_to_attention_ranks(msgs, tags.GO, proceed=go, aborts=aborts)
         d.apply(msgs[0])
         if not go:
             self.pd.stop()
         elif not decoding:
             self.idle[0] += 1
-            if not any(msgs):
-                self.idle[1] += not self.pd.wait()
-        return done, go, []
+            if not any(msgs) and (self.pd.busy or not self.online):  # online and idle: the
+                self.idle[1] += not self.pd.wait()  # engine core paces the idle iterations
+        return done, go, [], aborts[0]

@@ -1,27 +1,15 @@
-"""A prefill replica (docs/pd.md): the whole model, experts local (as single mode), on one rank
-or split over ``deploy.prefill_tp`` ranks (attention heads split as a decode replica's, routed
-experts split too, ``prefill_experts``), running whole prompts (chunked by its scheduler),
-sampling each request's first token (each sample's, ``SamplingParams.n > 1``), and handing the
-request to the decode replica rank 0 chose. Under TP, TP rank 0 (the leader) talks to rank 0 and forwards each
-iteration's work to the other TP ranks, whose engines stay identical to its own; every TP rank
-streams its own KV heads.
+"""A prefill replica (docs/pd.md): the whole model with its experts local, on one rank or split
+over ``deploy.prefill_tp`` ranks (``prefill_experts``), running whole prompts, sampling each
+request's first token and handing the request to the decode replica rank 0 chose. Under TP the
+leader talks to rank 0 and forwards each iteration's work, so every TP rank's engine stays
+identical; each streams its own KV heads.
 
-``PrefillExecutor`` is single mode's ``LocalExecutor`` plus a forward hook on every decoder
-layer: in a step that computes part of a request's prompt, the moment layer l has run (its KV
-is in the cache), that layer's blocks of the segments the step completed are posted to the
-decode ranks (``KVSender``), while layer l+1 computes. ``PrefillWorker`` is the rank's loop:
-
-    rank 0 --PD_WORK PrefillWork([WorkItem(xfer, input, decode replica)]) | PrefillStop-->
-        prefill rank
-    prefill rank --PD_DONE PrefillReport([PrefillResult(xfer, kind, payload)], waiting, running,
-                                          key events)--> rank 0
-
-after every step (a heartbeat too: rank 0 declares a silent prefill rank with work failed after
-``comm.timeout_s``; the key events are its prefix cache's, for cache-aware routing over the
-prefill ranks). ``kind`` is ``state`` (a ``HandoffState``: decode starts the request),
-``output`` (finished at its first token: the KV was sent, decode drops it) or ``failed`` (refused
-here, nothing was sent: decode cancels its receives).
-"""
+``PrefillExecutor`` is ``LocalExecutor`` plus a hook per decoder layer: once layer l has run,
+its completed KV segments are posted (``KVSender``) while layer l+1 computes.
+``PrefillWorker`` is the rank's loop: rank 0 sends ``PrefillWork`` or ``PrefillStop``
+(``tags.PD_WORK``); after every step the rank answers a ``PrefillReport`` (``tags.PD_DONE``; a
+heartbeat too, with its prefix-cache key events), each result a ``state`` (decode starts the
+request), ``output`` (finished at its first token) or ``failed`` (nothing was sent)."""
 from __future__ import annotations
 
 import logging
@@ -36,6 +24,7 @@ from megainfer.engine.errors import RequestError
 from megainfer.engine.kv_handoff import detach, export_state
 from megainfer.engine.outputs import RequestOutput
 from megainfer.engine.step import LocalExecutor
+from megainfer.perfmodel.trace import KV_SEND, PREFILL, kv_transfer_name, prefill_step_name
 from megainfer.runtime import tags
 from megainfer.runtime.control import RankFailure
 from megainfer.runtime.messages import (PrefillReport, PrefillResult, PrefillStop, PrefillWork,
@@ -194,7 +183,7 @@ class PrefillWorker:
             detach(self.engine, req)
             report.append(PrefillResult(self.xfer_of.pop(req.request_id), "state", state))
         if self.tracer is not None:
-            self.tracer.add("prefill", f"prefill step {self.steps}", (t0 - self.tracer.epoch) * 1e6,
+            self.tracer.add(PREFILL, prefill_step_name(self.steps), (t0 - self.tracer.epoch) * 1e6,
                             (time.perf_counter() - t0) * 1e6, self.steps, -1, 0,
                             self.engine.last_step_tokens)
         self._collect()
@@ -205,7 +194,8 @@ class PrefillWorker:
         s.poll()
         for o in s.done:
             if self.tracer is not None:
-                self.tracer.add("KV send", f"KV {o.request_id}", (o.t_first - self.tracer.epoch) * 1e6,
+                self.tracer.add(KV_SEND, kv_transfer_name(o.request_id),
+                                (o.t_first - self.tracer.epoch) * 1e6,
                                 (o.t_done - o.t_first) * 1e6, self.steps, -1, 0, o.num_tokens)
         self.transfers += s.done
         s.done = []

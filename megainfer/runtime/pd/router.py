@@ -28,7 +28,7 @@ from mpi4py import MPI
 from megainfer.comm.wait import WaitPolicy, wait_until
 from megainfer.engine.errors import RequestError
 from megainfer.engine.intake import tokenize_prompt
-from megainfer.engine.outputs import RequestOutput
+from megainfer.engine.outputs import PromptInput, RequestOutput, SampleDelta
 from megainfer.runtime import tags
 from megainfer.runtime.control import RankFailure
 from megainfer.runtime.messages import Drop, Expect, PrefillStop, PrefillWork, Start, WorkItem
@@ -40,6 +40,7 @@ class _Handout:
     prefill: int  # index into prefill ranks
     replica: int  # decode replica
     request_id: str
+    input: PromptInput
 
 
 class PDRouter:
@@ -62,6 +63,9 @@ class PDRouter:
         self.prefilled = [0] * len(prefill_ranks)
         self.outbox: list = []  # hand-outs in flight
         self.reports = 0  # prefill reports received
+        self.decoding: dict[str, int] = {}  # request id -> decode replica, once started
+        self.aborted: set[int] = set()  # transfers whose request was aborted on a prefill rank
+        self.first_tokens: list[SampleDelta] = []  # the prefill ranks' sampled tokens (online)
         # nothing to decode anywhere: the next thing that can change that is a prefill report
         # (a first token to start, a request to drop, room for a hand-out), so rank 0 waits for
         # one, sleeping (bounded: well under every other rank's comm.timeout_s)
@@ -78,6 +82,28 @@ class PDRouter:
 
     def add(self, inputs) -> None:
         self.pending.extend(inputs)
+
+    def abort(self, request_id: str) -> tuple[Optional[RequestOutput], Optional[int]]:
+        """(its aborted output now, None) when the request waits here or is on a prefill rank
+        (its transfer is then dropped when the prefill reports); (None, its decode replica)
+        when it decodes; (None, None) when unknown or finished."""
+        for i, inp in enumerate(self.pending):
+            if str(inp.request_id) == request_id:
+                del self.pending[i]
+                return _aborted(inp), None
+        item = self.router.take(lambda it: str(it[0].request_id) == request_id)
+        if item is not None:
+            return _aborted(item[0]), None
+        for xfer, f in self.inflight.items():
+            if f.request_id == request_id and xfer not in self.aborted:
+                self.aborted.add(xfer)
+                self.ids.pop(request_id, None)
+                return _aborted(f.input), None
+        return None, self.decoding.get(request_id)
+
+    def take_first_tokens(self) -> list[SampleDelta]:
+        out, self.first_tokens = self.first_tokens, []
+        return out
 
     def iterate(self, loads: list[int]) -> tuple[list[list], list[RequestOutput]]:
         """``loads[d]``: decode replica d's queue (running + waiting + transfers pending). Returns
@@ -117,8 +143,13 @@ class PDRouter:
                 f = self.inflight.pop(res.xfer)
                 self.outstanding[p] -= 1
                 self.prefilled[p] += 1
-                if res.kind == "state":
+                if res.xfer in self.aborted:  # its output went out at the abort: drop its KV
+                    self.aborted.discard(res.xfer)
+                    msgs[f.replica].append(Drop(res.xfer, res.kind != "failed"))
+                elif res.kind == "state":
                     msgs[f.replica].append(Start(res.xfer, res.payload))
+                    self.decoding[f.request_id] = f.replica
+                    self.first_tokens += _first_tokens(res.payload)
                 else:  # finished at its first token, or refused: nothing to decode
                     out = res.payload
                     out.request_id = self.ids.pop(f.request_id, out.request_id)
@@ -145,7 +176,7 @@ class PDRouter:
                 xfer, self.next_xfer = self.next_xfer, self.next_xfer + 1
                 rid = str(inp.request_id)
                 self.ids[rid] = inp.request_id
-                self.inflight[xfer] = _Handout(p, d, rid)
+                self.inflight[xfer] = _Handout(p, d, rid, inp)
                 if not self.outstanding[p]:
                     self.last_heard[p] = time.perf_counter()  # the silence clock starts now
                 self.outstanding[p] += 1
@@ -168,4 +199,15 @@ class PDRouter:
 
     def caller_id(self, rid):
         """The caller's id of a request decoded here (outputs carry the engine's str id)."""
+        self.decoding.pop(rid, None)
         return self.ids.pop(rid, rid)
+
+
+def _aborted(inp: PromptInput) -> RequestOutput:
+    return RequestOutput.aborted(inp.request_id, inp.prompt, inp.prompt_token_ids, inp.params.n)
+
+
+def _first_tokens(state) -> list[SampleDelta]:
+    """Each sample's first token, sampled on the prefill rank (a ``HandoffState``)."""
+    return [SampleDelta(s.request_id, s.index, list(s.output_token_ids), s.logprobs,
+                        s.finish_reason, s.stop_reason) for s in [state, *state.samples]]

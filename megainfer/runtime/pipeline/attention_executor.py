@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 
 from megainfer.models.attention import AttentionMetadata
+from megainfer.perfmodel.trace import ATTENTION, dense_name, span_name
 from megainfer.runtime.pipeline.microbatch import split_by_tokens
 from megainfer.runtime.trace import Tracer
 
@@ -78,7 +79,7 @@ class DisaggregatedExecutor:
                 if layer.is_moe:
                     self._attend_and_dispatch(layer, l, i, mb)
                 else:
-                    with self.tracer.span("attention", f"dense L{l} mb{i}", self.iteration, l, i, mb.n):
+                    with self.tracer.span(ATTENTION, dense_name(l, i), self.iteration, l, i, mb.n):
                         mb.hidden = layer(mb.hidden, mb.positions, mb.meta, self.kv[l])
         for i, mb in enumerate(mbs):
             self._finish(mb, i)
@@ -97,7 +98,7 @@ class DisaggregatedExecutor:
         return _MicroBatch(part, meta, pos, self.model.embed(ids))
 
     def _attend_and_dispatch(self, layer, l: int, i: int, mb: _MicroBatch) -> None:
-        with self.tracer.span("attention", f"attn L{l} mb{i}", self.iteration, l, i, mb.n):
+        with self.tracer.span(ATTENTION, span_name(ATTENTION, l, i), self.iteration, l, i, mb.n):
             x, mb.residual = layer.pre_mlp(mb.hidden, mb.positions, mb.meta, self.kv[l])
             w, ids = layer.mlp.gate(x)  # [n, k]
             if self.rebalancer is not None:

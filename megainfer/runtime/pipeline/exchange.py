@@ -17,6 +17,7 @@ import torch
 
 from megainfer.comm import M2N, combine_spec, dispatch_spec, make_transports
 from megainfer.comm.spec import KIND_REBALANCE, KIND_STOP
+from megainfer.perfmodel.trace import A2E, E2A, span_name
 from megainfer.runtime.trace import Tracer
 
 
@@ -62,7 +63,7 @@ class AttentionExchange:
     one communicator must issue them as one group or deadlock."""
 
     def __init__(self, m2n: M2N, slot_owner: torch.Tensor, tracer: Tracer | None = None,
-                 lanes: tuple[str, str] = ("A2E", "E2A"), partner: "ExpertExchange | None" = None):
+                 lanes: tuple[str, str] = (A2E, E2A), partner: "ExpertExchange | None" = None):
         self.m2n, self.experts, self.lanes = m2n, m2n.expert_ranks, lanes
         self.slot_owner = slot_owner  # [num_slots] int64: expert-rank index holding each slot
         self.tracer = tracer or Tracer()  # a disabled tracer records nothing
@@ -73,7 +74,7 @@ class AttentionExchange:
     def dispatch(self, iteration: int, layer: int, mb: int, x: torch.Tensor, ids: torch.Tensor,
                  w: torch.Tensor) -> _Dispatched:
         """x [n, H], ids [n, k] physical slots, w [n, k] -> handle for ``combine``."""
-        with self.tracer.span(self.lanes[0], f"{self.lanes[0]} L{layer} mb{mb}", iteration,
+        with self.tracer.span(self.lanes[0], span_name(self.lanes[0], layer, mb), iteration,
                               layer, mb, x.shape[0]):
             index = rows_per_rank(self.slot_owner[ids], len(self.experts))  # [n_j] per rank
             replies = None
@@ -101,8 +102,8 @@ class AttentionExchange:
         f, out = flight, None
         if f.replies is None:
             f.replies = self._replies.pop((f.iteration, f.layer, f.mb))
-        with self.tracer.span(self.lanes[1], f"{self.lanes[1]} L{f.layer} mb{f.mb}", f.iteration,
-                              f.layer, f.mb, f.n):
+        with self.tracer.span(self.lanes[1], span_name(self.lanes[1], f.layer, f.mb),
+                              f.iteration, f.layer, f.mb, f.n):
             for rows, handle in zip(f.index, f.replies):
                 msg = handle.wait()
                 part = msg["out"]  # [n_j, H]

@@ -8,6 +8,7 @@ import logging
 import torch
 
 from megainfer.comm.spec import KIND_REBALANCE, KIND_STOP
+from megainfer.perfmodel.trace import A2E, E2A, EXPERT, span_name, wait_name
 from megainfer.runtime.trace import Tracer
 
 log = logging.getLogger("megainfer.runtime")
@@ -56,7 +57,7 @@ class ExpertWorker:
             return False
         if self.trace_comm:
             n = sum(b[0].shape[0] for b in batch)
-            self.tracer.add("A2E", f"A2E wait L{l} mb{i}", t0, self.tracer.now_us() - t0,
+            self.tracer.add(A2E, wait_name(A2E, l, i), t0, self.tracer.now_us() - t0,
                             iteration, l, i, n)
         self._compute_and_reply(iteration, l, i, batch)
         return True
@@ -65,7 +66,7 @@ class ExpertWorker:
         counts = [x.shape[0] for x, _, _ in batch]
         n = sum(counts)
         experts = self.model.layers[l].mlp.experts
-        with self.tracer.span("expert", f"expert L{l} mb{i}", iteration, l, i, n):
+        with self.tracer.span(EXPERT, span_name(EXPERT, l, i), iteration, l, i, n):
             if n:
                 # the messages are views into the transport's slots, on the experts' device
                 # (cuda_ipc, nccl, staged mpi) or the host (mpi on cpu)
@@ -79,7 +80,7 @@ class ExpertWorker:
                 dp = experts.down_proj
                 out = torch.empty(0, dp.shape[1], dtype=dp.dtype, device=dp.device)
         if self.trace_comm:
-            with self.tracer.span("E2A", f"E2A L{l} mb{i}", iteration, l, i, n):
+            with self.tracer.span(E2A, span_name(E2A, l, i), iteration, l, i, n):
                 self.exchange.reply(iteration, l, i, list(torch.split(out, counts)))
         else:
             self.exchange.reply(iteration, l, i, list(torch.split(out, counts)))

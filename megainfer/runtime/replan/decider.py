@@ -1,27 +1,15 @@
-"""Measured layer times + the work left -> whether to switch the attention:expert split now.
+"""Measured layer times + the work left -> whether to switch the attention:expert split now
+(docs/replan.md, "Measure and decide").
 
-Rank 0 calls ``decide`` every ``replan.interval`` iterations (docs/replan.md) with what the
-ranks measured since the last decision:
+Rank 0 calls ``decide`` every ``replan.interval`` iterations with the spans measured since the
+last decision (``measure.py``). The per-layer model is refitted from them
+(``perfmodel.model.insitu.fit_in_situ``), the traced T_c replaces the link's latency, and
+``perfmodel.plan.world_plan.plan_world`` ranks every split of the same world for the work left,
+replica TP held, the micro-batch count held or free (``replan.micro_batches``). It switches only
+when the current plan's remaining time exceeds the best plan's plus the switch's cost (weights
+and KV over ``replan.link_gbps``, one drained iteration) by more than ``replan.min_gain`` of it.
 
-* ``attn``: one ``(tokens, mean context, seconds)`` per attention span of one (layer,
-  micro-batch); ``expert``: one ``(token-expert pairs, seconds)`` per expert span, on a rank
-  holding ``experts_on_rank`` slots; ``t_c``: the traced one-way time of a message between
-  the sides (``replan_measure.comm_samples``; nan: not traced, the link model's).
-
-The per-layer model is refitted from them (``perfmodel.model.insitu.fit_in_situ``: the same k1..k4
-the planner's fitted times use), the traced T_c replaces the link's latency (and the node's
-wake-up, which it includes), and the planner
-(``perfmodel.plan.world_plan.plan_world``) ranks every split of the same world for the work left
-(``JobState``), with the replica TP held and the micro-batch count held or free (``vary_m``:
-``replan.micro_batches=plan``; the best plan may then have another count). The current plan's
-remaining time is compared with the best plan's remaining time plus the switch's own cost:
-the weights to move (expert slots of every rank whose role changes, attention weights for a
-new replica) and the KV to re-home (the running sequences of a leaving replica) over
-``replan.link_gbps``, plus one drained iteration. It switches only when the gain, as a
-fraction of the current plan's remaining time, beats ``replan.min_gain``.
-
-Pure arithmetic (no torch, no MPI): unit-tested with synthetic measurements.
-"""
+Pure arithmetic (no torch, no MPI): unit-tested with synthetic measurements."""
 from __future__ import annotations
 
 import math

@@ -1,29 +1,20 @@
 """What a re-planning decision is made from: the layer spans the ranks traced since the last
 decision (docs/replan.md, docs/trace_format.md).
 
-* attention (rank 0, its own spans): ``(tokens, context, seconds)`` per ``attn`` span of one
-  (layer, micro-batch); the context is the mean computed length of rank 0's running
-  sequences in that iteration (recorded by the controller every iteration).
-* experts (every expert rank, sent to rank 0 every ``replan.interval`` iterations with
-  ``messages.ExpertSamples``): ``(token-expert pairs, seconds)`` per ``expert`` span; the pairs
-  of a span are its rows times the iteration's pairs per row on that rank (the EPLB load
-  counter's).
-* communication, T_c (one-way, E2A): each expert rank also sends when its reply of each
-  (iteration, layer, micro-batch) left (the end of its ``E2A`` span); rank 0's own ``E2A`` span
-  of the same key is its wait for every expert rank's reply. When rank 0 was already waiting as
-  the last reply left, the message took ``wait end - last reply's send end`` to be seen: one
-  sample (the wake-up of the waiting rank included). Ranks share one trace clock
-  (docs/trace_format.md). The median of the samples is the decision's ``t_c``.
+* attention (rank 0's own MoE attention spans): ``(tokens, mean context, seconds)``;
+* experts (each expert rank's ``expert`` spans, sent to rank 0 as ``messages.ExpertSamples``):
+  ``(token-expert pairs, seconds)``;
+* T_c: rank 0's ``E2A`` wait for a (iteration, layer, micro-batch) against the moment the last
+  expert rank's reply left, when rank 0 was already waiting (one trace clock); the median is
+  the decision's ``t_c``.
 
-With ``trace.enabled=false`` rank 0 and the expert ranks record only the last
-``SAMPLE_ITERS`` iterations before each decision, and the events read are dropped (memory stays
-bounded, the tracing cost is a few iterations an interval); with traces on, every iteration is
-recorded and the events stay for ``trace.json``.
-"""
+With ``trace.enabled=false`` only the last ``SAMPLE_ITERS`` iterations before each decision are
+recorded and their events dropped once read, so memory stays bounded."""
 from __future__ import annotations
 
 from mpi4py import MPI
 
+from megainfer.perfmodel.trace import E2A, EXPERT, is_moe_attention
 from megainfer.runtime import tags
 from megainfer.runtime.messages import ExpertSamples
 SAMPLE_ITERS = 4  # iterations recorded before each decision (all of them with trace.enabled)
@@ -50,7 +41,7 @@ def attention_samples(events: list, ctx_of_iter: dict) -> list:
     out = []
     for e in events:
         a = e.get("args", {})
-        if e["cat"] == "attention" and e["name"].startswith("attn") and a.get("tokens", 0) > 0:
+        if is_moe_attention(e) and a.get("tokens", 0) > 0:
             ctx = ctx_of_iter.get(a["iter"])
             if ctx:
                 out.append((a["tokens"], ctx, e["dur"] / 1e6))
@@ -59,7 +50,7 @@ def attention_samples(events: list, ctx_of_iter: dict) -> list:
 
 def expert_samples(events: list, pairs_of_iter: dict) -> list:
     rows: dict = {}
-    spans = [e for e in events if e["cat"] == "expert" and e["args"].get("tokens", 0) > 0]
+    spans = [e for e in events if e["cat"] == EXPERT and e["args"].get("tokens", 0) > 0]
     for e in spans:
         rows[e["args"]["iter"]] = rows.get(e["args"]["iter"], 0) + e["args"]["tokens"]
     out = []
@@ -73,7 +64,7 @@ def expert_samples(events: list, pairs_of_iter: dict) -> list:
 def reply_ends(events: list) -> list:
     """An expert rank's ``(iteration, layer, micro-batch, end us)`` per reply (``E2A`` span)."""
     return [(e["args"]["iter"], e["args"]["layer"], e["args"]["mb"], e["ts"] + e["dur"])
-            for e in events if e["cat"] == "E2A"]
+            for e in events if e["cat"] == E2A]
 
 
 def comm_samples(events: list, replies: list, expert_ranks: int) -> list:
@@ -89,7 +80,7 @@ def comm_samples(events: list, replies: list, expert_ranks: int) -> list:
             count[k] = count.get(k, 0) + 1
     out = []
     for e in events:
-        if e["cat"] != "E2A":
+        if e["cat"] != E2A:
             continue
         a = e["args"]
         k = (a["iter"], a["layer"], a["mb"])

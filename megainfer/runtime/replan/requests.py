@@ -1,23 +1,15 @@
 """A re-plan's attention side: the requests of replicas that become expert ranks move to the
-replicas that stay (docs/replan.md).
+replicas that stay (docs/replan.md, "Switch").
 
-At the switch the pipeline is drained (it happens at an iteration boundary: every micro-batch
-of the last step came back). Each leaving replica hands its unfinished requests out in its
-queue order, running first, to the staying replicas in turn. A request whose KV is computed
-either keeps it (``move``: its blocks travel, one buffer of all layers, through the handoff
-path PD's decode side uses (``engine/kv_handoff.py``: ``export_kv``, ``reserve``,
-``import_kv``, ``adopt``); the request goes on decoding where it stopped) or drops it
-(``recompute``: it waits again with nothing computed, as after a preemption, and the next
-steps recompute prompt + generated tokens). ``replan.kv_transfer=auto`` picks the cheaper:
-its KV bytes over ``replan.link_gbps`` against its computed tokens at the replica's measured
-seconds per token. A request not started yet just moves. The choice of each is counted and
-logged. A request of several samples (``SamplingParams.n``) moves as one group: every sample
-in the scheduler with its own choice (forked samples share their prompt's blocks here; each
-brings its own copy, so the receiver holds them unshared), samples already finished or not
-forked yet inside the head. Sampling state travels with the request objects (seed, outputs,
-logprobs; the sampler's noise depends only on the seed and the output index), so the tokens that
-follow are the ones it would have produced where it was.
-"""
+At the drained boundary each leaving replica hands its unfinished requests out in queue order,
+running first, to the staying replicas in turn. A request whose KV is computed either keeps it
+(``move``: its blocks travel through the handoff path PD's decode side uses,
+``engine/kv_handoff.py``) or drops it (``recompute``, as after a preemption);
+``replan.kv_transfer=auto`` picks the cheaper (its KV bytes over ``replan.link_gbps`` against
+its computed tokens at the measured seconds per token). A request of several samples moves as
+one group, each sample with its own choice. Sampling state travels with the request (the
+sampler's noise depends only on seed and output index), so the tokens that follow are the ones
+it would have produced where it was."""
 from __future__ import annotations
 
 import logging

@@ -1,29 +1,17 @@
 """Switch the attention:expert split of a running job without a restart (docs/replan.md).
 
-Every rank calls ``switch`` with the same ``ReplanOrder`` once rank 0 ended the iteration
-loop at a boundary (the pipeline is drained: every micro-batch of the last step came back and
-the expert ranks got a stop). Ranks keep their order (docs/design_rules.md, "Rank order"), so
-going from ``aXeY`` to ``aX'eY'`` turns ranks between X and X' from one role into the other.
-On a communicator of its own (a duplicate of the job's) the switch then:
+Every rank calls ``switch`` with the same ``ReplanOrder`` at an iteration boundary (the pipeline
+drained). Ranks keep their order, so ``aXeY`` -> ``aX'eY'`` turns the ranks between X and X'
+from one role into the other. On a duplicate of the job's communicator the switch: computes
+EPLB's placement for the new expert count; hands the leaving replicas' requests to the staying
+ones (KV moved or recomputed); moves expert weights point to point; closes the old channels,
+wires the new ones (``wiring.wire_rank``) and rebuilds each rank's part (a staying replica keeps
+its engine; a new one loads attention weights and allocates its cache); then a new replica gets
+the newest requests beyond a fair share.
 
-1. sums the old expert ranks' load windows and computes EPLB's placement for the new expert
-   count (``replan_weights.new_placement``);
-2. hands the requests of leaving replicas to the staying ones, KV moved or recomputed
-   (``replan_requests.migrate``); when replicas are added, step 5 has the old ones give the new
-   ones their newest requests beyond a fair share (after the rebuild: the new ones need an
-   engine first);
-3. moves expert weights point to point into the new expert ranks' slots
-   (``replan_weights.move_expert_weights``);
-4. closes the old channels and builds the new ones for the new sender and receiver sets (one
-   collective construction, as at launch), and rebuilds every rank's part: a staying replica
-   keeps its engine (model, KV cache, requests) and only rewires its executor; a new replica
-   loads the attention weights from the checkpoint and allocates its KV cache; an expert rank
-   takes the model filled in step 3.
-
-Every wait is bounded by ``comm.timeout_s`` (twice it here) and a failure names the rank and
-the phase; the collective calls without a non-blocking form too (``runtime/bounded.py``).
-Restrictions: ``deploy.attention_tp=1``, no prefill ranks (``check_replan``).
-"""
+Every wait is bounded by twice ``comm.timeout_s`` and a failure names the rank and the phase
+(``runtime/bounded.py``). Restrictions: ``deploy.attention_tp=1``, no prefill ranks
+(``check_replan``)."""
 from __future__ import annotations
 
 import logging
@@ -36,6 +24,7 @@ from mpi4py import MPI
 from megainfer.comm.wait import WaitPolicy
 from megainfer.config import ConfigError
 from megainfer.config.replan import parse_split
+from megainfer.perfmodel.trace import REPLAN, replan_name
 from megainfer.runtime import tags
 from megainfer.runtime.bounded import BoundedComm
 from megainfer.runtime.control import ControlPlane
@@ -146,7 +135,7 @@ def switch(r, order: ReplanOrder) -> dict:
     control.wait(sw.Iallreduce(mine, job_total, op=MPI.SUM), None, "re-plan totals")
     bounded.free("the switch's communicator freed", sw)
     dt = time.perf_counter() - t0
-    r.tracer.add("replan", f"replan {order.label}", t_start, r.tracer.now_us() - t_start,
+    r.tracer.add(REPLAN, replan_name(order.label), t_start, r.tracer.now_us() - t_start,
                  order.iteration, -1, -1, 0)
     rec = dict(iteration=order.iteration, old=order.name(order.old), new=order.name(order.new),
                micro_batches=[order.old[2], order.new[2]], reason=order.reason,

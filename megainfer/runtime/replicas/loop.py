@@ -12,6 +12,12 @@ replica's new requests (``messages.Go``): the TP ranks of a replica get exactly 
 leader gets, in the same order, so their schedulers stay identical. On stop, leaders send the
 expert ranks a stop message.
 
+Online (``open_online``, driven by ``online.RuntimeEngine``): rank 0 runs one iteration per
+``iterate`` call and never stops for lack of work; requests come in through ``submit``, the
+leaders also report each step's new tokens, and ``abort`` reaches a request's replica through
+the next go (``Go.aborts``); ``close`` runs the iteration that stops every rank
+(docs/python_api.md).
+
 Re-planning (docs/replan.md): rank 0's ``replan_hook`` may end the loop at an iteration
 boundary with an order (``self.order``) instead of a stop; the ranks then switch roles and
 the loops that remain go on with ``resume``/``resume_stream``, nothing finished lost.
@@ -27,6 +33,11 @@ from megainfer.runtime.messages import Go, ReplicaStatus
 from megainfer.runtime.replicas.request_router import (RequestRouter, prompt_tokens_of,
                                                       tracks_keys)
 from megainfer.runtime.roles import RankRole, attention_rank_ids, leader_ranks, replica_of
+
+
+def kv_usage(engine) -> float:
+    b = engine.blocks
+    return 1.0 - b.num_free_blocks / max(1, b.num_blocks)
 
 
 class ReplicaLoop:
@@ -49,30 +60,88 @@ class ReplicaLoop:
         # rank 0: (loop, work left) -> an order ending the loop, or None (the re-plan feature's)
         self.replan_hook = None
         self.order = None  # the order that ended the last _loop (None: the job is over)
+        self.carry: list = []  # outputs for the next status (refused or aborted here)
+        self.deltas: list = []  # this step's new tokens, reported when streaming
+        self.stream = False  # leaders report each step's new tokens (online)
+        self.running = False  # the loop runs (rank 0, online: until close's last iteration)
+        # rank 0, online (``open_online``): the loop idles instead of stopping; each request's
+        # replica until it finishes; the aborts for each replica's next go; the step's tokens
+        self.online = self.stop_now = False
+        self.where: dict[str, int] = {}
+        self.aborts: list[list[str]] = [[] for _ in self.leaders]
+        self.new_tokens: list = []
+        self.statuses: list[ReplicaStatus] = []  # rank 0: the last iteration's, per replica
         if role.rank == 0:
             self.router = RequestRouter(plan.attention_replicas, sched.routing, cache.block_size,
                                         sched.max_num_seqs, prompt_tokens_of(engine),
                                         use_keys=cache.enable_prefix_caching)
 
-    def _send_to_attention_ranks(self, per_replica: list, tag: int, proceed=None) -> None:
-        """Rank 0: each other attention rank its replica's entry of ``per_replica`` (as a
-        ``Go`` when ``proceed`` is given): the TP ranks of a replica get their leader's."""
+    def _send_to_attention_ranks(self, per_replica: list, tag: int, proceed: bool = True,
+                                 aborts=None) -> None:
+        """Rank 0: each other attention rank a ``Go`` with its replica's entry of
+        ``per_replica`` (and of ``aborts``): the TP ranks of a replica get their leader's."""
         for rank in self.attn_ranks[1:]:
-            items = per_replica[replica_of(self.plan, rank)]
-            self.control.send(items if proceed is None else Go(proceed, items), rank, tag)
+            r = replica_of(self.plan, rank)
+            self.control.send(Go(proceed, per_replica[r], aborts[r] if aborts else []), rank, tag)
 
     # ------------------------------------------------------------------ rank 0
     def generate_stream(self, inputs: Iterable[PromptInput]) -> Iterator[RequestOutput]:
         """Rank 0 only: hand out, drive the loop, yield each output as it finishes."""
+        yield from self._loop(self._hand_out_first(inputs))
+
+    def _hand_out_first(self, inputs: Iterable[PromptInput]) -> list[PromptInput]:
+        """Rank 0: the first share to every attention rank (``tags.REQUESTS``); its own."""
         self.router.add(inputs)
         share = self.router.route()
+        self._track(share)
         self._send_to_attention_ranks(share, tags.REQUESTS)
-        yield from self._loop(share[0])
+        return share[0]
+
+    # ------------------------------------------------------------------ rank 0, online
+    def open_online(self) -> None:
+        """Rank 0: serve requests that arrive while the loop runs (``RuntimeEngine``): the
+        loop never stops for lack of work; the replicas report each step's new tokens."""
+        self.online = self.stream = True
+        self._start(self._hand_out_first([]))
+
+    def submit(self, inputs: list[PromptInput]) -> None:
+        """Rank 0, online: queue requests; they are handed out at the next iteration."""
+        self.router.add(inputs)
+
+    def abort(self, request_id: str) -> Optional[RequestOutput]:
+        """Rank 0, online: end a request wherever it is. Not handed out yet: its aborted output
+        now. On a replica: that replica's ranks abort it at the next iteration's go, and its
+        output (tokens so far, "abort") comes with that iteration (None now)."""
+        inp = self.router.take(lambda i: str(i.request_id) == request_id)
+        if inp is not None:
+            return RequestOutput.aborted(inp.request_id, inp.prompt, inp.prompt_token_ids,
+                                         inp.params.n)
+        replica = self.where.get(request_id)
+        if replica is not None:
+            self.aborts[replica].append(request_id)
+        return None
+
+    def pending_count(self) -> int:
+        """Rank 0: requests not handed out yet."""
+        return len(self.router.pending)
+
+    def iterate(self) -> list[RequestOutput]:
+        """Rank 0, online: one iteration of every rank; its finished outputs (the new tokens:
+        ``self.new_tokens``). After ``close`` the iteration tells every rank to stop."""
+        done, go = self._iteration()
+        self.running = go
+        return done
+
+    def close(self) -> None:
+        """Rank 0, online: one last iteration that stops every rank (work left is dropped)."""
+        self.online, self.stop_now = False, True
+        while self.running:
+            self.iterate()
 
     # ------------------------------------------------------------------ other attention ranks
     def serve(self) -> None:
         """Attention ranks other than 0: take this replica's requests, run until told to stop."""
-        mine = self.control.recv(0, tags.REQUESTS, "request hand-out")
+        mine = self.control.recv(0, tags.REQUESTS, "request hand-out").items
         for _ in self._loop(mine):
             pass
 
@@ -87,31 +156,69 @@ class ReplicaLoop:
 
     # ------------------------------------------------------------------ shared
     def _loop(self, inputs: list[PromptInput]) -> Iterator[RequestOutput]:
-        ids, failed = self.engine.add_inputs(inputs, warn=self.role.is_leader)
-        self.ids.update(ids)
-        ids, go, self.order = self.ids, True, None
+        self._start(inputs)
+        go = True
         while go:
-            finished = self.engine.step()
-            for out in finished:
-                out.request_id = ids.pop(out.request_id, out.request_id)
-            done, go, new = self._sync(failed + finished)
-            more, failed = self.engine.add_inputs(new, warn=self.role.is_leader)
-            ids.update(more)
+            done, go = self._iteration()
             yield from done
-        if self.exchange is not None:
+
+    def _start(self, inputs: list[PromptInput]) -> None:
+        ids, self.carry = self.engine.add_inputs(inputs, warn=self.role.is_leader)
+        self.ids.update(ids)
+        self.order, self.running = None, True
+
+    def _iteration(self) -> tuple[list[RequestOutput], bool]:
+        """Step, sync with rank 0, take its answer. Returns (outputs for rank 0 to hand on,
+        go on)."""
+        step = self.engine.step_outputs()
+        for out in step.finished:
+            out.request_id = self.ids.pop(out.request_id, out.request_id)
+        self.deltas = step.new_tokens if self.stream else []
+        done, go, new, aborts = self._sync(self.carry + step.finished)
+        more, self.carry = self.engine.add_inputs(new, warn=self.role.is_leader)
+        self.ids.update(more)
+        self.carry += self._abort_here(aborts)
+        if not go and self.exchange is not None:
             self.exchange.stop(self.engine.executor.iteration, self.first_moe_layer)
+        return done, go
+
+    def _abort_here(self, request_ids: list[str]) -> list[RequestOutput]:
+        """Every rank of the replica, at the same iteration: end these requests (their outputs
+        go to rank 0 with the next status)."""
+        outs = []
+        for rid in request_ids:
+            out = self.engine.abort_request(rid)
+            if out is not None:
+                out.request_id = self.ids.pop(out.request_id, out.request_id)
+                outs.append(out)
+        return outs
+
+    def _track(self, share: list[list]) -> None:
+        """Rank 0, online: remember the replica each request went to (until it finishes)."""
+        if self.online:
+            for replica, items in enumerate(share):
+                for inp in items:
+                    self.where[str(inp.request_id)] = replica
 
     def _status(self, finished: list[RequestOutput]) -> ReplicaStatus:
         e = self.engine
         return ReplicaStatus(finished, e.has_unfinished(), len(e.scheduler.waiting),
                              len(e.scheduler.running),
-                             e.blocks.take_key_events() if self.track else [])
+                             e.blocks.take_key_events() if self.track else [],
+                             new_tokens=self.deltas, kv_usage=kv_usage(e))
 
     def _gather(self, status: ReplicaStatus) -> list[ReplicaStatus]:
-        """Rank 0: every replica's status (its own first), in replica order."""
-        return [status] + [self.control.recv(leader, tags.STATUS,
-                                             "iteration sync (replica status)")
-                           for leader in self.leaders[1:]]
+        """Rank 0: every replica's status (its own first), in replica order; online, the
+        step's new tokens of them all become ``self.new_tokens``."""
+        got = [status] + [self.control.recv(leader, tags.STATUS,
+                                            "iteration sync (replica status)")
+                          for leader in self.leaders[1:]]
+        self.new_tokens = [d for st in got for d in st.new_tokens]
+        self.statuses = got
+        for st in got if self.online or self.where else ():
+            for out in st.finished:
+                self.where.pop(str(out.request_id), None)
+        return got
 
     def _follow(self, status: ReplicaStatus) -> Go:
         """Attention ranks other than 0: leaders report, everyone takes rank 0's answer."""
@@ -119,13 +226,20 @@ class ReplicaLoop:
             self.control.send(status, 0, tags.STATUS)
         return self.control.recv(0, tags.GO, "iteration sync (waiting for rank 0)")
 
-    def _sync(self, finished: list[RequestOutput]) -> tuple[list[RequestOutput], bool, list]:
-        """Leaders report to rank 0; rank 0 routes and answers (go, new requests) to every
-        attention rank. Returns (outputs to yield, go, this rank's new requests)."""
+    def _take_aborts(self) -> list[list[str]]:
+        """Rank 0: per replica, the aborts to send with this go (and forget)."""
+        out, self.aborts = self.aborts, [[] for _ in self.leaders]
+        return out
+
+    def _sync(self, finished: list[RequestOutput]
+              ) -> tuple[list[RequestOutput], bool, list, list[str]]:
+        """Leaders report to rank 0; rank 0 routes and answers (go, new requests, aborts) to
+        every attention rank. Returns (outputs to yield, go, this rank's new requests, the
+        requests it aborts)."""
         status = self._status(finished)
         if self.role.rank != 0:
             go = self._follow(status)
-            return [], go.proceed, go.items
+            return [], go.proceed, go.items, go.aborts
         done, busy = [], False
         for replica, st in enumerate(self._gather(status)):
             done += st.finished
@@ -133,10 +247,12 @@ class ReplicaLoop:
             self.router.update(replica, st.waiting, st.running, st.key_events)
         work = busy or bool(self.router.pending)
         self.order = self.replan_hook(self, work) if self.replan_hook is not None else None
-        if self.order is not None:  # end this loop here: no hand-out, the ranks switch roles
-            share, go = [[] for _ in self.leaders], False
+        if self.order is not None or self.stop_now:  # end here: no hand-out (a re-plan's
+            share, go = [[] for _ in self.leaders], False  # ranks switch roles; or closing)
         else:
             share = self.router.route()
-            go = work or any(share)
-        self._send_to_attention_ranks(share, tags.GO, proceed=go)
-        return done, go, share[0]
+            go = work or any(share) or self.online
+        self._track(share)
+        aborts = self._take_aborts()
+        self._send_to_attention_ranks(share, tags.GO, proceed=go, aborts=aborts)
+        return done, go, share[0], aborts[0]

@@ -99,6 +99,15 @@ class RequestRouter:
     def add(self, inputs) -> None:
         self.pending.extend(inputs)
 
+    def take(self, match: Callable):
+        """Remove and return the first pending request ``match(request)`` accepts (None: not
+        pending: handed out already, or unknown)."""
+        for i, item in enumerate(self.pending):
+            if match(item):
+                del self.pending[i]
+                return item
+        return None
+
     def update(self, replica: int, waiting: int, running: int, events=()) -> None:
         v = self.replicas[replica]
         v.waiting, v.running = waiting, running

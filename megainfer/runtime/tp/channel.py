@@ -1,23 +1,15 @@
 """Tensor-parallel collectives point to point over the job's device transport, so a replica's
 partial sums and broadcasts stay on the GPU (``comm.tp_collectives``; docs/comm.md).
 
-One ``Channel`` among the replica's TP ranks (every rank a sender and a receiver, one stream)
-carries ``part [n, H]`` in the model dtype:
-
-* all-reduce: each rank sends its partial to every other rank, receives theirs, and adds all
-  of them **in TP-rank order** in float32, rounding once to the partial's dtype. Every rank
-  adds the same numbers in the same order, so every rank holds the same bits (the same sum as
-  the host path's float32 MPI all-reduce for TP 2, where the order cannot matter);
-* broadcast from the leader: TP rank 0 sends its tensor to every follower.
-
-A tensor of more than ``capacity`` rows (a prefill chunk) goes as several collectives of at
-most ``capacity`` rows each, in row order; tensors of another shape or dtype (a layer's KV amax
-rows) take the host path (``TPGroup``'s MPI collectives); every rank decides alike from the
-tensor's shape. Each rank sends its whole partial to every other (vLLM's one-shot custom
-all-reduce): for TP 2 as many bytes as a ring, for larger TP more, but on the device. The header's iteration field carries a sequence number
-of the collective, so a rank that fell out of step is caught by the header check. A silent
-peer ends the wait within ``comm.timeout_s``, named by its world rank (``RankFailure``).
-"""
+One ``Channel`` among the replica's TP ranks carries ``part [n, H]`` in the model dtype:
+* all-reduce (vLLM's one-shot: each rank sends its partial to every other): every rank adds
+  all partials **in TP-rank order** in float32 and rounds once, so every rank holds the same
+  bits (for TP 2 the same sum as the host path's float32 MPI all-reduce);
+* broadcast: TP rank 0 sends its tensor to every follower.
+More than ``capacity`` rows go as several collectives in row order; another shape or dtype (a
+layer's KV amax rows) takes ``TPGroup``'s MPI path, every rank deciding alike from the shape.
+The header carries the collective's sequence number (a rank out of step fails the header
+check); a silent peer is named by its world rank within ``comm.timeout_s`` (``RankFailure``)."""
 from __future__ import annotations
 
 from typing import Optional

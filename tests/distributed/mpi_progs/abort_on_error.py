@@ -19,14 +19,22 @@ GRACE_S = 0.5  # lets mpiexec forward the stderr lines before the abort tears th
 def run_or_abort(main) -> None:
     try:
         main()
+    except SystemExit as e:  # a clean exit (LLM(deploy=...) ending a serving rank) is no failure
+        if e.code not in (0, None):
+            _abort()
+        raise
     except BaseException:  # noqa: BLE001 -- any failure on any rank ends the whole job
-        rank = MPI.COMM_WORLD.Get_rank()
-        text = f"rank {rank}: " + traceback.format_exc()
-        sys.stderr.write(text)
-        sys.stderr.flush()
-        err_dir = os.environ.get("MPI_TEST_ERR_DIR")
-        if err_dir:
-            with open(os.path.join(err_dir, f"rank{rank}.txt"), "w") as f:
-                f.write(text)
-        time.sleep(GRACE_S)
-        MPI.COMM_WORLD.Abort(1)
+        _abort()
+
+
+def _abort() -> None:
+    rank = MPI.COMM_WORLD.Get_rank()
+    text = f"rank {rank}: " + traceback.format_exc()
+    sys.stderr.write(text)
+    sys.stderr.flush()
+    err_dir = os.environ.get("MPI_TEST_ERR_DIR")
+    if err_dir:
+        with open(os.path.join(err_dir, f"rank{rank}.txt"), "w") as f:
+            f.write(text)
+    time.sleep(GRACE_S)
+    MPI.COMM_WORLD.Abort(1)

@@ -12,7 +12,7 @@ import torch
 from megainfer.kernels import kv_quant
 from megainfer.models.attention_backends import TorchAttention, make_attention_backend
 from megainfer.models.kv_spec import KVCacheSpec
-from test_kv_quant import _rel, _run_paged
+from kv_quant_util import rel_error, run_paged
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and
                                 not torch.cuda.is_available(),
@@ -32,16 +32,16 @@ def on_device():
 @pytest.mark.parametrize("D", (64, 40))
 @pytest.mark.usefixtures("on_device")
 def test_triton_fp8_matches_torch_fp8(fmt, D):
-    ref, ref_cache = _run_paged(fmt, D, backend=TorchAttention())
-    got, cache = _run_paged(fmt, D, backend=make_attention_backend("triton"))
+    ref, ref_cache = run_paged(fmt, D, backend=TorchAttention())
+    got, cache = run_paged(fmt, D, backend=make_attention_backend("triton"))
     assert cache.dtype == ref_cache.dtype
     assert torch.equal(kv_quant.scales_of(cache), kv_quant.scales_of(ref_cache))
     # the stored bytes are the same (one rounding, saturating), outputs agree in fp32
     assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
     for r, g in zip(ref, got):  # prefill (mixed, with context), then a pure decode step
         assert (g - r).abs().max() < 1e-4
-    full, _ = _run_paged("auto", D)
-    assert _rel(got[-1], full[-1]) < 0.1
+    full, _ = run_paged("auto", D)
+    assert rel_error(got[-1], full[-1]) < 0.1
 
 
 @pytest.mark.parametrize("fmt", ("fp8_e4m3", "fp8_e5m2"))
@@ -97,8 +97,8 @@ def test_triton_engine_fp8_matches_torch_engine_fp8(tiny_ckpts, tmp_path, family
 @pytest.mark.parametrize("D", (64, 48))
 @pytest.mark.usefixtures("on_device")
 def test_triton_fp4_matches_torch_fp4(D):
-    ref, ref_cache = _run_paged("fp4_e2m1", D, backend=TorchAttention())
-    got, cache = _run_paged("fp4_e2m1", D, backend=make_attention_backend("triton"))
+    ref, ref_cache = run_paged("fp4_e2m1", D, backend=TorchAttention())
+    got, cache = run_paged("fp4_e2m1", D, backend=make_attention_backend("triton"))
     # the Triton store quantised what the torch quantiser packed: the same bytes
     assert torch.equal(kv_quant.scales_of(cache), kv_quant.scales_of(ref_cache))
     assert torch.equal(cache, ref_cache)
@@ -258,8 +258,8 @@ FORMATS = ("fp8_e4m3", "fp8_e5m2", "fp4_e2m1")
 @pytest.mark.parametrize("D", (64, 48))
 @pytest.mark.usefixtures("on_device")
 def test_triton_token_head_matches_torch(fmt, D):
-    ref, ref_cache = _run_paged(fmt, D, backend=TorchAttention(), gran="token_head")
-    got, cache = _run_paged(fmt, D, backend=make_attention_backend("triton"), gran="token_head")
+    ref, ref_cache = run_paged(fmt, D, backend=TorchAttention(), gran="token_head")
+    got, cache = run_paged(fmt, D, backend=make_attention_backend("triton"), gran="token_head")
     assert cache.shape[-1] == kv_quant.stored_dim(fmt, D, "token_head")
     assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))  # same bytes
     assert not kv_quant.scales_of(cache).any()  # no per-layer scale set or needed

@@ -1,10 +1,12 @@
 """The runtime's rooms (docs/architecture.md, "Runtime rooms"): the base path imports no
 feature, the one start-up module plugs them in, every MPI tag is in one table without two
 entries of one communicator overlapping, and rank-order arithmetic lives in ``roles``."""
-import ast
 import os
+import re
 
 import pytest
+from layout_util import imports_of as _imports
+from layout_util import py_files
 from repo_paths import REPO
 
 from megainfer.config import DeployPlan
@@ -13,18 +15,10 @@ from megainfer.runtime.roles import (assign_role, attention_rank, leader_ranks, 
                                      replica_of, tp_colour)
 
 RUNTIME = os.path.join(REPO, "megainfer", "runtime")
+CALIBRATION = os.path.join(REPO, "megainfer", "calibration")  # its MPI ping-pong rides tags too
 FEATURES = ("megainfer.runtime.pd", "megainfer.runtime.replan")
 BASE = ("pipeline", "replicas", "tp", "eplb", "bounded.py", "control.py", "messages.py",
         "rank_parts.py", "roles.py", "tags.py", "trace.py", "trace_metrics.py", "wiring.py")
-
-
-def _imports(path):
-    tree = ast.parse(open(path).read())
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            yield node.module
-        elif isinstance(node, ast.Import):
-            yield from (a.name for a in node.names)
 
 
 def _files(entry):
@@ -69,11 +63,12 @@ def test_no_two_tags_of_one_communicator_overlap():
 
 
 def test_no_tag_is_defined_outside_the_table():
-    for root, _, files in os.walk(RUNTIME):
-        for f in files:
-            if f.endswith(".py") and f != "tags.py":
-                src = open(os.path.join(root, f)).read()
-                assert "TAG_" not in src.replace("MPI.TAG_UB", ""), os.path.join(root, f)
+    for root in (RUNTIME, CALIBRATION):
+        for path in py_files(root):
+            if os.path.basename(path) != "tags.py":
+                src = open(path).read()
+                assert "TAG_" not in src.replace("MPI.TAG_UB", ""), path
+                assert not re.search(r"\btag=\d", src), f"{path}: a literal tag, not tags.TAGS'"
 
 
 def test_rank_order_lives_in_roles():
@@ -99,3 +94,28 @@ def test_a_package_surface_names_no_module_of_its_own(package):
     pkg = importlib.import_module(f"megainfer.runtime.{package}")
     modules = {f[:-3] for f in os.listdir(os.path.join(RUNTIME, package)) if f.endswith(".py")}
     assert pkg.__all__ and not set(pkg.__all__) & modules
+
+
+# the integrator's files, written before the vocabulary's names: their spans move to it at merge
+SPAN_LITERALS_PENDING: set = set()
+
+
+def _tracer_calls(path):
+    import ast
+    for node in ast.walk(ast.parse(open(path).read())):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("span", "add") and "tracer" in ast.unparse(node.func.value)):
+            yield node
+
+
+def test_span_lanes_and_names_come_from_the_trace_vocabulary():
+    """The runtime names its lanes and spans through ``megainfer.perfmodel.trace`` (the one
+    vocabulary the readers and the simulators match on), never as string literals."""
+    import ast
+    literal = (ast.Constant, ast.JoinedStr)
+    for path in py_files(RUNTIME):
+        if os.path.relpath(path, RUNTIME) in SPAN_LITERALS_PENDING:
+            continue
+        for call in _tracer_calls(path):
+            assert not any(isinstance(a, literal) for a in call.args[:2]), (
+                f"{path}:{call.lineno}: {ast.unparse(call)[:80]}")

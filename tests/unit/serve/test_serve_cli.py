@@ -1,11 +1,10 @@
 """The installed commands: ``megainfer-serve`` as a subprocess (a streaming request in flight
 when SIGTERM comes: it finishes within the grace period, the process exits 0 and leaves no
-process behind; a deploy mode not served yet is refused by name), and ``megainfer-bench-serve``
+process behind; every deploy mode's settings resolve), and ``megainfer-bench-serve``
 against a server (small)."""
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,19 +14,13 @@ import httpx
 import pytest
 
 from megainfer.serve import bench
-from serve_util import ThreadServer
+from serve_util import ThreadServer, free_port
 
 BIN = os.path.dirname(sys.executable)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_sigterm_drains_and_exits_0(tiny_ckpts):
-    port = _free_port()
+    port = free_port()
     p = subprocess.Popen([os.path.join(BIN, "megainfer-serve"), f"serve.port={port}",
                           f"model.path={tiny_ckpts[('qwen3_moe', 'base')]}",
                           "serve.shutdown_grace_s=20", "hydra.run.dir=.", "hydra.output_subdir=null",
@@ -71,15 +64,17 @@ def _compose(*overrides):
         return compose("serve", list(overrides))
 
 
-def test_serve_config_group_and_modes_not_served():
+def test_serve_config_group_and_every_mode_resolves(monkeypatch):
     from megainfer.config import ConfigError
     from megainfer.launch.serve import serve_settings
-    from megainfer.serve.server import ModeNotServedError
     job, serve = serve_settings(_compose("serve.port=0", "serve.api_key=x"))
     assert (job.deploy.mode, serve.host, serve.port, serve.api_key) == ("single", "127.0.0.1",
                                                                         0, "x")
-    with pytest.raises(ModeNotServedError, match="deploy.mode='disaggregated'.*not yet served"):
-        serve_settings(_compose("deploy=a1e2"))
+    monkeypatch.setenv("PMI_SIZE", "3")  # rank 0 of mpiexec -n 3 (served: test_serve_modes)
+    monkeypatch.setenv("PMI_RANK", "0")
+    job, _ = serve_settings(_compose("deploy=a1e2"))
+    assert (job.deploy.mode, job.deploy.expert_ranks) == ("disaggregated", 2)
+    monkeypatch.setenv("PMI_SIZE", "1")
     with pytest.raises(ConfigError, match="serve.port=-1"):
         serve_settings(_compose("serve.port=-1"))
     with pytest.raises(ConfigError, match="serve.colour"):

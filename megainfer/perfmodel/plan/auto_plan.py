@@ -1,18 +1,15 @@
-"""``deploy=auto`` with N > 1 ranks: the performance model picks the plan (docs/perfmodel.md,
-"The planner at launch").
+"""``deploy=auto`` over N > 1 ranks: the composed config tree -> the plan the performance model
+picks (docs/perfmodel.md, "The planner at launch").
 
-The composed config -> this job as the planner sees it (the model's shape from its config.json
-or preset, the prompt lengths of ``io.input`` or the workload, ``sampling.max_tokens``, the
-scheduler's per-replica sequence limit) and this machine's hardware profile -> the fastest
-split of exactly N ranks (``megainfer/perfmodel/plan/world_plan.py``), logged with its predicted
-iteration time and the runner-up. Explicit ``deploy.*`` counts pin their dimension; with all
-of them given the planner is not asked.
+The job as the planner sees it (the model's shape from its config.json or preset, prompt
+lengths from ``io.input`` or the workload, ``sampling.max_tokens``, ``scheduler.max_num_seqs``)
+and this machine's hardware profile -> the fastest split of exactly N ranks (``world_plan.py``),
+logged with the runner-up. Explicit ``deploy.*`` counts pin their dimension.
 
-Hardware: ``deploy.hardware=<preset or .yaml path>``; else this machine's calibrated profile
-(``$MEGAINFER_HARDWARE_PROFILE``, else ``~/.cache/megainfer/hardware/<hostname>.yaml``, written
-by ``megainfer-plan calibrate calibrate.out=<that path>``); else the ``cpu_node`` preset, logged.
-Every rank computes the same plan from the same inputs (pure arithmetic, no communication).
-"""
+Hardware: ``deploy.hardware``; else the calibrated profile (``$MEGAINFER_HARDWARE_PROFILE``, else
+``~/.cache/megainfer/hardware/<hostname>.yaml``); else, on cuda, the datasheet preset named in
+the GPU's name (the one place the perfmodel asks torch, lazily); else ``cpu_node``. Pure
+arithmetic on the same inputs: every rank computes the same plan without communicating."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""One config resolution for LLM and the launcher (megainfer.config.resolve): each check once,
+"""One config resolution for LLM and the launcher (megainfer.engine.resolve): each check once,
 LLM's vLLM-named arguments and every launcher key, model ids from the local Hugging Face
 cache, and errors that name the Python argument or the closest known key."""
 import dataclasses
@@ -12,8 +12,7 @@ from hydra import compose, initialize_config_module
 import megainfer.models.loader as loader
 from megainfer import LLM, SamplingParams
 from megainfer.config import ConfigError, DeviceConfig, LoadConfig, ModelConfig, ResolvedJob
-from megainfer.config.llm_args import DeployNotAvailableError
-from megainfer.config.resolve import kv_budget_gib
+from megainfer.engine.resolve import kv_budget_gib
 from megainfer.launch.overrides import job_config_text, override_key_error
 from megainfer.launch.settings import JobSettings, settings_from_config
 
@@ -75,9 +74,9 @@ def test_weight_bytes_counts_the_built_model():
 # ------------------------------------------------------------------ LLM's arguments
 def test_vllm_names_and_threads(monkeypatch, threads):
     seen = {}
-    import megainfer.llm as llm_mod
-    real = llm_mod.resolve_job
-    monkeypatch.setattr(llm_mod, "resolve_job",
+    import megainfer.core_client.ranks as ranks_mod  # where LLM's arguments are resolved
+    real = ranks_mod.resolve_job
+    monkeypatch.setattr(ranks_mod, "resolve_job",
                         lambda tree, *a, **k: seen.setdefault("tree", tree) and real(tree, *a, **k))
     llm = LLM(TINY, enforce_eager=True, max_num_seqs=3, seed=5)
     assert seen["tree"]["engine"]["cuda_graphs"] is False
@@ -116,14 +115,18 @@ def test_errors_name_the_argument(kw, match, threads):
     (dict(deploy={"mode": "disaggregated", "expert_ranks": 2}, world_size=3), 3, "disaggregated"),
     (dict(tensor_parallel_size=2, world_size=3), 3, "disaggregated"),
 ])
-def test_other_modes_resolve_then_say_they_are_not_available(kw, ranks, mode, threads):
-    with pytest.raises(DeployNotAvailableError) as info:
-        LLM(TINY, **kw)
-    msg = str(info.value)
-    assert f"{mode} mode over {ranks} ranks" in msg and "not yet available from Python" in msg
-    assert f"mpirun -n {ranks} megainfer-launch" in msg
-    if "tensor_parallel_size" in kw:  # the line runs the same plan: its counts spelled out
-        assert "deploy.attention_tp=2 deploy.expert_ranks=1 deploy.micro_batches=" in msg
+def test_other_modes_resolve_to_the_launchers_plan(kw, ranks, mode, threads):
+    """What LLM(deploy=...) would start (the ranks themselves: tests/distributed)."""
+    from megainfer.core_client.llm_job import resolve_llm_job
+    args = {}
+    tp = kw.pop("tensor_parallel_size", None)
+    if tp is not None:
+        args["tensor_parallel_size"] = tp
+    got = resolve_llm_job(args, TINY, kw.get("deploy"), tp, kw.get("world_size"), ())
+    assert got.job.deploy.mode == mode and got.job.deploy.world_size == ranks
+    assert got.spec.world_size == ranks and got.spec.auto_plan == (kw.get("deploy") in ("auto", None))
+    if tp is not None:
+        assert got.job.deploy.attention_tp == tp
 
 
 # ------------------------------------------------------------------ the local Hugging Face cache

@@ -1,36 +1,30 @@
 """One config resolution for ``LLM`` and the launcher: a plain tree of ``group.key`` values ->
-``ResolvedJob``, every check run once, before any weight is read.
+``ResolvedJob``, every check run once, before any weight is read (docs/engine.md, "One config
+resolution").
 
-The launcher hands in Hydra's composed config as a plain dict (``launch/settings.py``); ``LLM``
-hands in its arguments laid out as the same keys (``llm_args.py``). In order: every key of every
-group checked against the groups' schemas (``GROUP_KEYS``); ``model.path`` made local (a
-directory, or a model id in the Hugging Face cache); the deploy plan (``deploy=auto`` over N > 1
-ranks asks the ``planner`` the front door passes: the launcher's perfmodel planner) fitted to the
-world size; the device; model and weights; the scheduler; the KV cache (format, block count from
-the memory budget, fit); the CPU threads; comm, trace, EPLB and re-plan.
-
-This module is the one place under ``megainfer/config`` that reaches into the layers above it
-(the KV spec's sizes in ``engine/sizing.py``, the weights' bytes): it is imported by front doors
-only, never by ``megainfer.config`` itself."""
+In order: every key checked against its group's schema (``GROUP_KEYS``); ``model.path`` made
+local; the deploy plan (``deploy=auto`` over N > 1 ranks asks the ``planner`` the front door
+passes) fitted to the world size; the device; model and weights; the scheduler; the KV cache
+(format, block count from the memory budget, fit); the CPU threads; comm, trace, EPLB, re-plan.
+It sits above ``megainfer.config`` because the cache's size needs the model's KV spec and
+weight bytes (``sizing.py``, ``models/loader.py``)."""
 from __future__ import annotations
 
 import logging
 import os
 from typing import Callable, Mapping, Optional
 
-from megainfer.engine.engine import check_cache_fits
-from megainfer.engine.sizing import check_kv_cache_dtype, derive_num_blocks, resolve_max_model_len
+from megainfer.config import (CacheConfig, CommConfig, ConfigError, DeployPlan, DeviceConfig,
+                              EplbConfig, LoadConfig, ModelConfig, ReplanConfig, ResolvedJob,
+                              SchedulerConfig, TraceConfig)
+from megainfer.config.base import require
+from megainfer.config.deploy_fit import plan_for_world, prefill_ranks
+from megainfer.config.hf_cache import checkpoint_dir
+from megainfer.config.keys import field_names, take
+from megainfer.config.model_source import model_config_of
 
-from .base import ConfigError, _require
-from .deploy_fit import plan_for_world, prefill_ranks
-from .hf_cache import checkpoint_dir
-from .job import ResolvedJob
-from .keys import field_names, take
-from .model import ModelConfig
-from .model_source import model_config_of
-from .replan import ReplanConfig
-from .runtime import (CacheConfig, CommConfig, DeployPlan, DeviceConfig, EplbConfig, LoadConfig,
-                      SchedulerConfig, TraceConfig)
+from .engine import check_cache_fits
+from .sizing import check_kv_cache_dtype, derive_num_blocks, resolve_max_model_len
 
 log = logging.getLogger("megainfer.config")
 
@@ -53,7 +47,7 @@ _PLAIN_GROUPS = (("comm", CommConfig), ("trace", TraceConfig), ("eplb", EplbConf
 _NOT_PLAN_KEYS = ("cpu_threads", "device", "hardware")  # deploy.* keys that are not DeployPlan's
 
 # (config tree, ranks left after the prefill ranks) -> (deploy, scheduler) groups with the
-# planner's choice filled in (launch/auto_plan.py)
+# planner's choice filled in (megainfer/perfmodel/plan/auto_plan.py)
 Planner = Callable[[dict, int], tuple[dict, dict]]
 
 
@@ -127,7 +121,7 @@ def _cache(k: dict, model: ModelConfig, load: LoadConfig, deploy: DeployPlan,
            scheduler: SchedulerConfig, device: DeviceConfig) -> CacheConfig:
     """``cache.*`` -> CacheConfig: its format checked against the model and the attention
     backend, ``num_blocks=null`` derived from the memory budget, the pool's fit checked."""
-    _require(isinstance(k.get("block_size", 1), int) and not isinstance(k.get("block_size"), bool),
+    require(isinstance(k.get("block_size", 1), int) and not isinstance(k.get("block_size"), bool),
              "cache.block_size", k.get("block_size"), "must be a positive integer")
     fields = {f: k[f] for f in ("block_size", "enable_prefix_caching", "kv_cache_dtype",
                                 "host_kv_gib", "kv_store_dir", "kv_scale_granularity") if f in k}
@@ -151,11 +145,11 @@ def kv_memory_gib(k: Mapping, model: ModelConfig, load: LoadConfig, deploy: Depl
     that share of the GPU's free memory less this rank's weights (counted, not loaded)."""
     util = k.get("gpu_memory_utilization")
     memory_gib = k.get("memory_gib", 4.0)
-    _require(isinstance(memory_gib, (int, float)) and not isinstance(memory_gib, bool)
+    require(isinstance(memory_gib, (int, float)) and not isinstance(memory_gib, bool)
              and memory_gib > 0, "cache.memory_gib", memory_gib, "must be a number > 0")
     if util is None:
         return float(memory_gib)
-    _require(isinstance(util, (int, float)) and not isinstance(util, bool) and 0 < util <= 1,
+    require(isinstance(util, (int, float)) and not isinstance(util, bool) and 0 < util <= 1,
              "cache.gpu_memory_utilization", util, "must be a fraction in (0, 1]")
     if device.device != "cuda":
         log.info("cache.gpu_memory_utilization=%s applies on cuda; on cpu the KV pool is "
@@ -192,6 +186,6 @@ def auto_cpu_threads(model: ModelConfig, local_ranks: int) -> int:
 def _threads(threads, model: ModelConfig, local_ranks: int) -> int:
     if threads is None:
         return auto_cpu_threads(model, local_ranks)
-    _require(isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1,
+    require(isinstance(threads, int) and not isinstance(threads, bool) and threads >= 1,
              "deploy.cpu_threads", threads, "must be a positive integer or null")
     return threads

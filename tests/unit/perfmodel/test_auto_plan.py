@@ -6,7 +6,7 @@ import time
 import pytest
 from hydra import compose, initialize_config_module
 
-from megainfer.launch.auto_plan import prompt_lengths
+from megainfer.perfmodel.plan.auto_plan import prompt_lengths
 from megainfer.launch.settings import settings_from_config
 from megainfer.perfmodel.model.disagg import Workload
 from megainfer.perfmodel.model.hardware import load_hardware

@@ -1,4 +1,4 @@
-"""docs/config.md is what ``python -m megainfer.tools.config_doc`` prints: every config key
+"""docs/config.md is what ``python -m megainfer.launch.config_doc`` prints: every config key
 once, so a key added, removed, renamed or re-defaulted without regenerating the page fails."""
 import dataclasses
 import os
@@ -6,7 +6,7 @@ import os
 import pytest
 
 from megainfer.config import DeployPlan, EplbConfig
-from megainfer.tools import config_doc
+from megainfer.launch import config_doc
 from repo_paths import REPO
 
 DOC = os.path.join(REPO, "docs", "config.md")
@@ -16,7 +16,7 @@ def test_config_md_is_current():
     with open(DOC) as f:
         on_disk = f.read()
     assert on_disk == config_doc.render(), (
-        "docs/config.md is stale: run `python -m megainfer.tools.config_doc > docs/config.md`")
+        "docs/config.md is stale: run `python -m megainfer.launch.config_doc > docs/config.md`")
 
 
 def test_every_field_of_a_group_is_listed_once():

@@ -1,0 +1,75 @@
+"""``LLM(...)``'s arguments -> the job it runs: the config tree through the launcher's
+resolution (``megainfer.engine.resolve``), its world size (the ``mpiexec`` launch this process
+is part of, else ``world_size``, else what the plan's counts need), and the ``JobTree`` every
+rank resolves again for itself. A ``ConfigError`` names the Python argument the bad value came
+from."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence, Union
+
+from megainfer.config import ConfigError, ModelConfig, ResolvedJob
+from megainfer.config.llm_args import llm_tree, named_error
+
+from .client import JobTree
+from .ranks import mpi_world
+
+
+@dataclass(frozen=True)
+class LLMJob:
+    """``spec``: what every rank resolves (None: the launcher's own single-mode job); ``job``:
+    this process's resolution of it (rank 0's when this process starts the ranks)."""
+
+    spec: Optional[JobTree]
+    job: ResolvedJob
+
+
+def resolve_llm_job(args: Mapping, model, deploy: Union[None, str, Mapping],
+                    tensor_parallel_size: Optional[int], world_size: Optional[int],
+                    overrides: Sequence[str], enforce_eager: bool = False) -> LLMJob:
+    """``args``: ``LLM``'s arguments by name (``llm_args.ARG_KEYS``; None: not given)."""
+    launch_size, rank = mpi_world()
+    world = None if world_size is None else f"world_size={world_size!r}"
+    origin: dict = {}
+    try:
+        if launch_size > 1 and world_size not in (None, launch_size):
+            raise ConfigError(f"world size {world_size}: this process is one of an mpiexec "
+                              f"launch of {launch_size} ranks; give world_size={launch_size} "
+                              "or leave it out")
+        if deploy is None and tensor_parallel_size in (None, 1) and world_size in (None, 1) \
+                and launch_size == 1:
+            deploy = "single"
+        tree, origin = llm_tree(args, deploy, overrides)
+        if enforce_eager:
+            origin["engine.cuda_graphs"] = "enforce_eager=True"
+        if isinstance(model, ModelConfig):
+            tree.setdefault("model", {})["arch"] = model
+        size = launch_size if launch_size > 1 else _world_size(world_size, tree)
+        spec = JobTree(tree, size, auto_plan=_asks_planner(tree))
+        job = spec.resolve(rank)
+    except ConfigError as e:
+        named = named_error(e, origin, world)
+        if named is e:
+            raise
+        raise named from e
+    return LLMJob(spec, job)
+
+
+def _world_size(world_size: Optional[int], tree: dict) -> int:
+    """``world_size``, else what the deploy plan's counts need (a preset with every count),
+    else 1."""
+    if world_size is not None:
+        return world_size
+    d = tree.get("deploy") or {}
+    if d.get("mode") == "colocated" and isinstance(d.get("attention_replicas"), int):
+        return d["attention_replicas"]
+    counts = [d.get(k) for k in ("attention_replicas", "attention_tp", "expert_ranks")]
+    if d.get("mode") == "disaggregated" and all(isinstance(v, int) for v in counts):
+        pre = d.get("prefill_replicas") or 0
+        return counts[0] * counts[1] + counts[2] + pre * (d.get("prefill_tp") or 1)
+    return 1
+
+
+def _asks_planner(tree: dict) -> bool:
+    """deploy=auto: the launcher's planner (the performance model) picks the plan."""
+    return (tree.get("deploy") or {}).get("mode", "auto") in (None, "auto")

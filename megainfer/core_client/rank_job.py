@@ -1,0 +1,195 @@
+"""``mpiexec -n N python -m megainfer.core_client.rank_job ADDRESS``: the ranks a
+``SpawnedCore`` starts from a plain script (docs/python_api.md, "Ranks started from a plain
+script").
+
+Rank 0 connects to the script's unix socket ``ADDRESS`` (authkey in ``$MEGAINFER_CORE_AUTHKEY``),
+receives the ``JobTree`` and broadcasts it; every rank resolves its own job, reports (rank, pid,
+role) to rank 0 (``Launched``) and builds its part (``ranks.start_ranks``). Rank 0 then runs the
+engine core on a thread (``EngineCoreThread``), sends ``Ready``, and its main thread hands the
+script's inputs to the core while the core's outputs go back over the socket; the socket's end
+(the script gone) is a ``Shutdown``. The other ranks serve rank 0 until it closes and exit 0.
+
+A failure before ``Launched`` aborts the whole job (the others may wait in a collective); after
+it, the failing rank logs its traceback and exits 1 at once (no ``MPI_Finalize``: its peers are
+alive), and the script, which watches the ranks' pids, names it. Exceptions sent to the script
+are ``EngineDeadError``s: a ``RankFailure`` or ``CommTimeoutError`` (a peer silent past
+``comm.timeout_s``) becomes a ``RankLostError`` naming that peer's rank and role.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from multiprocessing.connection import Client
+
+from .mpiexec_job import parent_death_signal
+from .spawn_messages import (AUTHKEY_ENV, HEARTBEAT_S, LOG_LEVEL_ENV, Heartbeat, Launched,
+                             RankInfo, Ready, StartFailed)
+
+log = logging.getLogger("megainfer.core_client")
+POLL_S = 0.25  # rank 0's main thread: how often it checks its core thread while no input comes
+ABORT_GRACE_S = 0.5  # lets mpiexec forward a rank's last lines before MPI_Abort
+
+
+def wire_error(e: BaseException, ranks: dict, what: str = "rank 0's engine core died"):
+    """``e`` as the ``EngineDeadError`` the script gets: one already (the runtime's engine
+    names a silent peer itself: ``RankLostError``) as it is; a peer that did not answer in time
+    anywhere else in its chain (the control plane's ``RankFailure``, a channel's
+    ``CommTimeoutError``, e.g. while the ranks start) named by its rank and role (``ranks``:
+    rank -> ``RankInfo``); anything else by its type and message."""
+    from megainfer.comm.errors import CommTimeoutError
+    from megainfer.engine.errors import EngineDeadError, RankLostError
+    from megainfer.runtime.control import RankFailure
+    if isinstance(e, EngineDeadError):
+        return e
+    seen, cur = set(), e
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, (RankFailure, CommTimeoutError)) and isinstance(cur.peer, int):
+            role = ranks[cur.peer].role if cur.peer in ranks else None
+            return RankLostError(f"rank {cur.peer} {role} of the spawned job stopped answering: "
+                                 f"{cur}", cur.peer, role)
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return EngineDeadError(f"{what}: {type(e).__name__}: {e} (its traceback is in the job's "
+                           "log)")
+
+
+class _Outbox:
+    """Rank 0's side of the socket for sending: one lock, and a script that is gone is not an
+    error (the main thread sees the end of the socket and shuts the core down)."""
+
+    def __init__(self, conn, ranks: dict):
+        self.conn, self.ranks, self.lock = conn, ranks, threading.Lock()
+        self.last_sent = time.monotonic()
+
+    def send(self, msg) -> None:
+        try:
+            with self.lock:
+                self.conn.send(msg)
+                self.last_sent = time.monotonic()
+        except (OSError, EOFError):
+            log.debug("the script is gone; dropped %s", type(msg).__name__)
+
+    def heartbeat(self) -> None:
+        if time.monotonic() - self.last_sent >= HEARTBEAT_S:
+            self.send(Heartbeat())
+
+    def deliver(self, outputs) -> None:  # EngineCoreThread's callback, on its thread
+        from megainfer.engine.core import CoreOutputs
+        if outputs.error is not None:
+            outputs = CoreOutputs(outputs.updates, wire_error(outputs.error, self.ranks))
+        try:
+            self.send(outputs)
+        except Exception as e:  # noqa: BLE001 - an output that does not pickle: say so
+            from megainfer.engine.errors import EngineDeadError
+            self.send(CoreOutputs(error=EngineDeadError(f"rank 0 could not send its outputs: "
+                                                        f"{type(e).__name__}: {e}")))
+
+
+def serve_script(conn, engine, job, ranks: dict, prefix: str) -> bool:
+    """Rank 0: the core over ``engine`` until a ``Shutdown`` or the socket's end; True when the
+    core ended cleanly."""
+    from megainfer.engine.core import (AbortRequest, AddRequest, EngineCore, EngineCoreThread,
+                                       Shutdown)
+    out = _Outbox(conn, ranks)
+    out.send(Ready(engine.log_prefix, float(job.comm.timeout_s)))  # before any output
+    core = EngineCoreThread(EngineCore(engine), out.deliver)
+    log.info("%s serving the script's engine core", prefix)
+    while core.alive:
+        out.heartbeat()
+        try:
+            if not conn.poll(POLL_S):
+                continue
+            msg = conn.recv()
+        except (EOFError, OSError):
+            log.warning("%s the script closed its socket: shutting down", prefix)
+            core.submit(Shutdown())
+            break
+        if not isinstance(msg, (AddRequest, AbortRequest, Shutdown)):
+            log.error("%s ignored %r: not an engine core input", prefix, msg)
+            continue
+        core.submit(msg)
+        if isinstance(msg, Shutdown):
+            break
+    core.thread.join()
+    return core.error is None
+
+
+def _launch(rank: int, world: int, comm, spec):
+    """(this rank's job, {rank: RankInfo} on rank 0, role tag); ``spec``: rank 0's
+    ``JobTree`` (None on the others)."""
+    from megainfer.runtime.roles import assign_role
+    spec = comm.bcast(spec, root=0)
+    job = spec.resolve(rank)
+    tag = assign_role(job.deploy, rank, world).tag
+    table = comm.gather(RankInfo(rank, os.getpid(), tag), root=0)
+    ranks = {i.rank: i for i in table} if rank == 0 else {}
+    return job, ranks, tag
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    arm = parent_death_signal(os.getppid())  # the MPI proxy gone: this rank goes too
+    if arm is not None:
+        arm()
+    logging.basicConfig(level=os.environ.get(LOG_LEVEL_ENV, "WARNING"), format="%(message)s")
+    from mpi4py import MPI
+
+    from megainfer.engine.errors import CoreStartError
+    from .ranks import start_ranks
+    comm = MPI.COMM_WORLD
+    rank, world = comm.Get_rank(), comm.Get_size()
+    prefix, conn, ranks, launched = f"[rank {rank}]", None, {}, False
+    try:
+        if rank == 0:
+            if len(argv) != 1:
+                raise CoreStartError(f"rank_job: give the script's socket address, got {argv!r}")
+            conn = Client(argv[0], family="AF_UNIX",
+                          authkey=bytes.fromhex(os.environ[AUTHKEY_ENV]))
+        os.environ.pop(AUTHKEY_ENV, None)
+        job, ranks, prefix = _launch(rank, world, comm, conn.recv() if conn else None)
+        if rank == 0:
+            conn.send(Launched(tuple(ranks[r] for r in sorted(ranks))))
+        launched = True
+        if job.cpu_threads is not None:
+            import torch
+            torch.set_num_threads(job.cpu_threads)
+        engine = start_ranks(job)
+    except BaseException as e:  # noqa: BLE001 - every start failure ends this rank
+        log.exception("%s failed to start", prefix)
+        if conn is not None:
+            try:
+                conn.send(StartFailed(wire_error(e, ranks, f"{prefix} failed to start")))
+            except (OSError, EOFError):
+                pass
+        _end(comm, launched, 1)
+        return 1  # not reached: _end exits
+    if engine is None:  # a rank other than 0: it served until rank 0 closed
+        log.debug("%s the job is over", prefix)
+        return 0
+    try:
+        clean = serve_script(conn, engine, job, ranks, prefix)
+    except BaseException:  # noqa: BLE001
+        log.exception("%s serving the script failed", prefix)
+        clean = False
+    conn.close()
+    if not clean:
+        _end(comm, True, 1)  # peers may be lost: no MPI_Finalize
+    return 0
+
+
+def _end(comm, launched: bool, code: int) -> None:
+    """Exit now with ``code``: before every rank has launched, abort the job (the others may
+    wait in a start-up collective); after, this process alone (the script names it)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if not launched:
+        time.sleep(ABORT_GRACE_S)
+        comm.Abort(code)
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

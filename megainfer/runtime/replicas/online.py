@@ -1,0 +1,143 @@
+"""Rank 0 of the distributed runtime as an online engine (``engine.core.OnlineEngine``): the
+engine core behind ``LLM(deploy=...)``, ``AsyncLLM`` and the server in every mode but single.
+
+Requests arrive between iterations (``add_tokenized``) and are handed out by the loop's router
+at the next one (PD: to the prefill ranks); each iteration of every rank (``step_outputs``)
+returns the new tokens of every replica's requests (their leaders report them; PD's first
+tokens come from the prefill ranks' reports) and the outputs that finished. ``abort_request``
+ends a request wherever it is (``ReplicaLoop.abort``). Nothing to do: the engine core waits
+for input up to ``idle_interval_s`` and then runs one empty iteration (``idle_tick``), so every
+rank's watch on the others (``comm.timeout_s``) stays alive while the ranks sleep between.
+``close`` runs the iteration that stops every rank. Re-planning is not served online: such a
+job is refused before anything starts (``ranks.start_ranks``).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from megainfer.engine.errors import DuplicateRequestError, RankLostError
+from megainfer.engine.intake import TokenizedPrompt
+from megainfer.engine.outputs import PromptInput, RequestOutput, StepOutputs
+from megainfer.engine.sampling_params import SamplingParams
+from megainfer.runtime.roles import assign_role
+
+log = logging.getLogger("megainfer.runtime")
+
+IDLE_TICKS_PER_TIMEOUT = 8  # idle iterations per comm.timeout_s (at most 2 per second)
+
+
+@dataclass(frozen=True)
+class RuntimeLoad:
+    """Every decode replica's queue at the last iteration (sequences, not requests), the
+    requests rank 0 has not handed out yet, and the KV blocks in use."""
+
+    running: int
+    waiting: int
+    not_handed_out: int
+    kv_usage: float  # mean over the replicas (1 = every block in use)
+
+
+class RuntimeEngine:
+    def __init__(self, rank):
+        self.rank, self.loop = rank, rank.loop
+        self.engine = rank.loop.engine  # rank 0's own replica: tokenizer and limits
+        self.requests: dict[str, SamplingParams] = {}  # the open requests (the core's view)
+        self.detokenize = False
+        self.log_prefix = rank.role.tag
+        self.idle_interval_s = min(0.5, rank.job.comm.timeout_s / IDLE_TICKS_PER_TIMEOUT)
+        self.failed: Optional[BaseException] = None
+        self.closed = False
+        self.num_iterations = 0
+        self.last_iteration_at = time.monotonic()  # every rank answered then
+        self.loop.open_online()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def model_config(self):
+        return self.engine.model_config
+
+    def load(self) -> RuntimeLoad:
+        """The replicas' queues as the last iteration's reports gave them (safe to read from
+        another thread: a list replaced whole each iteration)."""
+        sts = self.loop.statuses
+        return RuntimeLoad(sum(s.running for s in sts), sum(s.waiting for s in sts),
+                           self.loop.pending_count(),
+                           sum(s.kv_usage for s in sts) / max(1, len(sts)))
+
+    # ------------------------------------------------------------------ OnlineEngine
+    def tokenize(self, prompt, params: SamplingParams, prompt_token_ids=None) -> TokenizedPrompt:
+        return self.engine.tokenize(prompt, params, prompt_token_ids)
+
+    def add_tokenized(self, request_id, prompt: TokenizedPrompt, params: SamplingParams):
+        """Queued for the next iteration's hand-out; the replica that gets it validates what
+        only an engine can (a refusal comes back as its final output, finish_reason "error")."""
+        rid = str(request_id)
+        if rid in self.requests:
+            raise DuplicateRequestError(f"request_id={rid!r}: already queued or running")
+        self.requests[rid] = params
+        self.loop.submit([PromptInput(rid, None, list(prompt.prompt_token_ids), params)])
+
+    def abort_request(self, request_id) -> Optional[RequestOutput]:
+        rid = str(request_id)
+        if rid not in self.requests:
+            return None
+        out = self.loop.abort(rid)
+        if out is not None:
+            del self.requests[rid]
+        return out
+
+    def step_outputs(self) -> StepOutputs:
+        try:
+            done = self.loop.iterate()
+        except BaseException as e:
+            self.failed = e
+            raise self._named(e) from e
+        self.num_iterations += 1
+        self.last_iteration_at = time.monotonic()
+        finished = []
+        for out in done:
+            if self.requests.pop(str(out.request_id), None) is not None:
+                finished.append(out)  # (an output of a request aborted here already: dropped)
+        return StepOutputs(list(self.loop.new_tokens), finished)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def _named(self, e: BaseException) -> BaseException:
+        """A peer that did not answer (``RankFailure``, ``CommTimeoutError``: their ``peer``)
+        -> ``RankLostError`` naming its rank and role; anything else as it is."""
+        peer = getattr(e, "peer", None)
+        if not isinstance(peer, int):
+            return e
+        job = self.rank.job
+        world = job.deploy.world_size
+        role = assign_role(job.deploy, peer, world).tag if 0 <= peer < world else None
+        return RankLostError(f"{role or f'rank {peer}'} (rank {peer}) stopped answering: {e}",
+                             peer, role)
+
+    def idle_tick(self) -> None:
+        self.step_outputs()
+
+    def close(self) -> None:
+        """Stop every rank (one last iteration) and close this rank's connections. After a
+        failure only this rank's own resources: the others notice within their timeouts."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self.failed is None:
+                self.loop.close()
+        finally:
+            self.rank.close()
+            log.info("%s runtime closed after %d iterations", self.log_prefix,
+                     self.num_iterations)

@@ -1,0 +1,67 @@
+"""A ``megainfer-serve`` job as a subprocess of a benchmark: one process, or ``mpiexec -n N``
+(its own session; SIGTERM drains it), until it prints its address; its ranks' pids (from rank 0's
+``[serve] ranks:`` line) and their CPU seconds (Linux ``/proc``)."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        parts = f.read().rsplit(")", 1)[1].split()
+    return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """A megainfer-serve job (one process, or ``mpiexec -n ranks``) until it listens;
+    ``pids``: its ranks' processes (rank order)."""
+
+    def __init__(self, ranks: int, overrides: list[str], mpiexec: str):
+        self.port = free_port()
+        cmd = [sys.executable, "-m", "megainfer.launch.serve", f"serve.port={self.port}",
+               *overrides, "hydra.run.dir=.", "hydra.output_subdir=null",
+               "hydra/job_logging=none", "hydra/hydra_logging=none"]
+        if ranks > 1:
+            cmd = [mpiexec, "-n", str(ranks), *cmd]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, env=env, start_new_session=True)
+        self.pids, line = [self.proc.pid], ""
+        while " on http://" not in line:
+            line = self.proc.stdout.readline()
+            if not line and self.proc.poll() is not None:
+                raise SystemExit(f"server ({' '.join(overrides)}) exited before serving")
+            if line.startswith("[serve] ranks: "):
+                self.pids = [int(p) for p in re.findall(r"pid (\d+)", line)]
+
+    def cpu_s(self) -> list[float]:
+        return [cpu_seconds(p) for p in self.pids]
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)  # mpiexec forwards it: rank 0 drains
+        try:
+            return self.proc.wait(120)
+        finally:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def idle_cpu(server: ServerProcess, seconds: float = 3.0) -> list[float]:
+    """Each rank's CPU over ``seconds`` idle, as a fraction of a core."""
+    c0, t0 = server.cpu_s(), time.perf_counter()
+    time.sleep(seconds)
+    dt = time.perf_counter() - t0
+    return [(c - b) / dt for c, b in zip(server.cpu_s(), c0)]

@@ -1,0 +1,76 @@
+"""The server's view of a distributed runtime without mpiexec: a stand-in with
+``RuntimeEngine``'s members (``load()``, ``idle_interval_s``, ``last_iteration_at``) behind the
+real ``EngineClient`` and engine core thread. Gauges count every replica's sequences (waiting
+includes what rank 0 has not handed out); /health's "every rank answers" holds while idle
+iterations keep coming and turns false once one hangs past two idle intervals plus an
+iteration; the watchdog's error is what the engine core died of."""
+import threading
+import time
+
+from megainfer.engine.outputs import StepOutputs
+from megainfer.runtime.replicas.online import RuntimeLoad
+from megainfer.serve.engine_client import MIN_ITERATION_ALLOWANCE_S, EngineClient
+from megainfer.serve.metrics import engine_load
+
+
+class FakeRuntime:
+    """RuntimeEngine's online members; ``hang`` blocks the next iteration until set."""
+
+    idle_interval_s = 0.05
+    log_prefix = "[fake]"
+    tokenizer, max_model_len, model_config = None, 64, None
+
+    def __init__(self):
+        self.requests, self.detokenize = {}, False
+        self.last_iteration_at = time.monotonic()
+        self.hang, self.release = threading.Event(), threading.Event()
+        self.fail = None
+
+    def load(self):
+        return RuntimeLoad(running=3, waiting=2, not_handed_out=4, kv_usage=0.25)
+
+    def has_unfinished(self):
+        return False
+
+    def step_outputs(self):
+        if self.hang.is_set():
+            self.release.wait(10)
+        if self.fail is not None:
+            raise self.fail
+        self.last_iteration_at = time.monotonic()
+        return StepOutputs()
+
+    def idle_tick(self):
+        self.step_outputs()
+
+    def close(self):
+        self.release.set()
+
+
+def _until(cond, timeout=5.0):
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout
+        time.sleep(0.01)
+
+
+def test_runtime_gauges_and_health_follow_the_iterations():
+    eng = FakeRuntime()
+    client = EngineClient(eng, "fake", role="disaggregated")
+    try:
+        load = engine_load(eng)
+        assert (load.running, load.waiting, load.kv_usage) == (3, 6, 0.25)
+        assert client.num_running() == 3
+        bound = client.stale_after_s()
+        assert bound == 2 * eng.idle_interval_s + MIN_ITERATION_ALLOWANCE_S
+        _until(lambda: eng.last_iteration_at > time.monotonic() - 0.2)  # idle ticks run
+        assert client.answering()
+        eng.hang.set()  # a rank stops answering: the next iteration does not return
+        _until(lambda: not client.answering(), timeout=bound + 3)
+        assert client.healthy  # the core still runs; only its iterations stopped
+        eng.fail = RuntimeError("peer rank 2 timed out")
+        eng.release.set()
+        _until(lambda: not client.healthy)
+        assert str(client.metered.error) == "peer rank 2 timed out"
+    finally:
+        client.shutdown()
