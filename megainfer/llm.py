@@ -102,10 +102,12 @@ class LLM:
         self.scheduler_config, self.cache_config = job.scheduler, job.cache
         self.device_config = job.device
         self._counter = 0
-        self.engine: Optional[LLMEngine] = None  # single mode: driven here
+        self.engine: Optional[LLMEngine] = None  # single mode: driven here, with its model
+        self.model = None
         self._core = None  # every other mode: the runtime's engine core (core_client)
         if job.deploy.mode == "single":
             self.engine = single_engine(job, tokenizer)
+            self.model = self.engine.executor.model
         else:
             from megainfer.core_client.blocking import BlockingCore
             self._core = BlockingCore(resolved.spec, job, tokenizer)

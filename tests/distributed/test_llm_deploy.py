@@ -86,7 +86,7 @@ def _check_streams(got, want):
         assert g["tokens"] == w["tokens"] and g["finish"] == w["finish"], i
         assert g["seen"] == sorted(g["seen"]) and g["seen"][-1] == len(g["tokens"][0]), i
         assert len(g["seen"]) >= 2 and g["finished"], i  # it streamed, then ended
-    for key in ("aborted", "early"):
+    for key in ("aborted", "early", "at_once"):
         assert got[key]["finish"] == ["abort"] and got[key]["finished"], key
         assert len(got[key]["tokens"][0]) < 100, key  # ended well before its max_tokens
     free, total = got["free_blocks"]

@@ -81,8 +81,13 @@ async def _async_job(engine) -> dict:
     later = [asyncio.create_task(_stream(engine, f"s{i}", ps[i], params[i]))
              for i in range(8, 16)]
     early = asyncio.create_task(_stream(engine, "early", ps[4], long, abort_after=1))
+    # aborted before its first token: waiting on rank 0, or (PD) on a prefill rank / KV in flight
+    at_once = asyncio.create_task(_stream(engine, "at_once", ps[1], long))
+    await asyncio.sleep(0.01)
+    await engine.abort("at_once")
     streams = await asyncio.gather(*first, *later)
-    got = {"streams": streams, "aborted": await aborted, "early": await early}
+    got = {"streams": streams, "aborted": await aborted, "early": await early,
+           "at_once": await at_once}
     await asyncio.sleep(0.3)  # the aborts' blocks come back at the replicas' next iterations
     if engine.engine is not None:  # rank 0's replica (the runtime's RuntimeEngine.engine)
         eng = getattr(engine.engine, "engine", engine.engine)
