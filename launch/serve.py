@@ -27,7 +27,7 @@ from megainfer.config.keys import field_names, take
 from megainfer.engine import RequestError
 
 from .settings import settings_from_config
-from .world import local_rank, local_ranks, world_rank, world_size
+from megainfer.core_client.launch_env import local_rank, local_ranks, world_rank, world_size
 
 log = logging.getLogger("megainfer.serve")
 

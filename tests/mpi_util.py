@@ -19,10 +19,9 @@ TAIL = 3000
 
 
 def mpiexec_path() -> str:
-    path = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"mpiexec not found next to {sys.executable} (install `mpich`)")
-    return path
+    """The venv's mpiexec (the library's rule: ``core_client.mpiexec_job.find_mpiexec``)."""
+    from megainfer.core_client.mpiexec_job import find_mpiexec
+    return find_mpiexec()
 
 
 def _tail(text) -> str:

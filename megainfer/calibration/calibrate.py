@@ -64,10 +64,12 @@ def transport_link(path: str) -> dict:
 
 
 def mpiexec_path() -> str:
-    p = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    if not os.path.isfile(p):
-        raise ConfigError(f"calibrate: no mpiexec beside {sys.executable} (pip install mpich)")
-    return p
+    from megainfer.core_client.mpiexec_job import find_mpiexec
+    from megainfer.engine.errors import CoreStartError
+    try:
+        return find_mpiexec()
+    except CoreStartError as e:
+        raise ConfigError(f"calibrate: {e}") from e
 
 
 def mpi_pingpong(max_bytes: int = 1 << 24, repeats: int = 20, timeout_s: float = 300) -> list[dict]:

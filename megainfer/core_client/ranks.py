@@ -4,30 +4,18 @@ is the engine (``RuntimeEngine``) and whose other ranks serve it until it closes
 from __future__ import annotations
 
 import logging
-import os
-from typing import Optional
 
 from megainfer.config import ConfigError, ResolvedJob
 from megainfer.engine.resolve import resolve_job
 
+from .launch_env import world_rank, world_size
+
 log = logging.getLogger("megainfer.engine")
-
-# the launcher's environment (mpiexec's), read without initialising MPI
-_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE")
-_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
-
-
-def _env_int(names) -> Optional[int]:
-    for n in names:
-        v = os.environ.get(n, "").strip()
-        if v.isdigit():
-            return int(v)
-    return None
 
 
 def mpi_world() -> tuple[int, int]:
     """(size, rank) of the MPI launch this process is part of; (1, 0) outside one."""
-    return _env_int(_SIZE_VARS) or 1, _env_int(_RANK_VARS) or 0
+    return world_size(), world_rank()
 
 
 def rank_job(tree: dict, world: int, rank: int, planner=None) -> ResolvedJob:

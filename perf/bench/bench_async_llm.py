@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "harness"))
 from perf_paths import RESULTS  # noqa: E402
 
+from megainfer.bench.process_cpu import cpu_seconds, idle_cpu  # noqa: E402
 from megainfer.bench.results_io import write_json  # noqa: E402
 
 
@@ -70,22 +71,9 @@ def run_online(engine, pids, prompts, params, gap_s: float):
     return time.perf_counter() - t, cpu_of(pids) - c, tokens, yields[0]
 
 
-def _cpu_s(pid: int) -> float:
-    f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def cpu_of(pids) -> float:
     """CPU seconds used so far by these processes (every thread)."""
-    return sum(_cpu_s(p) for p in pids)
-
-
-def idle_cpu(pids, seconds: float = 1.0) -> list[float]:
-    """Cores' worth of CPU each process used over ``seconds`` of wall time."""
-    c0, w0 = [_cpu_s(p) for p in pids], time.perf_counter()
-    time.sleep(seconds)
-    dt = time.perf_counter() - w0
-    return [(_cpu_s(p) - c) / dt for p, c in zip(pids, c0)]
+    return sum(cpu_seconds(p) for p in pids)
 
 
 def rank_pids(core) -> list[int]:

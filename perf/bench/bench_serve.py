@@ -34,8 +34,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from perf_paths import RESULTS  # noqa: E402
 from serve_prediction import predict  # noqa: E402
-from serve_process import ServerProcess, idle_cpu  # noqa: E402
+from serve_process import ServerProcess  # noqa: E402
 
+from megainfer.bench.process_cpu import idle_cpu  # noqa: E402
 from megainfer.bench.results_io import write_json  # noqa: E402
 from megainfer.bench.shapes import BENCH50M, BENCH50M_SHAPE  # noqa: E402
 
@@ -151,7 +152,7 @@ def run_mode(name: str, reqs, a) -> dict:
         k: getattr(plan, k) for k in ("mode", "attention_replicas", "attention_tp",
                                       "expert_ranks", "micro_batches", "prefill_replicas")}}
     try:
-        out["idle_cpu_per_rank"] = idle_cpu(server)
+        out["idle_cpu_per_rank"] = idle_cpu(server.pids, 3.0)
         run_bench(server, reqs[:4], "inf", None, a)  # warm-up
         if name == "single":
             out["goals"] = single_goals(server, reqs, a)

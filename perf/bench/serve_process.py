@@ -9,14 +9,8 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (Linux /proc)."""
-    with open(f"/proc/{pid}/stat") as f:
-        parts = f.read().rsplit(")", 1)[1].split()
-    return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+from megainfer.bench.process_cpu import cpu_seconds
 
 
 def free_port() -> int:
@@ -57,11 +51,3 @@ class ServerProcess:
         finally:
             if self.proc.poll() is None:
                 os.killpg(self.proc.pid, signal.SIGKILL)
-
-
-def idle_cpu(server: ServerProcess, seconds: float = 3.0) -> list[float]:
-    """Each rank's CPU over ``seconds`` idle, as a fraction of a core."""
-    c0, t0 = server.cpu_s(), time.perf_counter()
-    time.sleep(seconds)
-    dt = time.perf_counter() - t0
-    return [(c - b) / dt for c, b in zip(server.cpu_s(), c0)]

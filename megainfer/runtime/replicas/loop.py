@@ -215,7 +215,7 @@ class ReplicaLoop:
                           for leader in self.leaders[1:]]
         self.new_tokens = [d for st in got for d in st.new_tokens]
         self.statuses = got
-        for st in got if self.online or self.where else ():
+        for st in got if self.where else ():  # online: requests leave their replica
             for out in st.finished:
                 self.where.pop(str(out.request_id), None)
         return got

@@ -99,19 +99,6 @@ def async_outputs(engine) -> dict:
     return asyncio.run(_async_job(engine))
 
 
-def idle_cpu(pids, seconds: float = 2.0) -> list[float]:
-    """Each process's CPU (cores' worth, from /proc) over ``seconds`` of an idle runtime."""
-    import time
-
-    def cpu(pid):
-        f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-        return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
-    c0, t0 = [cpu(p) for p in pids], time.perf_counter()
-    time.sleep(seconds)
-    dt = time.perf_counter() - t0
-    return [(cpu(p) - c) / dt for p, c in zip(pids, c0)]
-
-
 def main():
     from mpi4py import MPI
     pids = MPI.COMM_WORLD.allgather(os.getpid())  # before LLM(...): only rank 0 leaves it
@@ -128,7 +115,8 @@ def main():
         pass
     got = offline_outputs(llm) if what == "offline" else async_outputs(llm)
     if what == "offline":
-        got["idle_cpu"] = idle_cpu(pids)
+        from megainfer.bench.process_cpu import idle_cpu
+        got["idle_cpu"] = idle_cpu(pids, 2.0)
         llm.close()
     else:
         llm.shutdown()
