@@ -24,10 +24,10 @@ BACK_AND_FORTH = [["a1e2", "a2e1"], ["a2e1", "a1e2"], ["a1e2", "a2e1"]]
 A2E1 = {"mode": "disaggregated", "attention_replicas": 2, "attention_tp": 1, "expert_ranks": 1}
 
 
-def _run(tmp_path, ckpt, what, force, start="a1e2"):
+def _run(tmp_path, ckpt, what, force, start="a1e2", *overrides):
     out = tmp_path / "out.json"
     deploy = json.dumps(A2E1) if start == "a2e1" else start
-    run_mpi(3, JOB, [out, ckpt, deploy, what, json.dumps(force)], timeout=500)
+    run_mpi(3, JOB, [out, ckpt, deploy, what, json.dumps(force), *overrides], timeout=500)
     return json.loads(out.read_text())
 
 
@@ -56,18 +56,21 @@ def _single_switch_reference(ckpt, vocab):
     return {rid: o.outputs[0].token_ids for rid, o in zip(reqs, outs)}
 
 
-@pytest.mark.parametrize("start", ["a1e2", "a2e1"])
+@pytest.mark.parametrize("start,kv", [("a1e2", "move"), ("a2e1", "recompute")])
 def test_async_llm_streams_and_aborts_across_switches_equal_single_mode(tiny_ckpts, tmp_path,
-                                                                        start):
+                                                                        start, kv):
     """From a2e1 rank 1 streams from the start (its first hand-out says so), from a1e2 only
-    once a switch made it a replica."""
+    once a switch made it a replica; requests that change replica take their KV along, or
+    recompute it (and only it: their tokens come once)."""
     from megainfer.config import ModelConfig
     from test_llm_deploy import _check_streams, _single
     ckpt = tiny_ckpts[("mixtral", "base")]
     plans = ["a1e2", "a2e1"] if start == "a1e2" else ["a2e1", "a1e2"]
     force = [[3, plans[1]], [14, plans[0]], [24, plans[1]]]
-    got = _run(tmp_path, ckpt, "async", force, start)
+    got = _run(tmp_path, ckpt, "async", force, start, f"replan.kv_transfer={kv}")
     assert [r[:2] for r in got["replans"]] == [plans, plans[::-1], plans]
+    assert all(r[2] >= 1 for r in got["replans"][:2]), got["replans"]  # requests moved
+    assert got["replans"][1][3 if kv == "move" else 4] >= 1, got["replans"]  # running ones too
     assert all(got["during"]), got["during"]  # the actions were queued while every rank switched
     want = _single_switch_reference(ckpt, ModelConfig.from_pretrained(ckpt).vocab_size)
     streams = got["streams"]

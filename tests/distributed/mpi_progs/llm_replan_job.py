@@ -137,8 +137,8 @@ def main():
         load = rt.load()
         got["idle_load"] = [load.running, load.waiting, load.not_handed_out, load.kv_usage]
         got["new_tokens"] = counts
-    got["replans"] = [[r["old"], r["new"], r["move"] + r["recompute"] + r["waiting"]]
-                      for r in rt.replans]
+    got["replans"] = [[r["old"], r["new"], r["move"] + r["recompute"] + r["waiting"], r["move"],
+                       r["recompute"]] for r in rt.replans]
     got["plan"] = [rt.rank.job.deploy.attention_replicas, rt.rank.job.deploy.expert_ranks]
     llm.close() if what == "offline" else llm.shutdown()
     with open(out, "w") as f:
