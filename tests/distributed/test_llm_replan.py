@@ -47,6 +47,20 @@ def test_llm_generate_across_forced_switches_equals_single_mode(tiny_ckpts, tmp_
     assert max(got["idle_cpu"]) < 0.05, got["idle_cpu"]  # every rank sleeps, roles changed
 
 
+def test_llm_generate_with_measured_decisions_equals_single_mode(tiny_ckpts, tmp_path):
+    """No forced schedule: rank 0 gathers the expert ranks' spans every 3 iterations online
+    and decides (min_gain 0: any predicted gain switches); the tokens stay single mode's."""
+    from megainfer import LLM
+    ckpt = tiny_ckpts[("mixtral", "base")]
+    got = _run(tmp_path, ckpt, "offline", [], "a1e2", "replan.interval=3", "replan.min_gain=0")
+    assert got["decisions"], got  # decisions were made (with work), every 3 iterations
+    assert all(it % 3 == 0 for it, _ in got["decisions"]), got["decisions"]
+    assert len(got["replans"]) == sum(s for _, s in got["decisions"])
+    want = offline_outputs(LLM(ckpt, **ENGINE_ARGS))
+    for key in ("greedy", "seeded", "stop", "chat"):
+        assert got[key] == want[key], key
+
+
 def _single_switch_reference(ckpt, vocab):
     from megainfer import LLM, SamplingParams
     reqs = switch_requests(vocab)

@@ -139,6 +139,7 @@ def main():
         got["new_tokens"] = counts
     got["replans"] = [[r["old"], r["new"], r["move"] + r["recompute"] + r["waiting"], r["move"],
                        r["recompute"]] for r in rt.replans]
+    got["decisions"] = [[d["iteration"], d["switch"]] for d in rt.rank.replan_decisions]
     got["plan"] = [rt.rank.job.deploy.attention_replicas, rt.rank.job.deploy.expert_ranks]
     llm.close() if what == "offline" else llm.shutdown()
     with open(out, "w") as f:
