@@ -1,0 +1,161 @@
+"""What the engine core measures about itself, shipped to its frontend with its outputs.
+
+``StatsRecorder`` wraps the core's ``OnlineEngine`` (single mode's ``LLMEngine`` or rank 0's
+``RuntimeEngine``) on the core's own thread, wherever that runs (this process, rank 0 under
+``mpiexec``, rank 0 of a spawned job): it times each iteration and idle tick, counts the
+generated tokens, and collects each request's queue time (single mode: arrival to the first
+iteration that schedules it), PD's KV-transfer time of each finished request and rank 0's T_a
+spans (tracing on, cpu). ``take`` empties that into one ``CoreStats`` with the engine's queues
+(``EngineLoad``) as they are now; ``EngineCoreThread`` sends it with each ``CoreOutputs``. The
+frontend (the server's metrics, docs/serve.md) only applies what arrives, so the figures are
+the same whether the core is a thread beside it or a process away.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from megainfer.perfmodel.trace import is_moe_attention
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    running: int  # sequences in the running batch (the runtime: summed over its replicas)
+    waiting: int  # sequences waiting (the runtime: and the requests rank 0 has not handed out)
+    kv_usage: float  # 1 = every KV block in use (the runtime: the replicas' mean)
+
+
+def engine_load(engine) -> EngineLoad:
+    """The online engine's queues: a ``RuntimeEngine`` (it has ``load()``: every replica's
+    report at the last iteration) or an ``LLMEngine`` (its scheduler and block pool)."""
+    if hasattr(engine, "load"):
+        ld = engine.load()
+        return EngineLoad(ld.running, ld.waiting + ld.not_handed_out, ld.kv_usage)
+    sched, blocks = engine.scheduler, engine.blocks
+    return EngineLoad(len(sched.running), len(sched.waiting),
+                      1.0 - blocks.num_free_blocks / max(1, blocks.num_blocks))
+
+
+@dataclass
+class CoreStats:
+    """The core's measurements since the last ``CoreStats``, and its queues now."""
+
+    load: EngineLoad
+    iteration_s: list[float] = field(default_factory=list)  # each iteration's wall time
+    idle_tick_s: list[float] = field(default_factory=list)  # each empty keep-alive iteration
+    generated_tokens: int = 0
+    queue_s: list[float] = field(default_factory=list)  # single mode: arrival -> scheduled
+    kv_transfer_s: list[float] = field(default_factory=list)  # PD: prefill end -> decode start
+    attention_layer_s: list[float] = field(default_factory=list)  # T_a spans (rank 0's tracer)
+    # not None: the engine must be stepped at least this often (its ranks watch each other)
+    idle_interval_s: Optional[float] = None
+
+    @property
+    def iterations(self) -> int:
+        """Iterations of every rank, keep-alive ticks included (each one: every rank answered)."""
+        return len(self.iteration_s) + len(self.idle_tick_s)
+
+
+class QueueTimes:
+    """Single mode: each request's queue time, read from the ``LLMEngine``'s waiting queue
+    around each iteration. (The runtime's rank 0 cannot see when a replica first schedules a
+    request: no queue time there.)"""
+
+    def __init__(self, engine):
+        self.engine, self.started, self.waiting = engine, set(), []
+        self.seen: list[float] = []
+
+    def before(self) -> None:
+        self.waiting = list(self.engine.scheduler.waiting)  # the core's thread: nothing mutates it
+
+    def after(self, t0: float, finished) -> None:
+        left = {id(r) for r in self.engine.scheduler.waiting}
+        for r in self.waiting:
+            if id(r) not in left and r.request_id not in self.started:
+                self.started.add(r.request_id)
+                self.seen.append(t0 - r.arrival_time)
+        for out in finished:
+            self.started.discard(str(out.request_id))
+
+    def forget(self, request_id) -> None:
+        self.started.discard(str(request_id))
+
+
+class RankZeroSpans:
+    """T_a as rank 0 records it: its tracer's MoE attention spans (``is_moe_attention``, what
+    ``runtime/trace_metrics`` takes T_a from) since the last iteration. Only with
+    ``trace.enabled=true`` and on cpu (a cuda span's duration is known only when the trace is
+    resolved, which synchronises the device); T_e and T_c live on the other ranks' tracers."""
+
+    def __init__(self, engine):
+        tracer = getattr(getattr(engine, "rank", None), "tracer", None)
+        ok = tracer is not None and tracer.enabled and not tracer.cuda
+        self.tracer, self.seen = (tracer if ok else None), 0
+
+    def take(self) -> list[float]:
+        if self.tracer is None:
+            return []
+        events = self.tracer.events
+        spans = [e["dur"] / 1e6 for e in events[self.seen:] if is_moe_attention(e)]
+        self.seen = len(events)
+        return spans
+
+
+class StatsRecorder:
+    """An ``OnlineEngine`` (engine/core.py) that records what its wrapped engine's iterations
+    measure; every other member is the wrapped engine's. ``take`` (the core's thread) -> the
+    ``CoreStats`` since the last call, or None when nothing happened and the queues are as
+    last sent."""
+
+    def __init__(self, engine):
+        queue = None if hasattr(engine, "load") else QueueTimes(engine)
+        self.__dict__.update(_engine=engine, _queue=queue, _spans=RankZeroSpans(engine),
+                             _last_load=None, _fresh=self._empty())
+
+    def _empty(self) -> dict:
+        return dict(iteration_s=[], idle_tick_s=[], generated_tokens=0, kv_transfer_s=[],
+                    attention_layer_s=[])
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def __setattr__(self, name, value):  # detokenize, set by EngineCore
+        setattr(self._engine, name, value)
+
+    def step_outputs(self):
+        eng, q, f = self._engine, self._queue, self._fresh
+        if q is not None:
+            q.before()
+        t0 = time.perf_counter()
+        res = eng.step_outputs()
+        f["iteration_s"].append(time.perf_counter() - t0)
+        if q is not None:
+            q.after(t0, res.finished)
+        f["attention_layer_s"] += self._spans.take()
+        f["kv_transfer_s"] += [out.metrics.kv_handoff_s for out in res.finished
+                               if getattr(out.metrics, "kv_handoff_s", None) is not None]
+        f["generated_tokens"] += sum(len(d.token_ids) for d in res.new_tokens)
+        return res
+
+    def idle_tick(self):  # timed like any iteration (the runtime's ranks all take part)
+        t0 = time.perf_counter()
+        self._engine.idle_tick()
+        self._fresh["idle_tick_s"].append(time.perf_counter() - t0)
+
+    def abort_request(self, request_id):
+        if self._queue is not None:
+            self._queue.forget(request_id)
+        return self._engine.abort_request(request_id)
+
+    def take(self) -> Optional[CoreStats]:
+        f, q = self._fresh, self._queue
+        load = engine_load(self._engine)
+        queued = q.seen if q is not None else []
+        if load == self._last_load and not queued and not any(f.values()):
+            return None
+        self.__dict__.update(_fresh=self._empty(), _last_load=load)
+        if q is not None:
+            q.seen = []
+        return CoreStats(load, queue_s=queued,
+                         idle_interval_s=getattr(self._engine, "idle_interval_s", None), **f)
