@@ -3,9 +3,9 @@
 ``StatsRecorder`` wraps the core's ``OnlineEngine`` (single mode's ``LLMEngine`` or rank 0's
 ``RuntimeEngine``) on the core's own thread, wherever that runs (this process, rank 0 under
 ``mpiexec``, rank 0 of a spawned job): it times each iteration and idle tick, counts the
-generated tokens, and collects each request's queue time (single mode: arrival to the first
-iteration that schedules it), PD's KV-transfer time of each finished request and rank 0's T_a
-spans (tracing on, cpu). ``take`` empties that into one ``CoreStats`` with the engine's queues
+generated tokens, and collects each finished request's queue time and PD's KV-transfer time
+(from its ``RequestOutput.metrics``, as vLLM observes them at the end) and rank 0's T_a spans
+(tracing on, cpu). ``take`` empties that into one ``CoreStats`` with the engine's queues
 (``EngineLoad``) as they are now; ``EngineCoreThread`` sends it with each ``CoreOutputs``. The
 frontend (the server's metrics, docs/serve.md) only applies what arrives, so the figures are
 the same whether the core is a thread beside it or a process away.
@@ -45,7 +45,7 @@ class CoreStats:
     iteration_s: list[float] = field(default_factory=list)  # each iteration's wall time
     idle_tick_s: list[float] = field(default_factory=list)  # each empty keep-alive iteration
     generated_tokens: int = 0
-    queue_s: list[float] = field(default_factory=list)  # single mode: arrival -> scheduled
+    queue_s: list[float] = field(default_factory=list)  # arrival -> first scheduled step
     kv_transfer_s: list[float] = field(default_factory=list)  # PD: prefill end -> decode start
     attention_layer_s: list[float] = field(default_factory=list)  # T_a spans (rank 0's tracer)
     # not None: the engine must be stepped at least this often (its ranks watch each other)
@@ -55,31 +55,6 @@ class CoreStats:
     def iterations(self) -> int:
         """Iterations of every rank, keep-alive ticks included (each one: every rank answered)."""
         return len(self.iteration_s) + len(self.idle_tick_s)
-
-
-class QueueTimes:
-    """Single mode: each request's queue time, read from the ``LLMEngine``'s waiting queue
-    around each iteration. (The runtime's rank 0 cannot see when a replica first schedules a
-    request: no queue time there.)"""
-
-    def __init__(self, engine):
-        self.engine, self.started, self.waiting = engine, set(), []
-        self.seen: list[float] = []
-
-    def before(self) -> None:
-        self.waiting = list(self.engine.scheduler.waiting)  # the core's thread: nothing mutates it
-
-    def after(self, t0: float, finished) -> None:
-        left = {id(r) for r in self.engine.scheduler.waiting}
-        for r in self.waiting:
-            if id(r) not in left and r.request_id not in self.started:
-                self.started.add(r.request_id)
-                self.seen.append(t0 - r.arrival_time)
-        for out in finished:
-            self.started.discard(str(out.request_id))
-
-    def forget(self, request_id) -> None:
-        self.started.discard(str(request_id))
 
 
 class RankZeroSpans:
@@ -109,13 +84,12 @@ class StatsRecorder:
     last sent."""
 
     def __init__(self, engine):
-        queue = None if hasattr(engine, "load") else QueueTimes(engine)
-        self.__dict__.update(_engine=engine, _queue=queue, _spans=RankZeroSpans(engine),
-                             _last_load=None, _fresh=self._empty())
+        self.__dict__.update(_engine=engine, _spans=RankZeroSpans(engine), _last_load=None,
+                             _fresh=self._empty())
 
     def _empty(self) -> dict:
-        return dict(iteration_s=[], idle_tick_s=[], generated_tokens=0, kv_transfer_s=[],
-                    attention_layer_s=[])
+        return dict(iteration_s=[], idle_tick_s=[], generated_tokens=0, queue_s=[],
+                    kv_transfer_s=[], attention_layer_s=[])
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
@@ -124,38 +98,35 @@ class StatsRecorder:
         setattr(self._engine, name, value)
 
     def step_outputs(self):
-        eng, q, f = self._engine, self._queue, self._fresh
-        if q is not None:
-            q.before()
+        f = self._fresh
         t0 = time.perf_counter()
-        res = eng.step_outputs()
+        res = self._engine.step_outputs()
         f["iteration_s"].append(time.perf_counter() - t0)
-        if q is not None:
-            q.after(t0, res.finished)
         f["attention_layer_s"] += self._spans.take()
-        f["kv_transfer_s"] += [out.metrics.kv_handoff_s for out in res.finished
-                               if getattr(out.metrics, "kv_handoff_s", None) is not None]
+        for out in res.finished:
+            m = out.metrics
+            if m is not None and m.time_in_queue is not None:
+                f["queue_s"].append(m.time_in_queue + self._held_s(out.request_id))
+            if m is not None and m.kv_handoff_s is not None:
+                f["kv_transfer_s"].append(m.kv_handoff_s)
         f["generated_tokens"] += sum(len(d.token_ids) for d in res.new_tokens)
         return res
+
+    def _held_s(self, request_id) -> float:
+        """The runtime: how long rank 0 held the request before handing it out (its queue
+        time above is its replica's); single mode: 0."""
+        held = getattr(self._engine, "held_s", None)
+        return 0.0 if held is None else held(request_id)
 
     def idle_tick(self):  # timed like any iteration (the runtime's ranks all take part)
         t0 = time.perf_counter()
         self._engine.idle_tick()
         self._fresh["idle_tick_s"].append(time.perf_counter() - t0)
 
-    def abort_request(self, request_id):
-        if self._queue is not None:
-            self._queue.forget(request_id)
-        return self._engine.abort_request(request_id)
-
     def take(self) -> Optional[CoreStats]:
-        f, q = self._fresh, self._queue
-        load = engine_load(self._engine)
-        queued = q.seen if q is not None else []
-        if load == self._last_load and not queued and not any(f.values()):
+        f, load = self._fresh, engine_load(self._engine)
+        if load == self._last_load and not any(f.values()):
             return None
         self.__dict__.update(_fresh=self._empty(), _last_load=load)
-        if q is not None:
-            q.seen = []
-        return CoreStats(load, queue_s=queued,
-                         idle_interval_s=getattr(self._engine, "idle_interval_s", None), **f)
+        return CoreStats(load, idle_interval_s=getattr(self._engine, "idle_interval_s", None),
+                         **f)

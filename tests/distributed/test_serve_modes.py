@@ -115,6 +115,7 @@ def test_served_mode_equals_single_mode(ckpt, template, want, ranks, deploy, tra
         m = httpx.get(url + "/metrics").text
         role = "pd" if deploy == "p1a1e2" else "disaggregated"
         assert f'iteration_time_seconds_count{{model_name="tiny",role="{role}"}}' in m
+        assert gauge(url, "request_queue_time_seconds_count") >= 12  # every finished request
         kv = gauge(url, "kv_transfer_seconds_count")
         assert (kv >= 12) if deploy == "p1a1e2" else kv == 0  # every PD request handed its KV
         t_a = gauge(url, "attention_layer_seconds_count")  # rank 0's T_a spans: tracing on
