@@ -4,8 +4,8 @@
 ``RuntimeEngine``) on the core's own thread, wherever that runs (this process, rank 0 under
 ``mpiexec``, rank 0 of a spawned job): it times each iteration and idle tick, counts the
 generated tokens, and collects each finished request's queue time and PD's KV-transfer time
-(from its ``RequestOutput.metrics``, as vLLM observes them at the end) and rank 0's T_a spans
-(tracing on, cpu). ``take`` empties that into one ``CoreStats`` with the engine's queues
+(from its ``RequestOutput.metrics``, as vLLM observes them at the end) and rank 0's T_a spans and
+the expert ranks' T_e and T_c (tracing on, cpu: ``runtime/span_report.py``). ``take`` empties that into one ``CoreStats`` with the engine's queues
 (``EngineLoad``) as they are now; ``EngineCoreThread`` sends it with each ``CoreOutputs``. The
 frontend (the server's metrics, docs/serve.md) only applies what arrives, so the figures are
 the same whether the core is a thread beside it or a process away.
@@ -16,7 +16,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megainfer.perfmodel.trace import is_moe_attention
 
 
 @dataclass(frozen=True)
@@ -48,6 +47,8 @@ class CoreStats:
     queue_s: list[float] = field(default_factory=list)  # arrival -> first scheduled step
     kv_transfer_s: list[float] = field(default_factory=list)  # PD: prefill end -> decode start
     attention_layer_s: list[float] = field(default_factory=list)  # T_a spans (rank 0's tracer)
+    expert_layer_s: list[float] = field(default_factory=list)  # T_e spans (the expert ranks')
+    a2e_latency_s: list[float] = field(default_factory=list)  # T_c: dispatch end -> arrival
     # not None: the engine must be stepped at least this often (its ranks watch each other)
     idle_interval_s: Optional[float] = None
 
@@ -57,24 +58,16 @@ class CoreStats:
         return len(self.iteration_s) + len(self.idle_tick_s)
 
 
-class RankZeroSpans:
-    """T_a as rank 0 records it: its tracer's MoE attention spans (``is_moe_attention``, what
-    ``runtime/trace_metrics`` takes T_a from) since the last iteration. Only with
-    ``trace.enabled=true`` and on cpu (a cuda span's duration is known only when the trace is
-    resolved, which synchronises the device); T_e and T_c live on the other ranks' tracers."""
-
-    def __init__(self, engine):
-        tracer = getattr(getattr(engine, "rank", None), "tracer", None)
-        ok = tracer is not None and tracer.enabled and not tracer.cuda
-        self.tracer, self.seen = (tracer if ok else None), 0
-
-    def take(self) -> list[float]:
-        if self.tracer is None:
-            return []
-        events = self.tracer.events
-        spans = [e["dur"] / 1e6 for e in events[self.seen:] if is_moe_attention(e)]
-        self.seen = len(events)
-        return spans
+def pipeline_spans(engine):
+    """Rank 0 of a runtime traced on cpu: its ``span_report.PipelineSpans`` (T_a, T_e, T_c);
+    else None (a cuda span's duration is known only when the trace is resolved, which
+    synchronises the device)."""
+    rank = getattr(engine, "rank", None)
+    tracer = getattr(rank, "tracer", None)
+    if tracer is None or not tracer.enabled or tracer.cuda:
+        return None
+    from megainfer.runtime.span_report import PipelineSpans
+    return PipelineSpans(rank)
 
 
 class StatsRecorder:
@@ -84,12 +77,12 @@ class StatsRecorder:
     last sent."""
 
     def __init__(self, engine):
-        self.__dict__.update(_engine=engine, _spans=RankZeroSpans(engine), _last_load=None,
+        self.__dict__.update(_engine=engine, _spans=pipeline_spans(engine), _last_load=None,
                              _fresh=self._empty())
 
     def _empty(self) -> dict:
         return dict(iteration_s=[], idle_tick_s=[], generated_tokens=0, queue_s=[],
-                    kv_transfer_s=[], attention_layer_s=[])
+                    kv_transfer_s=[], attention_layer_s=[], expert_layer_s=[], a2e_latency_s=[])
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
@@ -102,7 +95,11 @@ class StatsRecorder:
         t0 = time.perf_counter()
         res = self._engine.step_outputs()
         f["iteration_s"].append(time.perf_counter() - t0)
-        f["attention_layer_s"] += self._spans.take()
+        if self._spans is not None:
+            got = self._spans.take()
+            f["attention_layer_s"] += got.attention_s
+            f["expert_layer_s"] += got.expert_s
+            f["a2e_latency_s"] += got.comm_s
         for out in res.finished:
             m = out.metrics
             if m is not None and m.time_in_queue is not None:

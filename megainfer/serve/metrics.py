@@ -62,6 +62,12 @@ class ServeMetrics:
                                          "layer's attention span of one micro-batch on rank 0 "
                                          "(trace.enabled=true on cpu only)", buckets=_SPAN,
                                          **lab)
+        self.expert_layer = Histogram(P + "expert_layer_seconds", "T_e: one MoE layer's "
+                                      "expert span of one micro-batch on an expert rank "
+                                      "(trace.enabled=true on cpu only)", buckets=_SPAN, **lab)
+        self.a2e_latency = Histogram(P + "a2e_latency_seconds", "T_c: rank 0's dispatch end "
+                                     "to a waiting expert rank's arrival (trace.enabled=true on "
+                                     "cpu only)", buckets=_SPAN, **lab)
         self.kv_transfer = Histogram(P + "kv_transfer_seconds", "PD: a request's KV from the "
                                      "end of its prefill to its decode start", buckets=_LATENCY,
                                      **lab)
@@ -74,9 +80,11 @@ class ServeMetrics:
         """One ``CoreStats`` from the engine core into the histograms and counters."""
         for v in stats.iteration_s:
             role_hist.observe(v)
-        for metric, values in ((self.queue, stats.queue_s), (self.kv_transfer,
-                               stats.kv_transfer_s), (self.attention_layer,
-                                                      stats.attention_layer_s)):
+        for metric, values in ((self.queue, stats.queue_s),
+                               (self.kv_transfer, stats.kv_transfer_s),
+                               (self.attention_layer, stats.attention_layer_s),
+                               (self.expert_layer, stats.expert_layer_s),
+                               (self.a2e_latency, stats.a2e_latency_s)):
             if values:
                 h = self.labels(metric)
                 for v in values:
