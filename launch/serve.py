@@ -100,13 +100,30 @@ def run_spawned(cfg) -> int:
     return serve_client(client, serve, s.load.path)
 
 
+def _can_spawn(cfg) -> bool:
+    """An ``mpiexec`` to start the child job with; without one, single mode falls back to its
+    core on a thread here (a warning), and a distributed mode fails saying what is missing."""
+    from megainfer.core_client.llm_job import deploy_world_size
+    from megainfer.core_client.mpiexec_job import find_mpiexec
+    from megainfer.engine.errors import CoreStartError
+    c, serve = _plain_tree(cfg)
+    try:
+        find_mpiexec()
+    except CoreStartError as e:
+        if deploy_world_size(c, serve.world_size) > 1:
+            raise
+        log.warning("[serve] %s; single mode's engine core runs on a thread of this process", e)
+        return False
+    return True
+
+
 def run_server(cfg) -> int:
     from megainfer.core_client.ranks import start_ranks
     from megainfer.serve.engine_client import EngineClient
     from megainfer.serve.metrics import iteration_role
     from megainfer.serve.server import serve_client, served_name
     distributed, rank = world_size() > 1, world_rank()
-    if not distributed and _plain_tree(cfg)[1].engine_process:
+    if not distributed and _plain_tree(cfg)[1].engine_process and _can_spawn(cfg):
         return run_spawned(cfg)
     s, serve = serve_settings(cfg)  # a ConfigError here is every rank's alike: exit 2
     if distributed and serve.world_size not in (None, world_size()):
