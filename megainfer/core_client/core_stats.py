@@ -49,13 +49,25 @@ class CoreStats:
     attention_layer_s: list[float] = field(default_factory=list)  # T_a spans (rank 0's tracer)
     expert_layer_s: list[float] = field(default_factory=list)  # T_e spans (the expert ranks')
     a2e_latency_s: list[float] = field(default_factory=list)  # T_c: dispatch end -> arrival
+    replans: int = 0  # re-plans (switches of every rank) since the last CoreStats
     # not None: the engine must be stepped at least this often (its ranks watch each other)
     idle_interval_s: Optional[float] = None
+    # how much longer than its slowest iteration one iteration may take without a rank being
+    # lost: a re-plan's switch runs inside one (each of its waits bounded by 2 comm.timeout_s)
+    stall_allowance_s: float = 0.0
 
     @property
     def iterations(self) -> int:
         """Iterations of every rank, keep-alive ticks included (each one: every rank answered)."""
         return len(self.iteration_s) + len(self.idle_tick_s)
+
+
+def stall_allowance_s(engine) -> float:
+    """A runtime that re-plans online (a plug between its iterations): two ``comm.timeout_s``,
+    the bound of each wait of a switch; else 0."""
+    if getattr(engine, "plug", None) is None:
+        return 0.0
+    return 2.0 * float(engine.rank.job.comm.timeout_s)
 
 
 def pipeline_spans(engine):
@@ -78,11 +90,13 @@ class StatsRecorder:
 
     def __init__(self, engine):
         self.__dict__.update(_engine=engine, _spans=pipeline_spans(engine), _last_load=None,
-                             _fresh=self._empty())
+                             _fresh=self._empty(), _replans=0,
+                             _allowance=stall_allowance_s(engine))
 
     def _empty(self) -> dict:
         return dict(iteration_s=[], idle_tick_s=[], generated_tokens=0, queue_s=[],
-                    kv_transfer_s=[], attention_layer_s=[], expert_layer_s=[], a2e_latency_s=[])
+                    kv_transfer_s=[], attention_layer_s=[], expert_layer_s=[], a2e_latency_s=[],
+                    replans=0)
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
@@ -107,6 +121,9 @@ class StatsRecorder:
             if m is not None and m.kv_handoff_s is not None:
                 f["kv_transfer_s"].append(m.kv_handoff_s)
         f["generated_tokens"] += sum(len(d.token_ids) for d in res.new_tokens)
+        replans = len(getattr(self._engine, "replans", ()))
+        f["replans"] += replans - self._replans
+        self.__dict__["_replans"] = replans
         return res
 
     def _held_s(self, request_id) -> float:
@@ -126,4 +143,4 @@ class StatsRecorder:
             return None
         self.__dict__.update(_fresh=self._empty(), _last_load=load)
         return CoreStats(load, idle_interval_s=getattr(self._engine, "idle_interval_s", None),
-                         **f)
+                         stall_allowance_s=self._allowance, **f)

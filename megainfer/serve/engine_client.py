@@ -71,11 +71,13 @@ class EngineClient:
     def stale_after_s(self) -> Optional[float]:
         """The runtime: how long since its last iteration means a rank stopped answering (two
         idle intervals plus twice the slowest recent iteration, at least
-        ``MIN_ITERATION_ALLOWANCE_S``); None for single mode (one process: alive is enough)."""
+        ``MIN_ITERATION_ALLOWANCE_S``, plus what a re-plan's switch may take when the runtime
+        re-plans); None for single mode (one process: alive is enough)."""
         idle = self.watch.idle_interval_s
         if idle is None:
             return None
-        return 2 * idle + max(MIN_ITERATION_ALLOWANCE_S, 2 * self.watch.slowest_recent_s())
+        return 2 * idle + max(MIN_ITERATION_ALLOWANCE_S, 2 * self.watch.slowest_recent_s()) \
+            + self.watch.stall_allowance_s
 
     def answering(self) -> bool:
         """Every rank answers: the core runs and (the runtime) its iterations keep coming."""

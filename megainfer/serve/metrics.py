@@ -68,6 +68,8 @@ class ServeMetrics:
         self.a2e_latency = Histogram(P + "a2e_latency_seconds", "T_c: rank 0's dispatch end "
                                      "to a waiting expert rank's arrival (trace.enabled=true on "
                                      "cpu only)", buckets=_SPAN, **lab)
+        self.replans = Counter(P + "replans", "Re-plans: switches of every rank to another "
+                               "attention:expert split (replan.enabled=true)", **lab)
         self.kv_transfer = Histogram(P + "kv_transfer_seconds", "PD: a request's KV from the "
                                      "end of its prefill to its decode start", buckets=_LATENCY,
                                      **lab)
@@ -91,6 +93,8 @@ class ServeMetrics:
                     h.observe(v)
         if stats.generated_tokens:
             self.labels(self.generation_tokens).inc(stats.generated_tokens)
+        if stats.replans:
+            self.labels(self.replans).inc(stats.replans)
 
 
 RECENT_ITERATIONS = 16  # the slowest of these bounds how long an iteration may take (health)
@@ -107,6 +111,7 @@ class CoreWatch:
         self.iteration = metrics.labels(metrics.iteration, role=role)
         self.recent_s: deque = deque(maxlen=RECENT_ITERATIONS)
         self.idle_interval_s: Optional[float] = None
+        self.stall_allowance_s = 0.0
         self.last_iteration_at = time.monotonic()
         for g, f in ((metrics.running, lambda: self.load.running),
                      (metrics.waiting, lambda: self.load.waiting),
@@ -116,6 +121,7 @@ class CoreWatch:
     def apply(self, stats: CoreStats) -> None:
         """The core's callback (its thread, or the socket reader's)."""
         self.load, self.idle_interval_s = stats.load, stats.idle_interval_s
+        self.stall_allowance_s = stats.stall_allowance_s
         if stats.iterations:
             self.last_iteration_at = time.monotonic()
             self.recent_s.extend(stats.iteration_s + stats.idle_tick_s)
