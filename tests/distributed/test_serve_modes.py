@@ -136,18 +136,26 @@ def _sse_events(url, body):
         return [x[6:] for x in s.iter_lines() if x.startswith("data: ")]
 
 
+def _streaming(srv, extra=None):
+    """Every rank up; one long stream running in a thread (its events in ``got["events"]``
+    when it ends), its first tokens out."""
+    url = srv.url
+    assert httpx.get(url + "/health").status_code == 200 and set(srv.pids) == {0, 1, 2}
+    got = {}
+    body = {"model": "tiny", "prompt": "abc", "max_tokens": 120, "ignore_eos": True,
+            "stream": True, **(extra or {})}
+    t = threading.Thread(target=lambda: got.update(events=_sse_events(url, body)))
+    t.start()
+    wait_for(lambda: gauge(url, "generation_tokens_total") >= 2, 30, "streaming")
+    return t, got
+
+
 @pytest.mark.parametrize("plain", [False, True], ids=["mpiexec", "plain"])
 def test_a_hung_rank_turns_health_503_and_ends_the_job(ckpt, plain):
     srv = _start(3, ckpt, "a1e2", "comm.timeout_s=8", plain=plain)
     try:
         url = srv.url
-        assert httpx.get(url + "/health").status_code == 200 and set(srv.pids) == {0, 1, 2}
-        got = {}
-        body = {"model": "tiny", "prompt": "abc", "max_tokens": 120, "ignore_eos": True,
-                "stream": True, "stream_options": {"include_usage": True}}
-        t = threading.Thread(target=lambda: got.update(events=_sse_events(url, body)))
-        t.start()
-        wait_for(lambda: gauge(url, "generation_tokens_total") >= 2, 30, "streaming")
+        t, got = _streaming(srv, {"stream_options": {"include_usage": True}})
         os.kill(srv.pids[2], signal.SIGSTOP)  # expert 1 stops answering
         t0 = time.monotonic()
         wait_for(lambda: httpx.get(url + "/health").status_code == 503, 6, "health 503")
@@ -185,13 +193,7 @@ def test_a_killed_rank_behind_a_plain_frontend(ckpt):
     srv = _start(3, ckpt, "a1e2", "comm.timeout_s=8", plain=True)
     try:
         url = srv.url
-        assert httpx.get(url + "/health").status_code == 200 and set(srv.pids) == {0, 1, 2}
-        got = {}
-        body = {"model": "tiny", "prompt": "abc", "max_tokens": 120, "ignore_eos": True,
-                "stream": True}
-        t = threading.Thread(target=lambda: got.update(events=_sse_events(url, body)))
-        t.start()
-        wait_for(lambda: gauge(url, "generation_tokens_total") >= 2, 30, "streaming")
+        t, got = _streaming(srv)
         os.kill(srv.pids[1], signal.SIGKILL)  # expert 0
         wait_for(lambda: _health(url) == 503, 10, "health 503")
         t.join(20)
