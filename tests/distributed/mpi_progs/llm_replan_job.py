@@ -104,9 +104,14 @@ def count_new_tokens(rt) -> dict:
     return counts
 
 
+def unwrapped(engine):
+    """Rank 0's ``RuntimeEngine`` itself, not the core's ``StatsRecorder`` around it."""
+    return getattr(engine, "_engine", engine)
+
+
 def runtime_engine(llm):
     """Rank 0's ``RuntimeEngine`` under an ``LLM`` (its blocking core's engine core)."""
-    return llm._core.core.core.engine
+    return unwrapped(llm._core.core.core.engine)
 
 
 def main():
@@ -126,7 +131,7 @@ def main():
     else:
         from megainfer import AsyncLLM
         llm = AsyncLLM(ckpt, deploy=deploy, overrides=overrides, **ENGINE_ARGS)
-        rt = llm.engine
+        rt = unwrapped(llm.engine)
         counts = count_new_tokens(rt)
         abort_in_order_sync(rt, IN_ORDER_SYNC, 3)
         got = asyncio.run(switch_outputs(llm, rt))
