@@ -1,4 +1,5 @@
-"""``mpiexec -n 3 megainfer-serve deploy=a1e2 replan.enabled=true`` with forced switches
+"""``mpiexec -n 3 megainfer-serve deploy=a1e2 replan.enabled=true``, and a plain
+``megainfer-serve`` whose engine core is a child job of 3 ranks, with forced switches
 (a1e2 -> a2e1 -> a1e2 -> a2e1, each at the first iteration with work once its iteration has
 come): through the official openai client, concurrent streams across the switches, then
 completions, streamed and not, on the plan they left, give the greedy text ``LLM.generate``
@@ -9,6 +10,7 @@ import signal
 
 import httpx
 import openai
+import pytest
 
 from megainfer import LLM, SamplingParams
 from serve_util import MpiServe, gauge, wait_for
@@ -17,13 +19,15 @@ from test_serve_modes import KW, OVERRIDES, PROMPTS, _streams
 FORCE = "[[1,a2e1],[2,a1e2],[3,a2e1]]"  # idle iterations pass them: the first three with work
 
 
-def test_served_replanning_equals_single_mode(tiny_ckpts):
+@pytest.mark.parametrize("plain", [False, True], ids=["mpiexec", "plain"])
+def test_served_replanning_equals_single_mode(tiny_ckpts, plain):
     ckpt = tiny_ckpts[("mixtral", "base")]
     want = [o.outputs[0].text for o in LLM(ckpt, **KW).generate(
         PROMPTS, [SamplingParams(temperature=0, max_tokens=4 + i) for i in range(8)],
         use_tqdm=False)]
-    srv = MpiServe(3, ["deploy=a1e2", f"model.path={ckpt}", "serve.served_model_name=tiny",
-                       *OVERRIDES, "replan.enabled=true", f"replan.force_schedule={FORCE}"])
+    srv = MpiServe(None if plain else 3, [
+        "deploy=a1e2", f"model.path={ckpt}", "serve.served_model_name=tiny", *OVERRIDES,
+        "replan.enabled=true", f"replan.force_schedule={FORCE}"])
     try:
         url = srv.url
         assert httpx.get(url + "/health").status_code == 200
