@@ -7,7 +7,8 @@ DEPLOY: a conf/deploy preset name or a JSON mapping of ``deploy.*`` keys. FORCE:
 as JSON (``[[iteration, "aNeM"], ...]``). ``offline``: llm_deploy_job's
 ``offline_outputs`` (greedy, seeded n=2, logprobs, stop strings, chat) with the switches
 falling inside them, then the idle CPU of every rank. ``async``: ``switch_outputs`` (long
-streams; at each of the first two switches, seen while it runs, an abort of a running request,
+streams; at each of the first two switches, held ordered (``hold_switches``), an abort of a
+running request,
 a request that arrives and one that arrives and is aborted at once; ``IN_ORDER_SYNC`` aborted
 inside the iteration whose sync orders the third), then llm_deploy_job's
 ``async_outputs`` (streams, aborts, arrivals) on the plan the switches left. Both record rank
@@ -16,6 +17,7 @@ import asyncio
 import json
 import os
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -48,9 +50,26 @@ async def _until(cond, timeout: float, what: str) -> None:
         await asyncio.sleep(POLL_S)
 
 
-async def switch_outputs(engine, rt) -> dict:
-    """Streams across the first two switches; during each: an abort of a running request
-    (``VICTIMS``), a new request, a new request aborted at once."""
+def hold_switches(count: int) -> list:
+    """Rank 0's first ``count`` switches wait, ordered but before any rank switches, until
+    their gate opens (the other ranks wait for the order meanwhile, within comm.timeout_s):
+    what the test does then happens during the switch however short the switch is."""
+    from megainfer.runtime.replan import online
+    gates, held = [threading.Event() for _ in range(count)], []
+    switch = online.order_switch
+
+    def gated(r, ctl, order):
+        if order is not None and len(held) < count:
+            held.append(order)
+            gates[len(held) - 1].wait(60)
+        switch(r, ctl, order)
+    online.order_switch = gated
+    return gates
+
+
+async def switch_outputs(engine, rt, gates) -> dict:
+    """Streams across the first two switches; during each (held at its gate): an abort of a
+    running request (``VICTIMS``), a new request, a new request aborted at once."""
     from megainfer import SamplingParams
     reqs = switch_requests(engine.job.model.vocab_size)
     tasks = {}
@@ -69,6 +88,7 @@ async def switch_outputs(engine, rt) -> dict:
         await asyncio.sleep(0.01)  # its AddRequest queued before the abort
         await engine.abort(f"c{k}")
         during.append(rt.switching)  # the actions were queued while it still ran
+        gates[k - 1].set()
         await _until(lambda: len(rt.replans) >= k and not rt.switching, 120, f"switch {k} end")
     got = dict(zip(tasks, await asyncio.wait_for(asyncio.gather(*tasks.values()), 120)))
     return {"streams": got, "during": during}
@@ -134,7 +154,7 @@ def main():
         rt = unwrapped(llm.engine)
         counts = count_new_tokens(rt)
         abort_in_order_sync(rt, IN_ORDER_SYNC, 3)
-        got = asyncio.run(switch_outputs(llm, rt))
+        got = asyncio.run(switch_outputs(llm, rt, hold_switches(2)))
         got["after"] = async_outputs(llm)
         t0 = time.monotonic()  # every replica's blocks back (prefix caching off): the last
         while rt.load().kv_usage > 0 and time.monotonic() - t0 < 10:  # statuses say so
@@ -143,7 +163,7 @@ def main():
         got["idle_load"] = [load.running, load.waiting, load.not_handed_out, load.kv_usage]
         got["new_tokens"] = counts
     got["replans"] = [[r["old"], r["new"], r["move"] + r["recompute"] + r["waiting"], r["move"],
-                       r["recompute"]] for r in rt.replans]
+                       r["recompute"], r["seconds"]] for r in rt.replans]
     got["decisions"] = [[d["iteration"], d["switch"]] for d in rt.rank.replan_decisions]
     got["plan"] = [rt.rank.job.deploy.attention_replicas, rt.rank.job.deploy.expert_ranks]
     llm.close() if what == "offline" else llm.shutdown()
