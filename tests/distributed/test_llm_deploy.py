@@ -20,6 +20,8 @@ A2E2 = {"mode": "disaggregated", "attention_replicas": 2, "attention_tp": 1, "ex
         "micro_batches": 2}
 TP2 = {"mode": "disaggregated", "attention_replicas": 1, "attention_tp": 2, "expert_ranks": 1,
        "micro_batches": 1}
+P1A2E1 = {"mode": "disaggregated", "attention_replicas": 2, "attention_tp": 1, "expert_ranks": 1,
+          "micro_batches": 1, "prefill_replicas": 1}  # PD with two decode replicas
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +88,8 @@ def _check_streams(got, want):
         assert g["tokens"] == w["tokens"] and g["finish"] == w["finish"], i
         assert g["seen"] == sorted(g["seen"]) and g["seen"][-1] == len(g["tokens"][0]), i
         assert len(g["seen"]) >= 2 and g["finished"], i  # it streamed, then ended
+        if len(g["tokens"][0]) >= 6:  # on whichever replica: more than first and last token
+            assert len(g["seen"]) >= 3, (i, g["seen"])
     for key in ("aborted", "early", "at_once"):
         assert got[key]["finish"] == ["abort"] and got[key]["finished"], key
         assert len(got[key]["tokens"][0]) < 100, key  # ended well before its max_tokens
@@ -93,8 +97,9 @@ def _check_streams(got, want):
     assert free == total  # every block back at the idle level (prefix caching off)
 
 
-@pytest.mark.parametrize("name,ranks,deploy", [("a1e2", 3, "a1e2"), ("p1a1e2", 4, "p1a1e2")],
-                         ids=["a1e2", "p1a1e2"])
+@pytest.mark.parametrize("name,ranks,deploy", [("a1e2", 3, "a1e2"), ("p1a1e2", 4, "p1a1e2"),
+                                               ("p1a2e1", 4, P1A2E1)],
+                         ids=["a1e2", "p1a1e2", "p1a2e1"])
 def test_async_llm_streams_and_aborts_in_every_mode(tiny_ckpts, tmp_path, name, ranks, deploy):
     ckpt = tiny_ckpts[("mixtral", "base")]
     got = _run(tmp_path, ranks, ckpt, deploy, "async")

@@ -34,7 +34,8 @@ class PDReplicaLoop(ReplicaLoop):
     def _hand_out_first(self, inputs: Iterable[PromptInput]) -> list[PromptInput]:
         """Rank 0: the requests go to the prefill ranks; the replicas' first share is empty."""
         self.pd.add(inputs)
-        self._send_to_attention_ranks([[] for _ in self.leaders], tags.REQUESTS)
+        self._send_to_attention_ranks([[] for _ in self.leaders], tags.REQUESTS,
+                                      stream=self.stream)
         return []
 
     def submit(self, inputs: list[PromptInput]) -> None:
