@@ -19,7 +19,9 @@ conf_groups = sorted(d for d in os.listdir(os.path.join(HERE, "conf"))
                      if os.path.isdir(os.path.join(HERE, "conf", d)) and d.isidentifier()
                      and not d.startswith("_"))
 # megainfer-serve and megainfer-bench-serve (docs/serve.md); dev includes them so CI tests them
-SERVE = ["fastapi==0.165.0", "uvicorn==0.54.0", "prometheus-client==0.26.0", "httpx==0.28.1"]
+# uvloop and httptools: uvicorn's fast event loop and HTTP parser (what uvicorn[standard] adds)
+SERVE = ["fastapi==0.165.0", "uvicorn==0.54.0", "uvloop==0.23.0", "httptools==0.9.0",
+         "prometheus-client==0.26.0", "httpx==0.28.1"]
 setup(
     name="megainfer",
     version="0.1.0",

@@ -4,18 +4,27 @@ The launcher's config tree (``conf/config.yaml``: model, deploy, scheduler, cach
 ``serve`` group (``conf/serve/default.yaml`` -> ``megainfer.config.ServeConfig``); everything but
 ``serve.*`` resolves through ``settings_from_config`` exactly as for ``megainfer-launch``.
 
-Every deploy mode: one process runs single mode; ``mpiexec -n N megainfer-serve deploy=...``
-has every rank resolve the same settings and build its part of the runtime
-(``core_client.start_ranks``, collective). Rank 0 gets the runtime's online engine
-(``RuntimeEngine``) and serves it with the HTTP frontend; every other rank serves rank 0 inside
-``start_ranks`` until rank 0's closing iteration, then exits 0. SIGTERM/SIGINT, which mpiexec
-forwards to every rank, drains on rank 0 and is ignored elsewhere (those ranks end with rank 0's
-closing iteration). A failure after start-up on any rank aborts the whole job (non-zero),
-naming the rank.
+Two ways to run, every deploy mode either way:
+
+* ``megainfer-serve deploy=...`` (a plain process; ``serve.engine_process=true``, the default):
+  this process is the HTTP frontend; the engine core runs in a child job of
+  ``serve.world_size`` ranks (null: what the deploy plan's counts need; single mode: one), its
+  rank 0 talking to the frontend over a local socket (``core_client.spawn``). The frontend's
+  Python never waits for the GIL behind the core's, and a rank that dies (even SIGKILLed, which
+  takes the whole child job down) leaves the frontend to answer /health with 503, end the
+  in-flight streams with an error event and exit 1 naming the rank.
+* ``mpiexec -n N megainfer-serve deploy=...``: every rank resolves the same settings and builds
+  its part of the runtime (``core_client.start_ranks``, collective). Rank 0 gets the runtime's
+  online engine (``RuntimeEngine``) and serves it with the HTTP frontend on a thread beside
+  its core; every other rank serves rank 0 inside ``start_ranks`` until rank 0's closing
+  iteration, then exits 0. SIGTERM/SIGINT, which mpiexec forwards to every rank, drains on
+  rank 0 and is ignored elsewhere (those ranks end with rank 0's closing iteration). A failure
+  after start-up on any rank aborts the whole job (non-zero), naming the rank.
 """
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 
@@ -25,19 +34,25 @@ from omegaconf import DictConfig, OmegaConf
 from megainfer.config import ConfigError, ServeConfig
 from megainfer.config.keys import field_names, take
 from megainfer.engine import RequestError
+from megainfer.engine.errors import EngineDeadError
 
-from .settings import settings_from_config
+from .settings import JOB_GROUPS, settings_from_config
 from megainfer.core_client.launch_env import local_rank, local_ranks, world_rank, world_size
 
 log = logging.getLogger("megainfer.serve")
 
 
-def serve_settings(cfg):
-    """The composed config -> (JobSettings, ServeConfig), validated (identically on every
-    rank: ``deploy=auto`` plans from the same inputs)."""
+def _plain_tree(cfg) -> tuple[dict, ServeConfig]:
     c = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
     c.pop("hydra", None)
     serve = ServeConfig(**take("serve", c.pop("serve", None) or {}, field_names(ServeConfig)))
+    return c, serve
+
+
+def serve_settings(cfg):
+    """The composed config -> (JobSettings, ServeConfig), validated (identically on every
+    rank: ``deploy=auto`` plans from the same inputs)."""
+    c, serve = _plain_tree(cfg)
     return settings_from_config(c, world_size(), local_ranks(), local_rank()), serve
 
 
@@ -63,12 +78,57 @@ def _log_ranks(s) -> None:
               flush=True)
 
 
+def run_spawned(cfg) -> int:
+    """A plain process: the frontend here, the engine core in a child job (every mode)."""
+    from megainfer.core_client.client import JobTree
+    from megainfer.core_client.llm_job import asks_planner, deploy_world_size
+    from megainfer.serve.engine_client import EngineClient
+    from megainfer.serve.metrics import iteration_role
+    from megainfer.serve.server import serve_client, served_name
+    c, serve = _plain_tree(cfg)
+    world = deploy_world_size(c, serve.world_size)
+    s = settings_from_config(c, world, world, 0)  # rank 0's settings: every check, up front
+    tree = {g: v for g, v in c.items() if g not in JOB_GROUPS}
+    spec = JobTree(tree, world, auto_plan=asks_planner(tree))
+    name = served_name(serve, cfg.model.get("path"), s.model.family)
+    client = EngineClient.spawn(spec, s, name, serve.max_queued_requests, serve.retry_after_s,
+                                iteration_role(s))
+    print("[serve] ranks: " + ", ".join(f"{i.rank} {i.role} pid {i.pid}"
+                                        for i in client.llm.ranks)
+          + f"; frontend pid {os.getpid()}", flush=True)
+    log.info("[serve] the frontend serves %s over a child job of %d ranks", s.deploy.mode, world)
+    return serve_client(client, serve, s.load.path)
+
+
+def _can_spawn(cfg) -> bool:
+    """An ``mpiexec`` to start the child job with; without one, single mode falls back to its
+    core on a thread here (a warning), and a distributed mode fails saying what is missing."""
+    from megainfer.core_client.llm_job import deploy_world_size
+    from megainfer.core_client.mpiexec_job import find_mpiexec
+    from megainfer.engine.errors import CoreStartError
+    c, serve = _plain_tree(cfg)
+    try:
+        find_mpiexec()
+    except CoreStartError as e:
+        if deploy_world_size(c, serve.world_size) > 1:
+            raise
+        log.warning("[serve] %s; single mode's engine core runs on a thread of this process", e)
+        return False
+    return True
+
+
 def run_server(cfg) -> int:
     from megainfer.core_client.ranks import start_ranks
+    from megainfer.serve.engine_client import EngineClient
     from megainfer.serve.metrics import iteration_role
-    from megainfer.serve.server import serve_engine, served_name
-    s, serve = serve_settings(cfg)  # a ConfigError here is every rank's alike: exit 2
+    from megainfer.serve.server import serve_client, served_name
     distributed, rank = world_size() > 1, world_rank()
+    if not distributed and _plain_tree(cfg)[1].engine_process and _can_spawn(cfg):
+        return run_spawned(cfg)
+    s, serve = serve_settings(cfg)  # a ConfigError here is every rank's alike: exit 2
+    if distributed and serve.world_size not in (None, world_size()):
+        raise ConfigError(f"serve.world_size={serve.world_size}: this is an mpiexec launch of "
+                          f"{world_size()} ranks; leave it null or give {world_size()}")
     if distributed and rank != 0:
         for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 drains, then stops this rank
             signal.signal(sig, signal.SIG_IGN)
@@ -80,9 +140,11 @@ def run_server(cfg) -> int:
             return 0
         if distributed:
             log.info("[serve] rank 0 serves %s over %d ranks", s.deploy.mode, world_size())
-        code = serve_engine(engine, serve, s.load.path,
-                            served_name(serve, cfg.model.get("path"), s.model.family),
-                            iteration_role(s))
+        client = EngineClient.beside(engine, served_name(serve, cfg.model.get("path"),
+                                                         s.model.family),
+                                     serve.max_queued_requests, serve.retry_after_s,
+                                     iteration_role(s))
+        code = serve_client(client, serve, s.load.path)
     except (ConfigError, RequestError):
         if not distributed:
             raise
@@ -108,6 +170,9 @@ def _hydra_main(cfg: DictConfig) -> None:
         if world_rank() == 0:
             print(f"[serve] error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         code = 2
+    except EngineDeadError as e:  # the child job of a plain process did not start
+        print(f"[serve] error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        code = 1
     if code:
         sys.exit(code)
 

@@ -9,15 +9,18 @@
 Where things run: in single mode the engine core (``megainfer.engine.core.EngineCoreThread``)
 is a background thread of this process that owns the ``LLMEngine``; in every other mode it runs
 the runtime's rank 0 (a thread of rank 0 under ``mpiexec``, or rank 0 of a child job started
-from a plain script, over a local socket: ``megainfer.core_client``). It takes typed inputs
-between iterations and sleeps when idle. Each iteration's updates are handed to the event
-loop of every caller waiting on them with one ``loop.call_soon_threadsafe``; tokenising (in
+from a plain script, over a local socket: ``megainfer.core_client``). ``engine_process=True``
+puts the core in such a child job in single mode too (vLLM's choice, what ``megainfer-serve``
+does): the frontend's Python then never waits for the GIL behind the core's scheduling, at the
+price of pickling inputs and outputs over the socket. The core takes typed inputs between
+iterations and sleeps when idle. Each iteration's updates are handed to the event loop of
+every caller waiting on them with one ``loop.call_soon_threadsafe``; tokenising (in
 ``generate``) and detokenising (``RequestStream``) happen on the event loop's thread, never on
-the core's. A thread rather than a process beside it (vLLM's choice): no serialisation of
-inputs and outputs, and the model's work releases the GIL; the price is that the frontend's
-Python shares the GIL with the core's scheduling. Many concurrent ``generate`` calls share one
-running batch. Construction takes ``LLM``'s arguments (the same config resolution, ``deploy``
-included). docs/engine.md, "Online"; docs/python_api.md.
+the core's. Many concurrent ``generate`` calls share one running batch. ``on_stats``: called
+(on the core's or its reader's thread: hand on, do no work) with each ``CoreStats`` the core
+sends (``core_client.core_stats``: iteration times, queues, ...). Construction takes ``LLM``'s
+arguments (the same config resolution, ``deploy`` included). docs/engine.md, "Online";
+docs/python_api.md.
 """
 from __future__ import annotations
 
@@ -25,12 +28,13 @@ import asyncio
 import itertools
 import threading
 import weakref
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
+from megainfer.config import ResolvedJob
 from megainfer.core_client import EngineDeadError, Intake, open_core
+from megainfer.core_client.client import JobTree, core_thread
 from megainfer.engine import RequestError, RequestOutput, SamplingParams
-from megainfer.engine.core import (AbortRequest, AddRequest, CoreOutputs, EngineCore,
-                                   EngineCoreThread)
+from megainfer.engine.core import AbortRequest, AddRequest, CoreOutputs
 from megainfer.engine.errors import DuplicateRequestError
 from megainfer.engine.outputs import PromptInput
 from megainfer.engine.stream import RequestStream
@@ -65,29 +69,44 @@ def _weak_deliver(method: weakref.WeakMethod):
 class AsyncLLM:
     """Online: ``AsyncLLM(model, **kwargs)`` takes ``LLM``'s arguments (``deploy`` included)."""
 
-    def __init__(self, model, **kwargs):
+    def __init__(self, model, *, engine_process: bool = False,
+                 on_stats: Optional[Callable] = None, **kwargs):
         args = _LLMArguments(model, **kwargs)
-        spec, job, tok = args.resolved.spec, args.resolved.job, args.tokenizer_arg
-        self.job = job
-        self._start(Intake.for_job(job, tok), lambda deliver: open_core(spec, job, deliver, tok))
+        self._from_job(args.resolved.spec, args.resolved.job, args.tokenizer_arg,
+                       engine_process, on_stats)
 
     @classmethod
-    def from_engine(cls, engine) -> "AsyncLLM":
-        """Serve an existing ``LLMEngine`` (e.g. ``LLM(...).engine``); nothing else may drive
-        it meanwhile."""
+    def from_job(cls, spec: JobTree, job: ResolvedJob, engine_process: bool = False,
+                 on_stats: Optional[Callable] = None) -> "AsyncLLM":
+        """A job resolved already (``spec``: what every rank resolves; ``job``: this process's
+        resolution of it), e.g. by megainfer-serve's front door."""
         self = cls.__new__(cls)
-        self.job = None
-        self._start(engine, lambda deliver: EngineCoreThread(EngineCore(engine), deliver))
+        self._from_job(spec, job, None, engine_process, on_stats)
         return self
 
-    def _start(self, intake, make_core) -> None:
+    def _from_job(self, spec, job, tok, engine_process, on_stats) -> None:
+        self.job = job
+        self._start(Intake.for_job(job, tok), on_stats, lambda deliver: open_core(
+            spec, job, deliver, tok, own_process=engine_process))
+
+    @classmethod
+    def from_engine(cls, engine, on_stats: Optional[Callable] = None) -> "AsyncLLM":
+        """Serve an existing online engine (``LLM(...).engine``, rank 0's ``RuntimeEngine``)
+        with its core on a thread of this process; nothing else may drive it meanwhile."""
+        self = cls.__new__(cls)
+        self.job = None
+        self._start(engine, on_stats, lambda deliver: core_thread(engine, deliver))
+        return self
+
+    def _start(self, intake, on_stats, make_core) -> None:
         """``intake``: what tokenizes here (an ``Intake``, or the engine itself)."""
-        self.intake, self.tokenizer = intake, intake.tokenizer
+        self.intake, self.tokenizer, self.on_stats = intake, intake.tokenizer, on_stats
         self._waiters: dict[str, _Waiter] = {}
         self._lock = threading.Lock()  # _waiters, _pending: the event loops' threads and the core's
         self._pending: dict = {}  # event loop -> [(waiter, update, error)] not applied yet
         self._ids = itertools.count()
-        self._dead: Optional[BaseException] = None
+        self._dead: Optional[BaseException] = None  # why nothing is accepted any more
+        self._error: Optional[BaseException] = None  # what the core died of
         self._core = make_core(_weak_deliver(weakref.WeakMethod(self._deliver)))
         # the engine in this process (single mode; rank 0 under mpiexec), else None
         self.engine = getattr(getattr(self._core, "core", None), "engine", None)
@@ -99,6 +118,16 @@ class AsyncLLM:
     @property
     def is_running(self) -> bool:
         return self._dead is None and self._core.alive
+
+    @property
+    def ranks(self) -> tuple:
+        """A child job's ranks (``RankInfo``: rank, pid, role); () when the core is here."""
+        return getattr(self._core, "ranks", ())
+
+    @property
+    def error(self) -> Optional[BaseException]:
+        """What the engine core died of (None while it runs, or after ``shutdown``)."""
+        return self._error
 
     # ------------------------------------------------------------------ the API
     async def generate(self, prompt, sampling_params: Optional[SamplingParams] = None,
@@ -163,10 +192,12 @@ class AsyncLLM:
         """On the core's thread: queue the updates for their callers' event loops, no work. A
         loop is woken (one ``call_soon_threadsafe``) only when nothing is queued for it yet: a
         loop that lags takes several iterations' updates in one wake-up."""
+        if outs.stats is not None and self.on_stats is not None:
+            self.on_stats(outs.stats)
         wake = []
         with self._lock:
             if outs.error is not None:
-                self._dead = outs.error
+                self._dead = self._error = outs.error
             for w in self._waiters.values() if outs.error is not None else ():
                 wake += self._queue(w.loop, (w, None, outs.error))
             for u in outs.updates:

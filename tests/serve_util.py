@@ -33,8 +33,8 @@ class ThreadServer:
     def __init__(self, ckpt: str, name: str = "tiny", llm_kw: dict = None, **serve_kw):
         self.llm = LLM(ckpt, **(llm_kw or {}))
         self.cfg = ServeConfig(port=0, served_model_name=name, **serve_kw)
-        self.client = EngineClient(self.llm.engine, name, self.cfg.max_queued_requests,
-                                   self.cfg.retry_after_s)
+        self.client = EngineClient.beside(self.llm.engine, name, self.cfg.max_queued_requests,
+                                          self.cfg.retry_after_s)
         self.server = make_server(self.client, self.cfg, ckpt)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -72,16 +72,29 @@ def wait_for(cond, timeout: float = 10.0, what: str = "condition") -> None:
         time.sleep(0.05)
 
 
-class MpiServe:
-    """``mpiexec -n ranks megainfer-serve OVERRIDES`` until it prints its address; ``pids``:
-    rank -> pid (from its ``[serve] ranks:`` line); ``lines``: what it printed so far."""
+def _running(pid: int) -> bool:
+    """``pid`` is a live process (not a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
 
-    def __init__(self, ranks: int, overrides: list[str], start_timeout: float = 240.0):
+
+class MpiServe:
+    """``mpiexec -n ranks megainfer-serve OVERRIDES`` until it prints its address (``ranks``
+    None: a plain ``megainfer-serve`` process, the frontend, starting its engine core's child
+    job); ``pids``: rank -> pid (from its ``[serve] ranks:`` line); ``lines``: what it printed
+    so far."""
+
+    def __init__(self, ranks, overrides: list[str], start_timeout: float = 240.0):
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.tag = f"serve-test-{uuid.uuid4().hex[:12]}"  # on every rank's command line
-        cmd = [os.path.join(BIN, "mpiexec"), "-n", str(ranks), os.path.join(BIN, "megainfer-serve"),
-               f"serve.port={port}", *overrides, *HYDRA_QUIET, f"hydra.job.name={self.tag}"]
+        cmd = [os.path.join(BIN, "megainfer-serve"), f"serve.port={port}", *overrides,
+               *HYDRA_QUIET, f"hydra.job.name={self.tag}"]
+        if ranks is not None:
+            cmd = [os.path.join(BIN, "mpiexec"), "-n", str(ranks), *cmd]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, env=env, start_new_session=True)
@@ -117,9 +130,11 @@ class MpiServe:
 
     def alive_pids(self) -> list[int]:
         """The job's processes still there: mpiexec and every rank (``pgrep -f`` of the tag on
-        their command lines; the ranks run in a session of their own)."""
+        their command lines; the ranks run in a session of their own), and every rank of its
+        ``[serve] ranks:`` line (a plain frontend's child job does not carry the tag)."""
         out = subprocess.run(["pgrep", "-f", self.tag], capture_output=True, text=True).stdout
-        return [int(x) for x in out.split()]
+        ranks = [p for p in getattr(self, "pids", {}).values() if _running(p)]
+        return sorted(set(int(x) for x in out.split()) | set(ranks))
 
     def close(self) -> None:
         if self.proc.poll() is None:

@@ -32,6 +32,12 @@ class ServeConfig:
     chat_template: Optional[str] = None
     # the Retry-After header (seconds) of a 503 (queue full, draining)
     retry_after_s: int = 1
+    # outside mpiexec: the engine core in a child job of its own (single mode too), the HTTP
+    # frontend in this process; false: single mode's core on a thread of this process
+    engine_process: bool = True
+    # outside mpiexec: the ranks to start (null: what the deploy plan's counts need, 1 for
+    # single mode); under mpiexec the launch's size (this must then be null or equal to it)
+    world_size: Optional[int] = None
 
     def __post_init__(self):
         require(isinstance(self.host, str) and bool(self.host), "serve.host", self.host,
@@ -48,6 +54,12 @@ class ServeConfig:
         require(isinstance(self.shutdown_grace_s, (int, float))
                  and not isinstance(self.shutdown_grace_s, bool) and self.shutdown_grace_s >= 0,
                  "serve.shutdown_grace_s", self.shutdown_grace_s, "must be a number >= 0")
+        require(isinstance(self.engine_process, bool), "serve.engine_process",
+                 self.engine_process, "must be true or false")
+        require(self.world_size is None or (isinstance(self.world_size, int)
+                                             and not isinstance(self.world_size, bool)
+                                             and self.world_size >= 1), "serve.world_size",
+                 self.world_size, "must be an integer >= 1 or null")
         require(isinstance(self.retry_after_s, int) and not isinstance(self.retry_after_s, bool)
                  and self.retry_after_s >= 1, "serve.retry_after_s", self.retry_after_s,
                  "must be an integer >= 1")

@@ -5,12 +5,13 @@
   runs an ``EngineCoreThread`` over the runtime's ``RuntimeEngine`` and returns it; every other
   rank serves inside the call until rank 0 closes, then ends its process with status 0, so the
   script's code after it runs on rank 0 only;
-* otherwise (a plain ``python script.py`` asking for several ranks): the ranks are started as
-  an ``mpiexec`` child job (``spawn.SpawnedCore``), rank 0 of it serving the core over a local
-  socket.
+* otherwise (a plain ``python script.py`` asking for several ranks, or any mode with
+  ``own_process``): the ranks are started as an ``mpiexec`` child job (``spawn.SpawnedCore``),
+  rank 0 of it serving the core over a local socket.
 
 Every path gives a ``CoreClient``: inputs through ``submit``, each batch of ``CoreOutputs``
-to the ``deliver`` callback (on a thread of the client's; hand them on, do no work).
+to the ``deliver`` callback (on a thread of the client's; hand them on, do no work), with the
+core's own measurements (``core_stats.CoreStats``) in ``CoreOutputs.stats``.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from typing import Callable, Optional, Protocol
 from megainfer.config import ResolvedJob
 from megainfer.engine.core import CoreInput, CoreOutputs, EngineCore, EngineCoreThread
 
+from .core_stats import StatsRecorder
 from .ranks import mpi_world, rank_job, single_engine, start_ranks
 
 log = logging.getLogger("megainfer.engine")
@@ -55,16 +57,26 @@ class JobTree:
 Deliver = Callable[[CoreOutputs], None]
 
 
-def open_core(spec: JobTree, job: ResolvedJob, deliver: Deliver, tokenizer=None) -> CoreClient:
-    """``job``: this process's resolution of ``spec`` (rank 0's when it starts the ranks)."""
+def core_thread(engine, deliver: Deliver) -> EngineCoreThread:
+    """The engine core over ``engine`` on a thread of this process, its measurements recorded
+    and sent with its outputs."""
+    recorder = StatsRecorder(engine)
+    return EngineCoreThread(EngineCore(recorder), deliver, stats=recorder)
+
+
+def open_core(spec: JobTree, job: ResolvedJob, deliver: Deliver, tokenizer=None,
+              own_process: bool = False) -> CoreClient:
+    """``job``: this process's resolution of ``spec`` (rank 0's when it starts the ranks).
+    ``own_process``: outside an ``mpiexec`` launch, run the core in a child job even in single
+    mode (a server: the frontend's Python then never waits on the core's for the GIL)."""
     size, rank = mpi_world()
-    if size == 1 and job.deploy.mode == "single":
-        return EngineCoreThread(EngineCore(single_engine(job, tokenizer)), deliver)
+    if size == 1 and job.deploy.mode == "single" and not own_process:
+        return core_thread(single_engine(job, tokenizer), deliver)
     if size > 1:
         engine = start_ranks(job)
         if engine is None:  # a rank other than 0: it served until rank 0 closed
             log.debug("rank %d: the job is over, exiting", rank)
             sys.exit(0)
-        return EngineCoreThread(EngineCore(engine), deliver)
+        return core_thread(engine, deliver)
     from .spawn import SpawnedCore
     return SpawnedCore(spec, deliver)

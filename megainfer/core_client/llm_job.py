@@ -44,8 +44,8 @@ def resolve_llm_job(args: Mapping, model, deploy: Union[None, str, Mapping],
             origin["engine.cuda_graphs"] = "enforce_eager=True"
         if isinstance(model, ModelConfig):
             tree.setdefault("model", {})["arch"] = model
-        size = launch_size if launch_size > 1 else _world_size(world_size, tree)
-        spec = JobTree(tree, size, auto_plan=_asks_planner(tree))
+        size = launch_size if launch_size > 1 else deploy_world_size(tree, world_size)
+        spec = JobTree(tree, size, auto_plan=asks_planner(tree))
         job = spec.resolve(rank)
     except ConfigError as e:
         named = named_error(e, origin, world)
@@ -55,7 +55,7 @@ def resolve_llm_job(args: Mapping, model, deploy: Union[None, str, Mapping],
     return LLMJob(spec, job)
 
 
-def _world_size(world_size: Optional[int], tree: dict) -> int:
+def deploy_world_size(tree: dict, world_size: Optional[int] = None) -> int:
     """``world_size``, else what the deploy plan's counts need (a preset with every count),
     else 1."""
     if world_size is not None:
@@ -70,6 +70,6 @@ def _world_size(world_size: Optional[int], tree: dict) -> int:
     return 1
 
 
-def _asks_planner(tree: dict) -> bool:
+def asks_planner(tree: dict) -> bool:
     """deploy=auto: the launcher's planner (the performance model) picks the plan."""
     return (tree.get("deploy") or {}).get("mode", "auto") in (None, "auto")

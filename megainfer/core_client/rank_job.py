@@ -79,7 +79,8 @@ class _Outbox:
     def deliver(self, outputs) -> None:  # EngineCoreThread's callback, on its thread
         from megainfer.engine.core import CoreOutputs
         if outputs.error is not None:
-            outputs = CoreOutputs(outputs.updates, wire_error(outputs.error, self.ranks))
+            outputs = CoreOutputs(outputs.updates, wire_error(outputs.error, self.ranks),
+                                  outputs.stats)
         try:
             self.send(outputs)
         except Exception as e:  # noqa: BLE001 - an output that does not pickle: say so
@@ -91,11 +92,12 @@ class _Outbox:
 def serve_script(conn, engine, job, ranks: dict, prefix: str) -> bool:
     """Rank 0: the core over ``engine`` until a ``Shutdown`` or the socket's end; True when the
     core ended cleanly."""
-    from megainfer.engine.core import (AbortRequest, AddRequest, EngineCore, EngineCoreThread,
-                                       Shutdown)
+    from megainfer.engine.core import AbortRequest, AddRequest, Shutdown
+
+    from .client import core_thread
     out = _Outbox(conn, ranks)
     out.send(Ready(engine.log_prefix, float(job.comm.timeout_s)))  # before any output
-    core = EngineCoreThread(EngineCore(engine), out.deliver)
+    core = core_thread(engine, out.deliver)
     log.info("%s serving the script's engine core", prefix)
     while core.alive:
         out.heartbeat()

@@ -67,7 +67,9 @@ def start_ranks(job: ResolvedJob, comm=None):
     import torch
     from mpi4py import MPI
 
+    from megainfer.runtime.pipeline.expert_worker import ExpertWorker
     from megainfer.runtime.replicas.online import RuntimeEngine
+    from megainfer.runtime.span_report import ExpertSpanReporter
     from megainfer.runtime.startup import build_rank, run_rank
     comm = MPI.COMM_WORLD if comm is None else comm
     if job.cpu_threads is not None:
@@ -75,6 +77,8 @@ def start_ranks(job: ResolvedJob, comm=None):
     r = build_rank(job, comm)
     if r.role.rank == 0:
         return RuntimeEngine(r)
+    if isinstance(r.worker, ExpertWorker) and r.tracer.enabled and not r.tracer.cuda:
+        r.worker.on_iteration = ExpertSpanReporter(r.comm, r.tracer)  # T_e, T_c to rank 0
     try:
         run_rank(r)  # serves until rank 0's last iteration says stop
     finally:

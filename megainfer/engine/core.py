@@ -20,7 +20,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Protocol, Union
+from typing import Any, Callable, Optional, Protocol, Union
 
 from .errors import RequestError
 from .intake import TokenizedPrompt
@@ -67,6 +67,7 @@ class CoreOutputs:
 
     updates: list[RequestUpdate] = field(default_factory=list)
     error: Optional[BaseException] = None
+    stats: Any = None  # what the core measured since its last outputs (``EngineCoreThread``)
 
 
 class OnlineEngine(Protocol):
@@ -155,11 +156,14 @@ class EngineCoreThread:
     """``EngineCore``'s loop in a background thread: inputs through ``submit`` (any thread),
     each iteration's updates to ``deliver`` (called on this thread: hand them on, do no work).
     Idle, the thread blocks on its input queue (no CPU). A crash in the loop is delivered as
-    ``CoreOutputs.error`` and ends the thread."""
+    ``CoreOutputs.error`` and ends the thread. ``stats``: an object whose ``take()`` gives what
+    the core measured since the last call (None: nothing new), sent as ``CoreOutputs.stats``
+    after each round of inputs and iteration that produced updates or measurements
+    (``core_client.core_stats.StatsRecorder``, wrapping the core's engine)."""
 
     def __init__(self, core: EngineCore, deliver: Callable[[CoreOutputs], None],
-                 name: str = "megainfer-engine-core"):
-        self.core, self.deliver = core, deliver
+                 name: str = "megainfer-engine-core", stats=None):
+        self.core, self.deliver, self.stats = core, deliver, stats
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.error: Optional[BaseException] = None
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -194,8 +198,9 @@ class EngineCoreThread:
                     updates += self.core.step()
                 elif not stop and not msgs and idle_s is not None:
                     engine.idle_tick()  # nothing came for idle_s: keep the ranks' watch alive
-                if updates:
-                    self.deliver(CoreOutputs(updates))
+                stats = None if self.stats is None else self.stats.take()
+                if updates or stats is not None:
+                    self.deliver(CoreOutputs(updates, stats=stats))
         except BaseException as e:  # noqa: BLE001 - delivered: every waiting caller gets it
             self.error = e
             log.exception("%s engine core loop died", engine.log_prefix)

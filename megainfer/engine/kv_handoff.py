@@ -57,6 +57,7 @@ class HandoffState:
     stop_reason: object = None
     finish_time: Optional[float] = None
     samples: list = field(default_factory=list)
+    time_in_queue: Optional[float] = None
 
 
 def export_state(req: Request) -> HandoffState:
@@ -73,7 +74,8 @@ def _state(req: Request) -> HandoffState:
         max(req.num_cached_tokens, 0), req.logprobs, req.cumulative_logprob, req.prompt_logprobs,
         req.text, req.prefix_offset, req.read_offset, req.bad_words_token_ids,
         req.num_preemptions, time.perf_counter(), req.index,
-        req.finish_reason if req.is_finished else None, req.stop_reason, req.finish_time)
+        req.finish_reason if req.is_finished else None, req.stop_reason, req.finish_time,
+        time_in_queue=req.time_in_queue)
 
 
 def detach(engine, req: Request) -> None:
@@ -128,6 +130,7 @@ def _request(engine, state: HandoffState, seq_id: int) -> Request:
                   max_model_len=engine.max_model_len, logprobs=state.logprobs, index=state.index)
     req.output_token_ids = list(state.output_token_ids)
     req.arrival_time, req.first_token_time = state.arrival_time, state.first_token_time
+    req.time_in_queue = state.time_in_queue
     req.cumulative_logprob = state.cumulative_logprob
     req.text, req.prefix_offset, req.read_offset = state.text, state.prefix_offset, state.read_offset
     req.bad_words_token_ids, req.num_preemptions = state.bad_words_token_ids, state.num_preemptions

@@ -63,6 +63,7 @@ class RequestMetrics:
     finished_time: Optional[float]
     num_preemptions: int = 0
     kv_handoff_s: Optional[float] = None  # prefill end -> decode start (prefill replicas, docs/pd.md)
+    time_in_queue: Optional[float] = None  # arrival at its engine -> its first scheduled step
 
     @property
     def ttft(self) -> Optional[float]:
@@ -157,6 +158,7 @@ def request_output(tokenizer, req, decode: bool = True) -> RequestOutput:
     return RequestOutput(
         req.request_id, req.prompt, req.prompt_token_ids, outs, True,
         RequestMetrics(req.arrival_time, req.first_token_time, max(ends) if ends else None,
-                       sum(s.num_preemptions for s in req.samples)),
+                       sum(s.num_preemptions for s in req.samples),
+                       time_in_queue=req.time_in_queue),
         prompt_logprobs=req.prompt_logprobs,
         num_cached_tokens=max(req.num_cached_tokens, 0))

@@ -44,6 +44,7 @@ class Request:
     num_preemptions: int = 0
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: Optional[float] = None
+    time_in_queue: Optional[float] = None  # seconds from arrival to its first scheduled step
     finish_time: Optional[float] = None
     index: int = 0  # sample index within the request (SamplingParams.n)
     samples: list["Request"] = field(default_factory=list)  # head only: all n (itself first)

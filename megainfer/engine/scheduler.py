@@ -14,6 +14,7 @@ the cache's keys are a deterministic hash: the same calls give the same schedule
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -101,6 +102,7 @@ class Scheduler:
                 break
             if req.num_cached_tokens < 0:  # first admission: what the cache served
                 req.num_cached_tokens = start
+                req.time_in_queue = time.perf_counter() - req.arrival_time
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)

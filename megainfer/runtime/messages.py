@@ -164,3 +164,14 @@ class GroupHeader:
     head: Any  # the Request holding every sample
     caller_id: Any
     samples: list  # [SampleMove]
+
+
+@dataclass(frozen=True)
+class ExpertSpans:
+    """An expert rank -> rank 0 while served online with tracing on (``span_report``): its
+    spans since its last report."""
+
+    rank: int
+    expert_s: list[float] = field(default_factory=list)  # each (layer, micro-batch) expert span
+    # each A2E receive wait that blocked: ((iteration, layer, micro-batch), its end in us)
+    arrivals: list[tuple] = field(default_factory=list)

@@ -45,6 +45,7 @@ EPLB_PLACEMENT = 105  # expert rank 0 -> replica leaders: the new phy2log
 REPLAN_ORDER = 106  # rank 0 -> every rank: the order ending a loop (None: the job is over)
 REPLAN_SAMPLES = 107  # expert rank -> rank 0: measured spans for a decision
 ARRIVE = 108  # BoundedComm: every rank -> every other, "I reached call k"
+SERVE_SPANS = 109  # expert rank -> rank 0, served online with tracing: its T_e and A2E spans
 EPLB_WEIGHTS = 1000  # host-staged expert weights among expert ranks (+ layer * slots + slot)
 PD_WORK, PD_DONE = 201, 202  # rank 0 <-> prefill ranks
 KV_SEGMENT = 1000  # one (transfer, layer, segment) of prefill KV, up to TAG_UB
@@ -59,6 +60,7 @@ TAGS = (
     Tag(EPLB_PLACEMENT, "job", "expert rank 0 -> replica leaders: messages.PlacementUpdate"),
     Tag(REPLAN_ORDER, "job", "rank 0 -> every rank: messages.ReplanOrder or None"),
     Tag(REPLAN_SAMPLES, "job", "expert rank -> rank 0: messages.ExpertSamples"),
+    Tag(SERVE_SPANS, "job", "expert rank -> rank 0, online: messages.ExpertSpans"),
     Tag(ARRIVE, "bounded", "BoundedComm arrival tokens"),
     Tag(EPLB_WEIGHTS, "experts", "host-staged expert weights of a rebalance",
         span=MPI_TAG_UB_MIN - EPLB_WEIGHTS),

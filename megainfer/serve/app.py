@@ -197,7 +197,7 @@ def build_app(client: EngineClient, cfg: ServeConfig, model_dir: Optional[str]) 
     @app.post("/detokenize", dependencies=[Depends(auth)])
     async def detokenize(body: DetokenizeRequest):
         check_model(body.model)
-        V = client.engine.model_config.vocab_size
+        V = client.vocab_size
         bad = next((i for i, t in enumerate(body.tokens) if not 0 <= t < V), None)
         if bad is not None:
             raise APIError(f"tokens[{bad}]={body.tokens[bad]}: must be in [0, vocab_size={V})",

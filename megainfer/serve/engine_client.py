@@ -1,7 +1,9 @@
-"""The server's one handle on the engine: admission (the queue bound, draining), health, the
-metrics of each request, and the ``AsyncLLM`` streams. The engine is single mode's
-``LLMEngine`` or, in every other mode, rank 0's ``RuntimeEngine`` (``core_client.start_ranks``);
-either is served through an ``AsyncLLM`` over a ``MeteredEngine`` of it (docs/serve.md)."""
+"""The server's one handle on the engine core: admission (the queue bound, draining), health,
+the metrics of each request, and the ``AsyncLLM`` streams. The core is single mode's
+``LLMEngine`` or rank 0's ``RuntimeEngine``, in a child job of its own (``EngineClient.spawn``:
+what ``megainfer-serve`` does outside ``mpiexec``) or on a thread beside the frontend
+(``EngineClient.beside``: rank 0 under ``mpiexec``, tests); either way its measurements arrive
+with its outputs (``metrics.CoreWatch``). docs/serve.md."""
 from __future__ import annotations
 
 import itertools
@@ -12,54 +14,83 @@ from megainfer.async_llm import AsyncLLM
 from megainfer.engine import RequestError, RequestOutput, SamplingParams
 
 from .errors import APIError, request_error
-from .metrics import MeteredEngine, RequestTimer, ServeMetrics, engine_load
+from .metrics import CoreWatch, RequestTimer, ServeMetrics
 
 MIN_ITERATION_ALLOWANCE_S = 1.0  # health: the least time one iteration may take
 
 
 class EngineClient:
-    def __init__(self, engine, model_name: str, max_queued_requests: int = 256,
+    def __init__(self, make_llm, model_name: str, max_queued_requests: int = 256,
                  retry_after_s: int = 1, role: str = "single"):
-        """``engine``: a single-mode ``LLMEngine`` (``LLM(...).engine``) or rank 0's
-        ``RuntimeEngine``; ``role``: the iteration-time label (``metrics.iteration_role``)."""
-        self.engine, self.model_name = engine, model_name
+        """``make_llm``: on_stats -> the ``AsyncLLM`` to serve; ``role``: the iteration-time
+        label (``metrics.iteration_role``)."""
+        self.model_name = model_name
         self.metrics = ServeMetrics(model_name)
-        self.metrics.watch_engine(engine)
-        self.metered = MeteredEngine(engine, self.metrics, role)
-        self.llm = AsyncLLM.from_engine(self.metered)
-        self.tokenizer = engine.tokenizer
-        self.max_model_len = engine.max_model_len
+        self.watch = CoreWatch(self.metrics, role)
+        self.llm: AsyncLLM = make_llm(self.watch.apply)
+        intake = self.llm.intake
+        self.tokenizer = self.llm.tokenizer
+        self.max_model_len = intake.max_model_len
         self.max_queued, self.retry_after = max_queued_requests, retry_after_s
         self.in_flight = 0
         self.draining = False
         self._ids = itertools.count()
+
+    @classmethod
+    def beside(cls, engine, model_name: str, max_queued_requests: int = 256,
+               retry_after_s: int = 1, role: str = "single") -> "EngineClient":
+        """Serve an online engine built in this process (``LLM(...).engine``, rank 0's
+        ``RuntimeEngine``) with its core on a thread here."""
+        return cls(lambda on_stats: AsyncLLM.from_engine(engine, on_stats), model_name,
+                   max_queued_requests, retry_after_s, role)
+
+    @classmethod
+    def spawn(cls, spec, job, model_name: str, max_queued_requests: int = 256,
+              retry_after_s: int = 1, role: str = "single") -> "EngineClient":
+        """Start the job's ranks (single mode: one) as a child job whose rank 0 runs the core
+        (``core_client.spawn``); ``job``: rank 0's resolution of ``spec``."""
+        return cls(lambda on_stats: AsyncLLM.from_job(spec, job, engine_process=True,
+                                                      on_stats=on_stats),
+                   model_name, max_queued_requests, retry_after_s, role)
 
     @property
     def healthy(self) -> bool:
         """The engine core runs (it has not died or shut down)."""
         return self.llm.is_running
 
+    @property
+    def vocab_size(self) -> int:
+        intake = self.llm.intake  # an Intake, or the engine itself (LLMEngine, RuntimeEngine)
+        return getattr(intake, "vocab_size", None) or intake.model_config.vocab_size
+
+    @property
+    def error(self) -> Optional[BaseException]:
+        """What the engine core died of (None while it runs, or after our shutdown)."""
+        return self.llm.error
+
     def stale_after_s(self) -> Optional[float]:
         """The runtime: how long since its last iteration means a rank stopped answering (two
         idle intervals plus twice the slowest recent iteration, at least
-        ``MIN_ITERATION_ALLOWANCE_S``); None for single mode (one process: alive is enough)."""
-        idle = getattr(self.engine, "idle_interval_s", None)
-        if idle is None or not hasattr(self.engine, "last_iteration_at"):
+        ``MIN_ITERATION_ALLOWANCE_S``, plus what a re-plan's switch may take when the runtime
+        re-plans); None for single mode (one process: alive is enough)."""
+        idle = self.watch.idle_interval_s
+        if idle is None:
             return None
-        return 2 * idle + max(MIN_ITERATION_ALLOWANCE_S, 2 * self.metered.slowest_recent_s())
+        return 2 * idle + max(MIN_ITERATION_ALLOWANCE_S, 2 * self.watch.slowest_recent_s()) \
+            + self.watch.stall_allowance_s
 
     def answering(self) -> bool:
         """Every rank answers: the core runs and (the runtime) its iterations keep coming."""
         if not self.healthy:
             return False
         bound = self.stale_after_s()
-        return bound is None or time.monotonic() - self.engine.last_iteration_at <= bound
+        return bound is None or time.monotonic() - self.watch.last_iteration_at <= bound
 
     def new_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}"
 
     def num_running(self) -> int:
-        return engine_load(self.engine).running
+        return self.watch.load.running
 
     def admit(self, count: int = 1) -> "Admission":
         """Hold ``count`` requests' places until ``release``; 503 with Retry-After when the
@@ -80,7 +111,7 @@ class EngineClient:
                      ) -> list[int]:
         """The prompt's token ids, validated as the engine will (a 400 naming the field)."""
         try:
-            ids = self.engine.tokenize(prompt, params).prompt_token_ids
+            ids = self.llm.intake.tokenize(prompt, params).prompt_token_ids
         except RequestError as e:
             raise request_error(e, prompt_field) from e
         return ids

@@ -1,23 +1,22 @@
 """Prometheus metrics under vLLM's names with a ``megainfer:`` prefix, one registry per server.
 
-Gauges (running, waiting, KV use) are read from the engine when scraped (``engine_load``:
-single mode's scheduler and block pool; the runtime's ``RuntimeEngine.load()``, every replica's
-queues at the last iteration). Per-request figures (TTFT, inter-token latency, end-to-end
-latency, finish reasons, prompt tokens, prefix-cache queries and hits) are observed by the
-frontend as outputs reach it (``RequestTimer``); the iteration time, the generated tokens, PD's
-KV-transfer time, rank 0's T_a (tracing on) and (single mode only) each request's queue time by
-``MeteredEngine``, on the engine core's thread, around each iteration (prometheus-client's
-metrics are thread-safe)."""
+Two sources. The engine core measures itself wherever it runs (``core_client.core_stats``:
+each iteration's time, the generated tokens, single mode's queue times, PD's KV-transfer
+times, rank 0's T_a with tracing on, and its queues) and sends that with its outputs;
+``ServeMetrics.apply`` observes it (``CoreWatch`` keeps the queues, for the gauges, and the
+iteration clock, for /health). The frontend observes each request's figures as its outputs
+reach it (``RequestTimer``: TTFT, inter-token latency, end-to-end latency, finish reasons,
+prefix-cache queries and hits). prometheus-client's metrics are thread-safe: ``apply`` runs on
+the core's thread (or the socket reader's)."""
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
-from megainfer.perfmodel.trace import is_moe_attention
+from megainfer.core_client.core_stats import CoreStats, EngineLoad
 
 disable_created_metrics()  # no *_created series (vLLM does the same)
 
@@ -63,6 +62,14 @@ class ServeMetrics:
                                          "layer's attention span of one micro-batch on rank 0 "
                                          "(trace.enabled=true on cpu only)", buckets=_SPAN,
                                          **lab)
+        self.expert_layer = Histogram(P + "expert_layer_seconds", "T_e: one MoE layer's "
+                                      "expert span of one micro-batch on an expert rank "
+                                      "(trace.enabled=true on cpu only)", buckets=_SPAN, **lab)
+        self.a2e_latency = Histogram(P + "a2e_latency_seconds", "T_c: rank 0's dispatch end "
+                                     "to a waiting expert rank's arrival (trace.enabled=true on "
+                                     "cpu only)", buckets=_SPAN, **lab)
+        self.replans = Counter(P + "replans", "Re-plans: switches of every rank to another "
+                               "attention:expert split (replan.enabled=true)", **lab)
         self.kv_transfer = Histogram(P + "kv_transfer_seconds", "PD: a request's KV from the "
                                      "end of its prefill to its decode start", buckets=_LATENCY,
                                      **lab)
@@ -71,29 +78,58 @@ class ServeMetrics:
     def labels(self, metric, **kw):
         return metric.labels(model_name=self.model_name, **kw)
 
-    def watch_engine(self, engine) -> None:
-        """Scrape-time gauges over either engine (``engine_load``)."""
-        self.labels(self.running).set_function(lambda: engine_load(engine).running)
-        self.labels(self.waiting).set_function(lambda: engine_load(engine).waiting)
-        self.labels(self.kv_usage).set_function(lambda: engine_load(engine).kv_usage)
+    def apply(self, stats: CoreStats, role_hist) -> None:
+        """One ``CoreStats`` from the engine core into the histograms and counters."""
+        for v in stats.iteration_s:
+            role_hist.observe(v)
+        for metric, values in ((self.queue, stats.queue_s),
+                               (self.kv_transfer, stats.kv_transfer_s),
+                               (self.attention_layer, stats.attention_layer_s),
+                               (self.expert_layer, stats.expert_layer_s),
+                               (self.a2e_latency, stats.a2e_latency_s)):
+            if values:
+                h = self.labels(metric)
+                for v in values:
+                    h.observe(v)
+        if stats.generated_tokens:
+            self.labels(self.generation_tokens).inc(stats.generated_tokens)
+        if stats.replans:
+            self.labels(self.replans).inc(stats.replans)
 
 
-@dataclass(frozen=True)
-class EngineLoad:
-    running: int  # sequences in the running batch (the runtime: summed over its replicas)
-    waiting: int  # sequences waiting (the runtime: and the requests rank 0 has not handed out)
-    kv_usage: float  # 1 = every KV block in use (the runtime: the replicas' mean)
+RECENT_ITERATIONS = 16  # the slowest of these bounds how long an iteration may take (health)
 
 
-def engine_load(engine) -> EngineLoad:
-    """The online engine's queues, safe from another thread (lengths and the runtime's
-    last-iteration reports only): a ``RuntimeEngine`` (it has ``load()``) or an ``LLMEngine``."""
-    if hasattr(engine, "load"):
-        ld = engine.load()
-        return EngineLoad(ld.running, ld.waiting + ld.not_handed_out, ld.kv_usage)
-    sched, blocks = engine.scheduler, engine.blocks
-    return EngineLoad(len(sched.running), len(sched.waiting),
-                      1.0 - blocks.num_free_blocks / max(1, blocks.num_blocks))
+class CoreWatch:
+    """What the frontend knows of the engine core from its ``CoreStats``: its queues as last
+    sent (the gauges), when an iteration of every rank last came (``last_iteration_at``,
+    monotonic, this process's clock) and the slowest recent one, and whether it must keep
+    iterating while idle (``idle_interval_s``: the runtime's ranks watch each other)."""
+
+    def __init__(self, metrics: ServeMetrics, role: str):
+        self.metrics, self.load = metrics, EngineLoad(0, 0, 0.0)
+        self.iteration = metrics.labels(metrics.iteration, role=role)
+        self.recent_s: deque = deque(maxlen=RECENT_ITERATIONS)
+        self.idle_interval_s: Optional[float] = None
+        self.stall_allowance_s = 0.0
+        self.last_iteration_at = time.monotonic()
+        for g, f in ((metrics.running, lambda: self.load.running),
+                     (metrics.waiting, lambda: self.load.waiting),
+                     (metrics.kv_usage, lambda: self.load.kv_usage)):
+            metrics.labels(g).set_function(f)
+
+    def apply(self, stats: CoreStats) -> None:
+        """The core's callback (its thread, or the socket reader's)."""
+        self.load, self.idle_interval_s = stats.load, stats.idle_interval_s
+        self.stall_allowance_s = stats.stall_allowance_s
+        if stats.iterations:
+            self.last_iteration_at = time.monotonic()
+            self.recent_s.extend(stats.iteration_s + stats.idle_tick_s)
+        self.metrics.apply(stats, self.iteration)
+
+    def slowest_recent_s(self) -> float:
+        """The longest of the last ``RECENT_ITERATIONS`` iterations (0 before the first)."""
+        return max(self.recent_s, default=0.0)
 
 
 class RequestTimer:
@@ -130,121 +166,9 @@ class RequestTimer:
         m.labels(m.prefix_hits).inc(min(n, out.num_cached_tokens or 0))
 
 
-class QueueTimes:
-    """Single mode: each request's queue time (arrival to the first iteration that schedules
-    it), read from the ``LLMEngine``'s waiting queue around each iteration. (The runtime's rank
-    0 cannot see when a replica first schedules a request: no queue time there.)"""
-
-    def __init__(self, engine, metrics: ServeMetrics):
-        self.engine, self.m, self.started = engine, metrics, set()
-        self.waiting: list = []
-
-    def before(self) -> None:
-        self.waiting = list(self.engine.scheduler.waiting)  # the core's thread: nothing mutates it
-
-    def after(self, t0: float, finished) -> None:
-        left = {id(r) for r in self.engine.scheduler.waiting}
-        for r in self.waiting:
-            if id(r) not in left and r.request_id not in self.started:
-                self.started.add(r.request_id)
-                self.m.labels(self.m.queue).observe(t0 - r.arrival_time)
-        for out in finished:
-            self.started.discard(str(out.request_id))
-
-    def forget(self, request_id) -> None:
-        self.started.discard(str(request_id))
-
-
-class RankZeroSpans:
-    """T_a as rank 0 records it: its tracer's MoE attention spans (``is_moe_attention``, what
-    ``runtime/trace_metrics`` takes T_a from) since the last iteration, into
-    ``attention_layer_seconds``. Only with ``trace.enabled=true`` and on cpu (a cuda span's
-    duration is known only when the trace is resolved, which synchronises the device); T_e and
-    T_c live on the other ranks' tracers and are not observed here."""
-
-    def __init__(self, engine, metrics: ServeMetrics):
-        tracer = getattr(getattr(engine, "rank", None), "tracer", None)
-        ok = tracer is not None and tracer.enabled and not tracer.cuda
-        self.tracer = tracer if ok else None
-        self.hist, self.seen = metrics.labels(metrics.attention_layer), 0
-
-    def observe(self) -> None:
-        if self.tracer is None:
-            return
-        events = self.tracer.events
-        for e in events[self.seen:]:
-            if is_moe_attention(e):
-                self.hist.observe(e["dur"] / 1e6)
-        self.seen = len(events)
-
-
-RECENT_ITERATIONS = 16  # the slowest of these bounds how long an iteration may take (health)
-
-
 def iteration_role(job) -> str:
     """The ``role`` label of ``iteration_time_seconds``: the deploy mode (``pd`` with prefill
     ranks)."""
     if job is None or job.deploy.mode == "single":
         return "single"
     return "pd" if job.deploy.prefill_replicas else job.deploy.mode
-
-
-class MeteredEngine:
-    """An ``OnlineEngine`` (engine/core.py) that times each iteration of the engine it wraps,
-    counts its generated tokens, observes PD's KV-transfer time of each finished request and,
-    in single mode, each request's queue time. Every other member is the wrapped engine's."""
-
-    def __init__(self, engine, metrics: ServeMetrics, role: str = "single"):
-        queue = None if hasattr(engine, "load") else QueueTimes(engine, metrics)
-        self.__dict__.update(_engine=engine, _m=metrics, _queue=queue,
-                             _spans=RankZeroSpans(engine, metrics),
-                             _iter=metrics.labels(metrics.iteration, role=role),
-                             _kv=metrics.labels(metrics.kv_transfer),
-                             recent_s=deque(maxlen=RECENT_ITERATIONS), error=None)
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
-
-    def __setattr__(self, name, value):  # detokenize, set by EngineCore
-        setattr(self._engine, name, value)
-
-    def slowest_recent_s(self) -> float:
-        """The longest of the last ``RECENT_ITERATIONS`` iterations (0 before the first)."""
-        return max(self.recent_s, default=0.0)
-
-    def step_outputs(self):
-        eng, m, q = self._engine, self._m, self._queue
-        if q is not None:
-            q.before()
-        t0 = time.perf_counter()
-        try:
-            res = eng.step_outputs()
-        except BaseException as e:
-            self.__dict__["error"] = e  # the core dies of it (the server's watchdog reports it)
-            raise
-        dt = time.perf_counter() - t0
-        self._iter.observe(dt)
-        self.recent_s.append(dt)
-        if q is not None:
-            q.after(t0, res.finished)
-        self._spans.observe()
-        for out in res.finished:
-            kv = getattr(out.metrics, "kv_handoff_s", None)
-            if kv is not None:
-                self._kv.observe(kv)
-        m.labels(m.generation_tokens).inc(sum(len(d.token_ids) for d in res.new_tokens))
-        return res
-
-    def idle_tick(self):  # timed like any iteration (the runtime's ranks all take part)
-        t0 = time.perf_counter()
-        try:
-            self._engine.idle_tick()
-        except BaseException as e:
-            self.__dict__["error"] = e
-            raise
-        self.recent_s.append(time.perf_counter() - t0)
-
-    def abort_request(self, request_id):
-        if self._queue is not None:
-            self._queue.forget(request_id)
-        return self._engine.abort_request(request_id)

@@ -99,7 +99,7 @@ class CoreWatchdog:
                 return  # our own shutdown: the core stops because we stop it
             if not self.client.healthy:
                 self.died = True
-                self.error = self.client.metered.error
+                self.error = self.client.error
                 print(f"[serve] error: engine core died: {self.describe()}; stopping the "
                       "server", file=sys.stderr, flush=True)  # once (stderr: seen under mpiexec)
                 self.client.draining = True
@@ -115,11 +115,9 @@ class CoreWatchdog:
         self.thread.join(1.0)
 
 
-def serve_engine(engine, cfg: ServeConfig, model_dir: Optional[str], name: str,
-                 role: str = "single") -> int:
-    """Serve an online engine (single mode's ``LLMEngine``, or rank 0's ``RuntimeEngine``)
-    until a signal: 0 when drained; 1 when the engine core died (the watchdog said why)."""
-    client = EngineClient(engine, name, cfg.max_queued_requests, cfg.retry_after_s, role)
+def serve_client(client: EngineClient, cfg: ServeConfig, model_dir: Optional[str]) -> int:
+    """Serve the engine core behind ``client`` until a signal: 0 when drained; 1 when the core
+    died (the watchdog said why)."""
     server = make_server(client, cfg, model_dir)
     if cfg.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("[serve] serve.host=%s: reachable beyond this machine%s", cfg.host,

@@ -4,7 +4,9 @@ on the same requests (bench50m shapes, dummy weights), in one run:
     python perf/bench/bench_serve.py [--device cpu|cuda] [--modes single,auto,pd]
         [--num-prompts 32 --input-len 32 --output-len 16 --rates 1,4,inf --out PATH]
 
-Modes: ``single`` (one process), ``auto`` (``mpiexec -n 3 ... deploy=auto``: the planner's
+Modes: ``single`` (a plain megainfer-serve: the frontend, its engine core a child process),
+``single_thread`` (one process, the core on a thread beside the frontend:
+``serve.engine_process=false``), ``auto`` (``mpiexec -n 3 ... deploy=auto``: the planner's
 split of 3 ranks), ``a1e2`` (``mpiexec -n 3``), ``pd`` (``mpiexec -n 4 ... deploy=p1a1e2``).
 For each mode a server (``python -m megainfer.launch.serve``, under mpiexec for all but single;
 the same scheduler and cache settings) is started and, once listening and idle, its CPU per
@@ -40,8 +42,9 @@ from megainfer.bench.process_cpu import idle_cpu  # noqa: E402
 from megainfer.bench.results_io import write_json  # noqa: E402
 from megainfer.bench.shapes import BENCH50M, BENCH50M_SHAPE  # noqa: E402
 
-MODES = {"single": (1, "single"), "auto": (3, "auto"), "a1e2": (3, "a1e2"),
-         "pd": (4, "p1a1e2")}  # name -> (ranks, deploy preset)
+MODES = {"single": (1, "single"), "single_thread": (1, "single"), "auto": (3, "auto"),
+         "a1e2": (3, "a1e2"), "pd": (4, "p1a1e2")}  # name -> (ranks, deploy preset)
+EXTRA = {"single_thread": ["serve.engine_process=false"]}  # name -> its own server overrides
 
 
 def bench_args(port, n, rate, conc, a):
@@ -147,14 +150,14 @@ def run_mode(name: str, reqs, a) -> dict:
               f"deploy.device={a.device}", f"deploy.cpu_threads={a.threads}"]
     plan = resolved_deploy(deploy, ranks, common)
     server = ServerProcess(ranks, [f"deploy={deploy}", "serve.served_model_name=bench50m",
-                                   *common], a.mpiexec)
+                                   *common, *EXTRA.get(name, [])], a.mpiexec)
     out = {"ranks": ranks, "deploy": deploy, "plan": {
         k: getattr(plan, k) for k in ("mode", "attention_replicas", "attention_tp",
                                       "expert_ranks", "micro_batches", "prefill_replicas")}}
     try:
         out["idle_cpu_per_rank"] = idle_cpu(server.pids, 3.0)
         run_bench(server, reqs[:4], "inf", None, a)  # warm-up
-        if name == "single":
+        if ranks == 1:
             out["goals"] = single_goals(server, reqs, a)
         out["rates"] = {r: run_bench(server, reqs, r, None, a) for r in a.rates.split(",")}
     finally:
@@ -193,7 +196,8 @@ def main():
     p.add_argument("--modes", default="single,auto,pd", help=f"of {','.join(MODES)}")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=32)
-    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--output-len", type=int, default=128, help="vLLM's default; with a few "
+                   "tokens a request, the saturated run is mostly the burst's arrival")
     p.add_argument("--rates", default="1,4,inf")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--slo-ttft-ms", type=float, default=1000)
@@ -231,26 +235,30 @@ def main():
                        "output_len": a.output_len, "max_num_seqs": a.max_num_seqs,
                        "slo_ms": {"ttft": a.slo_ttft_ms, "tpot": a.slo_tpot_ms,
                                   "percentile": a.slo_percentile},
-                       "note": "servers in subprocesses (mpiexec for the distributed modes), "
+                       "note": "servers in subprocesses (single: a plain megainfer-serve, its "
+                               "engine core a child process; single_thread: the core on a thread "
+                               "of the server's process; mpiexec for the distributed modes), "
                                "client (httpx) in this process"},
         "modes": modes,
         "failed_modes": failed,
     }
     print("\n" + comparison(modes, a))
-    single = modes.get("single")
-    if single:
+    for sname in [m for m in modes if MODES[m][0] == 1]:
+        single = modes[sname]
         med = single["goals"]["median"]
-        res.update({k: med[k] for k in ("saturated_vs_offline", "ttft_vs_prefill_plus_5ms",
-                                        "saturated_server_cpu_vs_offline_cpu")})
-        print(f"\nsingle, medians of {a.reps} back-to-back pairs: offline "
+        if sname == "single":
+            res.update({k: med[k] for k in ("saturated_vs_offline", "ttft_vs_prefill_plus_5ms",
+                                            "saturated_server_cpu_vs_offline_cpu")})
+        pairs = single["goals"]["reps"]
+        print(f"\n{sname}, medians of {a.reps} back-to-back pairs: offline "
               f"{med['offline_tok_s']:.1f} tok/s, served saturated {med['saturated_tok_s']:.1f} "
               f"tok/s (ratio {med['saturated_vs_offline']:.3f}, goal >= 0.90; each pair: "
-              + ", ".join(f"{r['saturated_vs_offline']:.2f}" for r in single["goals"]["reps"])
+              + ", ".join(f"{r['saturated_vs_offline']:.2f}" for r in pairs)
               + f"); TTFT one at a time {med['one_at_a_time_ttft_ms']:.1f} ms vs prefill "
               f"{med['engine_prefill_ms']:.1f} ms + 5 ms (ratio "
               f"{med['ttft_vs_prefill_plus_5ms']:.3f}, goal <= 1.2; each pair: "
-              + ", ".join(f"{r['ttft_vs_prefill_plus_5ms']:.2f}" for r in single["goals"]["reps"])
-              + f"); saturated server CPU / offline CPU "
+              + ", ".join(f"{r['ttft_vs_prefill_plus_5ms']:.2f}" for r in pairs)
+              + "); saturated server CPU / offline CPU "
               f"{med['saturated_server_cpu_vs_offline_cpu']:.3f}")
     for name, m in modes.items():
         print(f"{name}: idle CPU per rank (% of a core) "

@@ -1,11 +1,15 @@
-"""``mpiexec -n K megainfer-serve deploy=...`` through the official openai client: the
-disaggregated (a1e2) and PD (p1a1e2) runtimes served from rank 0 give the greedy completions and
+"""``mpiexec -n K megainfer-serve deploy=...`` (the frontend on rank 0) and a plain
+``megainfer-serve deploy=...`` (the frontend a process of its own, the ranks its child job)
+through the official openai client: the
+disaggregated (a1e2) and PD (p1a1e2) runtimes served either way give the greedy completions and
 chat that ``LLM.generate`` / ``LLM.chat`` give in single mode, streamed (chunks concatenated) and
 not, with concurrent streams; a client that hangs up frees its request (running gauge back to
 0); PD's KV-transfer histogram fills, rank 0's T_a one with tracing on; SIGTERM to mpiexec drains and leaves no process. A rank
 that hangs (SIGSTOP) turns /health 503, ends the in-flight stream with an error event and the
-job exits non-zero naming the rank; a rank killed outright ends the job at once (MPICH's
-process manager kills every rank), leaving no process."""
+job exits non-zero naming the rank; under mpiexec, a rank killed outright ends the job at once
+(MPICH's process manager kills every rank), leaving no process; behind a plain frontend, the
+frontend outlives it: /health 503, the in-flight stream ends with an error event, and the
+server exits non-zero naming the rank."""
 import asyncio
 import json
 import os
@@ -50,9 +54,11 @@ def want(ckpt):
                              chat_template=CHAT_TEMPLATE)[0].outputs[0].text}
 
 
-def _start(ranks, ckpt, deploy, *extra):
-    return MpiServe(ranks, [f"deploy={deploy}", f"model.path={ckpt}",
-                            "serve.served_model_name=tiny", *OVERRIDES, *extra])
+def _start(ranks, ckpt, deploy, *extra, plain=False):
+    """``plain``: a plain megainfer-serve process (its engine core a child job of ``ranks``)."""
+    return MpiServe(None if plain else ranks, [f"deploy={deploy}", f"model.path={ckpt}",
+                                               "serve.served_model_name=tiny", *OVERRIDES,
+                                               *extra])
 
 
 async def _streams(url, n):
@@ -68,11 +74,12 @@ async def _streams(url, n):
         await client.close()
 
 
-@pytest.mark.parametrize("ranks,deploy,trace", [(3, "a1e2", True), (4, "p1a1e2", False)],
-                         ids=["a1e2", "p1a1e2"])
-def test_served_mode_equals_single_mode(ckpt, template, want, ranks, deploy, trace):
+@pytest.mark.parametrize("ranks,deploy,trace,plain", [
+    (3, "a1e2", True, False), (4, "p1a1e2", False, False), (3, "a1e2", True, True),
+    (4, "p1a1e2", False, True)], ids=["a1e2", "p1a1e2", "a1e2-plain", "p1a1e2-plain"])
+def test_served_mode_equals_single_mode(ckpt, template, want, ranks, deploy, trace, plain):
     srv = _start(ranks, ckpt, deploy, f"serve.chat_template={template}",
-                 f"trace.enabled={str(trace).lower()}")
+                 f"trace.enabled={str(trace).lower()}", plain=plain)
     try:
         url = srv.url
         assert httpx.get(url + "/health").status_code == 200
@@ -108,10 +115,14 @@ def test_served_mode_equals_single_mode(ckpt, template, want, ranks, deploy, tra
         m = httpx.get(url + "/metrics").text
         role = "pd" if deploy == "p1a1e2" else "disaggregated"
         assert f'iteration_time_seconds_count{{model_name="tiny",role="{role}"}}' in m
+        assert gauge(url, "request_queue_time_seconds_count") >= 12  # every finished request
         kv = gauge(url, "kv_transfer_seconds_count")
         assert (kv >= 12) if deploy == "p1a1e2" else kv == 0  # every PD request handed its KV
         t_a = gauge(url, "attention_layer_seconds_count")  # rank 0's T_a spans: tracing on
         assert (t_a > 0) if trace else t_a == 0
+        t_e = gauge(url, "expert_layer_seconds_count")  # the expert ranks' T_e spans
+        t_c = gauge(url, "a2e_latency_seconds_count")  # T_c: blocked expert waits
+        assert (t_e > 0 and t_c > 0) if trace else t_e == t_c == 0
         srv.signal(signal.SIGTERM)
         assert srv.wait(60) == 0, srv.output()
         wait_for(lambda: not srv.alive_pids(), 10, "every rank gone")
@@ -125,17 +136,26 @@ def _sse_events(url, body):
         return [x[6:] for x in s.iter_lines() if x.startswith("data: ")]
 
 
-def test_a_hung_rank_turns_health_503_and_ends_the_job(ckpt):
-    srv = _start(3, ckpt, "a1e2", "comm.timeout_s=8")
+def _streaming(srv, extra=None):
+    """Every rank up; one long stream running in a thread (its events in ``got["events"]``
+    when it ends), its first tokens out."""
+    url = srv.url
+    assert httpx.get(url + "/health").status_code == 200 and set(srv.pids) == {0, 1, 2}
+    got = {}
+    body = {"model": "tiny", "prompt": "abc", "max_tokens": 120, "ignore_eos": True,
+            "stream": True, **(extra or {})}
+    t = threading.Thread(target=lambda: got.update(events=_sse_events(url, body)))
+    t.start()
+    wait_for(lambda: gauge(url, "generation_tokens_total") >= 2, 30, "streaming")
+    return t, got
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["mpiexec", "plain"])
+def test_a_hung_rank_turns_health_503_and_ends_the_job(ckpt, plain):
+    srv = _start(3, ckpt, "a1e2", "comm.timeout_s=8", plain=plain)
     try:
         url = srv.url
-        assert httpx.get(url + "/health").status_code == 200 and set(srv.pids) == {0, 1, 2}
-        got = {}
-        body = {"model": "tiny", "prompt": "abc", "max_tokens": 120, "ignore_eos": True,
-                "stream": True, "stream_options": {"include_usage": True}}
-        t = threading.Thread(target=lambda: got.update(events=_sse_events(url, body)))
-        t.start()
-        wait_for(lambda: gauge(url, "generation_tokens_total") >= 2, 30, "streaming")
+        t, got = _streaming(srv, {"stream_options": {"include_usage": True}})
         os.kill(srv.pids[2], signal.SIGSTOP)  # expert 1 stops answering
         t0 = time.monotonic()
         wait_for(lambda: httpx.get(url + "/health").status_code == 503, 6, "health 503")
@@ -164,3 +184,32 @@ def test_a_killed_rank_ends_the_job(ckpt):
             httpx.get(srv.url + "/health")
     finally:
         srv.close()
+
+
+def test_a_killed_rank_behind_a_plain_frontend(ckpt):
+    """SIGKILL of an expert rank takes the whole child job down at once; the frontend, not
+    part of it, says so: /health 503, an error event ending the stream, exit 1 naming the
+    rank, no process left."""
+    srv = _start(3, ckpt, "a1e2", "comm.timeout_s=8", plain=True)
+    try:
+        url = srv.url
+        t, got = _streaming(srv)
+        os.kill(srv.pids[1], signal.SIGKILL)  # expert 0
+        wait_for(lambda: _health(url) == 503, 10, "health 503")
+        t.join(20)
+        errors = [json.loads(e) for e in got["events"] if e.startswith("{\"error\"")]
+        assert errors and got["events"][-1] == "[DONE]", got["events"][-3:]
+        assert "rank 1" in errors[0]["error"]["message"], errors
+        assert srv.wait(30) == 1
+        out = srv.output()
+        assert "engine core died" in out and "rank 1" in out and "[expert 0]" in out, out
+        wait_for(lambda: not srv.alive_pids(), 10, "every process gone")
+    finally:
+        srv.close()
+
+
+def _health(url) -> int:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code
+    except httpx.HTTPError:
+        return 0

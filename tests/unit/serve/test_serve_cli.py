@@ -29,7 +29,7 @@ def test_sigterm_drains_and_exits_0(tiny_ckpts):
     try:
         line = ""
         t0 = time.monotonic()
-        while "[serve]" not in line:
+        while " on http://" not in line:  # listening (after the "[serve] ranks:" line)
             line = p.stdout.readline()
             assert line or p.poll() is None, "server exited"
             assert time.monotonic() - t0 < 60

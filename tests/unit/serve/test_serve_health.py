@@ -10,7 +10,7 @@ import time
 from megainfer.engine.outputs import StepOutputs
 from megainfer.runtime.replicas.online import RuntimeLoad
 from megainfer.serve.engine_client import MIN_ITERATION_ALLOWANCE_S, EngineClient
-from megainfer.serve.metrics import engine_load
+from megainfer.core_client.core_stats import engine_load
 
 
 class FakeRuntime:
@@ -56,11 +56,11 @@ def _until(cond, timeout=5.0):
 
 def test_runtime_gauges_and_health_follow_the_iterations():
     eng = FakeRuntime()
-    client = EngineClient(eng, "fake", role="disaggregated")
+    client = EngineClient.beside(eng, "fake", role="disaggregated")
     try:
         load = engine_load(eng)
         assert (load.running, load.waiting, load.kv_usage) == (3, 6, 0.25)
-        assert client.num_running() == 3
+        _until(lambda: client.num_running() == 3)  # the core's first stats came
         bound = client.stale_after_s()
         assert bound == 2 * eng.idle_interval_s + MIN_ITERATION_ALLOWANCE_S
         _until(lambda: eng.last_iteration_at > time.monotonic() - 0.2)  # idle ticks run
@@ -71,6 +71,6 @@ def test_runtime_gauges_and_health_follow_the_iterations():
         eng.fail = RuntimeError("peer rank 2 timed out")
         eng.release.set()
         _until(lambda: not client.healthy)
-        assert str(client.metered.error) == "peer rank 2 timed out"
+        assert str(client.error) == "peer rank 2 timed out"
     finally:
         client.shutdown()

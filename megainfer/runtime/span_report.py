@@ -1,0 +1,86 @@
+"""The pipeline's T_e and T_c while a runtime serves (trace.enabled=true, cpu): the expert ranks'
+spans reach rank 0 as the job runs, not only in the trace merged at a batch job's end.
+
+* ``ExpertSpanReporter`` (an expert rank's ``ExpertWorker.on_iteration``): every
+  ``REPORT_EVERY`` iterations its new ``expert`` spans (T_e) and its A2E receive waits go to
+  rank 0 as one ``messages.ExpertSpans`` (``tags.SERVE_SPANS``, non-blocking).
+* ``PipelineSpans`` (rank 0): its own MoE attention spans (T_a), and whatever ``ExpertSpans``
+  arrived (``iprobe``: never waits, so a report one iteration late costs nothing); T_c as
+  ``runtime/trace_metrics.py`` defines it: a blocked expert rank's wait end minus rank 0's
+  dispatch end of the same (iteration, layer, micro-batch), on the job's trace clock.
+
+Only the served (online) runtime attaches them (``core_client.ranks.start_ranks``); a batch job
+merges every rank's trace at its end instead. Spans on cuda are known only when the trace is
+resolved (a device sync): neither runs there.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megainfer.perfmodel.trace import A2E, EXPERT, is_moe_attention, is_wait
+from megainfer.runtime import tags
+from megainfer.runtime.messages import ExpertSpans
+
+REPORT_EVERY = 4  # expert iterations per report
+KEEP_DISPATCHES = 4096  # rank 0's latest dispatch ends kept for matching late reports
+
+
+def _key(e: dict) -> tuple:
+    a = e["args"]
+    return a["iter"], a["layer"], a["mb"]
+
+
+class ExpertSpanReporter:
+    def __init__(self, comm, tracer, every: int = REPORT_EVERY):
+        self.comm, self.tracer, self.every = comm, tracer, every
+        self.seen, self.pending = len(tracer.events), []
+
+    def __call__(self, worker) -> None:
+        if worker.iteration % self.every:
+            return
+        events = self.tracer.events[self.seen:]
+        self.seen = len(self.tracer.events)
+        msg = ExpertSpans(self.comm.Get_rank(),
+                          [e["dur"] / 1e6 for e in events if e["cat"] == EXPERT],
+                          [(_key(e), e["ts"] + e["dur"]) for e in events
+                           if e["cat"] == A2E and is_wait(e) and e["dur"] > 0])
+        self.pending = [r for r in self.pending if not r.Test()]
+        self.pending.append(self.comm.isend(msg, dest=0, tag=tags.SERVE_SPANS))
+
+
+@dataclass
+class SpanSamples:
+    """Seconds: T_a spans of rank 0, T_e spans of the expert ranks, T_c one-way latencies."""
+
+    attention_s: list[float] = field(default_factory=list)
+    expert_s: list[float] = field(default_factory=list)
+    comm_s: list[float] = field(default_factory=list)
+
+
+class PipelineSpans:
+    """Rank 0's reader: ``take()`` -> the ``SpanSamples`` since the last call."""
+
+    def __init__(self, rank):
+        self.comm, self.tracer, self.seen = rank.comm, rank.tracer, len(rank.tracer.events)
+        self.dispatch_end: dict = {}  # (iteration, layer, mb) -> rank 0's dispatch end, us
+
+    def take(self) -> SpanSamples:
+        out = SpanSamples()
+        events = self.tracer.events[self.seen:]
+        self.seen = len(self.tracer.events)
+        for e in events:
+            if is_moe_attention(e):
+                out.attention_s.append(e["dur"] / 1e6)
+            elif e["cat"] == A2E and not is_wait(e):
+                self.dispatch_end[_key(e)] = e["ts"] + e["dur"]
+        if len(self.dispatch_end) > KEEP_DISPATCHES:
+            for k in sorted(self.dispatch_end)[:len(self.dispatch_end) - KEEP_DISPATCHES]:
+                del self.dispatch_end[k]
+        while self.comm.iprobe(tag=tags.SERVE_SPANS):
+            msg: ExpertSpans = self.comm.recv(tag=tags.SERVE_SPANS)
+            out.expert_s += msg.expert_s
+            for k, end in msg.arrivals:
+                sent = self.dispatch_end.get(tuple(k))
+                if sent is not None and end > sent:
+                    out.comm_s.append((end - sent) / 1e6)
+        return out
