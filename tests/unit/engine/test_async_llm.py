@@ -119,8 +119,11 @@ def test_abort_mid_stream_frees_blocks_others_unchanged(engine, offline):
     outs, victim = {}, 3
     long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)  # aborted long before
 
-    async def on_output(i, out):
-        if i == victim and len(out.outputs[0].token_ids) == 2:
+    asked = []
+
+    async def on_output(i, out):  # a lagging event loop may see 2 tokens first as 3 or more
+        if i == victim and len(out.outputs[0].token_ids) >= 2 and not asked:
+            asked.append(True)
             await engine.abort(victim)
 
     async def main():
