@@ -4,8 +4,8 @@ Every layer of a step reads the same sequences at the same lengths, so the plan 
 which rows, which masks) is made once per step and kept in ``AttentionMetadata.step_cache``
 under a ``("decode", dtype)`` key; each layer then reads its own blocks (``kv_gather.
 read_context``: a strided view of the cache where a group's block table is affine, as the plan
-found once for the step, else a gather into scratch) and calls ``scaled_dot_product_attention`` with the query heads of
-a KV head read against it (``enable_gqa``).
+found once for the step, else a gather into scratch) and calls ``scaled_dot_product_attention``
+with the query heads of a KV head read against it (``enable_gqa``).
 
 A batch of one length runs as one unmasked SDPA call. A batch of mixed lengths is cut into at
 most ``MAX_GROUPS`` groups of similar length (sorted by length, split where it saves the most

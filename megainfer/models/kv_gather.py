@@ -5,7 +5,7 @@ KV cache of one layer: ``kv[2, num_blocks, block_size, kv_heads, head_dim]`` (0 
 1 = values). Stock torch has no attention op that reads a block table (SDPA wants one strided
 tensor per batch). ``read_context`` hands SDPA a strided view of the cache itself when the
 table is affine (row r reads blocks ``first + r * stride + [0, nb)``: ``affine_layout``, checked
-once per step on the host), a cache in the query's float dtype; otherwise ``gather_context``
+once per step on the host) and the cache holds the query's float dtype; otherwise ``gather_context``
 copies the blocks (one ``index_select`` per half, at memory speed) into buffers that only grow,
 so their pages are touched once, and dequantises a low-bit cache (``megainfer.kernels.
 kv_quant``) there, only those blocks.
