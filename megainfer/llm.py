@@ -48,7 +48,8 @@ class LLM:
     runs once. From a plain ``python script.py``, a mode with several ranks starts them as an
     ``mpiexec`` child job and ends them the same ways (also when the script raises or gets
     SIGINT/SIGTERM). A rank that dies or hangs raises ``RankLostError`` (naming it) within
-    ``comm.timeout_s``. Re-planning (``replan.enabled``) runs in the launcher's batch jobs only.
+    ``comm.timeout_s``. Re-planning (``replan.enabled``) switches ranks between the engine
+    core's iterations (docs/replan.md, "Online").
     """
 
     def __init__(self, model: Union[str, ModelConfig], *, tokenizer: Optional[Tokenizer] = None,

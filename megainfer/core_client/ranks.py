@@ -33,6 +33,10 @@ def device_name(device) -> str:
 
 def single_engine(job: ResolvedJob, tokenizer=None):
     """Single mode: the whole model in this process and its ``LLMEngine``."""
+    if job.replan.enabled:  # nothing to re-plan: the one process holds every part
+        raise ConfigError("replan.enabled=true: re-planning moves ranks between attention and "
+                          "expert roles; deploy.mode=single has one process (re-planning runs "
+                          "in deploy.mode=disaggregated)")
     import torch
 
     from megainfer.engine import LLMEngine
@@ -58,12 +62,11 @@ def start_ranks(job: ResolvedJob, comm=None):
     """Collective over ``comm`` (default ``MPI.COMM_WORLD``; every rank calls it): build this
     rank's part of the job. Rank 0 returns its ``OnlineEngine`` (single mode, world 1: an
     ``LLMEngine``; else the runtime's ``RuntimeEngine``). Every other rank serves rank 0 until
-    rank 0 closes its engine, then returns None."""
+    rank 0 closes its engine, then returns None. A job its feature cannot run (re-planning:
+    ``replan.check_replan``) is refused by every rank alike before anything collective
+    (``startup.build_rank``)."""
     if job.deploy.mode == "single":
         return single_engine(job)
-    if job.replan.enabled:  # every rank refuses alike, before anything collective
-        raise ConfigError("replan.enabled=true: re-planning runs in megainfer-launch batch jobs "
-                          "only; LLM, AsyncLLM and megainfer-serve do not re-plan yet")
     import torch
     from mpi4py import MPI
 

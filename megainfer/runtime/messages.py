@@ -47,6 +47,7 @@ class Go:
     proceed: bool  # False: stop (or end the loop for a re-plan)
     items: list  # this replica's new requests (PromptInputs), or with PD its transfer messages
     aborts: list = field(default_factory=list)  # request ids this replica ends now (online)
+    stream: bool = False  # with the first share: leaders report each step's new tokens (online)
 
 
 # ---------------------------------------------------------------------- live EPLB
@@ -130,6 +131,7 @@ class ReplanOrder:
     new: tuple
     reason: str  # "forced" or the decision's description
     predicted_gain: float = float("nan")
+    online: bool = False  # the loops that resume serve online (leaders report new tokens)
 
     def name(self, p: tuple) -> str:
         """'a2e2', or 'a2e2m3' when the order changes the micro-batch count."""

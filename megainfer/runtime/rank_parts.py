@@ -64,7 +64,9 @@ class Feature:
     * ``check(job, world)``: refuse, before anything collective, a job the feature cannot run;
     * ``build(job, comm) -> Rank``: build instead of the base (calling it for the ranks it keeps);
     * ``traced(job, role)``: whether this rank records spans although ``trace.enabled`` is off;
-    * ``run(rank, inputs)``: run instead of the base (rank 0: a generator of outputs)."""
+    * ``run(rank, inputs)``: run instead of the base (rank 0: a generator of outputs);
+    * ``online(rank) -> OnlinePlug``: rank 0 serving online (``replicas/online.RuntimeEngine``)
+      hands the feature each iteration's end and its close (the other ranks still ``run``)."""
 
     name: str
     wants: Callable
@@ -72,6 +74,7 @@ class Feature:
     build: Optional[Callable] = None
     traced: Optional[Callable] = None
     run: Optional[Callable] = None
+    online: Optional[Callable] = None
 
 
 def build_expert(job, out: Rank, placement, side_comm, model=None) -> None:

@@ -10,7 +10,9 @@ sends every rank the order (``tags.REPLAN_ORDER``; None: the job is over), all s
 plan, predicted gain, the switch's cost, and at the next re-plan or the end the measured
 gain: the job's decode tokens per second over the iterations before and after) and keeps the
 list in
-``Rank.replans``. ``REPLAN`` is how the feature plugs into the start-up (``startup.py``).
+``Rank.replans``. ``REPLAN`` is how the feature plugs into the start-up (``startup.py``) and,
+online, into rank 0's ``RuntimeEngine`` (``replan/online.py``): there the phases end between
+the engine core's iterations and the other ranks run ``_serve`` as in a batch job.
 """
 from __future__ import annotations
 
@@ -72,19 +74,26 @@ def _rank0(r, inputs):
     ctl = ReplanController(r)
     r.loop.replan_hook = ctl.hook
     stream = r.loop.generate_stream(inputs)
-    world = r.comm.Get_size()
     while True:
         yield from stream
         order = r.loop.order
-        for k in range(1, world):
-            r.control.send(order, k, tags.REPLAN_ORDER)
+        order_switch(r, ctl, order)
         if order is None:
             break
-        ctl.switching(order)
-        rec = switch(r, order)
-        ctl.switched(rec)
         stream = r.loop.resume_stream()
     ctl.finish()
+
+
+def order_switch(r, ctl: "ReplanController", order) -> None:
+    """Rank 0: every rank gets ``order`` (``tags.REPLAN_ORDER``) and all switch to it,
+    recorded; None: the job is over (every rank's ``_serve`` returns)."""
+    for k in range(1, r.comm.Get_size()):
+        r.control.send(order, k, tags.REPLAN_ORDER)
+    if order is None:
+        return
+    ctl.switching(order)
+    rec = switch(r, order)
+    ctl.switched(rec)
 
 
 def _tokens_per_s(clock) -> float:
@@ -120,8 +129,11 @@ class ReplanController:
         plan = self.job.deploy
         cur = (plan.attention_replicas, plan.expert_ranks, plan.micro_batches)
         self.clock.append((time.perf_counter(), sum(v.running for v in loop.router.replicas)))
+        if len(self.clock) > 2 * (WINDOW + 1):  # bounded (online it runs on): the last
+            self._measure_last()  # switch's "after" is measured, the latest WINDOW kept
+            del self.clock[:-(WINDOW + 1)]
         running = loop.engine.scheduler.running
-        if running:
+        if running and not self.cfg.force_schedule:  # what measured decisions sample
             self.ctx[it - 1] = sum(q.num_computed_tokens for q in running) / len(running)
         if not self.cfg.force_schedule:  # measured decisions: record the next step's spans?
             self.rank.tracer.enabled = self.job.trace.enabled or records(it, self.cfg.interval)
@@ -236,5 +248,11 @@ def _traced(job, role) -> bool:
     return not job.replan.force_schedule and (role.rank == 0 or not role.is_attention)
 
 
+def _online(r):
+    """Rank 0's plug into its ``RuntimeEngine`` (``replicas/online.py``)."""
+    from megainfer.runtime.replan.online import OnlineReplanner
+    return OnlineReplanner(r)
+
+
 REPLAN = Feature("replan", wants=lambda job: job.replan.enabled, check=check_replan,
-                 traced=_traced, run=run_replanning)
+                 traced=_traced, run=run_replanning, online=_online)

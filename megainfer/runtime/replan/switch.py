@@ -172,11 +172,9 @@ def _rebuild(r, new_job, role, placement, expert_model, keep, order, bounded) ->
         build_attention(new_job, r, placement, engine=keep.engine if keep is not None else None)
         r.loop.engine.executor.iteration = order.iteration
         r.loop.engine.executor.m = plan.micro_batches  # a kept engine: the new count too
-        if keep is not None:
-            r.loop.ids = keep.ids
-            if keep.router is not None:  # rank 0: what is not handed out yet stays queued
-                _carry_router(keep.router, r.loop.router)
-            r.loop.replan_hook = keep.replan_hook
+        r.loop.stream = order.online
+        if keep is not None:  # rank 0: what is not handed out yet stays queued
+            r.loop.continue_from(keep)
     else:
         build_expert(new_job, r, placement, w.side_comm, model=expert_model)
         r.worker.iteration = order.iteration
@@ -186,10 +184,3 @@ def _rebuild(r, new_job, role, placement, expert_model, keep, order, bounded) ->
             import torch
             torch.cuda.empty_cache()
 
-
-def _carry_router(old, new) -> None:
-    new.pending = old.pending
-    new.iteration, new.matched_blocks = old.iteration, old.matched_blocks
-    for i in range(min(len(old.replicas), len(new.replicas))):
-        new.replicas[i] = old.replicas[i]
-        new.assigned[i] = old.assigned[i]

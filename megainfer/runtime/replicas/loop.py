@@ -20,7 +20,9 @@ the next go (``Go.aborts``); ``close`` runs the iteration that stops every rank
 
 Re-planning (docs/replan.md): rank 0's ``replan_hook`` may end the loop at an iteration
 boundary with an order (``self.order``) instead of a stop; the ranks then switch roles and
-the loops that remain go on with ``resume``/``resume_stream``, nothing finished lost.
+the loops that remain go on with ``resume``/``resume_stream`` (online: ``resume_online``),
+nothing finished lost: a kept engine's new loop takes the old one's state (``continue_from``).
+The aborts rank 0 holds when an order ends the loop wait for the loop that follows.
 """
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ from megainfer.runtime.messages import Go, ReplicaStatus
 from megainfer.runtime.replicas.request_router import (RequestRouter, prompt_tokens_of,
                                                       tracks_keys)
 from megainfer.runtime.roles import RankRole, attention_rank_ids, leader_ranks, replica_of
+
+ANY_REPLICA = -1  # rank 0, online: a request some replica holds, which one unknown (a re-plan)
 
 
 def kv_usage(engine) -> float:
@@ -77,12 +81,13 @@ class ReplicaLoop:
                                         use_keys=cache.enable_prefix_caching)
 
     def _send_to_attention_ranks(self, per_replica: list, tag: int, proceed: bool = True,
-                                 aborts=None) -> None:
+                                 aborts=None, stream: bool = False) -> None:
         """Rank 0: each other attention rank a ``Go`` with its replica's entry of
         ``per_replica`` (and of ``aborts``): the TP ranks of a replica get their leader's."""
         for rank in self.attn_ranks[1:]:
             r = replica_of(self.plan, rank)
-            self.control.send(Go(proceed, per_replica[r], aborts[r] if aborts else []), rank, tag)
+            self.control.send(Go(proceed, per_replica[r], aborts[r] if aborts else [], stream),
+                              rank, tag)
 
     # ------------------------------------------------------------------ rank 0
     def generate_stream(self, inputs: Iterable[PromptInput]) -> Iterator[RequestOutput]:
@@ -94,7 +99,7 @@ class ReplicaLoop:
         self.router.add(inputs)
         share = self.router.route()
         self._track(share)
-        self._send_to_attention_ranks(share, tags.REQUESTS)
+        self._send_to_attention_ranks(share, tags.REQUESTS, stream=self.stream)
         return share[0]
 
     # ------------------------------------------------------------------ rank 0, online
@@ -117,7 +122,10 @@ class ReplicaLoop:
             return RequestOutput.aborted(inp.request_id, inp.prompt, inp.prompt_token_ids,
                                          inp.params.n)
         replica = self.where.get(request_id)
-        if replica is not None:
+        if replica == ANY_REPLICA:  # moved in a re-plan: every replica, its holder ends it
+            for per_replica in self.aborts:
+                per_replica.append(request_id)
+        elif replica is not None:
             self.aborts[replica].append(request_id)
         return None
 
@@ -138,11 +146,30 @@ class ReplicaLoop:
         while self.running:
             self.iterate()
 
+    def resume_online(self) -> None:
+        """After a re-plan, rank 0 online: iterate again (the other ranks ``resume``)."""
+        self._start([])
+
+    def continue_from(self, old: "ReplicaLoop") -> None:
+        """A re-plan's loop over a kept engine: the old loop's request ids and hook; on rank 0
+        its hand-out queue and online state. Requests may have moved between replicas: rank 0
+        no longer knows which one holds each, so an abort of one goes to every replica (its
+        holder ends it, the others hold nothing of it); so do the aborts the order held back."""
+        self.ids, self.replan_hook = old.ids, old.replan_hook
+        if old.router is None:
+            return
+        self.router.take_over(old.router)
+        self.online, self.statuses = old.online, old.statuses
+        self.where = dict.fromkeys(old.where, ANY_REPLICA)
+        held = [rid for per_replica in old.aborts for rid in per_replica]
+        self.aborts = [list(held) for _ in self.leaders]
+
     # ------------------------------------------------------------------ other attention ranks
     def serve(self) -> None:
         """Attention ranks other than 0: take this replica's requests, run until told to stop."""
-        mine = self.control.recv(0, tags.REQUESTS, "request hand-out").items
-        for _ in self._loop(mine):
+        first = self.control.recv(0, tags.REQUESTS, "request hand-out")
+        self.stream = first.stream
+        for _ in self._loop(first.items):
             pass
 
     def resume(self) -> None:
@@ -246,13 +273,15 @@ class ReplicaLoop:
             busy = busy or st.busy
             self.router.update(replica, st.waiting, st.running, st.key_events)
         work = busy or bool(self.router.pending)
-        self.order = self.replan_hook(self, work) if self.replan_hook is not None else None
+        order = self.replan_hook(self, work) if self.replan_hook is not None else None
+        self.order = None if self.stop_now else order  # closing: no switch
         if self.order is not None or self.stop_now:  # end here: no hand-out (a re-plan's
             share, go = [[] for _ in self.leaders], False  # ranks switch roles; or closing)
         else:
             share = self.router.route()
             go = work or any(share) or self.online
         self._track(share)
-        aborts = self._take_aborts()
+        # an order's aborts wait for the next loop: the requests may change replica
+        aborts = [[] for _ in self.leaders] if self.order is not None else self._take_aborts()
         self._send_to_attention_ranks(share, tags.GO, proceed=go, aborts=aborts)
         return done, go, share[0], aborts[0]

@@ -8,15 +8,22 @@ tokens come from the prefill ranks' reports) and the outputs that finished. ``ab
 ends a request wherever it is (``ReplicaLoop.abort``). Nothing to do: the engine core waits
 for input up to ``idle_interval_s`` and then runs one empty iteration (``idle_tick``), so every
 rank's watch on the others (``comm.timeout_s``) stays alive while the ranks sleep between.
-``close`` runs the iteration that stops every rank. Re-planning is not served online: such a
-job is refused before anything starts (``ranks.start_ranks``).
+``close`` runs the iteration that stops every rank.
+
+A feature that acts between iterations plugs in at one named point, ``Feature.online(rank) ->
+OnlinePlug`` (re-planning: ``replan/online.py``; this module imports no feature): after every
+iteration ``between`` may end the loop's phase (a re-plan's switch of every rank) and hands
+back the loop to go on with; ``close`` releases the ranks that wait on it. While it works
+``switching`` is true: an iteration takes longer then, and the ranks are not lost (every wait
+of a switch is bounded by twice ``comm.timeout_s`` and a failure ends the engine, named).
+``replans``: the switches so far (``Rank.replans``' records).
 """
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Protocol
 
 from megainfer.engine.errors import DuplicateRequestError, RankLostError
 from megainfer.engine.intake import TokenizedPrompt
@@ -27,6 +34,14 @@ from megainfer.runtime.roles import assign_role
 log = logging.getLogger("megainfer.runtime")
 
 IDLE_TICKS_PER_TIMEOUT = 8  # idle iterations per comm.timeout_s (at most 2 per second)
+
+
+class OnlinePlug(Protocol):
+    switching: bool  # its work between two iterations runs now (another thread may read it)
+
+    def between(self, loop): ...  # after an iteration: the loop to go on with
+
+    def close(self) -> None: ...  # after the last iteration (the ranks told to stop)
 
 
 @dataclass(frozen=True)
@@ -52,7 +67,21 @@ class RuntimeEngine:
         self.closed = False
         self.num_iterations = 0
         self.last_iteration_at = time.monotonic()  # every rank answered then
+        feature = rank.feature
+        self.plug: Optional[OnlinePlug] = (feature.online(rank) if feature is not None
+                                           and feature.online is not None else None)
         self.loop.open_online()
+
+    @property
+    def switching(self) -> bool:
+        """A plug's work between iterations runs (a re-plan's switch): no iteration comes until
+        it ends, and no rank is lost for that (``last_iteration_at`` is set when it ends)."""
+        return self.plug is not None and self.plug.switching
+
+    @property
+    def replans(self) -> list:
+        """The re-plans so far, one record each (``Rank.replans``; empty without re-planning)."""
+        return list(self.rank.replans)
 
     @property
     def tokenizer(self):
@@ -99,6 +128,9 @@ class RuntimeEngine:
     def step_outputs(self) -> StepOutputs:
         try:
             done = self.loop.iterate()
+            new_tokens = list(self.loop.new_tokens)
+            if self.plug is not None:
+                self.loop = self.plug.between(self.loop)
         except BaseException as e:
             self.failed = e
             raise self._named(e) from e
@@ -108,7 +140,7 @@ class RuntimeEngine:
         for out in done:
             if self.requests.pop(str(out.request_id), None) is not None:
                 finished.append(out)  # (an output of a request aborted here already: dropped)
-        return StepOutputs(list(self.loop.new_tokens), finished)
+        return StepOutputs(new_tokens, finished)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -137,6 +169,8 @@ class RuntimeEngine:
         try:
             if self.failed is None:
                 self.loop.close()
+                if self.plug is not None:
+                    self.plug.close()
         finally:
             self.rank.close()
             log.info("%s runtime closed after %d iterations", self.log_prefix,

@@ -108,6 +108,15 @@ class RequestRouter:
                 return item
         return None
 
+    def take_over(self, old: "RequestRouter") -> None:
+        """A re-plan's router (another replica count): the old one's queue and counters, and
+        its views of the replicas both have."""
+        self.pending = old.pending
+        self.iteration, self.matched_blocks = old.iteration, old.matched_blocks
+        for i in range(min(len(old.replicas), len(self.replicas))):
+            self.replicas[i] = old.replicas[i]
+            self.assigned[i] = old.assigned[i]
+
     def update(self, replica: int, waiting: int, running: int, events=()) -> None:
         v = self.replicas[replica]
         v.waiting, v.running = waiting, running

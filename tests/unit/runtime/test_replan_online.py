@@ -1,0 +1,51 @@
+"""Re-planning online, what needs no ranks: single mode refuses ``replan.enabled`` naming it
+(one process has nothing to re-plan); rank 0's controller, stepped for as long as a server
+runs, keeps a bounded clock and still measures the last switch's gain."""
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from megainfer.config import ConfigError, ReplanConfig
+from megainfer.runtime.replan.runner import WINDOW, ReplanController
+
+
+def test_single_mode_refuses_replanning_naming_it(tiny_ckpts):
+    from megainfer import LLM
+    with pytest.raises(ConfigError, match=r"replan\.enabled=true.*deploy\.mode=single"):
+        LLM(tiny_ckpts[("mixtral", "base")], overrides=["replan.enabled=true"])
+
+
+def _controller():
+    job = SimpleNamespace(replan=ReplanConfig(enabled=True, force_schedule=((10 ** 9, "a2e1"),)),
+                          trace=SimpleNamespace(enabled=False),
+                          deploy=SimpleNamespace(attention_replicas=1, expert_ranks=2,
+                                                 micro_batches=2))
+    rank = SimpleNamespace(job=job, replans=[], replan_decisions=[],
+                           tracer=SimpleNamespace(events=[]))
+    return ReplanController(rank), rank
+
+
+def _loop(it, running):
+    seqs = [SimpleNamespace(num_computed_tokens=5)] * running
+    return SimpleNamespace(engine=SimpleNamespace(executor=SimpleNamespace(iteration=it),
+                                                  scheduler=SimpleNamespace(running=seqs)),
+                           router=SimpleNamespace(replicas=[SimpleNamespace(running=running)]))
+
+
+def test_the_controllers_clock_stays_bounded_and_measures_the_last_switch():
+    ctl, rank = _controller()
+    for it in range(40):
+        assert ctl.hook(_loop(it, 2), True) is None  # the forced switch is far away
+    ctl.switching(None)
+    rec = dict(iteration=40, old="a1e2", new="a2e1", reason="forced", seconds=0.1,
+               predicted_gain=float("nan"), weight_bytes=0, move=0, kv_bytes=0, recompute=0,
+               waiting=0, multi=0)
+    ctl.switched(rec)
+    assert math.isfinite(rec["tokens_per_s_before"])
+    for it in range(40, 10_040):  # a server's iterations, idle ones included
+        ctl.hook(_loop(it, 4), it < 60)
+        assert len(ctl.clock) <= 2 * (WINDOW + 1)
+    assert math.isfinite(rec["tokens_per_s_after"]) and "measured_gain" in rec
+    assert not ctl.ctx  # forced switches sample nothing
+    assert rank.replans == [rec]
