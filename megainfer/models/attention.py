@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from megainfer.kernels import kv_quant
 
 from .decode_attention import decode_attention
-from .kv_gather import gather_context
+from .kv_gather import affine_layout, read_context
 
 
 @dataclass
@@ -176,7 +176,10 @@ def _prefill_one(q, kv_cache, meta, i, start, n, scale, out):
     L = meta.seq_lens_list[i]
     ctx = L - n
     blocks = meta.block_tables[i, : math.ceil(L / meta.block_size)]
-    keys, vals = gather_context(kv_cache, blocks, L, q.dtype)  # [L, Hkv, D]
+    key = ("prefill layout", i)  # the same for every layer of the step
+    if key not in meta.step_cache:
+        meta.step_cache[key] = affine_layout(blocks)
+    keys, vals = read_context(kv_cache, blocks, L, q.dtype, meta.step_cache[key])  # [L, Hkv, D]
     qpos = torch.arange(ctx, L, device=q.device)[:, None]
     mask = torch.arange(L, device=q.device)[None, :] <= qpos  # [n, L]
     o = F.scaled_dot_product_attention(q[start:start + n].transpose(0, 1), keys.transpose(0, 1),

@@ -2,9 +2,10 @@
 
 Every layer of a step reads the same sequences at the same lengths, so the plan (which blocks,
 which rows, which masks) is made once per step and kept in ``AttentionMetadata.step_cache``
-under a ``("decode", dtype)`` key; each layer then gathers its own blocks
-(``kv_gather.gather_context``) and calls ``scaled_dot_product_attention`` with the query heads of
-a KV head read against it (``enable_gqa``).
+under a ``("decode", dtype)`` key; each layer then reads its own blocks (``kv_gather.
+read_context``: a strided view of the cache where a group's block table is affine, as the plan
+found once for the step, else a gather into scratch) and calls ``scaled_dot_product_attention``
+with the query heads of a KV head read against it (``enable_gqa``).
 
 A batch of one length runs as one unmasked SDPA call. A batch of mixed lengths is cut into at
 most ``MAX_GROUPS`` groups of similar length (sorted by length, split where it saves the most
@@ -21,7 +22,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .kv_gather import gather_context
+from .kv_gather import affine_layout, read_context
 
 MAX_GROUPS = 4
 # the host cost of one more group per layer (two gathers and an SDPA call, ~25 us at 1 thread on
@@ -35,13 +36,15 @@ class DecodeGroup:
     """Rows [start, stop) of the length-sorted decode batch, read up to ``length`` tokens.
 
     blocks [n, nb] block ids; mask [n, 1, 1, length] additive (0 / -inf) in the query dtype,
-    None when every row of the group has ``length`` tokens."""
+    None when every row of the group has ``length`` tokens; layout: ``kv_gather.affine_layout``
+    of ``blocks`` (the group is read in place), None when it must be gathered."""
 
     start: int
     stop: int
     length: int
     blocks: torch.Tensor
     mask: Optional[torch.Tensor]
+    layout: Optional[tuple[int, int]] = None
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,7 @@ def decode_plan(meta, dtype: torch.dtype, device, row_bytes: int) -> DecodePlan:
             keep = torch.arange(L, device=device)[None, :] < meta.seq_lens[rows][:, None]
             mask = torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill_(
                 ~keep, float("-inf"))[:, None, None, :]  # [n, 1, 1, L]
-        groups.append(DecodeGroup(start, stop, L, blocks, mask))
+        groups.append(DecodeGroup(start, stop, L, blocks, mask, affine_layout(blocks)))
     plan = meta.step_cache[key] = DecodePlan(tuple(groups), order, restore)
     return plan
 
@@ -125,7 +128,7 @@ def decode_attention(qd: torch.Tensor, kv_cache: torch.Tensor, meta, scale: floa
         qd = qd.index_select(0, plan.order)  # [S_d, Hq, D] sorted by length
     outs = []
     for g in plan.groups:
-        keys, vals = gather_context(kv_cache, g.blocks, g.length, qd.dtype)  # [n, L, Hkv, D]
+        keys, vals = read_context(kv_cache, g.blocks, g.length, qd.dtype, g.layout)  # [n, L, Hkv, D]
         # enable_gqa: query head h reads kv head h // group, without materialising repeated K/V
         o = F.scaled_dot_product_attention(
             qd[g.start:g.stop, :, None, :], keys.transpose(1, 2), vals.transpose(1, 2),

@@ -1,15 +1,19 @@
-"""A step's blocks read out of one layer's paged KV cache into reused scratch buffers.
+"""A step's blocks read out of one layer's paged KV cache: in place where the block table
+allows it, else copied into reused scratch buffers.
 
 KV cache of one layer: ``kv[2, num_blocks, block_size, kv_heads, head_dim]`` (0 = keys,
-1 = values). ``gather_context`` copies the blocks a batch of sequences reads (one
-``index_select`` per half, at memory speed) and, for a low-bit cache (``megainfer.kernels.
-kv_quant``), dequantises only those blocks. Stock torch has no attention op that reads a block
-table in place (SDPA wants one strided tensor per batch), so the copy stays; it lands in buffers
-that only grow, so its pages are touched once.
+1 = values). Stock torch has no attention op that reads a block table (SDPA wants one strided
+tensor per batch). ``read_context`` hands SDPA a strided view of the cache itself when the
+table is affine (row r reads blocks ``first + r * stride + [0, nb)``: ``affine_layout``, checked
+once per step on the host) and the cache holds the query's float dtype; otherwise ``gather_context``
+copies the blocks (one ``index_select`` per half, at memory speed) into buffers that only grow,
+so their pages are touched once, and dequantises a low-bit cache (``megainfer.kernels.
+kv_quant``) there, only those blocks.
 """
 from __future__ import annotations
 
 import threading
+from typing import Optional
 
 import torch
 
@@ -59,3 +63,47 @@ def gather_context(kv_cache: torch.Tensor, blocks: torch.Tensor, length: int,
     elif dtype is not None and kc.dtype != dtype:  # a cache kept in another float dtype
         kc, vc = kc.to(dtype), vc.to(dtype)
     return kc, vc
+
+
+def affine_layout(blocks: torch.Tensor) -> Optional[tuple[int, int]]:
+    """blocks [nb] or [n, nb] on the host -> (first, stride) when row r's blocks are
+    ``first + r * stride + [0, nb)`` (each row one run, the runs equally spaced), else None;
+    None on a device (the check would wait for it). One host copy of the table."""
+    if blocks.device.type != "cpu" or blocks.numel() == 0:
+        return None
+    rows = blocks.reshape(-1, blocks.shape[-1]).tolist()
+    first, nb = rows[0][0], len(rows[0])
+    stride = rows[1][0] - first if len(rows) > 1 else nb
+    if stride < 0:
+        return None
+    for r, row in enumerate(rows):
+        start = first + r * stride
+        if row != list(range(start, start + nb)):
+            return None
+    return first, stride
+
+
+def context_in_place(kv_cache: torch.Tensor, blocks: torch.Tensor, length: int,
+                     layout: Optional[tuple[int, int]], dtype: torch.dtype = None):
+    """The keys, values [..., length, Hkv, D] of ``blocks`` [..., nb] as strided views of the
+    cache, or None where they must be copied: no affine ``layout``, a low-bit cache, a cache in
+    another dtype than ``dtype``, or a cache that is not one contiguous tensor."""
+    if (layout is None or kv_quant.format_of(kv_cache) != "auto" or not kv_cache.is_contiguous()
+            or (dtype is not None and kv_cache.dtype != dtype)):
+        return None
+    first, stride = layout
+    _, NB, BS, H, D = kv_cache.shape  # [2, NB, BS, Hkv, D]
+    rows = blocks.numel() // blocks.shape[-1]
+    size, strides = (rows, length, H, D), (stride * BS * H * D, H * D, D, 1)
+    at = kv_cache.storage_offset() + first * BS * H * D
+    shape = (*blocks.shape[:-1], length, H, D)
+    return (kv_cache.as_strided(size, strides, at).view(shape),
+            kv_cache.as_strided(size, strides, at + NB * BS * H * D).view(shape))
+
+
+def read_context(kv_cache: torch.Tensor, blocks: torch.Tensor, length: int,
+                 dtype: torch.dtype = None, layout: Optional[tuple[int, int]] = None):
+    """``context_in_place`` where it applies, else ``gather_context``: keys, values
+    [..., length, Hkv, D] (views, valid until the cache or the next gather is written)."""
+    kv = context_in_place(kv_cache, blocks, length, layout, dtype)
+    return kv if kv is not None else gather_context(kv_cache, blocks, length, dtype)

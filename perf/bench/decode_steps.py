@@ -102,3 +102,15 @@ def time_once(fn) -> float:
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
+
+
+class ScatteredStep(OursStep):
+    """``OursStep`` with its block ids shuffled over the rows (seeded): no row is one run of
+    blocks, as in an engine whose freed blocks came back in another order; every layer gathers."""
+
+    def __init__(self, model, B: int, ctx: int, block: int = 16):
+        super().__init__(model, B, ctx, block)
+        flat = [b for row in self.tables for b in row]
+        perm = torch.randperm(len(flat), generator=torch.Generator().manual_seed(B)).tolist()
+        nb = len(self.tables[0])
+        self.tables = [[flat[perm[s * nb + j]] for j in range(nb)] for s in range(B)]

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from megainfer.models import decode_attention as da
+from megainfer.models import kv_gather
 from megainfer.models.attention import AttentionMetadata, paged_attention
 from megainfer.models.kv_spec import KVCacheSpec
 
@@ -38,17 +39,32 @@ def _reference(q, keys, vals, lens, scale):
     return torch.stack(out)
 
 
-def _step(lens, fmt="auto", seed=0):
+def _tables(nbs, layout, g):
+    """Block ids of rows needing ``nbs`` blocks, from block 1 on: scattered (a random
+    permutation), adjacent (row after row) or gapped (rows 3 blocks apart) -> (tables, blocks
+    the cache needs)."""
+    if layout == "scattered":
+        perm = torch.randperm(sum(nbs), generator=g).add(1).tolist()
+        tables, at = [], 0
+        for n in nbs:
+            tables.append(perm[at:at + n])
+            at += n
+        return tables, sum(nbs) + 1
+    gap, tables, at = {"adjacent": 0, "gapped": 3}[layout], [], 1
+    for n in nbs:
+        tables.append(list(range(at, at + n)))
+        at += n + gap
+    return tables, at
+
+
+def _step(lens, fmt="auto", seed=0, layout="scattered"):
     """One decode step of len(lens) sequences whose contexts are ``lens`` tokens (the new one
-    included), blocks scattered over the cache -> (ours, reference, meta)."""
+    included), blocks laid out as ``_tables`` says (scattered over the cache unless told)
+    -> (ours, reference, meta)."""
     g = torch.Generator().manual_seed(seed)
     nbs = [-(-L // BS) for L in lens]
-    perm = torch.randperm(sum(nbs), generator=g).add(1).tolist()
-    tables, at = [], 0
-    for n in nbs:
-        tables.append(perm[at:at + n])
-        at += n
-    cache = KVCacheSpec("gqa", (2, Hkv, D), torch.float32, 1, fmt).allocate(sum(nbs) + 1, BS)[0]
+    tables, num_blocks = _tables(nbs, layout, g)
+    cache = KVCacheSpec("gqa", (2, Hkv, D), torch.float32, 1, fmt).allocate(num_blocks, BS)[0]
     keys = [torch.randn(L, Hkv, D, generator=g) for L in lens]
     vals = [torch.randn(L, Hkv, D, generator=g) for L in lens]
     prefill = AttentionMetadata.build([L - 1 for L in lens], [0] * len(lens), tables, BS)
@@ -92,3 +108,65 @@ def test_groups_read_a_low_bit_cache_as_one_batch_does(fmt, monkeypatch):
     single, _, meta = _step(lens, fmt)
     assert len(meta.step_cache[("decode", torch.float32)].groups) == 1
     torch.testing.assert_close(grouped, single, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout,lens,in_place", [
+    ("adjacent", [101] * 6, True),      # one strided view of the cache, no gather
+    ("gapped", [40] * 5, True),         # rows equally spaced with free blocks between
+    ("adjacent", [33], True),           # one row
+    ("adjacent", [100, 98, 101], True),  # one group, the same block count, masked rows
+    ("scattered", [101] * 6, False),    # not affine: gathered
+    ("adjacent", [20, 101, 64], False),  # rows of other block counts (padded table): gathered
+])
+def test_affine_block_tables_are_read_in_place(layout, lens, in_place, monkeypatch):
+    """Where every row's blocks are one run and the runs are equally spaced, decode attention
+    reads the cache through a strided view (no gather) and still equals attention over each
+    sequence's own context."""
+    gathers = []
+    real = kv_gather.gather_context
+    monkeypatch.setattr(kv_gather, "gather_context",
+                        lambda *a, **k: gathers.append(a[1].shape) or real(*a, **k))
+    monkeypatch.setattr(da, "MAX_GROUPS", 1)
+    got, want, meta = _step(lens, layout=layout)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    plan = meta.step_cache[("decode", torch.float32)]
+    decode_gathers = [s for s in gathers if len(s) == 2]  # the prefill's own are 1-D
+    assert (plan.groups[0].layout is not None) == in_place
+    assert (not decode_gathers) == in_place
+
+
+@pytest.mark.parametrize("fmt", ["auto", "fp8_e4m3"])
+def test_prefill_reads_contiguous_blocks_in_place(fmt, monkeypatch):
+    """A prefill chunk over one run of blocks reads them in place (a float cache) and equals
+    the gathered read; a low-bit cache is still dequantised from a gather."""
+    gathers = []
+    real = kv_gather.gather_context
+    monkeypatch.setattr(kv_gather, "gather_context",
+                        lambda *a, **k: gathers.append(a[1].shape) or real(*a, **k))
+    lens = [37, 45]  # 3 blocks each: the decode step is one affine group too
+    got, want, _ = _step(lens, fmt, layout="adjacent")
+    if fmt == "auto":
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert not gathers
+    else:
+        assert len(gathers) == 3  # prefill: 2 sequences; decode: one group of 2 rows
+    g = torch.Generator().manual_seed(5)
+    cache = KVCacheSpec("gqa", (2, Hkv, D), torch.float32, 1, fmt).allocate(8, BS)[0]
+    k, v = torch.randn(2, 40, Hkv, D, generator=g)
+    q = torch.randn(40, Hq, D, generator=g)
+    in_place = paged_attention(q, k, v, cache, AttentionMetadata.build([40], [0], [[2, 3, 4]], BS),
+                               D ** -0.5)
+    cache.zero_()
+    gathered = paged_attention(q, k, v, cache, AttentionMetadata.build([40], [0], [[5, 2, 7]], BS),
+                               D ** -0.5)
+    torch.testing.assert_close(in_place, gathered, rtol=1e-6, atol=1e-6)
+
+
+def test_affine_layout():
+    t = torch.tensor
+    assert kv_gather.affine_layout(t([[3, 4, 5], [6, 7, 8]])) == (3, 3)
+    assert kv_gather.affine_layout(t([[3, 4], [9, 10], [15, 16]])) == (3, 6)
+    assert kv_gather.affine_layout(t([7, 8, 9])) == (7, 3)
+    assert kv_gather.affine_layout(t([[3, 4], [9, 10], [16, 17]])) is None  # unequal spacing
+    assert kv_gather.affine_layout(t([[3, 5], [9, 11]])) is None  # a row is not one run
+    assert kv_gather.affine_layout(t([[9, 10], [3, 4]])) is None  # descending rows
