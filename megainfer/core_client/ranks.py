@@ -70,7 +70,6 @@ def start_ranks(job: ResolvedJob, comm=None):
     import torch
     from mpi4py import MPI
 
-    from megainfer.runtime.pipeline.expert_worker import ExpertWorker
     from megainfer.runtime.replicas.online import RuntimeEngine
     from megainfer.runtime.span_report import ExpertSpanReporter
     from megainfer.runtime.startup import build_rank, run_rank
@@ -80,8 +79,8 @@ def start_ranks(job: ResolvedJob, comm=None):
     r = build_rank(job, comm)
     if r.role.rank == 0:
         return RuntimeEngine(r)
-    if isinstance(r.worker, ExpertWorker) and r.tracer.enabled and not r.tracer.cuda:
-        r.worker.on_iteration = ExpertSpanReporter(r.comm, r.tracer)  # T_e, T_c to rank 0
+    if job.trace.enabled and not r.tracer.cuda:  # T_e, T_c to rank 0 (a re-plan may make any
+        r.expert_hooks.append(ExpertSpanReporter(r))  # rank an expert rank)
     try:
         run_rank(r)  # serves until rank 0's last iteration says stop
     finally:

@@ -46,6 +46,9 @@ class Rank:
     loop: Optional[ReplicaLoop] = None
     worker: Optional[object] = None  # ExpertWorker | PrefillWorker
     closers: list = field(default_factory=list)
+    # what runs after each iteration this rank serves as an expert rank (ExpertWorker's
+    # ``iteration_hooks``): the same list for every worker a re-plan builds here
+    expert_hooks: list = field(default_factory=list)
     feature: Optional["Feature"] = None  # the mode plugged in at start-up (None: the base)
     replans: list = field(default_factory=list)  # rank 0 of a re-planning job: each switch
     replan_decisions: list = field(default_factory=list)  # ... and each measured decision
@@ -91,6 +94,7 @@ def build_expert(job, out: Rank, placement, side_comm, model=None) -> None:
                                                             job.comm.transport))
     out.worker = ExpertWorker(model, plan.micro_batches, ExpertExchange(out.m2n), out.role.tag,
                               out.tracer, rebalancer)
+    out.worker.iteration_hooks = out.expert_hooks
 
 
 def slot_owner(placement, device) -> torch.Tensor:

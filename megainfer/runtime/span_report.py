@@ -1,7 +1,7 @@
 """The pipeline's T_e and T_c while a runtime serves (trace.enabled=true, cpu): the expert ranks'
 spans reach rank 0 as the job runs, not only in the trace merged at a batch job's end.
 
-* ``ExpertSpanReporter`` (an expert rank's ``ExpertWorker.on_iteration``): every
+* ``ExpertSpanReporter`` (one of a rank's ``Rank.expert_hooks``): every
   ``REPORT_EVERY`` iterations its new ``expert`` spans (T_e) and its A2E receive waits go to
   rank 0 as one ``messages.ExpertSpans`` (``tags.SERVE_SPANS``, non-blocking).
 * ``PipelineSpans`` (rank 0): its own MoE attention spans (T_a), and whatever ``ExpertSpans``
@@ -31,21 +31,27 @@ def _key(e: dict) -> tuple:
 
 
 class ExpertSpanReporter:
-    def __init__(self, comm, tracer, every: int = REPORT_EVERY):
-        self.comm, self.tracer, self.every = comm, tracer, every
-        self.seen, self.pending = len(tracer.events), []
+    """Reads the rank's communicator and tracer at each report (a re-plan replaces the first
+    and may clear the second's events)."""
+
+    def __init__(self, rank, every: int = REPORT_EVERY):
+        self.rank, self.every = rank, every
+        self.seen, self.pending = len(rank.tracer.events), []
 
     def __call__(self, worker) -> None:
         if worker.iteration % self.every:
             return
-        events = self.tracer.events[self.seen:]
-        self.seen = len(self.tracer.events)
-        msg = ExpertSpans(self.comm.Get_rank(),
+        comm, tracer = self.rank.comm, self.rank.tracer
+        if self.seen > len(tracer.events):  # cleared since
+            self.seen = 0
+        events = tracer.events[self.seen:]
+        self.seen = len(tracer.events)
+        msg = ExpertSpans(comm.Get_rank(),
                           [e["dur"] / 1e6 for e in events if e["cat"] == EXPERT],
                           [(_key(e), e["ts"] + e["dur"]) for e in events
                            if e["cat"] == A2E and is_wait(e) and e["dur"] > 0])
         self.pending = [r for r in self.pending if not r.Test()]
-        self.pending.append(self.comm.isend(msg, dest=0, tag=tags.SERVE_SPANS))
+        self.pending.append(comm.isend(msg, dest=0, tag=tags.SERVE_SPANS))
 
 
 @dataclass

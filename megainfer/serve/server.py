@@ -75,11 +75,15 @@ def make_server(client: EngineClient, cfg: ServeConfig, model_dir: Optional[str]
 
 
 WATCH_INTERVAL_S = 0.2
+# a dead core: /health answers 503 (and requests 503 engine_dead) this long before the server
+# stops, so a probe or load balancer sees why rather than only a refused connection
+DEAD_LINGER_S = 2.0
 
 
 class CoreWatchdog:
     """Stops the server when the engine core dies (a rank lost, an iteration that raised):
-    logs the error once, turns new requests away (503) and lets uvicorn shut down. In-flight
+    logs the error once, turns new requests away (503), answers /health 503 for
+    ``DEAD_LINGER_S`` and lets uvicorn shut down. In-flight
     requests have already ended with an error event (``AsyncLLM`` hands every waiter the
     core's error). ``error``: what the core died of, None while it lives or after a shutdown
     of ours."""
@@ -103,6 +107,7 @@ class CoreWatchdog:
                 print(f"[serve] error: engine core died: {self.describe()}; stopping the "
                       "server", file=sys.stderr, flush=True)  # once (stderr: seen under mpiexec)
                 self.client.draining = True
+                self.stop.wait(DEAD_LINGER_S)
                 self.server.should_exit = True
                 return
 

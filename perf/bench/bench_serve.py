@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -59,17 +60,35 @@ def bench_args(port, n, rate, conc, a):
                             + (["--max-concurrency", str(conc)] if conc else []))
 
 
+def engine_iterations(port: int) -> tuple[float, float]:
+    """(seconds, count) of the server's ``iteration_time_seconds`` so far, every role."""
+    import httpx
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    total = [0.0, 0.0]
+    for i, part in enumerate(("sum", "count")):
+        for v in re.findall(rf"^megainfer:iteration_time_seconds_{part}\{{[^}}]*\}} (\S+)$", text,
+                            re.M):
+            total[i] += float(v)
+    return total[0], total[1]
+
+
 def run_bench(server: ServerProcess, reqs, rate, conc, a) -> dict:
-    """One benchmark run; with the server's (every rank's) and this client's CPU seconds."""
+    """One benchmark run; with the server's (every rank's) and this client's CPU seconds, and
+    the engine core's own iteration time in it (``engine_busy_s``: how much of the run the core
+    spent iterating, as it times itself)."""
     from megainfer.serve import bench
     ba = bench_args(server.port, len(reqs), rate, conc, a)
     c_srv, c_cli = server.cpu_s(), time.process_time()
+    busy0, iters0 = engine_iterations(server.port)
     res, dur = asyncio.run(bench.run(ba, reqs))
     d = bench.summarize(ba, res, dur)
     d["server_cpu_s"] = sum(server.cpu_s()) - sum(c_srv)
     d["client_cpu_s"] = time.process_time() - c_cli
+    busy1, iters1 = engine_iterations(server.port)
+    d["engine_busy_s"], d["engine_iterations"] = busy1 - busy0, iters1 - iters0
     print(bench.table(ba, d), f"\nserver CPU {d['server_cpu_s']:.2f} s, client CPU "
-          f"{d['client_cpu_s']:.2f} s", flush=True)
+          f"{d['client_cpu_s']:.2f} s, engine core iterating {d['engine_busy_s']:.2f} s of "
+          f"{dur:.2f} s ({d['engine_iterations']:.0f} iterations)", flush=True)
     return {k: v for k, v in d.items() if k not in ("input_lens", "output_lens", "ttfts",
                                                     "itls", "errors")}
 
@@ -89,11 +108,12 @@ class OfflineEngine:
         self.llm.generate([r.prompt for r in reqs[:4]], self.params, use_tqdm=False)  # warm-up
 
     def generate(self) -> dict:
-        t, c = time.perf_counter(), time.process_time()
+        t, c, steps = time.perf_counter(), time.process_time(), self.llm.engine.num_steps
         outs = self.llm.generate([r.prompt for r in self.reqs], self.params, use_tqdm=False)
         s, cpu = time.perf_counter() - t, time.process_time() - c
         tok = sum(len(o.outputs[0].token_ids) for o in outs)
-        return {"seconds": s, "cpu_s": cpu, "output_tokens": tok, "output_throughput": tok / s}
+        return {"seconds": s, "cpu_s": cpu, "output_tokens": tok, "output_throughput": tok / s,
+                "iterations": self.llm.engine.num_steps - steps}
 
     def prefill_s(self) -> float:
         pre = []
@@ -118,10 +138,16 @@ def single_goals(server: "ServerProcess", reqs, a) -> dict:
                      "one_at_a_time": low,
                      "saturated_vs_offline": sat["output_throughput"] / o["output_throughput"],
                      "saturated_server_cpu_vs_offline_cpu": sat["server_cpu_s"] / o["cpu_s"],
+                     # the served core's mean iteration against the offline engine's (the same
+                     # requests; what the frontend's work next to it costs the engine itself)
+                     "served_iteration_ms": 1e3 * sat["engine_busy_s"] / sat["engine_iterations"],
+                     "offline_iteration_ms": 1e3 * o["seconds"] / o["iterations"],
+                     "saturated_engine_busy_fraction": sat["engine_busy_s"] / sat["duration"],
                      "ttft_vs_prefill_plus_5ms": low["median_ttft_ms"] / 1000 / (pre + 0.005)})
     med = {k: statistics.median(r[k] for r in reps) for k in (
         "saturated_vs_offline", "saturated_server_cpu_vs_offline_cpu",
-        "ttft_vs_prefill_plus_5ms")}
+        "ttft_vs_prefill_plus_5ms", "served_iteration_ms", "offline_iteration_ms",
+        "saturated_engine_busy_fraction")}
     for k, f in (("offline_tok_s", lambda r: r["offline"]["output_throughput"]),
                  ("saturated_tok_s", lambda r: r["saturated"]["output_throughput"]),
                  ("engine_prefill_ms", lambda r: 1e3 * r["engine_prefill_s"]),
@@ -259,7 +285,10 @@ def main():
               f"{med['ttft_vs_prefill_plus_5ms']:.3f}, goal <= 1.2; each pair: "
               + ", ".join(f"{r['ttft_vs_prefill_plus_5ms']:.2f}" for r in pairs)
               + "); saturated server CPU / offline CPU "
-              f"{med['saturated_server_cpu_vs_offline_cpu']:.3f}")
+              f"{med['saturated_server_cpu_vs_offline_cpu']:.3f}; the engine core iterating "
+              f"{100 * med['saturated_engine_busy_fraction']:.0f}% of the saturated run, "
+              f"{med['served_iteration_ms']:.1f} ms an iteration vs the offline engine's "
+              f"{med['offline_iteration_ms']:.1f} ms")
     for name, m in modes.items():
         print(f"{name}: idle CPU per rank (% of a core) "
               + ", ".join(f"{100 * c:.2f}" for c in m["idle_cpu_per_rank"])

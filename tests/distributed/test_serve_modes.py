@@ -120,9 +120,12 @@ def test_served_mode_equals_single_mode(ckpt, template, want, ranks, deploy, tra
         assert (kv >= 12) if deploy == "p1a1e2" else kv == 0  # every PD request handed its KV
         t_a = gauge(url, "attention_layer_seconds_count")  # rank 0's T_a spans: tracing on
         assert (t_a > 0) if trace else t_a == 0
-        t_e = gauge(url, "expert_layer_seconds_count")  # the expert ranks' T_e spans
-        t_c = gauge(url, "a2e_latency_seconds_count")  # T_c: blocked expert waits
-        assert (t_e > 0 and t_c > 0) if trace else t_e == t_c == 0
+        spans = lambda: (gauge(url, "expert_layer_seconds_count"),  # noqa: E731 - T_e, and
+                         gauge(url, "a2e_latency_seconds_count"))  # T_c: blocked expert waits
+        if trace:  # the expert ranks report every few iterations, rank 0 takes what arrived
+            wait_for(lambda: min(spans()) > 0, 10, f"T_e and T_c spans, got {spans()}")
+        else:
+            assert spans() == (0, 0)
         srv.signal(signal.SIGTERM)
         assert srv.wait(60) == 0, srv.output()
         wait_for(lambda: not srv.alive_pids(), 10, "every rank gone")

@@ -4,7 +4,8 @@
 come): through the official openai client, concurrent streams across the switches, then
 completions, streamed and not, on the plan they left, give the greedy text ``LLM.generate``
 gives in single mode; ``megainfer:replans_total`` counts the three switches and ``/health``
-stays 200; SIGTERM drains and the job exits 0, leaving no process."""
+stays 200; with tracing on, the expert ranks' T_e spans keep reaching rank 0 from the workers
+the switches rebuilt; SIGTERM drains and the job exits 0, leaving no process."""
 import asyncio
 import signal
 
@@ -27,7 +28,7 @@ def test_served_replanning_equals_single_mode(tiny_ckpts, plain):
         use_tqdm=False)]
     srv = MpiServe(None if plain else 3, [
         "deploy=a1e2", f"model.path={ckpt}", "serve.served_model_name=tiny", *OVERRIDES,
-        "replan.enabled=true", f"replan.force_schedule={FORCE}"])
+        "replan.enabled=true", f"replan.force_schedule={FORCE}", "trace.enabled=true"])
     try:
         url = srv.url
         assert httpx.get(url + "/health").status_code == 200
@@ -44,7 +45,10 @@ def test_served_replanning_equals_single_mode(tiny_ckpts, plain):
         chunks = list(client.completions.create(model="tiny", prompt=PROMPTS[5], max_tokens=9,
                                                 temperature=0, stream=True))
         assert "".join(c.choices[0].text for c in chunks if c.choices) == want[5]
+        t_e = gauge(url, "expert_layer_seconds_count")
         assert asyncio.run(_streams(url, 8)) == want  # two replicas now
+        wait_for(lambda: gauge(url, "expert_layer_seconds_count") > t_e, 10,
+                 "T_e from the expert rank the last switch rebuilt")
         assert httpx.get(url + "/health").status_code == 200
         assert gauge(url, "replans_total") == 3  # no more
         srv.signal(signal.SIGTERM)

@@ -25,7 +25,9 @@ class ExpertWorker:
         # those lanes already hold their attention side's dispatch and combine
         self.trace_comm = trace_comm
         self.iteration = 0
-        self.on_iteration = None  # called after each served iteration (re-planning's samples)
+        # called with this worker after each served iteration (re-planning's samples, the
+        # served runtime's span reports); the rank's ``Rank.expert_hooks``, kept across re-plans
+        self.iteration_hooks: list = []
 
     def run(self) -> int:
         """Serve iterations until a stop message; returns the number of iterations served."""
@@ -33,8 +35,8 @@ class ExpertWorker:
             self.iteration += 1
             if self.rebalancer is not None:
                 self.rebalancer.end_iteration()
-            if self.on_iteration is not None:
-                self.on_iteration(self)
+            for hook in self.iteration_hooks:
+                hook(self)
         return self.iteration
 
     @torch.inference_mode()

@@ -93,7 +93,7 @@ def comm_samples(events: list, replies: list, expert_ranks: int) -> list:
 
 
 class ExpertReporter:
-    """An expert rank's ``ExpertWorker.on_iteration``: every ``interval`` iterations, its
+    """One of an expert rank's ``Rank.expert_hooks``: every ``interval`` iterations, its
     samples since the last report go to rank 0 (non-blocking; rank 0 takes them at the same
     iteration's decision)."""
 

@@ -49,10 +49,13 @@ def _auto(r) -> bool:
 
 
 def _attach_reporter(r) -> None:
+    """Measured decisions: this phase's sampler among the rank's expert hooks (the last
+    phase's replaced; the others, e.g. the served runtime's span reports, kept)."""
     if r.worker is not None and _auto(r):
         job = r.job
-        r.worker.on_iteration = ExpertReporter(r.comm, r.tracer, job.replan.interval,
-                                               job.trace.enabled)
+        r.expert_hooks[:] = [h for h in r.expert_hooks if not isinstance(h, ExpertReporter)]
+        r.expert_hooks.append(ExpertReporter(r.comm, r.tracer, job.replan.interval,
+                                             job.trace.enabled))
 
 
 def _serve(r) -> None:
