@@ -95,6 +95,7 @@ def _check_streams(got, want):
         assert len(got[key]["tokens"][0]) < 100, key  # ended well before its max_tokens
     free, total = got["free_blocks"]
     assert free == total  # every block back at the idle level (prefix caching off)
+    assert got["engine_detokenizes"] is False  # rank 0's replica too: the frontend decodes
 
 
 @pytest.mark.parametrize("name,ranks,deploy", [("a1e2", 3, "a1e2"), ("p1a1e2", 4, "p1a1e2"),

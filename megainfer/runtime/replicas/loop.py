@@ -190,6 +190,8 @@ class ReplicaLoop:
             yield from done
 
     def _start(self, inputs: list[PromptInput]) -> None:
+        if self.stream:  # online: rank 0's frontend decodes the tokens; no text made here
+            self.engine.detokenize = False
         ids, self.carry = self.engine.add_inputs(inputs, warn=self.role.is_leader)
         self.ids.update(ids)
         self.order, self.running = None, True

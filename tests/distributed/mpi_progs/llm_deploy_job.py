@@ -92,6 +92,7 @@ async def _async_job(engine) -> dict:
     if engine.engine is not None:  # rank 0's replica (the runtime's RuntimeEngine.engine)
         eng = getattr(engine.engine, "engine", engine.engine)
         got["free_blocks"] = [eng.blocks.num_free_blocks, eng.blocks.num_blocks]
+        got["engine_detokenizes"] = eng.detokenize  # online the frontend decodes, not the engine
     return got
 
 
