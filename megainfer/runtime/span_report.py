@@ -3,7 +3,8 @@ spans reach rank 0 as the job runs, not only in the trace merged at a batch job'
 
 * ``ExpertSpanReporter`` (one of a rank's ``Rank.expert_hooks``): every
   ``REPORT_EVERY`` iterations its new ``expert`` spans (T_e) and its A2E receive waits go to
-  rank 0 as one ``messages.ExpertSpans`` (``tags.SERVE_SPANS``, non-blocking).
+  rank 0 as one ``messages.ExpertSpans`` (``tags.SERVE_SPANS``; a small message, sent
+  eagerly, so no request is left open when the rank finalizes).
 * ``PipelineSpans`` (rank 0): its own MoE attention spans (T_a), and whatever ``ExpertSpans``
   arrived (``iprobe``: never waits, so a report one iteration late costs nothing); T_c as
   ``runtime/trace_metrics.py`` defines it: a blocked expert rank's wait end minus rank 0's
@@ -36,7 +37,7 @@ class ExpertSpanReporter:
 
     def __init__(self, rank, every: int = REPORT_EVERY):
         self.rank, self.every = rank, every
-        self.seen, self.pending = len(rank.tracer.events), []
+        self.seen = len(rank.tracer.events)
 
     def __call__(self, worker) -> None:
         if worker.iteration % self.every:
@@ -50,8 +51,7 @@ class ExpertSpanReporter:
                           [e["dur"] / 1e6 for e in events if e["cat"] == EXPERT],
                           [(_key(e), e["ts"] + e["dur"]) for e in events
                            if e["cat"] == A2E and is_wait(e) and e["dur"] > 0])
-        self.pending = [r for r in self.pending if not r.Test()]
-        self.pending.append(comm.isend(msg, dest=0, tag=tags.SERVE_SPANS))
+        comm.send(msg, dest=0, tag=tags.SERVE_SPANS)  # a few KB: completes at once (eager)
 
 
 @dataclass
