@@ -63,10 +63,13 @@ def _abort_job(line: str, code: int) -> None:
     MPI.COMM_WORLD.Abort(code)
 
 
+def _ranks_line(ranks, extra: str = "") -> str:
+    """``[(rank, role tag, pid)]`` -> the ``[serve] ranks:`` line (tests and benches read it)."""
+    return "[serve] ranks: " + ", ".join(f"{r} {t} pid {p}" for r, t, p in ranks) + extra
+
+
 def _log_ranks(s) -> None:
     """Rank 0 prints every rank's role and pid (a process manager's "PID n died" names a pid)."""
-    import os
-
     from mpi4py import MPI
 
     from megainfer.runtime.roles import assign_role
@@ -74,18 +77,17 @@ def _log_ranks(s) -> None:
     tag = assign_role(s.deploy, comm.Get_rank(), comm.Get_size()).tag
     pids = comm.gather((tag, os.getpid()), root=0)
     if pids:
-        print("[serve] ranks: " + ", ".join(f"{r} {t} pid {p}" for r, (t, p) in enumerate(pids)),
-              flush=True)
+        print(_ranks_line((r, t, p) for r, (t, p) in enumerate(pids)), flush=True)
 
 
-def run_spawned(cfg) -> int:
-    """A plain process: the frontend here, the engine core in a child job (every mode)."""
+def run_spawned(cfg, c: dict, serve: ServeConfig) -> int:
+    """A plain process: the frontend here, the engine core in a child job (every mode);
+    ``c``, ``serve``: ``_plain_tree(cfg)``."""
     from megainfer.core_client.client import JobTree
     from megainfer.core_client.llm_job import asks_planner, deploy_world_size
     from megainfer.serve.engine_client import EngineClient
     from megainfer.serve.metrics import iteration_role
     from megainfer.serve.server import serve_client, served_name
-    c, serve = _plain_tree(cfg)
     world = deploy_world_size(c, serve.world_size)
     s = settings_from_config(c, world, world, 0)  # rank 0's settings: every check, up front
     tree = {g: v for g, v in c.items() if g not in JOB_GROUPS}
@@ -93,20 +95,18 @@ def run_spawned(cfg) -> int:
     name = served_name(serve, cfg.model.get("path"), s.model.family)
     client = EngineClient.spawn(spec, s, name, serve.max_queued_requests, serve.retry_after_s,
                                 iteration_role(s))
-    print("[serve] ranks: " + ", ".join(f"{i.rank} {i.role} pid {i.pid}"
-                                        for i in client.llm.ranks)
-          + f"; frontend pid {os.getpid()}", flush=True)
+    print(_ranks_line(((i.rank, i.role, i.pid) for i in client.llm.ranks),
+                      f"; frontend pid {os.getpid()}"), flush=True)
     log.info("[serve] the frontend serves %s over a child job of %d ranks", s.deploy.mode, world)
     return serve_client(client, serve, s.load.path)
 
 
-def _can_spawn(cfg) -> bool:
+def _can_spawn(c: dict, serve: ServeConfig) -> bool:
     """An ``mpiexec`` to start the child job with; without one, single mode falls back to its
     core on a thread here (a warning), and a distributed mode fails saying what is missing."""
     from megainfer.core_client.llm_job import deploy_world_size
     from megainfer.core_client.mpiexec_job import find_mpiexec
     from megainfer.engine.errors import CoreStartError
-    c, serve = _plain_tree(cfg)
     try:
         find_mpiexec()
     except CoreStartError as e:
@@ -123,8 +123,10 @@ def run_server(cfg) -> int:
     from megainfer.serve.metrics import iteration_role
     from megainfer.serve.server import serve_client, served_name
     distributed, rank = world_size() > 1, world_rank()
-    if not distributed and _plain_tree(cfg)[1].engine_process and _can_spawn(cfg):
-        return run_spawned(cfg)
+    if not distributed:
+        c, serve = _plain_tree(cfg)
+        if serve.engine_process and _can_spawn(c, serve):
+            return run_spawned(cfg, c, serve)
     s, serve = serve_settings(cfg)  # a ConfigError here is every rank's alike: exit 2
     if distributed and serve.world_size not in (None, world_size()):
         raise ConfigError(f"serve.world_size={serve.world_size}: this is an mpiexec launch of "
