@@ -30,7 +30,7 @@ import contextlib
 import functools
 import json
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -95,25 +95,38 @@ def use_rules(rules: Optional[dict]):
     rows)."""
     global _override
     prev, _override = _override, None if rules is None else check_rules(rules)
+    _METHODS.clear()
     try:
         yield
     finally:
         _override = prev
+        _METHODS.clear()
+
+
+# (kind, rows, threads) -> method under the table in force: a decode step asks ~70 times
+_METHODS: dict = {}
 
 
 def method_for(rows: int, kind: str = "dense", threads: Optional[int] = None) -> str:
     """The method for ``rows`` rows of a ``kind`` weight at ``threads`` (default: torch's)
     threads: the entry of the largest thread key <= threads (the smallest key if none is)."""
-    rules = (_override if _override is not None else _table_rules())[kind]
     t = torch.get_num_threads() if threads is None else threads
-    keys = sorted(rules)
-    steps = rules[max((k for k in keys if k <= t), default=keys[0])]
-    return next(m for r, m in steps if r is None or rows <= r)
+    method = _METHODS.get((kind, rows, t))
+    if method is None:
+        rules = (_override if _override is not None else _table_rules())[kind]
+        keys = sorted(rules)
+        steps = rules[max((k for k in keys if k <= t), default=keys[0])]
+        method = _METHODS[(kind, rows, t)] = next(m for r, m in steps if r is None or rows <= r)
+    return method
+
+
+@functools.lru_cache(maxsize=1)
+def _mkldnn() -> bool:
+    return torch.backends.mkldnn.is_available()
 
 
 def onednn_ok(w: torch.Tensor) -> bool:
-    return (w.device.type == "cpu" and w.dtype == torch.float32
-            and torch.backends.mkldnn.is_available())
+    return w.dtype is torch.float32 and w.is_cpu and _mkldnn()
 
 
 def _version(w: torch.Tensor) -> int:
@@ -127,15 +140,21 @@ def _key(w: torch.Tensor) -> tuple:
     return (w.data_ptr(), tuple(w.shape), tuple(w.stride()), _version(w))
 
 
-def packed(w: torch.Tensor, index: Optional[int] = None) -> torch.Tensor:
-    """The oneDNN-reordered copy of ``w`` [N, K] (``index``: of ``w[index]`` for a stacked
-    [E, N, K] weight), made on first use and cached on ``w``."""
+def _packs(w: torch.Tensor) -> dict:
+    """{index: reordered copy} cached on ``w`` for its current storage, shape, strides and
+    version (a fresh, empty dict once any of them changed)."""
     cache = getattr(w, _ATTR, None)
     key = _key(w)
     if cache is None or cache[0] != key:
         cache = (key, {})
         setattr(w, _ATTR, cache)
-    packs = cache[1]
+    return cache[1]
+
+
+def packed(w: torch.Tensor, index: Optional[int] = None) -> torch.Tensor:
+    """The oneDNN-reordered copy of ``w`` [N, K] (``index``: of ``w[index]`` for a stacked
+    [E, N, K] weight), made on first use and cached on ``w``."""
+    packs = _packs(w)
     p = packs.get(index)
     if p is None:
         # a stacked weight packs every index the first time (at load, not over the first steps)
@@ -161,16 +180,21 @@ def forget_packed(w: torch.Tensor, index: Optional[int] = None) -> None:
             cache[1].pop(index, None)
 
 
+def _onednn_linear(x: torch.Tensor, p: torch.Tensor, bias: Optional[torch.Tensor]):
+    """x [n, K] fp32 @ the reordered weight ``p`` (+ bias) -> [n, N]."""
+    return torch.ops.mkldnn._linear_pointwise(x if x.is_contiguous() else x.contiguous(), p,
+                                              bias, "none", [], "")
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
            index: Optional[int] = None, kind: str = "dense") -> torch.Tensor:
     """x [..., K] @ w.T (+ bias) -> [..., N]; ``index``: use ``w[index]`` of a stacked weight."""
-    if not onednn_ok(w) or x.dtype != w.dtype:
+    if x.dtype is not torch.float32 or not onednn_ok(w):
         return F.linear(x, w if index is None else w[index], bias)
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # [n, K]
     method = method_for(x2.shape[0], kind)
     if method == "onednn" and x2.shape[0]:
-        y = torch.ops.mkldnn._linear_pointwise(x2 if x2.is_contiguous() else x2.contiguous(),
-                                               packed(w, index), bias, "none", [], "")
+        y = _onednn_linear(x2, packed(w, index), bias)
     elif method == "skinny":
         y = torch.mm(w if index is None else w[index], x2.t()).t()
         if bias is not None:
@@ -178,6 +202,29 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None
     else:
         y = F.linear(x2, w if index is None else w[index], bias)
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def stacked_linear(w: torch.Tensor,
+                   kind: str = "expert") -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """A stacked weight w [E, N, K] -> ``run(x, e)``: x [n, K] @ w[e].T -> [n, N], as ``linear(x,
+    w, index=e, kind=kind)`` computes it, with the per-weight work (the pack cache's key, the
+    thread count) done here once instead of once per expert: an MoE layer's expert loop."""
+    if not onednn_ok(w):
+        return lambda x, e: linear(x, w, index=e, kind=kind)
+    threads, packs = torch.get_num_threads(), _packs(w)
+
+    def run(x: torch.Tensor, e: int) -> torch.Tensor:
+        if x.dtype is not torch.float32 or x.dim() != 2:
+            return linear(x, w, index=e, kind=kind)
+        rows = x.shape[0]
+        method = _METHODS.get((kind, rows, threads)) or method_for(rows, kind, threads)
+        if method == "onednn" and rows:
+            p = packs.get(e)
+            return _onednn_linear(x, packed(w, e) if p is None else p, None)
+        if method == "skinny":
+            return torch.mm(w[e], x.t()).t()
+        return F.linear(x, w[e])
+    return run
 
 
 def linear_split(x: torch.Tensor, ws: Sequence[torch.Tensor],
@@ -201,6 +248,5 @@ def linear_split(x: torch.Tensor, ws: Sequence[torch.Tensor],
                  for t, n in zip(biases, ws)])
             cache = (key, torch.ops.mkldnn._reorder_linear_weight(w), b)
         setattr(w0, _ATTR_CAT, cache)
-    x = x if x.is_contiguous() else x.contiguous()
-    y = torch.ops.mkldnn._linear_pointwise(x, cache[1], cache[2], "none", [], "")
+    y = _onednn_linear(x, cache[1], cache[2])
     return list(y.split([w.shape[0] for w in ws], dim=-1))

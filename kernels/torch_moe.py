@@ -45,13 +45,13 @@ def fused_moe_torch(hidden: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     if n_here == 0:  # every slot's expert lives elsewhere
         return torch.zeros(M, K, dtype=hidden.dtype, device=hidden.device)
     slots = order[:n_here]  # [n_here] slots of the experts on this rank
-    x = hidden.index_select(0, slots // k)  # [n_here, K] gathered token rows
+    x = hidden.index_select(0, torch.div(slots, k, rounding_mode="floor"))  # [n_here, K] rows
     here = [(e, n) for e, n in enumerate(counts[:E_l]) if n]  # experts with slots, in order
-    ys = []
-    for (e, _), xe in zip(here, x.split([n for _, n in here])):  # xe [n, K]: views, one split
-        g = cpu_gemm.linear(xe, w1, index=e, kind="expert")  # [n, 2N]
+    ys, up, down = [], cpu_gemm.stacked_linear(w1), cpu_gemm.stacked_linear(w2)
+    for (e, _), xe in zip(here, x.split_with_sizes([n for _, n in here])):  # xe [n, K]: views
+        g = up(xe, e)  # [n, 2N]
         act = F.silu(g[:, :N]).mul_(g[:, N:])  # [n, N]: a fresh contiguous tensor, no copy
-        ys.append(cpu_gemm.linear(act, w2, index=e, kind="expert"))  # [n, K]
+        ys.append(down(act, e))  # [n, K]
     y = _fp32(ys[0] if len(ys) == 1 else torch.cat(ys))  # [n_here, K]
     w = _fp32(topk_weights).reshape(-1).index_select(0, slots)  # [n_here]
     alloc = torch.empty if n_here == M * k else torch.zeros  # absent slots must read 0
@@ -63,3 +63,4 @@ def fused_moe_torch(hidden: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
 
 def _fp32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 else t.float()
+

@@ -43,7 +43,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             # one fused op, bit-identical in fp32 to the lines below (test_decode_step_ops)
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+            return torch.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -75,13 +75,22 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                 step_cache: Optional[dict] = None):
-        """q [T, Hq, D], k [T, Hkv, D], positions [T] -> rotated q, k."""
-        cos, sin = self.tables(positions, q.dtype, step_cache)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        """q [T, Hq, D], k [T, Hkv, D], positions [T] -> rotated q, k: ``x * cos +
+        rotate_half(x) * sin`` as HF computes it, bit for bit (``rotate_half(x) * sin`` is
+        the halves of x swapped times sin with its first half negated: the same products).
+        q and k that are adjacent heads of one tensor (the fused q/k/v GEMM's output) rotate
+        as one [T, Hq + Hkv, D] view: four ops for both."""
+        cos, signed_sin = self.tables(positions, q.dtype, step_cache)
+        qk = _adjacent_heads(q, k)
+        if qk is not None:
+            r = _rotate(qk, cos, signed_sin)
+            return r[:, : q.shape[1]], r[:, q.shape[1]:]
+        return _rotate(q, cos, signed_sin), _rotate(k, cos, signed_sin)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype,
                step_cache: Optional[dict] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> cos, sin [T, 1, D] in ``dtype``; with ``step_cache`` (a step's
+        """positions [T] -> cos, signed sin [T, 1, D] in ``dtype`` (signed: HF's sin with its
+        first half negated, ``_rotate``'s form); with ``step_cache`` (a step's
         ``AttentionMetadata.step_cache``) computed once per step for every layer of this
         theta and width, not once per layer."""
         key = ("rope", self.theta, self.inv_freq.shape[0], dtype, positions.data_ptr(),
@@ -95,10 +104,30 @@ class RotaryEmbedding(nn.Module):
         cos, sin = emb.cos(), emb.sin()
         if dtype != torch.float32:
             cos, sin = cos.to(dtype), sin.to(dtype)
+        half = sin.shape[-1] // 2
+        sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # negation: exact
         out = cos[:, None, :], sin[:, None, :]
         if step_cache is not None:
             step_cache[key] = out
         return out
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] -> x * cos + swap_halves(x) * signed_sin: rotate_half's products, 4 ops."""
+    T, H, D = x.shape
+    swapped = x.reshape(T, H, 2, D // 2).flip(2).view(T, H, D)  # [x2, x1]
+    return (x * cos).add_(swapped.mul_(signed_sin))
+
+
+def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> Optional[torch.Tensor]:
+    """q [T, Hq, D] and k [T, Hkv, D] as one [T, Hq + Hkv, D] view when k's heads follow q's
+    in the same storage with the same strides, else None."""
+    T, Hq, D = q.shape
+    if (k.shape[0] != T or k.shape[2] != D or q.stride() != k.stride() or q.stride(2) != 1
+            or q.stride(1) != D or k.untyped_storage().data_ptr() != q.untyped_storage().data_ptr()
+            or k.storage_offset() != q.storage_offset() + Hq * D or q.dtype != k.dtype):
+        return None
+    return q.as_strided((T, Hq + k.shape[1], D), q.stride())
 
 
 class GatedMLP(nn.Module):

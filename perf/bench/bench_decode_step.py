@@ -2,7 +2,7 @@
 then the engine-vs-HF job race (perf/bench/bench_offline.py) with prefix caching off.
 
     python perf/bench/bench_decode_step.py [--batches 1 8 32 64 --threads 1 2 --context 100
-                                      --repeats 15 --no-jobs --no-contention]
+                                      --repeats 15 --consecutive 4 --no-jobs --no-contention]
 
 Model: the 54.5M Mixtral-shaped checkpoint of issue 38 (vocab 1024, hidden 512, inter 1024,
 4 layers, 8/4 heads, 8 experts top-2; random weights, saved by bench_offline.build_checkpoint),
@@ -23,7 +23,10 @@ fp32. A step: B sequences with ``--context`` cached tokens each and one new toke
   min(E, B * top_k) per layer; all but the embedding) + the KV cache; FLOPs = 2 x active
   parameters per token + attention.
 
-Rounds alternate after, before, HF; medians over ``--repeats`` rounds. Mixed contexts: a
+Rounds alternate after, before, HF, each running ``--consecutive`` steps back to back (as the
+engine's decode steps run); the figure is the median of every block's steps after its first
+(``median_s``), each block's first step, which follows the other model's, is kept beside it
+(``cold_median_s``: the figure of ``--consecutive 1``). Mixed contexts: a
 step at B = 32 and 64 over contexts of 16-320 tokens, length-grouped decode attention against
 one batch padded to the longest (``decode_attention.MAX_GROUPS = 1``), alternating. Contention
 (``--no-contention`` skips it): the step at B = 1 and 8 at each thread count, alone and beside
@@ -93,14 +96,17 @@ def bench_steps(a, shape, model, hf, n_params: int) -> list[dict]:
                     ours()
                 theirs()
             s = dict(after=[], before=[], hf=[])
+            cold = dict(after=[], before=[], hf=[])  # each block's first step
             for _ in range(a.repeats):
-                s["after"].append(time_once(ours))
-                with cpu_gemm.use_rules(cpu_gemm.OLD_RULES):
-                    s["before"].append(time_once(ours))
-                s["hf"].append(time_once(theirs))
+                for name, fn in (("after", ours), ("before", ours), ("hf", theirs)):
+                    with cpu_gemm.use_rules(cpu_gemm.OLD_RULES if name == "before" else None):
+                        ts = [time_once(fn) for _ in range(a.consecutive)]
+                    cold[name].append(ts[0])
+                    s[name].extend(ts[1:] or ts)
             med = {k: statistics.median(v) for k, v in s.items()}
             block.append(dict(threads=t, batch=B, context=a.context, median_s=med, samples_s=s,
-                              load_average=os.getloadavg()))
+                              cold_median_s={k: statistics.median(v) for k, v in cold.items()},
+                              cold_samples_s=cold, load_average=os.getloadavg()))
         trust = floor_trust(probes + probe_machine(), t, load_at_start)  # before and after
         for r in block:
             B, med = r["batch"], r["median_s"]
@@ -108,10 +114,12 @@ def bench_steps(a, shape, model, hf, n_params: int) -> list[dict]:
             r.update(floor=floor, read_Bps=trust["bw"], matmul_flops=trust["rate"],
                      floor_trust=trust)
             rows.append(r)
+            c = r["cold_median_s"]
             print(f"{t:>3} {B:>4} {floor['seconds'] * 1e3:8.2f} {med['after'] * 1e3:8.2f} "
                   f"{med['before'] * 1e3:8.2f} {med['hf'] * 1e3:8.2f} "
                   f"{med['after'] / floor['seconds']:8.2f}x {med['before'] / floor['seconds']:7.2f}x "
-                  f"{med['hf'] / med['after']:7.2f}x {r['load_average'][0]:5.1f} "
+                  f"{med['hf'] / med['after']:7.2f}x {c['after'] / floor['seconds']:8.2f}x "
+                  f"{c['hf'] / c['after']:7.2f}x {r['load_average'][0]:5.1f} "
                   f"{'yes' if trust['trusted'] else 'no':>5}", flush=True)
         print(f"    {t} thread(s): {trust['rate'] / 1e9:.0f} GFLOP/s, {trust['bw'] / 1e9:.1f} GB/s, "
               f"slowest probe {100 * trust['probe_spread']:.0f}% of the best", flush=True)
@@ -222,6 +230,8 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--context", type=int, default=100)
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--consecutive", type=int, default=4,
+                    help="steps back to back per variant and round, as the engine runs them")
     ap.add_argument("--job-repeats", type=int, default=3)
     ap.add_argument("--no-jobs", dest="jobs", action="store_false")
     ap.add_argument("--no-contention", dest="contention", action="store_false")
@@ -241,7 +251,9 @@ def main(argv=None):
         print(f"decode step, {n_params / 1e6:.1f}M params, context {a.context}, "
               f"load average {load0[0]:.1f}")
         print(f"{'thr':>3} {'B':>4} {'floor ms':>8} {'after':>8} {'before':>8} {'HF':>8} "
-              f"{'after/fl':>9} {'bef/fl':>8} {'HF/aft':>8} {'load':>5} {'trust':>5}")
+              f"{'after/fl':>9} {'bef/fl':>8} {'HF/aft':>8} {'1st/fl':>9} {'HF/aft':>8} "
+              f"{'load':>5} {'trust':>5}   (ms: steps 2..k of k back to back; 1st: each "
+              "block's first)")
         result = dict(name="bench_decode_step", args=vars(a), shape=SHAPE, params=n_params,
                       steps=[], jobs=[], complete=False,
                       baseline="before: cpu_gemm.OLD_RULES in the same rounds; HF: transformers "

@@ -45,8 +45,11 @@ def offline(ckpt):
     greedy text."""
     llm = LLM(ckpt, **KW)
     text = llm.generate(PROMPTS[14], _params(14), use_tqdm=False)[0].outputs[0].text
-    stop = next(text[k:k + 2] for k in range(2, len(text) - 1)
-                if text[k:k + 2].isascii() and text[k:k + 2].isprintable())
+    # two printable ASCII characters past the start, else one (what the greedy text holds varies
+    # with the thread count earlier tests left: 1 and 2 threads round the tiny model differently)
+    stop = next((s for n in (2, 1) for k in range(2, len(text) - n + 1)
+                 if (s := text[k:k + n]).isascii() and s.isprintable()), None)
+    assert stop is not None, f"no printable ASCII in {text!r}"
     params = [_params(i, stop) for i in range(16)]
     return params, llm.generate(PROMPTS, params, use_tqdm=False)
 

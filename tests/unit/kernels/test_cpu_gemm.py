@@ -46,6 +46,28 @@ def test_stacked_weight_index_and_leading_dims():
                                    rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("method", cpu_gemm.METHODS)
+def test_stacked_linear_matches_linear(method):
+    """The expert loop's accessor: every index and row count (0 included) as ``linear`` with
+    ``index`` computes it, a bf16 weight through F.linear, and a repack after a copy_."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(4, 24, 16, generator=g)
+    rules = {k: {"1": [[None, method]]} for k in cpu_gemm.KINDS}
+    with cpu_gemm.use_rules(rules):
+        run = cpu_gemm.stacked_linear(w)
+        for e in range(4):
+            for rows in (0, 1, 5):
+                x = torch.randn(rows, 16, generator=g)
+                torch.testing.assert_close(run(x, e), cpu_gemm.linear(x, w, index=e, kind="expert"))
+                torch.testing.assert_close(run(x, e), x @ w[e].t(), rtol=1e-5, atol=1e-5)
+        wb, xb = w.bfloat16(), torch.randn(3, 16, generator=g).bfloat16()  # not oneDNN's
+        assert torch.equal(cpu_gemm.stacked_linear(wb)(xb, 1), torch.nn.functional.linear(xb, wb[1]))
+        with torch.no_grad():
+            w[2].copy_(torch.randn(24, 16, generator=g))
+        x = torch.randn(2, 16, generator=g)
+        torch.testing.assert_close(cpu_gemm.stacked_linear(w)(x, 2), x @ w[2].t(), rtol=1e-5, atol=1e-5)
+
+
 def test_repacks_after_in_place_writes():
     """copy_ bumps the version counter (repacked on its own); a write through .data does not:
     forget_packed drops the stale layout."""
