@@ -31,8 +31,9 @@ step at B = 32 and 64 over contexts of 16-320 tokens, length-grouped decode atte
 one batch padded to the longest (``decode_attention.MAX_GROUPS = 1``), alternating. Contention
 (``--no-contention`` skips it): the step at B = 1 and 8 at each thread count, alone and beside
 one busy-looping process. Jobs (``--no-jobs`` skips
-them): bench_offline's race at each thread count, equal lengths (B=32, 64 in / 64 out) and
-mixed lengths (64 requests, prompts 16-192, outputs 16-128), prefix caching off. Writes
+them): bench_offline's race at each thread count, equal lengths (B=32, 64 in / 64 out),
+mixed lengths (64 requests, prompts 16-192, outputs 16-128) and prefill (the equal-length prompts,
+one token out: the prefill and one sampled token), prefix caching off. Writes
 ``perf/results/bench_decode_step.json`` with the machine and the load average.
 """
 from __future__ import annotations
@@ -198,8 +199,8 @@ def bench_jobs(a, path: str, progress) -> list[dict]:
     equal = (torch.randint(3, a.vocab, (32, 64), generator=g).tolist(), [64] * 32)
     for t in a.threads:
         torch.set_num_threads(t)
-        for name, (prompts, outs) in (("equal", equal),
-                                      ("mixed", mixed_workload(64, a.vocab))):
+        for name, (prompts, outs) in (("equal", equal), ("mixed", mixed_workload(64, a.vocab)),
+                                      ("prefill", (equal[0], [1] * 32))):
             longest = max(len(p) for p in prompts) + max(outs)
             llm = LLM(path, max_num_seqs=64, max_num_batched_tokens=2048,
                       max_model_len=longest, block_size=16, enable_prefix_caching=False)
