@@ -63,4 +63,3 @@ def fused_moe_torch(hidden: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
 
 def _fp32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 else t.float()
-

@@ -39,6 +39,7 @@ one token out: the prefill and one sampled token), prefix caching off. Writes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import platform
@@ -100,7 +101,8 @@ def bench_steps(a, shape, model, hf, n_params: int) -> list[dict]:
             cold = dict(after=[], before=[], hf=[])  # each block's first step
             for _ in range(a.repeats):
                 for name, fn in (("after", ours), ("before", ours), ("hf", theirs)):
-                    with cpu_gemm.use_rules(cpu_gemm.OLD_RULES if name == "before" else None):
+                    with (cpu_gemm.use_rules(cpu_gemm.OLD_RULES) if name == "before"
+                          else contextlib.nullcontext()):
                         ts = [time_once(fn) for _ in range(a.consecutive)]
                     cold[name].append(ts[0])
                     s[name].extend(ts[1:] or ts)
