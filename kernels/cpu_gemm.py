@@ -192,16 +192,21 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None
     if x.dtype is not torch.float32 or not onednn_ok(w):
         return F.linear(x, w if index is None else w[index], bias)
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # [n, K]
-    method = method_for(x2.shape[0], kind)
-    if method == "onednn" and x2.shape[0]:
-        y = _onednn_linear(x2, packed(w, index), bias)
-    elif method == "skinny":
-        y = torch.mm(w if index is None else w[index], x2.t()).t()
-        if bias is not None:
-            y = y + bias
-    else:
-        y = F.linear(x2, w if index is None else w[index], bias)
+    y = _by_method(method_for(x2.shape[0], kind), x2, w, index, bias)
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _by_method(method: str, x: torch.Tensor, w: torch.Tensor, index: Optional[int],
+               bias: Optional[torch.Tensor], pack: Optional[torch.Tensor] = None):
+    """x [n, K] fp32 @ w (or w[index]).T (+ bias) through ``method``; ``pack``: the reordered
+    weight if the caller has it already."""
+    if method == "onednn" and x.shape[0]:
+        return _onednn_linear(x, packed(w, index) if pack is None else pack, bias)
+    wi = w if index is None else w[index]
+    if method == "skinny":
+        y = torch.mm(wi, x.t()).t()
+        return y if bias is None else y + bias
+    return F.linear(x, wi, bias)
 
 
 def stacked_linear(w: torch.Tensor,
@@ -216,14 +221,7 @@ def stacked_linear(w: torch.Tensor,
     def run(x: torch.Tensor, e: int) -> torch.Tensor:
         if x.dtype is not torch.float32 or x.dim() != 2:
             return linear(x, w, index=e, kind=kind)
-        rows = x.shape[0]
-        method = _METHODS.get((kind, rows, threads)) or method_for(rows, kind, threads)
-        if method == "onednn" and rows:
-            p = packs.get(e)
-            return _onednn_linear(x, packed(w, e) if p is None else p, None)
-        if method == "skinny":
-            return torch.mm(w[e], x.t()).t()
-        return F.linear(x, w[e])
+        return _by_method(method_for(x.shape[0], kind, threads), x, w, e, None, packs.get(e))
     return run
 
 

@@ -4,18 +4,18 @@
 ``RuntimeEngine``) on the core's own thread, wherever that runs (this process, rank 0 under
 ``mpiexec``, rank 0 of a spawned job): it times each iteration and idle tick, counts the
 generated tokens, and collects each finished request's queue time and PD's KV-transfer time
-(from its ``RequestOutput.metrics``, as vLLM observes them at the end) and rank 0's T_a spans and
-the expert ranks' T_e and T_c (tracing on, cpu: ``runtime/span_report.py``). ``take`` empties that into one ``CoreStats`` with the engine's queues
-(``EngineLoad``) as they are now; ``EngineCoreThread`` sends it with each ``CoreOutputs``. The
+(from its ``RequestOutput.metrics``, as vLLM observes them at the end) and rank 0's T_a spans
+and the expert ranks' T_e and T_c (tracing on, cpu: ``runtime/span_report.py``). ``take``
+empties that into one ``CoreStats`` with the engine's queues (``EngineLoad``) as they are now;
+``EngineCoreThread`` sends it with each ``CoreOutputs``. The
 frontend (the server's metrics, docs/serve.md) only applies what arrives, so the figures are
 the same whether the core is a thread beside it or a process away.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Optional
-
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,9 @@ class CoreStats:
         return len(self.iteration_s) + len(self.idle_tick_s)
 
 
+_NOT_MEASURED = ("load", "idle_interval_s", "stall_allowance_s")  # set at ``take``
+
+
 def stall_allowance_s(engine) -> float:
     """A runtime that re-plans online (a plug between its iterations): two ``comm.timeout_s``,
     the bound of each wait of a switch; else 0."""
@@ -93,10 +96,11 @@ class StatsRecorder:
                              _fresh=self._empty(), _replans=0,
                              _allowance=stall_allowance_s(engine))
 
-    def _empty(self) -> dict:
-        return dict(iteration_s=[], idle_tick_s=[], generated_tokens=0, queue_s=[],
-                    kv_transfer_s=[], attention_layer_s=[], expert_layer_s=[], a2e_latency_s=[],
-                    replans=0)
+    @staticmethod
+    def _empty() -> dict:
+        """CoreStats' measured fields, empty (all but the queues and the two settings)."""
+        return {f.name: f.default if f.default_factory is MISSING else f.default_factory()
+                for f in fields(CoreStats) if f.name not in _NOT_MEASURED}
 
     def __getattr__(self, name):
         return getattr(self._engine, name)

@@ -16,6 +16,7 @@ resolved (a device sync): neither runs there.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 from megainfer.perfmodel.trace import A2E, EXPERT, is_moe_attention, is_wait
@@ -79,8 +80,9 @@ class PipelineSpans:
                 out.attention_s.append(e["dur"] / 1e6)
             elif e["cat"] == A2E and not is_wait(e):
                 self.dispatch_end[_key(e)] = e["ts"] + e["dur"]
-        if len(self.dispatch_end) > KEEP_DISPATCHES:
-            for k in sorted(self.dispatch_end)[:len(self.dispatch_end) - KEEP_DISPATCHES]:
+        excess = len(self.dispatch_end) - KEEP_DISPATCHES
+        if excess > 0:  # the oldest: a dict keeps the order they were recorded in
+            for k in list(itertools.islice(self.dispatch_end, excess)):
                 del self.dispatch_end[k]
         while self.comm.iprobe(tag=tags.SERVE_SPANS):
             msg: ExpertSpans = self.comm.recv(tag=tags.SERVE_SPANS)
