@@ -9,7 +9,11 @@ core another rank needs. ``backoff`` (the default) has three phases:
    it at once (MPICH's blocking calls do the same), while a free core keeps polling;
 3. sleep: ``min_sleep_s`` doubling up to ``max_sleep_s``, and never more than
    ``sleep_frac`` of the time waited so far (nor past the timeout), so a long transfer
-   (8 MB) is noticed at most that fraction late while a long idle wait costs few wake-ups.
+   (8 MB) is noticed at most that fraction late while a long idle wait costs few wake-ups;
+   a wait past ``idle_after_s`` is an idle one (no step takes that long between two messages
+   on the hardware we run), and its sleeps grow to ``idle_sleep_s``: an idle rank wakes a few
+   hundred times a second, not a thousand, and a message after an idle spell is seen at most
+   ``idle_sleep_s`` late.
    Before its first sleep a thread sets its timer slack to ``TIMER_SLACK_NS`` (Linux rounds
    sleeps up by 50 us by default, which would make every short sleep a 60 us one).
 
@@ -40,13 +44,16 @@ class WaitPolicy:
     yield_s: float = 300e-6    # then poll with sched_yield this long, then sleep
     min_sleep_s: float = 10e-6
     max_sleep_s: float = 1e-3
+    idle_after_s: float = 0.1  # a wait this long is idle: its sleeps may grow
+    idle_sleep_s: float = 5e-3  # to this (or max_sleep_s, whichever is longer)
     sleep_frac: float = 0.125  # a sleep is at most this fraction of the time waited so far
     timeout_s: float = 60.0    # a wait longer than this raises CommTimeoutError
 
     def __post_init__(self):
         if self.mode not in WAIT_MODES:
             raise ConfigError(f"wait.mode={self.mode!r}: must be one of {WAIT_MODES}")
-        for name in ("spin_s", "yield_s", "min_sleep_s", "max_sleep_s"):
+        for name in ("spin_s", "yield_s", "min_sleep_s", "max_sleep_s", "idle_after_s",
+                     "idle_sleep_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"wait.{name}={getattr(self, name)!r}: must be >= 0")
         if self.max_sleep_s < self.min_sleep_s:
@@ -108,10 +115,11 @@ def wait_until(test: Callable[[], bool], policy: WaitPolicy) -> float:
     now = -got
     _tighten_timer_slack()
     sleep_s, frac, cap = policy.min_sleep_s, policy.sleep_frac, policy.max_sleep_s
+    idle_at, idle_cap = t0 + policy.idle_after_s, max(cap, policy.idle_sleep_s)
     while now <= deadline:
         time.sleep(min(sleep_s, frac * (now - t0), deadline - now))  # no later than the deadline
         if test():
             return clock() - t0
         now = clock()
-        sleep_s = min(sleep_s * 2, cap)
+        sleep_s = min(sleep_s * 2, cap if now < idle_at else idle_cap)
     return -(now - t0)

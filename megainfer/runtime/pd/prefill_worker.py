@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -75,7 +76,8 @@ class PrefillWorker:
         self.peer_outbox: list = []  # the leader's forwards in flight
         self.dests = dests  # per decode replica: [Dest] of its TP ranks
         self.policy = policy
-        self.idle_policy = WaitPolicy(mode=policy.mode, timeout_s=min(0.05, policy.timeout_s))
+        # idle with KV sends in flight: back every 50 ms to drive them; else one long wait
+        self.sending_policy = replace(policy, timeout_s=min(0.05, policy.timeout_s))
         self.tracer = tracer
         self.xfer_of: dict[str, int] = {}  # engine request id -> transfer id
         self.transfers: list[OutgoingKV] = []  # completed, for the stats
@@ -124,9 +126,7 @@ class PrefillWorker:
         the leader's own wait for rank 0; a dead leader ends the job through the process
         manager, or rank 0 notices the silent prefill replica)."""
         while not self.peers.Iprobe(source=0, tag=tags.PD_WORK):
-            self.executor.sender.poll()
-            self._check_sends()
-            wait_until(lambda: self.peers.Iprobe(source=0, tag=tags.PD_WORK), self.idle_policy)
+            self._idle_wait(lambda: self.peers.Iprobe(source=0, tag=tags.PD_WORK))
         msg = self.peers.recv(source=0, tag=tags.PD_WORK)
         return msg if isinstance(msg, PrefillStop) else msg.items
 
@@ -148,14 +148,20 @@ class PrefillWorker:
             if not self.comm.Iprobe(source=0, tag=tags.PD_WORK, status=st):
                 if items or not block:
                     return items
-                self.executor.sender.poll()
-                self._check_sends()
-                wait_until(lambda: self.comm.Iprobe(source=0, tag=tags.PD_WORK), self.idle_policy)
+                self._idle_wait(lambda: self.comm.Iprobe(source=0, tag=tags.PD_WORK))
                 continue  # idle is legitimate (decode may run long); rank 0 ends us with STOP
             msg = self.comm.recv(source=0, tag=tags.PD_WORK)
             if isinstance(msg, PrefillStop):
                 return msg
             items += msg.items
+
+    def _idle_wait(self, arrived) -> None:
+        """Nothing to run: drive the KV sends in flight, then wait for ``arrived()`` (rank 0's
+        or the leader's next message) up to 50 ms while sends are in flight, else up to the
+        policy's timeout (a timeout here is no error: the caller looks again)."""
+        self.executor.sender.poll()
+        self._check_sends()
+        wait_until(arrived, self.sending_policy if self.executor.sender.inflight else self.policy)
 
     def _add(self, item: WorkItem):
         xfer, inp, replica = item.xfer, item.input, item.replica

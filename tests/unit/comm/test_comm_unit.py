@@ -346,3 +346,24 @@ def test_backoff_sleep_phase_wakes_soon_after_a_long_wait(monkeypatch):
     assert -5.001 < wait_until(lambda: False, pol) < -5.0
     with pytest.raises(ConfigError, match="sleep_frac"):
         WaitPolicy(sleep_frac=0)
+
+
+def test_an_idle_wait_sleeps_longer_and_wakes_a_few_hundred_times_a_second(monkeypatch):
+    """Up to ``idle_after_s`` the sleeps stay within ``max_sleep_s`` (a step's waits keep their
+    latency); past it they grow to ``idle_sleep_s``, so 2 s of idling wakes ~500 times, not
+    ~2000, and a message after it is seen at most ``idle_sleep_s`` late."""
+    from megainfer.comm import wait as wait_mod
+    clock = _FakeClock()
+    monkeypatch.setattr(wait_mod, "time", clock)
+    pol = WaitPolicy(timeout_s=10.0)
+    waited = wait_until(lambda: clock.now > 2.0, pol)
+    assert 2.0 <= waited < 2.0 + pol.idle_sleep_s + 1e-4, waited
+    assert all(s <= pol.max_sleep_s for at, s in clock.sleeps if at < pol.idle_after_s)
+    assert max(s for _, s in clock.sleeps) == pytest.approx(pol.idle_sleep_s)
+    assert 450 < len(clock.sleeps) < 550, len(clock.sleeps)
+    clock.sleeps = []
+    busy = WaitPolicy(timeout_s=10.0, idle_after_s=10.0)  # never idle: 1 ms sleeps throughout
+    wait_until(lambda: clock.now > 4.0, busy)
+    assert len(clock.sleeps) > 1500
+    with pytest.raises(ConfigError, match="idle_sleep_s"):
+        WaitPolicy(idle_sleep_s=-1)
