@@ -89,7 +89,8 @@ def run_spawned(cfg, c: dict, serve: ServeConfig) -> int:
     from megainfer.serve.metrics import iteration_role
     from megainfer.serve.server import serve_client, served_name
     world = deploy_world_size(c, serve.world_size)
-    s = settings_from_config(c, world, world, 0)  # rank 0's settings: every check, up front
+    s = settings_from_config(c, world, world, 0, holds_cache=False)  # rank 0's settings, every
+    # check up front; the KV pool is the child job's (no CUDA context in the frontend)
     tree = {g: v for g, v in c.items() if g not in JOB_GROUPS}
     spec = JobTree(tree, world, auto_plan=asks_planner(tree))
     name = served_name(serve, cfg.model.get("path"), s.model.family)

@@ -121,15 +121,16 @@ def _sampling(d: dict) -> SamplingParams:
 
 
 def settings_from_config(cfg, world_size: int = 1, local_ranks: int = 1,
-                         local_rank: int = 0) -> JobSettings:
+                         local_rank: int = 0, holds_cache: bool = True) -> JobSettings:
     """The composed config (DictConfig or dict) -> JobSettings, validated. ``local_ranks``:
     processes of this launch on this host (they share its cores); ``local_rank``: this
-    process's index among them (on cuda it takes that GPU, modulo the visible ones)."""
+    process's index among them (on cuda it takes that GPU, modulo the visible ones);
+    ``holds_cache=False``: a frontend's resolution (``resolve_job``: no CUDA context here)."""
     c = _plain(cfg)
     c.pop("hydra", None)
     # deploy=auto: the planner sizes the decode side over the ranks prefill ranks leave (docs/pd.md)
     job = resolve_job(c, world_size, local_ranks, local_rank, planner=auto_plan,
-                      other_groups=JOB_GROUPS)
+                      other_groups=JOB_GROUPS, holds_cache=holds_cache)
     sampling = _sampling(c.get("sampling", {}))
     io = IOSettings(**take("io", c.get("io", {}), field_names(IOSettings)))
     if io.output:

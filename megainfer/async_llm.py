@@ -44,6 +44,10 @@ from megainfer.llm import LLM
 class _LLMArguments(LLM):
     """``LLM``'s argument checks and resolution, nothing built."""
 
+    def __init__(self, model, engine_process: bool, **kwargs):
+        self._engine_process = engine_process
+        super().__init__(model, **kwargs)
+
     def _setup(self, resolved, tokenizer) -> None:
         self.resolved, self.tokenizer_arg = resolved, tokenizer
 
@@ -71,7 +75,7 @@ class AsyncLLM:
 
     def __init__(self, model, *, engine_process: bool = False,
                  on_stats: Optional[Callable] = None, **kwargs):
-        args = _LLMArguments(model, **kwargs)
+        args = _LLMArguments(model, engine_process, **kwargs)
         self._from_job(args.resolved.spec, args.resolved.job, args.tokenizer_arg,
                        engine_process, on_stats)
 

@@ -52,6 +52,8 @@ class LLM:
     core's iterations (docs/replan.md, "Online").
     """
 
+    _engine_process = False  # single mode's core in a child job too (AsyncLLM(engine_process=True))
+
     def __init__(self, model: Union[str, ModelConfig], *, tokenizer: Optional[Tokenizer] = None,
                  revision: Optional[str] = None, trust_remote_code: bool = False,
                  load_format: str = "auto", dtype: Optional[str] = None,
@@ -88,7 +90,7 @@ class LLM:
                     kv_scale_granularity=kv_scale_granularity,
                     tensor_parallel_size=tensor_parallel_size, cpu_threads=cpu_threads)
         self._setup(resolve_llm_job(args, model, deploy, tensor_parallel_size, world_size,
-                                    overrides, enforce_eager), tokenizer)
+                                    overrides, enforce_eager, self._engine_process), tokenizer)
 
     @classmethod
     def from_job(cls, job: ResolvedJob, tokenizer: Optional[Tokenizer] = None) -> "LLM":

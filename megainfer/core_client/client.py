@@ -47,11 +47,13 @@ class JobTree:
     world_size: int
     auto_plan: bool = False
 
-    def resolve(self, rank: int) -> ResolvedJob:
+    def resolve(self, rank: int, holds_cache: bool = True) -> ResolvedJob:
+        """``holds_cache``: False for a frontend that only talks to the ranks
+        (``resolve_job``)."""
         planner = None
         if self.auto_plan:
             from megainfer.perfmodel.plan.auto_plan import auto_plan as planner
-        return rank_job(self.tree, self.world_size, rank, planner)
+        return rank_job(self.tree, self.world_size, rank, planner, holds_cache)
 
 
 Deliver = Callable[[CoreOutputs], None]

@@ -26,8 +26,12 @@ class LLMJob:
 
 def resolve_llm_job(args: Mapping, model, deploy: Union[None, str, Mapping],
                     tensor_parallel_size: Optional[int], world_size: Optional[int],
-                    overrides: Sequence[str], enforce_eager: bool = False) -> LLMJob:
-    """``args``: ``LLM``'s arguments by name (``llm_args.ARG_KEYS``; None: not given)."""
+                    overrides: Sequence[str], enforce_eager: bool = False,
+                    engine_process: bool = False) -> LLMJob:
+    """``args``: ``LLM``'s arguments by name (``llm_args.ARG_KEYS``; None: not given).
+    ``engine_process``: single mode's core too runs in a child job. This process holds a KV
+    cache only under ``mpiexec`` (it is rank 0) or as single mode's core; otherwise its job is
+    resolved as a frontend's (``resolve_job(holds_cache=False)``: no CUDA context here)."""
     launch_size, rank = mpi_world()
     world = None if world_size is None else f"world_size={world_size!r}"
     origin: dict = {}
@@ -46,7 +50,7 @@ def resolve_llm_job(args: Mapping, model, deploy: Union[None, str, Mapping],
             tree.setdefault("model", {})["arch"] = model
         size = launch_size if launch_size > 1 else deploy_world_size(tree, world_size)
         spec = JobTree(tree, size, auto_plan=asks_planner(tree))
-        job = spec.resolve(rank)
+        job = spec.resolve(rank, holds_cache=launch_size > 1 or (size == 1 and not engine_process))
     except ConfigError as e:
         named = named_error(e, origin, world)
         if named is e:

@@ -64,13 +64,18 @@ class _Outbox:
         self.conn, self.ranks, self.lock = conn, ranks, threading.Lock()
         self.last_sent = time.monotonic()
 
-    def send(self, msg) -> None:
+    def send(self, msg, timeout: float = -1) -> None:
+        """``timeout``: give up (the message dropped) when the lock is not free by then."""
+        if not self.lock.acquire(timeout=timeout):
+            log.debug("the socket stays busy; dropped %s", type(msg).__name__)
+            return
         try:
-            with self.lock:
-                self.conn.send(msg)
-                self.last_sent = time.monotonic()
+            self.conn.send(msg)
+            self.last_sent = time.monotonic()
         except (OSError, EOFError):
             log.debug("the script is gone; dropped %s", type(msg).__name__)
+        finally:
+            self.lock.release()
 
     def heartbeat(self) -> None:
         if time.monotonic() - self.last_sent >= HEARTBEAT_S:
@@ -99,7 +104,11 @@ def serve_script(conn, engine, job, ranks: dict, prefix: str) -> bool:
     out.send(Ready(engine.log_prefix, float(job.comm.timeout_s)))  # before any output
     core = core_thread(engine, out.deliver)
     log.info("%s serving the script's engine core", prefix)
+    hang_s = hang_after_s(engine, job)
     while core.alive:
+        if core.busy_s() > hang_s:
+            _hung(out, core, ranks, prefix, hang_s)
+            return False
         out.heartbeat()
         try:
             if not conn.poll(POLL_S):
@@ -117,6 +126,27 @@ def serve_script(conn, engine, job, ranks: dict, prefix: str) -> bool:
             break
     core.thread.join()
     return core.error is None
+
+
+def hang_after_s(engine, job) -> float:
+    """How long rank 0's engine core may stay inside one round before it is declared hung:
+    ``comm.timeout_s`` (what any rank may wait on a peer), plus a re-plan's switch allowance
+    where the runtime re-plans online."""
+    from .core_stats import stall_allowance_s
+    return float(job.comm.timeout_s) + stall_allowance_s(engine)
+
+
+def _hung(out: _Outbox, core, ranks: dict, prefix: str, hang_s: float) -> None:
+    """The core thread is stuck inside one round (while this thread, alive, would go on
+    sending heartbeats): tell the script, naming rank 0; the caller then ends this process."""
+    from megainfer.engine.core import CoreOutputs
+    from megainfer.engine.errors import RankLostError
+    role = ranks[0].role if 0 in ranks else None
+    err = RankLostError(f"rank 0 {role} of the spawned job: its engine core has been inside one "
+                        f"iteration for {core.busy_s():.1f}s, over {hang_s:g}s "
+                        "(comm.timeout_s): it hangs", 0, role)
+    log.error("%s %s", prefix, err)
+    out.send(CoreOutputs(error=err), timeout=1.0)
 
 
 def _launch(rank: int, world: int, comm, spec):

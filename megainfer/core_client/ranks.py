@@ -18,10 +18,12 @@ def mpi_world() -> tuple[int, int]:
     return world_size(), world_rank()
 
 
-def rank_job(tree: dict, world: int, rank: int, planner=None) -> ResolvedJob:
+def rank_job(tree: dict, world: int, rank: int, planner=None,
+             holds_cache: bool = True) -> ResolvedJob:
     """This rank's resolution of ``tree`` (every rank of one host: ``local_rank`` picks its GPU
     and its share of the cores)."""
-    return resolve_job(tree, world, local_ranks=world, local_rank=rank, planner=planner)
+    return resolve_job(tree, world, local_ranks=world, local_rank=rank, planner=planner,
+                       holds_cache=holds_cache)
 
 
 def device_name(device) -> str:

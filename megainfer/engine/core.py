@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Union
 
@@ -77,7 +78,9 @@ class OnlineEngine(Protocol):
     An abort may end a request later than the call (the runtime's rank 0 tells the replica
     holding it; its final output comes with a later ``step_outputs``). ``idle_interval_s``: not
     None when the engine must be stepped (``idle_tick``) at least that often while idle (the
-    runtime's ranks watch each other with timeouts); ``close``: end it (its ranks too)."""
+    runtime's ranks watch each other with timeouts); ``drain`` (optional): a shutdown began, only
+    the iterations that end the aborted requests follow (the runtime stops re-planning);
+    ``close``: end it (its ranks too)."""
 
     requests: dict  # unfinished requests by id
     detokenize: bool  # False: final outputs leave without text (the frontend decodes)
@@ -130,6 +133,9 @@ class EngineCore:
             out = eng.abort_request(msg.request_id)  # None: finished already, or unknown
             return [] if out is None else [RequestUpdate(msg.request_id, output=out)]
         if isinstance(msg, Shutdown):
+            drain = getattr(eng, "drain", None)
+            if drain is not None:
+                drain()
             updates = [u for rid in list(eng.requests) for u in self.handle(AbortRequest(rid))]
             for _ in range(SHUTDOWN_ITERATIONS):
                 if not eng.has_unfinished():
@@ -166,12 +172,19 @@ class EngineCoreThread:
         self.core, self.deliver, self.stats = core, deliver, stats
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.error: Optional[BaseException] = None
+        self.busy_since: Optional[float] = None  # monotonic start of this round; None: idle
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
     @property
     def alive(self) -> bool:
         return self.thread.is_alive()
+
+    def busy_s(self) -> float:
+        """How long the loop has been inside its current round (its inputs, one iteration,
+        the delivery of its outputs); 0 while it waits for input."""
+        since = self.busy_since
+        return 0.0 if since is None else time.monotonic() - since
 
     def submit(self, msg: CoreInput) -> None:
         self.inbox.put(msg)
@@ -188,7 +201,9 @@ class EngineCoreThread:
             stop = False
             while not stop:
                 updates = []
+                self.busy_since = None
                 msgs = self._take(block=not self.core.has_work(), timeout=idle_s)  # idle: sleep
+                self.busy_since = time.monotonic()
                 for msg in msgs:
                     updates += self.core.handle(msg)
                     stop = stop or isinstance(msg, Shutdown)

@@ -52,12 +52,17 @@ Planner = Callable[[dict, int], tuple[dict, dict]]
 
 
 def resolve_job(tree: Mapping, world_size: int = 1, local_ranks: int = 1, local_rank: int = 0,
-                planner: Optional[Planner] = None, other_groups: tuple = ()) -> ResolvedJob:
+                planner: Optional[Planner] = None, other_groups: tuple = (),
+                holds_cache: bool = True) -> ResolvedJob:
     """``tree`` ({group: {key: value}}) -> the job's ResolvedJob. ``local_ranks``: processes of
     this job on this host (they share its cores); ``local_rank``: this process's index among
     them (on cuda it takes that GPU, modulo the visible ones). ``other_groups``: top-level
     groups the caller reads itself (the launcher's sampling, io, workload); ``sampling.seed`` is
-    the job seed here."""
+    the job seed here. ``holds_cache=False``: this process only fronts the ranks (it builds no
+    KV pool): ``cache.gpu_memory_utilization`` is then applied to the GPU's total memory, not
+    measured free memory, since measuring opens a CUDA context here that would hold GPU memory
+    for the frontend's life (and keep the ranks off a GPU in exclusive-process mode); the
+    ranks size their own pools."""
     c = {g: dict(v) if isinstance(v, Mapping) else v for g, v in tree.items()}
     take("config", c, set(GROUP_KEYS) | {"sampling"} | set(other_groups))
     for g, known in GROUP_KEYS.items():
@@ -75,7 +80,7 @@ def resolve_job(tree: Mapping, world_size: int = 1, local_ranks: int = 1, local_
     s = take("scheduler", sched, field_names(SchedulerConfig))  # the plan's batch limit applied
     s["max_model_len"] = resolve_max_model_len(model, s.get("max_model_len"))
     scheduler = SchedulerConfig(**s)
-    cache = _cache(c["cache"], model, load, deploy, scheduler, device)
+    cache = _cache(c["cache"], model, load, deploy, scheduler, device, holds_cache)
     seed = (c.get("sampling") or {}).get("seed")
     return ResolvedJob(model, load, scheduler, cache, deploy, seed=0 if seed is None else seed,
                      device=device, cpu_threads=_threads(d.get("cpu_threads"), model, local_ranks),
@@ -118,7 +123,8 @@ def _model(d: dict, device: DeviceConfig) -> tuple[ModelConfig, LoadConfig]:
 
 
 def _cache(k: dict, model: ModelConfig, load: LoadConfig, deploy: DeployPlan,
-           scheduler: SchedulerConfig, device: DeviceConfig) -> CacheConfig:
+           scheduler: SchedulerConfig, device: DeviceConfig, holds_cache: bool = True
+           ) -> CacheConfig:
     """``cache.*`` -> CacheConfig: its format checked against the model and the attention
     backend, ``num_blocks=null`` derived from the memory budget, the pool's fit checked."""
     require(isinstance(k.get("block_size", 1), int) and not isinstance(k.get("block_size"), bool),
@@ -129,7 +135,7 @@ def _cache(k: dict, model: ModelConfig, load: LoadConfig, deploy: DeployPlan,
     check_kv_cache_dtype(model, fmt.kv_cache_dtype, device.attention_backend)
     num_blocks = k.get("num_blocks")
     if num_blocks is None:
-        memory_gib = kv_memory_gib(k, model, load, deploy, device)
+        memory_gib = kv_memory_gib(k, model, load, deploy, device, holds_cache)
         num_blocks = derive_num_blocks(model, scheduler.max_model_len, scheduler.max_num_seqs,
                                        fmt.block_size, memory_gib, load.torch_dtype,
                                        max(1, model.num_kv_heads // deploy.attention_tp),
@@ -140,9 +146,11 @@ def _cache(k: dict, model: ModelConfig, load: LoadConfig, deploy: DeployPlan,
 
 
 def kv_memory_gib(k: Mapping, model: ModelConfig, load: LoadConfig, deploy: DeployPlan,
-                  device: DeviceConfig) -> float:
+                  device: DeviceConfig, holds_cache: bool = True) -> float:
     """The KV pool's budget: ``cache.memory_gib``; on cuda with ``cache.gpu_memory_utilization``
-    that share of the GPU's free memory less this rank's weights (counted, not loaded)."""
+    that share of the GPU's free memory less this rank's weights (counted, not loaded); of its
+    total memory where this process holds no cache (``holds_cache=False``: no CUDA context is
+    opened for it)."""
     util = k.get("gpu_memory_utilization")
     memory_gib = k.get("memory_gib", 4.0)
     require(isinstance(memory_gib, (int, float)) and not isinstance(memory_gib, bool)
@@ -158,18 +166,22 @@ def kv_memory_gib(k: Mapping, model: ModelConfig, load: LoadConfig, deploy: Depl
     import torch
     from megainfer.models import ParallelContext
     from megainfer.models.loader import weight_bytes
-    free, _ = torch.cuda.mem_get_info(device.index)
+    if holds_cache:
+        free, _ = torch.cuda.mem_get_info(device.index)  # opens this process's CUDA context
+    else:  # a frontend: read without a context (the ranks measure their own free memory)
+        free = torch.cuda.get_device_properties(device.index).total_memory
     role = "attention" if deploy.mode == "disaggregated" else "full"
     weights = weight_bytes(model, load.torch_dtype, ParallelContext(0, deploy.attention_tp), role)
-    return kv_budget_gib(util, free, weights, device.index)
+    return kv_budget_gib(util, free, weights, device.index, "free" if holds_cache else "in all")
 
 
-def kv_budget_gib(util: float, free_bytes: int, weight_bytes: int, index: int = 0) -> float:
+def kv_budget_gib(util: float, free_bytes: int, weight_bytes: int, index: int = 0,
+                  what: str = "free") -> float:
     """``util`` of ``free_bytes`` less ``weight_bytes``, in GiB; none left is a ConfigError."""
     budget = util * free_bytes - weight_bytes
     if budget <= 0:
         raise ConfigError(f"cache.gpu_memory_utilization={util}: {util:.0%} of the "
-                          f"{free_bytes / 2**30:.2f} GiB free on cuda:{index} leaves no room for "
+                          f"{free_bytes / 2**30:.2f} GiB {what} on cuda:{index} leaves no room for "
                           f"the KV cache after {weight_bytes / 2**30:.2f} GiB of weights; raise "
                           "it, or give cache.num_blocks")
     return budget / 2**30

@@ -146,6 +146,58 @@ def test_a_lost_rank_raises_rank_lost_error_naming_it(ckpt, fault):
         core.shutdown()
 
 
+HANG_AFTER_STEPS = "MEGAINFER_TEST_HANG_AFTER_STEPS"
+# the child job's ranks import this first (PYTHONPATH): rank 0's engine core thread then blocks
+# for good in the step after the given number, while its main thread goes on (heartbeats)
+SITECUSTOMIZE = f"""import os, threading
+if os.environ.get("{HANG_AFTER_STEPS}"):
+    from megainfer.engine.engine import LLMEngine
+    from megainfer.runtime.replicas.online import RuntimeEngine
+    left = [int(os.environ["{HANG_AFTER_STEPS}"])]
+    def hanging(step):
+        def step_outputs(self):
+            left[0] -= 1
+            if left[0] < 0:
+                threading.Event().wait()
+            return step(self)
+        return step_outputs
+    for cls in (LLMEngine, RuntimeEngine):
+        cls.step_outputs = hanging(cls.step_outputs)
+"""
+
+
+@pytest.mark.parametrize("deploy", ["single", "a1e2"])
+def test_an_engine_core_stuck_in_a_step_is_named_hung(ckpt, tmp_path, monkeypatch, deploy):
+    """Rank 0's core thread stuck inside one iteration while rank 0's main thread lives (its
+    heartbeats alone would hide it): RankLostError naming rank 0 and "hangs" within
+    comm.timeout_s (+ the main thread's poll), before any expert rank's own (2x) wait runs
+    out; no process of the job is left."""
+    (tmp_path / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(tmp_path)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    monkeypatch.setenv(HANG_AFTER_STEPS, "6")
+    timeout_s = 3.0
+    spec = job_tree(ckpt, deploy, timeout_s)
+    intake = Intake.for_job(spec.resolve(0))
+    col = Collector()
+    core = SpawnedCore(spec, col.deliver)
+    pids, marker = _pids(core), core.job.marker
+    try:
+        add(core, intake, "long", [3, 4], max_tokens=120)
+        col.until_tokens("long")  # it steps, then hangs in its 7th step
+        t0 = time.monotonic()
+        with pytest.raises(RankLostError, match="hangs") as e:
+            while True:
+                col.next(timeout=timeout_s + 10)
+        assert time.monotonic() - t0 < timeout_s + 3.0
+        assert (e.value.rank, e.value.role) == (0, "[attn dp0 tp0]"), e.value
+        assert "inside one iteration" in str(e.value)
+        assert not core.alive
+        _assert_gone(pids, marker, within=5.0)
+    finally:
+        core.shutdown()
+
+
 LLM_ARGS = dict(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128, block_size=4,
                 num_blocks=256, cpu_threads=1, overrides=["comm.timeout_s=10"])
 

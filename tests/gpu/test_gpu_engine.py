@@ -5,7 +5,8 @@
     past position 2000;
 (c) CUDA graphs on and off: identical tokens (fp32), with batches that need padding;
 (d) host synchronisations in one decode step, graphs off and on: at most SYNC_BUDGET;
-(e) Triton vs torch attention through the whole engine: identical greedy tokens (fp32).
+(e) Triton vs torch attention through the whole engine: identical greedy tokens (fp32);
+(f) a frontend's resolution (a plain script starting its ranks) opens no CUDA context.
 Tests that need transformers (the oracle, and the tiny checkpoints) skip without it.
 """
 import os
@@ -200,3 +201,29 @@ def test_triton_and_torch_attention_identical(ckpts, family):
         runs[backend] = tokens(llm.generate(ps, greedy(32), use_tqdm=False))
         del llm
     assert_same(runs["triton"], runs["torch"], f"{family}: Triton vs torch attention")
+
+
+PRIMARY_CONTEXT = """import sys, torch
+from megainfer.config import ModelConfig
+from megainfer.core_client.llm_job import resolve_llm_job
+tiny = ModelConfig(family="mixtral", vocab_size=300, hidden_size=32, num_layers=1, num_heads=2,
+                   num_kv_heads=1, head_dim=16, num_experts=2, top_k=1, moe_intermediate_size=32,
+                   max_position_embeddings=64)
+job = resolve_llm_job({"gpu_memory_utilization": 0.5, "num_blocks": None}, tiny,
+                      sys.argv[1], None, None, ["deploy.device=cuda"]).job
+assert job.device.device == "cuda" and job.cache.num_blocks > 0
+print(torch._C._cuda_hasPrimaryContext(0))
+"""
+
+
+@pytest.mark.parametrize("deploy,opens", [("single", True), ("a1e2", False)])
+def test_a_frontend_resolution_opens_no_cuda_context(deploy, opens):
+    """(f) ``gpu_memory_utilization`` sizing: single mode's own process measures free memory
+    (its CUDA context opens); a plain script that will start a1e2's ranks reads the GPU's total
+    memory and holds no context (tests/unit/engine/test_resolve.py checks the same on CPU)."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", PRIMARY_CONTEXT, deploy], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == str(opens), out.stdout

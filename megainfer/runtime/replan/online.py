@@ -6,8 +6,9 @@ hook, as in a batch job; when the hook ends an iteration with an order, ``betwee
 to every rank, every rank switches (``runner.order_switch``: the other ranks run ``_serve``,
 as in a batch job) and rank 0's loop over its kept engine resumes with the old loop's online
 state (``ReplicaLoop.continue_from``): requests not handed out, aborts held back, which
-requests are open. ``close``, after the iteration that stopped every rank's loop, sends the
-end (a None order) so every rank's ``_serve`` returns."""
+requests are open. ``drain`` (the core's shutdown began) stops ordering switches. ``close``,
+after the iteration that stopped every rank's loop, sends the end (a None order) so every
+rank's ``_serve`` returns."""
 from __future__ import annotations
 
 import logging
@@ -43,6 +44,11 @@ class OnlineReplanner:
         new.resume_online()
         log.info("%s re-plan %s done; serving on", new.role.tag, order.label)
         return new
+
+    def drain(self) -> None:
+        """The engine core shuts down (its last iterations end the aborted requests): a switch
+        then would only delay the end."""
+        self.ctl.draining = True
 
     def close(self) -> None:
         order_switch(self.rank, self.ctl, None)

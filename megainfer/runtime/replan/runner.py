@@ -121,6 +121,7 @@ class ReplanController:
         self.attn, self.expert, self.comm, self.slots = [], [], [], 1
         self.hw, self.shape = None, None
         self.clock: list = []  # per iteration: (perf_counter at its sync, sequences running)
+        self.draining = False  # the engine core shuts down: no switch is ordered any more
 
     @property
     def job(self):  # the plan in it changes at each switch
@@ -141,7 +142,7 @@ class ReplanController:
         if not self.cfg.force_schedule:  # measured decisions: record the next step's spans?
             self.rank.tracer.enabled = self.job.trace.enabled or records(it, self.cfg.interval)
         else:  # forced switches only (no measurements are sent), also once all are done
-            if not self.forced or not work or self.forced[0][0] > it:
+            if self.draining or not self.forced or not work or self.forced[0][0] > it:
                 return None
             _, label = self.forced.pop(0)
             a, e, m = parse_plan(label)
@@ -152,8 +153,8 @@ class ReplanController:
             return ReplanOrder(it, cur, new, "forced")
         if it % self.cfg.interval:
             return None
-        self._collect(it)
-        return self._decide(loop, it, cur) if work else None
+        self._collect(it)  # the expert ranks send their samples every interval: taken
+        return self._decide(loop, it, cur) if work and not self.draining else None
 
     def _collect(self, it: int) -> None:
         ev, self.start = take_events(self.rank.tracer, self.start, self.job.trace.enabled)

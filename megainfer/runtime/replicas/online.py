@@ -41,6 +41,8 @@ class OnlinePlug(Protocol):
 
     def between(self, loop): ...  # after an iteration: the loop to go on with
 
+    def drain(self) -> None: ...  # the engine core shuts down: only its last iterations follow
+
     def close(self) -> None: ...  # after the last iteration (the ranks told to stop)
 
 
@@ -159,6 +161,12 @@ class RuntimeEngine:
 
     def idle_tick(self) -> None:
         self.step_outputs()
+
+    def drain(self) -> None:
+        """The engine core's shutdown began (``EngineCore``): the plug's work between
+        iterations stops (no re-plan switch while the last iterations end the requests)."""
+        if self.plug is not None:
+            self.plug.drain()
 
     def close(self) -> None:
         """Stop every rank (one last iteration) and close this rank's connections. After a

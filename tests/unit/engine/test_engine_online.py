@@ -138,6 +138,31 @@ def test_engine_core_messages(ckpt, offline):
     assert core.handle(Shutdown()) == [] and _idle(eng)
 
 
+def test_engine_core_thread_busy_s_counts_inside_a_round_only(ckpt):
+    """``busy_s``: 0 while the loop waits for input; inside a step it grows (what rank 0 of a
+    spawned job checks to declare its core hung)."""
+    llm = LLM(ckpt, **KW)
+    inside, release = threading.Event(), threading.Event()
+    step = llm.engine.step_outputs
+
+    def held_step():
+        inside.set()
+        release.wait(30)
+        return step()
+    llm.engine.step_outputs = held_step
+    core = EngineCoreThread(EngineCore(llm.engine), lambda outs: None)
+    try:
+        time.sleep(0.2)
+        assert core.busy_s() == 0.0
+        core.submit(AddRequest("r", llm.engine.tokenize(PROMPTS[0], GREEDY), GREEDY))
+        assert inside.wait(30)
+        time.sleep(0.3)
+        assert 0.3 <= core.busy_s() < 30
+    finally:
+        release.set()
+        core.shutdown(30)
+
+
 def test_engine_core_thread_sleeps_when_idle_and_shuts_down(ckpt, offline):
     got, done = [], threading.Event()
 

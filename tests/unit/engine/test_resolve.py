@@ -129,6 +129,46 @@ def test_other_modes_resolve_to_the_launchers_plan(kw, ranks, mode, threads):
         assert got.job.deploy.attention_tp == tp
 
 
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """One visible 80 GiB "GPU" (40 GiB free): ``calls`` records each ``mem_get_info``, the
+    call that opens a CUDA context."""
+    from types import SimpleNamespace
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "mem_get_info",
+                        lambda i=None: calls.append(i) or (40 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i=None: SimpleNamespace(total_memory=80 * 2**30))
+    return calls
+
+
+@pytest.mark.parametrize("deploy,engine_process,measures", [
+    ("single", False, True),   # single mode's core in this process: its own pool, measured
+    ("single", True, False),   # AsyncLLM(engine_process=True): the child job measures
+    ("a1e2", False, False),    # a plain script starting its ranks: a frontend
+])
+def test_a_frontend_never_opens_a_cuda_context_to_size_the_kv_pool(fake_gpu, deploy,
+                                                                    engine_process, measures):
+    """``gpu_memory_utilization`` on cuda: the process that builds the pool measures free
+    memory (``mem_get_info``); one that only fronts the ranks reads the total instead, so it
+    holds no CUDA context (GPU memory for its life; a GPU in exclusive-process mode refusing
+    the ranks)."""
+    from megainfer.core_client.llm_job import resolve_llm_job
+    args = {"gpu_memory_utilization": 0.5, "num_blocks": None, "device": "cuda",
+            "attention_backend": "torch"}
+    got = resolve_llm_job(args, TINY, deploy, None, None, ["deploy.device=cuda"],
+                          engine_process=engine_process)
+    assert bool(fake_gpu) == measures
+    assert got.job.device.device == "cuda" and got.job.cache.num_blocks > 0
+    served = settings_from_config({"model": {"arch": TINY, "attention_backend": "torch"},
+                                   "deploy": {"mode": "single", "device": "cuda"},
+                                   "cache": {"gpu_memory_utilization": 0.5}},
+                                  holds_cache=False)  # megainfer-serve's frontend
+    assert served.cache.num_blocks > 0 and bool(fake_gpu) == measures  # no call of its own
+
+
 # ------------------------------------------------------------------ the local Hugging Face cache
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

@@ -16,8 +16,8 @@ def test_single_mode_refuses_replanning_naming_it(tiny_ckpts):
         LLM(tiny_ckpts[("mixtral", "base")], overrides=["replan.enabled=true"])
 
 
-def _controller():
-    job = SimpleNamespace(replan=ReplanConfig(enabled=True, force_schedule=((10 ** 9, "a2e1"),)),
+def _controller(at: int = 10 ** 9):
+    job = SimpleNamespace(replan=ReplanConfig(enabled=True, force_schedule=((at, "a2e1"),)),
                           trace=SimpleNamespace(enabled=False),
                           deploy=SimpleNamespace(attention_replicas=1, expert_ranks=2,
                                                  micro_batches=2))
@@ -49,3 +49,28 @@ def test_the_controllers_clock_stays_bounded_and_measures_the_last_switch():
     assert math.isfinite(rec["tokens_per_s_after"]) and "measured_gain" in rec
     assert not ctl.ctx  # forced switches sample nothing
     assert rank.replans == [rec]
+
+
+def test_a_draining_core_orders_no_switch():
+    """Once the engine core's shutdown began (``OnlineReplanner.drain``) a forced switch due
+    in its last iterations is not ordered; without the drain it is."""
+    from megainfer.runtime.replan.online import OnlineReplanner
+    ctl, _ = _controller(at=5)
+    assert [ctl.hook(_loop(it, 2), True) for it in range(5)] == [None] * 5
+    assert ctl.hook(_loop(5, 2), True).new == (2, 1, 2)
+    _, rank = _controller(at=5)
+    rank.loop = SimpleNamespace(replan_hook=None)
+    plug = OnlineReplanner(rank)
+    plug.drain()
+    assert [rank.loop.replan_hook(_loop(it, 2), True) for it in range(10)] == [None] * 10
+
+
+def test_the_core_drains_its_engine_before_the_shutdown_aborts():
+    """``EngineCore`` calls the engine's optional ``drain`` first on ``Shutdown``."""
+    from megainfer.engine.core import EngineCore, Shutdown
+    seen = []
+    engine = SimpleNamespace(requests={"r": None}, drain=lambda: seen.append("drain"),
+                             has_unfinished=lambda: False,
+                             abort_request=lambda rid: seen.append(("abort", rid)))
+    EngineCore(engine).handle(Shutdown())
+    assert seen == ["drain", ("abort", "r")]
