@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence, Union
 
 from megainfer.config import ConfigError, ModelConfig, ResolvedJob
+from megainfer.config.deploy_fit import prefill_ranks
 from megainfer.config.llm_args import llm_tree, named_error
 
 from .client import JobTree
@@ -69,8 +70,7 @@ def deploy_world_size(tree: dict, world_size: Optional[int] = None) -> int:
         return d["attention_replicas"]
     counts = [d.get(k) for k in ("attention_replicas", "attention_tp", "expert_ranks")]
     if d.get("mode") == "disaggregated" and all(isinstance(v, int) for v in counts):
-        pre = d.get("prefill_replicas") or 0
-        return counts[0] * counts[1] + counts[2] + pre * (d.get("prefill_tp") or 1)
+        return counts[0] * counts[1] + counts[2] + prefill_ranks(d)
     return 1
 
 
