@@ -123,6 +123,15 @@ def test_a_lost_rank_raises_rank_lost_error_naming_it(ckpt, fault):
     RankLostError naming its rank and role within comm.timeout_s (plus the watch's poll),
     later inputs raise it too, and no process of the job is left."""
     deploy, rank, sig, timeout_s, role, words = FAULTS[fault]
+    err = _fails_naming(ckpt, deploy, timeout_s, words,
+                        lambda core: os.kill(core.ranks[rank].pid, sig))
+    assert (err.rank, err.role) == (rank, role), err
+
+
+def _fails_naming(ckpt, deploy: str, timeout_s: float, words: str, fault=None):
+    """A spawned ``deploy`` job runs a long request to its first tokens, then ``fault(core)``:
+    the RankLostError (matching ``words``) that ends it within ``timeout_s`` + 3 s; later
+    inputs raise it too and no process of the job is left."""
     spec = job_tree(ckpt, deploy, timeout_s)
     intake = Intake.for_job(spec.resolve(0))
     col = Collector()
@@ -132,16 +141,17 @@ def test_a_lost_rank_raises_rank_lost_error_naming_it(ckpt, fault):
         add(core, intake, "long", [3, 4], max_tokens=120)
         col.until_tokens("long")
         t0 = time.monotonic()
-        os.kill(core.ranks[rank].pid, sig)
+        if fault is not None:
+            fault(core)
         with pytest.raises(RankLostError, match=words) as e:
             while True:
                 col.next(timeout=timeout_s + 10)
         assert time.monotonic() - t0 < timeout_s + 3.0
-        assert (e.value.rank, e.value.role) == (rank, role), e.value
         assert not core.alive
         with pytest.raises(RankLostError):
             add(core, intake, "late", [1])
         _assert_gone(pids, marker, within=5.0)
+        return e.value
     finally:
         core.shutdown()
 
@@ -175,27 +185,10 @@ def test_an_engine_core_stuck_in_a_step_is_named_hung(ckpt, tmp_path, monkeypatc
     (tmp_path / "sitecustomize.py").write_text(SITECUSTOMIZE)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
         [str(tmp_path)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    monkeypatch.setenv(HANG_AFTER_STEPS, "6")
-    timeout_s = 3.0
-    spec = job_tree(ckpt, deploy, timeout_s)
-    intake = Intake.for_job(spec.resolve(0))
-    col = Collector()
-    core = SpawnedCore(spec, col.deliver)
-    pids, marker = _pids(core), core.job.marker
-    try:
-        add(core, intake, "long", [3, 4], max_tokens=120)
-        col.until_tokens("long")  # it steps, then hangs in its 7th step
-        t0 = time.monotonic()
-        with pytest.raises(RankLostError, match="hangs") as e:
-            while True:
-                col.next(timeout=timeout_s + 10)
-        assert time.monotonic() - t0 < timeout_s + 3.0
-        assert (e.value.rank, e.value.role) == (0, "[attn dp0 tp0]"), e.value
-        assert "inside one iteration" in str(e.value)
-        assert not core.alive
-        _assert_gone(pids, marker, within=5.0)
-    finally:
-        core.shutdown()
+    monkeypatch.setenv(HANG_AFTER_STEPS, "6")  # it steps, then hangs in its 7th step
+    err = _fails_naming(ckpt, deploy, 3.0, "hangs")
+    assert (err.rank, err.role) == (0, "[attn dp0 tp0]"), err
+    assert "inside one iteration" in str(err)
 
 
 LLM_ARGS = dict(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128, block_size=4,
