@@ -27,7 +27,7 @@ import yaml
 import megainfer.conf
 from megainfer.config import (CacheConfig, CommConfig, DeployPlan, DeviceConfig, EplbConfig,
                               LoadConfig, ModelConfig, ReplanConfig, SchedulerConfig, ServeConfig,
-                              TraceConfig)
+                              SloConfig, TraceConfig)
 from megainfer.engine.sampling_params import SamplingParams
 from .settings import IOSettings, JobSettings, WorkloadSettings
 
@@ -48,6 +48,7 @@ GROUPS = {
     "trace": (TraceConfig, (), "pipeline traces"),
     "eplb": (EplbConfig, (), "expert-parallel load balancing"),
     "replan": (ReplanConfig, (), "online re-planning of the attention:expert split"),
+    "slo": (SloConfig, (), "the serving target deploy=auto plans for"),
     "serve": (ServeConfig, (), "megainfer-serve's HTTP server (docs/serve.md)"),
 }
 # launcher keys that are no dataclass field: key -> (type, meaning source is the YAML comment)

@@ -10,6 +10,7 @@ from typing import Optional
 from .base import require
 from .model import ModelConfig
 from .replan import ReplanConfig
+from .slo import SloConfig
 from .runtime import (CacheConfig, CommConfig, DeployPlan, DeviceConfig, EplbConfig, LoadConfig,
                       SchedulerConfig, TraceConfig)
 
@@ -27,6 +28,7 @@ class ResolvedJob:
     seed: int = 0  # requests without their own seed draw from it (sampling.seed)
     device: DeviceConfig = DeviceConfig()  # cuda: every rank on GPU local_rank % visible
     replan: ReplanConfig = ReplanConfig()  # online re-planning (docs/replan.md)
+    slo: SloConfig = SloConfig()  # what deploy=auto plans a server for (docs/perfmodel.md)
     cpu_threads: Optional[int] = None  # torch intra-op threads of this process; None: torch's
 
     def __post_init__(self):

@@ -175,7 +175,9 @@ class DeployPlan:
     attention_tp: int = 1  # tensor-parallel ranks per attention replica
     expert_ranks: int = 0  # expert-parallel ranks (disaggregated mode)
     micro_batches: int = 1  # micro-batches in flight in the ping-pong pipeline
-    prefill_replicas: int = 0  # prefill-decode disaggregation (docs/pd.md); 0: off
+    # prefill-decode disaggregation (docs/pd.md); 0: off; deploy=auto's null: the planner's
+    # when it plans a server (slo.arrival_rate), else 0
+    prefill_replicas: int = 0
     prefill_tp: int = 1  # tensor-parallel ranks per prefill replica
 
     def __post_init__(self):

@@ -16,9 +16,9 @@ from typing import Callable, Mapping, Optional
 
 from megainfer.config import (CacheConfig, CommConfig, ConfigError, DeployPlan, DeviceConfig,
                               EplbConfig, LoadConfig, ModelConfig, ReplanConfig, ResolvedJob,
-                              SchedulerConfig, TraceConfig)
+                              SchedulerConfig, SloConfig, TraceConfig)
 from megainfer.config.base import require
-from megainfer.config.deploy_fit import plan_for_world, prefill_ranks
+from megainfer.config.deploy_fit import plan_for_world
 from megainfer.config.hf_cache import checkpoint_dir
 from megainfer.config.keys import field_names, take
 from megainfer.config.model_source import model_config_of
@@ -41,13 +41,14 @@ GROUP_KEYS: dict[str, set] = {
     "trace": field_names(TraceConfig),
     "eplb": field_names(EplbConfig),
     "replan": field_names(ReplanConfig),
+    "slo": field_names(SloConfig),
 }
 _PLAIN_GROUPS = (("comm", CommConfig), ("trace", TraceConfig), ("eplb", EplbConfig),
-                 ("replan", ReplanConfig))
+                 ("replan", ReplanConfig), ("slo", SloConfig))
 _NOT_PLAN_KEYS = ("cpu_threads", "device", "hardware")  # deploy.* keys that are not DeployPlan's
 
-# (config tree, ranks left after the prefill ranks) -> (deploy, scheduler) groups with the
-# planner's choice filled in (megainfer/perfmodel/plan/auto_plan.py)
+# (config tree, world size) -> (deploy, scheduler) groups with the planner's choice filled in
+# (megainfer/perfmodel/plan/auto_plan.py)
 Planner = Callable[[dict, int], tuple[dict, dict]]
 
 
@@ -70,7 +71,7 @@ def resolve_job(tree: Mapping, world_size: int = 1, local_ranks: int = 1, local_
     c["model"] = local_model(c["model"])
     d = c["deploy"]
     if planner is not None:
-        planned, sched = planner(c, world_size - prefill_ranks(d))
+        planned, sched = planner(c, world_size)
     else:
         planned, sched = d, c["scheduler"]
     deploy = plan_for_world({k: v for k, v in planned.items() if k not in _NOT_PLAN_KEYS},

@@ -68,6 +68,24 @@ def test_llm_every_mode_equals_single_mode(tiny_ckpts, tmp_path, name, ranks, de
     assert max(got["idle_cpu"]) < 0.05, got["idle_cpu"]  # an idle runtime sleeps, every rank
 
 
+def test_deploy_auto_planning_a_server_runs_its_pd_plan_equal_to_single_mode(tiny_ckpts, tmp_path):
+    """``deploy=auto`` with ``slo.arrival_rate`` under ``mpiexec -n 4``: every rank plans on its
+    own, they agree on the planner's PD split (a tight TTFT SLO: 2 prefill replicas feeding
+    A1 + E1, tests/unit/perfmodel/test_world_serving.py) and serve single mode's outputs."""
+    ckpt = tiny_ckpts[("mixtral", "base")]
+    out = tmp_path / "out.json"
+    slo = ["slo.arrival_rate=4", "slo.ttft_ms=12", "slo.tpot_ms=50", "slo.input_len=64",
+           "slo.output_len=64"]
+    run_mpi(4, JOB, [out, ckpt, "auto", "offline", *slo], timeout=400)
+    got = json.loads(out.read_text())
+    assert (got["plan"]["prefill_replicas"], got["plan"]["attention_replicas"],
+            got["plan"]["expert_ranks"]) == (2, 1, 1), got["plan"]
+    want = _single(ckpt, "offline")
+    for key in ("greedy", "greedy_text", "seeded", "stop", "chat"):
+        assert got[key] == want[key], key
+    _same_logprobs(got["logprobs"], want["logprobs"])
+
+
 def _same_logprobs(got, want):
     """The same tokens; values as close as a different summation order allows (the expert
     ranks add their partial sums in another order than single mode)."""

@@ -19,12 +19,14 @@ import socket
 from dataclasses import asdict, replace
 
 from megainfer.config import ConfigError, ModelConfig, SchedulerConfig
+from megainfer.config.deploy_fit import prefill_ranks
 from megainfer.config.model_source import model_config_of
 
 log = logging.getLogger("megainfer.launch")
 
 FALLBACK_PROFILE = "cpu_node"
 COUNT_KEYS = ("attention_replicas", "attention_tp", "expert_ranks", "micro_batches")
+PREFILL_KEYS = ("prefill_replicas", "prefill_tp")  # chosen too when planning for serving
 MAX_LINES = 100_000  # prompt lengths are estimated from at most this many input lines
 
 
@@ -160,22 +162,31 @@ def prompt_lengths(c: dict) -> tuple[list, str]:
 
 def auto_plan(c: dict, world: int) -> tuple[dict, dict]:
     """(``deploy``, ``scheduler``) dicts to resolve. ``deploy``: with ``deploy.mode=auto`` and
-    world > 1, the planner's choice filled into the counts the user left null; otherwise
-    ``deploy`` unchanged. ``scheduler``: the scheduler section with ``max_num_seqs`` lowered to the chosen plan's batch limit per
-    replica when the KV memory of the profile is what bounds that batch (the requests and
-    ``max_num_seqs`` bounds are already the runtime's own); otherwise both unchanged."""
+    world > 1, the planner's choice filled into the counts the user left null: for serving
+    (``slo.arrival_rate`` set) AE or PD over the whole world (``serving_plan``), else the
+    fastest decode split of the ranks the prefill ranks leave; otherwise ``deploy`` unchanged.
+    ``scheduler``: the scheduler section with ``max_num_seqs`` lowered to the chosen plan's
+    batch limit per replica when the KV memory of the profile (or, serving, the TPOT SLO) is
+    what bounds that batch (the requests and ``max_num_seqs`` bounds are already the runtime's
+    own); otherwise both unchanged."""
     sched = dict(c.get("scheduler") or {})
     d = dict(c.get("deploy") or {})
     hw_name = d.pop("hardware", None)
     if d.get("mode", "auto") not in (None, "auto") or world < 2:
         return d, sched
-    pins = {k: d.get(k) for k in COUNT_KEYS}
+    serving = (c.get("slo") or {}).get("arrival_rate") is not None
+    keys = COUNT_KEYS + PREFILL_KEYS if serving else COUNT_KEYS
+    pins = {k: d.get(k) for k in keys}
     if all(v is not None for v in pins.values()):
         return d, sched
-    if any(v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1)
-           for v in pins.values()):
+    if any(v is not None and (not isinstance(v, int) or isinstance(v, bool)
+                              or v < (0 if k == "prefill_replicas" else 1))
+           for k, v in pins.items()):
         return d, sched  # DeployPlan names the bad value
-    best = _ranked(c, d, hw_name, pins, world)
+    if serving:
+        from .serving_plan import serving_plan
+        return serving_plan(c, d, hw_name, pins, world, sched)
+    best = _ranked(c, d, hw_name, pins, world - prefill_ranks(d))
     if best is None:
         return d, sched
     p = best.plan
@@ -188,6 +199,26 @@ def auto_plan(c: dict, world: int) -> tuple[dict, dict]:
                 expert_ranks=p.n_e, micro_batches=p.m), sched
 
 
+def job_shape(c: dict, hw):
+    """The job's model as the planner's ModelShape, its KV in the cache's format."""
+    shape = shape_of(model_config_of(c.get("model") or {}), hw)
+    cache = c.get("cache") or {}
+    kv_dtype = cache.get("kv_cache_dtype")
+    if kv_dtype not in (None, "auto"):  # the KV-memory bound follows the cache format
+        shape = replace(shape, kv_cache_dtype=kv_dtype,
+                        kv_scale_granularity=cache.get("kv_scale_granularity", "token_head"))
+    return shape
+
+
+def plan_dtype(c: dict, d: dict, hw) -> str:
+    """``model.dtype`` (auto: bfloat16 on cuda, float32 on cpu), else one the profile times."""
+    dtype = (c.get("model") or {}).get("dtype")
+    if dtype in (None, "auto"):
+        dtype = "bfloat16" if d.get("device") == "cuda" else "float32"
+    return dtype if dtype in hw.matmul_flops else (
+        "float32" if "float32" in hw.matmul_flops else sorted(hw.matmul_flops)[0])
+
+
 def _max_seqs(sched: dict) -> int:
     return int(sched.get("max_num_seqs") or SchedulerConfig.max_num_seqs)
 
@@ -198,24 +229,14 @@ def _ranked(c: dict, d: dict, hw_name, pins: dict, world: int):
     from megainfer.perfmodel.model.disagg import Workload
     from megainfer.perfmodel.plan.world_plan import JobLoad, NoWorldPlanError, Pins, plan_world
     hw, hw_from = hardware_for(hw_name, d.get("device"))
-    cfg = model_config_of(c.get("model") or {})
-    shape = shape_of(cfg, hw)
-    cache = c.get("cache") or {}
-    kv_dtype = cache.get("kv_cache_dtype")
-    if kv_dtype not in (None, "auto"):  # the KV-memory bound follows the cache format
-        shape = replace(shape, kv_cache_dtype=kv_dtype,
-                        kv_scale_granularity=cache.get("kv_scale_granularity", "token_head"))
+    shape = job_shape(c, hw)
     lens, src = prompt_lengths(c)
     samp, sched = c.get("sampling") or {}, c.get("scheduler") or {}
     wl = Workload(max(1, round(sum(lens) / len(lens))) if lens else 16,
                   max(1, int(samp.get("max_tokens") or 16)))
     n_seqs = max(1, len(lens)) * max(1, int(samp.get("n") or 1))
     job = JobLoad(n_seqs, _max_seqs(sched), wl)
-    dtype = (c.get("model") or {}).get("dtype")
-    if dtype in (None, "auto"):
-        dtype = "bfloat16" if d.get("device") == "cuda" else "float32"
-    dtype = dtype if dtype in hw.matmul_flops else (
-        "float32" if "float32" in hw.matmul_flops else sorted(hw.matmul_flops)[0])
+    dtype = plan_dtype(c, d, hw)
     try:
         ranked = plan_world(shape, hw, job, world, Pins(**pins), dtype)
     except NoWorldPlanError as e:  # deploy.py then fills the counts or names a fix

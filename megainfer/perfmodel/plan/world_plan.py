@@ -86,6 +86,24 @@ def _slots(shape: ModelShape, n_e: int) -> ModelShape:
     return shape if slots == shape.num_experts else replace(shape, num_experts=slots)
 
 
+def world_splits(shape: ModelShape, world: int, pins: Pins = Pins(),
+                 micro_batches: tuple = MICRO_BATCHES, why: Optional[dict] = None):
+    """(tp_a, n_a, n_e, m) of every disaggregated split of exactly ``world`` ranks that the
+    heads, the experts and the pins allow (``why``: gets the reason a split was skipped)."""
+    for tp_a in range(1, world):
+        if not _tp_ok(shape, tp_a):
+            continue
+        for n_a in range(1, (world - 1) // tp_a + 1):
+            n_e = world - n_a * tp_a
+            if n_e > shape.num_experts:
+                if why is not None:
+                    why.setdefault("experts", f"{n_e} expert ranks > {shape.num_experts} experts")
+                continue
+            for m in micro_batches:
+                if pins.allows(n_a, tp_a, n_e, m):
+                    yield tp_a, n_a, n_e, m
+
+
 def plan_world(shape: ModelShape, hw: HardwareProfile, job: JobLoad, world: int,
                pins: Pins = Pins(), dtype: str = "float32", use_fit: bool = True,
                micro_batches: tuple = MICRO_BATCHES) -> list[WorldChoice]:
@@ -95,25 +113,14 @@ def plan_world(shape: ModelShape, hw: HardwareProfile, job: JobLoad, world: int,
     cap = hw.mem_bytes * hw.mem_util
     out, why = [], {}
     times: dict = {}
-    for tp_a in range(1, world):
-        if not _tp_ok(shape, tp_a):
-            continue
-        for n_a in range(1, (world - 1) // tp_a + 1):
-            n_e = world - n_a * tp_a
-            if n_e > shape.num_experts:
-                why.setdefault("experts", f"{n_e} expert ranks > {shape.num_experts} experts")
-                continue
-            s = _slots(shape, n_e)
-            if s.num_experts not in times:
-                t = layer_times_for(hw, s, dtype, use_fit)
-                times[s.num_experts] = DisaggModel(s, t, t, job.workload, dtype)
-            model = times[s.num_experts]
-            for m in micro_batches:
-                if not pins.allows(n_a, tp_a, n_e, m):
-                    continue
-                c = _choice(model, Plan(tp_a, n_a, 1, n_e, m, 0), job, cap, why)
-                if c is not None:
-                    out.append(c)
+    for tp_a, n_a, n_e, m in world_splits(shape, world, pins, micro_batches, why):
+        s = _slots(shape, n_e)
+        if s.num_experts not in times:
+            t = layer_times_for(hw, s, dtype, use_fit)
+            times[s.num_experts] = DisaggModel(s, t, t, job.workload, dtype)
+        c = _choice(times[s.num_experts], Plan(tp_a, n_a, 1, n_e, m, 0), job, cap, why)
+        if c is not None:
+            out.append(c)
     if not out:
         given = {k: v for k, v in pins.__dict__.items() if v is not None}
         reasons = "; ".join(f"{k}: {v}" for k, v in why.items()) or "no split matches"

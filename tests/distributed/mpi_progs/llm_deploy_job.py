@@ -9,6 +9,7 @@ DEPLOY: a conf/deploy preset name or a JSON mapping of ``deploy.*`` keys. ``offl
 run the same functions in single mode in process as the reference.
 """
 import asyncio
+import dataclasses
 import json
 import os
 import sys
@@ -115,6 +116,7 @@ def main():
     with open(f"{out}.after.{MPI.COMM_WORLD.Get_rank()}", "w"):  # code after LLM(): rank 0 only
         pass
     got = offline_outputs(llm) if what == "offline" else async_outputs(llm)
+    got["plan"] = dataclasses.asdict(llm.job.deploy)  # what this launch runs (deploy=auto: chose)
     if what == "offline":
         from megainfer.bench.process_cpu import idle_cpu
         got["idle_cpu"] = idle_cpu(pids, 2.0)

@@ -1,0 +1,74 @@
+"""``deploy=auto`` planning a server: the config tree with ``slo.arrival_rate`` set -> the AE or
+PD split of exactly N ranks that best meets ``slo.*`` (``world_serving.plan_world_serving``),
+logged with its runner-up (docs/perfmodel.md, "The planner at launch").
+
+The planned requests are ``slo.num_requests`` Poisson arrivals at ``slo.arrival_rate`` of
+``slo.input_len`` / ``slo.output_len`` tokens (seeded: every rank plans the same); the
+scheduler's ``max_num_seqs`` and ``max_num_batched_tokens`` are the simulated ones. Explicit
+``deploy.*`` counts pin their dimension (``deploy.prefill_replicas=0``: AE only); re-planning
+(``replan.enabled``) takes AE only (it does not re-plan prefill ranks yet)."""
+from __future__ import annotations
+
+import logging
+
+from megainfer.config import SchedulerConfig, SloConfig
+from megainfer.config.keys import field_names
+
+from .auto_plan import _max_seqs, calibrate_hint, hardware_for, job_shape, plan_dtype
+
+log = logging.getLogger("megainfer.launch")
+
+
+def serving_plan(c: dict, d: dict, hw_name, pins: dict, world: int, sched: dict
+                 ) -> tuple[dict, dict]:
+    """(``deploy``, ``scheduler``): the chosen split filled into ``d``; ``max_num_seqs``
+    lowered to its decode batch limit when the TPOT SLO or the KV memory bound it lower."""
+    from megainfer.perfmodel.plan.goodput import Slo
+    from megainfer.perfmodel.plan.world_serving import (NoWorldPlanError, ServingPins,
+                                                        ServingTarget, plan_world_serving)
+    from megainfer.perfmodel.sim.events import LengthDist, poisson_requests
+    raw = c.get("slo") or {}
+    slo_cfg = SloConfig(**{k: v for k, v in raw.items() if k in field_names(SloConfig)})
+    if (c.get("replan") or {}).get("enabled") and pins.get("prefill_replicas") is None:
+        pins = dict(pins, prefill_replicas=0)  # re-planning runs without prefill ranks
+    hw, hw_from = hardware_for(hw_name, d.get("device"))
+    shape = job_shape(c, hw)
+    slo = Slo(slo_cfg.ttft_ms / 1e3, slo_cfg.tpot_ms / 1e3, slo_cfg.percentile)
+    reqs = poisson_requests(slo_cfg.num_requests, slo_cfg.arrival_rate,
+                            LengthDist("fixed", slo_cfg.input_len),
+                            LengthDist("fixed", slo_cfg.output_len), seed=0)
+    tokens = int(sched.get("max_num_batched_tokens") or SchedulerConfig.max_num_batched_tokens)
+    target = ServingTarget(reqs, slo, _max_seqs(sched), tokens)
+    try:
+        ranked = plan_world_serving(shape, hw, target, world, ServingPins(**pins),
+                                    plan_dtype(c, d, hw))
+    except NoWorldPlanError as e:  # deploy.py then fills the counts or names a fix
+        log.info("[plan] %s; the counts are inferred from the world size instead", e)
+        return d, sched
+    best = ranked[0]
+    timing = "calibrated fit" if shape.name in hw.fits else "roofline"
+    log.info("[plan] deploy=auto over %d ranks for serving %g requests/s (in %d, out %d; SLO "
+             "TTFT %g ms, TPOT %g ms at p%g): hardware %s (%s); %s timed by %s; %d plans "
+             "simulated", world, slo_cfg.arrival_rate, slo_cfg.input_len, slo_cfg.output_len,
+             slo_cfg.ttft_ms, slo_cfg.tpot_ms, slo_cfg.percentile, hw.name, hw_from, shape.name,
+             timing, len(ranked))
+    if "preset" in hw_from:
+        log.info(calibrate_hint())
+    if best.result.ok:
+        log.info("[plan] chosen: %s", best.describe(slo))
+    else:
+        log.warning("[plan] no simulated split of %d ranks meets the SLOs for %g%% of the "
+                    "requests; running the closest: %s", world, slo_cfg.percentile,
+                    best.describe(slo))
+    if len(ranked) > 1:
+        log.info("[plan] runner-up: %s", ranked[1].describe(slo))
+    p = best.plan
+    if best.batch_limit < _max_seqs(sched):
+        log.info("[plan] batch limit applied: scheduler.max_num_seqs %d -> %d per decode "
+                 "replica (the TPOT SLO or the KV memory bounds the plan's batch)",
+                 _max_seqs(sched), best.batch_limit)
+        sched = dict(sched, max_num_seqs=best.batch_limit)
+    n_p, tp_p = best.prefill
+    return dict(d, mode="disaggregated", attention_replicas=p.n_a, attention_tp=p.tp_a,
+                expert_ranks=p.n_e, micro_batches=p.m, prefill_replicas=n_p,
+                prefill_tp=tp_p), sched
