@@ -1,5 +1,5 @@
-"""The serving target ``deploy=auto`` plans for (``slo.*``; docs/perfmodel.md, "The planner at
-launch")."""
+"""The serving target ``deploy=auto`` plans for (``slo.*``; docs/perfmodel.md, "Planning a
+server")."""
 from __future__ import annotations
 
 import math

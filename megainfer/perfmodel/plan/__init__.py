@@ -1,6 +1,7 @@
 """Choosing a deployment (docs/perfmodel.md): the throughput planner (MegaScale-Infer
 Algorithm 1), the goodput search under SLOs, the split of exactly N ranks that ``deploy=auto``
-and re-plan ask for (``auto_plan.py``: the config tree's job at launch), the plan report, and
+and re-plan ask for (``auto_plan.py``: the config tree's job at launch; ``world_serving.py``: a
+server's AE or PD split under SLOs), the plan report, and
 the calls ``megainfer-plan`` makes. Imports ``model`` and ``sim``; nothing below imports it."""
 from megainfer.perfmodel.plan.api import PlanOptions, run_goodput, run_plan
 from megainfer.perfmodel.plan.goodput import (Attainment, Slo, attainment, simulate_ae,

@@ -4,7 +4,9 @@ picks (docs/perfmodel.md, "The planner at launch").
 The job as the planner sees it (the model's shape from its config.json or preset, prompt
 lengths from ``io.input`` or the workload, ``sampling.max_tokens``, ``scheduler.max_num_seqs``)
 and this machine's hardware profile -> the fastest split of exactly N ranks (``world_plan.py``),
-logged with the runner-up. Explicit ``deploy.*`` counts pin their dimension.
+logged with the runner-up. With ``slo.arrival_rate`` set it plans a server instead: AE and PD
+splits simulated against ``slo.*`` (``serving_plan.py``). Explicit ``deploy.*`` counts pin their
+dimension.
 
 Hardware: ``deploy.hardware``; else the calibrated profile (``$MEGAINFER_HARDWARE_PROFILE``, else
 ``~/.cache/megainfer/hardware/<hostname>.yaml``); else, on cuda, the datasheet preset named in

@@ -1,6 +1,6 @@
 """``deploy=auto`` planning a server: the config tree with ``slo.arrival_rate`` set -> the AE or
 PD split of exactly N ranks that best meets ``slo.*`` (``world_serving.plan_world_serving``),
-logged with its runner-up (docs/perfmodel.md, "The planner at launch").
+logged with its runner-up (docs/perfmodel.md, "Planning a server").
 
 The planned requests are ``slo.num_requests`` Poisson arrivals at ``slo.arrival_rate`` of
 ``slo.input_len`` / ``slo.output_len`` tokens (seeded: every rank plans the same); the

@@ -1,7 +1,7 @@
 """Exactly N ranks + a serving target (request rate, lengths, SLOs) -> AE or PD plans, best first.
 
-What ``deploy=auto`` asks when ``slo.arrival_rate`` is set (docs/perfmodel.md, "The planner at
-launch"). Two families over exactly ``world`` ranks, one device a rank (the runtime's expert
+What ``deploy=auto`` asks when ``slo.arrival_rate`` is set (docs/perfmodel.md, "Planning a
+server"). Two families over exactly ``world`` ranks, one device a rank (the runtime's expert
 ranks are expert parallel only: ``tp_e = 1``):
 
 * **AE**: ``n_a`` attention replicas of ``tp_a`` ranks and ``n_e = world - n_a * tp_a`` expert
@@ -14,7 +14,7 @@ per replica whose iteration meets ``slo.tpot_ms``, within ``scheduler.max_num_se
 memory); the survivors are ordered by the decode throughput at that limit (PD needing a prefill
 pool that keeps up) and the first ``max_sims`` simulated on the same Poisson requests
 (``goodput.simulate_ae`` / ``simulate_pd``), families taking turns. Ranked: plans attaining the
-SLOs first, then goodput, then the headroom of the tighter SLO. Pure arithmetic seeded by the
+SLOs first, then goodput, then each SLO's headroom, the tighter first. Pure arithmetic seeded by the
 inputs: every rank computes the same plan without communicating.
 """
 from __future__ import annotations
@@ -157,11 +157,11 @@ def _workload(reqs: Requests) -> Workload:
 
 def candidates(shape: ModelShape, hw: HardwareProfile, target: ServingTarget, world: int,
                pins: ServingPins = ServingPins(), dtype: str = "float32",
-               use_fit: bool = True) -> list[ServingChoice]:
+               use_fit: bool = True, models: Optional[dict] = None) -> list[ServingChoice]:
     """Every AE and PD split of exactly ``world`` ranks the closed form keeps, each family
-    fastest decode first."""
+    fastest decode first. ``models``: expert slots -> the decode model, filled as built."""
     reqs = target.requests
-    wl, models = _workload(reqs), {}
+    wl, models = _workload(reqs), {} if models is None else models
     ae = [] if pins.prefill_replicas not in (None, 0) else \
         _decode_splits(shape, hw, wl, world, pins, target, dtype, use_fit, models)
     pd = []
@@ -186,20 +186,18 @@ def plan_world_serving(shape: ModelShape, hw: HardwareProfile, target: ServingTa
     headroom); raises ``NoWorldPlanError`` when no split of ``world`` ranks fits."""
     if not (isinstance(world, int) and world >= 2):
         raise NoWorldPlanError(f"world size {world!r}: a disaggregated plan needs >= 2 ranks")
-    cands = candidates(shape, hw, target, world, pins, dtype, use_fit)
+    models: dict = {}
+    cands = candidates(shape, hw, target, world, pins, dtype, use_fit, models)
     if not cands:
         raise NoWorldPlanError(f"deploy=auto: no AE or PD split of {world} ranks fits model "
                                f"{shape.name!r} on {hw.name} (memory, or the deploy pins)")
     fams = [[c for c in cands if c.family == f] for f in ("AE", "PD")]
     order = [c for row in itertools.zip_longest(*fams) for c in row if c is not None]
-    wl, models, done = _workload(target.requests), {}, []
+    done = []
     for c in order[:max_sims]:
-        s = _slots(shape, c.plan.n_e)
-        if s.num_experts not in models:
-            models[s.num_experts] = decode_model(s, hw, hw, wl, dtype, use_fit)
         cfg = JobConfig(max_num_seqs=c.batch_limit, seed=seed, max_iterations=200_000,
                         max_num_batched_tokens=target.max_num_batched_tokens)
-        model = models[s.num_experts]
+        model = models[_slots(shape, c.plan.n_e).num_experts]
         t = (simulate_pd(c.pool, model, c.plan, target.requests, cfg, dtype) if c.pool else
              simulate_ae(model, c.plan, target.requests, cfg))
         c.result = attainment(t.arrival_s, t.ttft_s, t.tpot_s, t.finish_s, target.slo)
