@@ -43,9 +43,17 @@ log = logging.getLogger("megainfer.serve")
 
 
 def _plain_tree(cfg) -> tuple[dict, ServeConfig]:
+    """(the config tree every rank and the frontend resolve, the serve group). The offline job's
+    groups are dropped (each request carries its own sampling; ``deploy=auto`` must not plan
+    for the built-in prompts) but ``sampling.seed``, the seed of requests without their own,
+    which a child job's ranks then get too."""
     c = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
     c.pop("hydra", None)
     serve = ServeConfig(**take("serve", c.pop("serve", None) or {}, field_names(ServeConfig)))
+    seed = (c.get("sampling") or {}).get("seed")
+    c = {g: v for g, v in c.items() if g not in JOB_GROUPS}
+    if seed is not None:
+        c["sampling"] = {"seed": seed}
     return c, serve
 
 
@@ -91,8 +99,7 @@ def run_spawned(cfg, c: dict, serve: ServeConfig) -> int:
     world = deploy_world_size(c, serve.world_size)
     s = settings_from_config(c, world, world, 0, holds_cache=False)  # rank 0's settings, every
     # check up front; the KV pool is the child job's (no CUDA context in the frontend)
-    tree = {g: v for g, v in c.items() if g not in JOB_GROUPS}
-    spec = JobTree(tree, world, auto_plan=asks_planner(tree))
+    spec = JobTree(c, world, auto_plan=asks_planner(c))
     name = served_name(serve, cfg.model.get("path"), s.model.family)
     client = EngineClient.spawn(spec, s, name, serve.max_queued_requests, serve.retry_after_s,
                                 iteration_role(s))
