@@ -42,7 +42,7 @@ from megainfer.core_client.launch_env import local_rank, local_ranks, world_rank
 log = logging.getLogger("megainfer.serve")
 
 
-def _plain_tree(cfg) -> tuple[dict, ServeConfig]:
+def serve_tree(cfg) -> tuple[dict, ServeConfig]:
     """(the config tree every rank and the frontend resolve, the serve group). The offline job's
     groups are dropped (each request carries its own sampling; ``deploy=auto`` must not plan
     for the built-in prompts) but ``sampling.seed``, the seed of requests without their own,
@@ -60,7 +60,7 @@ def _plain_tree(cfg) -> tuple[dict, ServeConfig]:
 def serve_settings(cfg):
     """The composed config -> (JobSettings, ServeConfig), validated (identically on every
     rank: ``deploy=auto`` plans from the same inputs)."""
-    c, serve = _plain_tree(cfg)
+    c, serve = serve_tree(cfg)
     return settings_from_config(c, world_size(), local_ranks(), local_rank()), serve
 
 
@@ -90,7 +90,7 @@ def _log_ranks(s) -> None:
 
 def run_spawned(cfg, c: dict, serve: ServeConfig) -> int:
     """A plain process: the frontend here, the engine core in a child job (every mode);
-    ``c``, ``serve``: ``_plain_tree(cfg)``."""
+    ``c``, ``serve``: ``serve_tree(cfg)``."""
     from megainfer.core_client.client import JobTree
     from megainfer.core_client.llm_job import asks_planner, deploy_world_size
     from megainfer.serve.engine_client import EngineClient
@@ -132,7 +132,7 @@ def run_server(cfg) -> int:
     from megainfer.serve.server import serve_client, served_name
     distributed, rank = world_size() > 1, world_rank()
     if not distributed:
-        c, serve = _plain_tree(cfg)
+        c, serve = serve_tree(cfg)
         if serve.engine_process and _can_spawn(c, serve):
             return run_spawned(cfg, c, serve)
     s, serve = serve_settings(cfg)  # a ConfigError here is every rank's alike: exit 2

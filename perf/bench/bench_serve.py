@@ -7,7 +7,10 @@ on the same requests (bench50m shapes, dummy weights), in one run:
 Modes: ``single`` (a plain megainfer-serve: the frontend, its engine core a child process),
 ``single_thread`` (one process, the core on a thread beside the frontend:
 ``serve.engine_process=false``), ``auto`` (``mpiexec -n 3 ... deploy=auto``: the planner's
-split of 3 ranks), ``a1e2`` (``mpiexec -n 3``), ``pd`` (``mpiexec -n 4 ... deploy=p1a1e2``).
+split of 3 ranks), ``a1e2`` (``mpiexec -n 3``), ``pd`` (``mpiexec -n 4 ... deploy=p1a1e2``),
+``planned`` (``mpiexec -n 4 ... deploy=auto slo.arrival_rate=..``: the split the planner picks
+for serving the first finite rate within the SLOs, AE or PD) and ``a2e2`` (4 ranks, no prefill
+ranks: the AE plan beside it).
 For each mode a server (``python -m megainfer.launch.serve``, under mpiexec for all but single;
 the same scheduler and cache settings) is started and, once listening and idle, its CPU per
 rank over 3 s is recorded; megainfer-bench-serve's client (this process) then runs each
@@ -44,8 +47,24 @@ from megainfer.bench.results_io import write_json  # noqa: E402
 from megainfer.bench.shapes import BENCH50M, BENCH50M_SHAPE  # noqa: E402
 
 MODES = {"single": (1, "single"), "single_thread": (1, "single"), "auto": (3, "auto"),
-         "a1e2": (3, "a1e2"), "pd": (4, "p1a1e2")}  # name -> (ranks, deploy preset)
-EXTRA = {"single_thread": ["serve.engine_process=false"]}  # name -> its own server overrides
+         "a1e2": (3, "a1e2"), "pd": (4, "p1a1e2"), "planned": (4, "auto"),
+         "a2e2": (4, "auto")}  # name -> (ranks, deploy preset)
+EXTRA = {"single_thread": ["serve.engine_process=false"],  # name -> its own server overrides
+         "a2e2": ["deploy.attention_replicas=2", "deploy.expert_ranks=2",
+                  "deploy.prefill_replicas=0", "deploy.micro_batches=1"]}
+
+
+def mode_overrides(name: str, a) -> list:
+    """``name``'s own overrides; ``planned``: deploy=auto planning a server for the first
+    finite ``--rates`` value, the lengths and the SLOs of this run (docs/perfmodel.md,
+    "Planning a server")."""
+    if name != "planned":
+        return EXTRA.get(name, [])
+    rate = next(r for r in a.rates.split(",") if r != "inf")
+    return [f"slo.arrival_rate={rate}", f"slo.ttft_ms={a.slo_ttft_ms}",
+            f"slo.tpot_ms={a.slo_tpot_ms}", f"slo.percentile={a.slo_percentile}",
+            f"slo.input_len={a.input_len}", f"slo.output_len={a.output_len}",
+            f"slo.num_requests={a.num_prompts}"]
 
 
 def bench_args(port, n, rate, conc, a):
@@ -160,13 +179,11 @@ def resolved_deploy(deploy: str, ranks: int, overrides: list[str]):
     """The plan rank 0 resolves (``deploy=auto``: the planner's split of ``ranks``)."""
     from hydra import compose, initialize_config_module
 
+    from megainfer.launch.serve import serve_tree
     from megainfer.launch.settings import settings_from_config
     with initialize_config_module("megainfer.conf", version_base=None):
-        c = compose("serve", [f"deploy={deploy}", *overrides])
-    from omegaconf import OmegaConf
-    tree = OmegaConf.to_container(c, resolve=True)
-    tree.pop("serve", None)
-    return settings_from_config(tree, ranks, ranks, 0).deploy
+        c, _ = serve_tree(compose("serve", [f"deploy={deploy}", *overrides]))
+    return settings_from_config(c, ranks, ranks, 0, holds_cache=False).deploy
 
 
 def run_mode(name: str, reqs, a) -> dict:
@@ -174,9 +191,9 @@ def run_mode(name: str, reqs, a) -> dict:
     ranks, deploy = MODES[name]
     common = ["model=bench50m", f"scheduler.max_num_seqs={a.max_num_seqs}",
               f"deploy.device={a.device}", f"deploy.cpu_threads={a.threads}"]
-    plan = resolved_deploy(deploy, ranks, common)
+    plan = resolved_deploy(deploy, ranks, common + mode_overrides(name, a))
     server = ServerProcess(ranks, [f"deploy={deploy}", "serve.served_model_name=bench50m",
-                                   *common, *EXTRA.get(name, [])], a.mpiexec)
+                                   *common, *mode_overrides(name, a)], a.mpiexec)
     out = {"ranks": ranks, "deploy": deploy, "plan": {
         k: getattr(plan, k) for k in ("mode", "attention_replicas", "attention_tp",
                                       "expert_ranks", "micro_batches", "prefill_replicas")}}
