@@ -128,7 +128,7 @@ def settings_from_config(cfg, world_size: int = 1, local_ranks: int = 1,
     ``holds_cache=False``: a frontend's resolution (``resolve_job``: no CUDA context here)."""
     c = _plain(cfg)
     c.pop("hydra", None)
-    # deploy=auto: the planner sizes the decode side over the ranks prefill ranks leave (docs/pd.md)
+    # deploy=auto: the planner splits the ranks (docs/perfmodel.md, "The planner at launch")
     job = resolve_job(c, world_size, local_ranks, local_rank, planner=auto_plan,
                       other_groups=JOB_GROUPS, holds_cache=holds_cache)
     sampling = _sampling(c.get("sampling", {}))

@@ -51,7 +51,8 @@ def resolve_llm_job(args: Mapping, model, deploy: Union[None, str, Mapping],
             tree.setdefault("model", {})["arch"] = model
         size = launch_size if launch_size > 1 else deploy_world_size(tree, world_size)
         spec = JobTree(tree, size, auto_plan=asks_planner(tree))
-        job = spec.resolve(rank, holds_cache=launch_size > 1 or (size == 1 and not engine_process))
+        holds_cache = launch_size > 1 or (size == 1 and not engine_process)  # else a frontend
+        job = spec.resolve(rank, holds_cache=holds_cache)
     except ConfigError as e:
         named = named_error(e, origin, world)
         if named is e:
