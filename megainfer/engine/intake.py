@@ -27,6 +27,10 @@ def tokenize_request(tokenizer, prompt, prompt_token_ids, params, V: int,
         raise RequestError(f"params={params!r}: must be a SamplingParams")
     text, ids = tokenize_prompt(tokenizer, prompt, prompt_token_ids, V, max_model_len)
     bad = bad_words_token_ids(tokenizer, params.bad_words, V) if params.bad_words else []
+    far = [t for t in params.logit_bias or () if t >= V]
+    if far:
+        raise RequestError(f"logit_bias={params.logit_bias!r}: token id {far[0]} is not in "
+                           f"[0, vocab_size={V})")
     return TokenizedPrompt(text, ids, bad)
 
 

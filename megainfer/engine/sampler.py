@@ -2,7 +2,7 @@
 per-request seeds, and the log-probabilities asked for (docs/engine.md, "Sampling").
 
 Order per row (vLLM v1): logprobs from the raw logits; min_tokens and bad_words masks;
-repetition, frequency and presence penalties; greedy rows take the argmax, random rows divide by
+logit_bias; repetition, frequency and presence penalties; greedy rows take the argmax, random rows divide by
 the temperature, filter, and race (argmax of probs / E, E ~ Exp(1)).
 
 Invariants: everything runs on the logits' device, with one host->device copy of the step's
@@ -136,7 +136,7 @@ class Sampler:
         # random rows: index, temperature, top-k, top-p, min-p, key
         rand, filters = [], False
         # penalised rows: index, repetition, frequency, presence; their (local row, token) pairs
-        pen, out_pairs, prompt_pairs, masks, lp_rows = [], [], [], [], []
+        pen, out_pairs, prompt_pairs, masks, lp_rows, bias = [], [], [], [], [], []
         for i, r in enumerate(reqs):
             p = r.params
             if not p.greedy:
@@ -157,6 +157,8 @@ class Sampler:
             for w in r.bad_words_token_ids:  # vLLM: the last token, once the prefix matches
                 if len(w) == 1 or r.output_token_ids[n_out + 1 - len(w):] == w[:-1]:
                     masks.append((i, w[-1]))
+            if p.logit_bias:
+                bias += [(i, t, b) for t, b in p.logit_bias.items() if t < V]
             if p.logprobs is not None:
                 lp_rows.append(i)
         seg_rand = H.add(rand, 7) if rand else None
@@ -164,6 +166,7 @@ class Sampler:
         seg_out = H.add(out_pairs, 2) if out_pairs else None
         seg_prompt = H.add(prompt_pairs, 2) if prompt_pairs else None
         seg_mask = H.add(masks, 2) if masks else None
+        seg_bias = H.add(bias, 3) if bias else None
         seg_lp = H.add(lp_rows, 1) if lp_rows and len(lp_rows) < R else None
         pj_rows, pj_tgt = [], []
         for job in prompt_jobs:
@@ -186,12 +189,16 @@ class Sampler:
             pj = _logprob_table(logits.index_select(0, t[:, 0].long()).log_softmax(-1),
                                 t[:, 1].long(), K)
 
-        if seg_mask is not None or seg_pen is not None:
+        if seg_mask is not None or seg_pen is not None or seg_bias is not None:
             # masks write in place: never into the caller's logits or the raw-logprob rows
             x = x.clone() if x is logits or (lp is not None and lp[0] is x) else x
             if seg_mask is not None:
                 m = H.get(seg_mask).long()
                 x.index_put_((m[:, 0], m[:, 1]), x.new_full((), float("-inf")))
+            if seg_bias is not None:  # (row, token, bias), each pair once
+                b = H.get(seg_bias)
+                x.index_put_((b[:, 0].long(), b[:, 1].long()), b[:, 2].to(x.dtype),
+                             accumulate=True)
             if seg_pen is not None:
                 x = _apply_penalties(x, H.get(seg_pen), None if seg_out is None else H.get(seg_out),
                                      None if seg_prompt is None else H.get(seg_prompt))

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Mapping, Optional, Union
 
 from .errors import SamplingParamsError
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
 
 
 def _check(ok: bool, name: str, value, why: str) -> None:
@@ -28,7 +29,9 @@ class SamplingParams:
     vLLM) and ``stop_token_ids`` are masked until that many tokens were generated (stop strings are not checked either).
     ``presence_penalty``/``frequency_penalty`` (OpenAI, on output tokens) and
     ``repetition_penalty`` (HF/CTRL, on prompt and output tokens). ``bad_words``: words never
-    generated (their last token is masked once the output ends with the tokens before it)."""
+    generated (their last token is masked once the output ends with the tokens before it).
+    ``logit_bias``: {token id: bias in [-100, 100]} added to those logits before the penalties
+    (OpenAI's and vLLM's; -100 in effect bans the token, +100 forces it)."""
 
     n: int = 1
     temperature: float = 1.0
@@ -48,6 +51,7 @@ class SamplingParams:
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
     bad_words: Union[tuple[str, ...], None] = ()
+    logit_bias: Optional[Mapping[int, float]] = None
 
     def __post_init__(self):
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
@@ -86,6 +90,13 @@ class SamplingParams:
         for t in self.stop_token_ids:
             _check(_is_int(t) and t >= 0, "stop_token_ids", self.stop_token_ids,
                    "must be non-negative integers")
+        bias = self.logit_bias
+        _check(bias is None or (isinstance(bias, Mapping) and all(
+            _is_int(t) and t >= 0 and _is_num(b) and abs(b) <= MAX_LOGIT_BIAS
+            for t, b in bias.items())), "logit_bias", bias,
+            f"must map token ids (integers >= 0) to biases in [-{MAX_LOGIT_BIAS:g}, "
+            f"{MAX_LOGIT_BIAS:g}]")
+        object.__setattr__(self, "logit_bias", dict(bias) if bias else None)
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             _check(v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS), name, v,

@@ -8,6 +8,7 @@ from typing import Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from megainfer.engine import SamplingParams
+from megainfer.engine.sampling_params import MAX_LOGIT_BIAS
 
 from .errors import APIError
 
@@ -35,7 +36,7 @@ class _Sampling(_Body):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None  # recorded nowhere: OpenAI's abuse-tracking id
-    logit_bias: Optional[dict[str, float]] = None  # refused when set (not served)
+    logit_bias: Optional[dict[str, float]] = None  # {token id: bias}, clamped to [-100, 100]
     # vLLM's extra body fields
     top_k: Optional[int] = None
     min_p: Optional[float] = None
@@ -50,8 +51,6 @@ class _Sampling(_Body):
     def sampling_params(self, max_tokens: int, logprobs: Optional[int],
                         prompt_logprobs: Optional[int] = None) -> SamplingParams:
         """This body's ``SamplingParams`` (a bad value: ``SamplingParamsError`` naming it)."""
-        if self.logit_bias:
-            raise APIError("logit_bias: not supported", param="logit_bias")
         if not self.skip_special_tokens:
             raise APIError("skip_special_tokens=false: not supported yet (the tokenizer always "
                            "skips special tokens)", param="skip_special_tokens")
@@ -64,7 +63,8 @@ class _Sampling(_Body):
                   ignore_eos=self.ignore_eos, stop=self.stop or (),
                   stop_token_ids=tuple(self.stop_token_ids or ()),
                   include_stop_str_in_output=self.include_stop_str_in_output,
-                  logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                  logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                  logit_bias=self._logit_bias())
         for k, v in (("temperature", self.temperature), ("top_p", self.top_p),
                      ("top_k", self.top_k), ("min_p", self.min_p),
                      ("repetition_penalty", self.repetition_penalty)):
@@ -73,6 +73,20 @@ class _Sampling(_Body):
         if kw.get("top_k") == 0:  # vLLM and OpenAI clients send 0 for "off"
             kw["top_k"] = -1
         return SamplingParams(**kw)
+
+    def _logit_bias(self) -> Optional[dict[int, float]]:
+        """OpenAI's {"token id": bias} as {int: bias}, each bias clamped to [-100, 100] (as
+        vLLM does); a key that is no token id: 400 naming logit_bias."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise APIError(f"logit_bias: key {key!r} is not a token id", param="logit_bias")
+            out[token] = min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, float(bias)))
+        return out
 
 
 Prompt = Union[str, list[str], list[int], list[list[int]]]

@@ -43,6 +43,8 @@ def offline_outputs(llm) -> dict:
     text = greedy[0].outputs[0].text
     stop = llm.generate(ps[:1], SamplingParams(temperature=0, max_tokens=12, stop=[text[4:6]]),
                         use_tqdm=False)
+    biased = llm.generate(ps[:3], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                 logit_bias={7: 2.0, 11: -3.0}), use_tqdm=False)
     chat = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0,
                                                                          max_tokens=5),
                     use_tqdm=False, chat_template=CHAT)
@@ -54,6 +56,7 @@ def offline_outputs(llm) -> dict:
                       for pos in o.outputs[0].logprobs] for o in lps],
         "stop": [stop[0].outputs[0].text, stop[0].outputs[0].finish_reason],
         "chat": chat[0].outputs[0].token_ids,
+        "biased": [o.outputs[0].token_ids for o in biased],  # logit_bias, the first token too
     }
 
 

@@ -150,6 +150,28 @@ def test_logprobs_n_seed_stop_echo(client, offline):
         assert s.choices[0].finish_reason == "stop"
 
 
+def test_logit_bias_forces_and_bans_tokens_as_llm_generate_does(client, offline):
+    """OpenAI's logit_bias ({"id": bias}, clamped to [-100, 100] as vLLM does): +100 on a
+    token makes every greedy token that one; the same bias through LLM.generate gives the same
+    tokens, streamed too; -100 on the unbiased argmax bans it."""
+    plain = offline.generate(PROMPTS[4], _greedy(6), use_tqdm=False)[0].outputs[0].token_ids
+    force = {str(plain[0] + 1): 250}  # clamped to 100
+    r = client.completions.create(model="tiny", prompt=PROMPTS[4], max_tokens=6, temperature=0,
+                                  logit_bias=force)
+    want = offline.generate(PROMPTS[4], SamplingParams(temperature=0, max_tokens=6,
+                                                       logit_bias={plain[0] + 1: 100}),
+                            use_tqdm=False)[0].outputs[0]
+    assert want.token_ids == [plain[0] + 1] * 6 and r.choices[0].text == want.text
+    assert r.usage.completion_tokens == 6
+    banned = offline.generate(PROMPTS[4], SamplingParams(temperature=0, max_tokens=1,
+                                                         logit_bias={plain[0]: -100}),
+                              use_tqdm=False)[0].outputs[0]
+    assert banned.token_ids[0] != plain[0]
+    s = client.completions.create(model="tiny", prompt=PROMPTS[4], max_tokens=1, temperature=0,
+                                  logit_bias={str(plain[0]): -100}, stream=True)
+    assert "".join(c.choices[0].text for c in s if c.choices) == banned.text
+
+
 def test_models_tokenize_detokenize_health_version_metrics(srv, client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     h = {"Authorization": f"Bearer {KEY}"}

@@ -54,6 +54,9 @@ def test_bad_input_is_400_naming_the_field(srv):
          400, "messages")  # no chat template: the request cannot name one either
     _err(post(srv, {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{x}}"},
               "/v1/chat/completions"), 400, "chat_template")
+    _err(post(srv, {"prompt": "a", "logit_bias": {"x": 1}}), 400, "logit_bias")
+    _err(post(srv, {"prompt": "a", "logit_bias": {"-3": 1}}), 400, "logit_bias")
+    _err(post(srv, {"prompt": "a", "logit_bias": {"999999": 1}}), 400, "logit_bias")
 
 
 def test_unknown_model_404_and_too_long_400(srv):
