@@ -12,11 +12,20 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 
-def detokenize_step(state, tokenizer, ids: Sequence[int]) -> int:
+def decode_text(tokenizer, ids: Sequence[int], skip_special: bool = True) -> str:
+    """``ids`` as text; ``skip_special=False`` asks the tokenizer to keep special tokens (a
+    tokenizer of the ``Tokenizer`` protocol's older one-argument form still serves the
+    default)."""
+    return tokenizer.decode(ids) if skip_special else \
+        tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def detokenize_step(state, tokenizer, ids: Sequence[int], skip_special: bool = True) -> int:
     """Append to ``state.text`` the text ``ids`` (all output ids so far) add, once it is
-    complete; returns the number of new characters (0 while a character is partial)."""
-    prefix = tokenizer.decode(ids[state.prefix_offset:state.read_offset])
-    new = tokenizer.decode(ids[state.prefix_offset:])
+    complete; returns the number of new characters (0 while a character is partial).
+    ``skip_special``: special tokens add no text (``SamplingParams.skip_special_tokens``)."""
+    prefix = decode_text(tokenizer, ids[state.prefix_offset:state.read_offset], skip_special)
+    new = decode_text(tokenizer, ids[state.prefix_offset:], skip_special)
     if len(new) > len(prefix) and not new.endswith("\ufffd"):
         delta = new[len(prefix):]
         state.text += delta
@@ -48,6 +57,7 @@ class SampleText:
 
     tokenizer: object
     stop: Sequence[str] = ()
+    skip_special: bool = True
     text: str = ""
     prefix_offset: int = 0
     read_offset: int = 0
@@ -55,7 +65,7 @@ class SampleText:
 
     def add(self, new_ids: Sequence[int]) -> None:
         self.token_ids += new_ids
-        detokenize_step(self, self.tokenizer, self.token_ids)
+        detokenize_step(self, self.tokenizer, self.token_ids, self.skip_special)
 
     def visible(self) -> str:
         hold = max((len(s) for s in self.stop), default=1) - 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+from .detokenizer import decode_text
 from .sampling_params import SamplingParams
 
 
@@ -150,7 +151,8 @@ def request_output(tokenizer, req, decode: bool = True) -> RequestOutput:
     for s in req.samples:
         # a stop string cut the incrementally detokenized text; else decode it all
         text = s.text if isinstance(s.stop_reason, str) else \
-            tokenizer.decode(s.output_token_ids) if decode else ""
+            decode_text(tokenizer, s.output_token_ids, req.params.skip_special_tokens) if decode \
+            else ""
         outs.append(CompletionOutput(
             s.index, text, list(s.output_token_ids), s.finish_reason, s.logprobs,
             None if s.logprobs is None else s.cumulative_logprob, s.stop_reason))

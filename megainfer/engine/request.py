@@ -100,7 +100,8 @@ class Request:
         if self.first_token_time is None:
             self.first_token_time = now
         p = self.params
-        new_chars = detokenize_step(self, tokenizer, self.output_token_ids) \
+        new_chars = detokenize_step(self, tokenizer, self.output_token_ids,
+                                    p.skip_special_tokens) \
             if p.stop and tokenizer is not None else 0
         if len(self.output_token_ids) >= p.min_tokens:
             if token in p.stop_token_ids:

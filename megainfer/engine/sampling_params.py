@@ -31,7 +31,8 @@ class SamplingParams:
     ``repetition_penalty`` (HF/CTRL, on prompt and output tokens). ``bad_words``: words never
     generated (their last token is masked once the output ends with the tokens before it).
     ``logit_bias``: {token id: bias in [-100, 100]} added to those logits before the penalties
-    (OpenAI's and vLLM's; -100 in effect bans the token, +100 forces it)."""
+    (OpenAI's and vLLM's; -100 in effect bans the token, +100 forces it).
+    ``skip_special_tokens``: special tokens (eos, bos, ...) add no text (vLLM's default)."""
 
     n: int = 1
     temperature: float = 1.0
@@ -52,6 +53,7 @@ class SamplingParams:
     prompt_logprobs: Optional[int] = None
     bad_words: Union[tuple[str, ...], None] = ()
     logit_bias: Optional[Mapping[int, float]] = None
+    skip_special_tokens: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
@@ -90,6 +92,8 @@ class SamplingParams:
         for t in self.stop_token_ids:
             _check(_is_int(t) and t >= 0, "stop_token_ids", self.stop_token_ids,
                    "must be non-negative integers")
+        _check(isinstance(self.skip_special_tokens, bool), "skip_special_tokens",
+               self.skip_special_tokens, "must be true or false")
         bias = self.logit_bias
         _check(bias is None or (isinstance(bias, Mapping) and all(
             _is_int(t) and t >= 0 and _is_num(b) and abs(b) <= MAX_LOGIT_BIAS

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from .core import RequestUpdate
-from .detokenizer import SampleText
+from .detokenizer import SampleText, decode_text
 from .intake import TokenizedPrompt
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
@@ -22,7 +22,9 @@ class RequestStream:
     def __init__(self, request_id: Any, prompt: TokenizedPrompt, params: SamplingParams,
                  tokenizer):
         self.request_id, self.prompt, self.tokenizer = request_id, prompt, tokenizer
-        self.samples = [SampleText(tokenizer, params.stop) for _ in range(params.n)]
+        self.skip_special = params.skip_special_tokens
+        self.samples = [SampleText(tokenizer, params.stop, self.skip_special)
+                        for _ in range(params.n)]
         want_lp = params.logprobs is not None
         self.logprobs: list[Optional[list]] = [[] if want_lp else None for _ in self.samples]
         self.cumulative = [0.0] * params.n
@@ -65,7 +67,8 @@ class RequestStream:
     def _complete(self, out: RequestOutput) -> RequestOutput:
         for c in out.outputs:
             if not isinstance(c.stop_reason, str) and c.finish_reason != "error":
-                c.text = self.tokenizer.decode(c.token_ids)  # as request_output decodes
+                c.text = decode_text(self.tokenizer, c.token_ids, self.skip_special)  # as
+                # request_output decodes
         out.request_id = self.request_id
         if out.prompt is None:  # the runtime's replicas get token ids; the text stayed here
             out.prompt = self.prompt.prompt

@@ -13,11 +13,12 @@ from typing import Optional, Protocol, Sequence
 class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
-    def decode(self, ids: Sequence[int]) -> str: ...
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
 
 class ByteTokenizer:
-    """UTF-8 bytes as token ids. Ids >= 256 (not bytes) and eos ids decode to nothing."""
+    """UTF-8 bytes as token ids. Ids >= 256 (not bytes) and eos ids decode to nothing (they
+    have no text, skipped or not)."""
 
     name = "bytes"
 
@@ -27,14 +28,15 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return bytes(i for i in ids if 0 <= i < 256 and i not in self.special).decode(
             "utf-8", errors="replace")
 
 
 class HFTokenizer:
     """A ``tokenizer.json`` (Hugging Face tokenizers). Adds the special tokens its
-    post-processor defines (e.g. BOS) on encode; skips special tokens on decode."""
+    post-processor defines (e.g. BOS) on encode; skips special tokens on decode unless told
+    otherwise (``SamplingParams.skip_special_tokens``)."""
 
     name = "tokenizer.json"
 
@@ -45,8 +47,8 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=True).ids
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
 
 def load_tokenizer(path: Optional[str], eos_token_ids: Sequence[int] = ()) -> Tokenizer:

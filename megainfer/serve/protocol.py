@@ -51,9 +51,6 @@ class _Sampling(_Body):
     def sampling_params(self, max_tokens: int, logprobs: Optional[int],
                         prompt_logprobs: Optional[int] = None) -> SamplingParams:
         """This body's ``SamplingParams`` (a bad value: ``SamplingParamsError`` naming it)."""
-        if not self.skip_special_tokens:
-            raise APIError("skip_special_tokens=false: not supported yet (the tokenizer always "
-                           "skips special tokens)", param="skip_special_tokens")
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options: only allowed with stream=true",
                            param="stream_options")
@@ -64,7 +61,7 @@ class _Sampling(_Body):
                   stop_token_ids=tuple(self.stop_token_ids or ()),
                   include_stop_str_in_output=self.include_stop_str_in_output,
                   logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                  logit_bias=self._logit_bias())
+                  logit_bias=self._logit_bias(), skip_special_tokens=self.skip_special_tokens)
         for k, v in (("temperature", self.temperature), ("top_p", self.top_p),
                      ("top_k", self.top_k), ("min_p", self.min_p),
                      ("repetition_penalty", self.repetition_penalty)):

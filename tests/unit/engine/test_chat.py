@@ -119,7 +119,9 @@ def test_helpers_and_message_checks():
             render_chat("x", bad)
 
 
-def test_no_second_bos_with_a_tokenizer_json(tiny_ckpts, tmp_path):
+def _word_level_ckpt(tiny_ckpts, tmp_path) -> str:
+    """The tiny checkpoint with a word-level tokenizer.json: special <s> (1, added as BOS),
+    </s> (2), [UNK] (0); words hi (10), [INST] (11), [/INST] (12), ASSISTANT: (13)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     d = _ckpt(tiny_ckpts, tmp_path, "tok", {"chat_template": TEMPLATE, "bos_token": "<s>",
                                             "eos_token": "</s>"})
@@ -130,6 +132,44 @@ def test_no_second_bos_with_a_tokenizer_json(tiny_ckpts, tmp_path):
     tok.add_special_tokens(["[UNK]", "<s>", "</s>"])
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     tok.save(f"{d}/tokenizer.json")
+    return d
+
+
+def test_skip_special_tokens_false_keeps_their_text_offline_and_streamed(tiny_ckpts, tmp_path):
+    """vLLM's ``skip_special_tokens``: by default </s> adds no text; with False it does, in
+    ``LLM.generate``, in ``AsyncLLM``'s streamed text and for stop strings."""
+    import asyncio
+
+    from megainfer import AsyncLLM
+    d = _word_level_ckpt(tiny_ckpts, tmp_path)
+    kw = dict(temperature=0, max_tokens=3, ignore_eos=True, logit_bias={2: 100})
+    llm = LLM(d, max_model_len=64)
+    plain = llm.generate("hi", SamplingParams(**kw), use_tqdm=False)[0].outputs[0]
+    kept = llm.generate("hi", SamplingParams(**kw, skip_special_tokens=False),
+                        use_tqdm=False)[0].outputs[0]
+    assert plain.token_ids == kept.token_ids == [2, 2, 2]
+    assert plain.text == "" and kept.text.split() == ["</s>"] * 3
+    stop = llm.generate("hi", SamplingParams(**kw, skip_special_tokens=False, stop=["</s>"]),
+                        use_tqdm=False)[0].outputs[0]
+    assert stop.stop_reason == "</s>" and stop.token_ids == [2] and stop.text == ""
+
+    async def streamed():
+        engine = AsyncLLM(d, max_model_len=64)
+        try:
+            texts = []
+            async for out in engine.generate("hi", SamplingParams(**kw,
+                                                                  skip_special_tokens=False),
+                                             "r"):
+                texts.append(out.outputs[0].text)
+            return texts
+        finally:
+            engine.shutdown()
+    texts = asyncio.run(streamed())
+    assert texts[-1] == kept.text and any(t.strip() == "</s>" for t in texts[:-1]), texts
+
+
+def test_no_second_bos_with_a_tokenizer_json(tiny_ckpts, tmp_path):
+    d = _word_level_ckpt(tiny_ckpts, tmp_path)
     llm = LLM(d, max_model_len=64)
     assert llm.get_tokenizer().encode("hi") == [1, 10]  # plain prompts get the BOS
     out = llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False)[0]

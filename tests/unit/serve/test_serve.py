@@ -151,7 +151,7 @@ def test_logprobs_n_seed_stop_echo(client, offline):
 
 
 def test_logit_bias_forces_and_bans_tokens_as_llm_generate_does(client, offline):
-    """OpenAI's logit_bias ({"id": bias}, clamped to [-100, 100] as vLLM does): +100 on a
+    """skip_special_tokens=false is served; OpenAI's logit_bias ({"id": bias}, clamped to [-100, 100] as vLLM does): +100 on a
     token makes every greedy token that one; the same bias through LLM.generate gives the same
     tokens, streamed too; -100 on the unbiased argmax bans it."""
     plain = offline.generate(PROMPTS[4], _greedy(6), use_tqdm=False)[0].outputs[0].token_ids
@@ -170,6 +170,11 @@ def test_logit_bias_forces_and_bans_tokens_as_llm_generate_does(client, offline)
     s = client.completions.create(model="tiny", prompt=PROMPTS[4], max_tokens=1, temperature=0,
                                   logit_bias={str(plain[0]): -100}, stream=True)
     assert "".join(c.choices[0].text for c in s if c.choices) == banned.text
+    kept = client.completions.create(model="tiny", prompt=PROMPTS[4], max_tokens=6, temperature=0,
+                                     extra_body={"skip_special_tokens": False})
+    assert kept.choices[0].text == offline.generate(  # byte tokens: no special text either way
+        PROMPTS[4], SamplingParams(temperature=0, max_tokens=6, skip_special_tokens=False),
+        use_tqdm=False)[0].outputs[0].text
 
 
 def test_models_tokenize_detokenize_health_version_metrics(srv, client):
