@@ -98,12 +98,14 @@ def build_app(client: EngineClient, cfg: ServeConfig, model_dir: Optional[str]) 
                            "best_of")
         prompts = body.prompts()
         echo_lp = body.logprobs if body.echo and body.logprobs is not None else None
+        asked = [k for k in (echo_lp, body.prompt_logprobs) if k is not None]
+        prompt_k = max(asked) if asked else None  # the engine's prompt logprobs serve both
         work = []
         for p in prompts:
             ids = client.check_prompt(p, body.sampling_params(1, None))
             params = body.sampling_params(client.token_budget(ids, body.max_tokens,
                                                               "max_tokens"),
-                                          body.logprobs, echo_lp)
+                                          body.logprobs, prompt_k)
             echo = (p if isinstance(p, str) else client.tokenizer.decode(ids)) \
                 if body.echo else None
             work.append((ids, params, echo))
@@ -133,8 +135,10 @@ def build_app(client: EngineClient, cfg: ServeConfig, model_dir: Optional[str]) 
                     if body.echo:
                         lp = R.merge_logprobs(R.completion_logprobs(
                             out.prompt_logprobs or [None] * len(ids), ids, body.logprobs), lp)
+                plp = None if body.prompt_logprobs is None else R.prompt_logprobs(
+                    out.prompt_logprobs, ids, body.prompt_logprobs)
                 choices.append(R.completion_choice(i * body.n + c.index, c,
-                                                   (echo or "") + c.text, lp))
+                                                   (echo or "") + c.text, lp, plp))
         return R.envelope(rid, "text_completion", name, R.now(), choices,
                           R.usage(*R.tokens_of([finals[i] for i in range(len(work))])))
 
@@ -157,7 +161,7 @@ def build_app(client: EngineClient, cfg: ServeConfig, model_dir: Optional[str]) 
         field = "max_completion_tokens" if body.max_completion_tokens is not None \
             else "max_tokens"
         params = body.sampling_params(client.token_budget(ids, body.token_budget(), field),
-                                      top)
+                                      top, body.prompt_logprobs)
         rid = body.request_id or f"chatcmpl-{uuid.uuid4().hex}"
         slot = client.admit(1)
         try:
@@ -174,8 +178,12 @@ def build_app(client: EngineClient, cfg: ServeConfig, model_dir: Optional[str]) 
         choices = [R.chat_choice(c.index, c, None if top is None else
                                  R.chat_logprobs(c.logprobs or [], c.token_ids, top))
                    for c in out.outputs]
-        return R.envelope(rid, "chat.completion", name, R.now(), choices,
-                          R.usage(*R.tokens_of([out])))
+        res = R.envelope(rid, "chat.completion", name, R.now(), choices,
+                         R.usage(*R.tokens_of([out])))
+        if body.prompt_logprobs is not None:  # vLLM's field, beside the choices
+            res["prompt_logprobs"] = R.prompt_logprobs(out.prompt_logprobs, ids,
+                                                       body.prompt_logprobs)
+        return res
 
     @app.get("/v1/models", dependencies=[Depends(auth)])
     async def models():

@@ -46,6 +46,7 @@ class _Sampling(_Body):
     stop_token_ids: Optional[list[int]] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: Optional[int] = None  # vLLM: per prompt token, its logprob and the top k
     request_id: Optional[str] = None  # vLLM: the id the engine (and the response) uses
 
     def sampling_params(self, max_tokens: int, logprobs: Optional[int],
@@ -54,6 +55,8 @@ class _Sampling(_Body):
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options: only allowed with stream=true",
                            param="stream_options")
+        if self.prompt_logprobs is not None and self.stream:
+            raise APIError("prompt_logprobs: only without stream", param="prompt_logprobs")
         kw = dict(n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens,
                   presence_penalty=self.presence_penalty,
                   frequency_penalty=self.frequency_penalty, seed=self.seed,

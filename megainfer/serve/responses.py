@@ -72,6 +72,22 @@ def completion_logprobs(positions: list, token_ids: list[int], k: int,
     return out
 
 
+def prompt_logprobs(positions: Optional[list], token_ids: list[int], k: int) -> Optional[list]:
+    """vLLM's ``prompt_logprobs``: per prompt token, null for the first, else
+    ``{"token id": {logprob, rank, decoded_token}}`` of the prompt's token and the top ``k``."""
+    if positions is None:
+        return None
+    out = []
+    for tok, pos in zip(token_ids, positions):
+        if pos is None:
+            out.append(None)
+            continue
+        keep = {tok: pos[tok], **dict(_top(pos, k))}
+        out.append({str(t): {"logprob": e.logprob, "rank": e.rank,
+                             "decoded_token": e.decoded_token} for t, e in keep.items()})
+    return out
+
+
 def merge_logprobs(a: Optional[dict], b: dict) -> dict:
     if a is None:
         return b
@@ -79,9 +95,13 @@ def merge_logprobs(a: Optional[dict], b: dict) -> dict:
 
 
 # ---------------------------------------------------------------- whole responses
-def completion_choice(index: int, out, text: str, logprobs: Optional[dict]) -> dict:
-    return {"index": index, "text": text, "logprobs": logprobs,
-            "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+def completion_choice(index: int, out, text: str, logprobs: Optional[dict],
+                      prompt_lp: Optional[list] = None) -> dict:
+    choice = {"index": index, "text": text, "logprobs": logprobs,
+              "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+    if prompt_lp is not None:  # vLLM's field, only when asked
+        choice["prompt_logprobs"] = prompt_lp
+    return choice
 
 
 def chat_choice(index: int, out, logprobs: Optional[dict]) -> dict:

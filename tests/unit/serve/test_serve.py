@@ -177,6 +177,35 @@ def test_logit_bias_forces_and_bans_tokens_as_llm_generate_does(client, offline)
         use_tqdm=False)[0].outputs[0].text
 
 
+def test_prompt_logprobs_equal_llm_generate(client, offline):
+    """vLLM's prompt_logprobs: per prompt token (null for the first) the token's logprob, rank
+    and text plus the top k, as LLM.generate gives them; in chat beside the choices; refused
+    with stream."""
+    want = offline.generate(PROMPTS[9], SamplingParams(temperature=0, max_tokens=2,
+                                                       prompt_logprobs=2), use_tqdm=False)[0]
+    r = client.completions.create(model="tiny", prompt=PROMPTS[9], max_tokens=2, temperature=0,
+                                  extra_body={"prompt_logprobs": 2})
+    got = r.choices[0].model_extra["prompt_logprobs"]
+    assert len(got) == len(want.prompt_token_ids) and got[0] is None
+    for g, w, tok in zip(got[1:], want.prompt_logprobs[1:], want.prompt_token_ids[1:]):
+        assert str(tok) in g and set(g) == {str(t) for t in w}
+        for t, e in w.items():
+            assert g[str(t)]["logprob"] == pytest.approx(e.logprob, abs=1e-5)
+            assert g[str(t)]["rank"] == e.rank and g[str(t)]["decoded_token"] == e.decoded_token
+    e = client.completions.create(model="tiny", prompt=PROMPTS[9], max_tokens=2, echo=True,
+                                  logprobs=1, temperature=0, extra_body={"prompt_logprobs": 3})
+    assert len(e.choices[0].model_extra["prompt_logprobs"][1]) >= 3  # both asks served
+    assert e.choices[0].logprobs.top_logprobs[0] is None
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user",
+                                                                   "content": "hi"}],
+                                          max_tokens=2, temperature=0,
+                                          extra_body={"prompt_logprobs": 1})
+    assert chat.model_extra["prompt_logprobs"][0] is None
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        client.completions.create(model="tiny", prompt="ab", max_tokens=2, stream=True,
+                                  extra_body={"prompt_logprobs": 1})
+
+
 def test_models_tokenize_detokenize_health_version_metrics(srv, client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     h = {"Authorization": f"Bearer {KEY}"}
