@@ -126,6 +126,7 @@ def _can_spawn(c: dict, serve: ServeConfig) -> bool:
 
 
 def run_server(cfg) -> int:
+    from megainfer.core_client.core_stats import hang_after_s
     from megainfer.core_client.ranks import start_ranks
     from megainfer.serve.engine_client import EngineClient
     from megainfer.serve.metrics import iteration_role
@@ -153,7 +154,7 @@ def run_server(cfg) -> int:
         client = EngineClient.beside(engine, served_name(serve, cfg.model.get("path"),
                                                          s.model.family),
                                      serve.max_queued_requests, serve.retry_after_s,
-                                     iteration_role(s))
+                                     iteration_role(s), hang_after_s(engine, s))
         code = serve_client(client, serve, s.load.path)
     except (ConfigError, RequestError):
         if not distributed:

@@ -128,6 +128,17 @@ class AsyncLLM:
         """A child job's ranks (``RankInfo``: rank, pid, role); () when the core is here."""
         return getattr(self._core, "ranks", ())
 
+    def core_busy_s(self) -> float:
+        """How long the engine core on this process's thread has been inside one round (0
+        while it waits for input; always 0 for a child job's core, whose rank 0 watches it)."""
+        busy = getattr(self._core, "busy_s", None)
+        return 0.0 if busy is None else busy()
+
+    def fail(self, error: BaseException) -> None:
+        """Declare the engine core dead (a watchdog's verdict on a core that stopped
+        answering): every waiting request raises ``error``; nothing more is accepted."""
+        self._deliver(CoreOutputs(error=error))
+
     @property
     def error(self) -> Optional[BaseException]:
         """What the engine core died of (None while it runs, or after ``shutdown``)."""
@@ -180,9 +191,10 @@ class AsyncLLM:
         self._core.submit(AbortRequest(str(request_id)))
 
     def shutdown(self, timeout: Optional[float] = 30.0) -> None:
-        """Abort what runs (those streams end with "abort") and stop the engine core."""
+        """Abort what runs (those streams end with "abort") and stop the engine core (one
+        declared dead by ``fail`` gets a second at most: it may never answer)."""
         self._finalizer.detach()
-        self._core.shutdown(timeout)
+        self._core.shutdown(timeout if self._error is None else min(1.0, timeout or 1.0))
         self._dead = self._dead or EngineDeadError("shut down")
 
     def __enter__(self):

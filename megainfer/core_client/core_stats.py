@@ -73,6 +73,13 @@ def stall_allowance_s(engine) -> float:
     return 2.0 * float(engine.rank.job.comm.timeout_s)
 
 
+def hang_after_s(engine, job) -> float:
+    """How long an engine core may stay inside one round (its inputs, one iteration, the
+    delivery) before it is declared hung: ``comm.timeout_s`` (what any rank may wait on a
+    peer), plus a re-plan's switch allowance where the runtime re-plans online."""
+    return float(job.comm.timeout_s) + stall_allowance_s(engine)
+
+
 def pipeline_spans(engine):
     """Rank 0 of a runtime traced on cpu: its ``span_report.PipelineSpans`` (T_a, T_e, T_c);
     else None (a cuda span's duration is known only when the trace is resolved, which

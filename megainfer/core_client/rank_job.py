@@ -104,6 +104,7 @@ def serve_script(conn, engine, job, ranks: dict, prefix: str) -> bool:
     out.send(Ready(engine.log_prefix, float(job.comm.timeout_s)))  # before any output
     core = core_thread(engine, out.deliver)
     log.info("%s serving the script's engine core", prefix)
+    from .core_stats import hang_after_s
     hang_s = hang_after_s(engine, job)
     while core.alive:
         if core.busy_s() > hang_s:
@@ -126,14 +127,6 @@ def serve_script(conn, engine, job, ranks: dict, prefix: str) -> bool:
             break
     core.thread.join()
     return core.error is None
-
-
-def hang_after_s(engine, job) -> float:
-    """How long rank 0's engine core may stay inside one round before it is declared hung:
-    ``comm.timeout_s`` (what any rank may wait on a peer), plus a re-plan's switch allowance
-    where the runtime re-plans online."""
-    from .core_stats import stall_allowance_s
-    return float(job.comm.timeout_s) + stall_allowance_s(engine)
 
 
 def _hung(out: _Outbox, core, ranks: dict, prefix: str, hang_s: float) -> None:

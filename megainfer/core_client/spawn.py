@@ -13,7 +13,7 @@ dies (or an ``mpiexec`` that exits) while the core runs ends the job and is deli
 named by the runtime's own timeouts (``comm.timeout_s``) on rank 0, which sends the error; a
 rank 0 silent for ``comm.timeout_s`` (no output, no heartbeat) is declared hung, and a rank 0
 whose engine core thread stays inside one iteration that long says so itself
-(``rank_job.hang_after_s``).
+(``core_stats.hang_after_s``).
 
 ``shutdown()`` sends ``Shutdown`` (unfinished requests end with ``finish_reason="abort"``),
 waits for the last outputs and the job's exit (bounded), then ends whatever is left. Garbage

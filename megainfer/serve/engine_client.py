@@ -12,6 +12,7 @@ from typing import AsyncIterator, Optional
 
 from megainfer.async_llm import AsyncLLM
 from megainfer.engine import RequestError, RequestOutput, SamplingParams
+from megainfer.engine.errors import EngineDeadError
 
 from .errors import APIError, request_error
 from .metrics import CoreWatch, RequestTimer, ServeMetrics
@@ -21,9 +22,13 @@ MIN_ITERATION_ALLOWANCE_S = 1.0  # health: the least time one iteration may take
 
 class EngineClient:
     def __init__(self, make_llm, model_name: str, max_queued_requests: int = 256,
-                 retry_after_s: int = 1, role: str = "single"):
+                 retry_after_s: int = 1, role: str = "single",
+                 hang_after_s: Optional[float] = None):
         """``make_llm``: on_stats -> the ``AsyncLLM`` to serve; ``role``: the iteration-time
-        label (``metrics.iteration_role``)."""
+        label (``metrics.iteration_role``); ``hang_after_s``: a core on a thread here that
+        stays inside one iteration longer is declared hung (``core_stats.hang_after_s``; None:
+        not watched)."""
+        self.hang_after_s = hang_after_s
         self.model_name = model_name
         self.metrics = ServeMetrics(model_name)
         self.watch = CoreWatch(self.metrics, role)
@@ -38,11 +43,12 @@ class EngineClient:
 
     @classmethod
     def beside(cls, engine, model_name: str, max_queued_requests: int = 256,
-               retry_after_s: int = 1, role: str = "single") -> "EngineClient":
+               retry_after_s: int = 1, role: str = "single",
+               hang_after_s: Optional[float] = None) -> "EngineClient":
         """Serve an online engine built in this process (``LLM(...).engine``, rank 0's
         ``RuntimeEngine``) with its core on a thread here."""
         return cls(lambda on_stats: AsyncLLM.from_engine(engine, on_stats), model_name,
-                   max_queued_requests, retry_after_s, role)
+                   max_queued_requests, retry_after_s, role, hang_after_s)
 
     @classmethod
     def spawn(cls, spec, job, model_name: str, max_queued_requests: int = 256,
@@ -55,7 +61,15 @@ class EngineClient:
 
     @property
     def healthy(self) -> bool:
-        """The engine core runs (it has not died or shut down)."""
+        """The engine core runs (it has not died or shut down). A core on a thread here found
+        inside one iteration past ``hang_after_s`` is declared dead first (its requests end
+        with the error; the watchdog then stops the server)."""
+        if self.hang_after_s is not None and self.llm.is_running:
+            busy = self.llm.core_busy_s()
+            if busy > self.hang_after_s:
+                self.llm.fail(EngineDeadError(
+                    f"the engine core has been inside one iteration for {busy:.1f}s, over "
+                    f"{self.hang_after_s:g}s (comm.timeout_s): it hangs"))
         return self.llm.is_running
 
     @property

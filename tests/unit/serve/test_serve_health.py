@@ -74,3 +74,23 @@ def test_runtime_gauges_and_health_follow_the_iterations():
         assert str(client.error) == "peer rank 2 timed out"
     finally:
         client.shutdown()
+
+
+def test_a_core_stuck_in_one_iteration_is_declared_dead():
+    """``hang_after_s``: a core on a thread here that stays inside one iteration longer is
+    declared dead (health false, the error says it hangs) although its thread lives; without it
+    the same hang leaves the core alive (the staleness check above is what /health shows)."""
+    eng = FakeRuntime()
+    client = EngineClient.beside(eng, "fake", role="disaggregated", hang_after_s=0.5)
+    try:
+        _until(lambda: eng.last_iteration_at > time.monotonic() - 0.2)
+        assert client.healthy and client.llm.core_busy_s() < 0.5
+        eng.hang.set()
+        t0 = time.monotonic()
+        _until(lambda: not client.healthy, timeout=5)
+        assert 0.5 <= time.monotonic() - t0 < 3
+        assert "inside one iteration" in str(client.error) and "hangs" in str(client.error)
+        assert client.llm.core_busy_s() > 0.5  # the thread itself still sits in the iteration
+    finally:
+        eng.release.set()
+        client.shutdown()
