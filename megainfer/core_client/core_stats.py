@@ -73,11 +73,18 @@ def stall_allowance_s(engine) -> float:
     return 2.0 * float(engine.rank.job.comm.timeout_s)
 
 
+RUNTIME_HANG_FACTOR = 1.5  # x comm.timeout_s: after rank 0's own waits (1x), before its
+# peers' waits on it (expert ranks: 2x), so a silent peer is named by rank 0 and a hung rank 0
+# by itself
+
+
 def hang_after_s(engine, job) -> float:
     """How long an engine core may stay inside one round (its inputs, one iteration, the
-    delivery) before it is declared hung: ``comm.timeout_s`` (what any rank may wait on a
-    peer), plus a re-plan's switch allowance where the runtime re-plans online."""
-    return float(job.comm.timeout_s) + stall_allowance_s(engine)
+    delivery) before it is declared hung: ``comm.timeout_s`` in single mode; for the runtime's
+    rank 0 ``RUNTIME_HANG_FACTOR`` times that, plus a re-plan's switch allowance where it
+    re-plans online."""
+    factor = RUNTIME_HANG_FACTOR if getattr(engine, "rank", None) is not None else 1.0
+    return factor * float(job.comm.timeout_s) + stall_allowance_s(engine)
 
 
 def pipeline_spans(engine):

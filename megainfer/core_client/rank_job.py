@@ -136,8 +136,8 @@ def _hung(out: _Outbox, core, ranks: dict, prefix: str, hang_s: float) -> None:
     from megainfer.engine.errors import RankLostError
     role = ranks[0].role if 0 in ranks else None
     err = RankLostError(f"rank 0 {role} of the spawned job: its engine core has been inside one "
-                        f"iteration for {core.busy_s():.1f}s, over {hang_s:g}s "
-                        "(comm.timeout_s): it hangs", 0, role)
+                        f"iteration for {core.busy_s():.1f}s, over {hang_s:g}s: it hangs", 0,
+                        role)
     log.error("%s %s", prefix, err)
     out.send(CoreOutputs(error=err), timeout=1.0)
 

@@ -69,7 +69,7 @@ class EngineClient:
             if busy > self.hang_after_s:
                 self.llm.fail(EngineDeadError(
                     f"the engine core has been inside one iteration for {busy:.1f}s, over "
-                    f"{self.hang_after_s:g}s (comm.timeout_s): it hangs"))
+                    f"{self.hang_after_s:g}s: it hangs"))
         return self.llm.is_running
 
     @property
