@@ -12,7 +12,7 @@ split of 3 ranks), ``a1e2`` (``mpiexec -n 3``), ``pd`` (``mpiexec -n 4 ... deplo
 for serving the first finite rate within the SLOs, AE or PD) and ``a2e2`` (4 ranks, no prefill
 ranks: the AE plan beside it).
 For each mode a server (``python -m megainfer.launch.serve``, under mpiexec for all but single;
-the same scheduler and cache settings) is started and, once listening and idle, its CPU per
+the same scheduler and cache settings) is started and, 3 s after it listens, its idle CPU per
 rank over 3 s is recorded; megainfer-bench-serve's client (this process) then runs each
 ``--rates`` value (Poisson; ``inf``: all at once), reporting TTFT / TPOT p50 and p99 and goodput
 for ``--slo-ttft-ms`` / ``--slo-tpot-ms``, beside what the planner's job simulator predicts for
@@ -49,6 +49,7 @@ from megainfer.bench.shapes import BENCH50M, BENCH50M_SHAPE  # noqa: E402
 MODES = {"single": (1, "single"), "single_thread": (1, "single"), "auto": (3, "auto"),
          "a1e2": (3, "a1e2"), "pd": (4, "p1a1e2"), "planned": (4, "auto"),
          "a2e2": (4, "auto")}  # name -> (ranks, deploy preset)
+IDLE_SETTLE_S = 3.0  # seconds between a server listening and its idle CPU window
 EXTRA = {"single_thread": ["serve.engine_process=false"],  # name -> its own server overrides
          "a2e2": ["deploy.attention_replicas=2", "deploy.expert_ranks=2",
                   "deploy.prefill_replicas=0", "deploy.micro_batches=1"]}
@@ -198,6 +199,7 @@ def run_mode(name: str, reqs, a) -> dict:
         k: getattr(plan, k) for k in ("mode", "attention_replicas", "attention_tp",
                                       "expert_ranks", "micro_batches", "prefill_replicas")}}
     try:
+        time.sleep(IDLE_SETTLE_S)  # the start-up's tail (a first idle window reads 3-5x higher)
         out["idle_cpu_per_rank"] = idle_cpu(server.pids, 3.0)
         run_bench(server, reqs[:4], "inf", None, a)  # warm-up
         if ranks == 1:
