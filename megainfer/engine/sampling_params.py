@@ -52,8 +52,8 @@ class SamplingParams:
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
     bad_words: Union[tuple[str, ...], None] = ()
-    logit_bias: Optional[Mapping[int, float]] = None
-    skip_special_tokens: bool = True
+    logit_bias: Optional[Mapping[int, float]] = None  # {token id: bias in [-100, 100]}
+    skip_special_tokens: bool = True  # special tokens add no text
 
     def __post_init__(self):
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
