@@ -216,6 +216,8 @@ class _Link:
                 if msg is None:
                     lost = self.watch.lost() or self.watch.silent()
                     if lost is not None and not self.closing:
+                        if self.conn.poll(0):  # its last words came just before its end:
+                            continue  # read them first (rank 0's own error names the cause)
                         self._fail(lost)
                         return
                     continue
