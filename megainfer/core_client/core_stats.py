@@ -87,6 +87,15 @@ def hang_after_s(engine, job) -> float:
     return factor * float(job.comm.timeout_s) + stall_allowance_s(engine)
 
 
+def core_hangs(busy_s: float, hang_s: float):
+    """The words for a core ``busy_s`` inside one round when that is past ``hang_s``
+    (``hang_after_s``); None while it is not."""
+    if busy_s <= hang_s:
+        return None
+    return f"its engine core has been inside one iteration for {busy_s:.1f}s, over {hang_s:g}s: " \
+        "it hangs"
+
+
 def pipeline_spans(engine):
     """Rank 0 of a runtime traced on cpu: its ``span_report.PipelineSpans`` (T_a, T_e, T_c);
     else None (a cuda span's duration is known only when the trace is resolved, which

@@ -104,11 +104,12 @@ def serve_script(conn, engine, job, ranks: dict, prefix: str) -> bool:
     out.send(Ready(engine.log_prefix, float(job.comm.timeout_s)))  # before any output
     core = core_thread(engine, out.deliver)
     log.info("%s serving the script's engine core", prefix)
-    from .core_stats import hang_after_s
+    from .core_stats import core_hangs, hang_after_s
     hang_s = hang_after_s(engine, job)
     while core.alive:
-        if core.busy_s() > hang_s:
-            _hung(out, core, ranks, prefix, hang_s)
+        hangs = core_hangs(core.busy_s(), hang_s)
+        if hangs is not None:
+            _hung(out, ranks, prefix, hangs)
             return False
         out.heartbeat()
         try:
@@ -129,15 +130,13 @@ def serve_script(conn, engine, job, ranks: dict, prefix: str) -> bool:
     return core.error is None
 
 
-def _hung(out: _Outbox, core, ranks: dict, prefix: str, hang_s: float) -> None:
+def _hung(out: _Outbox, ranks: dict, prefix: str, hangs: str) -> None:
     """The core thread is stuck inside one round (while this thread, alive, would go on
     sending heartbeats): tell the script, naming rank 0; the caller then ends this process."""
     from megainfer.engine.core import CoreOutputs
     from megainfer.engine.errors import RankLostError
     role = ranks[0].role if 0 in ranks else None
-    err = RankLostError(f"rank 0 {role} of the spawned job: its engine core has been inside one "
-                        f"iteration for {core.busy_s():.1f}s, over {hang_s:g}s: it hangs", 0,
-                        role)
+    err = RankLostError(f"rank 0 {role} of the spawned job: {hangs}", 0, role)
     log.error("%s %s", prefix, err)
     out.send(CoreOutputs(error=err), timeout=1.0)
 

@@ -12,6 +12,7 @@ from typing import AsyncIterator, Optional
 
 from megainfer.async_llm import AsyncLLM
 from megainfer.engine import RequestError, RequestOutput, SamplingParams
+from megainfer.core_client.core_stats import core_hangs
 from megainfer.engine.errors import EngineDeadError
 
 from .errors import APIError, request_error
@@ -65,11 +66,9 @@ class EngineClient:
         inside one iteration past ``hang_after_s`` is declared dead first (its requests end
         with the error; the watchdog then stops the server)."""
         if self.hang_after_s is not None and self.llm.is_running:
-            busy = self.llm.core_busy_s()
-            if busy > self.hang_after_s:
-                self.llm.fail(EngineDeadError(
-                    f"the engine core has been inside one iteration for {busy:.1f}s, over "
-                    f"{self.hang_after_s:g}s: it hangs"))
+            hangs = core_hangs(self.llm.core_busy_s(), self.hang_after_s)
+            if hangs is not None:
+                self.llm.fail(EngineDeadError(f"[serve] {hangs}"))
         return self.llm.is_running
 
     @property

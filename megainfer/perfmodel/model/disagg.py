@@ -1,7 +1,7 @@
 """One deployment plan -> predicted T_a, T_e, T_c, iteration time, memory and throughput."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megainfer.config import ConfigError
 from megainfer.perfmodel.model.hardware import HardwareProfile
@@ -188,6 +188,13 @@ class DisaggModel:
         kv_heads_split = 1 if s.kv_elems_override else min(plan.tp_a, s.num_kv_heads)
         kv_per_seq = self.wl.kv_len * s.num_layers * s.kv_elems / kv_heads_split * self.ta.kvb
         return weights + kv_per_seq * plan.batch / plan.n_a
+
+    def attention_seqs(self, plan: Plan, cap: float) -> tuple[int, float, float]:
+        """(sequences per attention replica that ``cap`` bytes hold beside the weights, the
+        weights' bytes, one more sequence's bytes) for ``plan``'s split (its batch unused)."""
+        w = self.mem_attention(replace(plan, batch=0))
+        per_seq = self.mem_attention(replace(plan, batch=plan.n_a)) - w
+        return (int((cap - w) // per_seq) if cap > w and per_seq > 0 else 0), w, per_seq
 
     def mem_expert(self, plan: Plan) -> float:
         s = self.shape

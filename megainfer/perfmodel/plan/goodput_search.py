@@ -129,9 +129,8 @@ def _decode_splits(shape: ModelShape, roles: Roles, wl: Workload, rate: float, s
                                                      space.micro_batches):
         base = Plan(tp_a, n_a, tp_e, n_e, m, 0, roles.attention.name, roles.experts.name)
         lbl = f"{base.label()} m={m}"
-        need_e, w = model.mem_expert(base), model.mem_attention(base)
-        per_seq = model.mem_attention(replace(base, batch=n_a)) - w
-        seqs = int((cap_a - w) // per_seq) if cap_a > w else 0
+        need_e = model.mem_expert(base)
+        seqs, w, per_seq = model.attention_seqs(base, cap_a)
         if need_e > cap_e or seqs < m:
             for f in families:
                 _note(out, f, "memory", max(need_e / cap_e, (w + m * per_seq) / cap_a),
@@ -193,7 +192,7 @@ def search_goodput(shape: ModelShape, roles: Roles, reqs: Requests, slo: Slo,
     """Feasible candidates ranked by goodput per dollar (``Outcome.ranked``); raises PlanError
     naming, per family, the bound (memory, TPOT, TTFT) that ruled its candidates out."""
     out = Outcome([])
-    wl = Workload(max(1, round(float(reqs.prompt_len.mean()))), max(1, round(float(reqs.output_len.mean()))))
+    wl = mean_workload(reqs)
     span = float(reqs.arrival_s.max() - reqs.arrival_s.min())
     rate = (len(reqs) - 1) / span if span > 0 else len(reqs) / max(slo.ttft_s, 1e-9)
     fams = tuple(space.families)
@@ -209,7 +208,7 @@ def search_goodput(shape: ModelShape, roles: Roles, reqs: Requests, slo: Slo,
     ae_model = decode_model(shape, roles.attention, roles.experts, wl, dtype, use_fit)
     tops: list = []  # requests per dollar of the best ``space.keep`` feasible plans so far
     order = sorted(cands, key=lambda c: (c.cost_per_hour, c.devices, c.label()))
-    for c in _alternate(order, fams):
+    for c in alternate_families(order, fams):
         bound = rate * 3600 / c.cost_per_hour if c.cost_per_hour > 0 else math.inf
         if len(tops) >= space.keep and bound <= tops[-1]:
             continue
@@ -239,7 +238,13 @@ def search_goodput(shape: ModelShape, roles: Roles, reqs: Requests, slo: Slo,
     return out
 
 
-def _alternate(order: list, fams) -> list:
+def mean_workload(reqs: Requests) -> Workload:
+    """The closed form's workload: the requests' mean prompt and output lengths."""
+    return Workload(max(1, round(float(reqs.prompt_len.mean()))),
+                    max(1, round(float(reqs.output_len.mean()))))
+
+
+def alternate_families(order: list, fams) -> list:
     """Cheapest first within each family, the families taking turns (so a family whose
     cheapest plans all miss cannot use up every simulation)."""
     lists = [[c for c in order if c.family == f] for f in fams]

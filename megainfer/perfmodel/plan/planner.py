@@ -114,9 +114,7 @@ def search_disaggregated(model: DisaggModel, space: SearchSpace, fails: _Failure
         if need_e > cap_e:
             fails.note("expert_memory", need_e, cap_e, base.label())
             continue
-        w = model.mem_attention(base)
-        per_seq = model.mem_attention(replace(base, batch=n_a)) - w  # one more sequence per replica
-        seqs = int((cap_a - w) // per_seq) if cap_a > w else 0
+        seqs, w, per_seq = model.attention_seqs(base, cap_a)
         k_mem, k_cap = seqs // m, space.max_batch // (m * n_a)
         if k_mem < 1:
             fails.note("attn_memory", w + m * per_seq, cap_a, base.label())

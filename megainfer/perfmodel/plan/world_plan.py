@@ -137,9 +137,7 @@ def _choice(model: DisaggModel, base: Plan, job: JobLoad, cap: float, why: dict)
         why["memory"] = (f"expert weights need {need_e / 2**30:.3g} GiB per rank on "
                          f"{base.n_e} expert ranks, {cap / 2**30:.3g} GiB usable")
         return None
-    w = model.mem_attention(base)
-    per_seq = model.mem_attention(replace(base, batch=n_a)) - w
-    mem_seqs = int((cap - w) // per_seq) if cap > w and per_seq > 0 else 0
+    mem_seqs, w, per_seq = model.attention_seqs(base, cap)
     if mem_seqs < 1:
         why["memory"] = (f"attention weights + one sequence's KV need "
                          f"{(w + per_seq) / 2**30:.3g} GiB per rank, {cap / 2**30:.3g} GiB usable")

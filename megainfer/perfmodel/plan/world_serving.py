@@ -28,6 +28,7 @@ from megainfer.perfmodel.model.hardware import HardwareProfile
 from megainfer.perfmodel.model.prefill_pool import PrefillPool, decode_model
 from megainfer.perfmodel.model.shapes import ModelShape
 from megainfer.perfmodel.plan.goodput import Attainment, Slo, attainment, simulate_ae, simulate_pd
+from megainfer.perfmodel.plan.goodput_search import alternate_families, mean_workload
 from megainfer.perfmodel.plan.planner import largest_batch
 from megainfer.perfmodel.plan.world_plan import (NoWorldPlanError, Pins, _slots, _tp_ok,
                                                  world_splits)
@@ -116,10 +117,7 @@ def _at_batch_limit(model: DisaggModel, base: Plan, target: ServingTarget, cap: 
     some batch meets it) the TPOT SLO; None when its weights or one micro-batch do not fit."""
     if model.mem_expert(base) > cap:
         return None
-    w = model.mem_attention(base)
-    per_seq = model.mem_attention(replace(base, batch=base.n_a)) - w
-    mem_seqs = int((cap - w) // per_seq) if cap > w and per_seq > 0 else 0
-    k_max = min(mem_seqs, target.max_num_seqs) // base.m
+    k_max = min(model.attention_seqs(base, cap)[0], target.max_num_seqs) // base.m
     if k_max < 1:
         return None
     step = base.m * base.n_a
@@ -149,19 +147,13 @@ def _prefill_pools(shape: ModelShape, hw: HardwareProfile, ranks: int, pins: Ser
     return out
 
 
-def _workload(reqs: Requests) -> Workload:
-    """The closed form's workload: the requests' mean prompt and output lengths."""
-    return Workload(max(1, round(float(reqs.prompt_len.mean()))),
-                    max(1, round(float(reqs.output_len.mean()))))
-
-
 def candidates(shape: ModelShape, hw: HardwareProfile, target: ServingTarget, world: int,
                pins: ServingPins = ServingPins(), dtype: str = "float32",
                use_fit: bool = True, models: Optional[dict] = None) -> list[ServingChoice]:
     """Every AE and PD split of exactly ``world`` ranks the closed form keeps, each family
     fastest decode first. ``models``: expert slots -> the decode model, filled as built."""
     reqs = target.requests
-    wl, models = _workload(reqs), {} if models is None else models
+    wl, models = mean_workload(reqs), {} if models is None else models
     ae = [] if pins.prefill_replicas not in (None, 0) else \
         _decode_splits(shape, hw, wl, world, pins, target, dtype, use_fit, models)
     pd = []
@@ -191,10 +183,8 @@ def plan_world_serving(shape: ModelShape, hw: HardwareProfile, target: ServingTa
     if not cands:
         raise NoWorldPlanError(f"deploy=auto: no AE or PD split of {world} ranks fits model "
                                f"{shape.name!r} on {hw.name} (memory, or the deploy pins)")
-    fams = [[c for c in cands if c.family == f] for f in ("AE", "PD")]
-    order = [c for row in itertools.zip_longest(*fams) for c in row if c is not None]
     done = []
-    for c in order[:max_sims]:
+    for c in alternate_families(cands, ("AE", "PD"))[:max_sims]:
         cfg = JobConfig(max_num_seqs=c.batch_limit, seed=seed, max_iterations=200_000,
                         max_num_batched_tokens=target.max_num_batched_tokens)
         model = models[_slots(shape, c.plan.n_e).num_experts]
