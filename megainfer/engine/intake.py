@@ -8,6 +8,7 @@ from typing import Optional
 
 from .errors import EmptyPromptError, PromptTooLongError, RequestError, TokenIdError
 from .sampling_params import SamplingParams
+from .tokenizer import max_prompt_chars
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,16 @@ def tokenize_prompt(tokenizer, prompt, prompt_token_ids, V: int,
     if isinstance(prompt, str):
         if not prompt:
             raise EmptyPromptError("prompt='': empty prompt")
-        ids = tokenizer.encode(prompt)
+        check_text(prompt, "prompt")
+        bound = max_prompt_chars(tokenizer, max_model_len)
+        if bound is not None and len(prompt) > bound:  # too long for sure: not tokenised
+            raise PromptTooLongError(f"prompt length={len(prompt)} characters: exceeds "
+                                     f"max_model_len={max_model_len} tokens")
+        try:
+            ids = tokenizer.encode(prompt)
+        except Exception as e:  # noqa: BLE001 - the tokenizer's own failure: this prompt's
+            raise RequestError(f"prompt: the tokenizer failed on it ({type(e).__name__}: "
+                               f"{e})") from e
     else:
         if prompt_token_ids is None or isinstance(prompt_token_ids, (str, bytes)):
             raise RequestError(f"prompt={prompt_token_ids!r}: must be text or a list of token ids")
@@ -60,6 +70,16 @@ def tokenize_prompt(tokenizer, prompt, prompt_token_ids, V: int,
         raise PromptTooLongError(f"prompt length={len(ids)} tokens: exceeds "
                                  f"max_model_len={max_model_len}")
     return prompt, ids
+
+
+def check_text(text: str, field: str) -> None:
+    """A ``RequestError`` naming ``field`` when UTF-8 cannot encode ``text`` (a lone
+    surrogate, e.g. from a JSON escape): the tokenizer would fail on it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(f"{field}: not valid Unicode text ({e.reason} at character "
+                           f"{e.start})") from None
 
 
 def bad_words_token_ids(tokenizer, words, V: int) -> list[list[int]]:

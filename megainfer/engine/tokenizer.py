@@ -7,6 +7,7 @@ text for a model whose vocabulary has at least 256 entries.
 from __future__ import annotations
 
 import os
+from functools import cached_property
 from typing import Optional, Protocol, Sequence
 
 
@@ -21,6 +22,7 @@ class ByteTokenizer:
     have no text, skipped or not)."""
 
     name = "bytes"
+    max_token_chars = 1  # one byte a token, and a character is at least one byte
 
     def __init__(self, special_ids: Sequence[int] = ()):
         self.special = frozenset(special_ids)
@@ -47,8 +49,23 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=True).ids
 
+    @cached_property
+    def max_token_chars(self) -> int:
+        """The longest token's length in the vocabulary's own spelling (byte-level BPE: one
+        character a byte), an upper bound on the characters of text one token covers."""
+        return max(len(t) for t in self.tok.get_vocab(with_added_tokens=True))
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+def max_prompt_chars(tokenizer, max_model_len: int) -> Optional[int]:
+    """Characters beyond which a text is sure to tokenise to more than ``max_model_len``
+    tokens (with a margin of 2x for normalisers), so it is refused without tokenising; None
+    for a tokenizer of the caller's own (no bound known)."""
+    if isinstance(tokenizer, (ByteTokenizer, HFTokenizer)):
+        return 2 * max_model_len * tokenizer.max_token_chars + 64
+    return None
 
 
 def load_tokenizer(path: Optional[str], eos_token_ids: Sequence[int] = ()) -> Tokenizer:
