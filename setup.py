@@ -52,7 +52,7 @@ setup(
         "plot": ["matplotlib>=3.8"],  # timeline.png of traced runs, megainfer-timeline
         "serve": SERVE,
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "transformers==5.24.0", "matplotlib>=3.8",
-                "openai==3.57.0"] + SERVE,
+                "openai==3.57.0", "schemathesis==4.32.5"] + SERVE,
         "nccl": ["nvidia-nccl-cu12"],
         "deepspeed": ["deepspeed==0.19.8"],
     },

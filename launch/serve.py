@@ -95,14 +95,14 @@ def run_spawned(cfg, c: dict, serve: ServeConfig) -> int:
     from megainfer.core_client.llm_job import asks_planner, deploy_world_size
     from megainfer.serve.engine_client import EngineClient
     from megainfer.serve.metrics import iteration_role
-    from megainfer.serve.server import serve_client, served_name
+    from megainfer.serve.server import metrics_label, serve_client, served_name
     world = deploy_world_size(c, serve.world_size)
     s = settings_from_config(c, world, world, 0, holds_cache=False)  # rank 0's settings, every
     # check up front; the KV pool is the child job's (no CUDA context in the frontend)
     spec = JobTree(c, world, auto_plan=asks_planner(c))
     name = served_name(serve, cfg.model.get("path"), s.model.family)
-    client = EngineClient.spawn(spec, s, name, serve.max_queued_requests, serve.retry_after_s,
-                                iteration_role(s))
+    client = EngineClient.spawn(spec, s, name, serve, iteration_role(s),
+                                metrics_label(serve, name, cfg.model.get("path")))
     print(_ranks_line(((i.rank, i.role, i.pid) for i in client.llm.ranks),
                       f"; frontend pid {os.getpid()}"), flush=True)
     log.info("[serve] the frontend serves %s over a child job of %d ranks", s.deploy.mode, world)
@@ -130,7 +130,7 @@ def run_server(cfg) -> int:
     from megainfer.core_client.ranks import start_ranks
     from megainfer.serve.engine_client import EngineClient
     from megainfer.serve.metrics import iteration_role
-    from megainfer.serve.server import serve_client, served_name
+    from megainfer.serve.server import metrics_label, serve_client, served_name
     distributed, rank = world_size() > 1, world_rank()
     if not distributed:
         c, serve = serve_tree(cfg)
@@ -151,10 +151,10 @@ def run_server(cfg) -> int:
             return 0
         if distributed:
             log.info("[serve] rank 0 serves %s over %d ranks", s.deploy.mode, world_size())
-        client = EngineClient.beside(engine, served_name(serve, cfg.model.get("path"),
-                                                         s.model.family),
-                                     serve.max_queued_requests, serve.retry_after_s,
-                                     iteration_role(s), hang_after_s(engine, s))
+        name = served_name(serve, cfg.model.get("path"), s.model.family)
+        client = EngineClient.beside(engine, name, serve, iteration_role(s),
+                                     hang_after_s(engine, s),
+                                     metrics_label(serve, name, cfg.model.get("path")))
         code = serve_client(client, serve, s.load.path)
     except (ConfigError, RequestError):
         if not distributed:

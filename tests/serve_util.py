@@ -33,8 +33,7 @@ class ThreadServer:
     def __init__(self, ckpt: str, name: str = "tiny", llm_kw: dict = None, **serve_kw):
         self.llm = LLM(ckpt, **(llm_kw or {}))
         self.cfg = ServeConfig(port=0, served_model_name=name, **serve_kw)
-        self.client = EngineClient.beside(self.llm.engine, name, self.cfg.max_queued_requests,
-                                          self.cfg.retry_after_s)
+        self.client = EngineClient.beside(self.llm.engine, name, self.cfg)
         self.server = make_server(self.client, self.cfg, ckpt)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

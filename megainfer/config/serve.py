@@ -11,6 +11,14 @@ def _opt_text(v) -> bool:
     return v is None or (isinstance(v, str) and bool(v.strip()))
 
 
+def _int_at_least(v, lo: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     """``megainfer-serve``'s own settings; the model, scheduler and cache come from the
@@ -24,8 +32,24 @@ class ServeConfig:
     served_model_name: Optional[str] = None
     # set: /v1/*, /tokenize and /detokenize need "Authorization: Bearer <key>" (401 otherwise)
     api_key: Optional[str] = None
-    # requests admitted but not yet running; one more gets 503 with Retry-After
+    # sequences (prompts x n) admitted but not yet running; one more gets 503 with Retry-After,
+    # a request of more sequences than this on its own a 400
     max_queued_requests: int = 256
+    # prompt tokens admitted but not yet prefilled (null: 16 x max_model_len); beyond it 503, a
+    # request of more prompt tokens on its own a 400
+    max_queued_tokens: Optional[int] = None
+    # the most samples (n, best_of) one request may ask for (400 naming the field beyond it)
+    max_n: int = 128
+    # the largest request body in bytes (413 beyond it, refused before it is read)
+    max_body_bytes: int = 8 * 1024 * 1024
+    # a client gets this long to send a request's headers (then the connection is closed)
+    header_timeout_s: float = 10.0
+    # the longest wait between two parts of a request body (then 408)
+    body_timeout_s: float = 30.0
+    # open connections at most (uvicorn's limit_concurrency: 503 beyond it)
+    max_connections: int = 1024
+    # with api_key set: /metrics needs the key too
+    metrics_require_key: bool = True
     # SIGTERM/SIGINT: in-flight requests get this long to finish, then are aborted
     shutdown_grace_s: float = 30.0
     # a Jinja chat template (text, or a file the operator names) instead of the checkpoint's
@@ -51,9 +75,19 @@ class ServeConfig:
                  and not isinstance(self.max_queued_requests, bool)
                  and self.max_queued_requests >= 1, "serve.max_queued_requests",
                  self.max_queued_requests, "must be an integer >= 1")
-        require(isinstance(self.shutdown_grace_s, (int, float))
-                 and not isinstance(self.shutdown_grace_s, bool) and self.shutdown_grace_s >= 0,
-                 "serve.shutdown_grace_s", self.shutdown_grace_s, "must be a number >= 0")
+        for k in ("max_n", "max_body_bytes", "max_connections"):
+            require(_int_at_least(getattr(self, k), 1), f"serve.{k}", getattr(self, k),
+                    "must be an integer >= 1")
+        require(self.max_queued_tokens is None or _int_at_least(self.max_queued_tokens, 1),
+                "serve.max_queued_tokens", self.max_queued_tokens,
+                "must be an integer >= 1 or null")
+        require(_number(self.shutdown_grace_s) and self.shutdown_grace_s >= 0,
+                "serve.shutdown_grace_s", self.shutdown_grace_s, "must be a number >= 0")
+        for k in ("header_timeout_s", "body_timeout_s"):
+            require(_number(getattr(self, k)) and getattr(self, k) > 0, f"serve.{k}",
+                    getattr(self, k), "must be a number > 0")
+        require(isinstance(self.metrics_require_key, bool), "serve.metrics_require_key",
+                self.metrics_require_key, "must be true or false")
         require(isinstance(self.engine_process, bool), "serve.engine_process",
                  self.engine_process, "must be true or false")
         require(self.world_size is None or (isinstance(self.world_size, int)

@@ -35,6 +35,13 @@ TAIL_LINES = 40
 TERM_GRACE_S = 5.0
 
 
+# a child job runs on this host alone: its ranks' transports listen on loopback only (a
+# variable the caller set wins). MPICH's process manager (hydra) still binds its own PMI port
+# on every interface: docs/serve.md, "Exposure".
+LOOPBACK_ENV = {"UCX_NET_DEVICES": "lo", "FI_TCP_IFACE": "lo", "FI_SOCKETS_IFACE": "lo",
+                "NCCL_SOCKET_IFNAME": "lo"}
+
+
 def find_mpiexec() -> str:
     """``mpiexec`` beside ``sys.executable`` (the same environment's MPICH), else on PATH."""
     here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
@@ -98,7 +105,7 @@ class MpiexecJob:
     def __init__(self, world: int, module: str, args: Sequence[str], env: dict, marker: str):
         self.cmd = [find_mpiexec(), "-disable-auto-cleanup", "-n", str(world), sys.executable,
                     "-m", module, *args]
-        self.env, self.marker = env, marker
+        self.env, self.marker = {**LOOPBACK_ENV, **env}, marker
         self.rank_pids: list[int] = []
         self.proc: Optional[subprocess.Popen] = None
         self.tail: collections.deque = collections.deque(maxlen=TAIL_LINES)

@@ -6,11 +6,14 @@ what ``megainfer-serve`` does outside ``mpiexec``) or on a thread beside the fro
 with its outputs (``metrics.CoreWatch``). docs/serve.md."""
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Optional
 
 from megainfer.async_llm import AsyncLLM
+from megainfer.config import ServeConfig
 from megainfer.engine import RequestError, RequestOutput, SamplingParams
 from megainfer.core_client.core_stats import core_hangs
 from megainfer.engine.errors import EngineDeadError
@@ -19,46 +22,55 @@ from .errors import APIError, request_error
 from .metrics import CoreWatch, RequestTimer, ServeMetrics
 
 MIN_ITERATION_ALLOWANCE_S = 1.0  # health: the least time one iteration may take
+OFF_LOOP_CHARS = 4096  # a text prompt longer than this is tokenised off the event loop
+QUEUED_TOKENS_PER_MAX_LEN = 16  # serve.max_queued_tokens=null: this many max_model_len
 
 
 class EngineClient:
-    def __init__(self, make_llm, model_name: str, max_queued_requests: int = 256,
-                 retry_after_s: int = 1, role: str = "single",
-                 hang_after_s: Optional[float] = None):
-        """``make_llm``: on_stats -> the ``AsyncLLM`` to serve; ``role``: the iteration-time
-        label (``metrics.iteration_role``); ``hang_after_s``: a core on a thread here that
-        stays inside one iteration longer is declared hung (``core_stats.hang_after_s``; None:
-        not watched)."""
+    def __init__(self, make_llm, model_name: str, cfg: ServeConfig = ServeConfig(),
+                 role: str = "single", hang_after_s: Optional[float] = None,
+                 metrics_label: Optional[str] = None):
+        """``make_llm``: on_stats -> the ``AsyncLLM`` to serve; ``cfg``: the queue bounds and
+        ``Retry-After``; ``role``: the iteration-time label (``metrics.iteration_role``);
+        ``hang_after_s``: a core on a thread here that stays inside one iteration longer is
+        declared hung (``core_stats.hang_after_s``; None: not watched); ``metrics_label``:
+        the metrics' ``model_name`` (None: ``model_name``)."""
         self.hang_after_s = hang_after_s
         self.model_name = model_name
-        self.metrics = ServeMetrics(model_name)
+        self.metrics = ServeMetrics(metrics_label or model_name)
         self.watch = CoreWatch(self.metrics, role)
         self.llm: AsyncLLM = make_llm(self.watch.apply)
         intake = self.llm.intake
         self.tokenizer = self.llm.tokenizer
         self.max_model_len = intake.max_model_len
-        self.max_queued, self.retry_after = max_queued_requests, retry_after_s
-        self.in_flight = 0
+        self.max_queued, self.retry_after = cfg.max_queued_requests, cfg.retry_after_s
+        self.max_queued_tokens = cfg.max_queued_tokens or QUEUED_TOKENS_PER_MAX_LEN * \
+            self.max_model_len
+        self.seqs_in_flight = 0  # sequences of the admitted requests not yet released
+        self.tokens_queued = 0  # prompt tokens of admitted prompts not yet prefilled
+        self.live: set[str] = set()  # the engine request ids of admitted requests
+        self.cut: set[str] = set()  # of those, the ones the drain aborted
+        self.tokenize_pool = ThreadPoolExecutor(2, thread_name_prefix="megainfer-tokenize")
         self.draining = False
         self._ids = itertools.count()
 
     @classmethod
-    def beside(cls, engine, model_name: str, max_queued_requests: int = 256,
-               retry_after_s: int = 1, role: str = "single",
-               hang_after_s: Optional[float] = None) -> "EngineClient":
+    def beside(cls, engine, model_name: str, cfg: ServeConfig = ServeConfig(),
+               role: str = "single", hang_after_s: Optional[float] = None,
+               metrics_label: Optional[str] = None) -> "EngineClient":
         """Serve an online engine built in this process (``LLM(...).engine``, rank 0's
         ``RuntimeEngine``) with its core on a thread here."""
-        return cls(lambda on_stats: AsyncLLM.from_engine(engine, on_stats), model_name,
-                   max_queued_requests, retry_after_s, role, hang_after_s)
+        return cls(lambda on_stats: AsyncLLM.from_engine(engine, on_stats), model_name, cfg,
+                   role, hang_after_s, metrics_label)
 
     @classmethod
-    def spawn(cls, spec, job, model_name: str, max_queued_requests: int = 256,
-              retry_after_s: int = 1, role: str = "single") -> "EngineClient":
+    def spawn(cls, spec, job, model_name: str, cfg: ServeConfig = ServeConfig(),
+              role: str = "single", metrics_label: Optional[str] = None) -> "EngineClient":
         """Start the job's ranks (single mode: one) as a child job whose rank 0 runs the core
         (``core_client.spawn``); ``job``: rank 0's resolution of ``spec``."""
         return cls(lambda on_stats: AsyncLLM.from_job(spec, job, engine_process=True,
                                                       on_stats=on_stats),
-                   model_name, max_queued_requests, retry_after_s, role)
+                   model_name, cfg, role, None, metrics_label)
 
     @property
     def healthy(self) -> bool:
@@ -105,24 +117,55 @@ class EngineClient:
     def num_running(self) -> int:
         return self.watch.load.running
 
-    def admit(self, count: int = 1) -> "Admission":
-        """Hold ``count`` requests' places until ``release``; 503 with Retry-After when the
-        queue is full or the server drains."""
+    def admit(self, seqs: int, tokens: int, request_ids: list[str]) -> "Admission":
+        """Hold the places of a request of ``seqs`` sequences (prompts x n) and ``tokens``
+        prompt tokens, under ``request_ids``, until ``release``. A request the bounds could
+        never hold: 400; the queue full, the server draining or the engine dead: 503 with
+        Retry-After; an id already in use: 400 naming request_id."""
+        for what, cost, bound, key in (("sequences (prompts x n)", seqs, self.max_queued,
+                                        "max_queued_requests"),
+                                       ("prompt tokens", tokens, self.max_queued_tokens,
+                                        "max_queued_tokens")):
+            if cost > bound:
+                raise APIError(f"request of {cost} {what}: more than the server queues "
+                               f"(serve.{key}={bound})", 400, code="request_too_large")
         headers = {"Retry-After": str(self.retry_after)}
         if self.draining:
             raise APIError("server is shutting down", 503, code="shutting_down", headers=headers)
         if not self.healthy:
             raise APIError("engine is not running", 503, code="engine_dead", headers=headers)
-        queued = self.in_flight - self.num_running()
-        if queued + count > self.max_queued:
-            raise APIError(f"queue full: {queued} requests waiting (serve.max_queued_requests="
+        queued = self.seqs_in_flight - self.num_running()
+        if queued + seqs > self.max_queued:
+            raise APIError(f"queue full: {queued} sequences waiting (serve.max_queued_requests="
                            f"{self.max_queued})", 503, code="queue_full", headers=headers)
-        self.in_flight += count
-        return Admission(self, count)
+        if self.tokens_queued + tokens > self.max_queued_tokens:
+            raise APIError(f"queue full: {self.tokens_queued} prompt tokens waiting "
+                           f"(serve.max_queued_tokens={self.max_queued_tokens})", 503,
+                           code="queue_full", headers=headers)
+        taken = next((r for r in request_ids if r in self.live), None)
+        if taken is not None:
+            raise APIError(f"request_id={taken!r}: already queued or running", 400,
+                           "request_id")
+        self.seqs_in_flight += seqs
+        self.tokens_queued += tokens
+        self.live.update(request_ids)
+        return Admission(self, seqs, tokens, request_ids)
+
+    async def prompt_ids(self, prompt, params: SamplingParams, prompt_field: str = "prompt"
+                         ) -> list[int]:
+        """The prompt's token ids, validated as the engine will (a 400 naming the field); a
+        long text is tokenised on a worker thread, never on the event loop."""
+        if isinstance(prompt, str) and len(prompt) > OFF_LOOP_CHARS:
+            return await asyncio.get_running_loop().run_in_executor(
+                self.tokenize_pool, self.check_prompt, prompt, params, prompt_field)
+        return self.check_prompt(prompt, params, prompt_field)
+
+    def check_params(self) -> SamplingParams:
+        """Parameters that let a prompt alone be checked (``/tokenize``)."""
+        return SamplingParams(max_tokens=self.max_model_len)
 
     def check_prompt(self, prompt, params: SamplingParams, prompt_field: str = "prompt"
                      ) -> list[int]:
-        """The prompt's token ids, validated as the engine will (a 400 naming the field)."""
         try:
             ids = self.llm.intake.tokenize(prompt, params).prompt_token_ids
         except RequestError as e:
@@ -145,29 +188,58 @@ class EngineClient:
                            f"max_model_len={self.max_model_len}", 400, field)
         return asked
 
-    async def generate(self, ids: list[int], params: SamplingParams, request_id: str
+    async def generate(self, ids: list[int], params: SamplingParams, request_id: str,
+                       admission: Optional["Admission"] = None
                        ) -> AsyncIterator[RequestOutput]:
-        """Cumulative outputs, metrics observed; leaving early aborts the request."""
+        """Cumulative outputs, metrics observed; leaving early aborts the request. The first
+        output gives the prompt's tokens back to ``admission`` (prefilled: no longer queued)."""
         m = self.metrics
         m.labels(m.prompt_tokens).inc(len(ids))
         timer = RequestTimer(m)
+        started = admission is None
         async for out in self.llm.generate({"prompt_token_ids": ids}, params, request_id):
+            if not started:
+                started = True
+                admission.prefilled(len(ids))
             timer.tokens(sum(len(c.token_ids) for c in out.outputs))
             if out.finished:
                 timer.finished(out)
             yield out
 
+    async def abort_all(self) -> int:
+        """The drain's end: abort every request still live (their streams end with
+        ``finish_reason="abort"``; ``cut`` remembers them, so a non-streamed one is a 503)."""
+        ids = list(self.live)
+        self.cut.update(ids)
+        for rid in ids:
+            await self.llm.abort(rid)
+        return len(ids)
+
     def shutdown(self) -> None:
         self.llm.shutdown()
+        self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
 
 class Admission:
-    """Places held in the server's queue bound; ``release`` (idempotent) gives them back."""
+    """Places held in the server's queue bounds (sequences, prompt tokens not yet prefilled)
+    and request ids; ``release`` (idempotent) gives them back."""
 
-    def __init__(self, client: EngineClient, count: int):
-        self.client, self.count = client, count
+    def __init__(self, client: EngineClient, seqs: int, tokens: int, request_ids: list[str]):
+        self.client, self.seqs, self.tokens, self.request_ids = client, seqs, tokens, request_ids
+
+    def prefilled(self, tokens: int) -> None:
+        """One prompt of the request started: its tokens are no longer queued."""
+        tokens = min(tokens, self.tokens)
+        self.client.tokens_queued -= tokens
+        self.tokens -= tokens
 
     def release(self) -> None:
-        if self.count:
-            self.client.in_flight -= self.count
-            self.count = 0
+        c = self.client
+        if self.seqs or self.tokens:
+            c.seqs_in_flight -= self.seqs
+            c.tokens_queued -= self.tokens
+            self.seqs = self.tokens = 0
+        if self.request_ids:
+            c.live.difference_update(self.request_ids)
+            c.cut.difference_update(self.request_ids)
+            self.request_ids = []

@@ -1,11 +1,14 @@
 """The request bodies, as OpenAI's and vLLM's APIs name their fields (pydantic models), and
 each one's ``SamplingParams``. Unknown fields are refused (400 naming the field) rather than
-silently ignored; OpenAI fields megainfer does not serve are refused when set."""
+silently ignored; OpenAI fields megainfer does not serve are refused when set. Types are
+strict (no "1" for an int, no false for a token id), numbers finite, every text valid Unicode
+that UTF-8 can encode (no lone surrogate), and the free-form fields bounded in length
+(docs/serve.md, "Limits")."""
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from megainfer.engine import SamplingParams
 from megainfer.engine.sampling_params import MAX_LOGIT_BIAS
@@ -13,8 +16,43 @@ from megainfer.engine.sampling_params import MAX_LOGIT_BIAS
 from .errors import APIError
 
 
+MAX_ID_CHARS = 256  # request_id, user, model
+MAX_STOP = 32  # stop strings, each at most MAX_STOP_CHARS
+MAX_STOP_CHARS = 512
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS_TOKENS = 1024
+
+
+def utf8_text(value: str) -> str:
+    """``value`` unchanged if UTF-8 can encode it (a lone surrogate such as "\\ud800" from a
+    JSON escape cannot: the tokenizer would fail on it)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"not valid Unicode text: {e.reason} at character {e.start}") from None
+    return value
+
+
+def _texts_of(value: Any) -> None:
+    """Every string inside ``value`` (nested lists and dicts, keys too) is ``utf8_text``."""
+    if isinstance(value, str):
+        utf8_text(value)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _texts_of(k)
+            _texts_of(v)
+    elif isinstance(value, list):
+        for v in value:
+            _texts_of(v)
+
+
+Text = Annotated[str, AfterValidator(utf8_text)]
+ShortText = Annotated[str, Field(max_length=MAX_ID_CHARS), AfterValidator(utf8_text)]
+StopText = Annotated[str, Field(max_length=MAX_STOP_CHARS), AfterValidator(utf8_text)]
+
+
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
@@ -25,39 +63,44 @@ class StreamOptions(_Body):
 class _Sampling(_Body):
     """The sampling fields both endpoints share (OpenAI's, then vLLM's extra body fields)."""
 
-    model: Optional[str] = None  # None: the served model
-    n: int = 1
+    model: Optional[ShortText] = None  # None: the served model
+    n: int = 1  # at most serve.max_n
     temperature: Optional[float] = None  # None: 1.0 (OpenAI's default)
     top_p: Optional[float] = None
     seed: Optional[int] = None
-    stop: Union[str, list[str], None] = None
+    stop: Union[StopText, Annotated[list[StopText], Field(max_length=MAX_STOP)], None] = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    user: Optional[str] = None  # recorded nowhere: OpenAI's abuse-tracking id
-    logit_bias: Optional[dict[str, float]] = None  # {token id: bias}, clamped to [-100, 100]
+    user: Optional[ShortText] = None  # recorded nowhere: OpenAI's abuse-tracking id
+    # {token id: bias}, clamped to [-100, 100]
+    logit_bias: Optional[Annotated[dict[Text, float],
+                                   Field(max_length=MAX_LOGIT_BIAS_TOKENS)]] = None
     # vLLM's extra body fields
     top_k: Optional[int] = None
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
     min_tokens: int = 0
     ignore_eos: bool = False
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: Optional[Annotated[list[int], Field(max_length=MAX_STOP_TOKEN_IDS)]] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: Optional[int] = None  # vLLM: per prompt token, its logprob and the top k
-    request_id: Optional[str] = None  # vLLM: the id the engine (and the response) uses
+    request_id: Optional[ShortText] = None  # vLLM: the id the engine (and the response) uses
 
     def sampling_params(self, max_tokens: int, logprobs: Optional[int],
-                        prompt_logprobs: Optional[int] = None) -> SamplingParams:
-        """This body's ``SamplingParams`` (a bad value: ``SamplingParamsError`` naming it)."""
+                        prompt_logprobs: Optional[int] = None,
+                        min_tokens: Optional[int] = None) -> SamplingParams:
+        """This body's ``SamplingParams`` (a bad value: ``SamplingParamsError`` naming it);
+        ``min_tokens``: instead of the body's."""
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options: only allowed with stream=true",
                            param="stream_options")
         if self.prompt_logprobs is not None and self.stream:
             raise APIError("prompt_logprobs: only without stream", param="prompt_logprobs")
-        kw = dict(n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens,
+        kw = dict(n=self.n, max_tokens=max_tokens,
+                  min_tokens=self.min_tokens if min_tokens is None else min_tokens,
                   presence_penalty=self.presence_penalty,
                   frequency_penalty=self.frequency_penalty, seed=self.seed,
                   ignore_eos=self.ignore_eos, stop=self.stop or (),
@@ -89,7 +132,7 @@ class _Sampling(_Body):
         return out
 
 
-Prompt = Union[str, list[str], list[int], list[list[int]]]
+Prompt = Union[Text, list[Text], list[int], list[list[int]]]
 
 
 class CompletionRequest(_Sampling):
@@ -98,7 +141,7 @@ class CompletionRequest(_Sampling):
     logprobs: Optional[int] = None  # the top-k alternatives per token (0: the sampled one)
     echo: bool = False  # the prompt precedes the completion in the text (and logprobs)
     best_of: Optional[int] = None  # only best_of == n is served
-    suffix: Optional[str] = None  # refused when set (no insertion)
+    suffix: Optional[Text] = None  # refused when set (no insertion)
 
     def prompts(self) -> list[Union[str, list[int]]]:
         """Each prompt of the body: text or token ids."""
@@ -114,13 +157,19 @@ class CompletionRequest(_Sampling):
 
 class TextPart(_Body):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...: passed to the template
-    role: str
-    content: Union[str, list[TextPart], None] = None
+    # name, tool_call_id, ...: passed to the template
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+    role: ShortText
+    content: Union[Text, list[TextPart], None] = None
+
+    @model_validator(mode="after")
+    def _extra_texts(self) -> "ChatMessage":
+        _texts_of(self.model_extra or {})
+        return self
 
     def plain(self) -> dict:
         d = self.model_dump(exclude_none=False)
@@ -147,12 +196,12 @@ class ChatCompletionRequest(_Sampling):
 
 
 class TokenizeRequest(_Body):
-    model: Optional[str] = None
-    prompt: Optional[str] = None
+    model: Optional[ShortText] = None
+    prompt: Optional[Text] = None
     messages: Optional[list[ChatMessage]] = None
     add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(_Body):
-    model: Optional[str] = None
+    model: Optional[ShortText] = None
     tokens: list[int]

@@ -50,13 +50,14 @@ def chat_logprobs(positions: list, token_ids: list[int], k: int) -> dict:
 
 
 def completion_logprobs(positions: list, token_ids: list[int], k: int,
-                        offset: int = 0) -> dict:
+                        offset: int = 0, decode=None) -> dict:
     """OpenAI completions' ``{tokens, token_logprobs, top_logprobs, text_offset}``; a position
-    without logprobs (the prompt's first token under echo) is null."""
+    without logprobs (the prompt's first token under echo) has its token's text (``decode``:
+    token ids -> text) and null logprobs, as vLLM gives it."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for tok, pos in zip(token_ids, positions):
         if pos is None:
-            out["tokens"].append("")
+            out["tokens"].append("" if decode is None else decode([tok]))
             out["token_logprobs"].append(None)
             out["top_logprobs"].append(None)
         else:

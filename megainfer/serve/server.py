@@ -1,11 +1,15 @@
 """Run the app under uvicorn: bind (loopback by default), serve until SIGTERM or SIGINT, then
-drain: no new requests (503), in-flight ones get ``serve.shutdown_grace_s`` to finish, the rest
-are aborted, the engine core stops (the runtime: its closing iteration stops every rank) and the
-process exits 0. A watchdog stops the server when the engine core dies (exit 1)."""
+drain: stop listening, no new requests (503), in-flight ones get ``serve.shutdown_grace_s`` to
+finish; then the rest are aborted (each open stream ends with ``finish_reason: "abort"`` and
+``[DONE]``, each waiting non-streamed request gets a 503), the engine core stops (the runtime:
+its closing iteration stops every rank) and the process exits 0. A watchdog stops the server
+when the engine core dies (exit 1)."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 import threading
@@ -17,6 +21,7 @@ from megainfer.config import ServeConfig
 
 from .app import build_app
 from .engine_client import EngineClient
+from .http_protocol import header_timeout_protocol
 
 log = logging.getLogger("megainfer.serve")
 
@@ -24,6 +29,19 @@ log = logging.getLogger("megainfer.serve")
 def served_name(cfg: ServeConfig, model_path: Optional[str], family: str) -> str:
     """``serve.served_model_name``, else the model path as given, else megainfer-<family>."""
     return cfg.served_model_name or model_path or f"megainfer-{family}"
+
+
+def metrics_label(cfg: ServeConfig, name: str, model_path: Optional[str]) -> str:
+    """The metrics' ``model_name``: the served name, but only the last part of a model path
+    the operator did not choose to show (``serve.served_model_name`` unset)."""
+    if cfg.served_model_name is None and model_path and name == model_path:
+        return os.path.basename(os.path.normpath(model_path)) or name
+    return name
+
+
+# once the grace period ran out and the rest was aborted: this long for the aborted
+# responses to reach their clients before the connections are cut
+FLUSH_S = 5.0
 
 
 class DrainingServer(uvicorn.Server):
@@ -55,6 +73,35 @@ class DrainingServer(uvicorn.Server):
                 host, port = sock.getsockname()[:2]
                 print(f"[serve] {self.client.model_name!r} on http://{host}:{port}", flush=True)
 
+    async def shutdown(self, sockets=None) -> None:
+        """uvicorn's graceful shutdown, but when the grace period runs out the requests still
+        open are aborted through the engine and given ``FLUSH_S`` to end properly (streams:
+        an "abort" chunk and [DONE]; non-streamed: 503) before any task is cancelled."""
+        for server in self.servers:
+            server.close()
+        for sock in sockets or []:
+            sock.close()
+        self.client.draining = True
+        for connection in list(self.server_state.connections):
+            connection.shutdown()
+        await asyncio.sleep(0.1)
+        if not await self._settle(self.config.timeout_graceful_shutdown):
+            n = await self.client.abort_all()
+            log.warning("[serve] serve.shutdown_grace_s ran out: %d requests aborted", n)
+            if not await self._settle(FLUSH_S):
+                for t in self.server_state.tasks:
+                    t.cancel(msg="megainfer-serve: shutdown")
+        if not self.force_exit:
+            await self.lifespan.shutdown()
+
+    async def _settle(self, timeout: Optional[float]) -> bool:
+        """Wait up to ``timeout`` for every connection and task to end; whether they did."""
+        try:
+            await asyncio.wait_for(self._wait_tasks_to_complete(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
     def on_signal(self, sig, frame) -> None:
         if self.should_exit:
             self.force_exit = True  # a second signal: stop waiting
@@ -70,7 +117,8 @@ def make_server(client: EngineClient, cfg: ServeConfig, model_dir: Optional[str]
     app = build_app(client, cfg, model_dir)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
                             timeout_graceful_shutdown=cfg.shutdown_grace_s, access_log=False,
-                            lifespan="on")
+                            lifespan="on", http=header_timeout_protocol(cfg.header_timeout_s),
+                            limit_concurrency=cfg.max_connections)
     return DrainingServer(config, client)
 
 

@@ -6,16 +6,26 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import AsyncIterator, Optional
 
 from fastapi.sse import format_sse_event
 
 from megainfer.engine import RequestError, RequestOutput
+from megainfer.engine.errors import EngineDeadError
 
 from . import responses as R
-from .errors import error_body
+from .errors import stream_error
 
+log = logging.getLogger("megainfer.serve")
 _END = object()
+
+
+def _error_event(e: Exception) -> dict:
+    """The stream's last event before [DONE]; a bug is logged once."""
+    if not isinstance(e, (RequestError, EngineDeadError)):
+        log.error("[serve] a stream failed: %s: %s", type(e).__name__, e, exc_info=e)
+    return stream_error(e)
 
 
 def sse(obj) -> bytes:
@@ -110,10 +120,8 @@ async def completion_events(stream, rid: str, model: str, n: int, echo_texts: Op
         if include_usage:
             yield sse(R.envelope(rid, "text_completion", model, created, [],
                                  R.usage(sum(prompt_tokens.values()), gen)))
-    except RequestError as e:
-        yield sse(error_body(str(e), 400))
-    except Exception as e:  # noqa: BLE001 - the engine died: an error event ends the stream
-        yield sse(error_body(f"{type(e).__name__}: {e}", 500))
+    except Exception as e:  # noqa: BLE001 - refused, the engine died, a bug: an error event
+        yield sse(_error_event(e))
     yield sse("[DONE]")
 
 
@@ -144,8 +152,6 @@ async def chat_events(stream, rid: str, model: str, n: int, top_logprobs: Option
         if include_usage:
             yield sse(R.envelope(rid, "chat.completion.chunk", model, created, [],
                                  R.usage(prompt_tokens, gen)))
-    except RequestError as e:
-        yield sse(error_body(str(e), 400))
-    except Exception as e:  # noqa: BLE001 - the engine died: an error event ends the stream
-        yield sse(error_body(f"{type(e).__name__}: {e}", 500))
+    except Exception as e:  # noqa: BLE001 - refused, the engine died, a bug: an error event
+        yield sse(_error_event(e))
     yield sse("[DONE]")

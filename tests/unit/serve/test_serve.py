@@ -215,7 +215,7 @@ def test_models_tokenize_detokenize_health_version_metrics(srv, client):
     assert d["prompt"] == "hi"
     assert httpx.get(srv.url + "/health").status_code == 200
     assert httpx.get(srv.url + "/version").json()["version"]
-    m = httpx.get(srv.url + "/metrics").text
+    m = httpx.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
                  "prefix_cache_queries_total", "prefix_cache_hits_total", "prompt_tokens_total",
                  "generation_tokens_total", "request_success_total",

@@ -81,7 +81,7 @@ def test_api_key_401(srv):
 
 
 def _gauge(srv, name):
-    m = httpx.get(srv.url + "/metrics").text
+    m = httpx.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     return float(re.search(rf"^megainfer:{name}\{{[^}}]*\}} (\S+)$", m, re.M).group(1))
 
 
