@@ -12,8 +12,9 @@ prompt is computed; forks beyond ``max_num_seqs`` wait in ``forked`` (holding th
 blocks) and take the seats running sequences leave, before any waiting request is admitted; a
 running request short of blocks preempts them (newest first) once no running request after it
 is left. With prefix caching a waiting request (new or preempted) starts from the longest run
-of cached full blocks of its tokens (``BlockManager.find_cached``) and only computes the rest. Nothing here depends on time, and
-the cache's keys are a deterministic hash: the same calls give the same schedule on every rank.
+of cached full blocks of its tokens (``BlockManager.find_cached``) and only computes the rest.
+Nothing here depends on time, and the cache's keys are a deterministic hash: the same calls
+give the same schedule on every rank.
 """
 from __future__ import annotations
 

@@ -33,8 +33,8 @@ def _seconds_per_token(engine) -> float:
 def _groups(engine, limit=None) -> list:
     """The unfinished request groups (a request and its samples, ``SamplingParams.n``) in
     queue order (running first, then forks waiting for a seat, then waiting): [(head, [its
-    samples in the scheduler, in queue order])]. With ``limit``: the ``limit`` newest groups (waiting ones first, then the most
-    recently started), still in queue order."""
+    samples in the scheduler, in queue order])]. With ``limit``: the ``limit`` newest groups
+    (waiting ones first, then the most recently started), still in queue order."""
     queue = engine.scheduler.queued()
     members: dict = {}
     for s in queue:
