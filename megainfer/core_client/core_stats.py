@@ -32,7 +32,7 @@ def engine_load(engine) -> EngineLoad:
         ld = engine.load()
         return EngineLoad(ld.running, ld.waiting + ld.not_handed_out, ld.kv_usage)
     sched, blocks = engine.scheduler, engine.blocks
-    return EngineLoad(len(sched.running), len(sched.waiting),
+    return EngineLoad(len(sched.running), sched.num_waiting,
                       1.0 - blocks.num_free_blocks / max(1, blocks.num_blocks))
 
 

@@ -154,7 +154,7 @@ class LLMEngine:
                 index=i, logprobs=None if params.logprobs is None else []))
             samples[-1].bad_words_token_ids = prompt.bad_words_token_ids
         req = samples[0]
-        req.samples, req.pending = samples, samples[1:]
+        req.samples, req.pending, req.num_unfinished = samples, samples[1:], params.n
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]
         self.requests[rid] = req
@@ -250,12 +250,13 @@ class LLMEngine:
             req.append_token(tok, now, self.tokenizer)
             out.new_tokens.append(SampleDelta(req.request_id, req.index, [tok], lp,
                                               req.finish_reason, req.stop_reason))
-            if id(req) in forked and not req.is_finished:
+            if id(req) in forked and not req.is_finished:  # it runs, or waits for a seat
                 self.scheduler.add_running(req)
             if req.is_finished:
                 self.scheduler.finish(req)
                 head = self.requests[req.request_id]
-                if not head.pending and all(s.is_finished for s in head.samples):
+                head.num_unfinished -= 1
+                if head.num_unfinished == 0:
                     del self.requests[req.request_id]
                     out.finished.append(request_output(self.tokenizer, head, self.detokenize))
         self.num_steps += 1

@@ -24,7 +24,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .request import Request, RequestStatus
+from .request import Request
 from .sampling_params import SamplingParams
 
 
@@ -82,9 +82,7 @@ def detach(engine, req: Request) -> None:
     """Take a request (its first tokens sampled) out of the engine, every sample's blocks
     freed (a sample finished at its first token gave its blocks back already)."""
     for s in req.samples or [req]:
-        if s in engine.scheduler.running:
-            engine.scheduler.running.remove(s)
-        engine.blocks.free_request(s)
+        engine.scheduler.finish(s)  # out of its queue (running, or waiting for a seat)
     engine.requests.pop(req.request_id, None)
 
 
@@ -104,7 +102,8 @@ def release(engine, placeholder: Request) -> None:
 def start(engine, state: HandoffState, placeholder: Request) -> Request:
     """The request, running in ``engine`` with its prompt's KV in ``placeholder``'s blocks. Its
     unfinished samples share those blocks (as single mode's forks do; copy on write), in
-    sample order after the head, as single mode queues its forks."""
+    sample order after the head, as single mode queues its forks (those beyond
+    ``max_num_seqs`` wait for a seat, as there)."""
     states = [state] + list(state.samples)
     seq_id = engine._next_seq_id
     engine._next_seq_id += len(states)
@@ -113,13 +112,15 @@ def start(engine, state: HandoffState, placeholder: Request) -> Request:
     head.samples, head.pending = reqs, []
     head.prompt_logprobs = state.prompt_logprobs
     live = [r for r in reqs if not r.is_finished]
+    head.num_unfinished = len(live)
     owner = live[0]  # the prefill rank reports a request whose samples all finished as output
     adopt(owner, placeholder)
     engine.blocks.cache_full_blocks(owner)  # its full prompt blocks join this replica's cache
     for r in live[1:]:
         engine.blocks.fork(owner, r)
     engine.requests[head.request_id] = head
-    engine.scheduler.running.extend(live)
+    for r in live:
+        engine.scheduler.add_running(r)
     return head
 
 
@@ -139,8 +140,7 @@ def _request(engine, state: HandoffState, seq_id: int) -> Request:
     if state.finish_reason is not None:
         req.finish(state.finish_reason, state.finish_time)
         return req
-    req.num_computed_tokens = len(state.prompt_token_ids)
-    req.status = RequestStatus.RUNNING
+    req.num_computed_tokens = len(state.prompt_token_ids)  # ``start`` queues it
     return req
 
 

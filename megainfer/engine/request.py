@@ -26,7 +26,8 @@ class Request:
     ``SamplingParams.n`` > 1: one ``Request`` per sample (``index`` 0..n-1), all with the same
     ``request_id``. Sample 0 (the group's head) is scheduled first; the others wait in its
     ``pending`` list and fork from it once its prompt is computed (they share its blocks and
-    its first logits), so the prompt is computed once. ``samples`` (on the head) lists all n."""
+    its first logits), so the prompt is computed once. ``samples`` (on the head) lists all n;
+forks beyond ``max_num_seqs`` wait for a seat in the scheduler's ``forked`` queue."""
 
     seq_id: int  # engine-internal, monotonically increasing: the scheduling priority
     request_id: str
@@ -49,6 +50,7 @@ class Request:
     index: int = 0  # sample index within the request (SamplingParams.n)
     samples: list["Request"] = field(default_factory=list)  # head only: all n (itself first)
     pending: list["Request"] = field(default_factory=list)  # head only: samples not forked yet
+    num_unfinished: int = 1  # head only: samples not finished yet (the request ends at 0)
     logprobs: Optional[list] = None  # list[dict[int, Logprob]] when params.logprobs is set
     cumulative_logprob: float = 0.0
     prompt_logprobs: Optional[list] = None  # head only: [None, dict, ...] as they are computed

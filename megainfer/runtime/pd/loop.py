@@ -65,7 +65,7 @@ class PDReplicaLoop(ReplicaLoop):
             if out.metrics is not None:
                 out.metrics.kv_handoff_s = d.handoff_s.pop(out.request_id, None)
         d.poll()
-        return ReplicaStatus(finished, e.has_unfinished(), len(e.scheduler.waiting),
+        return ReplicaStatus(finished, e.has_unfinished(), e.scheduler.num_waiting,
                              len(e.scheduler.running), transfers_pending=d.pending,
                              new_tokens=self.deltas, kv_usage=kv_usage(e))
 

@@ -134,7 +134,7 @@ class PrefillWorker:
         """Non-blocking: rank 0 may be sending us work at the same time (no send waits on a
         receive that waits on it)."""
         s, b = self.engine.scheduler, self.engine.blocks
-        msg = PrefillReport(report, len(s.waiting), len(s.running),
+        msg = PrefillReport(report, s.num_waiting, len(s.running),
                             b.take_key_events() if self.track else [])
         self.outbox = [r for r in self.outbox if not r.Test()]
         self.outbox.append(self.comm.isend(msg, dest=0, tag=tags.PD_DONE))

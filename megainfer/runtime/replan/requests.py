@@ -32,11 +32,10 @@ def _seconds_per_token(engine) -> float:
 
 def _groups(engine, limit=None) -> list:
     """The unfinished request groups (a request and its samples, ``SamplingParams.n``) in
-    queue order (running first, then waiting): [(head, [its samples in the scheduler, in queue
-    order])]. With ``limit``: the ``limit`` newest groups (waiting ones first, then the most
-    recently started), still in queue order."""
-    sched = engine.scheduler
-    queue = list(sched.running) + list(sched.waiting)
+    queue order (running first, then forks waiting for a seat, then waiting): [(head, [its
+    samples in the scheduler, in queue order])]. With ``limit``: the ``limit`` newest groups
+    (waiting ones first, then the most recently started), still in queue order."""
+    queue = engine.scheduler.queued()
     members: dict = {}
     for s in queue:
         members.setdefault(s.request_id, []).append(s)
@@ -50,8 +49,7 @@ def _groups(engine, limit=None) -> list:
 
 def group_count(engine) -> int:
     """How many request groups ``engine`` holds unfinished (what ``balance_shares`` counts)."""
-    sched = engine.scheduler
-    return len({s.request_id for s in list(sched.running) + list(sched.waiting)})
+    return len({s.request_id for s in engine.scheduler.queued()})
 
 
 def hand_out(engine, ids: dict, dests: list[int], mode: str, link_Bps: float, tag: str,
@@ -108,8 +106,8 @@ def take_in(engine, ids: dict, items: list, tag: str) -> dict:
             if blocks is not None:  # the KV came: fresh blocks here, as a PD decode side takes
                 import_kv(engine, blocks.block_table, kv)
                 adopt(s, blocks)
-                s.num_computed_tokens, s.status = n, RequestStatus.RUNNING
-                sched.running.append(s)
+                s.num_computed_tokens = n
+                sched.add_running(s)  # (beyond max_num_seqs: it waits for a seat, forked)
                 engine.blocks.cache_full_blocks(s)
             else:
                 if choice == "move":

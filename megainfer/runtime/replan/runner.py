@@ -178,7 +178,7 @@ class ReplanController:
         hw, shape = self._model()
         router, sched = loop.router, loop.engine.scheduler
         views = router.replicas
-        reqs = [q for q in list(sched.running) + list(sched.waiting)]
+        reqs = sched.queued()
         ctx = sum(q.num_tokens for q in reqs) / len(reqs) if reqs else 1
         left = [q.params.max_tokens - len(q.output_token_ids) for q in reqs]
         left += [getattr(p.params, "max_tokens", 16) or 16 for p in router.pending]

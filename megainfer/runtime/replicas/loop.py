@@ -231,7 +231,7 @@ class ReplicaLoop:
 
     def _status(self, finished: list[RequestOutput]) -> ReplicaStatus:
         e = self.engine
-        return ReplicaStatus(finished, e.has_unfinished(), len(e.scheduler.waiting),
+        return ReplicaStatus(finished, e.has_unfinished(), e.scheduler.num_waiting,
                              len(e.scheduler.running),
                              e.blocks.take_key_events() if self.track else [],
                              new_tokens=self.deltas, kv_usage=kv_usage(e))

@@ -4,8 +4,8 @@
     mpiexec -n K python llm_deploy_job.py OUT.json CKPT DEPLOY {offline|async} [OVERRIDE ...]
 
 DEPLOY: a conf/deploy preset name or a JSON mapping of ``deploy.*`` keys. ``offline``:
-``offline_outputs`` (greedy, seeded n=2, logprobs, stop strings, chat); ``async``:
-``async_outputs`` (concurrent streams, aborts, requests added while others run). The tests
+``offline_outputs`` (greedy, seeded n=2, n above max_num_seqs, logprobs, stop strings,
+chat); ``async``: ``async_outputs`` (concurrent streams, aborts, requests added while others run). The tests
 run the same functions in single mode in process as the reference.
 """
 import asyncio
@@ -45,6 +45,9 @@ def offline_outputs(llm) -> dict:
                         use_tqdm=False)
     biased = llm.generate(ps[:3], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
                                                  logit_bias={7: 2.0, 11: -3.0}), use_tqdm=False)
+    wide = llm.generate(ps[2:4], [SamplingParams(temperature=1.0, seed=3, n=12, max_tokens=6),
+                                  SamplingParams(temperature=0, n=10, max_tokens=6,
+                                                 ignore_eos=True)], use_tqdm=False)
     chat = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0,
                                                                          max_tokens=5),
                     use_tqdm=False, chat_template=CHAT)
@@ -57,6 +60,7 @@ def offline_outputs(llm) -> dict:
         "stop": [stop[0].outputs[0].text, stop[0].outputs[0].finish_reason],
         "chat": chat[0].outputs[0].token_ids,
         "biased": [o.outputs[0].token_ids for o in biased],  # logit_bias, the first token too
+        "wide_n": [[c.token_ids for c in o.outputs] for o in wide],  # n > max_num_seqs (8)
     }
 
 
