@@ -62,7 +62,7 @@ setup(
             "megainfer-plan=megainfer.launch.plan:main",
             "megainfer-timeline=megainfer.tools.timeline:main",
             "megainfer-serve=megainfer.launch.serve:main",
-            "megainfer-bench-serve=megainfer.serve.bench:main",
+            "megainfer-bench-serve=megainfer.bench.serve_load:main",
         ]
     },
 )

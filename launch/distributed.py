@@ -7,7 +7,8 @@ A rank that fails (a peer silent past ``comm.timeout_s``, bad input found late) 
 naming itself, the peer and the phase, writes that line and its traceback to
 ``<run dir>/error.rank<N>.txt``, then aborts the whole job: every line already written stays on
 disk, and rerunning the same command resumes. (The file is there because a process manager may drop
-what a rank printed just before ``MPI_Abort``; we wait ``ABORT_GRACE_S`` to make that rare.) A
+what a rank printed just before ``MPI_Abort``; ``startup.abort_job`` waits ``ABORT_GRACE_S`` to
+make that rare.) A
 rank that dies outright is reported by the process manager (MPICH: "BAD TERMINATION ... PID n"),
 which ends the others at once; rank 0's start-up log line maps each pid to its rank and role.
 (MPICH 5.0.2 ends the job on a killed rank even with ``mpiexec -disable-auto-cleanup``; a rank
@@ -18,13 +19,13 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import time
 import traceback
+
+from megainfer.runtime.startup import abort_job
 
 from .job import run_offline_job, write_summary
 
 log = logging.getLogger("megainfer.launch")
-ABORT_GRACE_S = 0.5  # for mpiexec to forward the error line before the abort ends the job
 
 
 class _ReplicaStream:
@@ -68,7 +69,7 @@ def run_distributed(s, requests, output_path: str, run_dir: str) -> int:
         return 0
     except Exception as e:  # noqa: BLE001 -- any failure on any rank ends the whole job
         _report_failure(f"{tag} error: {type(e).__name__}: {e}", run_dir, comm.Get_rank())
-        comm.Abort(1)
+        abort_job(comm, 1)
         return 1
 
 
@@ -83,7 +84,6 @@ def _report_failure(line: str, run_dir: str, rank: int) -> None:
     except OSError as err:  # the report must not hide the failure it reports
         line += f" (could not write {path}: {err})"
     print(line, file=sys.stderr, flush=True)
-    time.sleep(ABORT_GRACE_S)
 
 
 def _write_traces(rank, comm, run_dir: str, summary) -> None:

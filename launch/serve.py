@@ -68,7 +68,8 @@ def _abort_job(line: str, code: int) -> None:
     """Print ``line`` and end every rank of the job (a rank alone cannot leave it)."""
     print(line, file=sys.stderr, flush=True)
     from mpi4py import MPI
-    MPI.COMM_WORLD.Abort(code)
+    from megainfer.runtime.startup import abort_job
+    abort_job(MPI.COMM_WORLD, code)
 
 
 def _ranks_line(ranks, extra: str = "") -> str:

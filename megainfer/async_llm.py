@@ -34,7 +34,7 @@ from megainfer.config import ResolvedJob
 from megainfer.core_client import EngineDeadError, Intake, open_core
 from megainfer.core_client.client import JobTree, core_thread
 from megainfer.engine import RequestError, RequestOutput, SamplingParams
-from megainfer.engine.core import AbortRequest, AddRequest, CoreOutputs
+from megainfer.engine.core import SHUTDOWN_TIMEOUT_S, AbortRequest, AddRequest, CoreOutputs
 from megainfer.engine.errors import DuplicateRequestError
 from megainfer.engine.outputs import PromptInput
 from megainfer.engine.stream import RequestStream
@@ -114,7 +114,7 @@ class AsyncLLM:
         self._core = make_core(_weak_deliver(weakref.WeakMethod(self._deliver)))
         # the engine in this process (single mode; rank 0 under mpiexec), else None
         self.engine = getattr(getattr(self._core, "core", None), "engine", None)
-        self._finalizer = weakref.finalize(self, self._core.shutdown, 30.0)  # at exit too
+        self._finalizer = weakref.finalize(self, self._core.shutdown, SHUTDOWN_TIMEOUT_S)  # at exit
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -190,7 +190,7 @@ class AsyncLLM:
         freed and its stream ends with ``finish_reason="abort"``. Unknown or finished: no-op."""
         self._core.submit(AbortRequest(str(request_id)))
 
-    def shutdown(self, timeout: Optional[float] = 30.0) -> None:
+    def shutdown(self, timeout: Optional[float] = SHUTDOWN_TIMEOUT_S) -> None:
         """Abort what runs (those streams end with "abort") and stop the engine core (one
         declared dead by ``fail`` gets a second at most: it may never answer)."""
         self._finalizer.detach()

@@ -18,6 +18,7 @@ import uuid
 import httpx
 
 from megainfer import LLM
+from mpi_util import mpiexec_path
 from megainfer.config import ServeConfig
 from megainfer.serve.engine_client import EngineClient
 from megainfer.serve.server import make_server
@@ -93,7 +94,7 @@ class MpiServe:
         cmd = [os.path.join(BIN, "megainfer-serve"), f"serve.port={port}", *overrides,
                *HYDRA_QUIET, f"hydra.job.name={self.tag}"]
         if ranks is not None:
-            cmd = [os.path.join(BIN, "mpiexec"), "-n", str(ranks), *cmd]
+            cmd = [mpiexec_path(), "-n", str(ranks), *cmd]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, env=env, start_new_session=True)

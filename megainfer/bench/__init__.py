@@ -16,5 +16,7 @@ numbers lives here so that tests can check it without importing a lab script:
 * ``sim_validation``: a runtime job's measured TTFT / TPOT / throughput and the host terms read
   off a traced run (``perf/validate/validate_sim.py``);
 * ``pd_runs``: which recorded PD runs count as quiet and the machine's conditions per launch
-  (``perf/validate/validate_sim_pd.py``).
+  (``perf/validate/validate_sim_pd.py``);
+* ``serve_load`` and ``serve_requests``: ``megainfer-bench-serve``, the serving benchmark's
+  load generator and client (vLLM's ``bench serve``), kept out of the server package.
 """

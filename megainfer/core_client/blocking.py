@@ -8,7 +8,7 @@ import weakref
 from typing import Callable, Optional
 
 from megainfer.config import ResolvedJob
-from megainfer.engine.core import AbortRequest, AddRequest, CoreOutputs
+from megainfer.engine.core import SHUTDOWN_TIMEOUT_S, AbortRequest, AddRequest, CoreOutputs
 from megainfer.engine.outputs import PromptInput, RequestOutput
 from megainfer.engine.stream import RequestStream
 
@@ -27,7 +27,7 @@ class BlockingCore:
         self.dead: Optional[BaseException] = None
         self.num_generated_tokens = 0
         # closed with this object, or at interpreter exit (the ranks never outlive the script)
-        self._finalizer = weakref.finalize(self, self.core.shutdown, 30.0)
+        self._finalizer = weakref.finalize(self, self.core.shutdown, SHUTDOWN_TIMEOUT_S)
 
     @property
     def tokenizer(self):

@@ -17,6 +17,8 @@ import time
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Optional
 
+from megainfer.runtime import timeouts
+
 
 @dataclass(frozen=True)
 class EngineLoad:
@@ -70,21 +72,17 @@ def stall_allowance_s(engine) -> float:
     the bound of each wait of a switch; else 0."""
     if getattr(engine, "plug", None) is None:
         return 0.0
-    return 2.0 * float(engine.rank.job.comm.timeout_s)
-
-
-RUNTIME_HANG_FACTOR = 1.5  # x comm.timeout_s: after rank 0's own waits (1x), before its
-# peers' waits on it (expert ranks: 2x), so a silent peer is named by rank 0 and a hung rank 0
-# by itself
+    return timeouts.switch_wait_s(float(engine.rank.job.comm.timeout_s))
 
 
 def hang_after_s(engine, job) -> float:
     """How long an engine core may stay inside one round (its inputs, one iteration, the
     delivery) before it is declared hung: ``comm.timeout_s`` in single mode; for the runtime's
-    rank 0 ``RUNTIME_HANG_FACTOR`` times that, plus a re-plan's switch allowance where it
-    re-plans online."""
-    factor = RUNTIME_HANG_FACTOR if getattr(engine, "rank", None) is not None else 1.0
-    return factor * float(job.comm.timeout_s) + stall_allowance_s(engine)
+    rank 0 ``timeouts.core_hang_s`` of it, plus a re-plan's switch allowance where it re-plans
+    online."""
+    t = float(job.comm.timeout_s)
+    hang = timeouts.core_hang_s(t) if getattr(engine, "rank", None) is not None else t
+    return hang + stall_allowance_s(engine)
 
 
 def core_hangs(busy_s: float, hang_s: float):

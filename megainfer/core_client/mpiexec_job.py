@@ -43,7 +43,14 @@ LOOPBACK_ENV = {"UCX_NET_DEVICES": "lo", "FI_TCP_IFACE": "lo", "FI_SOCKETS_IFACE
 
 
 def find_mpiexec() -> str:
-    """``mpiexec`` beside ``sys.executable`` (the same environment's MPICH), else on PATH."""
+    """The one rule for the MPI launcher (the library, perf/ and tests): ``$MPIEXEC`` when set
+    (e.g. a GPU image's own MPICH), else ``mpiexec`` beside ``sys.executable`` (the same
+    environment's MPICH), else on PATH."""
+    named = os.environ.get("MPIEXEC")
+    if named:
+        if not os.access(named, os.X_OK):
+            raise CoreStartError(f"MPIEXEC={named}: not an executable file")
+        return named
     here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     found = here if os.access(here, os.X_OK) else shutil.which("mpiexec")
     if found is None:

@@ -24,13 +24,14 @@ import threading
 import time
 from multiprocessing.connection import Client
 
+from megainfer.runtime.startup import abort_job
+
 from .mpiexec_job import parent_death_signal
 from .spawn_messages import (AUTHKEY_ENV, HEARTBEAT_S, LOG_LEVEL_ENV, Heartbeat, Launched,
                              RankInfo, Ready, StartFailed)
 
 log = logging.getLogger("megainfer.core_client")
 POLL_S = 0.25  # rank 0's main thread: how often it checks its core thread while no input comes
-ABORT_GRACE_S = 0.5  # lets mpiexec forward a rank's last lines before MPI_Abort
 
 
 def wire_error(e: BaseException, ranks: dict, what: str = "rank 0's engine core died"):
@@ -207,11 +208,10 @@ def main(argv=None) -> int:
 def _end(comm, launched: bool, code: int) -> None:
     """Exit now with ``code``: before every rank has launched, abort the job (the others may
     wait in a start-up collective); after, this process alone (the script names it)."""
+    if not launched:
+        abort_job(comm, code)
     sys.stdout.flush()
     sys.stderr.flush()
-    if not launched:
-        time.sleep(ABORT_GRACE_S)
-        comm.Abort(code)
     os._exit(code)
 
 

@@ -32,7 +32,8 @@ import weakref
 from multiprocessing.connection import Connection
 from typing import Callable, Optional
 
-from megainfer.engine.core import AddRequest, CoreInput, CoreOutputs, Shutdown
+from megainfer.engine.core import (SHUTDOWN_TIMEOUT_S, AddRequest, CoreInput, CoreOutputs,
+                                   Shutdown)
 from megainfer.engine.errors import CoreStartError, EngineDeadError
 
 from . import sigterm_exit
@@ -45,7 +46,6 @@ from .spawn_messages import (AUTHKEY_ENV, LOG_LEVEL_ENV, Heartbeat, Launched, Ra
 log = logging.getLogger("megainfer.core_client")
 
 START_TIMEOUT_S = 600.0  # starting N ranks: imports, MPI start-up, weights (a slow disk, a big model)
-SHUTDOWN_TIMEOUT_S = 60.0  # the last outputs and the job's exit, then it is killed
 WATCH_S = 0.25  # how often the reader checks the ranks' pids while no output comes
 # the variables a launcher gives its processes must not reach the child job's mpiexec (this
 # script may be one of them); MPICH's own settings (MPIR_CVAR_*, HYDRA_*) do reach the ranks

@@ -106,6 +106,9 @@ class OnlineEngine(Protocol):
 # at shutdown, iterations to wait for the aborted requests' last outputs (the runtime's
 # replicas answer an abort at their next iteration)
 SHUTDOWN_ITERATIONS = 64
+# how long a client waits for an engine core's shutdown (its last outputs; a child job's exit,
+# after which it is killed): AsyncLLM, LLM's blocking client and the spawned core alike
+SHUTDOWN_TIMEOUT_S = 60.0
 
 
 class EngineCore:

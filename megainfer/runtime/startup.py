@@ -10,6 +10,8 @@ replicas, tp, eplb, wiring, rank parts) imports nothing from ``pd/`` or ``replan
 """
 from __future__ import annotations
 
+import sys
+import time
 from typing import Iterable, Optional
 
 from mpi4py import MPI
@@ -19,6 +21,18 @@ from megainfer.config import ResolvedJob
 from megainfer.runtime.rank_parts import Feature, Rank
 from megainfer.runtime.replan import REPLAN
 from megainfer.runtime.wiring import build_base_rank, run_base_rank
+
+ABORT_GRACE_S = 0.5  # for mpiexec to forward a rank's last lines before MPI_Abort ends the job
+
+
+def abort_job(comm, code: int) -> None:
+    """End every rank of the job (a rank alone cannot leave it while the others may wait in a
+    collective): what this rank printed is flushed and given ``ABORT_GRACE_S`` to reach
+    ``mpiexec`` first (mpiexec drops what arrives after the abort)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    time.sleep(ABORT_GRACE_S)
+    comm.Abort(code)
 
 # in this order: re-planning refuses a job with prefill replicas before PD would build it
 FEATURES = (REPLAN, PD)

@@ -39,6 +39,7 @@ from megainfer.runtime.rank_parts import (Feature, Rank, build_attention,
 from megainfer.runtime.roles import (RankRole, assign_role, expert_rank_ids, leader_ranks,
                                      tp_colour)
 from megainfer.runtime.tp.group import TPGroup, late_peer, make_tp_group
+from megainfer.runtime import timeouts
 from megainfer.runtime.trace import Tracer
 
 log = logging.getLogger("megainfer.runtime")
@@ -48,7 +49,7 @@ def wait_policy(job: ResolvedJob, role: RankRole) -> WaitPolicy:
     """Expert ranks idle legitimately while attention runs long steps, and a dead expert rank
     must be named by the attention rank waiting on it: expert ranks wait twice as long."""
     return WaitPolicy(mode=job.comm.wait_mode,
-                      timeout_s=job.comm.timeout_s * (2 if role.kind == "expert" else 1))
+                      timeout_s=timeouts.rank_wait_s(job.comm.timeout_s, role.kind))
 
 
 @dataclass

@@ -39,10 +39,12 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "harness"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from perf_paths import RESULTS  # noqa: E402
+
 from serve_prediction import predict  # noqa: E402
 from serve_process import ServerProcess  # noqa: E402
 
 from megainfer.bench.process_cpu import idle_cpu  # noqa: E402
+from megainfer.core_client.mpiexec_job import find_mpiexec  # noqa: E402
 from megainfer.bench.results_io import write_json  # noqa: E402
 from megainfer.bench.shapes import BENCH50M, BENCH50M_SHAPE  # noqa: E402
 
@@ -69,7 +71,7 @@ def mode_overrides(name: str, a) -> list:
 
 
 def bench_args(port, n, rate, conc, a):
-    from megainfer.serve import bench
+    from megainfer.bench import serve_load as bench
     return bench.parse_args(["--base-url", f"http://127.0.0.1:{port}", "--model", "bench50m",
                              "--num-prompts", str(n), "--request-rate", str(rate),
                              "--random-input-len", str(a.input_len), "--random-output-len",
@@ -96,7 +98,7 @@ def run_bench(server: ServerProcess, reqs, rate, conc, a) -> dict:
     """One benchmark run; with the server's (every rank's) and this client's CPU seconds, and
     the engine core's own iteration time in it (``engine_busy_s``: how much of the run the core
     spent iterating, as it times itself)."""
-    from megainfer.serve import bench
+    from megainfer.bench import serve_load as bench
     ba = bench_args(server.port, len(reqs), rate, conc, a)
     c_srv, c_cli = server.cpu_s(), time.process_time()
     busy0, iters0 = engine_iterations(server.port)
@@ -253,15 +255,16 @@ def main():
     p.add_argument("--threads", type=int, default=1, help="torch threads of each server rank "
                    "and of the offline engine (1: two OpenMP threads on a busy 2-core host ran "
                    "the 50M model ~10x slower)")
-    p.add_argument("--mpiexec", default=os.path.join(os.path.dirname(sys.executable), "mpiexec"),
-                   help="the MPI launcher of the distributed modes (default: the venv's)")
+    p.add_argument("--mpiexec", default=find_mpiexec(),
+                   help="the MPI launcher of the distributed modes (default: $MPIEXEC, else "
+                        "the venv's)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     for m in a.modes.split(","):
         if m not in MODES:
             raise SystemExit(f"--modes: {m!r} is not one of {', '.join(MODES)}")
     import torch
-    from megainfer.serve.bench_client import random_requests
+    from megainfer.bench.serve_requests import random_requests
     torch.set_num_threads(a.threads)
     reqs = random_requests(a.num_prompts, a.input_len, a.output_len, 0.0, 8192, 0)
     load_before = os.getloadavg()

@@ -32,6 +32,7 @@ import sys
 import time
 
 from megainfer.bench.results_io import write_json  # noqa: E402
+from megainfer.core_client.mpiexec_job import find_mpiexec  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "results", "bench_transport_gpu.json")
 
@@ -211,7 +212,7 @@ def report(res: dict) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=OUT)
-    ap.add_argument("--mpiexec", default=os.path.join(os.path.dirname(sys.executable), "mpiexec"))
+    ap.add_argument("--mpiexec", default=find_mpiexec())
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--sizes", default="2K,64K,8M")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the harness (mpi only)")

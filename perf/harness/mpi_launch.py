@@ -15,7 +15,9 @@ import sys
 
 from perf_paths import JOBS
 
-MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")  # the venv's (mpich wheel)
+from megainfer.core_client.mpiexec_job import find_mpiexec
+
+MPIEXEC = find_mpiexec()  # $MPIEXEC, else the venv's (mpich wheel)
 
 
 def run_ranks(cmd: list, timeout_s: int, capture: bool = False) -> subprocess.CompletedProcess:

@@ -187,8 +187,8 @@ def test_an_engine_core_stuck_in_a_step_is_named_hung(ckpt, tmp_path, monkeypatc
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
         [str(tmp_path)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     monkeypatch.setenv(HANG_AFTER_STEPS, "6")  # it steps, then hangs in its 7th step
-    from megainfer.core_client.core_stats import RUNTIME_HANG_FACTOR
-    factor = 1.0 if deploy == "single" else RUNTIME_HANG_FACTOR  # the runtime's peers first
+    from megainfer.runtime.timeouts import CORE_HANG
+    factor = 1.0 if deploy == "single" else CORE_HANG  # the runtime's peers first
     err = _fails_naming(ckpt, deploy, 3.0, "hangs", within=factor * 3.0)
     assert (err.rank, err.role) == (0, "[attn dp0 tp0]"), err
     assert "inside one iteration" in str(err)

@@ -124,19 +124,13 @@ def test_eplb_moves_choice():
     assert n_chunks(1, per_message) == 1 and n_chunks(per_message, per_message) == 1
 
 
-@pytest.fixture
-def _mpiexec(monkeypatch):
-    if os.environ.get("MPIEXEC"):  # the GPU image's carried MPICH (perf/gpu_session.sh)
-        monkeypatch.setattr(mpi_util, "mpiexec_path", lambda: os.environ["MPIEXEC"])
-
-
 @pytest.mark.gpu
-def test_weight_moves_over_cuda_ipc_are_exact(tmp_path, _mpiexec):
+def test_weight_moves_over_cuda_ipc_are_exact(tmp_path):
     _check_channel(_channel_results(tmp_path, "cuda"))
 
 
 @pytest.mark.gpu
-def test_live_eplb_over_cuda_ipc_keeps_tokens_and_weights(tiny_ckpts, tmp_path, _mpiexec):
+def test_live_eplb_over_cuda_ipc_keeps_tokens_and_weights(tiny_ckpts, tmp_path):
     ckpt = tiny_ckpts[("mixtral", "base")]
     out = tmp_path / "eplb.json"
     mpi_util.run_mpi(3, EPLB_JOB, [out, ckpt, "cuda", "device,mpi,auto"], timeout=300)

@@ -19,12 +19,6 @@ JOB = os.path.join(MPI_PROGS, "llm_deploy_job.py")
 ON_GPU = ["deploy.device=cuda", "model.dtype=float32", "comm.transport=cuda_ipc"]
 
 
-@pytest.fixture(autouse=True)
-def _mpiexec(monkeypatch):
-    if os.environ.get("MPIEXEC"):
-        monkeypatch.setattr(mpi_util, "mpiexec_path", lambda: os.environ["MPIEXEC"])
-
-
 @pytest.mark.parametrize("what", ["offline", "async"])
 def test_a1e2_on_the_gpu_equals_single_mode(tiny_ckpts, tmp_path, what):
     ckpt = tiny_ckpts[("mixtral", "base")]

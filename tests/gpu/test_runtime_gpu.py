@@ -31,12 +31,6 @@ def sync_budget(moe_layers: int, m: int) -> int:
     return moe_layers * m + m + 1
 
 
-@pytest.fixture(autouse=True)
-def _mpiexec(monkeypatch):
-    if os.environ.get("MPIEXEC"):
-        monkeypatch.setattr(mpi_util, "mpiexec_path", lambda: os.environ["MPIEXEC"])
-
-
 @pytest.mark.parametrize("transport", ["cuda_ipc", "mpi"])
 @pytest.mark.parametrize("n", [2, 3])
 def test_device_transport_round_trips(tmp_path, transport, n):

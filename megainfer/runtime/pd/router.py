@@ -33,6 +33,7 @@ from megainfer.runtime import tags
 from megainfer.runtime.control import RankFailure
 from megainfer.runtime.messages import Drop, Expect, PrefillStop, PrefillWork, Start, WorkItem
 from megainfer.runtime.replicas.request_router import RequestRouter
+from megainfer.runtime.timeouts import pd_idle_wait_s
 
 
 @dataclass
@@ -69,7 +70,7 @@ class PDRouter:
         # nothing to decode anywhere: the next thing that can change that is a prefill report
         # (a first token to start, a request to drop, room for a hand-out), so rank 0 waits for
         # one, sleeping (bounded: well under every other rank's comm.timeout_s)
-        self.idle_wait = WaitPolicy(mode=policy.mode, timeout_s=min(0.5, policy.timeout_s / 4))
+        self.idle_wait = WaitPolicy(mode=policy.mode, timeout_s=pd_idle_wait_s(policy.timeout_s))
 
     @property
     def busy(self) -> bool:

@@ -34,6 +34,7 @@ from megainfer.runtime.rank_parts import build_attention, build_expert
 from megainfer.runtime.replan.requests import balance_shares, group_count, migrate
 from megainfer.runtime.replan.weights import move_expert_weights, new_placement
 from megainfer.runtime.roles import assign_role, leader_ranks
+from megainfer.runtime.timeouts import switch_wait_s
 from megainfer.runtime.wiring import replica_tp_group, wire_rank
 
 log = logging.getLogger("megainfer.runtime")
@@ -87,7 +88,7 @@ def switch(r, order: ReplanOrder) -> dict:
     new_plan = replace(old_plan, attention_replicas=order.new[0], expert_ranks=order.new[1],
                        micro_batches=order.new[2])
     new_role = assign_role(new_plan, rank, world)
-    policy = WaitPolicy(mode=job.comm.wait_mode, timeout_s=job.comm.timeout_s * 2)
+    policy = WaitPolicy(mode=job.comm.wait_mode, timeout_s=switch_wait_s(job.comm.timeout_s))
     bounded = BoundedComm(comm, f"{r.role.tag} re-plan", policy, "re-plan start")
     sw = bounded.Dup()
     control = ControlPlane(sw, f"{r.role.tag} re-plan", policy)

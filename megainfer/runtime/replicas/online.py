@@ -30,10 +30,9 @@ from megainfer.engine.intake import TokenizedPrompt
 from megainfer.engine.outputs import PromptInput, RequestOutput, StepOutputs
 from megainfer.engine.sampling_params import SamplingParams
 from megainfer.runtime.roles import assign_role
+from megainfer.runtime.timeouts import idle_interval_s
 
 log = logging.getLogger("megainfer.runtime")
-
-IDLE_TICKS_PER_TIMEOUT = 8  # idle iterations per comm.timeout_s (at most 2 per second)
 
 
 class OnlinePlug(Protocol):
@@ -64,7 +63,7 @@ class RuntimeEngine:
         self.requests: dict[str, SamplingParams] = {}  # the open requests (the core's view)
         self.detokenize = False
         self.log_prefix = rank.role.tag
-        self.idle_interval_s = min(0.5, rank.job.comm.timeout_s / IDLE_TICKS_PER_TIMEOUT)
+        self.idle_interval_s = idle_interval_s(rank.job.comm.timeout_s)
         self.failed: Optional[BaseException] = None
         self.closed = False
         self.num_iterations = 0

@@ -12,8 +12,10 @@ from hydra.errors import ConfigCompositionException
 from megainfer import LLM, SamplingParams
 from megainfer.config import ConfigError
 from megainfer.engine import PromptInput
+from megainfer.engine.errors import CoreStartError
 from megainfer.launch.inputs import BadLine, InputFileError, read_requests
 from megainfer.launch.job import run_offline_job
+from mpi_util import mpiexec_path
 from megainfer.launch.resume import done_ids
 from megainfer.launch.settings import settings_from_config
 
@@ -227,9 +229,10 @@ def test_console_mistyped_key_names_the_closest(tmp_path):
 
 def test_console_mpi_default_job_equals_single(tmp_path):
     """mpiexec -n 3: the default job on 1 attention + 2 expert ranks writes single mode's tokens."""
-    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    if not os.path.exists(mpiexec):
-        pytest.skip(f"no mpiexec next to {sys.executable} (the mpich wheel provides it)")
+    try:
+        mpiexec = mpiexec_path()
+    except CoreStartError as e:
+        pytest.skip(str(e))
     args = ["io.progress=false", "sampling.max_tokens=6"]
     single = _run(args + [f"hydra.run.dir={tmp_path}/single"], tmp_path)
     assert single.returncode == 0, single.stderr[-3000:]

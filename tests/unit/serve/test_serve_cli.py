@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from megainfer.serve import bench
+from megainfer.bench import serve_load as bench
 from serve_util import ThreadServer, free_port
 
 BIN = os.path.dirname(sys.executable)

@@ -22,7 +22,7 @@ from typing import Optional
 import httpx
 import numpy as np
 
-from .bench_client import RequestResult, arrival_gaps, jsonl_requests, random_requests, send
+from .serve_requests import RequestResult, arrival_gaps, jsonl_requests, random_requests, send
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 NAMES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
