@@ -127,7 +127,6 @@ def _can_spawn(c: dict, serve: ServeConfig) -> bool:
 
 
 def run_server(cfg) -> int:
-    from megainfer.core_client.core_stats import hang_after_s
     from megainfer.core_client.ranks import start_ranks
     from megainfer.serve.engine_client import EngineClient
     from megainfer.serve.metrics import iteration_role
@@ -154,7 +153,7 @@ def run_server(cfg) -> int:
             log.info("[serve] rank 0 serves %s over %d ranks", s.deploy.mode, world_size())
         name = served_name(serve, cfg.model.get("path"), s.model.family)
         client = EngineClient.beside(engine, name, serve, iteration_role(s),
-                                     hang_after_s(engine, s),
+                                     engine.hang_after_s(float(s.comm.timeout_s)),
                                      metrics_label(serve, name, cfg.model.get("path")))
         code = serve_client(client, serve, s.load.path)
     except (ConfigError, RequestError):

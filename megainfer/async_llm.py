@@ -18,7 +18,7 @@ every caller waiting on them with one ``loop.call_soon_threadsafe``; tokenising 
 ``generate``) and detokenising (``RequestStream``) happen on the event loop's thread, never on
 the core's. Many concurrent ``generate`` calls share one running batch. ``on_stats``: called
 (on the core's or its reader's thread: hand on, do no work) with each ``CoreStats`` the core
-sends (``core_client.core_stats``: iteration times, queues, ...). Construction takes ``LLM``'s
+sends (``engine.stats.CoreStats``: iteration times, queues, ...). Construction takes ``LLM``'s
 arguments (the same config resolution, ``deploy`` included). docs/engine.md, "Online";
 docs/python_api.md.
 """
@@ -113,7 +113,7 @@ class AsyncLLM:
         self._error: Optional[BaseException] = None  # what the core died of
         self._core = make_core(_weak_deliver(weakref.WeakMethod(self._deliver)))
         # the engine in this process (single mode; rank 0 under mpiexec), else None
-        self.engine = getattr(getattr(self._core, "core", None), "engine", None)
+        self.engine = self._core.engine
         self._finalizer = weakref.finalize(self, self._core.shutdown, SHUTDOWN_TIMEOUT_S)  # at exit
 
     def get_tokenizer(self):
@@ -126,13 +126,12 @@ class AsyncLLM:
     @property
     def ranks(self) -> tuple:
         """A child job's ranks (``RankInfo``: rank, pid, role); () when the core is here."""
-        return getattr(self._core, "ranks", ())
+        return self._core.ranks
 
     def core_busy_s(self) -> float:
         """How long the engine core on this process's thread has been inside one round (0
         while it waits for input; always 0 for a child job's core, whose rank 0 watches it)."""
-        busy = getattr(self._core, "busy_s", None)
-        return 0.0 if busy is None else busy()
+        return self._core.busy_s()
 
     def fail(self, error: BaseException) -> None:
         """Declare the engine core dead (a watchdog's verdict on a core that stopped

@@ -11,7 +11,7 @@
 
 Every path gives a ``CoreClient``: inputs through ``submit``, each batch of ``CoreOutputs``
 to the ``deliver`` callback (on a thread of the client's; hand them on, do no work), with the
-core's own measurements (``core_stats.CoreStats``) in ``CoreOutputs.stats``.
+core's own measurements (``engine.stats.CoreStats``) in ``CoreOutputs.stats``.
 """
 from __future__ import annotations
 
@@ -23,17 +23,26 @@ from typing import Callable, Optional, Protocol
 from megainfer.config import ResolvedJob
 from megainfer.engine.core import CoreInput, CoreOutputs, EngineCore, EngineCoreThread
 
-from .core_stats import StatsRecorder
 from .ranks import mpi_world, rank_job, single_engine, start_ranks
 
 log = logging.getLogger("megainfer.engine")
 
 
 class CoreClient(Protocol):
+    """``engine``: the engine when the core runs on a thread of this process (None: a child
+    job's); ``ranks``: a child job's ranks (``RankInfo``; () when the core is here);
+    ``busy_s``: how long a core here has been inside one round (0 for a child job's, whose
+    rank 0 watches it)."""
+
+    engine: Optional[object]
+    ranks: tuple
+
     def submit(self, msg: CoreInput) -> None: ...
 
     @property
     def alive(self) -> bool: ...
+
+    def busy_s(self) -> float: ...
 
     def shutdown(self, timeout: Optional[float] = None) -> None: ...
 
@@ -62,8 +71,7 @@ Deliver = Callable[[CoreOutputs], None]
 def core_thread(engine, deliver: Deliver) -> EngineCoreThread:
     """The engine core over ``engine`` on a thread of this process, its measurements recorded
     and sent with its outputs."""
-    recorder = StatsRecorder(engine)
-    return EngineCoreThread(EngineCore(recorder), deliver, stats=recorder)
+    return EngineCoreThread(EngineCore(engine), deliver)
 
 
 def open_core(spec: JobTree, job: ResolvedJob, deliver: Deliver, tokenizer=None,

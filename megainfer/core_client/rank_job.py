@@ -105,8 +105,8 @@ def serve_script(conn, engine, job, ranks: dict, prefix: str) -> bool:
     out.send(Ready(engine.log_prefix, float(job.comm.timeout_s)))  # before any output
     core = core_thread(engine, out.deliver)
     log.info("%s serving the script's engine core", prefix)
-    from .core_stats import core_hangs, hang_after_s
-    hang_s = hang_after_s(engine, job)
+    from megainfer.engine.stats import core_hangs
+    hang_s = engine.hang_after_s(float(job.comm.timeout_s))
     while core.alive:
         hangs = core_hangs(core.busy_s(), hang_s)
         if hangs is not None:

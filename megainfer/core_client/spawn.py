@@ -13,7 +13,7 @@ dies (or an ``mpiexec`` that exits) while the core runs ends the job and is deli
 named by the runtime's own timeouts (``comm.timeout_s``) on rank 0, which sends the error; a
 rank 0 silent for ``comm.timeout_s`` (no output, no heartbeat) is declared hung, and a rank 0
 whose engine core thread stays inside one iteration that long says so itself
-(``core_stats.hang_after_s``).
+(``OnlineEngine.hang_after_s``).
 
 ``shutdown()`` sends ``Shutdown`` (unfinished requests end with ``finish_reason="abort"``),
 waits for the last outputs and the job's exit (bounded), then ends whatever is left. Garbage
@@ -72,9 +72,14 @@ class SpawnedCore:
     def alive(self) -> bool:
         return self._link.alive
 
+    engine = None  # the engine lives in the child job
+
     @property
     def ranks(self) -> tuple[RankInfo, ...]:
         return self._link.ranks
+
+    def busy_s(self) -> float:
+        return 0.0  # rank 0 of the child job watches its own core (``rank_job``)
 
     @property
     def job(self) -> MpiexecJob:

@@ -1,5 +1,6 @@
 """The engine every attention replica runs: requests, scheduler, paged KV cache, sampler."""
-from .engine import LLMEngine, check_cache_fits
+from .engine import LLMEngine
+from .sizing import check_cache_fits
 from .errors import (CacheTooSmallError, DuplicateRequestError, EmptyPromptError,
                      PromptTooLongError, RequestError, SamplingParamsError, TokenIdError)
 from .outputs import (CompletionOutput, PromptInput, RequestMetrics, RequestOutput, SampleDelta,

@@ -21,12 +21,13 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol, Union
+from typing import Callable, Optional, Protocol, Union
 
 from .errors import RequestError
 from .intake import TokenizedPrompt
 from .outputs import RequestOutput, SampleDelta, StepOutputs
 from .sampling_params import SamplingParams
+from .stats import CoreStats, CoreStatsRecorder, EngineLoad, timed
 
 log = logging.getLogger("megainfer.engine")
 
@@ -68,7 +69,7 @@ class CoreOutputs:
 
     updates: list[RequestUpdate] = field(default_factory=list)
     error: Optional[BaseException] = None
-    stats: Any = None  # what the core measured since its last outputs (``EngineCoreThread``)
+    stats: Optional[CoreStats] = None  # what the core measured since its last outputs
 
 
 class OnlineEngine(Protocol):
@@ -78,14 +79,20 @@ class OnlineEngine(Protocol):
     An abort may end a request later than the call (the runtime's rank 0 tells the replica
     holding it; its final output comes with a later ``step_outputs``). ``idle_interval_s``: not
     None when the engine must be stepped (``idle_tick``) at least that often while idle (the
-    runtime's ranks watch each other with timeouts); ``drain`` (optional): a shutdown began, only
-    the iterations that end the aborted requests follow (the runtime stops re-planning);
-    ``close``: end it (its ranks too)."""
+    runtime's ranks watch each other with timeouts); ``drain``: a shutdown began, only the
+    iterations that end the aborted requests follow (the runtime stops re-planning); ``close``:
+    end it (its ranks too). What the core's ``CoreStatsRecorder`` reads: ``load``, ``held_s``
+    (how long the engine held a finished request before its queue time began: rank 0's
+    hand-out), ``take_spans`` (T_a / T_e / T_c since the last call, or None), ``replan_count``,
+    ``stall_allowance_s``; a watchdog reads ``hang_after_s``."""
 
     requests: dict  # unfinished requests by id
     detokenize: bool  # False: final outputs leave without text (the frontend decodes)
     log_prefix: str
     idle_interval_s: Optional[float]
+    stall_allowance_s: float  # how much longer than its slowest an iteration may take
+    vocab_size: int
+    max_model_len: int
 
     def tokenize(self, prompt, params: SamplingParams, prompt_token_ids=None
                  ) -> TokenizedPrompt: ...
@@ -100,6 +107,18 @@ class OnlineEngine(Protocol):
 
     def idle_tick(self) -> None: ...
 
+    def load(self) -> EngineLoad: ...
+
+    def held_s(self, request_id) -> float: ...
+
+    def take_spans(self): ...
+
+    def replan_count(self) -> int: ...
+
+    def hang_after_s(self, timeout_s: float) -> float: ...
+
+    def drain(self) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -112,11 +131,13 @@ SHUTDOWN_TIMEOUT_S = 60.0
 
 
 class EngineCore:
-    """One ``OnlineEngine`` behind the message interface (synchronous)."""
+    """One ``OnlineEngine`` behind the message interface (synchronous); ``stats`` records what
+    its iterations measure."""
 
     def __init__(self, engine: OnlineEngine):
         self.engine = engine
         engine.detokenize = False
+        self.stats = CoreStatsRecorder(engine)
 
     def has_work(self) -> bool:
         return self.engine.has_unfinished()
@@ -136,9 +157,7 @@ class EngineCore:
             out = eng.abort_request(msg.request_id)  # None: finished already, or unknown
             return [] if out is None else [RequestUpdate(msg.request_id, output=out)]
         if isinstance(msg, Shutdown):
-            drain = getattr(eng, "drain", None)
-            if drain is not None:
-                drain()
+            eng.drain()
             updates = [u for rid in list(eng.requests) for u in self.handle(AbortRequest(rid))]
             for _ in range(SHUTDOWN_ITERATIONS):
                 if not eng.has_unfinished():
@@ -149,7 +168,8 @@ class EngineCore:
 
     def step(self) -> list[RequestUpdate]:
         """One iteration; one update per request with new tokens or a final output."""
-        res = self.engine.step_outputs()
+        seconds, res = timed(self.engine.step_outputs)
+        self.stats.iteration(seconds, res)
         by_id: dict[str, RequestUpdate] = {}
         for d in res.new_tokens:
             u = by_id.get(d.request_id)
@@ -160,19 +180,26 @@ class EngineCore:
             by_id.setdefault(out.request_id, RequestUpdate(out.request_id)).output = out
         return list(by_id.values())
 
+    def idle_tick(self) -> None:
+        """An empty iteration of every rank (timed like any): their watch stays alive."""
+        seconds, _ = timed(self.engine.idle_tick)
+        self.stats.idle_tick(seconds)
+
 
 class EngineCoreThread:
     """``EngineCore``'s loop in a background thread: inputs through ``submit`` (any thread),
     each iteration's updates to ``deliver`` (called on this thread: hand them on, do no work).
     Idle, the thread blocks on its input queue (no CPU). A crash in the loop is delivered as
-    ``CoreOutputs.error`` and ends the thread. ``stats``: an object whose ``take()`` gives what
-    the core measured since the last call (None: nothing new), sent as ``CoreOutputs.stats``
-    after each round of inputs and iteration that produced updates or measurements
-    (``core_client.core_stats.StatsRecorder``, wrapping the core's engine)."""
+    ``CoreOutputs.error`` and ends the thread. What the core measured since the last round
+    (``EngineCore.stats``) goes as ``CoreOutputs.stats`` after each round of inputs and
+    iteration that produced updates or measurements."""
+
+    ranks: tuple = ()  # a ``CoreClient``: no child job's ranks
 
     def __init__(self, core: EngineCore, deliver: Callable[[CoreOutputs], None],
-                 name: str = "megainfer-engine-core", stats=None):
-        self.core, self.deliver, self.stats = core, deliver, stats
+                 name: str = "megainfer-engine-core"):
+        self.core, self.deliver = core, deliver
+        self.engine = core.engine
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.error: Optional[BaseException] = None
         self.busy_since: Optional[float] = None  # monotonic start of this round; None: idle
@@ -199,7 +226,7 @@ class EngineCoreThread:
 
     def _run(self) -> None:
         engine = self.core.engine
-        idle_s = getattr(engine, "idle_interval_s", None)
+        idle_s = engine.idle_interval_s
         try:
             stop = False
             while not stop:
@@ -215,8 +242,8 @@ class EngineCoreThread:
                 if not stop and self.core.has_work():
                     updates += self.core.step()
                 elif not stop and not msgs and idle_s is not None:
-                    engine.idle_tick()  # nothing came for idle_s: keep the ranks' watch alive
-                stats = None if self.stats is None else self.stats.take()
+                    self.core.idle_tick()  # nothing came for idle_s: keep the ranks' watch
+                stats = self.core.stats.take()
                 if updates or stats is not None:
                     self.deliver(CoreOutputs(updates, stats=stats))
         except BaseException as e:  # noqa: BLE001 - delivered: every waiting caller gets it
@@ -224,9 +251,7 @@ class EngineCoreThread:
             log.exception("%s engine core loop died", engine.log_prefix)
             self.deliver(CoreOutputs(error=e))
         finally:
-            close = getattr(engine, "close", None)
-            if close is not None:
-                close()  # on this thread: the runtime's MPI calls stay on one thread
+            engine.close()  # on this thread: the runtime's MPI calls stay on one thread
 
     def _take(self, block: bool, timeout: Optional[float] = None) -> list[CoreInput]:
         """Every input queued now (waiting up to ``timeout`` for the first one when

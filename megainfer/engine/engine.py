@@ -24,7 +24,7 @@ from megainfer.models.kv_spec import KVCacheSpec, kv_cache_spec_for
 
 from .block_manager import BlockManager
 from .kv_tier import make_kv_tier
-from .errors import CacheTooSmallError, DuplicateRequestError, RequestError
+from .errors import DuplicateRequestError, RequestError
 from .intake import TokenizedPrompt, tokenize_request
 from .outputs import (PromptInput, RequestOutput, SampleDelta, StepOutputs, logprob_dict,
                       request_output)
@@ -32,7 +32,8 @@ from .request import Request
 from .sampler import PromptLogprobJob, Sampler, mix_seed
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
-from .sizing import check_kv_cache_dtype
+from .sizing import check_cache_fits, check_kv_cache_dtype
+from .local_online import LocalOnline
 from .step import LocalExecutor, ModelExecutor, StepInput
 from .tokenizer import ByteTokenizer, Tokenizer
 
@@ -41,17 +42,7 @@ log = logging.getLogger("megainfer.engine")
 ExecutorFactory = Callable[[list[torch.Tensor]], ModelExecutor]
 
 
-def check_cache_fits(cache: CacheConfig, max_model_len: int) -> None:
-    """Refuse at start-up a pool that cannot hold one request of max_model_len (no livelock)."""
-    need = -(-max_model_len // cache.block_size)
-    if cache.num_blocks < need:
-        raise CacheTooSmallError(
-            f"cache.num_blocks={cache.num_blocks}: a request of max_model_len={max_model_len} "
-            f"tokens needs {need} blocks of {cache.block_size}; raise cache.num_blocks or lower "
-            "scheduler.max_model_len")
-
-
-class LLMEngine:
+class LLMEngine(LocalOnline):
     def __init__(self, model_config: ModelConfig, scheduler_config: SchedulerConfig,
                  cache_config: CacheConfig, executor_factory: ExecutorFactory,
                  tokenizer: Optional[Tokenizer] = None, *,

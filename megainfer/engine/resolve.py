@@ -23,7 +23,7 @@ from megainfer.config.hf_cache import checkpoint_dir
 from megainfer.config.keys import field_names, take
 from megainfer.config.model_source import model_config_of
 
-from .engine import check_cache_fits
+from .sizing import check_cache_fits
 from .sizing import check_kv_cache_dtype, derive_num_blocks, resolve_max_model_len
 
 log = logging.getLogger("megainfer.config")

@@ -5,10 +5,20 @@ from typing import Optional
 
 import torch
 
-from megainfer.config import ConfigError, ModelConfig
+from megainfer.config import CacheConfig, ConfigError, ModelConfig
 from megainfer.models.kv_spec import kv_cache_spec_for, kv_format_error
 
 from .errors import CacheTooSmallError
+
+
+def check_cache_fits(cache: CacheConfig, max_model_len: int) -> None:
+    """Refuse at start-up a pool that cannot hold one request of max_model_len (no livelock)."""
+    need = -(-max_model_len // cache.block_size)
+    if cache.num_blocks < need:
+        raise CacheTooSmallError(
+            f"cache.num_blocks={cache.num_blocks}: a request of max_model_len={max_model_len} "
+            f"tokens needs {need} blocks of {cache.block_size}; raise cache.num_blocks or lower "
+            "scheduler.max_model_len")
 
 
 def resolve_max_model_len(model: ModelConfig, requested: Optional[int]) -> int:

@@ -1,6 +1,6 @@
 """The ladder of waits of a distributed job, each a multiple of ``comm.timeout_s`` (T), in one
 place; wiring, the switch, rank 0's online engine, PD's router and the engine core's hang
-watch (``core_client.core_stats``) read it (docs/comm.md, "Timeouts").
+watch (``OnlineEngine.hang_after_s``) read it (docs/comm.md, "Timeouts").
 
     rank 0 (attention, prefill) waits on a peer   1.0 T   a silent peer is named by rank 0
     rank 0's engine core is declared hung          1.5 T   after its own waits, before its

@@ -15,7 +15,7 @@ from typing import AsyncIterator, Optional
 from megainfer.async_llm import AsyncLLM
 from megainfer.config import ServeConfig
 from megainfer.engine import RequestError, RequestOutput, SamplingParams
-from megainfer.core_client.core_stats import core_hangs
+from megainfer.engine.stats import core_hangs
 from megainfer.engine.errors import EngineDeadError
 
 from .errors import APIError, request_error
@@ -33,7 +33,7 @@ class EngineClient:
         """``make_llm``: on_stats -> the ``AsyncLLM`` to serve; ``cfg``: the queue bounds and
         ``Retry-After``; ``role``: the iteration-time label (``metrics.iteration_role``);
         ``hang_after_s``: a core on a thread here that stays inside one iteration longer is
-        declared hung (``core_stats.hang_after_s``; None: not watched); ``metrics_label``:
+        declared hung (``OnlineEngine.hang_after_s``; None: not watched); ``metrics_label``:
         the metrics' ``model_name`` (None: ``model_name``)."""
         self.hang_after_s = hang_after_s
         self.model_name = model_name
@@ -85,8 +85,7 @@ class EngineClient:
 
     @property
     def vocab_size(self) -> int:
-        intake = self.llm.intake  # an Intake, or the engine itself (LLMEngine, RuntimeEngine)
-        return getattr(intake, "vocab_size", None) or intake.model_config.vocab_size
+        return self.llm.intake.vocab_size  # an Intake, or the engine itself
 
     @property
     def error(self) -> Optional[BaseException]:

@@ -1,6 +1,6 @@
 """Prometheus metrics under vLLM's names with a ``megainfer:`` prefix, one registry per server.
 
-Two sources. The engine core measures itself wherever it runs (``core_client.core_stats``:
+Two sources. The engine core measures itself wherever it runs (``engine.stats``:
 each iteration's time, the generated tokens, single mode's queue times, PD's KV-transfer
 times, rank 0's T_a with tracing on, and its queues) and sends that with its outputs;
 ``ServeMetrics.apply`` observes it (``CoreWatch`` keeps the queues, for the gauges, and the
@@ -16,7 +16,7 @@ from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
-from megainfer.core_client.core_stats import CoreStats, EngineLoad
+from megainfer.engine.stats import CoreStats, EngineLoad
 
 disable_created_metrics()  # no *_created series (vLLM does the same)
 
@@ -114,7 +114,7 @@ class CoreWatch:
         self.stall_allowance_s = 0.0
         self.last_iteration_at = time.monotonic()
         for g, f in ((metrics.running, lambda: self.load.running),
-                     (metrics.waiting, lambda: self.load.waiting),
+                     (metrics.waiting, lambda: self.load.queued),
                      (metrics.kv_usage, lambda: self.load.kv_usage)):
             metrics.labels(g).set_function(f)
 

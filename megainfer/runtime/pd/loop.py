@@ -45,6 +45,12 @@ class PDReplicaLoop(ReplicaLoop):
         """Rank 0: requests not handed to a prefill rank yet, and those on one."""
         return len(self.pd.pending) + len(self.pd.router.pending) + len(self.pd.inflight)
 
+    def pending_ids(self) -> set[str]:
+        """Rank 0: the ids of the requests not handed to a prefill rank yet (their queue time
+        is the prefill rank's from then on)."""
+        return {str(inp.request_id) for inp in self.pd.pending} | \
+            {str(item[0].request_id) for item in self.pd.router.pending}
+
     def abort(self, request_id: str) -> Optional[RequestOutput]:
         """Rank 0, online: not handed out, or on a prefill rank (its KV, when it arrives, is
         dropped and its blocks freed): its aborted output now; decoding: its replica ends it

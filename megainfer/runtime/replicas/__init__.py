@@ -1,9 +1,9 @@
 """The attention replicas' lockstep loop, rank 0's hand-out of requests to them
 (``scheduler.routing``) and rank 0 as an online engine (``RuntimeEngine``)."""
 from megainfer.runtime.replicas.loop import ReplicaLoop
-from megainfer.runtime.replicas.online import RuntimeEngine, RuntimeLoad
+from megainfer.runtime.replicas.online import RuntimeEngine
 from megainfer.runtime.replicas.request_router import (ReplicaView, RequestRouter, prompt_tokens_of,
                                                        tracks_keys)
 
-__all__ = ["ReplicaLoop", "ReplicaView", "RequestRouter", "RuntimeEngine", "RuntimeLoad",
+__all__ = ["ReplicaLoop", "ReplicaView", "RequestRouter", "RuntimeEngine",
            "prompt_tokens_of", "tracks_keys"]

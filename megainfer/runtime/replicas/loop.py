@@ -133,6 +133,10 @@ class ReplicaLoop:
         """Rank 0: requests not handed out yet."""
         return len(self.router.pending)
 
+    def pending_ids(self) -> set[str]:
+        """Rank 0: the ids of the requests not handed out yet."""
+        return {str(inp.request_id) for inp in self.router.pending}
+
     def iterate(self) -> list[RequestOutput]:
         """Rank 0, online: one iteration of every rank; its finished outputs (the new tokens:
         ``self.new_tokens``). After ``close`` the iteration tells every rank to stop."""

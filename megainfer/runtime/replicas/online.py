@@ -22,15 +22,16 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Optional, Protocol
 
 from megainfer.engine.errors import DuplicateRequestError, RankLostError
 from megainfer.engine.intake import TokenizedPrompt
 from megainfer.engine.outputs import PromptInput, RequestOutput, StepOutputs
 from megainfer.engine.sampling_params import SamplingParams
+from megainfer.engine.stats import EngineLoad
 from megainfer.runtime.roles import assign_role
-from megainfer.runtime.timeouts import idle_interval_s
+from megainfer.runtime import timeouts
+from megainfer.runtime.span_report import PipelineSpans
 
 log = logging.getLogger("megainfer.runtime")
 
@@ -45,17 +46,6 @@ class OnlinePlug(Protocol):
     def close(self) -> None: ...  # after the last iteration (the ranks told to stop)
 
 
-@dataclass(frozen=True)
-class RuntimeLoad:
-    """Every decode replica's queue at the last iteration (sequences, not requests), the
-    requests rank 0 has not handed out yet, and the KV blocks in use."""
-
-    running: int
-    waiting: int
-    not_handed_out: int
-    kv_usage: float  # mean over the replicas (1 = every block in use)
-
-
 class RuntimeEngine:
     def __init__(self, rank):
         self.rank, self.loop = rank, rank.loop
@@ -63,7 +53,7 @@ class RuntimeEngine:
         self.requests: dict[str, SamplingParams] = {}  # the open requests (the core's view)
         self.detokenize = False
         self.log_prefix = rank.role.tag
-        self.idle_interval_s = idle_interval_s(rank.job.comm.timeout_s)
+        self.idle_interval_s = timeouts.idle_interval_s(rank.job.comm.timeout_s)
         self.failed: Optional[BaseException] = None
         self.closed = False
         self.num_iterations = 0
@@ -71,6 +61,12 @@ class RuntimeEngine:
         feature = rank.feature
         self.plug: Optional[OnlinePlug] = (feature.online(rank) if feature is not None
                                            and feature.online is not None else None)
+        self.stall_allowance_s = 0.0 if self.plug is None else \
+            timeouts.switch_wait_s(rank.job.comm.timeout_s)  # a switch runs inside an iteration
+        tracer = rank.tracer  # T_a / T_e / T_c: traced on cpu only (a cuda span's time is known
+        self.spans = PipelineSpans(rank) if tracer.enabled and not tracer.cuda else None  # late)
+        self.arrived: dict[str, float] = {}  # requests not handed out yet: their arrival here
+        self.held: dict[str, float] = {}  # handed out, not finished: how long rank 0 held them
         self.loop.open_online()
 
     @property
@@ -96,13 +92,31 @@ class RuntimeEngine:
     def model_config(self):
         return self.engine.model_config
 
-    def load(self) -> RuntimeLoad:
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
+    def load(self) -> EngineLoad:
         """The replicas' queues as the last iteration's reports gave them (safe to read from
         another thread: a list replaced whole each iteration)."""
         sts = self.loop.statuses
-        return RuntimeLoad(sum(s.running for s in sts), sum(s.waiting for s in sts),
-                           self.loop.pending_count(),
-                           sum(s.kv_usage for s in sts) / max(1, len(sts)))
+        return EngineLoad(sum(s.running for s in sts), sum(s.waiting for s in sts),
+                          sum(s.kv_usage for s in sts) / max(1, len(sts)),
+                          self.loop.pending_count())
+
+    def held_s(self, request_id) -> float:
+        """How long rank 0 held a finished request before handing it out (its replica's
+        queue time follows)."""
+        return self.held.pop(str(request_id), 0.0)
+
+    def take_spans(self):
+        return None if self.spans is None else self.spans.take()
+
+    def replan_count(self) -> int:
+        return len(self.rank.replans)
+
+    def hang_after_s(self, timeout_s: float) -> float:
+        return timeouts.core_hang_s(timeout_s) + self.stall_allowance_s
 
     # ------------------------------------------------------------------ OnlineEngine
     def tokenize(self, prompt, params: SamplingParams, prompt_token_ids=None) -> TokenizedPrompt:
@@ -115,6 +129,7 @@ class RuntimeEngine:
         if rid in self.requests:
             raise DuplicateRequestError(f"request_id={rid!r}: already queued or running")
         self.requests[rid] = params
+        self.arrived[rid] = time.perf_counter()
         self.loop.submit([PromptInput(rid, None, list(prompt.prompt_token_ids), params)])
 
     def abort_request(self, request_id) -> Optional[RequestOutput]:
@@ -124,11 +139,15 @@ class RuntimeEngine:
         out = self.loop.abort(rid)
         if out is not None:
             del self.requests[rid]
+            self.arrived.pop(rid, None)
+            self.held.pop(rid, None)
         return out
 
     def step_outputs(self) -> StepOutputs:
+        t0 = time.perf_counter()
         try:
             done = self.loop.iterate()
+            self._handed_out(t0)
             new_tokens = list(self.loop.new_tokens)
             if self.plug is not None:
                 self.loop = self.plug.between(self.loop)
@@ -141,10 +160,19 @@ class RuntimeEngine:
         for out in done:
             if self.requests.pop(str(out.request_id), None) is not None:
                 finished.append(out)  # (an output of a request aborted here already: dropped)
+            self.arrived.pop(str(out.request_id), None)  # (refused before any hand-out)
         return StepOutputs(new_tokens, finished)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def _handed_out(self, t0: float) -> None:
+        """The requests this iteration (begun at ``t0``) handed out: how long rank 0 held them."""
+        if not self.arrived:
+            return
+        pending = self.loop.pending_ids()
+        for rid in [r for r in self.arrived if r not in pending]:
+            self.held[rid] = max(0.0, t0 - self.arrived.pop(rid))
 
     def _named(self, e: BaseException) -> BaseException:
         """A peer that did not answer (``RankFailure``, ``CommTimeoutError``: their ``peer``)

@@ -125,7 +125,7 @@ def count_new_tokens(rt) -> dict:
 
 
 def unwrapped(engine):
-    """Rank 0's ``RuntimeEngine`` itself, not the core's ``StatsRecorder`` around it."""
+    """Rank 0's ``RuntimeEngine`` (the engine core holds it as it is)."""
     return getattr(engine, "_engine", engine)
 
 

@@ -1,4 +1,4 @@
-"""What the engine core measures about itself (``core_client.core_stats``) and what the frontend
+"""What the engine core measures about itself (``engine.stats``) and what the frontend
 makes of it (``serve.metrics.CoreWatch``): each iteration timed, generated tokens counted, each
 finished request's queue time (arrival -> first scheduled step) taken from its output, the
 queues as they are after every input or iteration (an abort while idle too), nothing sent when
@@ -8,7 +8,6 @@ import time
 from prometheus_client import generate_latest
 
 from megainfer import LLM, SamplingParams
-from megainfer.core_client.core_stats import StatsRecorder
 from megainfer.engine.core import AbortRequest, AddRequest, EngineCore
 from megainfer.perfmodel.trace import A2E, complete_event, wait_name
 from megainfer.runtime.messages import ExpertSpans
@@ -25,8 +24,8 @@ def test_recorder_times_iterations_counts_tokens_and_queue_times(tiny_ckpts):
     llm = LLM(tiny_ckpts[("qwen3_moe", "base")], max_model_len=64, max_num_seqs=2,
               num_blocks=64, block_size=4)
     eng = llm.engine
-    rec = StatsRecorder(eng)
-    core = EngineCore(rec)
+    core = EngineCore(eng)
+    rec = core.stats
     assert rec.take().load.running == 0  # the first call: the queues as they are
     assert rec.take() is None  # nothing happened since
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
@@ -53,8 +52,8 @@ def test_recorder_times_iterations_counts_tokens_and_queue_times(tiny_ckpts):
 
 def test_core_watch_feeds_gauges_histograms_and_the_iteration_clock(tiny_ckpts):
     llm = LLM(tiny_ckpts[("qwen3_moe", "base")], max_model_len=64, num_blocks=64, block_size=4)
-    rec = StatsRecorder(llm.engine)
-    core = EngineCore(rec)
+    core = EngineCore(llm.engine)
+    rec = core.stats
     m = ServeMetrics("tiny")
     watch = CoreWatch(m, "single")
     p = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)

@@ -8,9 +8,8 @@ import threading
 import time
 
 from megainfer.engine.outputs import StepOutputs
-from megainfer.runtime.replicas.online import RuntimeLoad
+from megainfer.engine.stats import EngineLoad
 from megainfer.serve.engine_client import MIN_ITERATION_ALLOWANCE_S, EngineClient
-from megainfer.core_client.core_stats import engine_load
 
 
 class FakeRuntime:
@@ -26,8 +25,25 @@ class FakeRuntime:
         self.hang, self.release = threading.Event(), threading.Event()
         self.fail = None
 
+    vocab_size, stall_allowance_s = 256, 0.0
+
     def load(self):
-        return RuntimeLoad(running=3, waiting=2, not_handed_out=4, kv_usage=0.25)
+        return EngineLoad(running=3, waiting=2, kv_usage=0.25, not_handed_out=4)
+
+    def held_s(self, request_id):
+        return 0.0
+
+    def take_spans(self):
+        return None
+
+    def replan_count(self):
+        return 0
+
+    def hang_after_s(self, timeout_s):
+        return timeout_s
+
+    def drain(self):
+        pass
 
     def has_unfinished(self):
         return False
@@ -58,8 +74,8 @@ def test_runtime_gauges_and_health_follow_the_iterations():
     eng = FakeRuntime()
     client = EngineClient.beside(eng, "fake", role="disaggregated")
     try:
-        load = engine_load(eng)
-        assert (load.running, load.waiting, load.kv_usage) == (3, 6, 0.25)
+        load = eng.load()
+        assert (load.running, load.queued, load.kv_usage) == (3, 6, 0.25)
         _until(lambda: client.num_running() == 3)  # the core's first stats came
         bound = client.stale_after_s()
         assert bound == 2 * eng.idle_interval_s + MIN_ITERATION_ALLOWANCE_S
