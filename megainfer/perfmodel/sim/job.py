@@ -9,8 +9,8 @@ budget and ``max_num_seqs`` allow; no KV-block preemption), replicas step in loc
 each iteration goes through the ping-pong pipeline event by event:
 
 * a replica's micro-batches are contiguous groups of its sequences, split by tokens like
-  ``runtime/microbatch.split_by_tokens``; attention of (layer, micro-batch) takes the model's
-  T_a(b, mean context of its tokens) (+ node terms), the same fit the closed form uses;
+  ``runtime/pipeline/microbatch.split_by_tokens``; attention of (layer, micro-batch) takes the
+  model's T_a(b, mean context of its tokens) (+ node terms), the same fit the closed form uses;
 * the micro-batch's token slots spread over experts by a ``Routing`` draw; each expert rank's
   time is the model's T_e of its own experts' counts, so the slowest rank sets the layer;
 * A2E / E2A messages cross links of finite bandwidth: a sender's NIC sends its messages at once
@@ -195,7 +195,7 @@ def _with_others(model: DisaggModel, busy: float) -> DisaggModel:
 
 
 def _split(n: np.ndarray, m: int) -> np.ndarray:
-    """Micro-batch of each scheduled sequence (runtime/microbatch.split_by_tokens)."""
+    """Micro-batch of each scheduled sequence (runtime/pipeline/microbatch.split_by_tokens)."""
     tot = n.sum()
     if tot == 0:
         return np.zeros(len(n), dtype=np.int64)
