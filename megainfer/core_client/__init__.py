@@ -4,6 +4,6 @@ mode: the prompts' intake in the frontend's process, and a ``CoreClient`` over t
 job). docs/python_api.md."""
 from .client import CoreClient, JobTree, open_core
 from megainfer.engine.errors import EngineDeadError, RankLostError
-from .intake import Intake
+from .frontend_intake import Intake
 
 __all__ = ["CoreClient", "JobTree", "open_core", "EngineDeadError", "RankLostError", "Intake"]

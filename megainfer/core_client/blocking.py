@@ -14,7 +14,7 @@ from megainfer.engine.stream import RequestStream
 
 from .client import JobTree, open_core
 from megainfer.engine.errors import EngineDeadError
-from .intake import Intake
+from .frontend_intake import Intake
 
 POLL_S = 1.0  # how often a waiting generate checks that the core still runs
 

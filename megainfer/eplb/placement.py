@@ -10,7 +10,7 @@ from typing import NamedTuple, Union
 
 import torch
 
-from megainfer.eplb.rebalance import EplbError, phy2log_to_maps, rebalance_experts
+from megainfer.eplb.placement_policy import EplbError, phy2log_to_maps, rebalance_experts
 
 
 class PlacementError(EplbError):

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from megainfer.eplb.rebalance import EplbError
+from megainfer.eplb.placement_policy import EplbError
 
 
 class StatsError(EplbError):

@@ -30,7 +30,7 @@ import time
 import torch
 
 from megainfer.eplb import ExpertLoadWindow, Placement, rebalance_experts
-from megainfer.eplb.rebalance import imbalance, rank_load
+from megainfer.eplb.placement_policy import imbalance, rank_load
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "harness"))
 from perf_paths import RESULTS  # noqa: E402

@@ -10,7 +10,7 @@ sends every rank the order (``tags.REPLAN_ORDER``; None: the job is over), all s
 predicted gain, the switch's cost, and at the next re-plan or the end the measured gain: the
 job's decode tokens per second over the iterations before and after) and keeps the list in
 ``Rank.replans``. ``REPLAN`` is how the feature plugs into the start-up (``startup.py``) and,
-online, into rank 0's ``RuntimeEngine`` (``replan/online.py``): there the phases end between
+online, into rank 0's ``RuntimeEngine`` (``replan/online_plug.py``): there the phases end between
 the engine core's iterations and the other ranks run ``_serve`` as in a batch job.
 """
 from __future__ import annotations
@@ -253,7 +253,7 @@ def _traced(job, role) -> bool:
 
 def _online(r):
     """Rank 0's plug into its ``RuntimeEngine`` (``replicas/online.py``)."""
-    from megainfer.runtime.replan.online import OnlineReplanner
+    from megainfer.runtime.replan.online_plug import OnlineReplanner
     return OnlineReplanner(r)
 
 

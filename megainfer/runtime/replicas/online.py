@@ -11,7 +11,7 @@ rank's watch on the others (``comm.timeout_s``) stays alive while the ranks slee
 ``close`` runs the iteration that stops every rank.
 
 A feature that acts between iterations plugs in at one named point, ``Feature.online(rank) ->
-OnlinePlug`` (re-planning: ``replan/online.py``; this module imports no feature): after every
+OnlinePlug`` (re-planning: ``replan/online_plug.py``; this module imports no feature): after every
 iteration ``between`` may end the loop's phase (a re-plan's switch of every rank) and hands
 back the loop to go on with; ``close`` releases the ranks that wait on it. While it works
 ``switching`` is true: an iteration takes longer then, and the ranks are not lost (every wait

@@ -16,7 +16,7 @@ import sys
 import time
 
 from megainfer.core_client.client import JobTree
-from megainfer.core_client.intake import Intake
+from megainfer.core_client.frontend_intake import Intake
 from megainfer.engine.core import AddRequest
 from megainfer.engine.sampling_params import SamplingParams
 

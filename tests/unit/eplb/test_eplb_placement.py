@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megainfer.eplb.placement import Placement, PlacementError, weight_moves, weight_sends
-from megainfer.eplb.rebalance import phy2log_to_maps, rebalance_experts
+from megainfer.eplb.placement_policy import phy2log_to_maps, rebalance_experts
 
 
 def random_topk(M: int, k: int, N: int, seed: int, hot: int = 0) -> torch.Tensor:

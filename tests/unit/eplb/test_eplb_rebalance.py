@@ -4,7 +4,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megainfer.eplb.rebalance import (EplbError, contiguous_placement, imbalance, rank_load,
+from megainfer.eplb.placement_policy import (EplbError, contiguous_placement, imbalance, rank_load,
                                       rebalance_experts)
 
 # (layers, experts, replicas, groups, nodes, ranks)

@@ -54,7 +54,7 @@ def test_the_controllers_clock_stays_bounded_and_measures_the_last_switch():
 def test_a_draining_core_orders_no_switch():
     """Once the engine core's shutdown began (``OnlineReplanner.drain``) a forced switch due
     in its last iterations is not ordered; without the drain it is."""
-    from megainfer.runtime.replan.online import OnlineReplanner
+    from megainfer.runtime.replan.online_plug import OnlineReplanner
     ctl, _ = _controller(at=5)
     assert [ctl.hook(_loop(it, 2), True) for it in range(5)] == [None] * 5
     assert ctl.hook(_loop(5, 2), True).new == (2, 1, 2)
