@@ -25,7 +25,7 @@ from megainfer.engine.core import CoreInput, CoreOutputs, EngineCore, EngineCore
 
 from .ranks import mpi_world, rank_job, single_engine, start_ranks
 
-log = logging.getLogger("megainfer.engine")
+log = logging.getLogger("megainfer.core_client")
 
 
 class CoreClient(Protocol):

@@ -10,7 +10,7 @@ from megainfer.engine.resolve import resolve_job
 
 from .launch_env import world_rank, world_size
 
-log = logging.getLogger("megainfer.engine")
+log = logging.getLogger("megainfer.core_client")
 
 
 def mpi_world() -> tuple[int, int]:

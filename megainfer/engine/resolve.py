@@ -26,7 +26,7 @@ from megainfer.config.model_source import model_config_of
 from .sizing import check_cache_fits
 from .sizing import check_kv_cache_dtype, derive_num_blocks, resolve_max_model_len
 
-log = logging.getLogger("megainfer.config")
+log = logging.getLogger("megainfer.engine")
 
 # group -> the keys it takes (docs/config.md lists them with their meaning)
 GROUP_KEYS: dict[str, set] = {

@@ -24,7 +24,7 @@ from megainfer.config import ConfigError, ModelConfig, SchedulerConfig
 from megainfer.config.deploy_fit import prefill_ranks
 from megainfer.config.model_source import model_config_of
 
-log = logging.getLogger("megainfer.launch")
+log = logging.getLogger("megainfer.perfmodel")
 
 FALLBACK_PROFILE = "cpu_node"
 COUNT_KEYS = ("attention_replicas", "attention_tp", "expert_ranks", "micro_batches")

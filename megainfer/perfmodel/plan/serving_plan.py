@@ -16,7 +16,7 @@ from megainfer.config.keys import field_names
 
 from .auto_plan import _max_seqs, calibrate_hint, hardware_for, job_shape, plan_dtype
 
-log = logging.getLogger("megainfer.launch")
+log = logging.getLogger("megainfer.perfmodel")
 
 
 def serving_plan(c: dict, d: dict, hw_name, pins: dict, world: int, sched: dict

@@ -73,7 +73,7 @@ def _settings(*overrides, world):
 
 
 def test_launch_runs_the_planners_choice(caplog):
-    caplog.set_level("INFO", logger="megainfer.launch")
+    caplog.set_level("INFO", logger="megainfer.perfmodel")
     d = _settings("deploy.hardware=h100", world=5).deploy
     assert d.mode == "disaggregated" and d.world_size == 5
     log = caplog.text
@@ -83,7 +83,7 @@ def test_launch_runs_the_planners_choice(caplog):
 
 
 def test_explicit_keys_pin_and_other_modes_skip_the_planner(caplog):
-    caplog.set_level("INFO", logger="megainfer.launch")
+    caplog.set_level("INFO", logger="megainfer.perfmodel")
     d = _settings("deploy.expert_ranks=1", world=4).deploy
     assert d.expert_ranks == 1 and d.attention_ranks == 3
     d = _settings("deploy.mode=disaggregated", world=4).deploy  # the fill-in rule, no planner
@@ -118,7 +118,7 @@ def _small_memory_profile(tmp_path, mem_bytes: float) -> str:
 def test_the_plans_kv_batch_limit_is_applied(tmp_path, caplog):
     """When the profile's KV memory bounds the chosen plan's batch, the scheduler runs no more
     sequences per replica than that; otherwise max_num_seqs is left as given."""
-    caplog.set_level("INFO", logger="megainfer.launch")
+    caplog.set_level("INFO", logger="megainfer.perfmodel")
     job = ("workload=random", "workload.num_prompts=64", "workload.input_len=200")
     small = _settings(f"deploy.hardware={_small_memory_profile(tmp_path, 4e6)}", *job, world=4)
     line = caplog.text.split("[plan] chosen: ")[1].splitlines()[0]
