@@ -244,6 +244,14 @@ def test_every_documented_field_through_the_openai_client(srv):
                                   temperature=0, extra_body={"min_tokens": 3,
                                                              "add_generation_prompt": True})
     assert len(r.choices[0].logprobs.content) >= 3
+    r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                  max_tokens=3, temperature=0)
+    assert r.usage.completion_tokens <= 3
+    chunks = list(c.completions.create(model="tiny", prompt="abc", max_tokens=4, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True, "stream_options": {
+                                           "include_usage": True,
+                                           "continuous_usage_stats": True}}))
+    assert chunks[-1].usage.completion_tokens == 4 and chunks[0].usage is not None
     assert c.models.retrieve("tiny").id == "tiny"
     with pytest.raises(openai.NotFoundError):
         c.models.retrieve("other")
