@@ -54,7 +54,7 @@ def hold_switches(count: int) -> list:
     """Rank 0's first ``count`` switches wait, ordered but before any rank switches, until
     their gate opens (the other ranks wait for the order meanwhile, within comm.timeout_s):
     what the test does then happens during the switch however short the switch is."""
-    from megainfer.runtime.replan import online
+    from megainfer.runtime.replan import online_plug as online
     gates, held = [threading.Event() for _ in range(count)], []
     switch = online.order_switch
 
