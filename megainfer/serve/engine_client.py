@@ -116,11 +116,9 @@ class EngineClient:
     def num_running(self) -> int:
         return self.watch.load.running
 
-    def admit(self, seqs: int, tokens: int, request_ids: list[str]) -> "Admission":
-        """Hold the places of a request of ``seqs`` sequences (prompts x n) and ``tokens``
-        prompt tokens, under ``request_ids``, until ``release``. A request the bounds could
-        never hold: 400; the queue full, the server draining or the engine dead: 503 with
-        Retry-After; an id already in use: 400 naming request_id."""
+    def check_size(self, seqs: int, tokens: int = 0) -> None:
+        """A 400 for a request of more sequences (prompts x n) or prompt tokens than the queue
+        bounds could ever hold (no retry can pass it); cheap, so it comes before tokenising."""
         for what, cost, bound, key in (("sequences (prompts x n)", seqs, self.max_queued,
                                         "max_queued_requests"),
                                        ("prompt tokens", tokens, self.max_queued_tokens,
@@ -128,6 +126,13 @@ class EngineClient:
             if cost > bound:
                 raise APIError(f"request of {cost} {what}: more than the server queues "
                                f"(serve.{key}={bound})", 400, code="request_too_large")
+
+    def admit(self, seqs: int, tokens: int, request_ids: list[str]) -> "Admission":
+        """Hold the places of a request of ``seqs`` sequences (prompts x n) and ``tokens``
+        prompt tokens, under ``request_ids``, until ``release``. A request the bounds could
+        never hold: 400; the queue full, the server draining or the engine dead: 503 with
+        Retry-After; an id already in use: 400 naming request_id."""
+        self.check_size(seqs, tokens)
         headers = {"Retry-After": str(self.retry_after)}
         if self.draining:
             raise APIError("server is shutting down", 503, code="shutting_down", headers=headers)

@@ -37,7 +37,9 @@ class CompletionServing(Serving):
             raise APIError(f"best_of={body.best_of}: only best_of == n is served", 400,
                            "best_of")
         echo_only = body.echo and body.max_tokens == 0
-        work = [await self._prompt(p, body, echo_only) for p in body.prompts()]
+        prompts = body.prompts()
+        self.client.check_size(len(prompts) * body.n)  # before any prompt is tokenised
+        work = [await self._prompt(p, body, echo_only) for p in prompts]
         rid = body.request_id or f"cmpl-{uuid.uuid4().hex}"
         rids = [f"{rid}-{i}" for i in range(len(work))]
         admission = self.client.admit(len(work) * body.n, sum(len(w.ids) for w in work), rids)
