@@ -18,6 +18,11 @@ ERROR_SCHEMA = {
         "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                        "param": {"type": ["string", "null"]},
                        "code": {"type": ["string", "null"]}}}}}
+# one server-sent event (its ``data``: a chunk object's JSON, or ``[DONE]``)
+SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"},
+                                              "event": {"type": "string"},
+                                              "id": {"type": "string"},
+                                              "retry": {"type": "integer"}}}
 _WHY = {400: "A bad or unknown field, a value out of range, a prompt too long",
         401: "Missing or wrong API key", 404: "Unknown model or path",
         408: "The client paused too long inside its body",
@@ -44,7 +49,7 @@ def _operation(op: dict, secured: bool) -> None:
     res.pop("422", None)
     ok = res.get("200", {}).get("content", {})
     if "requestBody" in op and "application/json" in ok:  # stream=true answers SSE
-        ok["text/event-stream"] = {"schema": {"type": "string"}}
+        ok["text/event-stream"] = {"schema": SSE_EVENT}
     if secured:
         op["security"] = [{"bearer": []}]
     else:
