@@ -22,6 +22,7 @@ from megainfer.config.deploy_fit import plan_for_world
 from megainfer.config.hf_cache import checkpoint_dir
 from megainfer.config.keys import field_names, take
 from megainfer.config.model_source import model_config_of
+from megainfer.models.kv_spec import kv_head_slice
 
 from .sizing import check_cache_fits
 from .sizing import check_kv_cache_dtype, derive_num_blocks, resolve_max_model_len
@@ -139,7 +140,8 @@ def _cache(k: dict, model: ModelConfig, load: LoadConfig, deploy: DeployPlan,
         memory_gib = kv_memory_gib(k, model, load, deploy, device, holds_cache)
         num_blocks = derive_num_blocks(model, scheduler.max_model_len, scheduler.max_num_seqs,
                                        fmt.block_size, memory_gib, load.torch_dtype,
-                                       max(1, model.num_kv_heads // deploy.attention_tp),
+                                       kv_head_slice(model.num_kv_heads,
+                                                     deploy.attention_tp, 0)[1],
                                        fmt.kv_cache_dtype, fmt.kv_scale_granularity)
     cache = CacheConfig(num_blocks=num_blocks, **fields)
     check_cache_fits(cache, scheduler.max_model_len)

@@ -97,6 +97,13 @@ class KVCacheSpec:
         return caches
 
 
+def kv_head_slice(num_kv_heads: int, tp: int, tp_rank: int) -> tuple[int, int]:
+    """The one rule for which KV heads an attention TP rank holds: (first KV head, count),
+    contiguous slices, each head replicated when tp > num_kv_heads (``layers.SelfAttention``,
+    the cache spec, the KV memory sizing and PD's KV routes all read it)."""
+    return tp_rank * num_kv_heads // tp, max(1, num_kv_heads // tp)
+
+
 def kv_cache_spec_for(cfg, tp_size: int = 1, dtype: torch.dtype = torch.float32,
                       kv_heads: Optional[int] = None, kv_format: str = "auto",
                       kv_granularity: str = "tensor") -> KVCacheSpec:
@@ -106,7 +113,7 @@ def kv_cache_spec_for(cfg, tp_size: int = 1, dtype: torch.dtype = torch.float32,
         R, P = cfg.kv_lora_rank, cfg.qk_rope_head_dim
         return KVCacheSpec("mla", (R + P,), dtype, cfg.num_layers, kv_format, (R, P),
                            kv_granularity)
-    heads = kv_heads or max(1, cfg.num_kv_heads // tp_size)
+    heads = kv_heads or kv_head_slice(cfg.num_kv_heads, tp_size, 0)[1]
     return KVCacheSpec("gqa", (2, heads, cfg.head_dim), dtype, cfg.num_layers, kv_format,
                        kv_granularity=kv_granularity)
 

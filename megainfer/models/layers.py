@@ -17,6 +17,7 @@ from megainfer.kernels import cpu_gemm, kv_quant
 
 from .attention import AttentionMetadata, causal_attention
 from .attention_backends import TorchAttention
+from .kv_spec import kv_head_slice
 
 
 @dataclass(frozen=True)
@@ -164,8 +165,7 @@ class SelfAttention(nn.Module):
         D = cfg.head_dim
         self.head_dim, self.scale, self.par = D, D ** -0.5, par
         self.q_heads = cfg.num_heads // tp
-        self.kv_heads = max(1, cfg.num_kv_heads // tp)
-        kv_first = r * cfg.num_kv_heads // tp  # first kv head of this rank (replicated when tp > Hkv)
+        kv_first, self.kv_heads = kv_head_slice(cfg.num_kv_heads, tp, r)
         bias = cfg.attention_bias
         self.q_proj = nn.Linear(cfg.hidden_size, self.q_heads * D, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * D, bias=bias)

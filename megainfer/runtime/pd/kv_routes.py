@@ -1,8 +1,8 @@
 """Which prefill TP rank sends which KV heads to which decode TP rank (docs/pd.md).
 
 A prefill replica of ``src_tp`` ranks and a decode replica of ``dst_tp`` ranks each split the KV
-heads as ``layers.SelfAttention`` does (``head_slice``: contiguous slices, one head replicated
-over several ranks when tp > heads). Decode TP rank t needs the heads of its slice; each of them
+heads as ``layers.SelfAttention`` does (``models.kv_spec.kv_head_slice``: contiguous slices, one
+head replicated over several ranks when tp > heads). Decode TP rank t needs the heads of its slice; each of them
 comes from the lowest prefill TP rank holding it, and consecutive heads from the same prefill
 rank travel as one message. Both sides compute the same routes from the plan, so nothing about
 them is negotiated at run time. MLA caches the latent shared by every head: prefill TP rank 0's
@@ -13,10 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-
-def head_slice(num_kv_heads: int, tp: int, tp_rank: int) -> tuple[int, int]:
-    """(first KV head, count) a TP rank holds (replicated when tp > num_kv_heads)."""
-    return tp_rank * num_kv_heads // tp, max(1, num_kv_heads // tp)
+from megainfer.models.kv_spec import kv_head_slice
 
 
 @dataclass(frozen=True)
@@ -29,7 +26,7 @@ class Route:
         """(first, count) of the route's heads in the sender's own cache (None: all)."""
         if self.first is None:
             return None
-        return self.first - head_slice(num_kv_heads, src_tp, self.src)[0], self.count
+        return self.first - kv_head_slice(num_kv_heads, src_tp, self.src)[0], self.count
 
 
 def routes_to(kind: str, num_kv_heads: int, src_tp: int, dst_tp: int, dst_rank: int) -> list[Route]:
@@ -37,7 +34,7 @@ def routes_to(kind: str, num_kv_heads: int, src_tp: int, dst_tp: int, dst_rank: 
     its own heads (concatenated, they are its slice)."""
     if kind != "gqa":
         return [Route(0, None, None)]
-    first, count = head_slice(num_kv_heads, dst_tp, dst_rank)
+    first, count = kv_head_slice(num_kv_heads, dst_tp, dst_rank)
     out: list[Route] = []
     for g in range(first, first + count):
         s = min(s for s in range(src_tp) if _holds(num_kv_heads, src_tp, s, g))
@@ -49,7 +46,7 @@ def routes_to(kind: str, num_kv_heads: int, src_tp: int, dst_tp: int, dst_rank: 
 
 
 def _holds(num_kv_heads: int, tp: int, rank: int, head: int) -> bool:
-    a, n = head_slice(num_kv_heads, tp, rank)
+    a, n = kv_head_slice(num_kv_heads, tp, rank)
     return a <= head < a + n
 
 

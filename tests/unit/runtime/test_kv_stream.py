@@ -11,7 +11,7 @@ from megainfer.kernels import kv_quant
 from megainfer.models.kv_spec import BLOCK_AXIS
 from megainfer.runtime.control import RankFailure
 from megainfer.runtime.pd.kv_place import sender_scales
-from megainfer.runtime.pd.kv_routes import head_slice
+from megainfer.models.kv_spec import kv_head_slice as head_slice
 from megainfer.runtime.pd.kv_segments import Segments, gather_blocks
 from megainfer.runtime.pd.kv_stream import Dest, KVReceiver, KVSender, OutgoingKV
 
