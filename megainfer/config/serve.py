@@ -35,8 +35,8 @@ class ServeConfig:
     # sequences (prompts x n) admitted but not yet running; one more gets 503 with Retry-After,
     # a request of more sequences than this on its own a 400
     max_queued_requests: int = 256
-    # prompt tokens admitted but not yet prefilled (null: 16 x max_model_len); beyond it 503, a
-    # request of more prompt tokens on its own a 400
+    # prompt tokens admitted but not yet prefilled (null: 16 x max_model_len, at least 262144);
+    # beyond it 503, a request of more prompt tokens on its own a 400
     max_queued_tokens: Optional[int] = None
     # the most samples (n, best_of) one request may ask for (400 naming the field beyond it)
     max_n: int = 128

@@ -23,7 +23,8 @@ from .metrics import CoreWatch, RequestTimer, ServeMetrics
 
 MIN_ITERATION_ALLOWANCE_S = 1.0  # health: the least time one iteration may take
 OFF_LOOP_CHARS = 4096  # a text prompt longer than this is tokenised off the event loop
-QUEUED_TOKENS_PER_MAX_LEN = 16  # serve.max_queued_tokens=null: this many max_model_len
+QUEUED_TOKENS_PER_MAX_LEN = 16  # serve.max_queued_tokens=null: this many max_model_len,
+MIN_QUEUED_TOKENS = 1 << 18  # and at least this many (256 prompts of 1024 tokens)
 
 
 class EngineClient:
@@ -44,8 +45,8 @@ class EngineClient:
         self.tokenizer = self.llm.tokenizer
         self.max_model_len = intake.max_model_len
         self.max_queued, self.retry_after = cfg.max_queued_requests, cfg.retry_after_s
-        self.max_queued_tokens = cfg.max_queued_tokens or QUEUED_TOKENS_PER_MAX_LEN * \
-            self.max_model_len
+        self.max_queued_tokens = cfg.max_queued_tokens or max(
+            QUEUED_TOKENS_PER_MAX_LEN * self.max_model_len, MIN_QUEUED_TOKENS)
         self.seqs_in_flight = 0  # sequences of the admitted requests not yet released
         self.tokens_queued = 0  # prompt tokens of admitted prompts not yet prefilled
         self.live: set[str] = set()  # the engine request ids of admitted requests
