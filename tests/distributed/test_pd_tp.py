@@ -16,7 +16,8 @@ from mpi_util import run_mpi
 
 from megainfer.kernels import kv_quant
 from megainfer.runtime.pd.kv_place import place
-from megainfer.runtime.pd.kv_routes import check_prefill_tp, head_slice, routes_to
+from megainfer.models.kv_spec import kv_head_slice as head_slice
+from megainfer.runtime.pd.kv_routes import check_prefill_tp, routes_to
 from megainfer.runtime.pd.prefill_experts import expert_slots_of
 
 JOB = os.path.join(os.path.dirname(__file__), "mpi_progs", "pd_job.py")
