@@ -52,6 +52,17 @@ class ThreadServer:
         self.client.shutdown()
 
 
+def post_json(url: str, body, headers: dict, path: str = "/v1/completions", client=httpx,
+              **kw) -> httpx.Response:
+    """POST ``body`` to ``url + path``: a dict as JSON, raw text or bytes as they are (a
+    malformed body), with ``Content-Type: application/json`` either way."""
+    kw.setdefault("timeout", 30)
+    if isinstance(body, (bytes, str)):
+        return client.post(url + path, content=body,
+                           headers={**headers, "content-type": "application/json"}, **kw)
+    return client.post(url + path, json=body, headers=headers, **kw)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -1,5 +1,8 @@
-"""What every config module shares: the error type, its one check, the fixed vocabularies."""
+"""What every config module shares: the error type, its one check and the predicates it is
+given, the fixed vocabularies."""
 from __future__ import annotations
+
+import math
 
 SUPPORTED_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v2", "deepseek_v3")
 MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
@@ -23,3 +26,15 @@ def require(ok: bool, name: str, value, why: str) -> None:
     """ConfigError ``name=value: why`` unless ``ok``."""
     if not ok:
         raise ConfigError(f"{name}={value!r}: {why}")
+
+
+def is_int_at_least(v, lo: int) -> bool:
+    """An int (not a bool) >= ``lo``."""
+    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+
+def is_number(v, finite: bool = True) -> bool:
+    """An int or float (not a bool), never NaN; ``finite=False`` lets ±inf through."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or v != v:
+        return False
+    return not finite or math.isfinite(v)

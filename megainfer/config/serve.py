@@ -4,19 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .base import require
+from .base import is_int_at_least, is_number, require
 
 
 def _opt_text(v) -> bool:
     return v is None or (isinstance(v, str) and bool(v.strip()))
-
-
-def _int_at_least(v, lo: int) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
-
-
-def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
 
 
 @dataclass(frozen=True)
@@ -66,34 +58,26 @@ class ServeConfig:
     def __post_init__(self):
         require(isinstance(self.host, str) and bool(self.host), "serve.host", self.host,
                  "must be a host name or address")
-        require(isinstance(self.port, int) and not isinstance(self.port, bool)
-                 and 0 <= self.port <= 65535, "serve.port", self.port, "must be in [0, 65535]")
+        require(is_int_at_least(self.port, 0) and self.port <= 65535, "serve.port", self.port,
+                "must be in [0, 65535]")
         for k in ("served_model_name", "api_key", "chat_template"):
             require(_opt_text(getattr(self, k)), f"serve.{k}", getattr(self, k),
                      "must be a non-empty string or null")
-        require(isinstance(self.max_queued_requests, int)
-                 and not isinstance(self.max_queued_requests, bool)
-                 and self.max_queued_requests >= 1, "serve.max_queued_requests",
-                 self.max_queued_requests, "must be an integer >= 1")
-        for k in ("max_n", "max_body_bytes", "max_connections"):
-            require(_int_at_least(getattr(self, k), 1), f"serve.{k}", getattr(self, k),
+        for k in ("max_queued_requests", "max_n", "max_body_bytes", "max_connections",
+                  "retry_after_s"):
+            require(is_int_at_least(getattr(self, k), 1), f"serve.{k}", getattr(self, k),
                     "must be an integer >= 1")
-        require(self.max_queued_tokens is None or _int_at_least(self.max_queued_tokens, 1),
+        require(self.max_queued_tokens is None or is_int_at_least(self.max_queued_tokens, 1),
                 "serve.max_queued_tokens", self.max_queued_tokens,
                 "must be an integer >= 1 or null")
-        require(_number(self.shutdown_grace_s) and self.shutdown_grace_s >= 0,
+        require(is_number(self.shutdown_grace_s, finite=False) and self.shutdown_grace_s >= 0,
                 "serve.shutdown_grace_s", self.shutdown_grace_s, "must be a number >= 0")
         for k in ("header_timeout_s", "body_timeout_s"):
-            require(_number(getattr(self, k)) and getattr(self, k) > 0, f"serve.{k}",
+            require(is_number(getattr(self, k)) and getattr(self, k) > 0, f"serve.{k}",
                     getattr(self, k), "must be a number > 0")
         require(isinstance(self.metrics_require_key, bool), "serve.metrics_require_key",
                 self.metrics_require_key, "must be true or false")
         require(isinstance(self.engine_process, bool), "serve.engine_process",
                  self.engine_process, "must be true or false")
-        require(self.world_size is None or (isinstance(self.world_size, int)
-                                             and not isinstance(self.world_size, bool)
-                                             and self.world_size >= 1), "serve.world_size",
-                 self.world_size, "must be an integer >= 1 or null")
-        require(isinstance(self.retry_after_s, int) and not isinstance(self.retry_after_s, bool)
-                 and self.retry_after_s >= 1, "serve.retry_after_s", self.retry_after_s,
-                 "must be an integer >= 1")
+        require(self.world_size is None or is_int_at_least(self.world_size, 1),
+                "serve.world_size", self.world_size, "must be an integer >= 1 or null")

@@ -2,15 +2,10 @@
 server")."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
-from .base import require
-
-
-def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+from .base import is_number, require
 
 
 @dataclass(frozen=True)
@@ -29,7 +24,7 @@ class SloConfig:
     num_requests: int = 64  # Poisson requests simulated per candidate plan
 
     def __post_init__(self):
-        require(self.arrival_rate is None or (_number(self.arrival_rate) and self.arrival_rate > 0),
+        require(self.arrival_rate is None or (is_number(self.arrival_rate) and self.arrival_rate > 0),
                 "slo.arrival_rate", self.arrival_rate, "must be a positive number of requests/s "
                 "or null")
         for name in ("input_len", "output_len", "num_requests"):
@@ -38,9 +33,9 @@ class SloConfig:
                     "must be an integer >= 1")
         for name in ("ttft_ms", "tpot_ms"):
             v = getattr(self, name)
-            require(_number(v) and v > 0, f"slo.{name}", v, "must be a positive number of "
+            require(is_number(v) and v > 0, f"slo.{name}", v, "must be a positive number of "
                     "milliseconds")
-        require(_number(self.percentile) and 0 < self.percentile <= 100, "slo.percentile",
+        require(is_number(self.percentile) and 0 < self.percentile <= 100, "slo.percentile",
                 self.percentile, "must be in (0, 100]")
 
     @property

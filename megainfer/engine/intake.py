@@ -72,14 +72,21 @@ def tokenize_prompt(tokenizer, prompt, prompt_token_ids, V: int,
     return prompt, ids
 
 
-def check_text(text: str, field: str) -> None:
-    """A ``RequestError`` naming ``field`` when UTF-8 cannot encode ``text`` (a lone
-    surrogate, e.g. from a JSON escape): the tokenizer would fail on it."""
+def unencodable(text: str) -> Optional[str]:
+    """Why UTF-8 cannot encode ``text`` (a lone surrogate, e.g. from a JSON escape: the
+    tokenizer would fail on it), or None when it can."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise RequestError(f"{field}: not valid Unicode text ({e.reason} at character "
-                           f"{e.start})") from None
+        return f"not valid Unicode text ({e.reason} at character {e.start})"
+    return None
+
+
+def check_text(text: str, field: str) -> None:
+    """A ``RequestError`` naming ``field`` when UTF-8 cannot encode ``text``."""
+    why = unencodable(text)
+    if why is not None:
+        raise RequestError(f"{field}: {why}")
 
 
 def bad_words_token_ids(tokenizer, words, V: int) -> list[list[int]]:

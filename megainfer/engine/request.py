@@ -27,7 +27,7 @@ class Request:
     ``request_id``. Sample 0 (the group's head) is scheduled first; the others wait in its
     ``pending`` list and fork from it once its prompt is computed (they share its blocks and
     its first logits), so the prompt is computed once. ``samples`` (on the head) lists all n;
-forks beyond ``max_num_seqs`` wait for a seat in the scheduler's ``forked`` queue."""
+    forks beyond ``max_num_seqs`` wait for a seat in the scheduler's ``forked`` queue."""
 
     seq_id: int  # engine-internal, monotonically increasing: the scheduling priority
     request_id: str

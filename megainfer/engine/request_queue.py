@@ -37,10 +37,6 @@ class RequestQueue:
         self._items[req] = None
         self._items.move_to_end(req, last=False)
 
-    def extend(self, reqs: Iterable[Request]) -> None:
-        for r in reqs:
-            self.append(r)
-
     def extendleft(self, reqs: Iterable[Request]) -> None:
         """As ``deque.extendleft``: each goes to the front in turn (the last ends up first)."""
         for r in reqs:

@@ -103,7 +103,8 @@ def build_app(client: EngineClient, cfg: ServeConfig, model_dir: Optional[str]) 
     async def get_version():
         return JSONResponse({"version": version()})
 
-    install_openapi(app, cfg, needs_key(cfg))
-    app.add_middleware(RequestGate, api_key=cfg.api_key, protected=needs_key(cfg),
+    protected = needs_key(cfg)
+    install_openapi(app, cfg, protected)
+    app.add_middleware(RequestGate, api_key=cfg.api_key, protected=protected,
                        max_body_bytes=cfg.max_body_bytes, body_timeout_s=cfg.body_timeout_s)
     return app

@@ -156,14 +156,20 @@ class EngineClient:
         self.live.update(request_ids)
         return Admission(self, seqs, tokens, request_ids)
 
+    async def off_loop(self, chars: int, fn, *args):
+        """``fn(*args)``: on a worker thread when it works on more than ``OFF_LOOP_CHARS``
+        characters of text (tokenising, rendering a template), never then on the event loop."""
+        if chars > OFF_LOOP_CHARS:
+            return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, fn,
+                                                                    *args)
+        return fn(*args)
+
     async def prompt_ids(self, prompt, params: SamplingParams, prompt_field: str = "prompt"
                          ) -> list[int]:
         """The prompt's token ids, validated as the engine will (a 400 naming the field); a
-        long text is tokenised on a worker thread, never on the event loop."""
-        if isinstance(prompt, str) and len(prompt) > OFF_LOOP_CHARS:
-            return await asyncio.get_running_loop().run_in_executor(
-                self.tokenize_pool, self.check_prompt, prompt, params, prompt_field)
-        return self.check_prompt(prompt, params, prompt_field)
+        long text is tokenised off the event loop."""
+        chars = len(prompt) if isinstance(prompt, str) else 0
+        return await self.off_loop(chars, self.check_prompt, prompt, params, prompt_field)
 
     def check_params(self) -> SamplingParams:
         """Parameters that let a prompt alone be checked (``/tokenize``)."""
@@ -172,10 +178,9 @@ class EngineClient:
     def check_prompt(self, prompt, params: SamplingParams, prompt_field: str = "prompt"
                      ) -> list[int]:
         try:
-            ids = self.llm.intake.tokenize(prompt, params).prompt_token_ids
+            return self.llm.intake.tokenize(prompt, params).prompt_token_ids
         except RequestError as e:
             raise request_error(e, prompt_field) from e
-        return ids
 
     def token_budget(self, ids: list[int], asked: Optional[int], field: str) -> int:
         """``max_tokens``: the asked number (400 when the prompt leaves no room for it), or all

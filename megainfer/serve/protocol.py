@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from megainfer.engine import SamplingParams
+from megainfer.engine.intake import unencodable
 from megainfer.engine.sampling_params import MAX_LOGIT_BIAS
 
 from .errors import APIError
@@ -24,12 +25,10 @@ MAX_LOGIT_BIAS_TOKENS = 1024
 
 
 def utf8_text(value: str) -> str:
-    """``value`` unchanged if UTF-8 can encode it (a lone surrogate such as "\\ud800" from a
-    JSON escape cannot: the tokenizer would fail on it)."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"not valid Unicode text: {e.reason} at character {e.start}") from None
+    """``value`` unchanged if UTF-8 can encode it (the engine's rule, ``intake.unencodable``)."""
+    why = unencodable(value)
+    if why is not None:
+        raise ValueError(why)
     return value
 
 

@@ -1,6 +1,6 @@
-"""What the serving classes share: the served model's name check, the bound on samples, a
-prompt's token ids (tokenised off the event loop when long), streamed responses that give
-their admission back, and a non-streamed request's wait that a hang-up cancels."""
+"""What the serving classes share: the served model's name check, the bound on samples, the
+drain's 503, streamed responses that give their admission back, and a non-streamed request's
+wait that a hang-up cancels."""
 from __future__ import annotations
 
 import asyncio

@@ -2,7 +2,6 @@
 loop when long), the request admitted by its cost, the answer whole or streamed."""
 from __future__ import annotations
 
-import asyncio
 import uuid
 
 from fastapi import Request
@@ -11,7 +10,7 @@ from megainfer.config import ServeConfig
 
 from . import responses as R
 from .chat import ChatPrompts
-from .engine_client import OFF_LOOP_CHARS, EngineClient
+from .engine_client import EngineClient
 from .errors import APIError
 from .protocol import ChatCompletionRequest
 from .serving_base import Serving, finals, unless_disconnected
@@ -33,11 +32,8 @@ class ChatServing(Serving):
         if not self.chat.available:
             raise APIError("this model has no chat template (start the server with "
                            "serve.chat_template=...)", 400, "messages")
-        if _chars(messages) > OFF_LOOP_CHARS:
-            _, ids = await asyncio.get_running_loop().run_in_executor(
-                self.client.tokenize_pool, self.chat.render, messages, add_generation_prompt)
-        else:
-            _, ids = self.chat.render(messages, add_generation_prompt)
+        _, ids = await self.client.off_loop(_chars(messages), self.chat.render, messages,
+                                            add_generation_prompt)
         return ids
 
     async def create(self, body: ChatCompletionRequest, request: Request):

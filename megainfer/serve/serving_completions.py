@@ -39,7 +39,11 @@ class CompletionServing(Serving):
         echo_only = body.echo and body.max_tokens == 0
         prompts = body.prompts()
         self.client.check_size(len(prompts) * body.n)  # before any prompt is tokenised
-        work = [await self._prompt(p, body, echo_only) for p in prompts]
+        check = body.sampling_params(self.client.max_model_len, None)  # a prompt's checks
+        echo_lp = body.logprobs if body.echo else None
+        asked = [k for k in (echo_lp, body.prompt_logprobs) if k is not None]
+        prompt_k = max(asked) if asked else None  # the engine's prompt logprobs serve both
+        work = [await self._prompt(p, body, check, prompt_k, echo_only) for p in prompts]
         rid = body.request_id or f"cmpl-{uuid.uuid4().hex}"
         rids = [f"{rid}-{i}" for i in range(len(work))]
         admission = self.client.admit(len(work) * body.n, sum(len(w.ids) for w in work), rids)
@@ -60,12 +64,10 @@ class CompletionServing(Serving):
                 admission.release()
         return self._response(body, rid, work, [outs[i] for i in range(len(work))])
 
-    async def _prompt(self, prompt, body: CompletionRequest, echo_only: bool) -> _Prompt:
+    async def _prompt(self, prompt, body: CompletionRequest, check, prompt_k: Optional[int],
+                      echo_only: bool) -> _Prompt:
         c = self.client
-        ids = await c.prompt_ids(prompt, body.sampling_params(c.max_model_len, None))
-        echo_lp = body.logprobs if body.echo and body.logprobs is not None else None
-        asked = [k for k in (echo_lp, body.prompt_logprobs) if k is not None]
-        prompt_k = max(asked) if asked else None  # the engine's prompt logprobs serve both
+        ids = await c.prompt_ids(prompt, check)
         budget = 1 if echo_only else c.token_budget(ids, body.max_tokens, "max_tokens")
         params = body.sampling_params(budget, body.logprobs, prompt_k, 0 if echo_only else None)
         echo = (prompt if isinstance(prompt, str) else c.tokenizer.decode(ids)) \

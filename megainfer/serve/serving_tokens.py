@@ -26,9 +26,7 @@ class TokenServing(Serving):
         return {"object": "list", "data": [self.model_card()]}
 
     def model(self, model_id: str) -> dict:
-        if model_id != self.name:
-            raise APIError(f"model={model_id!r}: not served here (this server serves "
-                           f"{self.name!r})", 404, "model", "model_not_found")
+        self.check_model(model_id)
         return self.model_card()
 
     async def tokenize(self, body: TokenizeRequest) -> dict:

@@ -10,7 +10,7 @@ import subprocess
 import httpx
 import pytest
 
-from serve_util import MpiServe
+from serve_util import MpiServe, post_json
 
 OVERRIDES = ["scheduler.max_model_len=128", "scheduler.max_num_seqs=4",
              "scheduler.max_num_batched_tokens=32", "cache.num_blocks=200", "cache.block_size=4",
@@ -31,10 +31,7 @@ ABUSE = [  # (body: dict or raw JSON text, headers, status, param)
 
 
 def _post(url, body, headers, path="/v1/completions"):
-    if isinstance(body, str):
-        return httpx.post(url + path, content=body, timeout=60,
-                          headers={**headers, "content-type": "application/json"})
-    return httpx.post(url + path, json=body, headers=headers, timeout=60)
+    return post_json(url, body, headers, path, timeout=60)
 
 
 @pytest.fixture(scope="module", params=["a1e2", "p1a1e2"])

@@ -22,6 +22,12 @@ UNSEEDED = SamplingParams(n=7, temperature=1.0, max_tokens=5, ignore_eos=True)
 PARAMS = {"seeded": SEEDED, "greedy": GREEDY, "unseeded": UNSEEDED}
 
 
+def as_sent(obj):
+    """``obj`` as the receiving rank gets it (mpi4py pickles what it sends): our own test
+    objects, never outside input."""
+    return pickle.loads(pickle.dumps(obj))
+
+
 def _run(eng, max_steps=2000):
     """Step until done (bounded: a stall fails), the outputs by request id."""
     outs = {}
@@ -180,7 +186,7 @@ def test_pd_start_queues_forks_beyond_max_num_seqs():
     dec, fake = make_engine(max_num_seqs=4)
     ph = kv_handoff.reserve(dec, 10, "pd0")
     kv_handoff.import_kv(dec, ph.block_table, kv)
-    kv_handoff.start(dec, pickle.loads(pickle.dumps(state)), ph)
+    kv_handoff.start(dec, as_sent(state), ph)
     assert len(dec.scheduler.running) == 4 and len(dec.scheduler.forked) == 6
     assert [c.token_ids for c in _run(dec)["wide"].outputs] == want
     _check_done(dec, fake, 4)
@@ -198,7 +204,7 @@ def test_replan_hand_over_carries_waiting_forks(mode):
     assert counts[mode] == 10 and counts["waiting"] == 1  # "after" has not started
     assert not src.has_unfinished() and src.blocks.num_free_blocks == src.blocks.num_blocks
     dst, fake = make_engine(max_num_seqs=4)
-    take_in(dst, {}, pickle.loads(pickle.dumps(out[1])), "[test]")
+    take_in(dst, {}, as_sent(out[1]), "[test]")
     got = _run(dst)
     assert _tokens(got) == want
     _check_done(dst, fake, 4)

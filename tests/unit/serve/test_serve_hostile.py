@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from serve_util import CHAT_TEMPLATE, ThreadServer
+from serve_util import CHAT_TEMPLATE, ThreadServer, post_json
 
 KW = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, num_blocks=200,
           block_size=4)
@@ -34,11 +34,7 @@ def srv(tiny_ckpts):
 
 
 def post(srv, body, path="/v1/completions", headers=H, client=httpx, **kw):
-    kw.setdefault("timeout", 30)
-    if isinstance(body, (bytes, str)):
-        return client.post(srv.url + path, content=body,
-                           headers={**headers, "content-type": "application/json"}, **kw)
-    return client.post(srv.url + path, json=body, headers=headers, **kw)
+    return post_json(srv.url, body, headers, path, client, **kw)
 
 
 def err(r, status, param=None, code=None):
