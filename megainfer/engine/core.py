@@ -126,8 +126,9 @@ class OnlineEngine(Protocol):
 # replicas answer an abort at their next iteration)
 SHUTDOWN_ITERATIONS = 64
 # how long a client waits for an engine core's shutdown (its last outputs; a child job's exit,
-# after which it is killed): AsyncLLM, LLM's blocking client and the spawned core alike
-SHUTDOWN_TIMEOUT_S = 60.0
+# after which it is killed): AsyncLLM, LLM's blocking client and the spawned core alike (the
+# 30 s they waited before; a served child job's exit is bounded by it under SIGTERM)
+SHUTDOWN_TIMEOUT_S = 30.0
 
 
 class EngineCore:
