@@ -1,5 +1,6 @@
-"""``megainfer-launch`` under mpirun: every rank builds its part (``megainfer.runtime.startup``);
-rank 0 runs the offline job over the replicas' output stream and writes the results, the summary
+"""``megainfer-launch`` under mpirun: every rank builds its part (``core_client.ranks.build_ranks``);
+rank 0 runs the offline job through the same client -> engine core -> engine route as ``LLM``
+(``core_client.client.launch_client``) and writes the results, the summary
 and (with ``trace.enabled``) the merged trace, its ``timeline.png`` and its pipeline figures (in
 ``summary.json``) into its run directory.
 
@@ -21,22 +22,14 @@ import os
 import sys
 import traceback
 
+from megainfer.core_client.client import launch_client
+from megainfer.core_client.ranks import build_ranks, serve_rank0
+from megainfer.engine.errors import RankLostError
 from megainfer.runtime.startup import abort_job
 
 from .job import run_offline_job, write_summary
 
 log = logging.getLogger("megainfer.launch")
-
-
-class _ReplicaStream:
-    """What the offline job calls a generator: rank 0's view of all replicas."""
-
-    def __init__(self, rank):
-        self.rank = rank
-
-    def generate_stream(self, requests):
-        from megainfer.runtime.startup import run_rank
-        return run_rank(self.rank, requests)
 
 
 def run_distributed(s, requests, output_path: str, run_dir: str) -> int:
@@ -47,27 +40,29 @@ def run_distributed(s, requests, output_path: str, run_dir: str) -> int:
     tag = f"[rank {comm.Get_rank()}]"
     try:
         from megainfer.runtime.roles import assign_role
-        from megainfer.runtime.startup import build_rank, run_rank
         tag = assign_role(s.deploy, comm.Get_rank(), comm.Get_size()).tag
-        rank = build_rank(s, comm)
+        rank = build_ranks(s, comm, report_spans=False)  # its trace is merged at the end
         pids = comm.gather((tag, os.getpid()), root=0)
         if pids:  # so a process manager's "PID n died" can be read as a rank and role
             log.info("[launch] ranks: %s", ", ".join(f"{r} {t} pid {p}" for r, (t, p) in enumerate(pids)))
-        if comm.Get_rank() == 0:
-            summary = run_offline_job(requests, _ReplicaStream(rank), output_path,
-                                      resume=s.io.resume, progress=s.io.progress)
+        if comm.Get_rank() == 0:  # the one route: client -> engine core -> rank 0's engine
+            client = launch_client(rank)
+            summary = run_offline_job(requests, client, output_path, resume=s.io.resume,
+                                      progress=s.io.progress)
+            client.close()  # the last iteration stops every rank; its connections closed
             summary.replans = rank.replans  # re-plans of the split, if any
         else:
-            run_rank(rank)
+            serve_rank0(rank)  # until that last iteration; then its connections closed
         if s.trace.enabled:
             _write_traces(rank, comm, run_dir, summary if comm.Get_rank() == 0 else None)
         if comm.Get_rank() == 0:
             print(f"[launch] summary ({s.deploy.mode}, {comm.Get_size()} ranks)\n{summary.table()}",
                   flush=True)
             write_summary(summary, os.path.join(run_dir, "summary.json"))
-        rank.close()
         return 0
     except Exception as e:  # noqa: BLE001 -- any failure on any rank ends the whole job
+        if isinstance(e, RankLostError) and e.__cause__ is not None:
+            e = e.__cause__  # the failure where it happened (a timeout names peer and phase)
         _report_failure(f"{tag} error: {type(e).__name__}: {e}", run_dir, comm.Get_rank())
         abort_job(comm, 1)
         return 1

@@ -31,11 +31,12 @@ import weakref
 from typing import Any, AsyncIterator, Callable, Optional
 
 from megainfer.config import ResolvedJob
-from megainfer.core_client import EngineDeadError, Intake, open_core
+from megainfer.core_client import Intake, open_core
 from megainfer.core_client.client import JobTree, core_thread
 from megainfer.engine import RequestError, RequestOutput, SamplingParams
-from megainfer.engine.core import SHUTDOWN_TIMEOUT_S, AbortRequest, AddRequest, CoreOutputs
-from megainfer.engine.errors import DuplicateRequestError
+from megainfer.engine.core import SHUTDOWN_TIMEOUT_S, AbortRequest, CoreOutputs
+from megainfer.engine.errors import (DuplicateRequestError, EngineDeadError, core_died,
+                                     core_not_running)
 from megainfer.engine.outputs import PromptInput
 from megainfer.engine.stream import RequestStream
 from megainfer.llm import LLM
@@ -99,11 +100,12 @@ class AsyncLLM:
         with its core on a thread of this process; nothing else may drive it meanwhile."""
         self = cls.__new__(cls)
         self.job = None
-        self._start(engine, on_stats, lambda deliver: core_thread(engine, deliver))
+        self._start(Intake.of_engine(engine), on_stats,
+                    lambda deliver: core_thread(engine, deliver))
         return self
 
     def _start(self, intake, on_stats, make_core) -> None:
-        """``intake``: what tokenizes here (an ``Intake``, or the engine itself)."""
+        """``intake``: what opens requests here (tokenises them)."""
         self.intake, self.tokenizer, self.on_stats = intake, intake.tokenizer, on_stats
         self._waiters: dict[str, _Waiter] = {}
         self._lock = threading.Lock()  # _waiters, _pending: the event loops' threads and the core's
@@ -150,28 +152,23 @@ class AsyncLLM:
         prompt or parameter raises its ``RequestError`` before anything runs; leaving the loop
         early (break, cancellation) aborts the request."""
         if not self.is_running:
-            raise EngineDeadError(f"engine core is not running ({self._dead or 'shut down'})")
+            raise core_not_running(self._dead)
         params = sampling_params or SamplingParams()
         rid = f"async-{next(self._ids)}" if request_id is None else request_id
-        key = str(rid)
-        inp = PromptInput.of(rid, prompt, params)
-        tokens = self.intake.tokenize(inp.prompt, params, inp.prompt_token_ids)
-        waiter = _Waiter(RequestStream(rid, tokens, params, self.tokenizer),
-                         asyncio.get_running_loop())
+        add, stream = self.intake.open(PromptInput.of(rid, prompt, params))
+        key = add.request_id
+        waiter = _Waiter(stream, asyncio.get_running_loop())
         with self._lock:
             if key in self._waiters:
                 raise DuplicateRequestError(f"request_id={key!r}: already running")
             self._waiters[key] = waiter
-        self._core.submit(AddRequest(key, tokens, params))
+        self._core.submit(add)
         try:
             while True:
                 await waiter.ready.wait()
                 waiter.ready.clear()
                 if waiter.error is not None and not waiter.stream.finished:
-                    if isinstance(waiter.error, EngineDeadError):  # e.g. RankLostError
-                        raise waiter.error
-                    raise EngineDeadError(f"engine core died: {waiter.error!r}") \
-                        from waiter.error
+                    raise core_died(waiter.error) from waiter.error
                 out = waiter.stream.output()
                 if out.error is not None and out.outputs[0].finish_reason == "error":
                     raise RequestError(out.error)

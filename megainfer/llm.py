@@ -2,14 +2,16 @@
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 from megainfer.config import ConfigError, ResolvedJob, ModelConfig
 from megainfer.config.runtime import DEFAULT_KV_SCALE_GRANULARITY
-from megainfer.engine import LLMEngine, PromptInput, RequestError, RequestOutput, SamplingParams
-from megainfer.engine.tokenizer import Tokenizer
+from megainfer.core_client.client import open_sync
 from megainfer.core_client.llm_job import LLMJob, resolve_llm_job
-from megainfer.core_client.ranks import single_engine
+from megainfer.engine import PromptInput, RequestError, RequestOutput, SamplingParams
+from megainfer.engine.core import SHUTDOWN_TIMEOUT_S
+from megainfer.engine.tokenizer import Tokenizer
 
 Prompt = Union[str, Sequence[int], dict]
 log = logging.getLogger("megainfer.engine")
@@ -105,23 +107,21 @@ class LLM:
         self.scheduler_config, self.cache_config = job.scheduler, job.cache
         self.device_config = job.device
         self._counter = 0
-        self.engine: Optional[LLMEngine] = None  # single mode: driven here, with its model
-        self.model = None
-        self._core = None  # every other mode: the runtime's engine core (core_client)
-        if job.deploy.mode == "single":
-            self.engine = single_engine(job, tokenizer)
-            self.model = self.engine.executor.model
-        else:
-            from megainfer.core_client.blocking import BlockingCore
-            self._core = BlockingCore(resolved.spec, job, tokenizer)
+        # the one route: this client -> the engine core -> the engine (docs/architecture.md)
+        self._client = open_sync(resolved.spec, job, tokenizer)
+        self._finalizer = weakref.finalize(self, self._client.close, SHUTDOWN_TIMEOUT_S)
+        # the engine when it is in this process: single mode's LLMEngine (its model too), rank
+        # 0's RuntimeEngine under mpiexec; None when the ranks are a child job
+        self.engine = self._client.engine
+        self.model = self.engine.executor.model if job.deploy.mode == "single" else None
+        if job.deploy.mode != "single":
             log.info("[attn dp0 tp0] %s mode over %d ranks (%s)", job.deploy.mode,
                      job.deploy.world_size, job.deploy)
 
     def close(self) -> None:
-        """End the runtime's ranks (every mode but single; a no-op in single mode). Also at
-        garbage collection and at interpreter exit."""
-        if self._core is not None:
-            self._core.close()
+        """End the engine core (and the runtime's ranks). Also at garbage collection and at
+        interpreter exit."""
+        self._finalizer()
 
     def __enter__(self) -> "LLM":
         return self
@@ -130,7 +130,7 @@ class LLM:
         self.close()
 
     def get_tokenizer(self) -> Tokenizer:
-        return self.engine.tokenizer if self.engine is not None else self._core.tokenizer
+        return self._client.tokenizer
 
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
@@ -138,27 +138,9 @@ class LLM:
         """Outputs in input order. Every prompt is validated before any work starts: a bad one
         raises its ``RequestError`` and nothing runs."""
         inputs = self._inputs(prompts, sampling_params)
-        if self._core is not None:
-            with _Progress(len(inputs), use_tqdm, self._core) as bar:
-                done = self._core.run(inputs, bar.update)
-            return [done[str(inp.request_id)] for inp in inputs]
-        added = []
-        try:
-            for inp in inputs:
-                self.engine.add_request(inp.request_id, inp.prompt, inp.params,
-                                        prompt_token_ids=inp.prompt_token_ids)
-                added.append(inp.request_id)
-        except RequestError:
-            for rid in added:
-                self.engine.abort_request(rid)
-            raise
-        done = {}
-        with _Progress(len(inputs), use_tqdm, self.engine) as bar:
-            while self.engine.has_unfinished():
-                for out in self.engine.step():
-                    done[out.request_id] = out
-                    bar.update(out)
-        return [done[inp.request_id] for inp in inputs]
+        with _Progress(len(inputs), use_tqdm, self._client) as bar:
+            done = self._client.generate(inputs, bar.update)
+        return [done[str(inp.request_id)] for inp in inputs]
 
     def chat(self, messages: Union[Sequence[dict], Sequence[Sequence[dict]]],
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
@@ -182,13 +164,11 @@ class LLM:
 
     def generate_stream(self, requests: Iterable[PromptInput],
                         use_tqdm: bool = False, total: Optional[int] = None) -> Iterator[RequestOutput]:
-        """Each output as soon as its request finishes (invalid ones at once, as errors). Single
-        mode only (the launcher's offline job); ``generate`` runs every mode."""
-        if self.engine is None:
-            raise NotImplementedError("LLM.generate_stream runs single mode; use generate, or "
-                                      "AsyncLLM for outputs as they come")
-        with _Progress(total, use_tqdm, self.engine) as bar:
-            for out in self.engine.generate_stream(requests):
+        """Each output as soon as its request finishes; an invalid request is at once a failed
+        output (finish_reason "error") naming the culprit, and the others run (the launcher's
+        offline job)."""
+        with _Progress(total, use_tqdm, self._client) as bar:
+            for out in self._client.generate_stream(requests):
                 bar.update(out)
                 yield out
 
@@ -212,19 +192,19 @@ class LLM:
 class _Progress:
     """A tqdm bar over finished requests showing output tokens/s (no-op when disabled)."""
 
-    def __init__(self, total: Optional[int], enabled: bool, engine):
-        self.bar, self.engine = None, engine
+    def __init__(self, total: Optional[int], enabled: bool, client):
+        self.bar, self.client = None, client
         if enabled:
             from tqdm.auto import tqdm
             self.bar = tqdm(total=total, desc="Processed prompts", unit="req", dynamic_ncols=True)
-        self.tokens0 = engine.num_generated_tokens
+        self.tokens0 = client.num_generated_tokens
 
     def update(self, out: RequestOutput) -> None:
         if self.bar is None:
             return
         self.bar.update(1)
         elapsed = self.bar.format_dict["elapsed"] or 1e-9
-        tok = self.engine.num_generated_tokens - self.tokens0
+        tok = self.client.num_generated_tokens - self.tokens0
         self.bar.set_postfix_str(f"output {tok / elapsed:.1f} tok/s", refresh=False)
 
     def __enter__(self):

@@ -18,12 +18,15 @@ from __future__ import annotations
 import logging
 import sys
 from dataclasses import dataclass
-from typing import Callable, Optional, Protocol
+from typing import Callable, Iterator, Optional, Protocol
 
 from megainfer.config import ResolvedJob
 from megainfer.engine.core import CoreInput, CoreOutputs, EngineCore, EngineCoreThread
 
-from .ranks import mpi_world, rank_job, single_engine, start_ranks
+from .frontend_intake import Intake
+from .inproc import InprocClient
+from .ranks import mpi_world, rank_job, serve_rank0, single_engine, start_ranks
+from .sync_client import QueuedOutputs, SyncClient
 
 log = logging.getLogger("megainfer.core_client")
 
@@ -74,19 +77,84 @@ def core_thread(engine, deliver: Deliver) -> EngineCoreThread:
     return EngineCoreThread(EngineCore(engine), deliver)
 
 
-def open_core(spec: JobTree, job: ResolvedJob, deliver: Deliver, tokenizer=None,
-              own_process: bool = False) -> CoreClient:
-    """``job``: this process's resolution of ``spec`` (rank 0's when it starts the ranks).
-    ``own_process``: outside an ``mpiexec`` launch, run the core in a child job even in single
-    mode (a server: the frontend's Python then never waits on the core's for the GIL)."""
+def engine_here(job: ResolvedJob, tokenizer=None, own_process: bool = False,
+                stream: bool = True):
+    """The engine when it runs in this process: single mode's ``LLMEngine``, or rank 0's
+    ``RuntimeEngine`` under ``mpiexec`` (``stream``: its replicas report each step's tokens);
+    None when it must run in a child job (``own_process``, or several ranks asked for from a
+    plain script). A rank other than 0 of an ``mpiexec`` launch serves inside this call until
+    rank 0 closes, then ends its process with status 0."""
     size, rank = mpi_world()
     if size == 1 and job.deploy.mode == "single" and not own_process:
-        return core_thread(single_engine(job, tokenizer), deliver)
+        return single_engine(job, tokenizer)
     if size > 1:
-        engine = start_ranks(job)
+        engine = start_ranks(job, stream=stream)
         if engine is None:  # a rank other than 0: it served until rank 0 closed
             log.debug("rank %d: the job is over, exiting", rank)
             sys.exit(0)
+        return engine
+    return None
+
+
+def open_core(spec: JobTree, job: ResolvedJob, deliver: Deliver, tokenizer=None,
+              own_process: bool = False) -> CoreClient:
+    """A streaming core whose outputs go to ``deliver`` (``AsyncLLM``). ``job``: this process's
+    resolution of ``spec`` (rank 0's when it starts the ranks). ``own_process``: outside an
+    ``mpiexec`` launch, run the core in a child job even in single mode (a server: the
+    frontend's Python then never waits on the core's for the GIL)."""
+    engine = engine_here(job, tokenizer, own_process)
+    if engine is not None:
         return core_thread(engine, deliver)
     from .spawn import SpawnedCore
     return SpawnedCore(spec, deliver)
+
+
+def open_sync(spec: JobTree, job: ResolvedJob, tokenizer=None,
+              own_process: bool = False) -> SyncClient:
+    """``LLM``'s client. The engine here with nothing to watch it between calls (single
+    mode): its core stepped on this thread; here as rank 0 of an ``mpiexec`` launch (its ranks
+    must hear from it every idle interval, also while the script does something else): its
+    core on a thread; both final-only (no per-token work). Else a child job's core."""
+    engine = engine_here(job, tokenizer, own_process, stream=False)
+    if engine is not None and engine.idle_interval_s is None:
+        return SyncClient(*inproc(engine))
+    outputs = QueuedOutputs()
+    if engine is not None:
+        core = EngineCoreThread(EngineCore(engine, stream=False), outputs.deliver)
+        intake, final_only = Intake.of_engine(engine), True
+    else:
+        from .spawn import SpawnedCore
+        core, intake, final_only = SpawnedCore(spec, outputs.deliver), \
+            Intake.for_job(job, tokenizer), False
+    outputs.core = core
+    return SyncClient(core, outputs.next_outputs, intake, final_only)
+
+
+def launch_client(r) -> SyncClient:
+    """Rank 0 of an ``mpiexec`` launch whose ranks are built already (``ranks.build_ranks``;
+    ``megainfer-launch``'s offline job): its ``RuntimeEngine`` stepped on this thread, final
+    outputs only. Closing it stops every rank."""
+    from megainfer.runtime.replicas.online import RuntimeEngine
+    return SyncClient(*inproc(RuntimeEngine(r, stream=False)))
+
+
+def run_job(r, inputs) -> Optional[Iterator]:
+    """Every rank of a job built already (``ranks.build_ranks`` or ``startup.build_rank``;
+    tests and benchmarks): rank 0 gets the outputs of ``inputs`` as they finish, through its
+    ``launch_client`` (the ranks stopped and this rank's connections closed once all are
+    read); every other rank serves until then and gets None."""
+    if r.role.rank != 0:
+        serve_rank0(r)
+        return None
+    client = launch_client(r)
+
+    def outputs():
+        yield from client.generate_stream(inputs)
+        client.close()
+    return outputs()
+
+
+def inproc(engine, on_stats=None) -> tuple:
+    """``SyncClient``'s arguments over an engine in this process, its core final-only."""
+    core = InprocClient(EngineCore(engine, stream=False), on_stats)
+    return core, core.next_outputs, Intake.of_engine(engine), True

@@ -60,31 +60,47 @@ def single_engine(job: ResolvedJob, tokenizer=None):
         cuda_graphs=device.cuda_graphs)
 
 
-def start_ranks(job: ResolvedJob, comm=None):
+def start_ranks(job: ResolvedJob, comm=None, stream: bool = True):
     """Collective over ``comm`` (default ``MPI.COMM_WORLD``; every rank calls it): build this
     rank's part of the job. Rank 0 returns its ``OnlineEngine`` (single mode, world 1: an
-    ``LLMEngine``; else the runtime's ``RuntimeEngine``). Every other rank serves rank 0 until
-    rank 0 closes its engine, then returns None. A job its feature cannot run (re-planning:
-    ``replan.check_replan``) is refused by every rank alike before anything collective
-    (``startup.build_rank``)."""
+    ``LLMEngine``; else the runtime's ``RuntimeEngine``; ``stream``: the replicas report each
+    step's new tokens, a streaming core's). Every other rank serves rank 0 until rank 0 closes
+    its engine, then returns None."""
     if job.deploy.mode == "single":
         return single_engine(job)
+    from megainfer.runtime.replicas.online import RuntimeEngine
+    r = build_ranks(job, comm)
+    if r.role.rank == 0:
+        return RuntimeEngine(r, stream)
+    serve_rank0(r)
+    return None
+
+
+def build_ranks(job: ResolvedJob, comm=None, report_spans: bool = True):
+    """Collective: this rank's ``Rank`` of a distributed job (its threads set; with
+    ``trace.enabled`` on cpu and ``report_spans``, the expert ranks' spans sent to rank 0 as
+    the job runs: a served job's live T_e / T_c). A job its
+    feature cannot run (re-planning: ``replan.check_replan``) is refused by every rank alike
+    before anything collective (``startup.build_rank``)."""
     import torch
     from mpi4py import MPI
 
-    from megainfer.runtime.replicas.online import RuntimeEngine
     from megainfer.runtime.span_report import ExpertSpanReporter
-    from megainfer.runtime.startup import build_rank, run_rank
-    comm = MPI.COMM_WORLD if comm is None else comm
+    from megainfer.runtime.startup import build_rank
     if job.cpu_threads is not None:
         torch.set_num_threads(job.cpu_threads)
-    r = build_rank(job, comm)
-    if r.role.rank == 0:
-        return RuntimeEngine(r)
-    if job.trace.enabled and not r.tracer.cuda:  # T_e, T_c to rank 0 (a re-plan may make any
-        r.expert_hooks.append(ExpertSpanReporter(r))  # rank an expert rank)
+    r = build_rank(job, MPI.COMM_WORLD if comm is None else comm)
+    if r.role.rank != 0 and report_spans and job.trace.enabled and not r.tracer.cuda:  # T_e, T_c to rank 0 (a
+        r.expert_hooks.append(ExpertSpanReporter(r))  # re-plan may make any rank an expert)
+    return r
+
+
+def serve_rank0(r) -> None:
+    """A rank other than 0: serve rank 0's engine until its last iteration says stop, then
+    close this rank's connections (as rank 0's engine does when it closes: the same
+    collectives on every rank)."""
+    from megainfer.runtime.startup import run_rank
     try:
-        run_rank(r)  # serves until rank 0's last iteration says stop
+        run_rank(r)
     finally:
         r.close()
-    return None

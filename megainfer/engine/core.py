@@ -126,22 +126,42 @@ class OnlineEngine(Protocol):
 # replicas answer an abort at their next iteration)
 SHUTDOWN_ITERATIONS = 64
 # how long a client waits for an engine core's shutdown (its last outputs; a child job's exit,
-# after which it is killed): AsyncLLM, LLM's blocking client and the spawned core alike (the
+# after which it is killed): AsyncLLM, LLM's SyncClient and the spawned core alike (the
 # 30 s they waited before; a served child job's exit is bounded by it under SIGTERM)
 SHUTDOWN_TIMEOUT_S = 30.0
 
 
 class EngineCore:
     """One ``OnlineEngine`` behind the message interface (synchronous); ``stats`` records what
-    its iterations measure."""
+    its iterations measure. ``stream``: each iteration's new tokens go out as updates (a
+    streaming frontend: ``AsyncLLM``, the server); False: only final outputs (``LLM``, the
+    offline job: no per-token work on the core's loop). Either way the engine makes no text
+    (the frontend decodes, ``RequestStream``)."""
 
-    def __init__(self, engine: OnlineEngine):
-        self.engine = engine
+    def __init__(self, engine: OnlineEngine, stream: bool = True):
+        self.engine, self.stream = engine, stream
         engine.detokenize = False
         self.stats = CoreStatsRecorder(engine)
 
     def has_work(self) -> bool:
         return self.engine.has_unfinished()
+
+    def round(self, msgs: list[CoreInput], idle: bool = False) -> tuple[CoreOutputs, bool]:
+        """One round of the core's loop: the inputs in order (those after a ``Shutdown``
+        dropped), then one iteration when there is work (``idle``: none came in the idle
+        interval, so an ``idle_tick``). Returns (its outputs, whether a ``Shutdown`` ended
+        the loop)."""
+        updates, stop = [], False
+        for msg in msgs:
+            updates += self.handle(msg)
+            if isinstance(msg, Shutdown):
+                stop = True
+                break
+        if not stop and self.has_work():
+            updates += self.step()
+        elif not stop and idle:
+            self.idle_tick()  # nothing came for the idle interval: keep the ranks' watch
+        return CoreOutputs(updates, stats=self.stats.take()), stop
 
     def handle(self, msg: CoreInput) -> list[RequestUpdate]:
         """Apply one input between iterations; updates for refused or aborted requests."""
@@ -168,11 +188,12 @@ class EngineCore:
         raise TypeError(f"engine core input {msg!r}: not an AddRequest, AbortRequest or Shutdown")
 
     def step(self) -> list[RequestUpdate]:
-        """One iteration; one update per request with new tokens or a final output."""
+        """One iteration; one update per request with new tokens (``stream``) or a final
+        output."""
         seconds, res = timed(self.engine.step_outputs)
         self.stats.iteration(seconds, res)
         by_id: dict[str, RequestUpdate] = {}
-        for d in res.new_tokens:
+        for d in res.new_tokens if self.stream else ():
             u = by_id.get(d.request_id)
             if u is None:
                 u = by_id[d.request_id] = RequestUpdate(d.request_id)
@@ -231,22 +252,12 @@ class EngineCoreThread:
         try:
             stop = False
             while not stop:
-                updates = []
                 self.busy_since = None
                 msgs = self._take(block=not self.core.has_work(), timeout=idle_s)  # idle: sleep
                 self.busy_since = time.monotonic()
-                for msg in msgs:
-                    updates += self.core.handle(msg)
-                    stop = stop or isinstance(msg, Shutdown)
-                    if stop:
-                        break  # inputs after a shutdown are dropped
-                if not stop and self.core.has_work():
-                    updates += self.core.step()
-                elif not stop and not msgs and idle_s is not None:
-                    self.core.idle_tick()  # nothing came for idle_s: keep the ranks' watch
-                stats = self.core.stats.take()
-                if updates or stats is not None:
-                    self.deliver(CoreOutputs(updates, stats=stats))
+                outs, stop = self.core.round(msgs, idle=not msgs and idle_s is not None)
+                if outs.updates or outs.stats is not None:
+                    self.deliver(outs)
         except BaseException as e:  # noqa: BLE001 - delivered: every waiting caller gets it
             self.error = e
             log.exception("%s engine core loop died", engine.log_prefix)

@@ -44,6 +44,20 @@ class EngineDeadError(RuntimeError):
     """The engine core stopped (shut down, or its loop raised): no request can run."""
 
 
+def core_died(error: BaseException) -> EngineDeadError:
+    """What a caller waiting on an engine core raises when the core died of ``error``: the
+    error itself when it says so already (``RankLostError``, ...), else one naming it (raise
+    it ``from error``)."""
+    if isinstance(error, EngineDeadError):
+        return error
+    return EngineDeadError(f"engine core died: {error!r}")
+
+
+def core_not_running(why: Optional[BaseException]) -> EngineDeadError:
+    """A request to a core that stopped (``why``; None: shut down)."""
+    return EngineDeadError(f"engine core is not running ({why or 'shut down'})")
+
+
 class RankLostError(EngineDeadError):
     """A rank of the distributed runtime died or stopped answering: ``rank`` and ``role`` name
     it (None when nobody could tell which)."""
@@ -64,4 +78,4 @@ class CoreStartError(EngineDeadError):
 
 __all__ = ["RequestError", "SamplingParamsError", "EmptyPromptError", "PromptTooLongError",
            "TokenIdError", "DuplicateRequestError", "CacheTooSmallError", "ConfigError",
-           "EngineDeadError", "RankLostError", "CoreStartError"]
+           "EngineDeadError", "RankLostError", "CoreStartError", "core_died", "core_not_running"]

@@ -131,7 +131,7 @@ class ReplanOrder:
     new: tuple
     reason: str  # "forced" or the decision's description
     predicted_gain: float = float("nan")
-    online: bool = False  # the loops that resume serve online (leaders report new tokens)
+    stream: bool = False  # the loops that resume report each step's new tokens (a streaming core)
 
     def name(self, p: tuple) -> str:
         """'a2e2', or 'a2e2m3' when the order changes the micro-batch count."""

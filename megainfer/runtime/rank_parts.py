@@ -54,7 +54,9 @@ class Rank:
     replan_decisions: list = field(default_factory=list)  # ... and each measured decision
 
     def close(self) -> None:
-        for c in self.closers:
+        """Close this rank's connections (once: a second call does nothing)."""
+        closers, self.closers = self.closers, []
+        for c in closers:
             c()
 
 
@@ -67,7 +69,7 @@ class Feature:
     * ``check(job, world)``: refuse, before anything collective, a job the feature cannot run;
     * ``build(job, comm) -> Rank``: build instead of the base (calling it for the ranks it keeps);
     * ``traced(job, role)``: whether this rank records spans although ``trace.enabled`` is off;
-    * ``run(rank, inputs)``: run instead of the base (rank 0: a generator of outputs);
+    * ``run(rank)``: run a rank other than 0 instead of the base;
     * ``online(rank) -> OnlinePlug``: rank 0 serving online (``replicas/online.RuntimeEngine``)
       hands the feature each iteration's end and its close (the other ranks still ``run``)."""
 

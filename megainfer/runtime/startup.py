@@ -3,8 +3,8 @@
 ``build_rank`` picks the job's feature, the one named point where a mode beyond the base plugs
 in (``FEATURES``: re-planning, ``replan.REPLAN``; prefill replicas, ``pd.PD``; each a
 ``rank_parts.Feature``), lets it refuse the job before anything collective, and builds the rank
-through it or through the base start-up (``wiring.build_base_rank``). ``run_rank`` runs it
-the same way. This is the only runtime module that imports a feature: the base path (pipeline,
+through it or through the base start-up (``wiring.build_base_rank``). ``run_rank`` runs a
+rank other than 0 the same way (rank 0 is the ``RuntimeEngine``'s). This is the only runtime module that imports a feature: the base path (pipeline,
 replicas, tp, eplb, wiring, rank parts) imports nothing from ``pd/`` or ``replan/``
 (docs/architecture.md, "Runtime rooms").
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Iterable, Optional
+from typing import Optional
 
 from mpi4py import MPI
 
@@ -56,8 +56,11 @@ def build_rank(job: ResolvedJob, comm=MPI.COMM_WORLD) -> Rank:
     return r
 
 
-def run_rank(r: Rank, inputs: Optional[Iterable] = None):
-    """Rank 0: a generator of outputs. Others: serve until stopped, then return None."""
+def run_rank(r: Rank) -> None:
+    """A rank other than 0: serve rank 0 until it stops the job (rank 0 drives every rank
+    from its ``RuntimeEngine``: ``replicas/online.py``)."""
+    assert r.role.rank != 0, "rank 0 runs its RuntimeEngine (core_client.ranks.start_ranks)"
     if r.feature is not None and r.feature.run is not None:
-        return r.feature.run(r, inputs)
-    return run_base_rank(r, inputs)
+        r.feature.run(r)
+    else:
+        run_base_rank(r)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional
+from typing import Callable, Optional
 
 import torch
 from mpi4py import MPI
@@ -146,10 +146,8 @@ def build_base_rank(job: ResolvedJob, comm=MPI.COMM_WORLD, feature: Optional[Fea
     return out
 
 
-def run_base_rank(r: Rank, inputs: Optional[Iterable] = None):
-    """Rank 0: a generator of outputs. Others: serve until stopped, then return None."""
-    if r.role.rank == 0:
-        return r.loop.generate_stream(inputs or [])
+def run_base_rank(r: Rank) -> None:
+    """A rank other than 0: serve rank 0 (its ``RuntimeEngine``) until stopped."""
     if r.loop is not None:
         r.loop.serve()
     else:

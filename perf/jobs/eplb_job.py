@@ -22,7 +22,8 @@ from megainfer.engine.outputs import PromptInput  # noqa: E402
 from megainfer.engine.sampling_params import SamplingParams  # noqa: E402
 from megainfer.kernels import select_experts  # noqa: E402
 from megainfer.config import ResolvedJob  # noqa: E402
-from megainfer.runtime.startup import build_rank, run_rank  # noqa: E402
+from megainfer.core_client.client import run_job
+from megainfer.runtime.startup import build_rank  # noqa: E402
 
 
 def bias_routers(model, zipf: float, seed: int) -> None:
@@ -74,7 +75,7 @@ def main():
     params = SamplingParams(temperature=0.0, max_tokens=a.decode, ignore_eos=True)
     inputs = [PromptInput(f"r{i}", prompt_token_ids=torch.randint(3, 512, (a.prompt,), generator=g).tolist(),
                           params=params) for i in range(a.batch)]
-    stream = run_rank(r, inputs)
+    stream = run_job(r, inputs)
     if stream is not None:
         list(stream)
     mine = None

@@ -27,7 +27,8 @@ from megainfer.config import (CacheConfig, CommConfig, DeployPlan, EplbConfig, L
 from megainfer.engine.outputs import PromptInput  # noqa: E402
 from megainfer.engine.sampling_params import SamplingParams  # noqa: E402
 from megainfer.config import ResolvedJob  # noqa: E402
-from megainfer.runtime.startup import build_rank, run_rank  # noqa: E402
+from megainfer.core_client.client import run_job
+from megainfer.runtime.startup import build_rank  # noqa: E402
 
 
 def inputs(w: dict, seed: int):
@@ -49,7 +50,7 @@ def run(a: dict, cfg, w: dict, seed: int, trace: bool = False):
                            TraceConfig(enabled=trace)))
     MPI.COMM_WORLD.Barrier()
     t0, c0 = time.perf_counter(), time.process_time()
-    stream = run_rank(r, inputs(w, seed))
+    stream = run_job(r, inputs(w, seed))
     outs = None if stream is None else list(stream)
     seconds = time.perf_counter() - t0
     cpu = MPI.COMM_WORLD.gather([r.role.kind, time.process_time() - c0], root=0)

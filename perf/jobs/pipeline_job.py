@@ -22,7 +22,8 @@ from megainfer.engine.outputs import PromptInput  # noqa: E402
 from megainfer.engine.sampling_params import SamplingParams  # noqa: E402
 from megainfer.runtime.trace import merge_traces  # noqa: E402
 from megainfer.config import ResolvedJob  # noqa: E402
-from megainfer.runtime.startup import build_rank, run_rank  # noqa: E402
+from megainfer.core_client.client import run_job
+from megainfer.runtime.startup import build_rank  # noqa: E402
 
 
 # the shape of conf/plan_model/cpu_small.yaml, which the performance model is calibrated on
@@ -54,7 +55,7 @@ def run_config(a, mode: str, m: int, trace_dir: str | None) -> dict:
     inputs = [PromptInput(f"r{i}", prompt_token_ids=torch.randint(3, a.vocab, (a.prompt,), generator=g).tolist(),
                           params=params) for i in range(a.batch)]
     t0 = time.perf_counter()
-    stream = run_rank(rank, inputs)
+    stream = run_job(rank, inputs)
     outs = list(stream) if stream is not None else []
     wall = time.perf_counter() - t0
     result = None

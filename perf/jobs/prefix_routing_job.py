@@ -25,7 +25,8 @@ from megainfer.config import (CacheConfig, CommConfig, DeployPlan, LoadConfig,  
 from megainfer.engine.outputs import PromptInput  # noqa: E402
 from megainfer.engine.sampling_params import SamplingParams  # noqa: E402
 from megainfer.config import ResolvedJob  # noqa: E402
-from megainfer.runtime.startup import build_rank, run_rank  # noqa: E402
+from megainfer.core_client.client import run_job
+from megainfer.runtime.startup import build_rank  # noqa: E402
 
 
 class Args:
@@ -41,7 +42,7 @@ def run(a, cfg, plan, routing, prompts):
                            CommConfig(timeout_s=600, transport="mpi")))
     sp = SamplingParams(temperature=0, max_tokens=a.output_len, ignore_eos=True)
     t0, c0 = time.perf_counter(), time.process_time()
-    stream = run_rank(r, [PromptInput(f"p{i}", prompt_token_ids=p, params=sp)
+    stream = run_job(r, [PromptInput(f"p{i}", prompt_token_ids=p, params=sp)
                           for i, p in enumerate(prompts)])
     res = None
     outs = None if stream is None else sorted(stream, key=lambda o: int(o.request_id[1:]))

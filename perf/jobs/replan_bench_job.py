@@ -26,7 +26,8 @@ from megainfer.config import (CacheConfig, CommConfig, DeployPlan, LoadConfig,  
 from megainfer.engine.outputs import PromptInput  # noqa: E402
 from megainfer.engine.sampling_params import SamplingParams  # noqa: E402
 from megainfer.config import ResolvedJob  # noqa: E402
-from megainfer.runtime.startup import build_rank, run_rank  # noqa: E402
+from megainfer.core_client.client import run_job
+from megainfer.runtime.startup import build_rank  # noqa: E402
 
 
 def inputs(segments, seed: int):
@@ -49,7 +50,7 @@ def run(a: dict, cfg, segments, replan):
                            trace=TraceConfig(enabled=bool(a.get("trace"))), replan=replan))
     MPI.COMM_WORLD.Barrier()
     t0 = time.perf_counter()
-    stream = run_rank(r, inputs(segments, a.get("seed", 0)))
+    stream = run_job(r, inputs(segments, a.get("seed", 0)))
     outs = None if stream is None else list(stream)
     seconds = time.perf_counter() - t0
     res = None

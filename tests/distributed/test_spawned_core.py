@@ -208,7 +208,7 @@ def test_llm_a1e2_from_a_plain_process(ckpt):
     single = LLM(ckpt, **LLM_ARGS)
     want = [o.outputs[0].token_ids for o in single.generate(prompts, params, use_tqdm=False)]
     llm = LLM(ckpt, deploy="a1e2", **LLM_ARGS)
-    core = llm._core.core
+    core = llm._client.core
     assert isinstance(core, SpawnedCore)
     pids, marker = _pids(core), core.job.marker
     try:
@@ -216,8 +216,8 @@ def test_llm_a1e2_from_a_plain_process(ckpt):
         assert got == want
 
         def kill_expert_once_generating():
-            start = llm._core.num_generated_tokens
-            while llm._core.num_generated_tokens == start:
+            start = llm._client.num_generated_tokens
+            while llm._client.num_generated_tokens == start:
                 time.sleep(0.005)
             os.kill(core.ranks[2].pid, signal.SIGKILL)
         threading.Thread(target=kill_expert_once_generating, daemon=True).start()

@@ -34,7 +34,7 @@ class OnlineReplanner:
         del decisions[:-KEEP_DECISIONS]
         if loop.order is None:
             return loop
-        order = replace(loop.order, online=True)  # the resumed loops report new tokens
+        order = replace(loop.order, stream=loop.stream)  # the resumed loops stream as before
         self.switching = True
         try:
             order_switch(self.rank, self.ctl, order)

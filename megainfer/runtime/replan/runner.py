@@ -35,12 +35,10 @@ WINDOW = 16  # steps before / after a switch the measured gain compares
 KEEP = 1024  # latest span samples a decision refits from
 
 
-def run_replanning(r, inputs):
-    """Rank 0: a generator of outputs. Others: serve phases until the job is over."""
-    if r.role.rank == 0:
-        return _rank0(r, inputs)
+def run_replanning(r) -> None:
+    """A rank other than 0: serve phases until the job is over (rank 0 drives them from its
+    ``RuntimeEngine``, ``online_plug.py``)."""
     _serve(r)
-    return None
 
 
 def _auto(r) -> bool:
@@ -70,20 +68,6 @@ def _serve(r) -> None:
         if order is None:
             return
         switch(r, order)
-
-
-def _rank0(r, inputs):
-    ctl = ReplanController(r)
-    r.loop.replan_hook = ctl.hook
-    stream = r.loop.generate_stream(inputs)
-    while True:
-        yield from stream
-        order = r.loop.order
-        order_switch(r, ctl, order)
-        if order is None:
-            break
-        stream = r.loop.resume_stream()
-    ctl.finish()
 
 
 def order_switch(r, ctl: "ReplanController", order) -> None:

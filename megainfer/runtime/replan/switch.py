@@ -173,7 +173,7 @@ def _rebuild(r, new_job, role, placement, expert_model, keep, order, bounded) ->
         build_attention(new_job, r, placement, engine=keep.engine if keep is not None else None)
         r.loop.engine.executor.iteration = order.iteration
         r.loop.engine.executor.m = plan.micro_batches  # a kept engine: the new count too
-        r.loop.stream = order.online
+        r.loop.stream = order.stream
         if keep is not None:  # rank 0: what is not handed out yet stays queued
             r.loop.continue_from(keep)
     else:

@@ -1,28 +1,24 @@
-"""The lockstep loop of all attention ranks, and rank 0's view of it as a stream of outputs.
+"""The lockstep loop of all attention ranks; rank 0 drives it for its ``RuntimeEngine``.
 
-Rank 0 keeps the requests and hands them out a few at a time through a ``RequestRouter``
-(``scheduler.routing``: ``round_robin`` | ``cache_aware``, ``request_router.py``): a first
-share before the loop (``tags.REQUESTS``), then more every iteration. Every iteration, on every
-attention rank: ``engine.step()`` (an empty step when the replica is idle, so the expert ranks
-always get every (layer, micro-batch) message); replica leaders report to rank 0 a
-``messages.ReplicaStatus`` (finished outputs, whether they have work left, their queue and, for
-cache-aware routing, the prefix-cache keys they gained or lost); rank 0 yields the outputs (the
-job writes them at once), routes, and tells every attention rank go or stop together with its
-replica's new requests (``messages.Go``): the TP ranks of a replica get exactly what their
-leader gets, in the same order, so their schedulers stay identical. On stop, leaders send the
-expert ranks a stop message.
-
-Online (``open_online``, driven by ``online.RuntimeEngine``): rank 0 runs one iteration per
-``iterate`` call and never stops for lack of work; requests come in through ``submit``, the
-leaders also report each step's new tokens, and ``abort`` reaches a request's replica through
-the next go (``Go.aborts``); ``close`` runs the iteration that stops every rank
-(docs/python_api.md).
+Rank 0 keeps the requests (``submit``) and hands them out a few at a time through a
+``RequestRouter`` (``scheduler.routing``: ``round_robin`` | ``cache_aware``,
+``request_router.py``): a first share with the first iteration (``tags.REQUESTS``), then more
+every iteration. Every iteration (one ``iterate`` call on rank 0), on every attention rank:
+``engine.step()`` (an empty step when the replica is idle, so the expert ranks always get every
+(layer, micro-batch) message); replica leaders report to rank 0 a ``messages.ReplicaStatus``
+(finished outputs, whether they have work left, their queue, with ``stream`` each step's new
+tokens, and for cache-aware routing the prefix-cache keys they gained or lost); rank 0 routes
+and tells every attention rank go or stop together with its replica's new requests and aborts
+(``messages.Go``): the TP ranks of a replica get exactly what their leader gets, in the same
+order, so their schedulers stay identical. The loop never stops for lack of work; ``close``
+runs the iteration that stops every rank, and on stop leaders send the expert ranks a stop
+message (docs/python_api.md).
 
 Re-planning (docs/replan.md): rank 0's ``replan_hook`` may end the loop at an iteration
 boundary with an order (``self.order``) instead of a stop; the ranks then switch roles and
-the loops that remain go on with ``resume``/``resume_stream`` (online: ``resume_online``),
-nothing finished lost: a kept engine's new loop takes the old one's state (``continue_from``).
-The aborts rank 0 holds when an order ends the loop wait for the loop that follows.
+the loops that remain go on (``resume``; rank 0: ``resume_online``), nothing finished lost: a
+kept engine's new loop takes the old one's state (``continue_from``). The aborts rank 0 holds
+when an order ends the loop wait for the loop that follows.
 """
 from __future__ import annotations
 
@@ -71,6 +67,7 @@ class ReplicaLoop:
         # rank 0, online (``open_online``): the loop idles instead of stopping; each request's
         # replica until it finishes; the aborts for each replica's next go; the step's tokens
         self.online = self.stop_now = False
+        self.started = True  # online: the first share went out (``open_online`` clears it)
         self.where: dict[str, int] = {}
         self.aborts: list[list[str]] = [[] for _ in self.leaders]
         self.new_tokens: list = []
@@ -90,10 +87,6 @@ class ReplicaLoop:
                               rank, tag)
 
     # ------------------------------------------------------------------ rank 0
-    def generate_stream(self, inputs: Iterable[PromptInput]) -> Iterator[RequestOutput]:
-        """Rank 0 only: hand out, drive the loop, yield each output as it finishes."""
-        yield from self._loop(self._hand_out_first(inputs))
-
     def _hand_out_first(self, inputs: Iterable[PromptInput]) -> list[PromptInput]:
         """Rank 0: the first share to every attention rank (``tags.REQUESTS``); its own."""
         self.router.add(inputs)
@@ -103,11 +96,12 @@ class ReplicaLoop:
         return share[0]
 
     # ------------------------------------------------------------------ rank 0, online
-    def open_online(self) -> None:
+    def open_online(self, stream: bool = True) -> None:
         """Rank 0: serve requests that arrive while the loop runs (``RuntimeEngine``): the
-        loop never stops for lack of work; the replicas report each step's new tokens."""
-        self.online = self.stream = True
-        self._start(self._hand_out_first([]))
+        loop never stops for lack of work; with ``stream`` the replicas report each step's new
+        tokens. The first share goes out with the first iteration (what was submitted by
+        then), as a batch of requests starts."""
+        self.online, self.stream, self.started = True, stream, False
 
     def submit(self, inputs: list[PromptInput]) -> None:
         """Rank 0, online: queue requests; they are handed out at the next iteration."""
@@ -140,6 +134,9 @@ class ReplicaLoop:
     def iterate(self) -> list[RequestOutput]:
         """Rank 0, online: one iteration of every rank; its finished outputs (the new tokens:
         ``self.new_tokens``). After ``close`` the iteration tells every rank to stop."""
+        if not self.started:  # the first: every attention rank's first share before it
+            self.started = True
+            self._start(self._hand_out_first([]))
         done, go = self._iteration()
         self.running = go
         return done
@@ -147,7 +144,7 @@ class ReplicaLoop:
     def close(self) -> None:
         """Rank 0, online: one last iteration that stops every rank (work left is dropped)."""
         self.online, self.stop_now = False, True
-        while self.running:
+        while self.running or not self.started:
             self.iterate()
 
     def resume_online(self) -> None:
@@ -163,7 +160,7 @@ class ReplicaLoop:
         if old.router is None:
             return
         self.router.take_over(old.router)
-        self.online, self.statuses = old.online, old.statuses
+        self.online, self.statuses, self.started = old.online, old.statuses, True
         self.where = dict.fromkeys(old.where, ANY_REPLICA)
         held = [rid for per_replica in old.aborts for rid in per_replica]
         self.aborts = [list(held) for _ in self.leaders]
@@ -181,10 +178,6 @@ class ReplicaLoop:
         for _ in self._loop([]):
             pass
 
-    def resume_stream(self) -> Iterator[RequestOutput]:
-        """After a re-plan, rank 0: go on driving the loop, yielding outputs."""
-        yield from self._loop([])
-
     # ------------------------------------------------------------------ shared
     def _loop(self, inputs: list[PromptInput]) -> Iterator[RequestOutput]:
         self._start(inputs)
@@ -194,8 +187,7 @@ class ReplicaLoop:
             yield from done
 
     def _start(self, inputs: list[PromptInput]) -> None:
-        if self.stream:  # online: rank 0's frontend decodes the tokens; no text made here
-            self.engine.detokenize = False
+        self.engine.detokenize = False  # rank 0's frontend decodes: no text made here
         ids, self.carry = self.engine.add_inputs(inputs, warn=self.role.is_leader)
         self.ids.update(ids)
         self.order, self.running = None, True

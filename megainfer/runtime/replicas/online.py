@@ -47,7 +47,10 @@ class OnlinePlug(Protocol):
 
 
 class RuntimeEngine:
-    def __init__(self, rank):
+    """``stream``: every replica reports each step's new tokens (a streaming frontend); False:
+    only the finished outputs cross to rank 0 (``LLM``, the offline job)."""
+
+    def __init__(self, rank, stream: bool = True):
         self.rank, self.loop = rank, rank.loop
         self.engine = rank.loop.engine  # rank 0's own replica: tokenizer and limits
         self.requests: dict[str, SamplingParams] = {}  # the open requests (the core's view)
@@ -67,7 +70,7 @@ class RuntimeEngine:
         self.spans = PipelineSpans(rank) if tracer.enabled and not tracer.cuda else None  # late)
         self.arrived: dict[str, float] = {}  # requests not handed out yet: their arrival here
         self.held: dict[str, float] = {}  # handed out, not finished: how long rank 0 held them
-        self.loop.open_online()
+        self.loop.open_online(stream)
 
     @property
     def switching(self) -> bool:

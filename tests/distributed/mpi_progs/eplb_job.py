@@ -23,7 +23,8 @@ from runtime_job import CACHE, SCHED, inputs  # noqa: E402
 from megainfer.config import CommConfig, DeployPlan, EplbConfig, LoadConfig, ModelConfig  # noqa: E402
 from megainfer.models import build_model  # noqa: E402
 from megainfer.config import ResolvedJob  # noqa: E402
-from megainfer.runtime.startup import build_rank, run_rank  # noqa: E402
+from megainfer.core_client.client import run_job
+from megainfer.runtime.startup import build_rank  # noqa: E402
 
 RUNS = {
     "static_shuffled": EplbConfig(redundant_experts=2, initial="shuffled", seed=5),
@@ -47,7 +48,7 @@ def run_and_gather(job: ResolvedJob, vocab_size: int, max_tokens: int, expert_st
     (None, None) elsewhere. Rank 0's stream is consumed before the gather."""
     comm = MPI.COMM_WORLD
     r = build_rank(job)
-    stream = run_rank(r, inputs(vocab_size, max_tokens))
+    stream = run_job(r, inputs(vocab_size, max_tokens))
     tokens = {o.request_id: o.outputs[0].token_ids for o in stream} if stream else None
     gathered = comm.gather(expert_stats(r) if r.worker is not None else None, root=0)
     r.close()

@@ -30,7 +30,8 @@ from megainfer.config import (CommConfig, DeployPlan, DeviceConfig, LoadConfig, 
 from megainfer.engine.engine import LLMEngine
 from megainfer.models import build_model
 from megainfer.config import ResolvedJob  # noqa: E402
-from megainfer.runtime.startup import build_rank, run_rank
+from megainfer.core_client.client import run_job
+from megainfer.runtime.startup import build_rank
 
 WORLD = MPI.COMM_WORLD
 MAX_TOKENS = 8
@@ -120,7 +121,7 @@ def main():
             count_syncs(r.loop.engine, syncs)
         if getattr(r, "worker", None) is not None:
             count_expert_syncs(r.worker, expert_syncs)
-        stream = run_rank(r, inputs(cfg.vocab_size, MAX_TOKENS))
+        stream = run_job(r, inputs(cfg.vocab_size, MAX_TOKENS))
         tallies = WORLD.gather(expert_syncs, root=0)
         if stream is not None:
             results[key] = {o.request_id: o.outputs[0].token_ids for o in stream}

@@ -130,8 +130,8 @@ def unwrapped(engine):
 
 
 def runtime_engine(llm):
-    """Rank 0's ``RuntimeEngine`` under an ``LLM`` (its blocking core's engine core)."""
-    return unwrapped(llm._core.core.core.engine)
+    """Rank 0's ``RuntimeEngine`` under an ``LLM`` (the engine of its in-process core)."""
+    return unwrapped(llm.engine)
 
 
 def main():

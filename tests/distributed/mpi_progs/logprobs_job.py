@@ -18,7 +18,8 @@ from megainfer.config import CommConfig, DeployPlan, LoadConfig, ModelConfig  # 
 from megainfer.engine.outputs import PromptInput  # noqa: E402
 from megainfer.engine.sampling_params import SamplingParams  # noqa: E402
 from megainfer.config import ResolvedJob  # noqa: E402
-from megainfer.runtime.startup import build_rank, run_rank  # noqa: E402
+from megainfer.core_client.client import run_job
+from megainfer.runtime.startup import build_rank  # noqa: E402
 
 PARAMS = SamplingParams(temperature=0.8, seed=7, n=2, max_tokens=6, ignore_eos=True,
                         logprobs=3, prompt_logprobs=2)
@@ -45,7 +46,7 @@ def main():
     plan = DeployPlan(mode="disaggregated" if E else "colocated", attention_replicas=A,
                       attention_tp=TP, expert_ranks=E, micro_batches=m)
     r = build_rank(ResolvedJob(cfg, LoadConfig(path=ckpt), SCHED, CACHE, plan, CommConfig(timeout_s=120)))
-    stream = run_rank(r, inputs(cfg.vocab_size))
+    stream = run_job(r, inputs(cfg.vocab_size))
     if stream is not None:
         with open(out, "w") as f:
             json.dump({o.request_id: summarize(o) for o in stream}, f)

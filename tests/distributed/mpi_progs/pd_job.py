@@ -39,7 +39,8 @@ from mpi4py import MPI  # noqa: E402
 from megainfer.config import CommConfig, DeployPlan, LoadConfig, ModelConfig  # noqa: E402
 from megainfer.runtime.pd.prefill_worker import PrefillWorker  # noqa: E402
 from megainfer.config import ResolvedJob  # noqa: E402
-from megainfer.runtime.startup import build_rank, run_rank  # noqa: E402
+from megainfer.core_client.client import run_job
+from megainfer.runtime.startup import build_rank  # noqa: E402
 
 
 def sampled_inputs(vocab: int, max_tokens: int, n: int):
@@ -114,7 +115,7 @@ def main():
             comm = CommConfig(timeout_s=3 if kill else 120, transport="mpi",
                               tp_collectives=opts.get("tp", "auto"))
             r = build_rank(ResolvedJob(cfg, LoadConfig(path=ckpt), sched, cache, plan, comm))
-            stream = run_rank(r, make_inputs(cfg.vocab_size, max_tokens))
+            stream = run_job(r, make_inputs(cfg.vocab_size, max_tokens))
             outs = list(stream) if stream is not None else None  # rank 0: the job runs here
             group = r.tp
             tp_sent = MPI.COMM_WORLD.gather(  # per rank: TP collectives that went point to point

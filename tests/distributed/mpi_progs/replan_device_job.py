@@ -26,7 +26,8 @@ from megainfer.config import (CommConfig, DeployPlan, EplbConfig, LoadConfig, Mo
 from megainfer.runtime.eplb import weight_channel  # noqa: E402
 from megainfer.runtime.replan import runner as replan_runner  # noqa: E402
 from megainfer.config import ResolvedJob  # noqa: E402
-from megainfer.runtime.startup import build_rank, run_rank  # noqa: E402
+from megainfer.core_client.client import run_job
+from megainfer.runtime.startup import build_rank  # noqa: E402
 
 
 def main():
@@ -52,7 +53,7 @@ def main():
     eplb = EplbConfig(enabled=True, redundant_experts=2, window=3, interval=3)
     r = build_rank(ResolvedJob(cfg, load, SCHED, CACHE, plan,
                            CommConfig(timeout_s=120, eplb_moves="device"), eplb, replan=replan))
-    stream = run_rank(r, inputs(cfg.vocab_size))
+    stream = run_job(r, inputs(cfg.vocab_size))
     tokens = {o.request_id: tokens_of(o) for o in stream} if stream else None
     final = (r.role.kind, weights_ok(r, cfg, load) if r.worker is not None else None,
              r.worker.rebalancer.rebalances if r.worker is not None else 0)

@@ -33,7 +33,8 @@ from megainfer.engine.sampling_params import SamplingParams  # noqa: E402
 from megainfer.models import build_model  # noqa: E402
 from megainfer.runtime.replan import runner as replan_runner  # noqa: E402
 from megainfer.config import ResolvedJob  # noqa: E402
-from megainfer.runtime.startup import build_rank, run_rank  # noqa: E402
+from megainfer.core_client.client import run_job
+from megainfer.runtime.startup import build_rank  # noqa: E402
 
 SCHED = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128)
 CACHE = CacheConfig(block_size=4, num_blocks=256)
@@ -100,7 +101,7 @@ def main():
             if mode == "recompute" else EplbConfig()  # live EPLB around the switches too
         r = build_rank(ResolvedJob(cfg, load, SCHED, CACHE, plan, CommConfig(timeout_s=120), eplb,
                                trace=TraceConfig(enabled=True), replan=replan))
-        stream = run_rank(r, inputs(cfg.vocab_size, n2=mode.startswith("n2")))
+        stream = run_job(r, inputs(cfg.vocab_size, n2=mode.startswith("n2")))
         tokens = {o.request_id: tokens_of(o) for o in stream} if stream else None
         final = (r.role.kind, weights_ok(r, cfg, load) if r.worker is not None else None,
                  r.worker.rebalancer.rebalances if r.worker is not None else 0)
@@ -137,7 +138,7 @@ def hang(cfg, load, plan, where):
             setattr(replan_switch, name, lambda *a, **k: time.sleep(3600))
     replan = ReplanConfig(enabled=True, force_schedule=FORCE[:1])
     r = build_rank(ResolvedJob(cfg, load, SCHED, CACHE, plan, CommConfig(timeout_s=2), replan=replan))
-    stream = run_rank(r, inputs(cfg.vocab_size))
+    stream = run_job(r, inputs(cfg.vocab_size))
     if stream is not None:
         list(stream)
 

@@ -22,7 +22,8 @@ from runtime_job import SCHED, SHARED_CACHE, dump_results, shared_inputs  # noqa
 
 from megainfer.config import CommConfig, DeployPlan, LoadConfig, ModelConfig  # noqa: E402
 from megainfer.config import ResolvedJob  # noqa: E402
-from megainfer.runtime.startup import build_rank, run_rank  # noqa: E402
+from megainfer.core_client.client import run_job
+from megainfer.runtime.startup import build_rank  # noqa: E402
 
 
 def main():
@@ -39,7 +40,7 @@ def main():
                                         num_blocks=14, host_kv_gib=0.01 if caching else 0.0)
             r = build_rank(ResolvedJob(cfg, LoadConfig(path=ckpt), sched, cache, plan,
                                    CommConfig(timeout_s=120, transport="mpi")))
-            stream = run_rank(r, shared_inputs(cfg.vocab_size, max_tokens))
+            stream = run_job(r, shared_inputs(cfg.vocab_size, max_tokens))
             if stream is not None:
                 outs = list(stream)
                 router = r.loop.router

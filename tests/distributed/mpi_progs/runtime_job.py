@@ -23,7 +23,8 @@ from megainfer.config import (CacheConfig, CommConfig, DeployPlan, LoadConfig, M
 from megainfer.engine.outputs import PromptInput  # noqa
 from megainfer.engine.sampling_params import SamplingParams  # noqa
 from megainfer.config import ResolvedJob  # noqa: E402
-from megainfer.runtime.startup import build_rank, run_rank  # noqa
+from megainfer.core_client.client import run_job
+from megainfer.runtime.startup import build_rank  # noqa
 
 SCHED = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128)
 CACHE = CacheConfig(block_size=4, num_blocks=256)
@@ -95,7 +96,7 @@ def main():
                               attention_tp=TP, expert_ranks=E, micro_batches=m)
             r = build_rank(ResolvedJob(cfg, LoadConfig(path=ckpt), SCHED, cache, plan,
                                    comm))
-            stream = run_rank(r, make_inputs(cfg.vocab_size, max_tokens))
+            stream = run_job(r, make_inputs(cfg.vocab_size, max_tokens))
             if stream is not None:
                 outs = list(stream)
                 results[f"{ckpt}|m={m}"] = {o.request_id: o.outputs[0].token_ids for o in outs}

@@ -1,0 +1,66 @@
+"""The in-process client: the engine core stepped on the caller's own thread, no thread and no
+socket (vLLM's ``InprocClient``). ``LLM`` uses it wherever the engine is in this process
+(single mode; rank 0 of an ``mpiexec`` launch) and so does ``megainfer-launch``'s offline job:
+inputs queue in ``submit``; ``next_outputs`` runs one round of the core (the queued inputs,
+then one iteration) and returns what it gave."""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional
+
+from megainfer.engine.core import CoreInput, CoreOutputs, EngineCore, Shutdown
+
+log = logging.getLogger("megainfer.core_client")
+
+
+class InprocClient:
+    """``on_stats``: called with each round's ``CoreStats`` (none kept otherwise)."""
+
+    ranks: tuple = ()  # no child job
+
+    def __init__(self, core: EngineCore, on_stats: Optional[Callable] = None):
+        self.core, self.engine, self.on_stats = core, core.engine, on_stats
+        self.inbox: list[CoreInput] = []
+        self.closed = False
+        self.error: Optional[BaseException] = None
+
+    @property
+    def alive(self) -> bool:
+        return not self.closed and self.error is None
+
+    def busy_s(self) -> float:
+        return 0.0  # the caller's thread is the core's: nobody watches it from outside
+
+    def submit(self, msg: CoreInput) -> None:
+        self.inbox.append(msg)
+
+    def next_outputs(self) -> CoreOutputs:
+        """One round: the inputs queued so far, then one iteration when there is work. A
+        failure of the engine is raised (and the client is dead; an interrupt is raised alone:
+        the caller's ``SyncClient`` aborts what it left)."""
+        msgs, self.inbox = self.inbox, []
+        try:
+            outs, _ = self.core.round(msgs)
+        except Exception as e:
+            self.error = e
+            log.error("%s engine core died: %s: %s", self.engine.log_prefix,
+                      type(e).__name__, e)
+            raise
+        if outs.stats is not None and self.on_stats is not None:
+            self.on_stats(outs.stats)
+        return outs
+
+    def has_work(self) -> bool:
+        return bool(self.inbox) or self.core.has_work()
+
+    def shutdown(self, timeout: Optional[float] = None) -> None:
+        """Abort what runs (its last iterations) and close the engine (its ranks too)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self.error is None:
+                self.core.round(self.inbox + [Shutdown()])
+        finally:
+            self.inbox = []
+            self.core.engine.close()
