@@ -19,7 +19,7 @@ from megainfer import LLM, SamplingParams
 
 def tiny_model() -> str:
     """A tiny random Mixtral in the temp directory (under mpiexec rank 0 writes it)."""
-    from megainfer.core_client.ranks import mpi_world
+    from megainfer.engine_core.builder import mpi_world
     from megainfer.tools.make_tiny import make_tiny
     path = os.path.join(tempfile.gettempdir(), "megainfer_tiny_mixtral")
     size, rank = mpi_world()

@@ -1,4 +1,4 @@
-"""``megainfer-launch`` under mpirun: every rank builds its part (``core_client.ranks.build_ranks``);
+"""``megainfer-launch`` under mpirun: every rank builds its part (``engine_core.builder.build_ranks``);
 rank 0 runs the offline job through the same client -> engine core -> engine route as ``LLM``
 (``core_client.client.launch_client``) and writes the results, the summary
 and (with ``trace.enabled``) the merged trace, its ``timeline.png`` and its pipeline figures (in
@@ -23,7 +23,7 @@ import sys
 import traceback
 
 from megainfer.core_client.client import launch_client
-from megainfer.core_client.ranks import build_ranks, serve_rank0
+from megainfer.engine_core.builder import build_ranks, serve_rank0
 from megainfer.engine.errors import RankLostError
 from megainfer.runtime.startup import abort_job
 

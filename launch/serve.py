@@ -37,7 +37,7 @@ from megainfer.engine import RequestError
 from megainfer.engine.errors import EngineDeadError
 
 from .settings import JOB_GROUPS, settings_from_config
-from megainfer.core_client.launch_env import local_rank, local_ranks, world_rank, world_size
+from megainfer.engine_core.launch_env import local_rank, local_ranks, world_rank, world_size
 
 log = logging.getLogger("megainfer.serve")
 
@@ -127,7 +127,7 @@ def _can_spawn(c: dict, serve: ServeConfig) -> bool:
 
 
 def run_server(cfg) -> int:
-    from megainfer.core_client.ranks import start_ranks
+    from megainfer.engine_core.builder import start_ranks
     from megainfer.serve.engine_client import EngineClient
     from megainfer.serve.metrics import iteration_role
     from megainfer.serve.server import metrics_label, serve_client, served_name

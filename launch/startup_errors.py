@@ -17,7 +17,7 @@ import io
 import sys
 from typing import Optional
 
-from megainfer.core_client.launch_env import world_rank, world_size
+from megainfer.engine_core.launch_env import world_rank, world_size
 
 
 class HeldStderr:

@@ -6,7 +6,7 @@
     await engine.abort("r1")  # its stream ends with finish_reason "abort"
     engine.shutdown()
 
-Where things run: in single mode the engine core (``megainfer.engine.core.EngineCoreThread``)
+Where things run: in single mode the engine core (``megainfer.engine_core.core.EngineCoreThread``)
 is a background thread of this process that owns the ``LLMEngine``; in every other mode it runs
 the runtime's rank 0 (a thread of rank 0 under ``mpiexec``, or rank 0 of a child job started
 from a plain script, over a local socket: ``megainfer.core_client``). ``engine_process=True``
@@ -34,11 +34,12 @@ from megainfer.config import ResolvedJob
 from megainfer.core_client import Intake, open_core
 from megainfer.core_client.client import JobTree, core_thread
 from megainfer.engine import RequestError, RequestOutput, SamplingParams
-from megainfer.engine.core import SHUTDOWN_TIMEOUT_S, AbortRequest, CoreOutputs
+from megainfer.engine_core.core import SHUTDOWN_TIMEOUT_S
+from megainfer.engine_core.messages import AbortRequest, CoreOutputs
 from megainfer.engine.errors import (DuplicateRequestError, EngineDeadError, core_died,
                                      core_not_running)
 from megainfer.engine.outputs import PromptInput
-from megainfer.engine.stream import RequestStream
+from megainfer.core_client.request_stream import RequestStream
 from megainfer.llm import LLM
 
 

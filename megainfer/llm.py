@@ -10,7 +10,7 @@ from megainfer.config.runtime import DEFAULT_KV_SCALE_GRANULARITY
 from megainfer.core_client.client import open_sync
 from megainfer.core_client.llm_job import LLMJob, resolve_llm_job
 from megainfer.engine import PromptInput, RequestError, RequestOutput, SamplingParams
-from megainfer.engine.core import SHUTDOWN_TIMEOUT_S
+from megainfer.engine_core.core import SHUTDOWN_TIMEOUT_S
 from megainfer.engine.tokenizer import Tokenizer
 
 Prompt = Union[str, Sequence[int], dict]

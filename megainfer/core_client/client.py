@@ -21,11 +21,13 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Protocol
 
 from megainfer.config import ResolvedJob
-from megainfer.engine.core import CoreInput, CoreOutputs, EngineCore, EngineCoreThread
+from megainfer.engine_core.core import EngineCore
+from megainfer.engine_core.core_thread import EngineCoreThread
+from megainfer.engine_core.messages import CoreInput, CoreOutputs
 
 from .frontend_intake import Intake
 from .inproc import InprocClient
-from .ranks import mpi_world, rank_job, serve_rank0, single_engine, start_ranks
+from megainfer.engine_core.builder import mpi_world, rank_job, serve_rank0, single_engine, start_ranks
 from .sync_client import QueuedOutputs, SyncClient
 
 log = logging.getLogger("megainfer.core_client")
@@ -134,7 +136,7 @@ def launch_client(r) -> SyncClient:
     """Rank 0 of an ``mpiexec`` launch whose ranks are built already (``ranks.build_ranks``;
     ``megainfer-launch``'s offline job): its ``RuntimeEngine`` stepped on this thread, final
     outputs only. Closing it stops every rank."""
-    from megainfer.runtime.replicas.online import RuntimeEngine
+    from megainfer.runtime.runtime_engine import RuntimeEngine
     return SyncClient(*inproc(RuntimeEngine(r, stream=False)))
 
 

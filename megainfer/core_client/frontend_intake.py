@@ -7,10 +7,10 @@ from __future__ import annotations
 from typing import Optional
 
 from megainfer.config import ResolvedJob
-from megainfer.engine.core import AddRequest
+from megainfer.engine_core.messages import AddRequest
 from megainfer.engine.intake import TokenizedPrompt, tokenize_request
 from megainfer.engine.outputs import PromptInput
-from megainfer.engine.stream import RequestStream
+from megainfer.core_client.request_stream import RequestStream
 from megainfer.engine.sampling_params import SamplingParams
 from megainfer.engine.tokenizer import Tokenizer, load_tokenizer
 

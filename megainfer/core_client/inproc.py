@@ -8,7 +8,8 @@ from __future__ import annotations
 import logging
 from typing import Callable, Optional
 
-from megainfer.engine.core import CoreInput, CoreOutputs, EngineCore, Shutdown
+from megainfer.engine_core.core import EngineCore
+from megainfer.engine_core.messages import CoreInput, CoreOutputs, Shutdown
 
 log = logging.getLogger("megainfer.core_client")
 

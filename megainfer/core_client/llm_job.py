@@ -13,7 +13,7 @@ from megainfer.config.deploy_fit import prefill_ranks
 from megainfer.config.llm_args import llm_tree, named_error
 
 from .client import JobTree
-from .ranks import mpi_world
+from megainfer.engine_core.builder import mpi_world
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,6 @@ that forked, not the process).
 from __future__ import annotations
 
 import collections
-import ctypes
 import os
 import shutil
 import signal
@@ -29,8 +28,8 @@ import time
 from typing import Optional, Sequence
 
 from megainfer.engine.errors import CoreStartError
+from megainfer.engine_core.launch_env import parent_death_signal
 
-PR_SET_PDEATHSIG = 1
 TAIL_LINES = 40
 TERM_GRACE_S = 5.0
 
@@ -58,25 +57,6 @@ def find_mpiexec() -> str:
                              "of a distributed deploy mode from a plain script needs MPICH "
                              "(`python -m pip install mpich`, next to mpi4py)")
     return found
-
-
-def parent_death_signal(parent: int, sig: int = signal.SIGTERM):
-    """A function that makes the calling process receive ``sig`` when its parent (``parent``,
-    the thread that forked it) dies, and exit at once if ``parent`` is gone already; None where
-    the platform has no such thing (only Linux has ``prctl``). Made before a fork, called in
-    the child (``preexec_fn``), or made and called by a process about its own parent."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-    def arm() -> None:
-        prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-        if os.getppid() != parent:  # the parent died before the call: nobody would signal
-            os._exit(1)
-    return arm
 
 
 def pid_alive(pid: int) -> bool:

@@ -19,7 +19,7 @@ from typing import Optional
 from megainfer.engine.errors import RankLostError
 
 from .mpiexec_job import MpiexecJob
-from .spawn_messages import RankInfo
+from megainfer.engine_core.messages import RankInfo
 
 
 class RankWatch:

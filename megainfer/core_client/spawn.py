@@ -1,5 +1,5 @@
 """The engine core of a distributed deploy mode started from a plain ``python script.py``: an
-``mpiexec`` child job (``rank_job``) whose rank 0 serves the core over a local socket
+``mpiexec`` child job (``engine_core.child_main``) whose rank 0 serves the core over a local socket
 (docs/python_api.md, "Ranks started from a plain script").
 
 ``SpawnedCore(spec, deliver)`` listens on a unix socket in a fresh private directory
@@ -32,16 +32,15 @@ import weakref
 from multiprocessing.connection import Connection
 from typing import Callable, Optional
 
-from megainfer.engine.core import (SHUTDOWN_TIMEOUT_S, AddRequest, CoreInput, CoreOutputs,
-                                   Shutdown)
+from megainfer.engine_core.core import SHUTDOWN_TIMEOUT_S
+from megainfer.engine_core.messages import AddRequest, CoreInput, CoreOutputs, Shutdown
 from megainfer.engine.errors import CoreStartError, EngineDeadError
 
 from . import sigterm_exit
 from .core_socket import CoreSocket
 from .mpiexec_job import MpiexecJob
 from .rank_watch import RankWatch
-from .spawn_messages import (AUTHKEY_ENV, LOG_LEVEL_ENV, Heartbeat, Launched, RankInfo, Ready,
-                             StartFailed)
+from megainfer.engine_core.messages import AUTHKEY_ENV, LOG_LEVEL_ENV, Heartbeat, Launched, RankInfo, Ready, StartFailed
 
 log = logging.getLogger("megainfer.core_client")
 
@@ -79,7 +78,7 @@ class SpawnedCore:
         return self._link.ranks
 
     def busy_s(self) -> float:
-        return 0.0  # rank 0 of the child job watches its own core (``rank_job``)
+        return 0.0  # rank 0 of the child job watches its own core (``child_main``)
 
     @property
     def job(self) -> MpiexecJob:
@@ -128,7 +127,7 @@ class _Link:
         env.update({AUTHKEY_ENV: self.socket.authkey.hex(), "PYTHONUNBUFFERED": "1",
                     LOG_LEVEL_ENV: logging.getLevelName(
                         logging.getLogger("megainfer").getEffectiveLevel())})
-        self.job = MpiexecJob(world, "megainfer.core_client.rank_job", [address], env,
+        self.job = MpiexecJob(world, "megainfer.engine_core.child_main", [address], env,
                               marker=address)
         sigterm_exit.hold()
         log.info("%s started %d ranks: %s (pid %d)", self.who, world, " ".join(self.job.cmd),

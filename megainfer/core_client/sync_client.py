@@ -13,10 +13,10 @@ import logging
 import queue
 from typing import Callable, Iterable, Iterator, Optional
 
-from megainfer.engine.core import AbortRequest, CoreOutputs
+from megainfer.engine_core.messages import AbortRequest, CoreOutputs
 from megainfer.engine.errors import EngineDeadError, RequestError, core_died, core_not_running
 from megainfer.engine.outputs import PromptInput, RequestOutput
-from megainfer.engine.stream import RequestStream
+from megainfer.core_client.request_stream import RequestStream
 
 from .frontend_intake import Intake
 

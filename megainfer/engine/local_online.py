@@ -1,7 +1,7 @@
 """What an ``EngineCore`` reads of an engine that runs in this process alone (single mode's
 ``LLMEngine``): its queues from its scheduler and block pool, and the answers of a process that
 no rank watches, holds nothing before its queue, has no pipeline spans and never re-plans
-(``engine.core.OnlineEngine``; the runtime's rank 0 answers otherwise)."""
+(``engine_core.core.OnlineEngine``; the runtime's rank 0 answers otherwise)."""
 from __future__ import annotations
 
 from .stats import EngineLoad

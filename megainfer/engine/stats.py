@@ -1,6 +1,6 @@
 """What the engine core measures about its engine, shipped to its frontend with its outputs.
 
-``CoreStatsRecorder`` belongs to an ``EngineCore`` (engine/core.py) and is told of each
+``CoreStatsRecorder`` belongs to an ``EngineCore`` (engine_core/core.py) and is told of each
 iteration and idle tick the core runs: it times them, counts the generated tokens and collects
 each finished request's queue time (its ``RequestOutput.metrics.time_in_queue`` plus the time
 the engine held it before that queue: ``OnlineEngine.held_s``, rank 0's hand-out in the runtime)

@@ -70,7 +70,7 @@ class Feature:
     * ``build(job, comm) -> Rank``: build instead of the base (calling it for the ranks it keeps);
     * ``traced(job, role)``: whether this rank records spans although ``trace.enabled`` is off;
     * ``run(rank)``: run a rank other than 0 instead of the base;
-    * ``online(rank) -> OnlinePlug``: rank 0 serving online (``replicas/online.RuntimeEngine``)
+    * ``online(rank) -> OnlinePlug``: rank 0 serving online (``runtime_engine.RuntimeEngine``)
       hands the feature each iteration's end and its close (the other ranks still ``run``)."""
 
     name: str

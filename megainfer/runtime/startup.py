@@ -58,8 +58,8 @@ def build_rank(job: ResolvedJob, comm=MPI.COMM_WORLD) -> Rank:
 
 def run_rank(r: Rank) -> None:
     """A rank other than 0: serve rank 0 until it stops the job (rank 0 drives every rank
-    from its ``RuntimeEngine``: ``replicas/online.py``)."""
-    assert r.role.rank != 0, "rank 0 runs its RuntimeEngine (core_client.ranks.start_ranks)"
+    from its ``RuntimeEngine``: ``runtime_engine.py``)."""
+    assert r.role.rank != 0, "rank 0 runs its RuntimeEngine (engine_core.builder.start_ranks)"
     if r.feature is not None and r.feature.run is not None:
         r.feature.run(r)
     else:

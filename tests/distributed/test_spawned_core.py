@@ -25,7 +25,7 @@ from megainfer.engine.errors import CoreStartError, EngineDeadError, RankLostErr
 from megainfer.core_client.frontend_intake import Intake  # noqa: E402
 from megainfer.core_client.mpiexec_job import pid_alive  # noqa: E402
 from megainfer.core_client.spawn import SpawnedCore  # noqa: E402
-from megainfer.engine.core import AbortRequest, AddRequest  # noqa: E402
+from megainfer.engine_core.messages import AbortRequest, AddRequest  # noqa: E402
 
 SCRIPT = os.path.join(MPI_PROGS, "spawned_core_script.py")
 GONE_S = 15.0  # a job's processes are all gone within this after the script's end
@@ -163,7 +163,7 @@ HANG_AFTER_STEPS = "MEGAINFER_TEST_HANG_AFTER_STEPS"
 SITECUSTOMIZE = f"""import os, threading
 if os.environ.get("{HANG_AFTER_STEPS}"):
     from megainfer.engine.engine import LLMEngine
-    from megainfer.runtime.replicas.online import RuntimeEngine
+    from megainfer.runtime.runtime_engine import RuntimeEngine
     left = [int(os.environ["{HANG_AFTER_STEPS}"])]
     def hanging(step):
         def step_outputs(self):
@@ -241,14 +241,14 @@ def test_start_failures_raise_with_the_job_output(ckpt, tmp_path):
     assert "the job's last output lines" in str(e.value)
     with pytest.raises(CoreStartError, match="timed out"):
         SpawnedCore(job_tree(ckpt), Collector().deliver, start_timeout_s=0.5)
-    left = subprocess.run(["pgrep", "-f", "megainfer.core_client.rank_job"], capture_output=True,
+    left = subprocess.run(["pgrep", "-f", "megainfer.engine_core.child_main"], capture_output=True,
                           text=True)
     mine = [p for p in left.stdout.split() if _started_by_me(int(p))]
     assert not mine, mine
 
 
 def _started_by_me(pid: int) -> bool:
-    """A process under this test process (the rank_job processes of its own jobs)."""
+    """A process under this test process (the child_main processes of its own jobs)."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             env = f.read()

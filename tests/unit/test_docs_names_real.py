@@ -206,11 +206,12 @@ def test_docs_name_only_real_files_and_code():
 
 
 def test_the_check_tells_real_from_stale():
-    ok = ["megainfer/launch/serve.py", "replicas/online.py", "scheduler.py", "perf/results/*.json",
+    ok = ["megainfer/launch/serve.py", "runtime/runtime_engine.py", "scheduler.py", "perf/results/*.json",
           "runtime/pd/kv_place.place", "megainfer.kernels.fused_moe", "LLM.generate",
-          "core_client.ranks.start_ranks(job)", "tags.STATUS", "torch.compile", "serve.max_n"]
+          "engine_core.builder.start_ranks(job)", "tags.STATUS", "torch.compile", "serve.max_n"]
     stale = ["runtime/kv_place", "runtime/microbatch.split_by_tokens", "replan_requests.py",
              "megainfer.config.resolve", "core_client.errors.RankLostError", "JobSpec",
-             "LLM.generate_all", "tags.NO_SUCH_TAG", "core_client.start_ranks(job)"]
+             "LLM.generate_all", "tags.NO_SUCH_TAG", "core_client.start_ranks(job)",
+             "core_client.ranks.start_ranks(job)", "replicas/online.py"]
     assert [t for t in ok if problem(t, {"serve.max_n"})] == []
     assert [t for t in stale if not problem(t, set())] == []

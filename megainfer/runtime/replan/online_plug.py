@@ -1,4 +1,4 @@
-"""Re-planning in rank 0's online engine (``replicas/online.RuntimeEngine``, the engine of
+"""Re-planning in rank 0's online engine (``runtime_engine.RuntimeEngine``, the engine of
 ``LLM(deploy=...)``, ``AsyncLLM`` and ``megainfer-serve``; docs/replan.md, "Online").
 
 ``REPLAN.online`` makes this rank 0's ``OnlinePlug``: its ``ReplanController`` is the loop's

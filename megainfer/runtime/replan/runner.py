@@ -236,7 +236,7 @@ def _traced(job, role) -> bool:
 
 
 def _online(r):
-    """Rank 0's plug into its ``RuntimeEngine`` (``replicas/online.py``)."""
+    """Rank 0's plug into its ``RuntimeEngine`` (``runtime_engine.py``)."""
     from megainfer.runtime.replan.online_plug import OnlineReplanner
     return OnlineReplanner(r)
 

@@ -17,7 +17,7 @@ import time
 
 from megainfer.core_client.client import JobTree
 from megainfer.core_client.frontend_intake import Intake
-from megainfer.engine.core import AddRequest
+from megainfer.engine_core.messages import AddRequest
 from megainfer.engine.sampling_params import SamplingParams
 
 # runtime_job.py's SCHED and CACHE (the single-mode reference's engine), as config keys

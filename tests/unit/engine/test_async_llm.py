@@ -11,10 +11,10 @@ from megainfer import LLM, AsyncLLM, SamplingParams
 from megainfer.async_llm import EngineDeadError
 from megainfer.config import CacheConfig, ModelConfig, SchedulerConfig
 from megainfer.engine import LLMEngine, RequestError
-from megainfer.engine.core import RequestUpdate
+from megainfer.engine_core.messages import RequestUpdate
 from megainfer.engine.intake import TokenizedPrompt
 from megainfer.engine.outputs import SampleDelta
-from megainfer.engine.stream import RequestStream
+from megainfer.core_client.request_stream import RequestStream
 from megainfer.engine.tokenizer import ByteTokenizer
 
 KW = dict(dtype="float32", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=48,

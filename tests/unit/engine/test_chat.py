@@ -137,10 +137,7 @@ def _word_level_ckpt(tiny_ckpts, tmp_path) -> str:
 
 def test_skip_special_tokens_false_keeps_their_text_offline_and_streamed(tiny_ckpts, tmp_path):
     """vLLM's ``skip_special_tokens``: by default </s> adds no text; with False it does, in
-    ``LLM.generate``, in ``AsyncLLM``'s streamed text and for stop strings."""
-    import asyncio
-
-    from megainfer import AsyncLLM
+    ``LLM.generate``, in the streamed text (``AsyncLLM``'s request stream) and for stop strings."""
     d = _word_level_ckpt(tiny_ckpts, tmp_path)
     kw = dict(temperature=0, max_tokens=3, ignore_eos=True, logit_bias={2: 100})
     llm = LLM(d, max_model_len=64)
@@ -153,18 +150,21 @@ def test_skip_special_tokens_false_keeps_their_text_offline_and_streamed(tiny_ck
                         use_tqdm=False)[0].outputs[0]
     assert stop.stop_reason == "</s>" and stop.token_ids == [2] and stop.text == ""
 
-    async def streamed():
-        engine = AsyncLLM(d, max_model_len=64)
-        try:
-            texts = []
-            async for out in engine.generate("hi", SamplingParams(**kw,
-                                                                  skip_special_tokens=False),
-                                             "r"):
-                texts.append(out.outputs[0].text)
-            return texts
-        finally:
-            engine.shutdown()
-    texts = asyncio.run(streamed())
+    # streamed: each iteration's update applied to the request's stream as AsyncLLM does (one
+    # update at a time here: AsyncLLM's event loop may take several in one wake-up)
+    from megainfer.core_client.frontend_intake import Intake
+    from megainfer.engine.outputs import PromptInput
+    from megainfer.engine_core.core import EngineCore
+    core = EngineCore(llm.engine)
+    add, stream = Intake.of_engine(llm.engine).open(
+        PromptInput.of("r", "hi", SamplingParams(**kw, skip_special_tokens=False)))
+    texts = []
+    for u in core.handle(add):
+        stream.apply(u)
+    while not stream.finished:
+        for u in core.step():
+            stream.apply(u)
+            texts.append(stream.output().outputs[0].text)
     assert texts[-1] == kept.text and any(t.strip() == "</s>" for t in texts[:-1]), texts
 
 

@@ -74,7 +74,7 @@ def test_weight_bytes_counts_the_built_model():
 # ------------------------------------------------------------------ LLM's arguments
 def test_vllm_names_and_threads(monkeypatch, threads):
     seen = {}
-    import megainfer.core_client.ranks as ranks_mod  # where LLM's arguments are resolved
+    import megainfer.engine_core.builder as ranks_mod  # where LLM's arguments are resolved
     real = ranks_mod.resolve_job
     monkeypatch.setattr(ranks_mod, "resolve_job",
                         lambda tree, *a, **k: seen.setdefault("tree", tree) and real(tree, *a, **k))

@@ -4,11 +4,12 @@ includes the time rank 0 held a request before handing it out, not only its repl
 import time
 from types import SimpleNamespace
 
-from megainfer.engine.core import AddRequest, EngineCore
+from megainfer.engine_core.core import EngineCore
+from megainfer.engine_core.messages import AddRequest
 from megainfer.engine.intake import TokenizedPrompt
 from megainfer.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from megainfer.engine.sampling_params import SamplingParams
-from megainfer.runtime.replicas.online import RuntimeEngine
+from megainfer.runtime.runtime_engine import RuntimeEngine
 
 REPLICA_QUEUE_S = 0.01
 
@@ -22,7 +23,7 @@ class HoldingLoop:
         self.release = False
         self.engine = SimpleNamespace(model_config=SimpleNamespace(vocab_size=256))
 
-    def open_online(self):
+    def open_online(self, stream=True):
         pass
 
     def submit(self, inputs):

@@ -67,7 +67,8 @@ def test_a_draining_core_orders_no_switch():
 
 def test_the_core_drains_its_engine_before_the_shutdown_aborts():
     """``EngineCore`` calls the engine's optional ``drain`` first on ``Shutdown``."""
-    from megainfer.engine.core import EngineCore, Shutdown
+    from megainfer.engine_core.core import EngineCore
+    from megainfer.engine_core.messages import Shutdown
     seen = []
     engine = SimpleNamespace(requests={"r": None}, drain=lambda: seen.append("drain"),
                              has_unfinished=lambda: False,

@@ -8,7 +8,8 @@ import time
 from prometheus_client import generate_latest
 
 from megainfer import LLM, SamplingParams
-from megainfer.engine.core import AbortRequest, AddRequest, EngineCore
+from megainfer.engine_core.core import EngineCore
+from megainfer.engine_core.messages import AbortRequest, AddRequest
 from megainfer.perfmodel.trace import A2E, complete_event, wait_name
 from megainfer.runtime.messages import ExpertSpans
 from megainfer.runtime.span_report import PipelineSpans

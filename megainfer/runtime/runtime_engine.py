@@ -1,4 +1,4 @@
-"""Rank 0 of the distributed runtime as an online engine (``engine.core.OnlineEngine``): the
+"""Rank 0 of the distributed runtime as an online engine (``engine_core.core.OnlineEngine``): the
 engine core behind ``LLM(deploy=...)``, ``AsyncLLM`` and the server in every mode but single.
 
 Requests arrive between iterations (``add_tokenized``) and are handed out by the loop's router

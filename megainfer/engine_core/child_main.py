@@ -1,10 +1,10 @@
-"""``mpiexec -n N python -m megainfer.core_client.rank_job ADDRESS``: the ranks a
+"""``mpiexec -n N python -m megainfer.engine_core.child_main ADDRESS``: the ranks a
 ``SpawnedCore`` starts from a plain script (docs/python_api.md, "Ranks started from a plain
 script").
 
 Rank 0 connects to the script's unix socket ``ADDRESS`` (authkey in ``$MEGAINFER_CORE_AUTHKEY``),
 receives the ``JobTree`` and broadcasts it; every rank resolves its own job, reports (rank, pid,
-role) to rank 0 (``Launched``) and builds its part (``ranks.start_ranks``). Rank 0 then runs the
+role) to rank 0 (``Launched``) and builds its part (``builder.start_ranks``). Rank 0 then runs the
 engine core on a thread (``EngineCoreThread``), sends ``Ready``, and its main thread hands the
 script's inputs to the core while the core's outputs go back over the socket; the socket's end
 (the script gone) is a ``Shutdown``. The other ranks serve rank 0 until it closes and exit 0.
@@ -24,13 +24,24 @@ import threading
 import time
 from multiprocessing.connection import Client
 
+import torch
+from mpi4py import MPI
+
+from megainfer.comm.errors import CommTimeoutError
+from megainfer.engine.errors import CoreStartError, EngineDeadError, RankLostError
+from megainfer.engine.stats import core_hangs
+from megainfer.runtime.control import RankFailure
+from megainfer.runtime.roles import assign_role
 from megainfer.runtime.startup import abort_job
 
-from .mpiexec_job import parent_death_signal
-from .spawn_messages import (AUTHKEY_ENV, HEARTBEAT_S, LOG_LEVEL_ENV, Heartbeat, Launched,
-                             RankInfo, Ready, StartFailed)
+from .builder import start_ranks
+from .core import EngineCore
+from .core_thread import EngineCoreThread
+from .launch_env import parent_death_signal
+from .messages import (AUTHKEY_ENV, HEARTBEAT_S, LOG_LEVEL_ENV, AbortRequest, AddRequest,
+                       CoreOutputs, Heartbeat, Launched, RankInfo, Ready, Shutdown, StartFailed)
 
-log = logging.getLogger("megainfer.core_client")
+log = logging.getLogger("megainfer.engine_core")
 POLL_S = 0.25  # rank 0's main thread: how often it checks its core thread while no input comes
 
 
@@ -40,9 +51,6 @@ def wire_error(e: BaseException, ranks: dict, what: str = "rank 0's engine core 
     anywhere else in its chain (the control plane's ``RankFailure``, a channel's
     ``CommTimeoutError``, e.g. while the ranks start) named by its rank and role (``ranks``:
     rank -> ``RankInfo``); anything else by its type and message."""
-    from megainfer.comm.errors import CommTimeoutError
-    from megainfer.engine.errors import EngineDeadError, RankLostError
-    from megainfer.runtime.control import RankFailure
     if isinstance(e, EngineDeadError):
         return e
     seen, cur = set(), e
@@ -83,14 +91,12 @@ class _Outbox:
             self.send(Heartbeat())
 
     def deliver(self, outputs) -> None:  # EngineCoreThread's callback, on its thread
-        from megainfer.engine.core import CoreOutputs
         if outputs.error is not None:
             outputs = CoreOutputs(outputs.updates, wire_error(outputs.error, self.ranks),
                                   outputs.stats)
         try:
             self.send(outputs)
         except Exception as e:  # noqa: BLE001 - an output that does not pickle: say so
-            from megainfer.engine.errors import EngineDeadError
             self.send(CoreOutputs(error=EngineDeadError(f"rank 0 could not send its outputs: "
                                                         f"{type(e).__name__}: {e}")))
 
@@ -98,14 +104,10 @@ class _Outbox:
 def serve_script(conn, engine, job, ranks: dict, prefix: str) -> bool:
     """Rank 0: the core over ``engine`` until a ``Shutdown`` or the socket's end; True when the
     core ended cleanly."""
-    from megainfer.engine.core import AbortRequest, AddRequest, Shutdown
-
-    from .client import core_thread
     out = _Outbox(conn, ranks)
     out.send(Ready(engine.log_prefix, float(job.comm.timeout_s)))  # before any output
-    core = core_thread(engine, out.deliver)
+    core = EngineCoreThread(EngineCore(engine), out.deliver)
     log.info("%s serving the script's engine core", prefix)
-    from megainfer.engine.stats import core_hangs
     hang_s = engine.hang_after_s(float(job.comm.timeout_s))
     while core.alive:
         hangs = core_hangs(core.busy_s(), hang_s)
@@ -134,8 +136,6 @@ def serve_script(conn, engine, job, ranks: dict, prefix: str) -> bool:
 def _hung(out: _Outbox, ranks: dict, prefix: str, hangs: str) -> None:
     """The core thread is stuck inside one round (while this thread, alive, would go on
     sending heartbeats): tell the script, naming rank 0; the caller then ends this process."""
-    from megainfer.engine.core import CoreOutputs
-    from megainfer.engine.errors import RankLostError
     role = ranks[0].role if 0 in ranks else None
     err = RankLostError(f"rank 0 {role} of the spawned job: {hangs}", 0, role)
     log.error("%s %s", prefix, err)
@@ -145,7 +145,6 @@ def _hung(out: _Outbox, ranks: dict, prefix: str, hangs: str) -> None:
 def _launch(rank: int, world: int, comm, spec):
     """(this rank's job, {rank: RankInfo} on rank 0, role tag); ``spec``: rank 0's
     ``JobTree`` (None on the others)."""
-    from megainfer.runtime.roles import assign_role
     spec = comm.bcast(spec, root=0)
     job = spec.resolve(rank)
     tag = assign_role(job.deploy, rank, world).tag
@@ -160,17 +159,13 @@ def main(argv=None) -> int:
     if arm is not None:
         arm()
     logging.basicConfig(level=os.environ.get(LOG_LEVEL_ENV, "WARNING"), format="%(message)s")
-    from mpi4py import MPI
-
-    from megainfer.engine.errors import CoreStartError
-    from .ranks import start_ranks
     comm = MPI.COMM_WORLD
     rank, world = comm.Get_rank(), comm.Get_size()
     prefix, conn, ranks, launched = f"[rank {rank}]", None, {}, False
     try:
         if rank == 0:
             if len(argv) != 1:
-                raise CoreStartError(f"rank_job: give the script's socket address, got {argv!r}")
+                raise CoreStartError(f"child_main: give the script's socket address, got {argv!r}")
             conn = Client(argv[0], family="AF_UNIX",
                           authkey=bytes.fromhex(os.environ[AUTHKEY_ENV]))
         os.environ.pop(AUTHKEY_ENV, None)
@@ -179,7 +174,6 @@ def main(argv=None) -> int:
             conn.send(Launched(tuple(ranks[r] for r in sorted(ranks))))
         launched = True
         if job.cpu_threads is not None:
-            import torch
             torch.set_num_threads(job.cpu_threads)
         engine = start_ranks(job)
     except BaseException as e:  # noqa: BLE001 - every start failure ends this rank

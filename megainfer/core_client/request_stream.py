@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .core import RequestUpdate
-from .detokenizer import SampleText, decode_text
-from .intake import TokenizedPrompt
-from .outputs import CompletionOutput, RequestOutput
-from .sampling_params import SamplingParams
+from megainfer.engine.detokenizer import SampleText, decode_text
+from megainfer.engine.intake import TokenizedPrompt
+from megainfer.engine.outputs import CompletionOutput, RequestOutput
+from megainfer.engine.sampling_params import SamplingParams
+from megainfer.engine_core.messages import RequestUpdate
 
 
 class RequestStream:

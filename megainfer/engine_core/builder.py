@@ -10,7 +10,7 @@ from megainfer.engine.resolve import resolve_job
 
 from .launch_env import world_rank, world_size
 
-log = logging.getLogger("megainfer.core_client")
+log = logging.getLogger("megainfer.engine_core")
 
 
 def mpi_world() -> tuple[int, int]:
@@ -68,7 +68,7 @@ def start_ranks(job: ResolvedJob, comm=None, stream: bool = True):
     its engine, then returns None."""
     if job.deploy.mode == "single":
         return single_engine(job)
-    from megainfer.runtime.replicas.online import RuntimeEngine
+    from megainfer.runtime.runtime_engine import RuntimeEngine
     r = build_ranks(job, comm)
     if r.role.rank == 0:
         return RuntimeEngine(r, stream)

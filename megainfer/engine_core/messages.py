@@ -1,0 +1,109 @@
+"""Every message that crosses between a frontend's client and an engine core, in one place.
+
+The core's inputs (``AddRequest``, ``AbortRequest``, ``Shutdown``) go in between iterations;
+each round of the core comes out as one ``CoreOutputs``: a ``RequestUpdate`` per request that
+changed (the new tokens of its samples, ``SampleDelta``, and once its final ``RequestOutput``:
+finished, aborted or refused), the core's measurements (``CoreStats``) or the error it died of.
+
+Over a child job's socket (``core_client.spawn.SpawnedCore`` <-> ``child_main``) also: the
+script sends the ``JobTree`` first; rank 0 answers ``Launched`` (every rank is up and has its
+role), then ``Ready`` (its engine is built) or ``StartFailed``, and ``Heartbeat`` whenever it
+sent nothing for ``HEARTBEAT_S`` (a rank 0 silent for ``comm.timeout_s`` is declared hung).
+Every exception that crosses is an ``EngineDeadError`` (``RankLostError`` when a rank is to
+blame), so it unpickles in the script whatever the child imported. Messages between the ranks
+of the runtime are ``runtime/messages.py``'s.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from megainfer.engine.errors import EngineDeadError
+from megainfer.engine.intake import TokenizedPrompt
+from megainfer.engine.outputs import RequestOutput, SampleDelta
+from megainfer.engine.sampling_params import SamplingParams
+from megainfer.engine.stats import CoreStats
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    request_id: str
+    prompt: TokenizedPrompt
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Abort every unfinished request (their outputs go out) and stop the loop."""
+
+
+CoreInput = Union[AddRequest, AbortRequest, Shutdown]
+
+
+@dataclass
+class RequestUpdate:
+    """What one iteration (or one input) changed for one request."""
+
+    request_id: str
+    new_tokens: list[SampleDelta] = field(default_factory=list)
+    output: Optional[RequestOutput] = None  # the last update of a request: finished, aborted
+    # ("abort") or refused (finish_reason "error", ``error`` naming the culprit)
+
+
+@dataclass
+class CoreOutputs:
+    """One batch of updates from the core's loop; ``error`` set when the loop died of it (every
+    unfinished request ends with it)."""
+
+    updates: list[RequestUpdate] = field(default_factory=list)
+    error: Optional[BaseException] = None
+    stats: Optional[CoreStats] = None  # what the core measured since its last outputs
+
+
+# the child's environment: the authkey of the socket (never on a command line) and the log level
+AUTHKEY_ENV = "MEGAINFER_CORE_AUTHKEY"
+LOG_LEVEL_ENV = "MEGAINFER_CORE_LOG_LEVEL"
+HEARTBEAT_S = 1.0
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """One rank of the child job: its process and its role's log tag (``[expert 0]``)."""
+
+    rank: int
+    pid: int
+    role: str
+
+
+@dataclass(frozen=True)
+class Launched:
+    """Every rank has started, resolved its job and knows its role (ranks in rank order); the
+    engine is being built."""
+
+    ranks: tuple[RankInfo, ...]
+
+
+@dataclass(frozen=True)
+class Ready:
+    """Rank 0's engine core runs: inputs are accepted. ``timeout_s``: the job's
+    ``comm.timeout_s`` (rank 0 silent for longer is hung)."""
+
+    log_prefix: str
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """Rank 0's process runs (sent when it had nothing else to send)."""
+
+
+@dataclass(frozen=True)
+class StartFailed:
+    """Rank 0 could not start its part (``error`` says why; its traceback is in its log)."""
+
+    error: EngineDeadError
