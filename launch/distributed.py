@@ -24,7 +24,7 @@ import traceback
 
 from megainfer.core_client.client import launch_client
 from megainfer.engine_core.builder import build_ranks, serve_rank0
-from megainfer.engine.errors import RankLostError
+from megainfer.engine.failures import RankLostError
 from megainfer.runtime.startup import abort_job
 
 from .job import run_offline_job, write_summary

@@ -34,7 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 from megainfer.config import ConfigError, ServeConfig
 from megainfer.config.keys import field_names, take
 from megainfer.engine import RequestError
-from megainfer.engine.errors import EngineDeadError
+from megainfer.engine.failures import EngineDeadError
 
 from .settings import JOB_GROUPS, settings_from_config
 from megainfer.engine_core.launch_env import local_rank, local_ranks, world_rank, world_size
@@ -115,7 +115,7 @@ def _can_spawn(c: dict, serve: ServeConfig) -> bool:
     core on a thread here (a warning), and a distributed mode fails saying what is missing."""
     from megainfer.core_client.llm_job import deploy_world_size
     from megainfer.core_client.mpiexec_job import find_mpiexec
-    from megainfer.engine.errors import CoreStartError
+    from megainfer.engine.failures import CoreStartError
     try:
         find_mpiexec()
     except CoreStartError as e:

@@ -36,8 +36,8 @@ from megainfer.core_client.client import JobTree, core_thread
 from megainfer.engine import RequestError, RequestOutput, SamplingParams
 from megainfer.engine_core.core import SHUTDOWN_TIMEOUT_S
 from megainfer.engine_core.messages import AbortRequest, CoreOutputs
-from megainfer.engine.errors import (DuplicateRequestError, EngineDeadError, core_died,
-                                     core_not_running)
+from megainfer.engine.errors import DuplicateRequestError
+from megainfer.engine.failures import EngineDeadError, core_died, core_not_running
 from megainfer.engine.outputs import PromptInput
 from megainfer.core_client.request_stream import RequestStream
 from megainfer.llm import LLM

@@ -65,7 +65,7 @@ def transport_link(path: str) -> dict:
 
 def mpiexec_path() -> str:
     from megainfer.core_client.mpiexec_job import find_mpiexec
-    from megainfer.engine.errors import CoreStartError
+    from megainfer.engine.failures import CoreStartError
     try:
         return find_mpiexec()
     except CoreStartError as e:

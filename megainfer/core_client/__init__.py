@@ -3,7 +3,7 @@ mode: the prompts' intake in the frontend's process, and a ``CoreClient`` over t
 (``client.open_core``: a thread of this process, rank 0 of an ``mpiexec`` launch, or a child
 job). docs/python_api.md."""
 from .client import CoreClient, JobTree, open_core
-from megainfer.engine.errors import EngineDeadError, RankLostError
+from megainfer.engine.failures import EngineDeadError, RankLostError
 from .frontend_intake import Intake
 
 __all__ = ["CoreClient", "JobTree", "open_core", "EngineDeadError", "RankLostError", "Intake"]

@@ -6,7 +6,7 @@
   rank serves inside the call until rank 0 closes, then ends its process with status 0, so the
   script's code after it runs on rank 0 only;
 * otherwise (a plain ``python script.py`` asking for several ranks, or any mode with
-  ``own_process``): the ranks are started as an ``mpiexec`` child job (``spawn.SpawnedCore``),
+  ``own_process``): the ranks are started as an ``mpiexec`` child job (``spawn.ChildJobClient``),
   rank 0 of it serving the core over a local socket.
 
 Every path gives a ``CoreClient``: inputs through ``submit``, each batch of ``CoreOutputs``
@@ -25,9 +25,12 @@ from megainfer.engine_core.core import EngineCore
 from megainfer.engine_core.core_thread import EngineCoreThread
 from megainfer.engine_core.messages import CoreInput, CoreOutputs
 
+from megainfer.engine_core.builder import (mpi_world, rank_job, serve_rank0, single_engine,
+                                           start_ranks)
+
 from .frontend_intake import Intake
 from .inproc import InprocClient
-from megainfer.engine_core.builder import mpi_world, rank_job, serve_rank0, single_engine, start_ranks
+from .spawn import ChildJobClient
 from .sync_client import QueuedOutputs, SyncClient
 
 log = logging.getLogger("megainfer.core_client")
@@ -107,8 +110,7 @@ def open_core(spec: JobTree, job: ResolvedJob, deliver: Deliver, tokenizer=None,
     engine = engine_here(job, tokenizer, own_process)
     if engine is not None:
         return core_thread(engine, deliver)
-    from .spawn import SpawnedCore
-    return SpawnedCore(spec, deliver)
+    return ChildJobClient(spec, deliver)
 
 
 def open_sync(spec: JobTree, job: ResolvedJob, tokenizer=None,
@@ -125,8 +127,7 @@ def open_sync(spec: JobTree, job: ResolvedJob, tokenizer=None,
         core = EngineCoreThread(EngineCore(engine, stream=False), outputs.deliver)
         intake, final_only = Intake.of_engine(engine), True
     else:
-        from .spawn import SpawnedCore
-        core, intake, final_only = SpawnedCore(spec, outputs.deliver), \
+        core, intake, final_only = ChildJobClient(spec, outputs.deliver), \
             Intake.for_job(job, tokenizer), False
     outputs.core = core
     return SyncClient(core, outputs.next_outputs, intake, final_only)

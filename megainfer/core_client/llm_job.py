@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence, Union
 
-from megainfer.config import ConfigError, ModelConfig, ResolvedJob
-from megainfer.config.deploy_fit import prefill_ranks
+from megainfer.config import ConfigError, DeployPlan, ModelConfig, ResolvedJob
+from megainfer.config.keys import field_names
 from megainfer.config.llm_args import llm_tree, named_error
 
 from .client import JobTree
@@ -62,17 +62,19 @@ def resolve_llm_job(args: Mapping, model, deploy: Union[None, str, Mapping],
 
 
 def deploy_world_size(tree: dict, world_size: Optional[int] = None) -> int:
-    """``world_size``, else what the deploy plan's counts need (a preset with every count),
-    else 1."""
+    """``world_size``, else the ranks the deploy plan needs (``DeployPlan.world_size``, the one
+    rule) when the preset gives every count, else 1. Bad counts raise ``DeployPlan``'s
+    ``ConfigError`` naming the key."""
     if world_size is not None:
         return world_size
     d = tree.get("deploy") or {}
-    if d.get("mode") == "colocated" and isinstance(d.get("attention_replicas"), int):
-        return d["attention_replicas"]
-    counts = [d.get(k) for k in ("attention_replicas", "attention_tp", "expert_ranks")]
-    if d.get("mode") == "disaggregated" and all(isinstance(v, int) for v in counts):
-        return counts[0] * counts[1] + counts[2] + prefill_ranks(d)
-    return 1
+    counts = ("attention_replicas",) if d.get("mode") == "colocated" else \
+        ("attention_replicas", "attention_tp", "expert_ranks")
+    if d.get("mode") not in ("colocated", "disaggregated") or \
+            not all(isinstance(d.get(k), int) for k in counts):
+        return 1
+    return DeployPlan(**{k: d[k] for k in field_names(DeployPlan) if d.get(k) is not None}
+                      ).world_size
 
 
 def asks_planner(tree: dict) -> bool:

@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Optional, Sequence
 
-from megainfer.engine.errors import CoreStartError
+from megainfer.engine.failures import CoreStartError
 from megainfer.engine_core.launch_env import parent_death_signal
 
 TAIL_LINES = 40

@@ -16,7 +16,7 @@ import select
 import time
 from typing import Optional
 
-from megainfer.engine.errors import RankLostError
+from megainfer.engine.failures import RankLostError
 
 from .mpiexec_job import MpiexecJob
 from megainfer.engine_core.messages import RankInfo

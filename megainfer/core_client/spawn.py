@@ -2,7 +2,7 @@
 ``mpiexec`` child job (``engine_core.child_main``) whose rank 0 serves the core over a local socket
 (docs/python_api.md, "Ranks started from a plain script").
 
-``SpawnedCore(spec, deliver)`` listens on a unix socket in a fresh private directory
+``ChildJobClient(spec, deliver)`` listens on a unix socket in a fresh private directory
 (``CoreSocket``: a random authkey, handed to the child in its environment; one authenticated
 connection is accepted, then the socket is removed), starts the job (``MpiexecJob``), sends rank 0 the ``JobTree`` and
 blocks until rank 0's ``Ready`` (bounded: a start failure or a timeout raises
@@ -33,14 +33,15 @@ from multiprocessing.connection import Connection
 from typing import Callable, Optional
 
 from megainfer.engine_core.core import SHUTDOWN_TIMEOUT_S
-from megainfer.engine_core.messages import AddRequest, CoreInput, CoreOutputs, Shutdown
-from megainfer.engine.errors import CoreStartError, EngineDeadError
+from megainfer.engine.failures import CoreStartError, EngineDeadError
+from megainfer.engine_core.messages import (AUTHKEY_ENV, LOG_LEVEL_ENV, AddRequest, CoreInput,
+                                            CoreOutputs, Heartbeat, Launched, RankInfo, Ready,
+                                            Shutdown, StartFailed)
 
 from . import sigterm_exit
 from .core_socket import CoreSocket
 from .mpiexec_job import MpiexecJob
 from .rank_watch import RankWatch
-from megainfer.engine_core.messages import AUTHKEY_ENV, LOG_LEVEL_ENV, Heartbeat, Launched, RankInfo, Ready, StartFailed
 
 log = logging.getLogger("megainfer.core_client")
 
@@ -51,7 +52,7 @@ WATCH_S = 0.25  # how often the reader checks the ranks' pids while no output co
 _LAUNCHER_ENV_PREFIXES = ("PMI_", "PMIX_", "OMPI_COMM_WORLD_", "HYDI_", "MPI_LOCAL")
 
 
-class SpawnedCore:
+class ChildJobClient:
     """A ``CoreClient`` over an ``mpiexec`` child job of ``spec.world_size`` ranks.
     ``deliver`` gets each ``CoreOutputs`` on the reader thread (hand them on, do no work; it
     must not hold this object, or garbage collection cannot end the job). ``ranks``: each
@@ -94,7 +95,7 @@ class SpawnedCore:
         if self._finalizer.detach() is not None:
             self._link.close(SHUTDOWN_TIMEOUT_S if timeout is None else timeout)
 
-    def __enter__(self) -> "SpawnedCore":
+    def __enter__(self) -> "ChildJobClient":
         return self
 
     def __exit__(self, *exc) -> None:
@@ -102,7 +103,7 @@ class SpawnedCore:
 
 
 class _Link:
-    """The socket to rank 0 and the job behind it (no reference to the ``SpawnedCore``, so
+    """The socket to rank 0 and the job behind it (no reference to the ``ChildJobClient``, so
     that the core can be collected while the reader runs)."""
 
     def __init__(self, spec, deliver):

@@ -3,7 +3,7 @@ requests opened by the frontend's ``Intake`` (tokenised here), submitted, the co
 applied to each request's stream (text decoded here), each final output handed on as it comes.
 
 The core is this process's (``InprocClient``: stepped on this thread, single mode and rank 0
-of an ``mpiexec`` launch) or a child job's (``SpawnedCore``, whose updates arrive on a reader
+of an ``mpiexec`` launch) or a child job's (``ChildJobClient``, whose updates arrive on a reader
 thread: ``QueuedOutputs`` waits on them). Either way one ``next_outputs()`` is one batch of
 ``CoreOutputs``.
 """
@@ -14,7 +14,8 @@ import queue
 from typing import Callable, Iterable, Iterator, Optional
 
 from megainfer.engine_core.messages import AbortRequest, CoreOutputs
-from megainfer.engine.errors import EngineDeadError, RequestError, core_died, core_not_running
+from megainfer.engine.errors import RequestError
+from megainfer.engine.failures import EngineDeadError, core_died, core_not_running
 from megainfer.engine.outputs import PromptInput, RequestOutput
 from megainfer.core_client.request_stream import RequestStream
 

@@ -1,12 +1,19 @@
 """Build an engine core's engine from a resolved job, in any deploy mode: single mode's
 ``LLMEngine`` in this process, or this MPI rank's part of the distributed runtime, whose rank 0
-is the engine (``RuntimeEngine``) and whose other ranks serve it until it closes."""
+is the engine (``RuntimeEngine``) and whose other ranks serve it until it closes. The runtime
+(whose import initialises MPI) is imported only by the functions that start ranks: a frontend
+that talks to a child job never initialises MPI."""
 from __future__ import annotations
 
 import logging
 
+import torch
+
 from megainfer.config import ConfigError, ResolvedJob
+from megainfer.engine import LLMEngine
 from megainfer.engine.resolve import resolve_job
+from megainfer.engine.tokenizer import load_tokenizer
+from megainfer.models.loader import build_model
 
 from .launch_env import world_rank, world_size
 
@@ -29,7 +36,6 @@ def rank_job(tree: dict, world: int, rank: int, planner=None,
 def device_name(device) -> str:
     if device.device != "cuda":
         return "cpu"
-    import torch
     return f"cuda:{device.index} ({torch.cuda.get_device_name(device.index)})"
 
 
@@ -39,11 +45,6 @@ def single_engine(job: ResolvedJob, tokenizer=None):
         raise ConfigError("replan.enabled=true: re-planning moves ranks between attention and "
                           "expert roles; deploy.mode=single has one process (re-planning runs "
                           "in deploy.mode=disaggregated)")
-    import torch
-
-    from megainfer.engine import LLMEngine
-    from megainfer.engine.tokenizer import load_tokenizer
-    from megainfer.models.loader import build_model
     device = job.device
     if job.cpu_threads is not None:
         torch.set_num_threads(job.cpu_threads)
@@ -82,7 +83,6 @@ def build_ranks(job: ResolvedJob, comm=None, report_spans: bool = True):
     the job runs: a served job's live T_e / T_c). A job its
     feature cannot run (re-planning: ``replan.check_replan``) is refused by every rank alike
     before anything collective (``startup.build_rank``)."""
-    import torch
     from mpi4py import MPI
 
     from megainfer.runtime.span_report import ExpertSpanReporter
@@ -90,8 +90,8 @@ def build_ranks(job: ResolvedJob, comm=None, report_spans: bool = True):
     if job.cpu_threads is not None:
         torch.set_num_threads(job.cpu_threads)
     r = build_rank(job, MPI.COMM_WORLD if comm is None else comm)
-    if r.role.rank != 0 and report_spans and job.trace.enabled and not r.tracer.cuda:  # T_e, T_c to rank 0 (a
-        r.expert_hooks.append(ExpertSpanReporter(r))  # re-plan may make any rank an expert)
+    if r.role.rank != 0 and report_spans and job.trace.enabled and not r.tracer.cuda:
+        r.expert_hooks.append(ExpertSpanReporter(r))  # (a re-plan may make any rank an expert)
     return r
 
 

@@ -1,5 +1,5 @@
 """``mpiexec -n N python -m megainfer.engine_core.child_main ADDRESS``: the ranks a
-``SpawnedCore`` starts from a plain script (docs/python_api.md, "Ranks started from a plain
+``ChildJobClient`` starts from a plain script (docs/python_api.md, "Ranks started from a plain
 script").
 
 Rank 0 connects to the script's unix socket ``ADDRESS`` (authkey in ``$MEGAINFER_CORE_AUTHKEY``),
@@ -28,7 +28,7 @@ import torch
 from mpi4py import MPI
 
 from megainfer.comm.errors import CommTimeoutError
-from megainfer.engine.errors import CoreStartError, EngineDeadError, RankLostError
+from megainfer.engine.failures import CoreStartError, EngineDeadError, RankLostError
 from megainfer.engine.stats import core_hangs
 from megainfer.runtime.control import RankFailure
 from megainfer.runtime.roles import assign_role

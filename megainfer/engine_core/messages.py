@@ -5,7 +5,7 @@ each round of the core comes out as one ``CoreOutputs``: a ``RequestUpdate`` per
 changed (the new tokens of its samples, ``SampleDelta``, and once its final ``RequestOutput``:
 finished, aborted or refused), the core's measurements (``CoreStats``) or the error it died of.
 
-Over a child job's socket (``core_client.spawn.SpawnedCore`` <-> ``child_main``) also: the
+Over a child job's socket (``core_client.spawn.ChildJobClient`` <-> ``child_main``) also: the
 script sends the ``JobTree`` first; rank 0 answers ``Launched`` (every rank is up and has its
 role), then ``Ready`` (its engine is built) or ``StartFailed``, and ``Heartbeat`` whenever it
 sent nothing for ``HEARTBEAT_S`` (a rank 0 silent for ``comm.timeout_s`` is declared hung).
@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-from megainfer.engine.errors import EngineDeadError
+from megainfer.engine.failures import EngineDeadError
 from megainfer.engine.intake import TokenizedPrompt
 from megainfer.engine.outputs import RequestOutput, SampleDelta
 from megainfer.engine.sampling_params import SamplingParams

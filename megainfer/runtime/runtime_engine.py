@@ -24,7 +24,8 @@ import logging
 import time
 from typing import Optional, Protocol
 
-from megainfer.engine.errors import DuplicateRequestError, RankLostError
+from megainfer.engine.errors import DuplicateRequestError
+from megainfer.engine.failures import RankLostError
 from megainfer.engine.intake import TokenizedPrompt
 from megainfer.engine.outputs import PromptInput, RequestOutput, StepOutputs
 from megainfer.engine.sampling_params import SamplingParams

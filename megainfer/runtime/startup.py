@@ -1,11 +1,12 @@
-"""Start one MPI rank of a distributed job: the entry launch, tests and benchmarks call.
+"""Start one MPI rank of a distributed job (``engine_core.builder`` calls it).
 
 ``build_rank`` picks the job's feature, the one named point where a mode beyond the base plugs
 in (``FEATURES``: re-planning, ``replan.REPLAN``; prefill replicas, ``pd.PD``; each a
 ``rank_parts.Feature``), lets it refuse the job before anything collective, and builds the rank
 through it or through the base start-up (``wiring.build_base_rank``). ``run_rank`` runs a
-rank other than 0 the same way (rank 0 is the ``RuntimeEngine``'s). This is the only runtime module that imports a feature: the base path (pipeline,
-replicas, tp, eplb, wiring, rank parts) imports nothing from ``pd/`` or ``replan/``
+rank other than 0 the same way (rank 0 is the ``RuntimeEngine``'s). This is the only runtime
+module that imports a feature: the base path (pipeline, replicas, tp, eplb, wiring, rank
+parts) imports nothing from ``pd/`` or ``replan/``
 (docs/architecture.md, "Runtime rooms").
 """
 from __future__ import annotations

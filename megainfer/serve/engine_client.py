@@ -16,7 +16,7 @@ from megainfer.async_llm import AsyncLLM
 from megainfer.config import ServeConfig
 from megainfer.engine import RequestError, RequestOutput, SamplingParams
 from megainfer.engine.stats import core_hangs
-from megainfer.engine.errors import EngineDeadError
+from megainfer.engine.failures import EngineDeadError
 
 from .errors import APIError, request_error
 from .metrics import CoreWatch, RequestTimer, ServeMetrics

@@ -13,8 +13,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from megainfer.engine import RequestError
-from megainfer.engine.errors import (DuplicateRequestError, EmptyPromptError, EngineDeadError,
-                                     PromptTooLongError, TokenIdError)
+from megainfer.engine.errors import DuplicateRequestError, EmptyPromptError, PromptTooLongError, TokenIdError
+from megainfer.engine.failures import EngineDeadError
 
 # OpenAI's error types by status; anything else 4xx is an invalid request, 5xx a server error
 TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",

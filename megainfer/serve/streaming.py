@@ -12,7 +12,7 @@ from typing import AsyncIterator, Optional
 from fastapi.sse import format_sse_event
 
 from megainfer.engine import RequestError, RequestOutput
-from megainfer.engine.errors import EngineDeadError
+from megainfer.engine.failures import EngineDeadError
 
 from . import responses as R
 from .errors import stream_error

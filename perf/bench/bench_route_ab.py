@@ -61,16 +61,26 @@ eng.shutdown()
 
 
 def side_of(root: str) -> dict:
+    """Another checkout gets the links its own editable install would give (removed at the
+    end: ``unlink``); this one has them from the install."""
     root = os.path.abspath(root)
-    for name, target in LINKS.items():
+    made = []
+    for name, target in LINKS.items() if root != ROOT else ():
         link = os.path.join(root, "megainfer", name)
-        if not os.path.exists(link):
+        if not os.path.lexists(link):
             os.symlink(os.path.join("..", target), link)
+            made.append(link)
     commit = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"],
                             capture_output=True, text=True, check=True).stdout.strip()
     dirty = bool(subprocess.run(["git", "-C", root, "status", "--porcelain", "--", "megainfer",
                                  "launch"], capture_output=True, text=True).stdout.strip())
-    return {"root": root, "commit": commit + ("+changes" if dirty else "")}
+    return {"root": root, "commit": commit + ("+changes" if dirty else ""), "links": made}
+
+
+def unlink(sides: dict) -> None:
+    for side in sides.values():
+        for link in side.pop("links"):
+            os.unlink(link)
 
 
 def env_of(side: dict) -> dict:
@@ -106,6 +116,14 @@ def run_async(side, ckpt, tmp) -> float:
 def main() -> None:
     from megainfer.tools.make_tiny import make_tiny
     sides = {"before": side_of(ARGS.before), "after": side_of(ARGS.after)}
+    try:
+        rows = _run(sides)
+    finally:
+        unlink(sides)
+    _report(sides, rows)
+
+
+def _run(sides: dict) -> dict:
     tmp = tempfile.mkdtemp(prefix="route_ab_")
     ckpt = make_tiny("mixtral", os.path.join(tmp, "ckpt"), seed=0, chat_template=False, **SHAPE)
     prompts = os.path.join(tmp, "prompts.jsonl")
@@ -128,6 +146,10 @@ def main() -> None:
         b, a = statistics.median(by["before"]), statistics.median(by["after"])
         rows[w] = {"before_tok_s": b, "after_tok_s": a, "after_over_before": a / b,
                    "runs": by}
+    return rows
+
+
+def _report(sides: dict, rows: dict) -> None:
     print(f"\n{'workload':18s} {'before':>10s} {'after':>10s} {'after/before':>13s}")
     for w, r in rows.items():
         print(f"{w:18s} {r['before_tok_s']:10.1f} {r['after_tok_s']:10.1f} "

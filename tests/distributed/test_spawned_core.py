@@ -1,4 +1,4 @@
-"""The engine core of a plain script's own ``mpiexec`` child job (``SpawnedCore``), in single
+"""The engine core of a plain script's own ``mpiexec`` child job (``ChildJobClient``), in single
 mode (one rank) and a1e2 (three): single mode's greedy tokens, aborts, shutdown, a killed or
 hung rank named by ``RankLostError`` within ``comm.timeout_s``, and no process left behind
 however the script ends (close, ``with``, garbage collection, interpreter exit, an uncaught
@@ -21,10 +21,10 @@ sys.path.insert(0, MPI_PROGS)
 from spawned_core_script import Collector, add, job_tree  # noqa: E402
 from runtime_job import inputs  # noqa: E402
 
-from megainfer.engine.errors import CoreStartError, EngineDeadError, RankLostError  # noqa
+from megainfer.engine.failures import CoreStartError, EngineDeadError, RankLostError  # noqa
 from megainfer.core_client.frontend_intake import Intake  # noqa: E402
 from megainfer.core_client.mpiexec_job import pid_alive  # noqa: E402
-from megainfer.core_client.spawn import SpawnedCore  # noqa: E402
+from megainfer.core_client.spawn import ChildJobClient  # noqa: E402
 from megainfer.engine_core.messages import AbortRequest, AddRequest  # noqa: E402
 
 SCRIPT = os.path.join(MPI_PROGS, "spawned_core_script.py")
@@ -63,7 +63,7 @@ def test_greedy_tokens_abort_and_shutdown(ckpt, single_mode_tokens, deploy):
     spec = job_tree(ckpt, deploy)
     intake = Intake.for_job(spec.resolve(0))
     col = Collector()
-    core = SpawnedCore(spec, col.deliver)
+    core = ChildJobClient(spec, col.deliver)
     pids, marker = _pids(core), core.job.marker
     assert [r.role for r in core.ranks] == ROLES[deploy] and core.alive
     try:
@@ -97,11 +97,11 @@ def _add_request(intake, r):
 def test_with_block_and_garbage_collection_end_the_job(ckpt):
     spec = job_tree(ckpt)
     with pytest.raises(ZeroDivisionError):
-        with SpawnedCore(spec, Collector().deliver) as core:
+        with ChildJobClient(spec, Collector().deliver) as core:
             pids, marker = _pids(core), core.job.marker
             1 / 0
     _assert_gone(pids, marker, within=1.0)
-    core = SpawnedCore(spec, Collector().deliver)
+    core = ChildJobClient(spec, Collector().deliver)
     pids, marker = _pids(core), core.job.marker
     del core
     gc.collect()
@@ -136,7 +136,7 @@ def _fails_naming(ckpt, deploy: str, timeout_s: float, words: str, fault=None,
     spec = job_tree(ckpt, deploy, timeout_s)
     intake = Intake.for_job(spec.resolve(0))
     col = Collector()
-    core = SpawnedCore(spec, col.deliver)
+    core = ChildJobClient(spec, col.deliver)
     pids, marker = _pids(core), core.job.marker
     try:
         add(core, intake, "long", [3, 4], max_tokens=120)
@@ -209,7 +209,7 @@ def test_llm_a1e2_from_a_plain_process(ckpt):
     want = [o.outputs[0].token_ids for o in single.generate(prompts, params, use_tqdm=False)]
     llm = LLM(ckpt, deploy="a1e2", **LLM_ARGS)
     core = llm._client.core
-    assert isinstance(core, SpawnedCore)
+    assert isinstance(core, ChildJobClient)
     pids, marker = _pids(core), core.job.marker
     try:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -237,10 +237,10 @@ def test_start_failures_raise_with_the_job_output(ckpt, tmp_path):
     bad.tree["scheduler"]["max_num_seqs"] = 0
     with pytest.raises(CoreStartError, match=r"did not start: \[rank 0\] failed to start: "
                        r"ConfigError: scheduler.max_num_seqs=0") as e:
-        SpawnedCore(bad, Collector().deliver)
+        ChildJobClient(bad, Collector().deliver)
     assert "the job's last output lines" in str(e.value)
     with pytest.raises(CoreStartError, match="timed out"):
-        SpawnedCore(job_tree(ckpt), Collector().deliver, start_timeout_s=0.5)
+        ChildJobClient(job_tree(ckpt), Collector().deliver, start_timeout_s=0.5)
     left = subprocess.run(["pgrep", "-f", "megainfer.engine_core.child_main"], capture_output=True,
                           text=True)
     mine = [p for p in left.stdout.split() if _started_by_me(int(p))]

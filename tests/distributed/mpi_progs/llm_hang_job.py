@@ -22,7 +22,7 @@ def main():
     pids = MPI.COMM_WORLD.allgather(os.getpid())
     out, ckpt, victim, timeout_s = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     from megainfer import LLM, SamplingParams
-    from megainfer.engine.errors import RankLostError
+    from megainfer.engine.failures import RankLostError
     llm = LLM(ckpt, deploy="a1e2", max_model_len=256, max_num_seqs=4, block_size=4,
               num_blocks=256, overrides=[f"comm.timeout_s={timeout_s}"])
     threading.Timer(0.5, os.kill, (pids[victim], signal.SIGSTOP)).start()

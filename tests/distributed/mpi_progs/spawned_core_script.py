@@ -1,4 +1,4 @@
-"""A plain ``python`` script that starts its ranks itself (``SpawnedCore``), for the tests of
+"""A plain ``python`` script that starts its ranks itself (``ChildJobClient``), for the tests of
 how such a job ends; and the helpers those tests share (``job_tree``, ``Collector``).
 
     python spawned_core_script.py CKPT DEPLOY MODE
@@ -73,12 +73,12 @@ def add(core, intake: Intake, request_id: str, token_ids, **params) -> None:
 
 
 def main():
-    from megainfer.core_client.spawn import SpawnedCore
+    from megainfer.core_client.spawn import ChildJobClient
     ckpt, deploy, mode = sys.argv[1:4]
     spec = job_tree(ckpt, deploy)
     intake = Intake.for_job(spec.resolve(0))
     col = Collector()
-    core = SpawnedCore(spec, col.deliver)
+    core = ChildJobClient(spec, col.deliver)
     print(json.dumps({"mpiexec": core.job.pid, "ranks": [r.pid for r in core.ranks],
                       "address": core.job.marker}), flush=True)
     add(core, intake, "long", [5, 6, 7], max_tokens=100)

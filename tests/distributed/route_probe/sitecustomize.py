@@ -7,12 +7,13 @@ import os
 if os.environ.get("MEGAINFER_ROUTE_LOG"):
     import json
 
-    from megainfer.engine import core as _core
+    from megainfer.engine_core import core as _core
+    from megainfer.engine_core.messages import AddRequest
 
     _handle = _core.EngineCore.handle
 
     def _logged(self, msg):
-        if isinstance(msg, _core.AddRequest):
+        if isinstance(msg, AddRequest):
             with open(os.environ["MEGAINFER_ROUTE_LOG"], "a") as f:
                 f.write(json.dumps({"pid": os.getpid(), "engine": type(self.engine).__name__,
                                     "entry": "EngineCore.handle",

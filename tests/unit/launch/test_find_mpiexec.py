@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from megainfer.core_client.mpiexec_job import find_mpiexec
-from megainfer.engine.errors import CoreStartError
+from megainfer.engine.failures import CoreStartError
 
 
 def test_mpiexec_env_wins_and_a_bad_one_is_named(tmp_path, monkeypatch):

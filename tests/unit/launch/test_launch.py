@@ -12,7 +12,7 @@ from hydra.errors import ConfigCompositionException
 from megainfer import LLM, SamplingParams
 from megainfer.config import ConfigError
 from megainfer.engine import PromptInput
-from megainfer.engine.errors import CoreStartError
+from megainfer.engine.failures import CoreStartError
 from megainfer.launch.inputs import BadLine, InputFileError, read_requests
 from megainfer.launch.job import run_offline_job
 from mpi_util import mpiexec_path
