@@ -7,6 +7,7 @@ import torch
 
 from .reference import moe_align_ref, select_experts_ref
 from .torch_moe import fused_moe_torch
+from .weight_quant import QuantizedWeight
 
 BACKENDS = ("torch", "triton")
 
@@ -45,9 +46,15 @@ def fused_moe(hidden: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               expert_map: Optional[torch.Tensor] = None, *,
               backend: Optional[str] = None) -> torch.Tensor:
-    """Routed-expert FFN of M tokens: [M, K] -> [M, K] in hidden's dtype (see reference.py)."""
+    """Routed-expert FFN of M tokens: [M, K] -> [M, K] in hidden's dtype (see reference.py).
+    ``w1``/``w2`` may be ``QuantizedWeight``s (weights kept in a stored format): they take the
+    torch path on every device (no quantised Triton MoE kernel yet)."""
     _check_moe(hidden, w1, w2, topk_weights, topk_ids, expert_map)
-    if _backend(hidden, backend) == "torch":
+    quant = isinstance(w1, QuantizedWeight)
+    if quant and backend == "triton":
+        raise KernelInputError(f"backend='triton': experts kept in {w1.fmt.name} run on the torch "
+                               "path only (no quantised Triton MoE kernel yet)")
+    if quant or _backend(hidden, backend) == "torch":
         return fused_moe_torch(hidden, w1, w2, topk_weights, topk_ids, expert_map)
     from .triton_moe import fused_moe_triton
     return fused_moe_triton(hidden, w1, w2, topk_weights, topk_ids, expert_map)

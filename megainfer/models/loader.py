@@ -33,6 +33,9 @@ from .mixtral import MIXTRAL
 from .model import MoECausalLM
 from .qwen2_moe import QWEN2_MOE
 from .qwen3_moe import QWEN3_MOE
+from .fp8 import QuantConfig
+from .quant_load import load_quant_expert, load_quant_linear, quantised_dummy, report_bytes
+from .quant_weights import QuantLinear, apply_weight_format, weight_format_for
 
 FAMILIES = {f.name: f for f in (MIXTRAL, QWEN3_MOE, QWEN2_MOE, DEEPSEEK_V2, DEEPSEEK_V3)}
 __all__ = ["build_model", "weight_bytes", "FAMILIES", "CheckpointError", "ConfigMismatchError",
@@ -51,27 +54,42 @@ def build_model(cfg: ModelConfig, load: LoadConfig, par: ParallelContext = Paral
 
     The module is built on the meta device, every parameter is then allocated once on
     ``device`` in the target dtype and filled tensor by tensor: no host copy of the model, no
-    fp32 staging. Peak memory is the model plus at most its largest tensor."""
+    fp32 staging. Peak memory is the model plus at most its largest tensor. Linear and expert
+    weights are kept in ``load.quantization``'s format (``quant_weights.py``), swapped in on
+    the meta model, so a shape the format refuses is refused before any weight is read."""
     dtype, device = load.torch_dtype, torch.device(device)
     num_slots = len(phy2log[0]) if phy2log is not None else cfg.num_experts
+    fmt = load_weight_format(load)
     with _on_meta():
         model = MoECausalLM(cfg, par, role, expert_slots, num_slots)
+        apply_weight_format(model, fmt)
     _materialize(model, dtype, device)
     with torch.no_grad():
         if load.load_format == "dummy":
             _fill_dummy(model, cfg, load.seed, phy2log)
         else:
             _load_safetensors(model, cfg, load.path, phy2log)
+    report_bytes(model, role, fmt, dtype)
     return model.eval().requires_grad_(False)
 
 
+def load_weight_format(load: LoadConfig):
+    """The format ``load`` keeps linear and expert weights in (None: the model dtype)."""
+    ckpt = QuantConfig.from_pretrained(load.path) if load.load_format != "dummy" else None
+    return weight_format_for(load.quantization, load.quantization_group_size, ckpt)
+
+
 def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, par: ParallelContext = ParallelContext(),
-                 role: str = "full") -> int:
-    """Bytes the weights of ``role`` take in ``dtype`` (router weights kept float32 counted so),
-    counted on the meta device: nothing is allocated."""
+                 role: str = "full", load: Optional[LoadConfig] = None) -> int:
+    """Bytes the weights of ``role`` take in ``dtype`` (router weights kept float32 counted so;
+    with ``load``, linear and expert weights in its format), counted on the meta device:
+    nothing is allocated."""
     with _on_meta():
         model = MoECausalLM(cfg, par, role)
-    return sum(p.numel() * (4 if getattr(p, "keep_fp32", False) else dtype.itemsize)
+        if load is not None:
+            apply_weight_format(model, load_weight_format(load))
+    return sum(p.numel() * (4 if getattr(p, "keep_fp32", False) else p.element_size()
+                            if getattr(p, "quant_storage", False) else dtype.itemsize)
                for p in model.parameters())
 
 
@@ -101,7 +119,9 @@ def _materialize(model: MoECausalLM, dtype: torch.dtype, device: torch.device) -
             if p is None:
                 continue
             if id(p) not in new:  # keep_fp32: router weights that stay float32 (as HF keeps them)
-                dt = torch.float32 if getattr(p, "keep_fp32", False) else dtype
+                # quant_storage: a weight kept in its stored format (int8, fp8, packed int4)
+                dt = (torch.float32 if getattr(p, "keep_fp32", False) else
+                      p.dtype if getattr(p, "quant_storage", False) else dtype)
                 q = nn.Parameter(torch.empty(p.shape, dtype=dt, device=device),
                                  requires_grad=p.requires_grad)
                 q.__dict__.update(p.__dict__)
@@ -110,6 +130,8 @@ def _materialize(model: MoECausalLM, dtype: torch.dtype, device: torch.device) -
     for mod in model.modules():
         if hasattr(mod, "init_buffers"):
             mod.init_buffers(device)
+        if hasattr(mod, "compute_dtype"):  # experts whose weights may be kept quantised
+            mod.compute_dtype = dtype
     left = [n for n, b in model.named_buffers() if b.is_meta]
     if left:
         raise RuntimeError(f"buffers {left} are still on the meta device: their module needs an "
@@ -125,9 +147,19 @@ def _seeded(name: str, shape, seed: int, std: float) -> torch.Tensor:
 
 def _fill_dummy(model: MoECausalLM, cfg: ModelConfig, seed: int, phy2log) -> None:
     """Random weights seeded by parameter name, so every rank draws the same tensor for a name
-    whatever its role; experts by (layer, logical expert). One tensor at a time on the host."""
+    whatever its role; experts by (layer, logical expert). One tensor at a time on the host;
+    a quantised weight is drawn in float32 and quantised (``quant_load.quantised_dummy``)."""
+    qlin = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    scales = {w + m.fmt.scale_name for w, m in qlin.items()}
     for name, p in model.named_parameters():
-        if name.endswith(("gate_up_proj", "down_proj")) and ".mlp.experts." in name:
+        if ".mlp.experts." in name and name.rsplit(".", 1)[1].startswith(("gate_up_proj",
+                                                                          "down_proj")):
+            continue
+        if name in qlin:
+            shape = qlin[name].full_shape
+            quantised_dummy(qlin[name], _seeded(name, shape, seed, shape[-1] ** -0.5))
+            continue
+        if name in scales:
             continue
         if name.endswith("norm.weight"):
             p.data.fill_(1.0)
@@ -142,8 +174,13 @@ def _fill_dummy(model: MoECausalLM, cfg: ModelConfig, seed: int, phy2log) -> Non
             base = f"model.layers.{layer}.mlp.experts.{e}"
             H, N = cfg.hidden_size, cfg.moe_intermediate_size
             gu = _seeded(base + ".gate_up", (2 * N, H), seed, H ** -0.5)
+            dn = _seeded(base + ".down", (H, N), seed, N ** -0.5)
+            if getattr(ex, "weight_format", None) is not None:
+                quantised_dummy(ex, gu, local, "gate_up_proj")
+                quantised_dummy(ex, dn, local, "down_proj")
+                continue
             ex.gate_up_proj.data[local].copy_(gu)
-            ex.down_proj.data[local].copy_(_seeded(base + ".down", (H, N), seed, N ** -0.5))
+            ex.down_proj.data[local].copy_(dn)
 
 
 # ----------------------------------------------------------------------------- safetensors
@@ -162,6 +199,7 @@ def _load_all(model, cfg, path, phy2log, fam, where, reader) -> None:
     with _on_meta():
         ref = dict(MoECausalLM(cfg).named_parameters())  # full-model names and shapes
     params = dict(model.named_parameters())
+    qlin = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
     experts: dict[tuple[int, int], dict[str, str]] = {}  # (layer, e) -> part -> ckpt name
     fused: dict[tuple[int, str], str] = {}  # (layer, gate_up_proj|down_proj) -> ckpt name
     loaded, mtp = set(), []
@@ -183,7 +221,10 @@ def _load_all(model, cfg, path, phy2log, fam, where, reader) -> None:
         if shape != tuple(ref[name].shape):
             raise ShapeMismatchError(f"tensor {ck_name!r} in {fn}: shape {list(shape)}, model "
                                      f"expects {list(ref[name].shape)} from config.json")
-        if name in params:
+        if name in qlin:  # kept quantised: weight and its scale
+            load_quant_linear(reader, ck_name, qlin[name])
+            loaded.update((name, name + qlin[name].fmt.scale_name))
+        elif name in params:
             reader.read_param(ck_name, params[name])
             loaded.add(name)
     if mtp:
@@ -221,8 +262,12 @@ def _load_experts(model, cfg, reader, experts, fused, phy2log, path):
     N = cfg.moe_intermediate_size
     for layer, ex in _expert_modules(model):
         gu_all, dn_all = ex.gate_up_proj.data, ex.down_proj.data
+        quant = getattr(ex, "weight_format", None) is not None
         for local, slot in enumerate(ex.slots):
             e = _logical(phy2log, layer, slot)
+            if quant:
+                load_quant_expert(reader, ex, local, layer, e, fused, experts, path)
+                continue
             if (layer, "gate_up_proj") in fused and (layer, "down_proj") in fused:
                 row = (e, e + 1)
                 reader.read(fused[(layer, "gate_up_proj")], gu_all[local:local + 1], rows=row)
