@@ -34,7 +34,7 @@ from .model import MoECausalLM
 from .qwen2_moe import QWEN2_MOE
 from .qwen3_moe import QWEN3_MOE
 from .fp8 import QuantConfig
-from .quant_load import load_quant_expert, load_quant_linear, quantised_dummy, report_bytes
+from .quant_load import check_stored_experts, load_quant_expert, load_quant_linear, quantised_dummy, report_bytes
 from .quant_weights import QuantLinear, apply_weight_format, weight_format_for
 
 FAMILIES = {f.name: f for f in (MIXTRAL, QWEN3_MOE, QWEN2_MOE, DEEPSEEK_V2, DEEPSEEK_V3)}
@@ -190,6 +190,7 @@ def _load_safetensors(model: MoECausalLM, cfg: ModelConfig, path: str, phy2log) 
     pin = torch.cuda.is_available() and any(p.is_cuda for p in model.parameters())
     reader = CheckpointReader(where, opened, pin)
     try:
+        check_stored_experts(where, model, cfg.moe_intermediate_size)
         _load_all(model, cfg, path, phy2log, fam, where, reader)
     finally:
         reader.close()

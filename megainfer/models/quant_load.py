@@ -117,14 +117,7 @@ def load_quant_expert(reader: CheckpointReader, ex, local: int, layer: int, e: i
                                      f"from checkpoint {path} (looked for per-expert and fused "
                                      "layouts)")
     fmt, names = ex.weight_format, [parts["gate"], parts["up"]]
-    if all(_as_stored(reader, n, fmt) for n in names):
-        N = reader.shape(names[0])[0]
-        if N % fmt.block[0]:
-            raise ConfigError(
-                f"model.quantization=fp8: tensor {names[0]!r} keeps its fp8 blocks, but "
-                f"moe_intermediate_size={N} is not a multiple of the {fmt.block[0]}-row "
-                "weight_block_size, so gate and up cannot share one block grid; use "
-                "model.quantization=fp8_dequant (or int8)")
+    if all(_as_stored(reader, n, fmt) for n in names):  # block grid checked before loading
         halves = [reader.read_stored(n) for n in names]
         data, scale = torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])
     else:
@@ -134,6 +127,24 @@ def load_quant_expert(reader: CheckpointReader, ex, local: int, layer: int, e: i
     _put_expert(ex, local, "gate_up_proj", data, scale)
     _put_expert(ex, local, "down_proj",
                 *stored_tensors(reader, parts["down"], fmt, _sdt(ex, "down_proj")))
+
+
+def check_stored_experts(where, model, N: int) -> None:
+    """Before any weight is read: per-expert gate and up kept as stored fp8 join into one
+    [2N, K] weight whose blocks are the halves' only when N is a whole number of blocks."""
+    fmt = next((m.weight_format for m in model.modules()
+                if getattr(m, "weight_format", None) is not None), None)
+    scales = getattr(where, "scales", {})
+    quant = getattr(where, "quant", None)
+    if fmt is None or fmt.name != "fp8" or quant is None or N % fmt.block[0] == 0:
+        return
+    per_expert = sorted(n for n in scales if ".experts." in n and n.endswith(".weight"))
+    if per_expert and (quant.dtype, tuple(quant.block)) == (fmt.fp8_dtype, tuple(fmt.block)):
+        raise ConfigError(
+            f"model.quantization (null or fp8) keeps the checkpoint's fp8 blocks, but expert "
+            f"tensors such as {per_expert[0]!r} have moe_intermediate_size={N} rows, not a "
+            f"multiple of the {fmt.block[0]}-row weight_block_size, so gate and up cannot share "
+            "one block grid; use model.quantization=fp8_dequant (or int8)")
 
 
 def _sdt(ex, part: str) -> torch.dtype:

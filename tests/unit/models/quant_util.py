@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from megainfer.config import LoadConfig, ModelConfig
 from megainfer.kernels import cpu_gemm
+from megainfer.kernels.cpu_qgemm import dequantize_fp8_blocks
 from megainfer.kernels.weight_quant import quantize_act_fp8, quantize_fp8
 from megainfer.models import build_model
 from megainfer.models.quant_weights import QuantLinear, expert_weight
@@ -131,5 +132,21 @@ def write_fp8(src, dst, block, names=FP8_NAMES):
             out[n], out[n + "_scale_inv"] = quantize_fp8(w.float(), block)
         else:
             out[n] = w
+    save_file(out, os.path.join(dst, "model.safetensors"))
+    return dst
+
+
+def write_dequantised(src, dst):
+    """An FP8 checkpoint ``src`` as a plain float32 one (every float8 weight times its block
+    scales, no quantization_config): what transformers loads as the oracle."""
+    os.makedirs(dst, exist_ok=True)
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    block = tuple(cfg.pop("quantization_config")["weight_block_size"])
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    t = load_file(os.path.join(src, "model.safetensors"))
+    out = {n: dequantize_fp8_blocks(w, t[n + "_scale_inv"], block, torch.float32)
+           if n + "_scale_inv" in t else w for n, w in t.items() if not n.endswith("_scale_inv")}
     save_file(out, os.path.join(dst, "model.safetensors"))
     return dst
