@@ -178,7 +178,8 @@ def kv_memory_gib(k: Mapping, model: ModelConfig, load: LoadConfig, deploy: Depl
     else:  # a frontend: read without a context (the ranks measure their own free memory)
         free = torch.cuda.get_device_properties(device.index).total_memory
     role = "attention" if deploy.mode == "disaggregated" else "full"
-    weights = weight_bytes(model, load.torch_dtype, ParallelContext(0, deploy.attention_tp), role)
+    weights = weight_bytes(model, load.torch_dtype, ParallelContext(0, deploy.attention_tp), role,
+                           load)  # in model.quantization's format
     return kv_budget_gib(util, free, weights, device.index, "free" if holds_cache else "in all")
 
 
