@@ -109,10 +109,10 @@ def expert_weight(experts: nn.Module, name: str):
 def slot_tensors(experts: nn.Module, slot: int) -> list:
     """Every stored tensor of one local slot, in the order a weight move sends them:
     gate_up, down, then (quantised experts) their scales."""
-    out = [experts.gate_up_proj[slot], experts.down_proj[slot]]
+    out = [experts.gate_up_proj.data[slot], experts.down_proj.data[slot]]
     fmt = getattr(experts, "weight_format", None)
     if fmt is not None:
-        out += [getattr(experts, n + fmt.scale_name)[slot] for n in EXPERT_WEIGHTS]
+        out += [getattr(experts, n + fmt.scale_name).data[slot] for n in EXPERT_WEIGHTS]
     return out
 
 
