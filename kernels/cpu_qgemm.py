@@ -49,6 +49,8 @@ def _int8(x2: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
 
 
 def _int4(x2: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    if qw.fmt.int4_layout != "torch_cpu" or not x2.is_cpu:  # the Triton layout: this call only
+        return F.linear(x2, qw.dequantize(x2.dtype))
     sz = qw.scale if qw.scale.dtype == x2.dtype else qw.scale.to(x2.dtype)
     if x2.dtype not in (torch.float32, torch.bfloat16):
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.float().contiguous(), qw.data,

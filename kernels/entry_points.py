@@ -47,14 +47,17 @@ def fused_moe(hidden: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
               expert_map: Optional[torch.Tensor] = None, *,
               backend: Optional[str] = None) -> torch.Tensor:
     """Routed-expert FFN of M tokens: [M, K] -> [M, K] in hidden's dtype (see reference.py).
-    ``w1``/``w2`` may be ``QuantizedWeight``s (weights kept in a stored format): they take the
-    torch path on every device (no quantised Triton MoE kernel yet)."""
+    ``w1``/``w2`` may be ``QuantizedWeight``s (weights kept in a stored format): the Triton
+    kernels dequantise them in the tile (int4: in the ``nibbles`` layout only; torch's CPU int4
+    layout takes the torch path)."""
     _check_moe(hidden, w1, w2, topk_weights, topk_ids, expert_map)
-    quant = isinstance(w1, QuantizedWeight)
-    if quant and backend == "triton":
-        raise KernelInputError(f"backend='triton': experts kept in {w1.fmt.name} run on the torch "
-                               "path only (no quantised Triton MoE kernel yet)")
-    if quant or _backend(hidden, backend) == "torch":
+    if isinstance(w1, QuantizedWeight) and w1.fmt.name == "int4" \
+            and w1.fmt.int4_layout != "nibbles":
+        if backend == "triton":
+            raise KernelInputError("backend='triton': int4 experts in torch's CPU layout run on "
+                                   "the torch path only (the Triton kernels take 'nibbles')")
+        backend = "torch"
+    if _backend(hidden, backend) == "torch":
         return fused_moe_torch(hidden, w1, w2, topk_weights, topk_ids, expert_map)
     from .triton_moe import fused_moe_triton
     return fused_moe_triton(hidden, w1, w2, topk_weights, topk_ids, expert_map)

@@ -28,6 +28,7 @@ import torch
 
 FORMATS = ("fp8", "int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128, 256)
+INT4_LAYOUTS = ("torch_cpu", "nibbles")
 FP8_BLOCK = (128, 128)
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
@@ -45,10 +46,13 @@ class WeightFormat:
     block: tuple = FP8_BLOCK
     group_size: int = 64
     fp8_dtype: torch.dtype = torch.float8_e4m3fn
+    int4_layout: str = "torch_cpu"  # torch_cpu (aten's CPU op) | nibbles (the Triton kernels)
 
     def __post_init__(self):
         if self.name not in FORMATS:
             raise ValueError(f"weight format {self.name!r}: must be one of {FORMATS}")
+        if self.int4_layout not in INT4_LAYOUTS:
+            raise ValueError(f"int4_layout={self.int4_layout!r}: must be one of {INT4_LAYOUTS}")
         if self.name == "int4" and self.group_size not in INT4_GROUP_SIZES:
             raise ValueError(f"int4 group_size={self.group_size}: must be one of "
                              f"{INT4_GROUP_SIZES}")
@@ -78,7 +82,7 @@ class WeightFormat:
             G = self.group_size
             if K % G:
                 return f"in_features={K} is not a multiple of model.quantization_group_size={G}"
-            if N % 16:
+            if N % 16 and self.int4_layout == "torch_cpu":
                 return f"out_features={N} is not a multiple of 16 (torch's CPU int4 layout)"
         return None
 
@@ -166,18 +170,29 @@ def quantize_int4_values(w: torch.Tensor, group_size: int, scale_dtype=torch.flo
     return q.to(torch.int32).view(N, K), sz
 
 
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """q int32 [N, K] in [0, 15] -> torch's CPU int4 layout, uint8 [N, K/2]."""
+def pack_int4(q: torch.Tensor, layout: str = "torch_cpu") -> torch.Tensor:
+    """q int32 [N, K] in [0, 15] -> uint8 [N, K/2]: torch's CPU int4 layout (rows tiled by
+    16), or ``nibbles`` (byte j of a row holds k = 2j in its low and 2j + 1 in its high half)."""
+    if layout == "nibbles":
+        q = q.to(torch.uint8)
+        return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
 
 
-def quantize_int4(w: torch.Tensor, group_size: int, scale_dtype=torch.float32):
+def unpack_nibbles(data: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K/2] in the ``nibbles`` layout -> q int32 [N, K]."""
+    lo, hi = (data & 15).to(torch.int32), (data >> 4).to(torch.int32)
+    return torch.stack([lo, hi], dim=-1).flatten(-2)
+
+
+def quantize_int4(w: torch.Tensor, group_size: int, scale_dtype=torch.float32,
+                  layout: str = "torch_cpu"):
     """w [..., N, K] float -> (data uint8 [..., N, K/2], scale_zeros [..., K/G, N, 2])."""
     if w.dim() > 2:
-        parts = [quantize_int4(x, group_size, scale_dtype) for x in w]
+        parts = [quantize_int4(x, group_size, scale_dtype, layout) for x in w]
         return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
     q, sz = quantize_int4_values(w.cpu(), group_size, scale_dtype)
-    return pack_int4(q).to(w.device), sz.to(w.device)
+    return pack_int4(q, layout).to(w.device), sz.to(w.device)
 
 
 def quantize(w: torch.Tensor, fmt: WeightFormat, scale_dtype=torch.float32):
@@ -187,7 +202,7 @@ def quantize(w: torch.Tensor, fmt: WeightFormat, scale_dtype=torch.float32):
         return quantize_fp8(w, fmt.block, fmt.fp8_dtype)
     if fmt.name == "int8":
         return quantize_int8(w, scale_dtype)
-    return quantize_int4(w, fmt.group_size, scale_dtype)
+    return quantize_int4(w, fmt.group_size, scale_dtype, fmt.int4_layout)
 
 
 # ----------------------------------------------------------------------------- references
@@ -213,6 +228,9 @@ def dequantize(qw: QuantizedWeight, dtype=torch.float32) -> torch.Tensor:
         return (qw.data.float() * s).to(dtype)
     if fmt.name == "int8":
         return (qw.data.float() * qw.scale.float()[:, None]).to(dtype)
+    if fmt.int4_layout == "nibbles":
+        return dequantize_int4_values(unpack_nibbles(qw.data), qw.scale.float(),
+                                      fmt.group_size, dtype)
     eye = torch.eye(K, dtype=torch.float32, device=qw.data.device)
     w_t = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, qw.data, fmt.group_size,
                                                      qw.scale.float().contiguous())  # [K, N]

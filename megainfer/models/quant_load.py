@@ -83,7 +83,7 @@ def stored_tensors(reader: CheckpointReader, name: str, fmt: WeightFormat,
     if cols is not None and fmt.name == "int4":  # group values sliced before packing
         q, sz = quantize_int4_values(w, fmt.group_size, scale_dtype)
         G = fmt.group_size
-        return pack_int4(q[:, cols[0]:cols[1]]), sz[cols[0] // G:cols[1] // G].contiguous()
+        return pack_int4(q[:, cols[0]:cols[1]], fmt.int4_layout), sz[cols[0] // G:cols[1] // G].contiguous()
     data, scale = quantize(w, fmt, scale_dtype)
     del w
     return (data, scale) if cols is None else _slice_cols(data, scale, fmt, *cols)
@@ -174,7 +174,7 @@ def quantised_dummy(mod, w: torch.Tensor, local: Optional[int] = None,
         if fmt.name == "int4":
             q, sz = quantize_int4_values(w, fmt.group_size, mod.scale.dtype)
             G = fmt.group_size
-            data, scale = pack_int4(q[:, c0:c1]), sz[c0 // G:c1 // G].contiguous()
+            data, scale = pack_int4(q[:, c0:c1], fmt.int4_layout), sz[c0 // G:c1 // G].contiguous()
         else:
             data, scale = _slice_cols(data, scale, fmt, c0, c1)
     _copy(mod.weight, data, "dummy")
