@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import zlib
 from typing import Optional, Sequence, Union
 
 import torch
@@ -34,7 +33,9 @@ from .model import MoECausalLM
 from .qwen2_moe import QWEN2_MOE
 from .qwen3_moe import QWEN3_MOE
 from .fp8 import QuantConfig
-from .quant_load import check_stored_experts, load_quant_expert, load_quant_linear, quantised_dummy, report_bytes
+from .dummy_weights import expert_modules as _expert_modules, fill_dummy as _fill_dummy
+from .dummy_weights import logical as _logical
+from .quant_load import check_stored_experts, load_quant_expert, load_quant_linear, report_bytes
 from .quant_weights import QuantLinear, apply_weight_format, weight_format_for
 
 FAMILIES = {f.name: f for f in (MIXTRAL, QWEN3_MOE, QWEN2_MOE, DEEPSEEK_V2, DEEPSEEK_V3)}
@@ -138,51 +139,6 @@ def _materialize(model: MoECausalLM, dtype: torch.dtype, device: torch.device) -
                            "init_buffers(device) method")
 
 
-# ----------------------------------------------------------------------------- dummy weights
-def _seeded(name: str, shape, seed: int, std: float) -> torch.Tensor:
-    """The full fp32 tensor for a name, on the host (the same values whatever the device)."""
-    g = torch.Generator().manual_seed((zlib.crc32(name.encode()) ^ seed) & 0x7FFFFFFF)
-    return torch.randn(shape, generator=g, device="cpu").mul_(std)
-
-
-def _fill_dummy(model: MoECausalLM, cfg: ModelConfig, seed: int, phy2log) -> None:
-    """Random weights seeded by parameter name, so every rank draws the same tensor for a name
-    whatever its role; experts by (layer, logical expert). One tensor at a time on the host;
-    a quantised weight is drawn in float32 and quantised (``quant_load.quantised_dummy``)."""
-    qlin = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
-    scales = {w + m.fmt.scale_name for w, m in qlin.items()}
-    for name, p in model.named_parameters():
-        if ".mlp.experts." in name and name.rsplit(".", 1)[1].startswith(("gate_up_proj",
-                                                                          "down_proj")):
-            continue
-        if name in qlin:
-            shape = qlin[name].full_shape
-            quantised_dummy(qlin[name], _seeded(name, shape, seed, shape[-1] ** -0.5))
-            continue
-        if name in scales:
-            continue
-        if name.endswith("norm.weight"):
-            p.data.fill_(1.0)
-            continue
-        shape = _full_shape(p)
-        full = _seeded(name, shape, seed, 1.0 if "embed" in name else shape[-1] ** -0.5)
-        _copy(p, full, name, "<dummy>")
-        del full
-    for layer, ex in _expert_modules(model):
-        for local, slot in enumerate(ex.slots):
-            e = _logical(phy2log, layer, slot)
-            base = f"model.layers.{layer}.mlp.experts.{e}"
-            H, N = cfg.hidden_size, cfg.moe_intermediate_size
-            gu = _seeded(base + ".gate_up", (2 * N, H), seed, H ** -0.5)
-            dn = _seeded(base + ".down", (H, N), seed, N ** -0.5)
-            if getattr(ex, "weight_format", None) is not None:
-                quantised_dummy(ex, gu, local, "gate_up_proj")
-                quantised_dummy(ex, dn, local, "down_proj")
-                continue
-            ex.gate_up_proj.data[local].copy_(gu)
-            ex.down_proj.data[local].copy_(dn)
-
-
 # ----------------------------------------------------------------------------- safetensors
 def _load_safetensors(model: MoECausalLM, cfg: ModelConfig, path: str, phy2log) -> None:
     fam = FAMILIES[cfg.family]
@@ -266,23 +222,33 @@ def _load_experts(model, cfg, reader, experts, fused, phy2log, path):
         quant = getattr(ex, "weight_format", None) is not None
         for local, slot in enumerate(ex.slots):
             e = _logical(phy2log, layer, slot)
+            src = _expert_source(layer, e, fused, experts, path)
             if quant:
-                load_quant_expert(reader, ex, local, layer, e, fused, experts, path)
+                load_quant_expert(reader, ex, local, e, src)
                 continue
-            if (layer, "gate_up_proj") in fused and (layer, "down_proj") in fused:
+            if src[0] == "fused":
                 row = (e, e + 1)
-                reader.read(fused[(layer, "gate_up_proj")], gu_all[local:local + 1], rows=row)
-                reader.read(fused[(layer, "down_proj")], dn_all[local:local + 1], rows=row)
+                reader.read(src[1], gu_all[local:local + 1], rows=row)
+                reader.read(src[2], dn_all[local:local + 1], rows=row)
                 continue
-            parts = experts.get((layer, e), {})
-            for part in ("gate", "up", "down"):
-                if part not in parts:
-                    raise MissingTensorError(f"expert {e} {part} projection of layer {layer} "
-                                             f"missing from checkpoint {path} (looked for "
-                                             "per-expert and fused layouts)")
+            parts = dict(zip(("gate", "up", "down"), src[1:]))
             reader.read(parts["gate"], gu_all[local, :N])
             reader.read(parts["up"], gu_all[local, N:])
             reader.read(parts["down"], dn_all[local])
+
+
+def _expert_source(layer: int, e: int, fused: dict, experts: dict, path: str) -> tuple:
+    """Where logical expert ``e`` of ``layer`` is in the checkpoint: ('fused', gate_up name,
+    down name) of [E, ...] tensors, or ('split', gate, up, down) per-expert tensors."""
+    if (layer, "gate_up_proj") in fused and (layer, "down_proj") in fused:
+        return "fused", fused[(layer, "gate_up_proj")], fused[(layer, "down_proj")]
+    parts = experts.get((layer, e), {})
+    for part in ("gate", "up", "down"):
+        if part not in parts:
+            raise MissingTensorError(f"expert {e} {part} projection of layer {layer} "
+                                     f"missing from checkpoint {path} (looked for "
+                                     "per-expert and fused layouts)")
+    return "split", parts["gate"], parts["up"], parts["down"]
 
 
 def _is_mtp(name: str, cfg) -> bool:
@@ -301,37 +267,3 @@ def _unexpected(ck_name, fn, cfg):
                                   f"says num_hidden_layers={cfg.num_layers}")
     raise UnexpectedTensorError(f"tensor {ck_name!r} in {fn}: not part of a {cfg.family} model "
                                 "with this config.json")
-
-
-# ----------------------------------------------------------------------------- helpers
-def _expert_modules(model):
-    for i, layer in enumerate(model.layers):
-        mlp = getattr(layer, "mlp", None)
-        ex = getattr(mlp, "experts", None)
-        if ex is not None and len(ex.slots):
-            yield i, ex
-
-
-def _logical(phy2log, layer: int, slot: int) -> int:
-    return slot if phy2log is None else int(phy2log[layer][slot])
-
-
-def _full_shape(p: torch.Tensor) -> tuple:
-    shard = getattr(p, "tp_shard", None)
-    if shard is None:
-        return tuple(p.shape)
-    dim, _, full = shard
-    shape = list(p.shape)
-    shape[dim] = full
-    return tuple(shape)
-
-
-def _copy(p: torch.Tensor, full: torch.Tensor, name: str, fn: str) -> None:
-    """Copy the full checkpoint tensor, or this rank's tensor-parallel slice of it, into p."""
-    shard = getattr(p, "tp_shard", None)
-    src = full if shard is None else full.narrow(shard[0], shard[1].start,
-                                                 shard[1].stop - shard[1].start)
-    if tuple(src.shape) != tuple(p.shape):
-        raise ShapeMismatchError(f"tensor {name!r} in {fn}: shape {list(full.shape)} does not fit "
-                                 f"parameter of shape {list(p.shape)}")
-    p.data.copy_(src)

@@ -79,14 +79,21 @@ def stored_tensors(reader: CheckpointReader, name: str, fmt: WeightFormat,
             raise ConfigError(f"tensor {name!r}: rows from {rows[0]} are not on a whole "
                               f"{fmt.block[0]}-row block of model.quantization=fp8")
         return (data, scale) if cols is None else _slice_cols(data, scale, fmt, *cols)
-    w = _read_float(reader, name, rows)
-    if cols is not None and fmt.name == "int4":  # group values sliced before packing
+    return _quantise(_read_float(reader, name, rows), fmt, scale_dtype, cols)
+
+
+def _quantise(w: torch.Tensor, fmt: WeightFormat, scale_dtype: torch.dtype,
+              cols: Optional[tuple[int, int]] = None):
+    """w [..., N, K] float32 -> stored (data, scale), or those of its input columns
+    [c0, c1) of the whole tensor's quantisation (int4: group values sliced, then packed)."""
+    if cols is None:
+        return quantize(w, fmt, scale_dtype)
+    if fmt.name == "int4":
         q, sz = quantize_int4_values(w, fmt.group_size, scale_dtype)
         G = fmt.group_size
-        return pack_int4(q[:, cols[0]:cols[1]], fmt.int4_layout), sz[cols[0] // G:cols[1] // G].contiguous()
-    data, scale = quantize(w, fmt, scale_dtype)
-    del w
-    return (data, scale) if cols is None else _slice_cols(data, scale, fmt, *cols)
+        return (pack_int4(q[:, cols[0]:cols[1]], fmt.int4_layout),
+                sz[cols[0] // G:cols[1] // G].contiguous())
+    return _slice_cols(*quantize(w, fmt, scale_dtype), fmt, *cols)
 
 
 def load_quant_linear(reader: CheckpointReader, name: str, mod) -> None:
@@ -97,32 +104,25 @@ def load_quant_linear(reader: CheckpointReader, name: str, mod) -> None:
     _copy(mod.scale, scale, name)
 
 
-def load_quant_expert(reader: CheckpointReader, ex, local: int, layer: int, e: int,
-                      fused: dict, experts: dict, path: str) -> None:
-    """Local slot ``local`` of quantised ``ex`` <- logical expert ``e`` of ``layer``: a row of
-    the fused [E, N, K] checkpoint tensors (``fused[(layer, part)]``), else the per-expert
-    gate, up and down (``experts[(layer, e)]``), gate and up stacked along N. Stored fp8
-    halves are joined as they are, which needs whole blocks per half."""
-    from .checkpoint_errors import MissingTensorError
-    if (layer, "gate_up_proj") in fused and (layer, "down_proj") in fused:
-        for part in ("gate_up_proj", "down_proj"):
+def load_quant_expert(reader: CheckpointReader, ex, local: int, e: int, src: tuple) -> None:
+    """Local slot ``local`` of quantised ``ex`` <- logical expert ``e`` from ``src`` (the
+    loader's ``_expert_source``): row e of fused [E, N, K] tensors ('fused', gate_up, down), or
+    per-expert tensors ('split', gate, up, down), gate and up stacked along N. Stored fp8
+    halves are joined as they are, which needs whole blocks per half (checked before loading:
+    ``check_stored_experts``)."""
+    if src[0] == "fused":
+        for part, name in zip(("gate_up_proj", "down_proj"), src[1:]):
             _put_expert(ex, local, part, *stored_tensors(
-                reader, fused[(layer, part)], ex.weight_format, _sdt(ex, part), rows=(e, e + 1)),
-                squeeze=True)
+                reader, name, ex.weight_format, _sdt(ex, part), rows=(e, e + 1)), squeeze=True)
         return
-    parts = experts.get((layer, e), {})
-    for part in ("gate", "up", "down"):
-        if part not in parts:
-            raise MissingTensorError(f"expert {e} {part} projection of layer {layer} missing "
-                                     f"from checkpoint {path} (looked for per-expert and fused "
-                                     "layouts)")
+    parts = dict(zip(("gate", "up", "down"), src[1:]))
     fmt, names = ex.weight_format, [parts["gate"], parts["up"]]
     if all(_as_stored(reader, n, fmt) for n in names):  # block grid checked before loading
         halves = [reader.read_stored(n) for n in names]
         data, scale = torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])
     else:
         w = torch.cat([_read_float(reader, n) for n in names])  # [2N, K] float32
-        data, scale = quantize(w, fmt, _sdt(ex, "gate_up_proj"))
+        data, scale = _quantise(w, fmt, _sdt(ex, "gate_up_proj"))
         del w
     _put_expert(ex, local, "gate_up_proj", data, scale)
     _put_expert(ex, local, "down_proj",
@@ -163,20 +163,14 @@ def quantised_dummy(mod, w: torch.Tensor, local: Optional[int] = None,
     """Dummy weights: the full float32 tensor ``w`` quantised into a ``QuantLinear`` (this
     rank's slice of it) or into slot ``local`` of quantised experts' ``part``."""
     if part is not None:
-        _put_expert(mod, local, part, *quantize(w, mod.weight_format, _sdt(mod, part)))
+        _put_expert(mod, local, part, *_quantise(w, mod.weight_format, _sdt(mod, part)))
         return
-    fmt, shard = mod.fmt, mod.shard
+    shard, cols = mod.shard, None
     if shard is not None and shard[0] == 0:
         w = w[shard[1]]
-    data, scale = quantize(w, fmt, mod.scale.dtype)
-    if shard is not None and shard[0] == 1:
-        c0, c1 = shard[1].start, shard[1].stop
-        if fmt.name == "int4":
-            q, sz = quantize_int4_values(w, fmt.group_size, mod.scale.dtype)
-            G = fmt.group_size
-            data, scale = pack_int4(q[:, c0:c1], fmt.int4_layout), sz[c0 // G:c1 // G].contiguous()
-        else:
-            data, scale = _slice_cols(data, scale, fmt, c0, c1)
+    elif shard is not None:
+        cols = (shard[1].start, shard[1].stop)
+    data, scale = _quantise(w, mod.fmt, mod.scale.dtype, cols)
     _copy(mod.weight, data, "dummy")
     _copy(mod.scale, scale, "dummy")
 
