@@ -16,7 +16,8 @@ against fp32's tokens: after a first divergence the contexts differ, so it is a 
 Speed: the decode step of perf/bench/decode_steps.py (B rows, ``--context`` cached tokens, one
 new token: AttentionMetadata + forward + logits) on the 54.5M Mixtral shape of
 bench_decode_step (dummy weights, drawn in fp32 and quantised on load), median of
-``--repeats`` steps after 2 warm-ups, 1 thread; floor = bytes the step reads (every weight but
+``--repeats`` steps after 2 warm-ups, the formats interleaved step by step (a busy host slows
+them alike), 1 thread; floor = bytes the step reads (every weight but
 the embedding, in its stored format with its scales, experts scaled to the min(E, B * top_k)
 the batch can hit, plus the KV cache) / the read bandwidth measured in this run. Writes
 ``perf/results/bench_weight_formats.json``.
@@ -132,24 +133,28 @@ def speed(a) -> list[dict]:
     cfg = ModelConfig(**SPEED)
     torch.set_num_threads(a.threads)
     bw = max(bench_offline.read_bandwidth() for _ in range(3))
+    models = {name: build_model(cfg, _load(None, q, dtype, group, fmt="dummy"))
+              for name, q, dtype, group in FORMATS}
     rows = []
-    for name, q, dtype, group in FORMATS:
-        model = build_model(cfg, _load(None, q, dtype, group, fmt="dummy"))
-        for B in a.batches:
-            step = OursStep(model, B, a.context)
+    for B in a.batches:  # formats interleaved step by step: a busy host slows them alike
+        steps = {}
+        for name, q, dtype, group in FORMATS:
+            steps[name] = OursStep(models[name], B, a.context)
             if dtype != "float32":
-                step.caches = [c.to(getattr(torch, dtype)) for c in step.caches]
+                steps[name].caches = [c.to(getattr(torch, dtype)) for c in steps[name].caches]
             for _ in range(2):
-                step()
-            ts = []
-            for _ in range(a.repeats):
+                steps[name]()
+        ts = {name: [] for name in steps}
+        for _ in range(a.repeats):
+            for name, step in steps.items():
                 t = time.perf_counter()
                 step()
-                ts.append(time.perf_counter() - t)
-            nbytes = step_bytes(model, B, a.context)
-            rows.append(dict(format=name, B=B, threads=a.threads, median_s=statistics.median(ts),
-                             bytes=nbytes, floor_s=nbytes / bw))
-        del model
+                ts[name].append(time.perf_counter() - t)
+        for name in steps:
+            nbytes = step_bytes(models[name], B, a.context)
+            rows.append(dict(format=name, B=B, threads=a.threads,
+                             median_s=statistics.median(ts[name]), bytes=nbytes,
+                             floor_s=nbytes / bw))
     fp32 = {r["B"]: r["median_s"] for r in rows if r["format"] == "fp32"}
     for r in rows:
         r["speedup_vs_fp32"] = fp32[r["B"]] / r["median_s"]
