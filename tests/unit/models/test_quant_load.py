@@ -61,12 +61,11 @@ def test_bf16_compute(ckpts):
         assert (got - ref).abs().max() < 0.15
 
 
-def test_int4_shape_refused_before_loading(ckpts):
+def test_int4_shape_refused_before_loading(tmp_path):
+    from megainfer.tools.make_tiny import make_tiny
+    d = make_tiny("deepseek_v3", str(tmp_path / "ds"), seed=0)  # kv_a_proj: 32 + 8 = 40 rows
     with pytest.raises(ConfigError, match=r"model.quantization=int4: .*kv_a_proj_with_mqa"
                                           r".*multiple of 16"):
-        from megainfer.tools.make_tiny import make_tiny
-        import tempfile
-        d = make_tiny("deepseek_v3", tempfile.mkdtemp(), seed=0)  # 32 + 8 = 40 rows
         build(d, quantization="int4", quantization_group_size=32)
 
 
