@@ -7,6 +7,7 @@ import torch
 
 from .reference import moe_align_ref, select_experts_ref
 from .torch_moe import fused_moe_torch
+from .weight_quant import QuantizedWeight
 
 BACKENDS = ("torch", "triton")
 
@@ -45,8 +46,17 @@ def fused_moe(hidden: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               expert_map: Optional[torch.Tensor] = None, *,
               backend: Optional[str] = None) -> torch.Tensor:
-    """Routed-expert FFN of M tokens: [M, K] -> [M, K] in hidden's dtype (see reference.py)."""
+    """Routed-expert FFN of M tokens: [M, K] -> [M, K] in hidden's dtype (see reference.py).
+    ``w1``/``w2`` may be ``QuantizedWeight``s (weights kept in a stored format): the Triton
+    kernels dequantise them in the tile (int4: in the ``nibbles`` layout only; torch's CPU int4
+    layout takes the torch path)."""
     _check_moe(hidden, w1, w2, topk_weights, topk_ids, expert_map)
+    if isinstance(w1, QuantizedWeight) and w1.fmt.name == "int4" \
+            and w1.fmt.int4_layout != "nibbles":
+        if backend == "triton":
+            raise KernelInputError("backend='triton': int4 experts in torch's CPU layout run on "
+                                   "the torch path only (the Triton kernels take 'nibbles')")
+        backend = "torch"
     if _backend(hidden, backend) == "torch":
         return fused_moe_torch(hidden, w1, w2, topk_weights, topk_ids, expert_map)
     from .triton_moe import fused_moe_triton

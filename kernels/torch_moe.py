@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_gemm
+from .cpu_qgemm import stacked_qlinear
+from .weight_quant import QuantizedWeight
 
 
 def local_slot_experts(topk_ids: torch.Tensor, num_local: int,
@@ -34,7 +36,7 @@ def fused_moe_torch(hidden: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                     expert_map: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Same contract as ``fused_moe_ref``; matmuls run in hidden's dtype, sums in fp32."""
     M, k = topk_ids.shape
-    E_l, N = w1.shape[0], w2.shape[2]
+    E_l, N = w1.shape[0], w2.shape[2]  # w1/w2: tensors or QuantizedWeights (logical shapes)
     K = hidden.shape[1]
     if M == 0 or E_l == 0:
         return torch.zeros(M, K, dtype=hidden.dtype, device=hidden.device)
@@ -47,7 +49,7 @@ def fused_moe_torch(hidden: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     slots = order[:n_here]  # [n_here] slots of the experts on this rank
     x = hidden.index_select(0, torch.div(slots, k, rounding_mode="floor"))  # [n_here, K] rows
     here = [(e, n) for e, n in enumerate(counts[:E_l]) if n]  # experts with slots, in order
-    ys, up, down = [], cpu_gemm.stacked_linear(w1), cpu_gemm.stacked_linear(w2)
+    ys, up, down = [], _stacked(w1), _stacked(w2)
     for (e, _), xe in zip(here, x.split_with_sizes([n for _, n in here])):  # xe [n, K]: views
         g = up(xe, e)  # [n, 2N]
         act = F.silu(g[:, :N]).mul_(g[:, N:])  # [n, N]: a fresh contiguous tensor, no copy
@@ -59,6 +61,11 @@ def fused_moe_torch(hidden: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     per_slot.index_copy_(0, slots, y.mul_(w[:, None]))  # y: a fresh tensor
     out = per_slot.view(M, k, K).sum(1)  # [M, K]: j = 0..k-1 in order, for any grouping
     return out if out.dtype == hidden.dtype else out.to(hidden.dtype)
+
+
+def _stacked(w):
+    """run(x, e) = x @ w[e].T for a stacked weight, as stored (``QuantizedWeight``) or not."""
+    return stacked_qlinear(w) if isinstance(w, QuantizedWeight) else cpu_gemm.stacked_linear(w)
 
 
 def _fp32(t: torch.Tensor) -> torch.Tensor:

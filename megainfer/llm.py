@@ -26,7 +26,9 @@ class LLM:
     ``trust_remote_code=True`` is refused: megainfer runs its own model code only.
     ``seed`` seeds the sampling of requests without their own seed (and dummy weights).
     ``device``: ``cpu`` | ``cuda`` (default: cuda when one is visible); ``dtype``: ``float32`` |
-    ``bfloat16`` | ``float16`` (default: bfloat16 on cuda, float32 on cpu);
+    ``bfloat16`` | ``float16`` (default: bfloat16 on cuda, float32 on cpu); ``quantization``:
+    how weights are kept (``model.quantization``: None, the checkpoint's own format; ``fp8``,
+    ``int8``, ``int4``, ``fp8_dequant``; docs/checkpoints.md);
     ``attention_backend``: ``torch`` | ``triton`` (default: triton on cuda, torch on cpu);
     ``enforce_eager`` (or ``cuda_graphs=False``): no CUDA graphs for decode steps (cuda with
     triton only replays them). KV pool: ``num_blocks``, else enough for ``max_num_seqs`` x
@@ -59,6 +61,7 @@ class LLM:
     def __init__(self, model: Union[str, ModelConfig], *, tokenizer: Optional[Tokenizer] = None,
                  revision: Optional[str] = None, trust_remote_code: bool = False,
                  load_format: str = "auto", dtype: Optional[str] = None,
+                 quantization: Optional[str] = None,
                  device: Optional[str] = None, attention_backend: Optional[str] = None,
                  cuda_graphs: bool = True, enforce_eager: bool = False, seed: int = 0,
                  max_model_len: Optional[int] = None, max_num_seqs: int = 64,
@@ -79,7 +82,8 @@ class LLM:
             raise ConfigError(f"LLM(model={model!r}): give a checkpoint directory, a Hugging Face "
                               "model id (org/name) or a ModelConfig")
         args = dict(model=model if isinstance(model, str) else None, revision=revision,
-                    load_format=load_format, dtype=dtype, device=device,
+                    load_format=load_format, dtype=dtype, quantization=quantization,
+                    device=device,
                     attention_backend=attention_backend,
                     cuda_graphs=None if cuda_graphs and not enforce_eager else False, seed=seed,
                     max_model_len=max_model_len, max_num_seqs=max_num_seqs,

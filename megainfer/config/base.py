@@ -9,6 +9,9 @@ MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
 DEVICES = ("cpu", "cuda")
 ATTENTION_BACKENDS = ("torch", "triton")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+# model.quantization (docs/checkpoints.md, "Weight formats"); None: the checkpoint's own format
+QUANTIZATIONS = (None, "fp8", "int8", "int4", "fp8_dequant")
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's CPU int4 weight-only GEMM takes
 
 
 def torch_dtype_of(name: str):

@@ -23,7 +23,7 @@ ARG_KEYS = {
     "gpu_memory_utilization": "cache.gpu_memory_utilization",
     "enable_prefix_caching": "cache.enable_prefix_caching", "kv_cache_dtype": "cache.kv_cache_dtype",
     "host_kv_gib": "cache.host_kv_gib", "kv_store_dir": "cache.kv_store_dir",
-    "kv_scale_granularity": "cache.kv_scale_granularity",
+    "kv_scale_granularity": "cache.kv_scale_granularity", "quantization": "model.quantization",
 }
 _LEADING_KEY = re.compile(r"^([A-Za-z_][\w]*(?:\.[\w]+)+)=")
 _OFFLINE_GROUPS = ("io", "workload")

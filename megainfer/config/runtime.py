@@ -5,8 +5,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from .base import (ATTENTION_BACKENDS, DEVICES, DTYPE_NAMES, ConfigError,
-                   require, torch_dtype_of)
+from .base import (ATTENTION_BACKENDS, DEVICES, DTYPE_NAMES, INT4_GROUP_SIZES, QUANTIZATIONS,
+                   ConfigError, is_int_at_least, require, torch_dtype_of)
 from .model import ModelConfig
 
 # the cache's storage formats (auto: the model dtype; docs/kv_cache.md, kernels/kv_quant.py)
@@ -23,12 +23,25 @@ class LoadConfig:
     load_format: str = "safetensors"  # safetensors | dummy (launcher: auto, safetensors with a path)
     dtype: str = "float32"  # float32 | bfloat16 | float16 (auto: bfloat16 on cuda, float32 on cpu)
     seed: int = 0  # seed of the dummy weights
+    # weight format of linear and expert weights (lm_head, embeddings, norms, routers stay in
+    # model.dtype): null keeps the checkpoint's own (an FP8 checkpoint stays FP8) | fp8 (e4m3,
+    # 128x128 block scales, per-token-group activations) | int8 (weight-only, per output
+    # channel) | int4 (weight-only, per group of quantization_group_size inputs) | fp8_dequant
+    # (an FP8 checkpoint dequantised on load into model.dtype); docs/checkpoints.md
+    quantization: Optional[str] = None
+    quantization_group_size: int = 64  # int4: input columns per scale (32, 64, 128 or 256)
 
     def __post_init__(self):
         require(self.load_format in ("safetensors", "dummy"), "model.load_format",
                  self.load_format, "must be 'safetensors' or 'dummy'")
         require(self.dtype in DTYPE_NAMES, "model.dtype", self.dtype,
                  "must be float32, bfloat16 or float16")
+        require(self.quantization in QUANTIZATIONS, "model.quantization", self.quantization,
+                 "must be null, " + ", ".join(q for q in QUANTIZATIONS if q))
+        require(is_int_at_least(self.quantization_group_size, 1)
+                 and self.quantization_group_size in INT4_GROUP_SIZES,
+                 "model.quantization_group_size", self.quantization_group_size,
+                 f"must be one of {', '.join(map(str, INT4_GROUP_SIZES))}")
         if self.load_format == "safetensors":
             require(self.path is not None and os.path.isdir(self.path), "model.path", self.path,
                      "must be an existing checkpoint directory (or use load_format=dummy)")
@@ -97,9 +110,14 @@ class DeviceConfig:
         """bfloat16 on cuda, float32 on cpu (``model.dtype=auto``)."""
         return "bfloat16" if self.device == "cuda" else "float32"
 
-    def check_model(self, model: "ModelConfig", dtype: str) -> None:
+    def check_model(self, model: "ModelConfig", dtype: str,
+                    quantization: Optional[str] = None) -> None:
         """Refuse, before any weight is loaded, what the chosen kernels cannot take."""
         require(dtype in DTYPE_NAMES, "model.dtype", dtype, f"must be one of {', '.join(DTYPE_NAMES)}")
+        require(not (quantization == "int4" and self.device != "cpu"), "model.quantization",
+                 quantization, f"int4 weights are kept in torch's CPU int4 layout and run on cpu "
+                 f"only, not deploy.device={self.device}; use model.quantization=int8 or fp8 "
+                 "there, or deploy.device=cpu")
         if self.attention_backend == "triton" and not model.is_mla:  # MLA: its own backend
             from megainfer.kernels.attention_limits import attention_limits_error
             why = attention_limits_error(model.head_dim, model.num_heads, model.num_kv_heads, dtype)

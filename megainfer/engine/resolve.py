@@ -31,7 +31,8 @@ log = logging.getLogger("megainfer.engine")
 
 # group -> the keys it takes (docs/config.md lists them with their meaning)
 GROUP_KEYS: dict[str, set] = {
-    "model": {"path", "revision", "load_format", "dtype", "seed", "arch", "attention_backend"},
+    "model": {"path", "revision", "load_format", "dtype", "seed", "arch", "attention_backend",
+              "quantization", "quantization_group_size"},
     "deploy": field_names(DeployPlan) | {"cpu_threads", "device", "hardware"},
     "scheduler": field_names(SchedulerConfig),
     "cache": {"block_size", "num_blocks", "memory_gib", "gpu_memory_utilization",
@@ -120,8 +121,11 @@ def _model(d: dict, device: DeviceConfig) -> tuple[ModelConfig, LoadConfig]:
         fmt = "safetensors" if path else "dummy"
     dtype = d.get("dtype", "auto")
     dtype = device.default_dtype() if dtype in (None, "auto") else dtype
-    device.check_model(cfg, dtype)  # before any weight is read
-    return cfg, LoadConfig(path=path, load_format=fmt, dtype=dtype, seed=int(d.get("seed") or 0))
+    load = LoadConfig(path=path, load_format=fmt, dtype=dtype, seed=int(d.get("seed") or 0),
+                      quantization=d.get("quantization"),
+                      quantization_group_size=d.get("quantization_group_size", 64))
+    device.check_model(cfg, dtype, load.quantization)  # before any weight is read
+    return cfg, load
 
 
 def _cache(k: dict, model: ModelConfig, load: LoadConfig, deploy: DeployPlan,
@@ -174,7 +178,8 @@ def kv_memory_gib(k: Mapping, model: ModelConfig, load: LoadConfig, deploy: Depl
     else:  # a frontend: read without a context (the ranks measure their own free memory)
         free = torch.cuda.get_device_properties(device.index).total_memory
     role = "attention" if deploy.mode == "disaggregated" else "full"
-    weights = weight_bytes(model, load.torch_dtype, ParallelContext(0, deploy.attention_tp), role)
+    weights = weight_bytes(model, load.torch_dtype, ParallelContext(0, deploy.attention_tp), role,
+                           load)  # in model.quantization's format
     return kv_budget_gib(util, free, weights, device.index, "free" if holds_cache else "in all")
 
 

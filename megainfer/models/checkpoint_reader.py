@@ -152,12 +152,28 @@ class CheckpointReader:
         check_scale_shape(name, t.shape, st.shape, q.block, f.path, sname=sname)
         return sf, st, q.block
 
-    def _dequantized(self, name: str, f: SafetensorsFile, t: TensorInfo,
-                     rows: Optional[tuple[int, int]]) -> torch.Tensor:
-        """The float8 weight, or rows [r0, r1) of its dim 0, dequantised to a new float32
-        tensor: the fp8 bytes go through the scratch buffer, the scale rows the slice touches
-        (for a 2-D weight, from block row r0 // bo, so a slice may start mid-block) into a
-        small tensor of their own."""
+    def stored_format(self, name: str) -> Optional[tuple]:
+        """(float8 dtype, block) of a tensor stored block-quantised, else None."""
+        f, t = self._info(name)
+        if t.dtype not in FP8_DTYPES and name not in self.scales:
+            return None
+        _, _, block = self._scale_info(name, f, t)
+        return t.dtype, tuple(block)
+
+    def read_stored(self, name: str, rows: Optional[tuple[int, int]] = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A float8 weight as stored, or rows [r0, r1) of its dim 0: (fresh float8 tensor,
+        float32 scale rows the slice touches; for a 2-D weight from block row r0 // bo, so a
+        slice that starts mid-block needs ``row0`` to be read)."""
+        f, t = self._info(name)
+        w, scale, _, _ = self._stored(name, f, t, rows)
+        return w.clone(), scale
+
+    def _stored(self, name: str, f: SafetensorsFile, t: TensorInfo,
+                rows: Optional[tuple[int, int]]):
+        """(float8 rows in the scratch buffer, float32 scale rows, block, row0) of a float8
+        weight: the fp8 bytes go through the scratch buffer, the scale rows the slice touches
+        (for a 2-D weight, from block row r0 // bo) into a small tensor of their own."""
         sf, st, block = self._scale_info(name, f, t)
         sname = st.name
         row0, srows = 0, rows
@@ -172,6 +188,13 @@ class CheckpointReader:
         except SafetensorsFormatError as e:  # the message names tensor and file
             raise CorruptCheckpointError(str(e)) from e
         check_scale_values(sname, scale, sf.path)
+        return w, scale, block, row0
+
+    def _dequantized(self, name: str, f: SafetensorsFile, t: TensorInfo,
+                     rows: Optional[tuple[int, int]]) -> torch.Tensor:
+        """The float8 weight, or rows [r0, r1) of its dim 0, dequantised to a new float32
+        tensor (``_stored``, then the block scales applied)."""
+        w, scale, block, row0 = self._stored(name, f, t, rows)
         return dequantize_blockwise(w, scale, block, torch.float32, row0=row0, name=name)
 
     def read(self, name: str, dst: torch.Tensor, rows: Optional[tuple[int, int]] = None,

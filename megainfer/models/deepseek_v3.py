@@ -15,11 +15,10 @@ import math
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .family import Family
-from .layers import ParallelContext, RMSNorm, rotate_half
+from .layers import ParallelContext, RMSNorm, linear, rotate_half
 from .mla_attention import TorchMLA, expanded_attention
 
 DEEPSEEK_V3 = Family(
@@ -177,5 +176,5 @@ class MLAAttention(nn.Module):
         o = o.reshape(T, self.heads * self.v_head_dim)
         if self.par.tp_size == 1:
             return self.o_proj(o)
-        out = self.par.all_reduce(F.linear(o, self.o_proj.weight))  # partial sums over ranks
+        out = self.par.all_reduce(linear(self.o_proj, o, with_bias=False))  # partial sums over ranks
         return out if self.o_proj.bias is None else out + self.o_proj.bias

@@ -18,6 +18,7 @@ from megainfer.kernels import cpu_gemm, kv_quant
 from .attention import AttentionMetadata, causal_attention
 from .attention_backends import TorchAttention
 from .kv_spec import kv_head_slice
+from .quant_weights import QuantLinear
 
 
 @dataclass(frozen=True)
@@ -145,10 +146,14 @@ class GatedMLP(nn.Module):
         return linear(self.down_proj, F.silu(gate).mul_(up))
 
 
-def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def linear(layer: nn.Module, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
     """``layer(x)`` through ``cpu_gemm.linear`` (the GEMM measured fastest for the row count;
-    plain ``F.linear`` off the CPU or in another dtype)."""
-    return cpu_gemm.linear(x, layer.weight, layer.bias)
+    plain ``F.linear`` off the CPU or in another dtype), or a ``QuantLinear``'s own path
+    (its weight as stored). ``with_bias=False``: a row-parallel partial sum."""
+    bias = layer.bias if with_bias else None
+    if isinstance(layer, QuantLinear):
+        return layer(x, with_bias)
+    return cpu_gemm.linear(x, layer.weight, bias)
 
 
 class SelfAttention(nn.Module):
@@ -193,7 +198,10 @@ class SelfAttention(nn.Module):
         """x [T, H] -> [T, H]; without meta the T tokens are one sequence and nothing is cached."""
         T, D = x.shape[0], self.head_dim
         projs = (self.q_proj, self.k_proj, self.v_proj)
-        q, k, v = cpu_gemm.linear_split(x, [p.weight for p in projs], [p.bias for p in projs])
+        if isinstance(self.q_proj, QuantLinear):  # each weight as stored
+            q, k, v = (p(x) for p in projs)
+        else:
+            q, k, v = cpu_gemm.linear_split(x, [p.weight for p in projs], [p.bias for p in projs])
         q, k, v = (q.view(T, self.q_heads, D), k.view(T, self.kv_heads, D),
                    v.view(T, self.kv_heads, D))
         if hasattr(self, "q_norm"):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import zlib
 from typing import Optional, Sequence, Union
 
 import torch
@@ -33,6 +32,11 @@ from .mixtral import MIXTRAL
 from .model import MoECausalLM
 from .qwen2_moe import QWEN2_MOE
 from .qwen3_moe import QWEN3_MOE
+from .fp8 import QuantConfig
+from .dummy_weights import expert_modules as _expert_modules, fill_dummy as _fill_dummy
+from .dummy_weights import logical as _logical
+from .quant_load import check_stored_experts, load_quant_expert, load_quant_linear, report_bytes
+from .quant_weights import QuantLinear, apply_weight_format, weight_format_for
 
 FAMILIES = {f.name: f for f in (MIXTRAL, QWEN3_MOE, QWEN2_MOE, DEEPSEEK_V2, DEEPSEEK_V3)}
 __all__ = ["build_model", "weight_bytes", "FAMILIES", "CheckpointError", "ConfigMismatchError",
@@ -51,27 +55,42 @@ def build_model(cfg: ModelConfig, load: LoadConfig, par: ParallelContext = Paral
 
     The module is built on the meta device, every parameter is then allocated once on
     ``device`` in the target dtype and filled tensor by tensor: no host copy of the model, no
-    fp32 staging. Peak memory is the model plus at most its largest tensor."""
+    fp32 staging. Peak memory is the model plus at most its largest tensor. Linear and expert
+    weights are kept in ``load.quantization``'s format (``quant_weights.py``), swapped in on
+    the meta model, so a shape the format refuses is refused before any weight is read."""
     dtype, device = load.torch_dtype, torch.device(device)
     num_slots = len(phy2log[0]) if phy2log is not None else cfg.num_experts
+    fmt = load_weight_format(load)
     with _on_meta():
         model = MoECausalLM(cfg, par, role, expert_slots, num_slots)
+        apply_weight_format(model, fmt)
     _materialize(model, dtype, device)
     with torch.no_grad():
         if load.load_format == "dummy":
             _fill_dummy(model, cfg, load.seed, phy2log)
         else:
             _load_safetensors(model, cfg, load.path, phy2log)
+    report_bytes(model, role, fmt, dtype)
     return model.eval().requires_grad_(False)
 
 
+def load_weight_format(load: LoadConfig):
+    """The format ``load`` keeps linear and expert weights in (None: the model dtype)."""
+    ckpt = QuantConfig.from_pretrained(load.path) if load.load_format != "dummy" else None
+    return weight_format_for(load.quantization, load.quantization_group_size, ckpt)
+
+
 def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, par: ParallelContext = ParallelContext(),
-                 role: str = "full") -> int:
-    """Bytes the weights of ``role`` take in ``dtype`` (router weights kept float32 counted so),
-    counted on the meta device: nothing is allocated."""
+                 role: str = "full", load: Optional[LoadConfig] = None) -> int:
+    """Bytes the weights of ``role`` take in ``dtype`` (router weights kept float32 counted so;
+    with ``load``, linear and expert weights in its format), counted on the meta device:
+    nothing is allocated."""
     with _on_meta():
         model = MoECausalLM(cfg, par, role)
-    return sum(p.numel() * (4 if getattr(p, "keep_fp32", False) else dtype.itemsize)
+        if load is not None:
+            apply_weight_format(model, load_weight_format(load))
+    return sum(p.numel() * (4 if getattr(p, "keep_fp32", False) else p.element_size()
+                            if getattr(p, "quant_storage", False) else dtype.itemsize)
                for p in model.parameters())
 
 
@@ -101,7 +120,9 @@ def _materialize(model: MoECausalLM, dtype: torch.dtype, device: torch.device) -
             if p is None:
                 continue
             if id(p) not in new:  # keep_fp32: router weights that stay float32 (as HF keeps them)
-                dt = torch.float32 if getattr(p, "keep_fp32", False) else dtype
+                # quant_storage: a weight kept in its stored format (int8, fp8, packed int4)
+                dt = (torch.float32 if getattr(p, "keep_fp32", False) else
+                      p.dtype if getattr(p, "quant_storage", False) else dtype)
                 q = nn.Parameter(torch.empty(p.shape, dtype=dt, device=device),
                                  requires_grad=p.requires_grad)
                 q.__dict__.update(p.__dict__)
@@ -110,40 +131,12 @@ def _materialize(model: MoECausalLM, dtype: torch.dtype, device: torch.device) -
     for mod in model.modules():
         if hasattr(mod, "init_buffers"):
             mod.init_buffers(device)
+        if hasattr(mod, "compute_dtype"):  # experts whose weights may be kept quantised
+            mod.compute_dtype = dtype
     left = [n for n, b in model.named_buffers() if b.is_meta]
     if left:
         raise RuntimeError(f"buffers {left} are still on the meta device: their module needs an "
                            "init_buffers(device) method")
-
-
-# ----------------------------------------------------------------------------- dummy weights
-def _seeded(name: str, shape, seed: int, std: float) -> torch.Tensor:
-    """The full fp32 tensor for a name, on the host (the same values whatever the device)."""
-    g = torch.Generator().manual_seed((zlib.crc32(name.encode()) ^ seed) & 0x7FFFFFFF)
-    return torch.randn(shape, generator=g, device="cpu").mul_(std)
-
-
-def _fill_dummy(model: MoECausalLM, cfg: ModelConfig, seed: int, phy2log) -> None:
-    """Random weights seeded by parameter name, so every rank draws the same tensor for a name
-    whatever its role; experts by (layer, logical expert). One tensor at a time on the host."""
-    for name, p in model.named_parameters():
-        if name.endswith(("gate_up_proj", "down_proj")) and ".mlp.experts." in name:
-            continue
-        if name.endswith("norm.weight"):
-            p.data.fill_(1.0)
-            continue
-        shape = _full_shape(p)
-        full = _seeded(name, shape, seed, 1.0 if "embed" in name else shape[-1] ** -0.5)
-        _copy(p, full, name, "<dummy>")
-        del full
-    for layer, ex in _expert_modules(model):
-        for local, slot in enumerate(ex.slots):
-            e = _logical(phy2log, layer, slot)
-            base = f"model.layers.{layer}.mlp.experts.{e}"
-            H, N = cfg.hidden_size, cfg.moe_intermediate_size
-            gu = _seeded(base + ".gate_up", (2 * N, H), seed, H ** -0.5)
-            ex.gate_up_proj.data[local].copy_(gu)
-            ex.down_proj.data[local].copy_(_seeded(base + ".down", (H, N), seed, N ** -0.5))
 
 
 # ----------------------------------------------------------------------------- safetensors
@@ -153,6 +146,7 @@ def _load_safetensors(model: MoECausalLM, cfg: ModelConfig, path: str, phy2log) 
     pin = torch.cuda.is_available() and any(p.is_cuda for p in model.parameters())
     reader = CheckpointReader(where, opened, pin)
     try:
+        check_stored_experts(where, model, cfg.moe_intermediate_size)
         _load_all(model, cfg, path, phy2log, fam, where, reader)
     finally:
         reader.close()
@@ -162,6 +156,7 @@ def _load_all(model, cfg, path, phy2log, fam, where, reader) -> None:
     with _on_meta():
         ref = dict(MoECausalLM(cfg).named_parameters())  # full-model names and shapes
     params = dict(model.named_parameters())
+    qlin = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
     experts: dict[tuple[int, int], dict[str, str]] = {}  # (layer, e) -> part -> ckpt name
     fused: dict[tuple[int, str], str] = {}  # (layer, gate_up_proj|down_proj) -> ckpt name
     loaded, mtp = set(), []
@@ -183,7 +178,10 @@ def _load_all(model, cfg, path, phy2log, fam, where, reader) -> None:
         if shape != tuple(ref[name].shape):
             raise ShapeMismatchError(f"tensor {ck_name!r} in {fn}: shape {list(shape)}, model "
                                      f"expects {list(ref[name].shape)} from config.json")
-        if name in params:
+        if name in qlin:  # kept quantised: weight and its scale
+            load_quant_linear(reader, ck_name, qlin[name])
+            loaded.update((name, name + qlin[name].fmt.scale_name))
+        elif name in params:
             reader.read_param(ck_name, params[name])
             loaded.add(name)
     if mtp:
@@ -221,22 +219,36 @@ def _load_experts(model, cfg, reader, experts, fused, phy2log, path):
     N = cfg.moe_intermediate_size
     for layer, ex in _expert_modules(model):
         gu_all, dn_all = ex.gate_up_proj.data, ex.down_proj.data
+        quant = getattr(ex, "weight_format", None) is not None
         for local, slot in enumerate(ex.slots):
             e = _logical(phy2log, layer, slot)
-            if (layer, "gate_up_proj") in fused and (layer, "down_proj") in fused:
-                row = (e, e + 1)
-                reader.read(fused[(layer, "gate_up_proj")], gu_all[local:local + 1], rows=row)
-                reader.read(fused[(layer, "down_proj")], dn_all[local:local + 1], rows=row)
+            src = _expert_source(layer, e, fused, experts, path)
+            if quant:
+                load_quant_expert(reader, ex, local, e, src)
                 continue
-            parts = experts.get((layer, e), {})
-            for part in ("gate", "up", "down"):
-                if part not in parts:
-                    raise MissingTensorError(f"expert {e} {part} projection of layer {layer} "
-                                             f"missing from checkpoint {path} (looked for "
-                                             "per-expert and fused layouts)")
+            if src[0] == "fused":
+                row = (e, e + 1)
+                reader.read(src[1], gu_all[local:local + 1], rows=row)
+                reader.read(src[2], dn_all[local:local + 1], rows=row)
+                continue
+            parts = dict(zip(("gate", "up", "down"), src[1:]))
             reader.read(parts["gate"], gu_all[local, :N])
             reader.read(parts["up"], gu_all[local, N:])
             reader.read(parts["down"], dn_all[local])
+
+
+def _expert_source(layer: int, e: int, fused: dict, experts: dict, path: str) -> tuple:
+    """Where logical expert ``e`` of ``layer`` is in the checkpoint: ('fused', gate_up name,
+    down name) of [E, ...] tensors, or ('split', gate, up, down) per-expert tensors."""
+    if (layer, "gate_up_proj") in fused and (layer, "down_proj") in fused:
+        return "fused", fused[(layer, "gate_up_proj")], fused[(layer, "down_proj")]
+    parts = experts.get((layer, e), {})
+    for part in ("gate", "up", "down"):
+        if part not in parts:
+            raise MissingTensorError(f"expert {e} {part} projection of layer {layer} "
+                                     f"missing from checkpoint {path} (looked for "
+                                     "per-expert and fused layouts)")
+    return "split", parts["gate"], parts["up"], parts["down"]
 
 
 def _is_mtp(name: str, cfg) -> bool:
@@ -255,37 +267,3 @@ def _unexpected(ck_name, fn, cfg):
                                   f"says num_hidden_layers={cfg.num_layers}")
     raise UnexpectedTensorError(f"tensor {ck_name!r} in {fn}: not part of a {cfg.family} model "
                                 "with this config.json")
-
-
-# ----------------------------------------------------------------------------- helpers
-def _expert_modules(model):
-    for i, layer in enumerate(model.layers):
-        mlp = getattr(layer, "mlp", None)
-        ex = getattr(mlp, "experts", None)
-        if ex is not None and len(ex.slots):
-            yield i, ex
-
-
-def _logical(phy2log, layer: int, slot: int) -> int:
-    return slot if phy2log is None else int(phy2log[layer][slot])
-
-
-def _full_shape(p: torch.Tensor) -> tuple:
-    shard = getattr(p, "tp_shard", None)
-    if shard is None:
-        return tuple(p.shape)
-    dim, _, full = shard
-    shape = list(p.shape)
-    shape[dim] = full
-    return tuple(shape)
-
-
-def _copy(p: torch.Tensor, full: torch.Tensor, name: str, fn: str) -> None:
-    """Copy the full checkpoint tensor, or this rank's tensor-parallel slice of it, into p."""
-    shard = getattr(p, "tp_shard", None)
-    src = full if shard is None else full.narrow(shard[0], shard[1].start,
-                                                 shard[1].stop - shard[1].start)
-    if tuple(src.shape) != tuple(p.shape):
-        raise ShapeMismatchError(f"tensor {name!r} in {fn}: shape {list(full.shape)} does not fit "
-                                 f"parameter of shape {list(p.shape)}")
-    p.data.copy_(src)

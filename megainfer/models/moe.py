@@ -17,6 +17,7 @@ from torch import nn
 from megainfer.kernels import cpu_gemm, fused_moe, select_experts
 
 from .layers import GatedMLP
+from .quant_weights import expert_weight
 
 
 class Router(nn.Module):
@@ -98,6 +99,7 @@ class RoutedExperts(nn.Module):
         self.register_buffer("expert_map", emap, persistent=False)  # [num_slots] -> local or -1
         self.slots = list(slots)
         self.identity = self.slots == list(range(num_slots))  # every slot here, in order
+        self.compute_dtype: Optional[torch.dtype] = None  # the model dtype (set by the loader)
 
     def init_buffers(self, device) -> None:
         """Rebuild expert_map (int32) on device: the loader builds the model on the meta device,
@@ -116,7 +118,14 @@ class RoutedExperts(nn.Module):
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor):
         """x [T, H], topk_* [T, k] (physical slot ids) -> partial sum [T, H] over local slots."""
         emap = None if self.identity else self.expert_map
-        return fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, emap)
+        return fused_moe(x, expert_weight(self, "gate_up_proj"), expert_weight(self, "down_proj"),
+                         topk_weights, topk_ids, emap)
+
+    def empty_output(self) -> torch.Tensor:
+        """The [0, H] partial sum of a micro-batch with no tokens, in the model dtype on the
+        experts' device (the weights' own dtype may be a stored format's)."""
+        dp = self.down_proj
+        return torch.empty(0, dp.shape[1], dtype=self.compute_dtype or dp.dtype, device=dp.device)
 
 
 class MoEBlock(nn.Module):

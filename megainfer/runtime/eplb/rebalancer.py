@@ -28,6 +28,7 @@ from mpi4py import MPI
 from megainfer.comm.spec import KIND_REBALANCE
 from megainfer.config import EplbConfig
 from megainfer.eplb import ExpertLoadWindow, Placement, weight_moves
+from megainfer.models.quant_weights import slot_tensors
 from megainfer.runtime import tags
 from megainfer.runtime.control import ControlPlane
 from megainfer.runtime.eplb.weight_channel import Inbound, Outbound, run_moves, world_ranks_of
@@ -160,9 +161,10 @@ class ExpertRebalancer:
             buf = empty_slot(ex, mv.dst_slot, ex.gate_up_proj.device)
             ins.append(Inbound(mv.src, mv.layer, mv.dst_slot, buf))
             staged[(mv.layer, mv.dst_slot)] = buf
-        w = next(layer for layer in layers if layer.is_moe).mlp.experts.gate_up_proj
+        ex0 = next(layer for layer in layers if layer.is_moe).mlp.experts
         ranks = list(range(old.num_ranks))
-        self.device_messages += run_moves(self.moves, self.comm, w.device, w.dtype, ranks, ranks,
+        self.device_messages += run_moves(self.moves, self.comm, ex0.gate_up_proj.device,
+                                          move_dtype(ex0), ranks, ranks,
                                           self.control, self.world, "EPLB weight move", outs, ins)
         return staged
 
@@ -190,30 +192,49 @@ class ExpertRebalancer:
 
 
 def install_staged(model, staged: dict) -> None:
-    """Switch staged weights in: {(layer, slot): flat buffer (gate_up, then down)}."""
+    """Switch staged weights in: {(layer, slot): flat buffer (gate_up, then down; quantised
+    experts: the stored bytes of gate_up, down, then their scales)}."""
     for (layer, slot), buf in staged.items():
         ex = model.layers[layer].mlp.experts
-        n = ex.gate_up_proj[slot].numel()
-        ex.gate_up_proj.data[slot].copy_(buf[:n].view(ex.gate_up_proj[slot].shape))
-        ex.down_proj.data[slot].copy_(buf[n:].view(ex.down_proj[slot].shape))
+        at = 0
+        for dst in slot_tensors(ex, slot):
+            n = dst.numel() if not _quantised(ex) else dst.numel() * dst.element_size()
+            src = buf[at:at + n]
+            dst.copy_(src.view(dst.shape) if not _quantised(ex) else
+                      src.view(dst.dtype).view(dst.shape))
+            at += n
         ex.slot_written(slot)
 
 
+def _quantised(ex) -> bool:
+    return getattr(ex, "weight_format", None) is not None
+
+
+def move_dtype(ex) -> torch.dtype:
+    """What a slot's weights travel as: their dtype, or bytes (uint8) for quantised experts,
+    whose stored tensors and scales differ in dtype."""
+    return torch.uint8 if _quantised(ex) else ex.gate_up_proj.dtype
+
+
 def _parts(ex, slot: int) -> tuple:
-    """A slot's weights in the order they travel (gate_up, then down), read in place."""
-    return ex.gate_up_proj[slot], ex.down_proj[slot]
+    """A slot's weights in the order they travel (gate_up, then down; quantised: then their
+    scales, as bytes), read in place."""
+    parts = slot_tensors(ex, slot)
+    return tuple(t.view(torch.uint8).reshape(-1) if _quantised(ex) else t for t in parts)
 
 
 def empty_slot(ex, slot: int, device="cpu") -> torch.Tensor:
-    """An uninitialised flat buffer the size of one slot's weights (gate_up, then down), in
-    their dtype on ``device`` (host staging by default): where a moved slot is received."""
-    return torch.empty(ex.gate_up_proj[slot].numel() + ex.down_proj[slot].numel(),
-                       dtype=ex.gate_up_proj.dtype, device=device)
+    """An uninitialised flat buffer the size of one slot's weights (gate_up, then down; quantised
+    experts: their stored bytes and scales), in ``move_dtype`` on ``device`` (host staging by
+    default): where a moved slot is received."""
+    parts = slot_tensors(ex, slot)
+    n = sum(t.numel() * (t.element_size() if _quantised(ex) else 1) for t in parts)
+    return torch.empty(n, dtype=move_dtype(ex), device=device)
 
 
 def _flat(ex, slot: int) -> torch.Tensor:
-    """A slot's weights as one fresh flat buffer on their device (gate_up, then down)."""
-    return torch.cat([ex.gate_up_proj[slot].flatten(), ex.down_proj[slot].flatten()])
+    """A slot's weights as one fresh flat buffer on their device (``_parts`` concatenated)."""
+    return torch.cat([t.flatten() for t in _parts(ex, slot)])
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:

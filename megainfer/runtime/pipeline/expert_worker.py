@@ -79,8 +79,7 @@ class ExpertWorker:
                     self.rebalancer.record(l, ids)
                 out = experts(x, w.to(x.dtype), ids)  # [n, H] partial sums over local slots
             else:  # on the experts' device and dtype, like a computed one
-                dp = experts.down_proj
-                out = torch.empty(0, dp.shape[1], dtype=dp.dtype, device=dp.device)
+                out = experts.empty_output()
         if self.trace_comm:
             with self.tracer.span(E2A, span_name(E2A, l, i), iteration, l, i, n):
                 self.exchange.reply(iteration, l, i, list(torch.split(out, counts)))

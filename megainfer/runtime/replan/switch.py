@@ -30,6 +30,7 @@ from megainfer.runtime.bounded import BoundedComm
 from megainfer.runtime.control import ControlPlane
 from megainfer.runtime.eplb.weight_channel import eplb_moves_kind
 from megainfer.runtime.messages import ReplanOrder
+from megainfer.models.loader import load_weight_format
 from megainfer.runtime.rank_parts import build_attention, build_expert
 from megainfer.runtime.replan.requests import balance_shares, group_count, migrate
 from megainfer.runtime.replan.weights import move_expert_weights, new_placement
@@ -115,7 +116,7 @@ def switch(r, order: ReplanOrder) -> dict:
     model, weight_bytes = move_expert_weights(sw, control, cfg, job.load.torch_dtype,
                                               job.device.torch_device, old_model, old_p, new_p,
                                               old_plan.attention_ranks, new_plan.attention_ranks,
-                                              moves)
+                                              moves, fmt=load_weight_format(job.load))
     checkpoint(control, "re-plan expert weight moves")  # the channels' rebuild is collective
     # 4. new channels, new parts
     keep = r.loop if (r.loop is not None and new_role.is_attention) else None

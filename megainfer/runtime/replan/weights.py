@@ -24,9 +24,11 @@ from megainfer.eplb import Placement
 from megainfer.models import ParallelContext
 from megainfer.models.loader import _materialize, _on_meta
 from megainfer.models.model import MoECausalLM
+from megainfer.models.quant_weights import apply_weight_format
 from megainfer.runtime import tags
 from megainfer.runtime.eplb.initial import initial_placement
-from megainfer.runtime.eplb.rebalancer import _flat, _host, _np, _parts, empty_slot, install_staged
+from megainfer.runtime.eplb.rebalancer import (_flat, _host, _np, _parts, empty_slot,
+                                               install_staged)
 from megainfer.runtime.eplb.weight_channel import Inbound, Outbound, run_moves, world_ranks_of
 
 
@@ -65,32 +67,36 @@ def plan_moves(old: Placement, new: Placement, old_first: int, new_first: int, m
     return moves
 
 
-def _empty_experts(cfg, dtype, slots, num_slots, device) -> MoECausalLM:
-    """An experts-role model holding ``slots`` with uninitialised weights (filled by the moves)."""
+def _empty_experts(cfg, dtype, slots, num_slots, device, fmt=None) -> MoECausalLM:
+    """An experts-role model holding ``slots`` with uninitialised weights (filled by the moves),
+    in weight format ``fmt`` (None: ``dtype``) as the old expert ranks hold them."""
     with _on_meta():
         model = MoECausalLM(cfg, ParallelContext(), "experts", [list(slots)] * cfg.num_layers,
                             num_slots)
+        apply_weight_format(model, fmt)
     _materialize(model, dtype, device)
     return model.eval().requires_grad_(False)
 
 
 def move_expert_weights(sw: MPI.Comm, control, cfg, dtype: torch.dtype, device, old_model,
                         old: Placement, new: Placement, old_first: int, new_first: int,
-                        kind: Optional[str] = None):
+                        kind: Optional[str] = None, fmt=None):
     """Collective over ``sw``: every rank sends the slots it owes; a new expert rank returns
     its filled model (others None) and the bytes it received from peers. ``kind``: the
     transport the weights move on device to device (``weight_channel.eplb_moves_kind``), None
-    for host staging over MPI."""
+    for host staging over MPI. ``fmt``: the weight format experts are kept in (quantised
+    slots travel as their stored bytes and scales)."""
     me = sw.Get_rank()
     moves = plan_moves(old, new, old_first, new_first, cfg.moe_layers())
     j = me - new_first
     model = None
     if 0 <= j < new.num_ranks:
         model = _empty_experts(cfg, dtype, new.slots_of_rank(j), new.num_replicas,
-                               device)
+                               device, fmt)
     remote = [mv for mv in moves if mv[1] != mv[3]]  # every rank alike
     if kind is not None and remote:
-        staged, received = _stage_device(sw, control, kind, device, dtype,
+        wire = torch.uint8 if fmt is not None else dtype  # move_dtype, on every rank alike
+        staged, received = _stage_device(sw, control, kind, device, wire,
                                          old_model, model, moves, remote, me)
     else:
         staged, received = _stage_host(sw, control, old_model, model, moves, me,

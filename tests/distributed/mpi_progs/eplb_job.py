@@ -1,7 +1,7 @@
 """EPLB under mpiexec: static placements and live rebalancing leave greedy tokens unchanged,
 and after the moves every slot holds its logical expert's weights.
 
-    mpiexec -n 3 python eplb_job.py OUT.json CKPT
+    mpiexec -n 3 python eplb_job.py OUT.json CKPT [QUANTIZATION]
 Runs (1 attention rank + 2 expert ranks, m=2): a shuffled static placement with 2 redundant
 slots, then live EPLB every 3 iterations. OUT.json: tokens per run, rebalance and move counts
 and the weight check of every expert rank.
@@ -22,6 +22,7 @@ from runtime_job import CACHE, SCHED, inputs  # noqa: E402
 
 from megainfer.config import CommConfig, DeployPlan, EplbConfig, LoadConfig, ModelConfig  # noqa: E402
 from megainfer.models import build_model  # noqa: E402
+from megainfer.models.quant_weights import slot_tensors  # noqa: E402
 from megainfer.config import ResolvedJob  # noqa: E402
 from megainfer.core_client.client import run_job
 from megainfer.runtime.startup import build_rank  # noqa: E402
@@ -38,9 +39,10 @@ def check_weights(r, cfg, load) -> bool:
     p, mine = reb.placement, list(reb.placement.slots_of_rank(reb.index))
     ref = build_model(cfg, load, role="experts", expert_slots=[mine] * cfg.num_layers,
                       phy2log=p.phy2log.tolist())
-    return all(torch.equal(a.mlp.experts.gate_up_proj.cpu(), b.mlp.experts.gate_up_proj) and
-               torch.equal(a.mlp.experts.down_proj.cpu(), b.mlp.experts.down_proj)
-               for a, b in zip(r.worker.model.layers, ref.layers) if a.is_moe)  # any device
+    return all(torch.equal(x.cpu().view(torch.uint8), y.view(torch.uint8))  # stored bytes
+               for a, b in zip(r.worker.model.layers, ref.layers) if a.is_moe
+               for s in range(len(mine))
+               for x, y in zip(slot_tensors(a.mlp.experts, s), slot_tensors(b.mlp.experts, s)))
 
 
 def run_and_gather(job: ResolvedJob, vocab_size: int, max_tokens: int, expert_stats):
@@ -60,7 +62,9 @@ def run_and_gather(job: ResolvedJob, vocab_size: int, max_tokens: int, expert_st
 def main():
     out, ckpt = sys.argv[1], sys.argv[2]
     comm = MPI.COMM_WORLD
-    cfg, load = ModelConfig.from_pretrained(ckpt), LoadConfig(path=ckpt)
+    quant = sys.argv[3] if len(sys.argv) > 3 else None  # model.quantization (group 32)
+    cfg = ModelConfig.from_pretrained(ckpt)
+    load = LoadConfig(path=ckpt, quantization=quant, quantization_group_size=32)
     plan = DeployPlan(mode="disaggregated", expert_ranks=2, micro_batches=2)
     result = {}
 

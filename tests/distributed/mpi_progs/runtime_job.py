@@ -5,7 +5,7 @@ MS is a comma list of micro-batch counts; E = 0 runs colocated mode over the A r
 ``shared``: the shared-prefix prompts (``shared_inputs``) on a pool small enough to preempt
 and evict, prefix caching on (``SHARED_CACHE``); ``kv=FMT[:GRAN]``: cache.kv_cache_dtype FMT
 (and cache.kv_scale_granularity GRAN);
-``tp=KIND``: comm.tp_collectives KIND.
+``tp=KIND``: comm.tp_collectives KIND; ``q=FMT``: model.quantization FMT (group size 32).
 OUT.json maps "<ckpt>|m=<m>" to {request id: token ids}. Prompts are fixed (seeded) so the
 single-mode reference is computed from the same ``prompts``.
 """
@@ -94,8 +94,10 @@ def main():
         for m in ms:
             plan = DeployPlan(mode="disaggregated" if E else "colocated", attention_replicas=A,
                               attention_tp=TP, expert_ranks=E, micro_batches=m)
-            r = build_rank(ResolvedJob(cfg, LoadConfig(path=ckpt), SCHED, cache, plan,
-                                   comm))
+            quant = opt[2:] if opt.startswith("q=") else None
+            r = build_rank(ResolvedJob(cfg, LoadConfig(path=ckpt, quantization=quant,
+                                                       quantization_group_size=32),
+                                       SCHED, cache, plan, comm))
             stream = run_job(r, make_inputs(cfg.vocab_size, max_tokens))
             if stream is not None:
                 outs = list(stream)

@@ -85,9 +85,22 @@ def test_repacks_after_in_place_writes():
 
 
 def test_other_dtypes_take_f_linear():
-    w, x = torch.randn(16, 8).bfloat16(), torch.randn(4, 8).bfloat16()
+    w, x = torch.randn(16, 8).half(), torch.randn(4, 8).half()
     assert not cpu_gemm.onednn_ok(w)
     assert torch.equal(cpu_gemm.linear(x, w), F.linear(x, w))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_bf16_takes_onednn(rows):
+    """bf16 weights and activations take oneDNN's inner product (issue 50), which accumulates
+    in fp32 like F.linear: the same values up to bf16 rounding of the output."""
+    w = torch.randn(48, 32).bfloat16()
+    x = torch.randn(rows, 32).bfloat16()
+    assert cpu_gemm.onednn_ok(w)
+    with cpu_gemm.use_rules({k: {"1": [[None, "onednn"]]} for k in cpu_gemm.KINDS}):
+        y = cpu_gemm.linear(x, w)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), (x.float() @ w.float().t()), atol=2e-2, rtol=1e-2)
 
 
 def test_rules_per_thread_count():

@@ -61,7 +61,10 @@ def ckpts(tmp_path_factory):
 
 
 def _build(path, dtype="float32", **kw):
-    return build_model(ModelConfig.from_pretrained(path), LoadConfig(path=path, dtype=dtype), **kw)
+    """Dequantised on load (model.quantization=fp8_dequant): what these tests check bit for bit;
+    weights kept in fp8: tests/unit/models/test_quant_fp8_checkpoint.py."""
+    return build_model(ModelConfig.from_pretrained(path),
+                       LoadConfig(path=path, dtype=dtype, quantization="fp8_dequant"), **kw)
 
 
 def _assert_params_equal(a, b):
@@ -122,7 +125,8 @@ def test_llm_greedy_matches_transformers_on_dequantised_weights(ckpts):
     hf = transformers.AutoModelForCausalLM.from_pretrained(ckpts["deq"]).eval()
     assert getattr(hf.config, "quantization_config", None) is None
     prompts = [[5, 17, 33, 9], [100, 3, 250, 7, 7, 42, 11], [1]]
-    llm = LLM(ckpts["fp8"], max_model_len=64, max_num_seqs=4)
+    llm = LLM(ckpts["fp8"], max_model_len=64, max_num_seqs=4,
+              overrides=["model.quantization=fp8_dequant"])
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                         use_tqdm=False)
@@ -277,7 +281,7 @@ def test_deepseek_v3_fp8_greedy_matches_transformers_on_dequantised_weights(tmp_
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         _write(tmp_path / "deq", deq, config, None)).eval()
     llm = LLM(_write(tmp_path / "fp8", fp8, config, QCFG), max_model_len=128, max_num_seqs=4,
-              max_num_batched_tokens=32)
+              max_num_batched_tokens=32, overrides=["model.quantization=fp8_dequant"])
     prompts = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()
                for n in (70, 5)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],

@@ -80,7 +80,8 @@ try:  # reset VmHWM to the current RSS (Linux >= 4.0); else the old peak only ov
 except OSError:
     reset = False
 base = status()
-model = build_model(cfg, LoadConfig(path=path, dtype="bfloat16"))
+quant = sys.argv[2] if len(sys.argv) > 2 else None  # model.quantization
+model = build_model(cfg, LoadConfig(path=path, dtype="bfloat16", quantization=quant))
 after = status()
 ps = list(model.parameters())
 print(json.dumps(dict(base=base, after=after, reset=reset,
@@ -142,6 +143,30 @@ def test_bf16_load_peak_is_model_plus_largest_tensor(tmp_path):
     # pages in the RSS) could not have met the bound
     old = 2 * model_bytes + model_bytes
     assert bound < 0.6 * old
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc")
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_quantised_load_peak_is_stored_model_plus_one_tensor(tmp_path, quant):
+    """Quantising on load (issue 50) holds one tensor in float32 at a time, never a
+    full-precision model: the peak is the stored model plus the largest tensor (plus one
+    float32 copy of a quantised one and its quantisation temporaries), well under the
+    checkpoint's own bf16 bytes plus the stored model."""
+    ckpt = str(tmp_path / "big")
+    ckpt_bytes, largest = _big_bf16_checkpoint(ckpt)
+    res = subprocess.run([sys.executable, "-c", _MEASURE, ckpt, quant], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    m = json.loads(res.stdout.strip().splitlines()[-1])
+    model_bytes, growth = m["model_bytes"], m["after"]["VmHWM"] - m["base"]["VmRSS"]
+    assert {"torch.int8" if quant == "int8" else "torch.uint8", "torch.bfloat16"} <= set(m["dtypes"])
+    assert model_bytes < 0.75 * ckpt_bytes  # the experts and projections are stored smaller
+    per_tensor = 4 * 1024 * 1024 * 4  # one 1024 x 1024 weight in float32, and a temporary
+    bound = model_bytes + largest + per_tensor + 32 * MB
+    print(f"{quant}: stored model {model_bytes / MB:.1f} MB (checkpoint {ckpt_bytes / MB:.1f} "
+          f"MB), peak growth {growth / MB:.1f} MB (bound {bound / MB:.1f} MB)")
+    assert 0.9 * model_bytes <= growth <= bound
+    assert bound < ckpt_bytes + model_bytes  # a full-precision copy could not meet it
 
 
 # ----------------------------------------------------------------------------- values

@@ -1,0 +1,197 @@
+"""Which weights of a model are kept in a stored format (``model.quantization``), and the
+module that holds a quantised linear weight. The formats, their quantisers and compute paths:
+``megainfer.kernels.weight_quant`` / ``cpu_qgemm``; loading into them: ``quant_load.py``.
+
+Kept quantised: the attention projections (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``;
+MLA's ``q_a_proj``, ``q_b_proj``, ``kv_a_proj_with_mqa``), dense MLPs and shared experts
+(``gate_proj``, ``up_proj``, ``down_proj``) and the routed experts (``gate_up_proj``,
+``down_proj``). In the model dtype: embeddings, ``lm_head``, norms, routers, Qwen2's
+``shared_expert_gate`` and MLA's ``kv_b_proj`` (the absorbed decode reads it per head as W_UK
+and W_UV; vLLM dequantises it at load for the same reason).
+
+Parameter names stay Hugging Face's: ``X.weight`` holds the stored tensor and its scale sits
+beside it as ``X.weight_scale_inv`` (fp8, HF's name), ``X.weight_scale`` (int8) or
+``X.weight_scale_zeros`` (int4); fused experts ``mlp.experts.gate_up_proj`` and
+``mlp.experts.gate_up_proj_scale_inv`` likewise. ``apply_weight_format`` swaps these in on the
+meta model before anything is allocated, and refuses (``ConfigError``, naming the weight and
+the constraint) a shape the format cannot store or a tensor-parallel slice that does not fall
+on whole blocks or groups: before any weight is read.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from megainfer.config import ConfigError
+from megainfer.kernels.cpu_qgemm import qlinear
+from megainfer.kernels.weight_quant import QuantizedWeight, WeightFormat
+
+QUANTISED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj",
+                     "kv_a_proj_with_mqa", "gate_proj", "up_proj", "down_proj")
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+
+
+def _storage(shape, dtype, *, keep_fp32=False) -> nn.Parameter:
+    """A parameter the loader allocates in its own dtype (``quant_storage``) or float32."""
+    p = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+    if keep_fp32:
+        p.keep_fp32 = True
+    else:
+        p.quant_storage = True
+    return p
+
+
+def _scale_param(fmt: WeightFormat, shape) -> nn.Parameter:
+    """fp8 block scales: float32 (as shipped); int8/int4 scales: the model dtype (the CPU ops
+    take them in the activations' dtype), so allocated like any other parameter."""
+    if fmt.name == "fp8":
+        return _storage(shape, torch.float32, keep_fp32=True)
+    return nn.Parameter(torch.empty(shape), requires_grad=False)
+
+
+class QuantLinear(nn.Module):
+    """``y = x @ W.T + b`` with ``W [out, in]`` kept in ``fmt``: ``weight`` (the stored tensor)
+    and ``weight<fmt.scale_name>``; ``bias`` in the model dtype. ``shard``: (dim, slice of the
+    full logical weight this rank holds, full size), nn.Linear's ``tp_shard``."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, fmt: WeightFormat,
+                 shard: Optional[tuple] = None, bias_shard: Optional[tuple] = None):
+        super().__init__()
+        self.in_features, self.out_features, self.fmt, self.shard = (in_features, out_features,
+                                                                     fmt, shard)
+        N, K = out_features, in_features
+        self.weight = _storage(fmt.storage_shape((), N, K), fmt.storage_dtype)
+        self.register_parameter("weight" + fmt.scale_name,
+                                _scale_param(fmt, fmt.scale_shape((), N, K)))
+        self.bias = nn.Parameter(torch.empty(N)) if bias else None
+        if bias and bias_shard is not None:
+            self.bias.tp_shard = bias_shard
+
+    @property
+    def full_shape(self) -> tuple:
+        """The logical [out, in] of the whole checkpoint tensor this rank holds a slice of."""
+        shape = [self.out_features, self.in_features]
+        if self.shard is not None:
+            shape[self.shard[0]] = self.shard[2]
+        return tuple(shape)
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return getattr(self, "weight" + self.fmt.scale_name)
+
+    @property
+    def qweight(self) -> QuantizedWeight:
+        return QuantizedWeight(self.weight, self.scale, self.fmt,
+                               (self.out_features, self.in_features))
+
+    def forward(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
+        """x [..., in] -> [..., out] in x's dtype (``with_bias=False``: a row-parallel
+        partial sum, the bias added after the all-reduce)."""
+        return qlinear(x, self.qweight, self.bias if with_bias else None)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, format={self.fmt.name}"
+
+
+def expert_weight(experts: nn.Module, name: str):
+    """``experts.gate_up_proj`` / ``down_proj`` as the GEMM takes it: the tensor itself, or a
+    ``QuantizedWeight`` [E_local, N, K] over the stored tensor and its scale."""
+    w = getattr(experts, name)
+    fmt = getattr(experts, "weight_format", None)
+    if fmt is None:
+        return w
+    return QuantizedWeight(w, getattr(experts, name + fmt.scale_name), fmt,
+                           experts.logical_shapes[name])
+
+
+def slot_tensors(experts: nn.Module, slot: int) -> list:
+    """Every stored tensor of one local slot, in the order a weight move sends them:
+    gate_up, down, then (quantised experts) their scales."""
+    out = [experts.gate_up_proj.data[slot], experts.down_proj.data[slot]]
+    fmt = getattr(experts, "weight_format", None)
+    if fmt is not None:
+        out += [getattr(experts, n + fmt.scale_name).data[slot] for n in EXPERT_WEIGHTS]
+    return out
+
+
+def _check_shape(fmt: WeightFormat, name: str, N: int, K: int) -> None:
+    why = fmt.shape_error(N, K)
+    if why:
+        raise ConfigError(f"model.quantization={fmt.name}: {name} [{N}, {K}] cannot be "
+                          f"stored: {why}")
+
+
+def _check_shard(fmt: WeightFormat, name: str, shard) -> None:
+    """A TP slice of the full weight must fall on whole fp8 blocks (rows or columns) or int4
+    groups (columns), so each rank stores exactly single mode's blocks."""
+    if shard is None:
+        return
+    dim, sl, full = shard
+    unit = {("fp8", 0): fmt.block[0], ("fp8", 1): fmt.block[1],
+            ("int4", 1): fmt.group_size}.get((fmt.name, dim))
+    if unit is None:
+        return
+    for edge in (sl.start, sl.stop):
+        if edge % unit and edge != full:
+            what = "rows" if dim == 0 else "input columns"
+            kind = "block" if fmt.name == "fp8" else "group"
+            raise ConfigError(
+                f"deploy.attention_tp: {name} is split at {what} [{sl.start}, {sl.stop}) of "
+                f"{full}, not on whole {unit}-wide {kind}s of model.quantization={fmt.name}; "
+                f"use an attention_tp whose slices hold whole {kind}s")
+
+
+def apply_weight_format(model: nn.Module, fmt: Optional[WeightFormat]) -> None:
+    """Swap every kept-quantised linear and expert weight of ``model`` (on the meta device)
+    for its stored form in ``fmt``; None leaves the model as built."""
+    if fmt is None:
+        return
+    for mod_name, mod in list(model.named_modules()):
+        for child, lin in list(mod.named_children()):
+            if not isinstance(lin, nn.Linear) or child not in QUANTISED_LINEARS:
+                continue
+            name = f"{mod_name}.{child}.weight"
+            _check_shape(fmt, name, lin.out_features, lin.in_features)
+            shard = getattr(lin.weight, "tp_shard", None)
+            _check_shard(fmt, name, shard)
+            bshard = getattr(lin.bias, "tp_shard", None) if lin.bias is not None else None
+            setattr(mod, child, QuantLinear(lin.in_features, lin.out_features,
+                                            lin.bias is not None, fmt, shard, bshard))
+        if hasattr(mod, "gate_up_proj") and isinstance(mod.gate_up_proj, nn.Parameter):
+            _quantise_experts(mod, mod_name, fmt)
+
+
+def _quantise_experts(ex: nn.Module, mod_name: str, fmt: WeightFormat) -> None:
+    ex.weight_format, ex.logical_shapes = fmt, {}
+    for name in EXPERT_WEIGHTS:
+        E, N, K = getattr(ex, name).shape
+        _check_shape(fmt, f"{mod_name}.{name}", N, K)
+        ex.logical_shapes[name] = (E, N, K)
+        setattr(ex, name, _storage(fmt.storage_shape((E,), N, K), fmt.storage_dtype))
+        ex.register_parameter(name + fmt.scale_name, _scale_param(fmt, fmt.scale_shape((E,), N, K)))
+
+
+def is_quantised(module: nn.Module) -> bool:
+    return isinstance(module, QuantLinear) or getattr(module, "weight_format", None) is not None
+
+
+def weight_format_for(quantization: Optional[str], group_size: int, checkpoint_quant=None
+                      ) -> Optional[WeightFormat]:
+    """``model.quantization`` and the checkpoint's own ``QuantConfig`` (fp8.py; None for a
+    plain checkpoint or dummy weights) -> the format weights are kept in (None: model dtype).
+    null keeps an FP8 checkpoint's blocks; fp8 keeps them too, or quantises a plain checkpoint
+    to 128 x 128 e4m3 blocks; fp8_dequant dequantises into the model dtype (as before)."""
+    if quantization in ("fp8_dequant",) or (quantization is None and checkpoint_quant is None):
+        return None
+    if quantization in (None, "fp8"):
+        if checkpoint_quant is not None:
+            return WeightFormat("fp8", block=tuple(checkpoint_quant.block),
+                                fp8_dtype=checkpoint_quant.dtype)
+        return WeightFormat("fp8")
+    if quantization == "int8":
+        return WeightFormat("int8")
+    if quantization == "int4":
+        return WeightFormat("int4", group_size=group_size)
+    raise ConfigError(f"model.quantization={quantization!r}: unknown weight format")
