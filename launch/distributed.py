@@ -24,6 +24,7 @@ import traceback
 
 from megainfer.core_client.client import launch_client
 from megainfer.engine_core.builder import build_ranks, serve_rank0
+from megainfer.engine_core.messages import gather_roster, roster_text
 from megainfer.engine.failures import RankLostError
 from megainfer.runtime.startup import abort_job
 
@@ -42,9 +43,9 @@ def run_distributed(s, requests, output_path: str, run_dir: str) -> int:
         from megainfer.runtime.roles import assign_role
         tag = assign_role(s.deploy, comm.Get_rank(), comm.Get_size()).tag
         rank = build_ranks(s, comm, report_spans=False)  # its trace is merged at the end
-        pids = comm.gather((tag, os.getpid()), root=0)
-        if pids:  # so a process manager's "PID n died" can be read as a rank and role
-            log.info("[launch] ranks: %s", ", ".join(f"{r} {t} pid {p}" for r, (t, p) in enumerate(pids)))
+        ranks = gather_roster(comm, tag)
+        if ranks:  # so a process manager's "PID n died" can be read as a rank and role
+            log.info("[launch] ranks: %s", roster_text(ranks))
         if comm.Get_rank() == 0:  # the one route: client -> engine core -> rank 0's engine
             client = launch_client(rank)
             summary = run_offline_job(requests, client, output_path, resume=s.io.resume,

@@ -38,6 +38,7 @@ from megainfer.engine.failures import EngineDeadError
 
 from .settings import JOB_GROUPS, settings_from_config
 from megainfer.engine_core.launch_env import local_rank, local_ranks, world_rank, world_size
+from megainfer.engine_core.messages import gather_roster, roster_text
 
 log = logging.getLogger("megainfer.serve")
 
@@ -73,8 +74,9 @@ def _abort_job(line: str, code: int) -> None:
 
 
 def _ranks_line(ranks, extra: str = "") -> str:
-    """``[(rank, role tag, pid)]`` -> the ``[serve] ranks:`` line (tests and benches read it)."""
-    return "[serve] ranks: " + ", ".join(f"{r} {t} pid {p}" for r, t, p in ranks) + extra
+    """``RankInfo``s -> the ``[serve] ranks:`` line (tests and benches read it back with
+    ``messages.parse_roster``)."""
+    return "[serve] ranks: " + roster_text(ranks) + extra
 
 
 def _log_ranks(s) -> None:
@@ -84,9 +86,9 @@ def _log_ranks(s) -> None:
     from megainfer.runtime.roles import assign_role
     comm = MPI.COMM_WORLD
     tag = assign_role(s.deploy, comm.Get_rank(), comm.Get_size()).tag
-    pids = comm.gather((tag, os.getpid()), root=0)
-    if pids:
-        print(_ranks_line((r, t, p) for r, (t, p) in enumerate(pids)), flush=True)
+    ranks = gather_roster(comm, tag)
+    if ranks:
+        print(_ranks_line(ranks), flush=True)
 
 
 def run_spawned(cfg, c: dict, serve: ServeConfig) -> int:
@@ -104,8 +106,7 @@ def run_spawned(cfg, c: dict, serve: ServeConfig) -> int:
     name = served_name(serve, cfg.model.get("path"), s.model.family)
     client = EngineClient.spawn(spec, s, name, serve, iteration_role(s),
                                 metrics_label(serve, name, cfg.model.get("path")))
-    print(_ranks_line(((i.rank, i.role, i.pid) for i in client.llm.ranks),
-                      f"; frontend pid {os.getpid()}"), flush=True)
+    print(_ranks_line(client.llm.ranks, f"; frontend pid {os.getpid()}"), flush=True)
     log.info("[serve] the frontend serves %s over a child job of %d ranks", s.deploy.mode, world)
     return serve_client(client, serve, s.load.path)
 

@@ -20,6 +20,7 @@ import httpx
 from megainfer import LLM
 from mpi_util import mpiexec_path
 from megainfer.config import ServeConfig
+from megainfer.engine_core.messages import parse_roster
 from megainfer.serve.engine_client import EngineClient
 from megainfer.serve.server import make_server
 
@@ -121,8 +122,7 @@ class MpiServe:
             self.close()
             raise
         ranks_line = next((x for x in self.lines if x.startswith("[serve] ranks: ")), "")
-        self.pids = {int(r): int(p) for r, p in re.findall(r"(\d+) \[[^]]*\] pid (\d+)",
-                                                           ranks_line)}
+        self.pids = {r: info.pid for r, info in parse_roster(ranks_line).items()}
 
     def _read(self) -> None:
         for line in self.proc.stdout:

@@ -36,7 +36,7 @@ from megainfer.engine_core.core import SHUTDOWN_TIMEOUT_S
 from megainfer.engine.failures import CoreStartError, EngineDeadError
 from megainfer.engine_core.messages import (AUTHKEY_ENV, LOG_LEVEL_ENV, AddRequest, CoreInput,
                                             CoreOutputs, Heartbeat, Launched, RankInfo, Ready,
-                                            Shutdown, StartFailed)
+                                            Shutdown, StartFailed, roster_text)
 
 from . import sigterm_exit
 from .core_socket import CoreSocket
@@ -152,8 +152,7 @@ class _Link:
                 break
             else:
                 raise self._start_error(f"rank 0 sent {type(msg).__name__} before Ready")
-        log.info("%s ranks ready: %s", self.who, ", ".join(f"{r.rank} {r.role} pid {r.pid}"
-                                                            for r in self.ranks))
+        log.info("%s ranks ready: %s", self.who, roster_text(self.ranks))
         self.reader = threading.Thread(target=self._read, name="megainfer-spawned-core",
                                        daemon=True)
         self.reader.start()

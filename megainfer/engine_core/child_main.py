@@ -39,7 +39,8 @@ from .core import EngineCore
 from .core_thread import EngineCoreThread
 from .launch_env import parent_death_signal
 from .messages import (AUTHKEY_ENV, HEARTBEAT_S, LOG_LEVEL_ENV, AbortRequest, AddRequest,
-                       CoreOutputs, Heartbeat, Launched, RankInfo, Ready, Shutdown, StartFailed)
+                       CoreOutputs, Heartbeat, Launched, Ready, Shutdown, StartFailed,
+                       gather_roster)
 
 log = logging.getLogger("megainfer.engine_core")
 POLL_S = 0.25  # rank 0's main thread: how often it checks its core thread while no input comes
@@ -148,8 +149,7 @@ def _launch(rank: int, world: int, comm, spec):
     spec = comm.bcast(spec, root=0)
     job = spec.resolve(rank)
     tag = assign_role(job.deploy, rank, world).tag
-    table = comm.gather(RankInfo(rank, os.getpid(), tag), root=0)
-    ranks = {i.rank: i for i in table} if rank == 0 else {}
+    ranks = {i.rank: i for i in gather_roster(comm, tag)}
     return job, ranks, tag
 
 

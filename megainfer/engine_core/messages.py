@@ -15,8 +15,10 @@ of the runtime are ``runtime/messages.py``'s.
 """
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Iterable, Optional, Union
 
 from megainfer.engine.failures import EngineDeadError
 from megainfer.engine.intake import TokenizedPrompt
@@ -78,6 +80,28 @@ class RankInfo:
     rank: int
     pid: int
     role: str
+
+
+def gather_roster(comm, role: str) -> tuple[RankInfo, ...]:
+    """Collective over ``comm``: every rank's ``RankInfo`` (``role``: this rank's log tag), in
+    rank order on rank 0, () on the others. The one roster of a job: the launcher's, the
+    server's and a child job's (``Launched``)."""
+    got = comm.gather(RankInfo(comm.Get_rank(), os.getpid(), role), root=0)
+    return tuple(got) if got else ()
+
+
+_ROSTER_ENTRY = re.compile(r"(\d+) (\[[^]]*\]) pid (\d+)")
+
+
+def roster_text(ranks: Iterable[RankInfo]) -> str:
+    """``0 [attn dp0 tp0] pid 9455, 1 [expert 0] pid 9456``: what a process manager's "PID n
+    died" is read against (``parse_roster`` reads it back)."""
+    return ", ".join(f"{r.rank} {r.role} pid {r.pid}" for r in ranks)
+
+
+def parse_roster(text: str) -> dict[int, RankInfo]:
+    """``roster_text``'s entries in ``text`` -> {rank: RankInfo}."""
+    return {int(r): RankInfo(int(r), int(p), role) for r, role, p in _ROSTER_ENTRY.findall(text)}
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,24 @@ class RankFailure(RuntimeError):
         self.peer, self.phase = peer, phase
 
 
+class Outbox:
+    """Object messages sent without waiting, on a communicator: for a peer that may be sending
+    to this rank at the same time (a blocking send could wait on a receive that waits on it).
+    Each ``post`` completes in the background; ``flush`` waits for all (small messages to live
+    peers)."""
+
+    def __init__(self, comm: MPI.Comm):
+        self.comm, self.pending = comm, []
+
+    def post(self, obj, dest: int, tag: int) -> None:
+        self.pending = [r for r in self.pending if not r.Test()]
+        self.pending.append(self.comm.isend(obj, dest=dest, tag=tag))
+
+    def flush(self) -> None:
+        MPI.Request.Waitall(self.pending)
+        self.pending = []
+
+
 class ControlPlane:
     """Timed object messages on a communicator (``me`` is the speaker's log tag)."""
 

@@ -52,7 +52,7 @@ class ExpertSpanReporter:
                           [e["dur"] / 1e6 for e in events if e["cat"] == EXPERT],
                           [(_key(e), e["ts"] + e["dur"]) for e in events
                            if e["cat"] == A2E and is_wait(e) and e["dur"] > 0])
-        comm.send(msg, dest=0, tag=tags.SERVE_SPANS)  # a few KB: completes at once (eager)
+        self.rank.control.send(msg, 0, tags.SERVE_SPANS)  # a few KB: completes at once (eager)
 
 
 @dataclass

@@ -27,7 +27,7 @@ from megainfer.engine.outputs import RequestOutput
 from megainfer.engine.step import LocalExecutor
 from megainfer.perfmodel.trace import KV_SEND, PREFILL, kv_transfer_name, prefill_step_name
 from megainfer.runtime import tags
-from megainfer.runtime.control import RankFailure
+from megainfer.runtime.control import Outbox, RankFailure
 from megainfer.runtime.messages import (PrefillReport, PrefillResult, PrefillStop, PrefillWork,
                                          WorkItem)
 from megainfer.runtime.pd.kv_stream import KVSender, OutgoingKV
@@ -73,7 +73,7 @@ class PrefillWorker:
         self.engine, self.executor, self.comm, self.tag = engine, executor, comm, tag
         self.peers = peers  # this prefill replica's TP ranks (None: one rank)
         self.leader = peers is None or peers.Get_rank() == 0
-        self.peer_outbox: list = []  # the leader's forwards in flight
+        self.peer_outbox = Outbox(peers) if peers is not None else None  # leader's forwards
         self.dests = dests  # per decode replica: [Dest] of its TP ranks
         self.policy = policy
         # idle with KV sends in flight: back every 50 ms to drive them; else one long wait
@@ -82,7 +82,7 @@ class PrefillWorker:
         self.xfer_of: dict[str, int] = {}  # engine request id -> transfer id
         self.transfers: list[OutgoingKV] = []  # completed, for the stats
         self.steps = 0
-        self.outbox: list = []  # reports to rank 0 in flight
+        self.outbox = Outbox(comm)  # reports to rank 0 in flight
         self.track = track_keys
         if track_keys:
             engine.blocks.track_keys()
@@ -96,8 +96,9 @@ class PrefillWorker:
             else:
                 work = self._from_leader()
             if isinstance(work, PrefillStop):
-                MPI.Request.Waitall(self.outbox)  # rank 0 took every report before stopping
-                MPI.Request.Waitall(self.peer_outbox)
+                self.outbox.flush()  # rank 0 took every report before stopping
+                if self.peer_outbox is not None:
+                    self.peer_outbox.flush()
                 self.executor.sender.drain()
                 self._collect()
                 return self.steps
@@ -116,10 +117,9 @@ class PrefillWorker:
         identical; the steps' all-reduces keep them in lockstep)."""
         if self.peers is None:
             return
-        self.peer_outbox = [r for r in self.peer_outbox if not r.Test()]
         for t in range(1, self.peers.Get_size()):
             msg = work if isinstance(work, PrefillStop) else PrefillWork(work)
-            self.peer_outbox.append(self.peers.isend(msg, dest=t, tag=tags.PD_WORK))
+            self.peer_outbox.post(msg, t, tags.PD_WORK)
 
     def _from_leader(self):
         """A TP rank other than the leader: the leader's next message (idle is legitimate, as
@@ -136,8 +136,7 @@ class PrefillWorker:
         s, b = self.engine.scheduler, self.engine.blocks
         msg = PrefillReport(report, s.num_waiting, len(s.running),
                             b.take_key_events() if self.track else [])
-        self.outbox = [r for r in self.outbox if not r.Test()]
-        self.outbox.append(self.comm.isend(msg, dest=0, tag=tags.PD_DONE))
+        self.outbox.post(msg, 0, tags.PD_DONE)
 
     def _receive(self, block: bool):
         """Everything rank 0 sent since the last call (a list of ``WorkItem``, or

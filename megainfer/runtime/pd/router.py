@@ -30,7 +30,7 @@ from megainfer.engine.errors import RequestError
 from megainfer.engine.intake import tokenize_prompt
 from megainfer.engine.outputs import PromptInput, RequestOutput, SampleDelta
 from megainfer.runtime import tags
-from megainfer.runtime.control import RankFailure
+from megainfer.runtime.control import Outbox, RankFailure
 from megainfer.runtime.messages import Drop, Expect, PrefillStop, PrefillWork, Start, WorkItem
 from megainfer.runtime.replicas.request_router import RequestRouter
 from megainfer.runtime.timeouts import pd_idle_wait_s
@@ -62,7 +62,7 @@ class PDRouter:
         self.next_xfer = self.next_d = 0
         self.assigned = [0] * num_replicas  # requests handed to each decode replica
         self.prefilled = [0] * len(prefill_ranks)
-        self.outbox: list = []  # hand-outs in flight
+        self.outbox = Outbox(comm)  # hand-outs in flight
         self.reports = 0  # prefill reports received
         self.decoding: dict[str, int] = {}  # request id -> decode replica, once started
         self.aborted: set[int] = set()  # transfers whose request was aborted on a prefill rank
@@ -124,12 +124,11 @@ class PDRouter:
     def stop(self) -> None:
         for r in self.prefill_ranks:
             self._send(PrefillStop(), r)
-        MPI.Request.Waitall(self.outbox)  # small, and every prefill rank is alive to take it
+        self.outbox.flush()  # small, and every prefill rank is alive to take it
 
     def _send(self, msg, rank: int) -> None:
         """Non-blocking: the prefill rank may be sending its report at the same time."""
-        self.outbox = [r for r in self.outbox if not r.Test()]
-        self.outbox.append(self.comm.isend(msg, dest=rank, tag=tags.PD_WORK))
+        self.outbox.post(msg, rank, tags.PD_WORK)
 
     def _collect(self, msgs, done) -> None:
         st = MPI.Status()

@@ -99,7 +99,7 @@ class ExpertReporter:
 
     def __init__(self, comm: MPI.Comm, tracer, interval: int, keep_events: bool):
         self.comm, self.tracer, self.interval, self.keep = comm, tracer, interval, keep_events
-        self.start, self.pending = len(tracer.events), []
+        self.start, self.outbox = len(tracer.events), Outbox(comm)
 
     def __call__(self, worker) -> None:
         self.tracer.enabled = self.keep or records(worker.iteration, self.interval)
@@ -110,6 +110,5 @@ class ExpertReporter:
         pairs = {first + i: n for i, n in enumerate(reb.tokens_per_iteration)}
         ev, self.start = take_events(self.tracer, self.start, self.keep)
         samples = expert_samples(ev, pairs)
-        self.pending = [r for r in self.pending if not r.Test()]
         msg = ExpertSamples(worker.iteration, samples, reb.placement.slots_per_rank, reply_ends(ev))
-        self.pending.append(self.comm.isend(msg, dest=0, tag=tags.REPLAN_SAMPLES))
+        self.outbox.post(msg, 0, tags.REPLAN_SAMPLES)

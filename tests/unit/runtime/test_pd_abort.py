@@ -33,8 +33,7 @@ def _handed_out(router, rid):
     msgs, done = router.iterate([0])
     assert not done and [type(m) for m in msgs[0]] == [Expect]
     work = MPI.COMM_SELF.recv(source=0, tag=tags.PD_WORK)  # what the prefill rank would get
-    MPI.Request.Waitall(router.outbox)
-    router.outbox = []
+    router.outbox.flush()
     item: WorkItem = work.items[0]
     assert str(item.input.request_id) == rid
     return item.xfer
