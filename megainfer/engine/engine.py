@@ -23,6 +23,8 @@ from megainfer.config import CacheConfig, ConfigError, ModelConfig, SchedulerCon
 from megainfer.models.kv_spec import KVCacheSpec, kv_cache_spec_for
 
 from .block_manager import BlockManager
+from .grammar import Grammars
+from .grammar_state import GrammarState
 from .kv_tier import make_kv_tier
 from .errors import DuplicateRequestError, RequestError
 from .intake import TokenizedPrompt, tokenize_request
@@ -73,7 +75,9 @@ class LLMEngine(LocalOnline):
         self.executor = executor_factory(self.kv_caches)
         if self.kv_tier is not None and isinstance(self.executor, LocalExecutor):
             self.kv_tier.attach(self.executor.model.layers)  # cuda: a layer waits for its blocks
-        self.sampler = Sampler()
+        self.grammars = Grammars(self.tokenizer, model_config.vocab_size,
+                                 model_config.eos_token_id)
+        self.sampler = Sampler(self.grammars)
         self.requests: dict[str, Request] = {}  # unfinished, by request id
         self.log_prefix = log_prefix
         self._next_seq_id = 0
@@ -120,7 +124,7 @@ class LLMEngine(LocalOnline):
         """A prompt validated into token ids, ``bad_words`` encoded; touches no engine state (a
         frontend calls it off the engine's loop)."""
         return tokenize_request(self.tokenizer, prompt, prompt_token_ids, params,
-                                self.model_config.vocab_size, self.max_model_len)
+                                self.model_config.vocab_size, self.max_model_len, self.grammars)
 
     def add_tokenized(self, request_id, prompt: TokenizedPrompt, params: SamplingParams
                       ) -> Request:
@@ -144,6 +148,8 @@ class LLMEngine(LocalOnline):
                 eos_token_ids=self.model_config.eos_token_id, max_model_len=self.max_model_len,
                 index=i, logprobs=None if params.logprobs is None else []))
             samples[-1].bad_words_token_ids = prompt.bad_words_token_ids
+            if params.structured_outputs is not None:  # compiles while the prompt prefills
+                samples[-1].grammar = GrammarState(params.structured_outputs, self.grammars)
         req = samples[0]
         req.samples, req.pending, req.num_unfinished = samples, samples[1:], params.n
         if params.prompt_logprobs is not None:
@@ -239,6 +245,10 @@ class LLMEngine(LocalOnline):
                 req.logprobs += lp
                 req.cumulative_logprob += rec[0]
             req.append_token(tok, now, self.tokenizer)
+            if req.grammar is not None and not req.is_finished:
+                ended = req.grammar.sync(req.output_token_ids, self.grammars)
+                if ended is not None:
+                    req.finish(ended, now)
             out.new_tokens.append(SampleDelta(req.request_id, req.index, [tok], lp,
                                               req.finish_reason, req.stop_reason))
             if id(req) in forked and not req.is_finished:  # it runs, or waits for a seat

@@ -1,7 +1,8 @@
 """Logits -> next tokens: penalties, min-tokens, greedy, temperature, top-k, top-p, min-p,
 per-request seeds, and the log-probabilities asked for (docs/engine.md, "Sampling").
 
-Order per row (vLLM v1): logprobs from the raw logits; min_tokens and bad_words masks;
+Order per row (vLLM v1): logprobs from the raw logits; the grammar's token bitmask
+(structured outputs, ``grammar_state.py``); min_tokens and bad_words masks;
 logit_bias; repetition, frequency and presence penalties; greedy rows take the argmax, random rows divide by
 the temperature, filter, and race (argmax of probs / E, E ~ Exp(1)).
 
@@ -19,6 +20,8 @@ import torch
 
 from megainfer.models.attention import to_device_once
 
+from .grammar import Grammars
+from .grammar_state import apply_bitmask, grammar_masks
 from .philox import MASK32, exponential, mix_seed
 from .request import Request
 
@@ -54,7 +57,9 @@ class _HostBuffer:
         self.dev: list[torch.Tensor] = []
 
     def add(self, rows, width: int) -> tuple[int, int]:
-        self.parts.append(torch.tensor(rows, dtype=torch.float64).reshape(-1))
+        part = rows.to(torch.float64) if isinstance(rows, torch.Tensor) else \
+            torch.tensor(rows, dtype=torch.float64)
+        self.parts.append(part.reshape(-1))
         return len(self.parts) - 1, width
 
     def upload(self, device: torch.device) -> None:
@@ -84,6 +89,9 @@ class SamplerOutput:
 
 
 class Sampler:
+    def __init__(self, grammars: Optional[Grammars] = None):
+        self.grammars = grammars  # structured outputs: the tokenizer's compiled grammars
+
     def __call__(self, logits: torch.Tensor, reqs: Sequence[Request]) -> list[int]:
         """logits [R, V] fp32, one row per request -> R token ids."""
         return self.run(logits, reqs).tokens
@@ -161,6 +169,10 @@ class Sampler:
                 bias += [(i, t, b) for t, b in p.logit_bias.items() if t < V]
             if p.logprobs is not None:
                 lp_rows.append(i)
+        g_rows, g_bits = grammar_masks(reqs, self.grammars, V) \
+            if self.grammars is not None else ([], None)
+        seg_g = H.add(g_rows, 1) if g_rows else None
+        seg_gbits = H.add(g_bits, g_bits.shape[1]) if g_rows else None  # int32 exact in fp64
         seg_rand = H.add(rand, 7) if rand else None
         seg_pen = H.add(pen, 4) if pen else None
         seg_out = H.add(out_pairs, 2) if out_pairs else None
@@ -189,9 +201,11 @@ class Sampler:
             pj = _logprob_table(logits.index_select(0, t[:, 0].long()).log_softmax(-1),
                                 t[:, 1].long(), K)
 
-        if seg_mask is not None or seg_pen is not None or seg_bias is not None:
+        if seg_mask is not None or seg_pen is not None or seg_bias is not None or seg_g:
             # masks write in place: never into the caller's logits or the raw-logprob rows
             x = x.clone() if x is logits or (lp is not None and lp[0] is x) else x
+            if seg_g is not None:
+                apply_bitmask(x, H.get(seg_g)[:, 0].long(), H.get(seg_gbits).to(torch.int32))
             if seg_mask is not None:
                 m = H.get(seg_mask).long()
                 x.index_put_((m[:, 0], m[:, 1]), x.new_full((), float("-inf")))

@@ -1,0 +1,87 @@
+"""One sample's progress through its grammar (an xgrammar matcher), and the step's masks.
+
+A ``GrammarState`` follows its sample's output tokens: ``sync`` feeds the matcher the tokens it
+has not seen (one per step; after a PD handoff or a re-plan, which carry no native state, the
+whole output again) and says whether the sample must end: the grammar terminated (``"stop"``)
+or rejected the sampled token (``DEAD_END``: the other masks left no token the grammar
+allows). Pickled, it keeps only its spec; the matcher is rebuilt where it lands."""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from .grammar import Grammars
+
+DEAD_END = "grammar_dead_end"  # the finish reason of a sample the grammar could not continue
+
+
+class GrammarState:
+    def __init__(self, spec, grammars: Optional[Grammars] = None):
+        self.spec = spec
+        self.future = grammars.future(spec) if grammars is not None else None
+        self.matcher = None
+        self.seen = 0  # output tokens the matcher accepted
+
+    def __getstate__(self):
+        return {"spec": self.spec}
+
+    def __setstate__(self, state):
+        self.__init__(state["spec"])
+
+    def _matcher(self, grammars: Grammars):
+        if self.matcher is None:
+            import xgrammar as xgr
+            if self.future is None:
+                self.future = grammars.future(self.spec)
+            self.matcher = xgr.GrammarMatcher(self.future.result(),
+                                              override_stop_tokens=grammars.stop_ids or None,
+                                              terminate_without_stop_token=not grammars.stop_ids)
+            self.seen = 0
+        return self.matcher
+
+    def sync(self, tokens: Sequence[int], grammars: Grammars) -> Optional[str]:
+        """Accept ``tokens[seen:]``; the finish reason the sample now has, or None."""
+        m = self._matcher(grammars)
+        while self.seen < len(tokens):
+            if m.is_terminated():
+                return "stop"
+            if not m.accept_token(tokens[self.seen]):
+                return DEAD_END
+            self.seen += 1
+        return "stop" if m.is_terminated() else None
+
+    def fill(self, bitmask: torch.Tensor, row: int, tokens: Sequence[int],
+             grammars: Grammars) -> None:
+        """Row ``row`` of ``bitmask`` [R, ceil(V / 32)] int32: the tokens allowed next."""
+        self.sync(tokens, grammars)
+        m = self.matcher
+        if m.is_terminated():  # only stop tokens are left (a sample ends at termination)
+            bitmask[row].zero_()
+            return
+        m.fill_next_token_bitmask(bitmask, row)
+
+
+def grammar_masks(reqs, grammars: Grammars, V: int) -> tuple[list[int], Optional[torch.Tensor]]:
+    """The rows of ``reqs`` under a grammar and their bitmask [len(rows), ceil(V / 32)] int32
+    (host), None when no row has one."""
+    rows = [i for i, r in enumerate(reqs) if r.params.structured_outputs is not None]
+    if not rows:
+        return rows, None
+    bitmask = torch.empty(len(rows), (V + 31) // 32, dtype=torch.int32)
+    for j, i in enumerate(rows):
+        r = reqs[i]
+        if r.grammar is None:
+            r.grammar = GrammarState(r.params.structured_outputs, grammars)
+        r.grammar.fill(bitmask, j, r.output_token_ids, grammars)
+    return rows, bitmask
+
+
+def apply_bitmask(x: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """x [R, V] in place: rows ``rows`` [G] (device) keep only the tokens their bitmask
+    [G, ceil(V / 32)] (int32, on x's device) allows; the others go to -inf."""
+    V = x.shape[1]
+    bits = torch.arange(32, device=x.device, dtype=torch.int32)
+    allowed = ((bitmask[:, :, None] >> bits) & 1).reshape(bitmask.shape[0], -1)[:, :V].bool()
+    sub = x.index_select(0, rows).masked_fill(~allowed, float("-inf"))
+    x.index_copy_(0, rows, sub)
