@@ -15,6 +15,7 @@ from megainfer.engine.intake import unencodable
 from megainfer.engine.sampling_params import MAX_LOGIT_BIAS
 
 from .errors import APIError
+from .response_format import ResponseFormat, structured_spec
 
 
 MAX_ID_CHARS = 256  # request_id, user, model
@@ -87,6 +88,15 @@ class _Sampling(_Body):
     include_stop_str_in_output: bool = False
     prompt_logprobs: Optional[int] = None  # vLLM: per prompt token, its logprob and the top k
     request_id: Optional[ShortText] = None  # vLLM: the id the engine (and the response) uses
+    # the output's grammar: OpenAI's response_format, or vLLM's structured_outputs (json,
+    # regex, choice, grammar, json_object; at most one of the two fields)
+    response_format: Optional[ResponseFormat] = Field(default=None, discriminator="type")
+    structured_outputs: Optional[dict[Text, Any]] = None
+
+    def grammar_field(self) -> str:
+        """The body field a grammar's refusal names."""
+        return "structured_outputs" if self.structured_outputs is not None else \
+            "response_format"
 
     def sampling_params(self, max_tokens: int, logprobs: Optional[int],
                         prompt_logprobs: Optional[int] = None,
@@ -106,7 +116,9 @@ class _Sampling(_Body):
                   stop_token_ids=tuple(self.stop_token_ids or ()),
                   include_stop_str_in_output=self.include_stop_str_in_output,
                   logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                  logit_bias=self._logit_bias(), skip_special_tokens=self.skip_special_tokens)
+                  logit_bias=self._logit_bias(), skip_special_tokens=self.skip_special_tokens,
+                  structured_outputs=structured_spec(self.response_format,
+                                                     self.structured_outputs))
         for k, v in (("temperature", self.temperature), ("top_p", self.top_p),
                      ("top_k", self.top_k), ("min_p", self.min_p),
                      ("repetition_penalty", self.repetition_penalty)):
@@ -187,7 +199,6 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: Optional[int] = None
     add_generation_prompt: bool = True  # vLLM: end the prompt with the assistant's turn opening
     tools: Optional[list] = None  # refused when set (no tool calling yet)
-    response_format: Optional[dict] = None  # refused unless {"type": "text"}
 
     def token_budget(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None \

@@ -40,16 +40,15 @@ class ChatServing(Serving):
         self.check_model(body.model)
         if body.tools:
             raise APIError("tools: tool calling is not supported", 400, "tools")
-        if body.response_format and body.response_format.get("type") != "text":
-            raise APIError("response_format: only {'type': 'text'} is supported", 400,
-                           "response_format")
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError("top_logprobs: needs logprobs=true", 400, "top_logprobs")
         self.check_samples(body.n)
         c = self.client
         ids = await self.render(body.messages, body.add_generation_prompt)
         top = (body.top_logprobs or 0) if body.logprobs else None
-        ids = await c.prompt_ids(ids, body.sampling_params(c.max_model_len, None), "messages")
+        check = body.sampling_params(c.max_model_len, None)
+        await c.compile_grammar(check, body.grammar_field())
+        ids = await c.prompt_ids(ids, check, "messages")
         field = "max_completion_tokens" if body.max_completion_tokens is not None \
             else "max_tokens"
         params = body.sampling_params(c.token_budget(ids, body.token_budget(), field), top,
