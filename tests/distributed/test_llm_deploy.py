@@ -57,6 +57,17 @@ OFFLINE = [("a1e2", 3, "a1e2"), ("a2e2m2", 4, A2E2), ("a1tp2e1", 3, TP2),
            ("colocated2", 2, "colocated2"), ("p1a1e2", 4, "p1a1e2")]
 
 
+def _valid_structured(texts) -> None:
+    """offline_outputs' structured outputs follow their grammars (JSON schema, regex)."""
+    import re
+
+    import jsonschema_rs
+    from llm_deploy_job import SCHEMA
+    valid = jsonschema_rs.validator_for(SCHEMA).is_valid
+    assert all(valid(json.loads(t)) for t in texts[0] + texts[1]), texts
+    assert all(re.fullmatch(r"[a-e]{2,5}\d", t) for t in texts[2]), texts
+
+
 @pytest.mark.parametrize("name,ranks,deploy", OFFLINE, ids=[o[0] for o in OFFLINE])
 def test_llm_every_mode_equals_single_mode(tiny_ckpts, tmp_path, name, ranks, deploy):
     ckpt = tiny_ckpts[("mixtral", "base")]
@@ -64,6 +75,7 @@ def test_llm_every_mode_equals_single_mode(tiny_ckpts, tmp_path, name, ranks, de
     want = _single(ckpt, "offline")
     for key in want.keys() - {"logprobs"}:
         assert got[key] == want[key], (name, key)
+    _valid_structured(got["structured"])
     _same_logprobs(got["logprobs"], want["logprobs"])
     assert max(got["idle_cpu"]) < 0.05, got["idle_cpu"]  # an idle runtime sleeps, every rank
 

@@ -23,6 +23,11 @@ from abort_on_error import run_or_abort  # noqa: E402
 ENGINE_ARGS = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32, block_size=4,
                    num_blocks=256)
 CHAT = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+SCHEMA = {"type": "object", "properties": {"k": {"enum": ["a", "bc"]},
+                                           "v": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "f": {"type": "array", "items": {"type": "boolean"},
+                                                 "maxItems": 2}},
+          "required": ["k", "v", "f"], "additionalProperties": False}
 
 
 def prompts(vocab: int):
@@ -51,7 +56,14 @@ def offline_outputs(llm) -> dict:
     chat = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0,
                                                                          max_tokens=5),
                     use_tqdm=False, chat_template=CHAT)
+    grammar = [SamplingParams(temperature=0, max_tokens=60, structured_outputs={"json": SCHEMA}),
+               SamplingParams(temperature=1.0, seed=9, n=3, max_tokens=60,
+                              structured_outputs={"json": SCHEMA}),
+               SamplingParams(temperature=1.0, seed=4, n=2, max_tokens=12,
+                              structured_outputs={"regex": r"[a-e]{2,5}\d"})]
+    structured = llm.generate(ps[:3], grammar, use_tqdm=False)  # the sampler's masks, every mode
     return {
+        "structured": [[c.text for c in o.outputs] for o in structured],
         "greedy": [o.outputs[0].token_ids for o in greedy],
         "greedy_text": [o.outputs[0].text for o in greedy],
         "seeded": [[c.token_ids for c in o.outputs] for o in seeded],
