@@ -56,19 +56,34 @@ def tokenizer_info(tokenizer, vocab_size: int):
         raise RequestError(f"structured_outputs: needs the checkpoint's tokenizer.json or the "
                            f"byte tokenizer (not {type(tokenizer).__name__})")
     tok = tokenizer.tok
-    specials = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
+    added = {i: t for i, t in tok.get_added_tokens_decoder().items()}
     by_id = {i: s for s, i in tok.get_vocab(with_added_tokens=True).items()}
     n = min(vocab_size, max(by_id) + 1 if by_id else 0)
-    vocab = ["" if by_id.get(i, "") in specials else by_id.get(i, "") for i in range(n)]
     decoder = json.dumps(json.loads(tok.to_str()).get("decoder"))
-    if '"ByteLevel"' in decoder:
-        kind = xgr.VocabType.BYTE_LEVEL
-    elif '"ByteFallback"' in decoder:
-        kind = xgr.VocabType.BYTE_FALLBACK
-    else:
-        kind = xgr.VocabType.RAW
+    if '"ByteLevel"' in decoder:  # each id's own bytes (added tokens: their text's)
+        inv = {c: b for b, c in _bytes_to_unicode().items()}
+        vocab = [b"" if i in added and added[i].special else
+                 added[i].content.encode() if i in added else
+                 bytes(inv[c] for c in by_id[i]) if i in by_id and all(c in inv for c in by_id[i])
+                 else by_id.get(i, "").encode() for i in range(n)]
+        return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size,
+                                 stop_token_ids=[])
+    vocab = ["" if i in added and added[i].special else by_id.get(i, "") for i in range(n)]
+    kind = xgr.VocabType.BYTE_FALLBACK if '"ByteFallback"' in decoder else xgr.VocabType.RAW
     return xgr.TokenizerInfo(vocab, kind, vocab_size=vocab_size, stop_token_ids=[],
                              add_prefix_space='"Metaspace"' in decoder)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: byte -> the character byte-level BPE writes it as."""
+    bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    cs, extra = list(bs), 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + extra)
+            extra += 1
+    return dict(zip(bs, map(chr, cs)))
 
 
 def _error_text(e: Exception) -> str:

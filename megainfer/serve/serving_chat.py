@@ -41,7 +41,7 @@ class ChatServing(Serving):
 
     async def create(self, body: ChatCompletionRequest, request: Request):
         self.check_model(body.model)
-        plan = tool_plan(body.tools, body.tool_choice, self.cfg)
+        plan = tool_plan(body.tools, body.tool_choice, self.cfg, body.parallel_tool_calls)
         if plan.grammar is not None and (body.response_format is not None and
                                          body.response_format.type != "text"
                                          or body.structured_outputs is not None):

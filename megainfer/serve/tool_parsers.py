@@ -115,13 +115,9 @@ def _deepseek(text: str, final: bool) -> tuple[str, list]:
         name, rest = head.split("\n", 1)
         rest = rest[len("```json\n"):] if rest.startswith("```json\n") else \
             ("" if "```json\n".startswith(rest) else rest)
-        done = DS_CALL_END in rest
-        args = rest.split(DS_CALL_END, 1)[0]
-        if done:
-            args = args.rstrip().removesuffix("```").rstrip()
-        else:
-            args = _hold(_hold(args.rstrip(), "\n```"), "```").rstrip()
-        calls.append([name.strip(), args, done])
+        end = value_end(rest, 0)  # the arguments: the JSON value inside the fence
+        args = rest.strip() if end is None else rest[:end].strip()
+        calls.append([name.strip(), args, end is not None])
     return text[:first], calls
 
 

@@ -59,9 +59,10 @@ def _params_schema(f: FunctionDef) -> dict:
 
 
 def tool_plan(tools: Optional[list[Tool]], choice: Optional[ToolChoice],
-              cfg: ServeConfig) -> ToolPlan:
+              cfg: ServeConfig, parallel: bool = True) -> ToolPlan:
     """The plan of a request; a 400 naming ``tools`` or ``tool_choice`` when they do not fit
-    (a choice without tools, an unknown function, ``auto`` on a server without a parser)."""
+    (a choice without tools, an unknown function, ``auto`` on a server without a parser).
+    ``parallel`` false (``parallel_tool_calls``): ``required`` makes exactly one call."""
     if not tools:
         if choice not in (None, "none"):
             raise APIError("tool_choice: needs tools", 400, "tool_choice")
@@ -90,6 +91,8 @@ def tool_plan(tools: Optional[list[Tool]], choice: Optional[ToolChoice],
             "name": {"const": t.function.name}, "parameters": _params_schema(t.function)},
             "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+        if not parallel:
+            schema["maxItems"] = 1
         return ToolPlan("json_list", grammar=StructuredOutputsParams(json=schema))
     name = choice.function.name
     if name not in names:
