@@ -77,10 +77,18 @@ def grammar_masks(reqs, grammars: Grammars, V: int) -> tuple[list[int], Optional
     return rows, bitmask
 
 
-def apply_bitmask(x: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """x [R, V] in place: rows ``rows`` [G] (device) keep only the tokens their bitmask
-    [G, ceil(V / 32)] (int32, on x's device) allows; the others go to -inf."""
+def apply_bitmask(x: torch.Tensor, rows, bitmask: torch.Tensor) -> None:
+    """x [R, V] in place: rows ``rows`` [G] keep only the tokens their bitmask
+    [G, ceil(V / 32)] (int32, on x's device) allows; the others go to -inf. On the host:
+    xgrammar's kernel (``rows`` a list); elsewhere torch ops (``rows`` on x's device)."""
     V = x.shape[1]
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous():
+        import xgrammar as xgr
+        full = torch.full((x.shape[0], bitmask.shape[1]), -1, dtype=torch.int32)
+        full[rows] = bitmask
+        xgr.apply_token_bitmask_inplace(x, full, vocab_size=V, indices=list(rows))
+        return
+    rows = torch.as_tensor(rows, device=x.device)
     bits = torch.arange(32, device=x.device, dtype=torch.int32)
     allowed = ((bitmask[:, :, None] >> bits) & 1).reshape(bitmask.shape[0], -1)[:, :V].bool()
     sub = x.index_select(0, rows).masked_fill(~allowed, float("-inf"))

@@ -171,8 +171,9 @@ class Sampler:
                 lp_rows.append(i)
         g_rows, g_bits = grammar_masks(reqs, self.grammars, V) \
             if self.grammars is not None else ([], None)
-        seg_g = H.add(g_rows, 1) if g_rows else None
-        seg_gbits = H.add(g_bits, g_bits.shape[1]) if g_rows else None  # int32 exact in fp64
+        on_host = dev.type == "cpu"  # the bitmask is used where it was filled
+        seg_g = H.add(g_rows, 1) if g_rows and not on_host else None
+        seg_gbits = H.add(g_bits, g_bits.shape[1]) if seg_g else None  # int32 exact in fp64
         seg_rand = H.add(rand, 7) if rand else None
         seg_pen = H.add(pen, 4) if pen else None
         seg_out = H.add(out_pairs, 2) if out_pairs else None
@@ -201,10 +202,12 @@ class Sampler:
             pj = _logprob_table(logits.index_select(0, t[:, 0].long()).log_softmax(-1),
                                 t[:, 1].long(), K)
 
-        if seg_mask is not None or seg_pen is not None or seg_bias is not None or seg_g:
+        if seg_mask is not None or seg_pen is not None or seg_bias is not None or g_rows:
             # masks write in place: never into the caller's logits or the raw-logprob rows
             x = x.clone() if x is logits or (lp is not None and lp[0] is x) else x
-            if seg_g is not None:
+            if g_rows and on_host:
+                apply_bitmask(x, g_rows, g_bits)
+            elif g_rows:
                 apply_bitmask(x, H.get(seg_g)[:, 0].long(), H.get(seg_gbits).to(torch.int32))
             if seg_mask is not None:
                 m = H.get(seg_mask).long()

@@ -162,3 +162,19 @@ def test_a_dead_end_ends_the_sample_with_its_own_reason(llm):
                                            structured_outputs={"choice": ["yes"]}),
                        use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == DEAD_END and out.text.startswith("yes")
+
+
+def test_the_host_kernel_and_the_device_path_mask_alike():
+    """apply_bitmask: xgrammar's host kernel (fp32 on the CPU) and the torch ops other devices
+    and dtypes use give the same logits."""
+    from megainfer.engine.grammar_state import apply_bitmask
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 70, generator=g)
+    bits = torch.randint(-2**31, 2**31 - 1, (2, 3), generator=g, dtype=torch.int64).to(
+        torch.int32)
+    a, b = x.clone(), x.double()
+    apply_bitmask(a, [1, 3], bits)
+    apply_bitmask(b, [1, 3], bits)  # fp64: the torch path
+    assert torch.equal(a, b.float()) and torch.equal(a[0], x[0]) and torch.equal(a[2], x[2])
+    allowed = [t for t in range(70) if (int(bits[0, t // 32]) >> (t % 32)) & 1]
+    assert torch.isfinite(a[1]).nonzero().flatten().tolist() == allowed
