@@ -59,7 +59,7 @@ class SamplingParams:
     bad_words: Union[tuple[str, ...], None] = ()
     logit_bias: Optional[Mapping[int, float]] = None  # {token id: bias in [-100, 100]}
     skip_special_tokens: bool = True  # special tokens add no text
-    structured_outputs: Optional[StructuredOutputsParams] = None
+    structured_outputs: Optional[StructuredOutputsParams] = None  # the grammar the output follows
 
     def __post_init__(self):
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
