@@ -61,7 +61,7 @@ def tokenizer_info(tokenizer, vocab_size: int):
     n = min(vocab_size, max(by_id) + 1 if by_id else 0)
     decoder = json.dumps(json.loads(tok.to_str()).get("decoder"))
     if '"ByteLevel"' in decoder:  # each id's own bytes (added tokens: their text's)
-        inv = {c: b for b, c in _bytes_to_unicode().items()}
+        inv = {c: b for b, c in bytes_to_unicode().items()}
         vocab = [b"" if i in added and added[i].special else
                  added[i].content.encode() if i in added else
                  bytes(inv[c] for c in by_id[i]) if i in by_id and all(c in inv for c in by_id[i])
@@ -74,7 +74,7 @@ def tokenizer_info(tokenizer, vocab_size: int):
                              add_prefix_space='"Metaspace"' in decoder)
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte-level alphabet: byte -> the character byte-level BPE writes it as."""
     bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
     cs, extra = list(bs), 0

@@ -29,10 +29,10 @@ def split(name: str, text: str, final: bool = True) -> tuple[Optional[str], str]
     end = body.find(END)
     if end >= 0:
         return body[:end], body[end + len(END):]
-    return (body if final else _hold(body, END)), ""
+    return (body if final else hold_tag(body, END)), ""
 
 
-def _hold(text: str, tag: str) -> str:
+def hold_tag(text: str, tag: str) -> str:
     """``text`` without a tail that is a proper prefix of ``tag``."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:k]):

@@ -20,6 +20,8 @@ import json
 import re
 from typing import Optional
 
+from .reasoning import hold_tag as _hold
+
 H_START, H_END = "<tool_call>", "</tool_call>"
 DS_BEGIN, DS_CALL, DS_SEP = "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>"
 DS_CALL_END, DS_END = "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>"
@@ -72,13 +74,6 @@ def _object_call(text: str) -> list:
     end = value_end(text, a.end())
     start = a.end()
     return [name, text[start:end] if end is not None else text[start:].rstrip(), end is not None]
-
-
-def _hold(text: str, tag: str) -> str:
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return text[:-k]
-    return text
 
 
 def _hermes(text: str, final: bool) -> tuple[str, list]:

@@ -49,8 +49,8 @@ def write_vocab_tokenizer(path: str, vocab: int) -> None:
     """A byte-level BPE ``tokenizer.json`` of ``vocab`` tokens (no merges: encoding gives
     bytes; the vocabulary is what a grammar's mask runs over)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from megainfer.engine.grammar import _bytes_to_unicode
-    alphabet = _bytes_to_unicode()
+    from megainfer.engine.grammar import bytes_to_unicode
+    alphabet = bytes_to_unicode()
     toks = [alphabet[b] for b in range(256)]
     rng = random.Random(0)
     pieces = "abcdefghijklmnopqrstuvwxyz" * 3 + "ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789" + ' ",:{}[]._-'
