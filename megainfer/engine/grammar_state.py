@@ -4,7 +4,9 @@ A ``GrammarState`` follows its sample's output tokens: ``sync`` feeds the matche
 has not seen (one per step; after a PD handoff or a re-plan, which carry no native state, the
 whole output again) and says whether the sample must end: the grammar terminated (``"stop"``)
 or rejected the sampled token (``DEAD_END``: the other masks left no token the grammar
-allows). Pickled, it keeps only its spec; the matcher is rebuilt where it lands."""
+allows). With ``start_after`` the grammar starts after the output's text first holds that
+marker (the tokens up to it are free and never reach the matcher). Pickled, it keeps only its
+spec; the matcher is rebuilt where it lands."""
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -21,7 +23,22 @@ class GrammarState:
         self.spec = spec
         self.future = grammars.future(spec) if grammars is not None else None
         self.matcher = None
-        self.seen = 0  # output tokens the matcher accepted
+        self.seen = 0  # output tokens the matcher accepted (after ``start``)
+        self.start = 0 if spec.start_after is None else None  # where the grammar starts
+        self.scanned = 0  # output tokens searched for the start_after marker
+
+    def started(self, tokens: Sequence[int], grammars: Grammars) -> bool:
+        """Whether the grammar applies from here on (``start_after`` seen in the output)."""
+        if self.start is None:
+            marker = self.spec.start_after
+            k = len(marker.encode()) + 1  # tokens enough to spell it (a byte a token at worst)
+            while self.scanned < len(tokens):
+                self.scanned += 1
+                tail = tokens[max(0, self.scanned - k):self.scanned]
+                if marker in grammars.tokenizer.decode(tail, skip_special_tokens=False):
+                    self.start = self.scanned
+                    break
+        return self.start is not None
 
     def __getstate__(self):
         return {"spec": self.spec}
@@ -41,12 +58,14 @@ class GrammarState:
         return self.matcher
 
     def sync(self, tokens: Sequence[int], grammars: Grammars) -> Optional[str]:
-        """Accept ``tokens[seen:]``; the finish reason the sample now has, or None."""
+        """Accept the tokens it has not seen; the finish reason the sample now has, or None."""
+        if not self.started(tokens, grammars):
+            return None
         m = self._matcher(grammars)
-        while self.seen < len(tokens):
+        while self.start + self.seen < len(tokens):
             if m.is_terminated():
                 return "stop"
-            if not m.accept_token(tokens[self.seen]):
+            if not m.accept_token(tokens[self.start + self.seen]):
                 return DEAD_END
             self.seen += 1
         return "stop" if m.is_terminated() else None
@@ -65,15 +84,18 @@ class GrammarState:
 def grammar_masks(reqs, grammars: Grammars, V: int) -> tuple[list[int], Optional[torch.Tensor]]:
     """The rows of ``reqs`` under a grammar and their bitmask [len(rows), ceil(V / 32)] int32
     (host), None when no row has one."""
-    rows = [i for i, r in enumerate(reqs) if r.params.structured_outputs is not None]
+    rows = []
+    for i, r in enumerate(reqs):
+        if r.params.structured_outputs is not None:
+            if r.grammar is None:
+                r.grammar = GrammarState(r.params.structured_outputs, grammars)
+            if r.grammar.started(r.output_token_ids, grammars):
+                rows.append(i)
     if not rows:
         return rows, None
     bitmask = torch.empty(len(rows), (V + 31) // 32, dtype=torch.int32)
     for j, i in enumerate(rows):
-        r = reqs[i]
-        if r.grammar is None:
-            r.grammar = GrammarState(r.params.structured_outputs, grammars)
-        r.grammar.fill(bitmask, j, r.output_token_ids, grammars)
+        reqs[i].grammar.fill(bitmask, j, reqs[i].output_token_ids, grammars)
     return rows, bitmask
 
 

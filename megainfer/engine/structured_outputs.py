@@ -10,6 +10,7 @@ from typing import Any, Optional, Union
 from .errors import SamplingParamsError
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
+OPTIONS = ("disable_any_whitespace", "start_after")
 
 
 def _fail(name: str, value, why: str) -> None:
@@ -27,7 +28,9 @@ class StructuredOutputsParams:
     regular expression the whole output matches), ``choice`` (the output is one of these
     strings), ``grammar`` (EBNF, xgrammar's GBNF dialect, root rule ``root``), ``json_object``
     (any JSON object). ``disable_any_whitespace``: JSON without free whitespace between tokens
-    (one canonical layout; a weak model cannot wander in spaces). ``json`` is kept as canonical
+    (one canonical layout; a weak model cannot wander in spaces). ``start_after`` (megainfer's):
+    the output is free until its text contains this marker (a reasoning model's ``</think>``),
+    the grammar applies to what follows. ``json`` is kept as canonical
     JSON text (key order kept: it is the output's): equal schemas share one compiled grammar."""
 
     json: Union[str, dict, bool, None] = None
@@ -36,6 +39,7 @@ class StructuredOutputsParams:
     grammar: Optional[str] = None
     json_object: Optional[bool] = None
     disable_any_whitespace: bool = True
+    start_after: Optional[str] = None
 
     def __post_init__(self):
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -58,6 +62,9 @@ class StructuredOutputsParams:
             _fail("grammar", self.grammar, "must be a non-empty EBNF string")
         if self.json_object is not None and not isinstance(self.json_object, bool):
             _fail("json_object", self.json_object, "must be true or false")
+        if self.start_after is not None and not (isinstance(self.start_after, str)
+                                                 and self.start_after):
+            _fail("start_after", self.start_after, "must be a non-empty string or null")
         if not isinstance(self.disable_any_whitespace, bool):
             _fail("disable_any_whitespace", self.disable_any_whitespace, "must be true or false")
 
@@ -77,10 +84,10 @@ class StructuredOutputsParams:
         if value is None or isinstance(value, cls):
             return value
         if isinstance(value, dict):
-            unknown = sorted(set(value) - set(KINDS) - {"disable_any_whitespace"})
+            unknown = sorted(set(value) - set(KINDS) - set(OPTIONS))
             if unknown:
                 _fail(unknown[0], value[unknown[0]], f"unknown field (known: {', '.join(KINDS)}"
-                      ", disable_any_whitespace)")
+                      f", {', '.join(OPTIONS)})")
             return cls(**value)
         raise SamplingParamsError(f"structured_outputs={_short(value)}: must be a "
                                   f"StructuredOutputsParams or a dict of its fields")

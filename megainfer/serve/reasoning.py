@@ -32,6 +32,12 @@ def split(name: str, text: str, final: bool = True) -> tuple[Optional[str], str]
     return (body if final else hold_tag(body, END)), ""
 
 
+def think_open(prompt: str) -> bool:
+    """Whether the output may start inside a think block: the prompt does not close one
+    after its last ``<think>`` (a template that turns thinking off closes it there)."""
+    return prompt.rfind(END) <= prompt.rfind(START)
+
+
 def hold_tag(text: str, tag: str) -> str:
     """``text`` without a tail that is a proper prefix of ``tag``."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):

@@ -2,6 +2,7 @@
 loop when long), the request admitted by its cost, the answer whole or streamed."""
 from __future__ import annotations
 
+import dataclasses
 import uuid
 
 from fastapi import Request
@@ -16,6 +17,8 @@ from .errors import APIError
 from .protocol import ChatCompletionRequest
 from .serving_base import Serving, finals, unless_disconnected
 from .streaming import chat_events, merged
+from .reasoning import END as THINK_END, think_open
+from .response_format import structured_spec
 from .tools import tool_plan
 
 
@@ -30,14 +33,13 @@ class ChatServing(Serving):
         self.chat = chat
 
     async def render(self, messages, add_generation_prompt: bool, tools=None,
-                     template_kwargs=None) -> list[int]:
-        """The messages' prompt token ids (a 400 naming ``messages``)."""
+                     template_kwargs=None) -> tuple[str, list[int]]:
+        """The messages' prompt text and token ids (a 400 naming ``messages``)."""
         if not self.chat.available:
             raise APIError("this model has no chat template (start the server with "
                            "serve.chat_template=...)", 400, "messages")
-        _, ids = await self.client.off_loop(_chars(messages), self.chat.render, messages,
-                                            add_generation_prompt, tools, template_kwargs)
-        return ids
+        return await self.client.off_loop(_chars(messages), self.chat.render, messages,
+                                          add_generation_prompt, tools, template_kwargs)
 
     async def create(self, body: ChatCompletionRequest, request: Request):
         self.check_model(body.model)
@@ -47,24 +49,29 @@ class ChatServing(Serving):
                                          or body.structured_outputs is not None):
             raise APIError("tool_choice: a forced call cannot also follow response_format or "
                            "structured_outputs", 400, "tool_choice")
-        reader = MessageReader(self.cfg.reasoning_parser, plan)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError("top_logprobs: needs logprobs=true", 400, "top_logprobs")
         self.check_samples(body.n)
         c = self.client
         tools = [t.model_dump(exclude_none=True) for t in body.tools] \
             if body.tools and body.tool_choice != "none" else None
-        ids = await self.render(body.messages, body.add_generation_prompt, tools,
-                                body.chat_template_kwargs)
+        text, ids = await self.render(body.messages, body.add_generation_prompt, tools,
+                                      body.chat_template_kwargs)
+        thinking = self.cfg.reasoning_parser is not None and think_open(text)
+        reader = MessageReader(self.cfg.reasoning_parser if thinking else None, plan)
+        grammar = plan.grammar or structured_spec(body.response_format, body.structured_outputs)
+        if grammar is not None and thinking and "start_after" not in (body.structured_outputs
+                                                                        or {}):
+            grammar = dataclasses.replace(grammar, start_after=THINK_END)  # the answer's
         top = (body.top_logprobs or 0) if body.logprobs else None
-        check = body.sampling_params(c.max_model_len, None, grammar=plan.grammar)
+        check = body.sampling_params(c.max_model_len, None, grammar=grammar)
         await c.compile_grammar(check, "tool_choice" if plan.grammar is not None
                                 else body.grammar_field())
         ids = await c.prompt_ids(ids, check, "messages")
         field = "max_completion_tokens" if body.max_completion_tokens is not None \
             else "max_tokens"
         params = body.sampling_params(c.token_budget(ids, body.token_budget(), field), top,
-                                      body.prompt_logprobs, grammar=plan.grammar)
+                                      body.prompt_logprobs, grammar=grammar)
         rid = body.request_id or f"chatcmpl-{uuid.uuid4().hex}"
         admission = c.admit(body.n, len(ids), [rid])
         try:

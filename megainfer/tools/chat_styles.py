@@ -1,8 +1,8 @@
 """Chat templates in the Qwen3 and DeepSeek-V3 styles, for tiny test checkpoints (written
 here, shaped like the real ones): system prompt, the ``tools`` list and its calling
 instructions, assistant turns with their ``tool_calls``, ``tool`` results, the generation
-prompt (Qwen3: an empty think block with ``enable_thinking=false``; DeepSeek-V3: ``<think>``
-opened with ``thinking=true``). Each style's special tokens: ``STYLES[name]``."""
+prompt (Qwen3: an empty think block with ``enable_thinking=false``; DeepSeek-V3.1's way:
+``<think>`` opened with ``thinking=true``, else ``</think>``). Each style's special tokens: ``STYLES[name]``."""
 from __future__ import annotations
 
 NL = "{{ '\\n' }}"
@@ -55,7 +55,8 @@ DEEPSEEK_V3 = (
     + "{{ m.content }}<｜tool▁output▁end｜><｜tool▁outputs▁end｜>"
     + "{%- endif %}{%- endfor %}"
     + "{%- if add_generation_prompt %}<｜Assistant｜>"
-    + "{%- if thinking is defined and thinking %}<think>{%- endif %}{%- endif %}")
+    + "{%- if thinking is defined and thinking %}<think>{%- else %}</think>{%- endif %}"
+    + "{%- endif %}")
 
 # name: (template, special tokens [pad, bos, eos, ...] (ids 0, 1, 2, ...), added tokens the
 # decoded text keeps (the reasoning and tool-call markers))

@@ -178,3 +178,54 @@ def test_the_host_kernel_and_the_device_path_mask_alike():
     assert torch.equal(a, b.float()) and torch.equal(a[0], x[0]) and torch.equal(a[2], x[2])
     allowed = [t for t in range(70) if (int(bits[0, t // 32]) >> (t % 32)) & 1]
     assert torch.isfinite(a[1]).nonzero().flatten().tolist() == allowed
+
+
+def test_async_llm_streams_follow_the_grammar(tiny_ckpts, llm):
+    """AsyncLLM (the engine core on its own thread, the frontend's intake compiling): the
+    streamed texts grow into what LLM.generate gives, and a spec that does not compile is
+    refused at once."""
+    import asyncio
+
+    from megainfer import AsyncLLM
+    p = SamplingParams(temperature=0, max_tokens=100, structured_outputs={"json": SCHEMA})
+    want = llm.generate(["x", "y"], p, use_tqdm=False)
+
+    async def run():
+        engine = AsyncLLM(tiny_ckpts[("qwen3_moe", "base")], max_model_len=256)
+        try:
+            async def one(i, prompt):
+                texts = []
+                async for out in engine.generate(prompt, p, f"r{i}"):
+                    texts.append(out.outputs[0].text)
+                return texts
+            got = await asyncio.gather(one(0, "x"), one(1, "y"))
+            with pytest.raises(RequestError, match="structured_outputs.regex"):
+                async for _ in engine.generate("z", SamplingParams(
+                        structured_outputs={"regex": "(("}), "bad"):
+                    pass
+            return got
+        finally:
+            engine.shutdown()
+    got = asyncio.run(run())
+    for texts, o in zip(got, want):
+        assert texts[-1] == o.outputs[0].text and all(o.outputs[0].text.startswith(t)
+                                                       for t in texts)
+        assert _valid(SCHEMA)(json.loads(texts[-1]))
+
+
+def test_start_after_leaves_the_output_free_until_the_marker():
+    g = Grammars(ByteTokenizer((2,)), 300, (2,))
+    s = Sampler(g)
+    logits = torch.zeros(1, 300)
+    logits[0, ord("z")] = 5.0
+    p = SamplingParams(temperature=0, structured_outputs={"regex": "[ab]x",
+                                                          "start_after": "</think>"})
+    before = [ord(c) for c in "hmm</think"]
+    assert s(logits, [_req(p, before)]) == [ord("z")]  # the marker is not whole yet: free
+    after = [ord(c) for c in "hmm</think>"]
+    assert s(logits, [_req(p, after)]) in ([ord("a")], [ord("b")])
+    st = GrammarState(p.structured_outputs, g)
+    assert st.sync(after + [ord("a"), ord("x")], g) is None and st.start == len(after)
+    moved = pickle.loads(pickle.dumps(st))  # re-scans for the marker where it lands
+    assert moved.sync(after + [ord("a"), ord("x"), 2], g) == "stop" and moved.start == len(after)
+    assert SO(regex="a", start_after="</think>").key == SO(regex="a").key  # one compile

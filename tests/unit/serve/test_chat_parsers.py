@@ -107,3 +107,11 @@ def test_config_names_the_field():
     with pytest.raises(ConfigError, match="serve.enable_auto_tool_choice"):
         ServeConfig(enable_auto_tool_choice=True)
     ServeConfig(enable_auto_tool_choice=True, tool_call_parser="hermes", reasoning_parser="qwen3")
+
+
+def test_think_open_reads_the_prompt():
+    from megainfer.serve.reasoning import think_open
+    assert think_open("<|im_start|>assistant\n")  # no block yet: the model may open one
+    assert think_open("<｜Assistant｜><think>")  # the template opened it
+    assert not think_open("assistant\n<think>\n\n</think>\n\n")  # thinking off: closed
+    assert not think_open("<｜Assistant｜></think>")

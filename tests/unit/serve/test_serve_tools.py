@@ -24,6 +24,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                            "parameters": WEATHER}},
          {"type": "function", "function": {"name": "now", "parameters": NOW}}]
 SCHEMAS = {"get_weather": WEATHER, "now": NOW}
+NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}  # the block closed in the prompt
 HERMES = '<tool_call>{"name": "now", "arguments": {"tz": "CET"}}</tool_call>'
 
 
@@ -70,13 +71,14 @@ def test_required_and_named_calls_validate(client):
     for i in range(3):
         r = client.chat.completions.create(model="tiny", messages=_ask(i), tools=TOOLS, n=4,
                                            tool_choice="required", temperature=1.0,
-                                           max_tokens=200, parallel_tool_calls=False)
+                                           max_tokens=200, parallel_tool_calls=False,
+                                           extra_body=NO_THINK)
         for c in r.choices:
             assert c.finish_reason == "tool_calls"
             _check_calls(c.message.tool_calls)
     r = client.chat.completions.create(
         model="tiny", messages=_ask(), tools=TOOLS, n=4, temperature=1.0, max_tokens=80,
-        tool_choice={"type": "function", "function": {"name": "now"}})
+        tool_choice={"type": "function", "function": {"name": "now"}}, extra_body=NO_THINK)
     for c in r.choices:
         assert [t.function.name for t in c.message.tool_calls] == ["now"]
         _check_calls(c.message.tool_calls)
@@ -84,7 +86,7 @@ def test_required_and_named_calls_validate(client):
 
 def test_streamed_calls_equal_the_non_streamed(client):
     kw = dict(model="tiny", messages=_ask(), tools=TOOLS, tool_choice="required",
-              temperature=0, max_tokens=200, parallel_tool_calls=False)
+              temperature=0, max_tokens=200, parallel_tool_calls=False, extra_body=NO_THINK)
     whole = client.chat.completions.create(**kw).choices[0]
     got, finish = _streamed_calls(client, **kw)
     assert got == [[t.function.name, t.function.arguments] for t in whole.message.tool_calls]
@@ -92,10 +94,11 @@ def test_streamed_calls_equal_the_non_streamed(client):
 
 
 def test_auto_reads_the_hermes_format_and_reasoning(client):
-    """The model's text forced (a choice grammar) to a think block then a hermes call."""
+    """The model's text forced (a choice grammar over the whole output, think block too) to a
+    think block then a hermes call."""
     text = "<think>check the clock</think>" + HERMES
     kw = dict(model="tiny", messages=_ask(), tools=TOOLS, temperature=0, max_tokens=80,
-              extra_body={"structured_outputs": {"choice": [text]}})
+              extra_body={"structured_outputs": {"choice": [text], "start_after": None}})
     m = client.chat.completions.create(**kw).choices[0]
     assert m.finish_reason == "tool_calls"
     assert m.message.reasoning_content == "check the clock"
@@ -118,7 +121,7 @@ def test_reasoning_content_and_tool_results(client):
         {"role": "tool", "tool_call_id": "call_1", "content": "cold"}]
     kw = dict(model="tiny", messages=msgs, tools=TOOLS, tool_choice="none", temperature=0,
               max_tokens=40, extra_body={"structured_outputs": {"choice": [
-                  "<think>it is cold</think>Wear a coat."]},
+                  "<think>it is cold</think>Wear a coat."], "start_after": None},
                   "chat_template_kwargs": {"enable_thinking": True}})
     m = client.chat.completions.create(**kw).choices[0].message
     assert (m.reasoning_content, m.content, m.tool_calls) == ("it is cold", "Wear a coat.", None)
@@ -147,3 +150,41 @@ def test_bad_tools_and_choices_are_400s_naming_the_field(client):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model="tiny", messages=_ask(), max_tokens=5, **kw)
         assert e.value.body["param"].startswith(param), (kw, e.value.body)
+
+
+DS_CALL = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+           '```json\n{"city": "Lima", "days": 2}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+
+
+@pytest.fixture(scope="module")
+def ds_client(tmp_path_factory):
+    from megainfer.tools.make_tiny import make_tiny
+    d = make_tiny("deepseek_v3", str(tmp_path_factory.mktemp("ds") / "ckpt"), seed=2,
+                  tokenizer="deepseek_v3", max_pos=1024)
+    s = ThreadServer(d, llm_kw=KW, api_key="k", reasoning_parser="deepseek_r1",
+                     enable_auto_tool_choice=True, tool_call_parser="deepseek_v3")
+    yield openai.OpenAI(base_url=s.url + "/v1", api_key="k", max_retries=0)
+    s.close()
+
+
+def test_deepseek_v3_tool_tokens_and_r1_reasoning(ds_client):
+    """DeepSeek's template opens the think block (thinking=true); the model's text (forced)
+    closes it and calls with DeepSeek-V3's tool-call tokens, which decode to their text."""
+    text = "weather first</think>" + DS_CALL
+    # the grammar lets the model spell a marker in bytes as well as take its token: room for it
+    kw = dict(model="tiny", messages=_ask(), tools=TOOLS, temperature=0, max_tokens=400,
+              extra_body={"structured_outputs": {"choice": [text], "start_after": None},
+                          "chat_template_kwargs": {"thinking": True}})
+    c = ds_client.chat.completions.create(**kw).choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.reasoning_content == "weather first"
+    assert [(t.function.name, json.loads(t.function.arguments))
+            for t in c.message.tool_calls] == [("get_weather", {"city": "Lima", "days": 2})]
+    got, finish = _streamed_calls(ds_client, **kw)
+    assert got == [["get_weather", c.message.tool_calls[0].function.arguments]]
+    assert finish == "tool_calls"
+    r = ds_client.chat.completions.create(model="tiny", messages=_ask(), tools=TOOLS,
+                                          tool_choice="required", temperature=1.0, n=2,
+                                          max_tokens=200, parallel_tool_calls=False)
+    for ch in r.choices:  # thinking off: the template closes the block, the grammar holds all
+        _check_calls(ch.message.tool_calls)
+        assert getattr(ch.message, "reasoning_content", None) is None
