@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
@@ -24,7 +25,7 @@ from megainfer.models.kv_spec import KVCacheSpec, kv_cache_spec_for
 
 from .block_manager import BlockManager
 from .grammar import Grammars
-from .grammar_state import GrammarState
+from .grammar_state import GrammarState, grammar_masks
 from .kv_tier import make_kv_tier
 from .errors import DuplicateRequestError, RequestError
 from .intake import TokenizedPrompt, tokenize_request
@@ -78,6 +79,7 @@ class LLMEngine(LocalOnline):
         self.grammars = Grammars(self.tokenizer, model_config.vocab_size,
                                  model_config.eos_token_id)
         self.sampler = Sampler(self.grammars)
+        self._mask_pool: Optional[ThreadPoolExecutor] = None  # fills grammar masks (a thread)
         self.requests: dict[str, Request] = {}  # unfinished, by request id
         self.log_prefix = log_prefix
         self._next_seq_id = 0
@@ -186,8 +188,26 @@ class LLMEngine(LocalOnline):
         finished outputs."""
         batch = self.schedule()
         step = StepInput.from_batch(batch.requests, batch.num_new_tokens)
+        masks = self._start_masks(batch, step)  # grammar bitmasks, filled while the step runs
         logits = self.executor.execute(step)  # [rows of step.logit_rows(), V]
-        return self.postprocess(batch, step, logits)
+        return self.postprocess(batch, step, logits, masks)
+
+    def _start_masks(self, batch: ScheduledBatch, step: StepInput):
+        """The grammar bitmasks of the samples this step samples (``postprocess``'s order),
+        filled on a background thread during the forward; None when no sample has a
+        grammar."""
+        who = []
+        for i in step.sample_rows:
+            req = batch.requests[i]
+            who.append(req)
+            if req.pending and not req.output_token_ids:  # it forks in this step
+                who += req.pending
+        if not any(r.params.structured_outputs is not None for r in who):
+            return None
+        if self._mask_pool is None:
+            self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        return self._mask_pool.submit(grammar_masks, who, self.grammars,
+                                      self.model_config.vocab_size)
 
     def schedule(self) -> ScheduledBatch:
         """The scheduler's batch, with the KV blocks it needs ready (copy-on-write copies done,
@@ -201,10 +221,11 @@ class LLMEngine(LocalOnline):
         return batch
 
     def postprocess(self, batch: ScheduledBatch, step: StepInput,
-                    logits: torch.Tensor) -> StepOutputs:
+                    logits: torch.Tensor, masks=None) -> StepOutputs:
         """Advance the batch's requests by the step: cache their full blocks, sample the
         sequences that completed their known tokens (and prompt logprobs), fork the samples of
-        requests whose prompt just completed, finish the requests that stop."""
+        requests whose prompt just completed, finish the requests that stop. ``masks``: the
+        future of the samples' grammar bitmasks (``_start_masks``)."""
         now = time.perf_counter()
         rows, full, jobs, job_reqs = step.logit_rows(), set(step.full_logits), [], []
         for i, (req, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
@@ -232,7 +253,9 @@ class LLMEngine(LocalOnline):
                     self.blocks.fork(req, child)
                     child.num_computed_tokens = req.num_computed_tokens
                 req.pending = []
-        res = self.sampler.run(logits, sampled, sample_rows, jobs) if sampled or jobs else None
+        res = self.sampler.run(logits, sampled, sample_rows, jobs,
+                               None if masks is None else masks.result()) \
+            if sampled or jobs else None
         for req, recs in zip(job_reqs, res.prompt if res is not None else []):
             targets = req.prompt_token_ids[len(req.prompt_logprobs):]
             req.prompt_logprobs += [logprob_dict(self.tokenizer, t, rec) for t, rec in zip(targets, recs)]

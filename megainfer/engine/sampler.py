@@ -98,15 +98,16 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
         """Like ``__call__`` but the tokens stay on the logits' device (int64 [R]); no sync."""
-        return self._sample(logits, reqs, None, [])[0]
+        return self._sample(logits, reqs, None, [], None)[0]
 
     def run(self, logits: torch.Tensor, reqs: Sequence[Request],
             rows: Optional[Sequence[int]] = None,
-            prompt_jobs: Sequence[PromptLogprobJob] = ()) -> SamplerOutput:
+            prompt_jobs: Sequence[PromptLogprobJob] = (), grammar=None) -> SamplerOutput:
         """``reqs[i]`` samples from ``logits[rows[i]]`` (default: row i; a row may repeat: the
         samples of one prompt forking from its last logits). Tokens, the asked logprobs and
-        ``prompt_jobs``' logprobs, with one device->host copy."""
-        tokens, lp_rows, lp, pj = self._sample(logits, reqs, rows, prompt_jobs)
+        ``prompt_jobs``' logprobs, with one device->host copy. ``grammar``: ``grammar_masks`` of
+        ``reqs`` made already (else made here)."""
+        tokens, lp_rows, lp, pj = self._sample(logits, reqs, rows, prompt_jobs, grammar)
         packed = [tokens.to(torch.float64)] + [t.to(torch.float64).reshape(-1)
                                                 for t in (lp, pj) if t is not None]
         flat = (torch.cat(packed) if len(packed) > 1 else packed[0]).tolist()  # the one copy
@@ -134,7 +135,8 @@ class Sampler:
         return out
 
     # ------------------------------------------------------------------ device side
-    def _sample(self, logits: torch.Tensor, reqs: Sequence[Request], rows, prompt_jobs):
+    def _sample(self, logits: torch.Tensor, reqs: Sequence[Request], rows, prompt_jobs,
+                grammar):
         N, V = logits.shape
         R = len(reqs)
         dev = logits.device
@@ -169,8 +171,10 @@ class Sampler:
                 bias += [(i, t, b) for t, b in p.logit_bias.items() if t < V]
             if p.logprobs is not None:
                 lp_rows.append(i)
-        g_rows, g_bits = grammar_masks(reqs, self.grammars, V) \
-            if self.grammars is not None else ([], None)
+        if grammar is None:
+            grammar = grammar_masks(reqs, self.grammars, V) if self.grammars is not None \
+                else ([], None)
+        g_rows, g_bits = grammar
         on_host = dev.type == "cpu"  # the bitmask is used where it was filled
         seg_g = H.add(g_rows, 1) if g_rows and not on_host else None
         seg_gbits = H.add(g_bits, g_bits.shape[1]) if seg_g else None  # int32 exact in fp64
