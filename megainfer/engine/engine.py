@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
@@ -25,7 +24,7 @@ from megainfer.models.kv_spec import KVCacheSpec, kv_cache_spec_for
 
 from .block_manager import BlockManager
 from .grammar import Grammars
-from .grammar_state import GrammarState, grammar_masks
+from .grammar_state import GrammarState, MaskFiller
 from .kv_tier import make_kv_tier
 from .errors import DuplicateRequestError, RequestError
 from .intake import TokenizedPrompt, tokenize_request
@@ -79,7 +78,7 @@ class LLMEngine(LocalOnline):
         self.grammars = Grammars(self.tokenizer, model_config.vocab_size,
                                  model_config.eos_token_id)
         self.sampler = Sampler(self.grammars)
-        self._mask_pool: Optional[ThreadPoolExecutor] = None  # fills grammar masks (a thread)
+        self.mask_filler = MaskFiller(self.grammars, model_config.vocab_size)
         self.requests: dict[str, Request] = {}  # unfinished, by request id
         self.log_prefix = log_prefix
         self._next_seq_id = 0
@@ -193,21 +192,13 @@ class LLMEngine(LocalOnline):
         return self.postprocess(batch, step, logits, masks)
 
     def _start_masks(self, batch: ScheduledBatch, step: StepInput):
-        """The grammar bitmasks of the samples this step samples (``postprocess``'s order),
-        filled on a background thread during the forward; None when no sample has a
-        grammar."""
+        """The grammar bitmasks of the samples this step samples (``postprocess``'s order:
+        each sampled row, then the samples forking from it), filling during the forward."""
         who = []
         for i in step.sample_rows:
             req = batch.requests[i]
-            who.append(req)
-            if req.pending and not req.output_token_ids:  # it forks in this step
-                who += req.pending
-        if not any(r.params.structured_outputs is not None for r in who):
-            return None
-        if self._mask_pool is None:
-            self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
-        return self._mask_pool.submit(grammar_masks, who, self.grammars,
-                                      self.model_config.vocab_size)
+            who += [req] + (req.pending if req.pending and not req.output_token_ids else [])
+        return self.mask_filler.start(who)
 
     def schedule(self) -> ScheduledBatch:
         """The scheduler's batch, with the KV blocks it needs ready (copy-on-write copies done,

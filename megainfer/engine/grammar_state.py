@@ -9,6 +9,7 @@ marker (the tokens up to it are free and never reach the matcher). Pickled, it k
 spec; the matcher is rebuilt where it lands."""
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional, Sequence
 
 import torch
@@ -97,6 +98,22 @@ def grammar_masks(reqs, grammars: Grammars, V: int) -> tuple[list[int], Optional
     for j, i in enumerate(rows):
         reqs[i].grammar.fill(bitmask, j, reqs[i].output_token_ids, grammars)
     return rows, bitmask
+
+
+class MaskFiller:
+    """A step's ``grammar_masks`` made on a background thread while its forward runs."""
+
+    def __init__(self, grammars: Grammars, V: int):
+        self.grammars, self.V, self.pool = grammars, V, None
+
+    def start(self, reqs) -> Optional[Future]:
+        """The future masks of ``reqs`` (the step's samples in sampling order); None when no
+        sample has a grammar."""
+        if not any(r.params.structured_outputs is not None for r in reqs):
+            return None
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        return self.pool.submit(grammar_masks, reqs, self.grammars, self.V)
 
 
 def apply_bitmask(x: torch.Tensor, rows, bitmask: torch.Tensor) -> None:
