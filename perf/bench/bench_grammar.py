@@ -15,6 +15,9 @@ punctuation: a grammar's mask is computed over every one), random weights, fp32,
   the bitmask applied to the logits (``apply_bitmask``), and the accept of the sampled token;
   the matchers walk real outputs (the masked random logits' argmax), a finished one restarting;
   only the grammar calls are timed (not the argmax standing for the sampler).
+* engine: ``LLMEngine.step_outputs`` of B running sequences each under ``LONG`` (a JSON schema
+  whose output cannot end within the run: an array of at least 64 strings), against *step*:
+  the whole cost as the engine pays it (masks filled on a thread during the forward).
 Rounds alternate the two; figures are medians over rounds of the per-step mean. Writes
 ``perf/results/bench_grammar.json``.
 """
@@ -44,6 +47,8 @@ SCHEMA = {"type": "object", "properties": {
                                                  "zip": {"type": "string"}},
                 "required": ["city", "zip"]}},
     "required": ["name", "age", "tags", "address"]}
+LONG = {"type": "object", "properties": {"notes": {"type": "array", "items": {"type": "string"},
+                                                   "minItems": 64}}, "required": ["notes"]}
 
 
 def write_vocab_tokenizer(path: str, vocab: int) -> None:
@@ -118,11 +123,12 @@ class GrammarWork:
         return spent
 
 
-def engine_steps(llm, B: int, ctx: int, V: int):
+def engine_steps(llm, B: int, ctx: int, V: int, schema=None):
     from megainfer import SamplingParams
     eng = llm.engine
     g = torch.Generator().manual_seed(1)
-    p = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
+    p = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True,
+                       structured_outputs=None if schema is None else {"json": schema})
     for i in range(B):
         eng.add_request(f"b{B}-{i}", torch.randint(0, V - 1, (ctx,), generator=g).tolist(), p)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.requests.values()):
@@ -174,30 +180,39 @@ def main(argv=None):
     d = build(a.vocab)
     rows = []
     for B in a.batches:
-        llm = LLM(d, max_model_len=a.context + a.repeats * a.steps + 64, max_num_seqs=B,
+        n = 2 * a.repeats * a.steps + 64
+        kw = dict(max_model_len=a.context + n, max_num_seqs=B,
                   max_num_batched_tokens=max(B * a.context, 256),
-                  num_blocks=B * (a.context + a.repeats * a.steps + 64) // 16 + 8, block_size=16)
+                  num_blocks=B * (a.context + n) // 16 + 8, block_size=16)
+        llm, llm_g = LLM(d, **kw), LLM(d, **kw)
         torch.set_num_threads(a.threads)  # LLM(...) sets the job's thread count
         step = engine_steps(llm, B, a.context, a.vocab)
+        step_g = engine_steps(llm_g, B, a.context, a.vocab, LONG)
         work = GrammarWork(llm.engine, B, a.vocab)
         work()  # compiles the schema, builds the matchers
-        s_t, g_t = [], []
+        s_t, g_t, e_t = [], [], []
         for _ in range(a.repeats):
             s_t.append(timed(step, a.steps))
             g_t.append(grammar_time(work, a.steps))
-        s, g = statistics.median(s_t), statistics.median(g_t)
+            e_t.append(timed(step_g, a.steps))
+        assert all(len(r.output_token_ids) > a.repeats * a.steps
+                   for r in llm_g.engine.requests.values()), "a LONG output ended"
+        s, g, e = (statistics.median(t) for t in (s_t, g_t, e_t))
         rows.append({"B": B, "step_ms": 1e3 * s, "grammar_ms": 1e3 * g,
                      "grammar_per_seq_us": 1e6 * g / B, "overhead": g / s,
+                     "engine_grammar_step_ms": 1e3 * e, "engine_overhead": e / s - 1,
                      "restarts": work.restarts})
         comp = compile_times(llm.engine, 5)
-        del llm
+        del llm, llm_g
     print(f"vocab {a.vocab}, context {a.context}, {a.threads} thread(s), {a.repeats} rounds x "
           f"{a.steps} steps")
-    print("| B | decode step ms | grammar ms / step | per sequence us | extra |")
-    print("|---|---|---|---|---|")
+    print("| B | decode step ms | grammar ms / step | per sequence us | extra | step with "
+          "grammars ms | extra |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['B']} | {r['step_ms']:.2f} | {r['grammar_ms']:.2f} | "
-              f"{r['grammar_per_seq_us']:.0f} | {100 * r['overhead']:.1f}% |")
+              f"{r['grammar_per_seq_us']:.0f} | {100 * r['overhead']:.1f}% | "
+              f"{r['engine_grammar_step_ms']:.2f} | {100 * r['engine_overhead']:.1f}% |")
     print(f"compile: first {comp['first_ms']:.1f} ms, cached {comp['cached_ms']:.3f} ms")
     write_json(a.out, {"when": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                        "machine": platform.node(), "cpus": os.cpu_count(),
