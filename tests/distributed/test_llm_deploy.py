@@ -120,6 +120,10 @@ def _check_streams(got, want):
         assert len(g["seen"]) >= 2 and g["finished"], i  # it streamed, then ended
         if len(g["tokens"][0]) >= 6:  # on whichever replica: more than first and last token
             assert len(g["seen"]) >= 3, (i, g["seen"])
+    for g, w in zip(got["grammar"], want["grammar"]):  # JSON-schema streams
+        assert g["tokens"] == w["tokens"] and g["finished"]
+        texts = [bytes(t for t in toks if t != 2).decode() for toks in g["tokens"]]
+        _valid_structured([texts, [], []])
     for key in ("aborted", "early", "at_once"):
         assert got[key]["finish"] == ["abort"] and got[key]["finished"], key
         assert len(got[key]["tokens"][0]) < 100, key  # ended well before its max_tokens

@@ -108,6 +108,11 @@ async def _async_job(engine) -> dict:
     streams = await asyncio.gather(*first, *later)
     got = {"streams": streams, "aborted": await aborted, "early": await early,
            "at_once": await at_once}
+    # JSON-schema streams (greedy, and seeded n=2), after the timed ones: AsyncLLM compiles a
+    # grammar on its event loop, which would delay the others' chunks
+    got["grammar"] = await asyncio.gather(*[_stream(engine, f"g{i}", ps[2 + i], SamplingParams(
+        temperature=float(i), seed=i, n=1 + i, max_tokens=60,
+        structured_outputs={"json": SCHEMA})) for i in range(2)])
     await asyncio.sleep(0.3)  # the aborts' blocks come back at the replicas' next iterations
     if engine.engine is not None:  # rank 0's replica (the runtime's RuntimeEngine.engine)
         eng = getattr(engine.engine, "engine", engine.engine)
