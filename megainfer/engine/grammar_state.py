@@ -9,12 +9,16 @@ marker (the tokens up to it are free and never reach the matcher). Pickled, it k
 spec; the matcher is rebuilt where it lands."""
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional, Sequence
 
 import torch
 
+from .errors import RequestError
 from .grammar import Grammars
+
+log = logging.getLogger("megainfer.engine")
 
 DEAD_END = "grammar_dead_end"  # the finish reason of a sample the grammar could not continue
 
@@ -48,11 +52,19 @@ class GrammarState:
         self.__init__(state["spec"])
 
     def _matcher(self, grammars: Grammars):
+        """The matcher (built once the grammar is compiled); None when the grammar did not
+        compile here (intake compiled it, so only a rank with another vocabulary gets here):
+        the sample then ends as a dead end instead of failing the step."""
         if self.matcher is None:
             import xgrammar as xgr
             if self.future is None:
                 self.future = grammars.future(self.spec)
-            self.matcher = xgr.GrammarMatcher(self.future.result(),
+            try:
+                compiled = self.future.result()
+            except RequestError as e:
+                log.warning("grammar of a request does not compile on this rank: %s", e)
+                return None
+            self.matcher = xgr.GrammarMatcher(compiled,
                                               override_stop_tokens=grammars.stop_ids or None,
                                               terminate_without_stop_token=not grammars.stop_ids)
             self.seen = 0
@@ -63,6 +75,8 @@ class GrammarState:
         if not self.started(tokens, grammars):
             return None
         m = self._matcher(grammars)
+        if m is None:
+            return DEAD_END
         while self.start + self.seen < len(tokens):
             if m.is_terminated():
                 return "stop"
@@ -76,7 +90,7 @@ class GrammarState:
         """Row ``row`` of ``bitmask`` [R, ceil(V / 32)] int32: the tokens allowed next."""
         self.sync(tokens, grammars)
         m = self.matcher
-        if m.is_terminated():  # only stop tokens are left (a sample ends at termination)
+        if m is None or m.is_terminated():  # nothing allowed / only stop tokens are left
             bitmask[row].zero_()
             return
         m.fill_next_token_bitmask(bitmask, row)

@@ -229,3 +229,18 @@ def test_start_after_leaves_the_output_free_until_the_marker():
     moved = pickle.loads(pickle.dumps(st))  # re-scans for the marker where it lands
     assert moved.sync(after + [ord("a"), ord("x"), 2], g) == "stop" and moved.start == len(after)
     assert SO(regex="a", start_after="</think>").key == SO(regex="a").key  # one compile
+
+
+def test_a_grammar_that_fails_on_the_sampling_rank_ends_only_its_request(llm):
+    """Past intake (as a rank whose vocabulary differs would see it): the request ends as a
+    dead end, the engine and the other requests go on."""
+    from megainfer.engine.intake import TokenizedPrompt
+    eng = llm.engine
+    eng.add_tokenized("broken", TokenizedPrompt(None, [5, 6, 7], []), SamplingParams(
+        max_tokens=5, structured_outputs={"grammar": "root ::= nope"}))
+    eng.add_request("fine", "hi", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    done = {}
+    while eng.has_unfinished():
+        done.update({o.request_id: o for o in eng.step()})
+    assert done["broken"].outputs[0].finish_reason == DEAD_END
+    assert done["fine"].outputs[0].finish_reason == "length"
