@@ -47,6 +47,9 @@ setup(
         "tokenizers==0.23.3",
         "jinja2>=3.1.6",  # chat templates (LLM.chat, "messages" input lines), sandboxed
         "huggingface_hub==2.4.0",  # model ids from the local HF cache (no download at run time)
+        # structured outputs (JSON schema, regex, choice, EBNF; tool calls): the grammar engine,
+        # compiled grammars and token bitmasks (megainfer/engine/grammar.py); offline too
+        "xgrammar==0.2.8",
     ],
     extras_require={
         "plot": ["matplotlib>=3.8"],  # timeline.png of traced runs, megainfer-timeline

@@ -156,9 +156,14 @@ class AsyncLLM:
             raise core_not_running(self._dead)
         params = sampling_params or SamplingParams()
         rid = f"async-{next(self._ids)}" if request_id is None else request_id
-        add, stream = self.intake.open(PromptInput.of(rid, prompt, params))
+        inp = PromptInput.of(rid, prompt, params)
+        loop = asyncio.get_running_loop()
+        if params.structured_outputs is not None:  # compiling its grammar: off the event loop
+            add, stream = await loop.run_in_executor(None, self.intake.open, inp)
+        else:
+            add, stream = self.intake.open(inp)
         key = add.request_id
-        waiter = _Waiter(stream, asyncio.get_running_loop())
+        waiter = _Waiter(stream, loop)
         with self._lock:
             if key in self._waiters:
                 raise DuplicateRequestError(f"request_id={key!r}: already running")

@@ -10,6 +10,7 @@ from megainfer.config.runtime import DEFAULT_KV_SCALE_GRANULARITY
 from megainfer.core_client.client import open_sync
 from megainfer.core_client.llm_job import LLMJob, resolve_llm_job
 from megainfer.engine import PromptInput, RequestError, RequestOutput, SamplingParams
+from megainfer.engine.chat_template import ChatRenderer, encode_chat
 from megainfer.engine_core.core import SHUTDOWN_TIMEOUT_S
 from megainfer.engine.tokenizer import Tokenizer
 
@@ -149,16 +150,21 @@ class LLM:
     def chat(self, messages: Union[Sequence[dict], Sequence[Sequence[dict]]],
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template: Optional[str] = None) -> list[RequestOutput]:
+             chat_template: Optional[str] = None, tools: Optional[Sequence[dict]] = None,
+             chat_template_kwargs: Optional[Mapping] = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}``) or a list of
         them, rendered with the checkpoint's chat template (``chat_template.jinja`` or
         ``tokenizer_config.json``'s ``chat_template``) or the ``chat_template`` given, in a
         sandbox; the rendered text is tokenized without adding special tokens again. No template,
-        or one that fails, raises ``ChatTemplateError`` (a ``ValueError``) before any work."""
-        from megainfer.engine.chat_template import ChatRenderer, encode_chat
+        or one that fails, raises ``ChatTemplateError`` (a ``ValueError``) before any work.
+        ``tools`` (OpenAI's function definitions) and ``chat_template_kwargs`` are passed to the
+        template as its variables."""
         convs = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         renderer = ChatRenderer(self.load_config.path, chat_template)
-        texts = [renderer.render(c, add_generation_prompt) for c in convs]
+        extra = dict(chat_template_kwargs or {})
+        if tools is not None:
+            extra["tools"] = list(tools)
+        texts = [renderer.render(c, add_generation_prompt, **extra) for c in convs]
         tok = self.get_tokenizer()
         outs = self.generate([{"prompt_token_ids": encode_chat(tok, t)} for t in texts],
                              sampling_params, use_tqdm)

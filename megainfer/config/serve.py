@@ -7,6 +7,10 @@ from typing import Optional
 from .base import is_int_at_least, is_number, require
 
 
+REASONING_PARSERS = ("deepseek_r1", "qwen3")  # megainfer/serve/reasoning.py
+TOOL_CALL_PARSERS = ("hermes", "deepseek_v3")  # megainfer/serve/tool_parsers.py
+
+
 def _opt_text(v) -> bool:
     return v is None or (isinstance(v, str) and bool(v.strip()))
 
@@ -54,6 +58,16 @@ class ServeConfig:
     # outside mpiexec: the ranks to start (null: what the deploy plan's counts need, 1 for
     # single mode); under mpiexec the launch's size (this must then be null or equal to it)
     world_size: Optional[int] = None
+    # the reasoning model's format (deepseek_r1 | qwen3): chat answers carry its <think> block
+    # as message.reasoning_content (streamed: delta.reasoning_content), content the rest;
+    # null: the text as it comes
+    reasoning_parser: Optional[str] = None
+    # tool_choice "auto" (the default when a request gives tools) reads calls from the model's
+    # text with tool_call_parser; false: tools need tool_choice "required" or a named function
+    enable_auto_tool_choice: bool = False
+    # the model's tool-call format for "auto" (hermes: Qwen's <tool_call>{...}</tool_call>;
+    # deepseek_v3: DeepSeek-V3's tool-call tokens); null: none
+    tool_call_parser: Optional[str] = None
 
     def __post_init__(self):
         require(isinstance(self.host, str) and bool(self.host), "serve.host", self.host,
@@ -81,3 +95,12 @@ class ServeConfig:
                  self.engine_process, "must be true or false")
         require(self.world_size is None or is_int_at_least(self.world_size, 1),
                 "serve.world_size", self.world_size, "must be an integer >= 1 or null")
+        require(self.reasoning_parser in (None,) + REASONING_PARSERS, "serve.reasoning_parser",
+                self.reasoning_parser, f"must be one of {', '.join(REASONING_PARSERS)} or null")
+        require(self.tool_call_parser in (None,) + TOOL_CALL_PARSERS, "serve.tool_call_parser",
+                self.tool_call_parser, f"must be one of {', '.join(TOOL_CALL_PARSERS)} or null")
+        require(isinstance(self.enable_auto_tool_choice, bool), "serve.enable_auto_tool_choice",
+                self.enable_auto_tool_choice, "must be true or false")
+        require(not self.enable_auto_tool_choice or self.tool_call_parser is not None,
+                "serve.enable_auto_tool_choice", self.enable_auto_tool_choice,
+                "needs serve.tool_call_parser")

@@ -6,10 +6,11 @@ from .errors import (CacheTooSmallError, DuplicateRequestError, EmptyPromptError
 from .outputs import (CompletionOutput, PromptInput, RequestMetrics, RequestOutput, SampleDelta,
                       StepOutputs)
 from .sampling_params import SamplingParams
+from .structured_outputs import StructuredOutputsParams
 from .step import LocalExecutor, ModelExecutor, StepInput
 
 __all__ = ["LLMEngine", "check_cache_fits", "CacheTooSmallError", "DuplicateRequestError",
            "EmptyPromptError", "PromptTooLongError", "RequestError", "SamplingParamsError",
            "TokenIdError", "CompletionOutput", "PromptInput", "RequestMetrics", "RequestOutput",
            "SampleDelta", "StepOutputs",
-           "SamplingParams", "LocalExecutor", "ModelExecutor", "StepInput"]
+           "SamplingParams", "StructuredOutputsParams", "LocalExecutor", "ModelExecutor", "StepInput"]

@@ -231,5 +231,8 @@ class ChatRenderer:
                          else load_chat_template(model_dir))
         self.special = load_special_tokens(model_dir)
 
-    def render(self, messages, add_generation_prompt: bool = True) -> str:
-        return render_chat(self.template, messages, add_generation_prompt, **self.special)
+    def render(self, messages, add_generation_prompt: bool = True, **variables) -> str:
+        """``variables``: more template variables (``tools``, a request's
+        ``chat_template_kwargs``), JSON data only."""
+        return render_chat(self.template, messages, add_generation_prompt,
+                           **{**self.special, **variables})

@@ -23,6 +23,8 @@ from megainfer.config import CacheConfig, ConfigError, ModelConfig, SchedulerCon
 from megainfer.models.kv_spec import KVCacheSpec, kv_cache_spec_for
 
 from .block_manager import BlockManager
+from .grammar import Grammars
+from .grammar_state import GrammarState, MaskFiller
 from .kv_tier import make_kv_tier
 from .errors import DuplicateRequestError, RequestError
 from .intake import TokenizedPrompt, tokenize_request
@@ -73,7 +75,10 @@ class LLMEngine(LocalOnline):
         self.executor = executor_factory(self.kv_caches)
         if self.kv_tier is not None and isinstance(self.executor, LocalExecutor):
             self.kv_tier.attach(self.executor.model.layers)  # cuda: a layer waits for its blocks
-        self.sampler = Sampler()
+        self.grammars = Grammars(self.tokenizer, model_config.vocab_size,
+                                 model_config.eos_token_id)
+        self.sampler = Sampler(self.grammars)
+        self.mask_filler = MaskFiller(self.grammars, model_config.vocab_size)
         self.requests: dict[str, Request] = {}  # unfinished, by request id
         self.log_prefix = log_prefix
         self._next_seq_id = 0
@@ -120,7 +125,7 @@ class LLMEngine(LocalOnline):
         """A prompt validated into token ids, ``bad_words`` encoded; touches no engine state (a
         frontend calls it off the engine's loop)."""
         return tokenize_request(self.tokenizer, prompt, prompt_token_ids, params,
-                                self.model_config.vocab_size, self.max_model_len)
+                                self.model_config.vocab_size, self.max_model_len, self.grammars)
 
     def add_tokenized(self, request_id, prompt: TokenizedPrompt, params: SamplingParams
                       ) -> Request:
@@ -144,6 +149,8 @@ class LLMEngine(LocalOnline):
                 eos_token_ids=self.model_config.eos_token_id, max_model_len=self.max_model_len,
                 index=i, logprobs=None if params.logprobs is None else []))
             samples[-1].bad_words_token_ids = prompt.bad_words_token_ids
+            if params.structured_outputs is not None:  # compiles while the prompt prefills
+                samples[-1].grammar = GrammarState(params.structured_outputs, self.grammars)
         req = samples[0]
         req.samples, req.pending, req.num_unfinished = samples, samples[1:], params.n
         if params.prompt_logprobs is not None:
@@ -180,8 +187,18 @@ class LLMEngine(LocalOnline):
         finished outputs."""
         batch = self.schedule()
         step = StepInput.from_batch(batch.requests, batch.num_new_tokens)
+        masks = self._start_masks(batch, step)  # grammar bitmasks, filled while the step runs
         logits = self.executor.execute(step)  # [rows of step.logit_rows(), V]
-        return self.postprocess(batch, step, logits)
+        return self.postprocess(batch, step, logits, masks)
+
+    def _start_masks(self, batch: ScheduledBatch, step: StepInput):
+        """The grammar bitmasks of the samples this step samples (``postprocess``'s order:
+        each sampled row, then the samples forking from it), filling during the forward."""
+        who = []
+        for i in step.sample_rows:
+            req = batch.requests[i]
+            who += [req] + (req.pending if req.pending and not req.output_token_ids else [])
+        return self.mask_filler.start(who)
 
     def schedule(self) -> ScheduledBatch:
         """The scheduler's batch, with the KV blocks it needs ready (copy-on-write copies done,
@@ -195,10 +212,11 @@ class LLMEngine(LocalOnline):
         return batch
 
     def postprocess(self, batch: ScheduledBatch, step: StepInput,
-                    logits: torch.Tensor) -> StepOutputs:
+                    logits: torch.Tensor, masks=None) -> StepOutputs:
         """Advance the batch's requests by the step: cache their full blocks, sample the
         sequences that completed their known tokens (and prompt logprobs), fork the samples of
-        requests whose prompt just completed, finish the requests that stop."""
+        requests whose prompt just completed, finish the requests that stop. ``masks``: the
+        future of the samples' grammar bitmasks (``_start_masks``)."""
         now = time.perf_counter()
         rows, full, jobs, job_reqs = step.logit_rows(), set(step.full_logits), [], []
         for i, (req, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
@@ -226,7 +244,9 @@ class LLMEngine(LocalOnline):
                     self.blocks.fork(req, child)
                     child.num_computed_tokens = req.num_computed_tokens
                 req.pending = []
-        res = self.sampler.run(logits, sampled, sample_rows, jobs) if sampled or jobs else None
+        res = self.sampler.run(logits, sampled, sample_rows, jobs,
+                               None if masks is None else masks.result()) \
+            if sampled or jobs else None
         for req, recs in zip(job_reqs, res.prompt if res is not None else []):
             targets = req.prompt_token_ids[len(req.prompt_logprobs):]
             req.prompt_logprobs += [logprob_dict(self.tokenizer, t, rec) for t, rec in zip(targets, recs)]
@@ -239,6 +259,10 @@ class LLMEngine(LocalOnline):
                 req.logprobs += lp
                 req.cumulative_logprob += rec[0]
             req.append_token(tok, now, self.tokenizer)
+            if req.grammar is not None and not req.is_finished:
+                ended = req.grammar.sync(req.output_token_ids, self.grammars)
+                if ended is not None:
+                    req.finish(ended, now)
             out.new_tokens.append(SampleDelta(req.request_id, req.index, [tok], lp,
                                               req.finish_reason, req.stop_reason))
             if id(req) in forked and not req.is_finished:  # it runs, or waits for a seat

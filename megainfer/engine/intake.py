@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .errors import EmptyPromptError, PromptTooLongError, RequestError, TokenIdError
+from .grammar import Grammars
 from .sampling_params import SamplingParams
 from .tokenizer import max_prompt_chars
 
@@ -22,8 +23,10 @@ class TokenizedPrompt:
 
 
 def tokenize_request(tokenizer, prompt, prompt_token_ids, params, V: int,
-                     max_model_len: int) -> TokenizedPrompt:
-    """``tokenize_prompt`` and ``bad_words_token_ids`` for one request, ``params`` checked."""
+                     max_model_len: int, grammars: Optional[Grammars] = None) -> TokenizedPrompt:
+    """``tokenize_prompt`` and ``bad_words_token_ids`` for one request, ``params`` checked;
+    its structured-outputs grammar compiled (cached: the engine finds it there in this process)
+    with ``grammars`` (default: the tokenizer's, the model's eos unknown)."""
     if not isinstance(params, SamplingParams):
         raise RequestError(f"params={params!r}: must be a SamplingParams")
     text, ids = tokenize_prompt(tokenizer, prompt, prompt_token_ids, V, max_model_len)
@@ -32,6 +35,8 @@ def tokenize_request(tokenizer, prompt, prompt_token_ids, params, V: int,
     if far:
         raise RequestError(f"logit_bias={params.logit_bias!r}: token id {far[0]} is not in "
                            f"[0, vocab_size={V})")
+    if params.structured_outputs is not None:
+        (grammars or Grammars(tokenizer, V)).get(params.structured_outputs)
     return TokenizedPrompt(text, ids, bad)
 
 

@@ -61,6 +61,7 @@ class Request:
     read_offset: int = 0
     _prompt_set: Optional[list[int]] = field(default=None, repr=False)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # params.bad_words, encoded
+    grammar: Optional[object] = None  # structured outputs: its GrammarState (grammar_state.py)
     # prefix caching (BlockManager): prompt tokens served from the cache at first admission
     # (-1: not admitted yet), the keys of the full blocks by content (memoized), and the
     # content ids of the full blocks registered or found so far (0: a collision ended the chain)

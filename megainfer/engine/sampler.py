@@ -1,7 +1,8 @@
 """Logits -> next tokens: penalties, min-tokens, greedy, temperature, top-k, top-p, min-p,
 per-request seeds, and the log-probabilities asked for (docs/engine.md, "Sampling").
 
-Order per row (vLLM v1): logprobs from the raw logits; min_tokens and bad_words masks;
+Order per row (vLLM v1): logprobs from the raw logits; the grammar's token bitmask
+(structured outputs, ``grammar_state.py``); min_tokens and bad_words masks;
 logit_bias; repetition, frequency and presence penalties; greedy rows take the argmax, random rows divide by
 the temperature, filter, and race (argmax of probs / E, E ~ Exp(1)).
 
@@ -19,6 +20,8 @@ import torch
 
 from megainfer.models.attention import to_device_once
 
+from .grammar import Grammars
+from .grammar_state import apply_bitmask, grammar_masks
 from .philox import MASK32, exponential, mix_seed
 from .request import Request
 
@@ -54,7 +57,9 @@ class _HostBuffer:
         self.dev: list[torch.Tensor] = []
 
     def add(self, rows, width: int) -> tuple[int, int]:
-        self.parts.append(torch.tensor(rows, dtype=torch.float64).reshape(-1))
+        part = rows.to(torch.float64) if isinstance(rows, torch.Tensor) else \
+            torch.tensor(rows, dtype=torch.float64)
+        self.parts.append(part.reshape(-1))
         return len(self.parts) - 1, width
 
     def upload(self, device: torch.device) -> None:
@@ -84,21 +89,25 @@ class SamplerOutput:
 
 
 class Sampler:
+    def __init__(self, grammars: Optional[Grammars] = None):
+        self.grammars = grammars  # structured outputs: the tokenizer's compiled grammars
+
     def __call__(self, logits: torch.Tensor, reqs: Sequence[Request]) -> list[int]:
         """logits [R, V] fp32, one row per request -> R token ids."""
         return self.run(logits, reqs).tokens
 
     def sample(self, logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
         """Like ``__call__`` but the tokens stay on the logits' device (int64 [R]); no sync."""
-        return self._sample(logits, reqs, None, [])[0]
+        return self._sample(logits, reqs, None, [], None)[0]
 
     def run(self, logits: torch.Tensor, reqs: Sequence[Request],
             rows: Optional[Sequence[int]] = None,
-            prompt_jobs: Sequence[PromptLogprobJob] = ()) -> SamplerOutput:
+            prompt_jobs: Sequence[PromptLogprobJob] = (), grammar=None) -> SamplerOutput:
         """``reqs[i]`` samples from ``logits[rows[i]]`` (default: row i; a row may repeat: the
         samples of one prompt forking from its last logits). Tokens, the asked logprobs and
-        ``prompt_jobs``' logprobs, with one device->host copy."""
-        tokens, lp_rows, lp, pj = self._sample(logits, reqs, rows, prompt_jobs)
+        ``prompt_jobs``' logprobs, with one device->host copy. ``grammar``: ``grammar_masks`` of
+        ``reqs`` made already (else made here)."""
+        tokens, lp_rows, lp, pj = self._sample(logits, reqs, rows, prompt_jobs, grammar)
         packed = [tokens.to(torch.float64)] + [t.to(torch.float64).reshape(-1)
                                                 for t in (lp, pj) if t is not None]
         flat = (torch.cat(packed) if len(packed) > 1 else packed[0]).tolist()  # the one copy
@@ -126,7 +135,8 @@ class Sampler:
         return out
 
     # ------------------------------------------------------------------ device side
-    def _sample(self, logits: torch.Tensor, reqs: Sequence[Request], rows, prompt_jobs):
+    def _sample(self, logits: torch.Tensor, reqs: Sequence[Request], rows, prompt_jobs,
+                grammar):
         N, V = logits.shape
         R = len(reqs)
         dev = logits.device
@@ -161,6 +171,13 @@ class Sampler:
                 bias += [(i, t, b) for t, b in p.logit_bias.items() if t < V]
             if p.logprobs is not None:
                 lp_rows.append(i)
+        if grammar is None:
+            grammar = grammar_masks(reqs, self.grammars, V) if self.grammars is not None \
+                else ([], None)
+        g_rows, g_bits = grammar
+        on_host = dev.type == "cpu"  # the bitmask is used where it was filled
+        seg_g = H.add(g_rows, 1) if g_rows and not on_host else None
+        seg_gbits = H.add(g_bits, g_bits.shape[1]) if seg_g else None  # int32 exact in fp64
         seg_rand = H.add(rand, 7) if rand else None
         seg_pen = H.add(pen, 4) if pen else None
         seg_out = H.add(out_pairs, 2) if out_pairs else None
@@ -189,9 +206,13 @@ class Sampler:
             pj = _logprob_table(logits.index_select(0, t[:, 0].long()).log_softmax(-1),
                                 t[:, 1].long(), K)
 
-        if seg_mask is not None or seg_pen is not None or seg_bias is not None:
+        if seg_mask is not None or seg_pen is not None or seg_bias is not None or g_rows:
             # masks write in place: never into the caller's logits or the raw-logprob rows
             x = x.clone() if x is logits or (lp is not None and lp[0] is x) else x
+            if g_rows and on_host:
+                apply_bitmask(x, g_rows, g_bits)
+            elif g_rows:
+                apply_bitmask(x, H.get(seg_g)[:, 0].long(), H.get(seg_gbits).to(torch.int32))
             if seg_mask is not None:
                 m = H.get(seg_mask).long()
                 x.index_put_((m[:, 0], m[:, 1]), x.new_full((), float("-inf")))

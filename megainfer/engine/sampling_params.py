@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional, Union
 
 from .errors import SamplingParamsError
+from .structured_outputs import StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
@@ -32,7 +33,11 @@ class SamplingParams:
     generated (their last token is masked once the output ends with the tokens before it).
     ``logit_bias``: {token id: bias in [-100, 100]} added to those logits before the penalties
     (OpenAI's and vLLM's; -100 in effect bans the token, +100 forces it).
-    ``skip_special_tokens``: special tokens (eos, bos, ...) add no text (vLLM's default)."""
+    ``skip_special_tokens``: special tokens (eos, bos, ...) add no text (vLLM's default).
+    ``structured_outputs``: the grammar the output follows (``StructuredOutputsParams``, or a
+    dict of its fields): each step only the tokens the grammar allows next can be sampled, and
+    the sample ends (finish_reason "stop") when the grammar is complete and a stop token
+    comes, or at once when nothing else could follow (docs/engine.md, "Structured outputs")."""
 
     n: int = 1
     temperature: float = 1.0
@@ -54,6 +59,7 @@ class SamplingParams:
     bad_words: Union[tuple[str, ...], None] = ()
     logit_bias: Optional[Mapping[int, float]] = None  # {token id: bias in [-100, 100]}
     skip_special_tokens: bool = True  # special tokens add no text
+    structured_outputs: Optional[StructuredOutputsParams] = None  # the grammar the output follows
 
     def __post_init__(self):
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
@@ -101,6 +107,8 @@ class SamplingParams:
             f"must map token ids (integers >= 0) to biases in [-{MAX_LOGIT_BIAS:g}, "
             f"{MAX_LOGIT_BIAS:g}]")
         object.__setattr__(self, "logit_bias", dict(bias) if bias else None)
+        object.__setattr__(self, "structured_outputs",
+                           StructuredOutputsParams.of(self.structured_outputs))
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             _check(v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS), name, v,

@@ -44,6 +44,7 @@ class HFTokenizer:
 
     def __init__(self, path: str):
         from tokenizers import Tokenizer as _Tok
+        self.path = path  # the grammars' cache key (grammar.py)
         self.tok = _Tok.from_file(path)
 
     def encode(self, text: str) -> list[int]:

@@ -31,10 +31,21 @@ class ChatPrompts:
     def available(self) -> bool:
         return self.renderer.template is not None
 
-    def render(self, messages, add_generation_prompt: bool = True) -> tuple[str, list[int]]:
-        """(rendered text, its token ids); a template failure is a 400 naming ``messages``."""
+    def render(self, messages, add_generation_prompt: bool = True, tools=None,
+               template_kwargs=None) -> tuple[str, list[int]]:
+        """(rendered text, its token ids); a template failure is a 400 naming ``messages``.
+        ``tools``: the request's (as OpenAI's JSON), the template's ``tools`` variable;
+        ``template_kwargs``: more variables (vLLM's ``chat_template_kwargs``)."""
+        variables = dict(template_kwargs or {})
+        taken = sorted(set(variables) & {"messages", "add_generation_prompt", "tools"})
+        if taken:
+            raise APIError(f"chat_template_kwargs.{taken[0]}: set by the request itself", 400,
+                           "chat_template_kwargs")
+        if tools:
+            variables["tools"] = tools
         try:
-            text = self.renderer.render([m.plain() for m in messages], add_generation_prompt)
+            text = self.renderer.render([m.plain() for m in messages], add_generation_prompt,
+                                        **variables)
         except ChatTemplateError as e:
             raise APIError(str(e), 400, "messages") from e
         return text, encode_chat(self.tokenizer, text)

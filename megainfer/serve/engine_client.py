@@ -17,6 +17,7 @@ from megainfer.config import ServeConfig
 from megainfer.engine import RequestError, RequestOutput, SamplingParams
 from megainfer.engine.stats import core_hangs
 from megainfer.engine.failures import EngineDeadError
+from megainfer.engine.grammar import Grammars
 
 from .errors import APIError, request_error
 from .metrics import CoreWatch, RequestTimer, ServeMetrics
@@ -170,6 +171,20 @@ class EngineClient:
         long text is tokenised off the event loop."""
         chars = len(prompt) if isinstance(prompt, str) else 0
         return await self.off_loop(chars, self.check_prompt, prompt, params, prompt_field)
+
+    async def compile_grammar(self, params: SamplingParams, field: str) -> None:
+        """The request's grammar compiled (or found in the cache) on a worker thread, never on
+        the event loop; one that does not compile: a 400 naming ``field``."""
+        spec = params.structured_outputs
+        if spec is None:
+            return
+        intake = self.llm.intake
+        grammars = Grammars(intake.tokenizer, intake.vocab_size)
+        try:
+            await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, grammars.get,
+                                                             spec)
+        except RequestError as e:
+            raise APIError(str(e), 400, field) from e
 
     def check_params(self) -> SamplingParams:
         """Parameters that let a prompt alone be checked (``/tokenize``)."""

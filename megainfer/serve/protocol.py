@@ -15,6 +15,8 @@ from megainfer.engine.intake import unencodable
 from megainfer.engine.sampling_params import MAX_LOGIT_BIAS
 
 from .errors import APIError
+from .response_format import ResponseFormat, structured_spec
+from .tools import Tool, ToolChoice
 
 
 MAX_ID_CHARS = 256  # request_id, user, model
@@ -87,12 +89,22 @@ class _Sampling(_Body):
     include_stop_str_in_output: bool = False
     prompt_logprobs: Optional[int] = None  # vLLM: per prompt token, its logprob and the top k
     request_id: Optional[ShortText] = None  # vLLM: the id the engine (and the response) uses
+    # the output's grammar: OpenAI's response_format, or vLLM's structured_outputs (json,
+    # regex, choice, grammar, json_object; at most one of the two fields)
+    response_format: Optional[ResponseFormat] = Field(default=None, discriminator="type")
+    structured_outputs: Optional[dict[Text, Any]] = None
+
+    def grammar_field(self) -> str:
+        """The body field a grammar's refusal names."""
+        return "structured_outputs" if self.structured_outputs is not None else \
+            "response_format"
 
     def sampling_params(self, max_tokens: int, logprobs: Optional[int],
                         prompt_logprobs: Optional[int] = None,
-                        min_tokens: Optional[int] = None) -> SamplingParams:
+                        min_tokens: Optional[int] = None, grammar=None) -> SamplingParams:
         """This body's ``SamplingParams`` (a bad value: ``SamplingParamsError`` naming it);
-        ``min_tokens``: instead of the body's."""
+        ``min_tokens``: instead of the body's; ``grammar``: instead of the body's own (a
+        forced tool call's)."""
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options: only allowed with stream=true",
                            param="stream_options")
@@ -106,7 +118,9 @@ class _Sampling(_Body):
                   stop_token_ids=tuple(self.stop_token_ids or ()),
                   include_stop_str_in_output=self.include_stop_str_in_output,
                   logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                  logit_bias=self._logit_bias(), skip_special_tokens=self.skip_special_tokens)
+                  logit_bias=self._logit_bias(), skip_special_tokens=self.skip_special_tokens,
+                  structured_outputs=grammar or structured_spec(self.response_format,
+                                                                self.structured_outputs))
         for k, v in (("temperature", self.temperature), ("top_p", self.top_p),
                      ("top_k", self.top_k), ("min_p", self.min_p),
                      ("repetition_penalty", self.repetition_penalty)):
@@ -186,8 +200,13 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: Optional[int] = None
     add_generation_prompt: bool = True  # vLLM: end the prompt with the assistant's turn opening
-    tools: Optional[list] = None  # refused when set (no tool calling yet)
-    response_format: Optional[dict] = None  # refused unless {"type": "text"}
+    # OpenAI's function tools; tool_choice none | auto | required | {"type": "function",
+    # "function": {"name"}} (docs/serve.md, "Tool calls"); parallel_tool_calls accepted
+    tools: Optional[Annotated[list[Tool], Field(max_length=128)]] = None
+    tool_choice: Optional[ToolChoice] = None
+    parallel_tool_calls: bool = True
+    # vLLM's: extra variables of the chat template (e.g. {"enable_thinking": false})
+    chat_template_kwargs: Optional[dict[Text, Any]] = None
 
     def token_budget(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None \

@@ -105,9 +105,12 @@ def completion_choice(index: int, out, text: str, logprobs: Optional[dict],
     return choice
 
 
-def chat_choice(index: int, out, logprobs: Optional[dict]) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": out.text},
-            "logprobs": logprobs, "finish_reason": out.finish_reason,
+def chat_choice(index: int, out, logprobs: Optional[dict], message: Optional[dict] = None,
+                finish_reason: Optional[str] = None) -> dict:
+    """``message``: the assistant's (default: the text as content); ``finish_reason``:
+    instead of the output's (tool calls)."""
+    return {"index": index, "message": message or {"role": "assistant", "content": out.text},
+            "logprobs": logprobs, "finish_reason": finish_reason or out.finish_reason,
             "stop_reason": out.stop_reason}
 
 

@@ -40,6 +40,7 @@ class CompletionServing(Serving):
         prompts = body.prompts()
         self.client.check_size(len(prompts) * body.n)  # before any prompt is tokenised
         check = body.sampling_params(self.client.max_model_len, None)  # a prompt's checks
+        await self.client.compile_grammar(check, body.grammar_field())
         echo_lp = body.logprobs if body.echo else None
         asked = [k for k in (echo_lp, body.prompt_logprobs) if k is not None]
         prompt_k = max(asked) if asked else None  # the engine's prompt logprobs serve both

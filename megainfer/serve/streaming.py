@@ -15,6 +15,7 @@ from megainfer.engine import RequestError, RequestOutput
 from megainfer.engine.failures import EngineDeadError
 
 from . import responses as R
+from .chat_message import finish_reason
 from .errors import stream_error
 
 log = logging.getLogger("megainfer.serve")
@@ -126,8 +127,10 @@ async def completion_events(stream, rid: str, model: str, n: int, echo_texts: Op
 
 
 async def chat_events(stream, rid: str, model: str, n: int, top_logprobs: Optional[int],
-                      include_usage: bool, continuous: bool) -> AsyncIterator[bytes]:
+                      reader, include_usage: bool, continuous: bool) -> AsyncIterator[bytes]:
+    """``reader``: a ``chat_message.MessageReader`` (reasoning, tool calls)."""
     created, d = R.now(), ChoiceDeltas(n)
+    messages = [reader.stream() for _ in range(n)]
     prompt_tokens, gen = 0, 0
     for idx in range(n):  # the assistant's role first, as OpenAI sends it
         yield sse(R.envelope(rid, "chat.completion.chunk", model, created,
@@ -141,9 +144,11 @@ async def chat_events(stream, rid: str, model: str, n: int, top_logprobs: Option
                 lp = None if top_logprobs is None or c.logprobs is None else \
                     R.chat_logprobs(c.logprobs[k0:], c.token_ids[k0:], top_logprobs)
                 gen += len(c.token_ids) - k0
-                choices.append({"index": idx, "delta": {"content": text} if text else {},
-                                "logprobs": lp,
-                                "finish_reason": c.finish_reason if idx in d.done else None,
+                m = messages[idx]
+                delta = m.feed(text, idx in d.done)
+                choices.append({"index": idx, "delta": delta, "logprobs": lp,
+                                "finish_reason": finish_reason(c.finish_reason, m.has_calls)
+                                if idx in d.done else None,
                                 "stop_reason": c.stop_reason if idx in d.done else None})
             if choices:
                 use = R.usage(prompt_tokens, gen) if continuous else None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Optional
 
 # "<|user|>\nhi\n<|assistant|>\n": one tag line per message, the cue when asked
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
@@ -79,9 +80,13 @@ def tiny_config_kwargs(family: str, *, vocab=256, hidden=64, layers=2, heads=4, 
     return kw
 
 
-def make_tiny(family: str, out: str, seed: int = 0, chat_template: bool = True, **shape) -> str:
+def make_tiny(family: str, out: str, seed: int = 0, chat_template: bool = True,
+              tokenizer: Optional[str] = None, **shape) -> str:
     """Build, seed-initialise and save a tiny HF checkpoint of ``family`` into ``out`` (with
-    ``chat_template``: and ``CHAT_TEMPLATE`` as its ``chat_template.jinja``)."""
+    ``chat_template``: and ``CHAT_TEMPLATE`` as its ``chat_template.jinja``). ``tokenizer``
+    (``qwen3`` | ``deepseek_v3``): also a real byte-level BPE tokenizer with that chat style's
+    special tokens and template (``tiny_tokenizer.py``; the style's template then replaces
+    ``CHAT_TEMPLATE``); the vocabulary defaults to 512 ids."""
     import torch
     import transformers
     cfg_cls, model_cls = (getattr(transformers, n) for n in FAMILY_CLASSES[family])
@@ -90,6 +95,8 @@ def make_tiny(family: str, out: str, seed: int = 0, chat_template: bool = True, 
         kw = deepseek_config_kwargs(family=family, **shape)
     else:
         kw = tiny_config_kwargs(family, **shape)
+    if tokenizer is not None:
+        kw["vocab_size"] = shape.get("vocab", 512)
     cfg = cfg_cls(**kw)
     model = model_cls(cfg).float().eval()
     with torch.no_grad():  # norms at 1 are too tame: jitter them so each layer matters
@@ -105,7 +112,10 @@ def make_tiny(family: str, out: str, seed: int = 0, chat_template: bool = True, 
                     p.mul_(4.0)
     os.makedirs(out, exist_ok=True)
     model.save_pretrained(out)
-    if chat_template:
+    if tokenizer is not None:
+        from .tiny_tokenizer import write_tokenizer
+        write_tokenizer(out, tokenizer, kw["vocab_size"])
+    elif chat_template:
         from megainfer.engine.chat_template import TEMPLATE_FILE
         with open(os.path.join(out, TEMPLATE_FILE), "w", encoding="utf-8") as f:
             f.write(CHAT_TEMPLATE)
@@ -128,6 +138,8 @@ def main(argv=None):
     ap.add_argument("--q-lora-rank", type=int, default=None, help="deepseek_v2/v3 only")
     ap.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=True,
                     help="write a minimal chat_template.jinja (default: on)")
+    ap.add_argument("--tokenizer", choices=["qwen3", "deepseek_v3"], default=None,
+                    help="write a byte-level BPE tokenizer and chat template in this style")
     a = ap.parse_args(argv)
     shape = dict(hidden=a.hidden, layers=a.layers, heads=a.heads, experts=a.experts,
                  top_k=a.top_k, inter=a.inter, vocab=a.vocab)
@@ -135,7 +147,10 @@ def main(argv=None):
         shape.update(q_lora_rank=a.q_lora_rank, layers=max(a.layers, 4), experts=max(a.experts, 8))
     else:
         shape.update(kv_heads=a.kv_heads)
-    make_tiny(a.family, a.out, a.seed, chat_template=a.chat_template, **shape)
+    if a.tokenizer is not None and a.vocab == 256:
+        shape["vocab"] = 512
+    make_tiny(a.family, a.out, a.seed, chat_template=a.chat_template, tokenizer=a.tokenizer,
+              **shape)
     print(f"wrote {a.family} checkpoint to {a.out}"
           + (" (with a chat template)" if a.chat_template else ""))
 

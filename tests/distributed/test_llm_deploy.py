@@ -57,6 +57,17 @@ OFFLINE = [("a1e2", 3, "a1e2"), ("a2e2m2", 4, A2E2), ("a1tp2e1", 3, TP2),
            ("colocated2", 2, "colocated2"), ("p1a1e2", 4, "p1a1e2")]
 
 
+def _valid_structured(texts) -> None:
+    """offline_outputs' structured outputs follow their grammars (JSON schema, regex)."""
+    import re
+
+    import jsonschema_rs
+    from llm_deploy_job import SCHEMA
+    valid = jsonschema_rs.validator_for(SCHEMA).is_valid
+    assert all(valid(json.loads(t)) for t in texts[0] + texts[1]), texts
+    assert all(re.fullmatch(r"[a-e]{2,5}\d", t) for t in texts[2]), texts
+
+
 @pytest.mark.parametrize("name,ranks,deploy", OFFLINE, ids=[o[0] for o in OFFLINE])
 def test_llm_every_mode_equals_single_mode(tiny_ckpts, tmp_path, name, ranks, deploy):
     ckpt = tiny_ckpts[("mixtral", "base")]
@@ -64,6 +75,7 @@ def test_llm_every_mode_equals_single_mode(tiny_ckpts, tmp_path, name, ranks, de
     want = _single(ckpt, "offline")
     for key in want.keys() - {"logprobs"}:
         assert got[key] == want[key], (name, key)
+    _valid_structured(got["structured"])
     _same_logprobs(got["logprobs"], want["logprobs"])
     assert max(got["idle_cpu"]) < 0.05, got["idle_cpu"]  # an idle runtime sleeps, every rank
 
@@ -108,6 +120,10 @@ def _check_streams(got, want):
         assert len(g["seen"]) >= 2 and g["finished"], i  # it streamed, then ended
         if len(g["tokens"][0]) >= 6:  # on whichever replica: more than first and last token
             assert len(g["seen"]) >= 3, (i, g["seen"])
+    for g, w in zip(got["grammar"], want["grammar"]):  # JSON-schema streams
+        assert g["tokens"] == w["tokens"] and g["finished"]
+        texts = [bytes(t for t in toks if t != 2).decode() for toks in g["tokens"]]
+        _valid_structured([texts, [], []])
     for key in ("aborted", "early", "at_once"):
         assert got[key]["finish"] == ["abort"] and got[key]["finished"], key
         assert len(got[key]["tokens"][0]) < 100, key  # ended well before its max_tokens

@@ -30,6 +30,9 @@ OVERRIDES = ["scheduler.max_model_len=128", "scheduler.max_num_seqs=8",
              "scheduler.max_num_batched_tokens=32", "cache.num_blocks=160", "cache.block_size=4"]
 PROMPTS = [("abcdefghij" * 4)[: 3 + 3 * i] for i in range(8)]
 MSGS = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+SCHEMA = {"type": "object", "properties": {"k": {"enum": ["a", "bc"]},
+                                           "v": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["k", "v"], "additionalProperties": False}
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +54,10 @@ def want(ckpt):
                 PROMPTS, [SamplingParams(temperature=0, max_tokens=4 + i) for i in range(8)],
                 use_tqdm=False)],
             "chat": llm.chat(MSGS, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False,
-                             chat_template=CHAT_TEMPLATE)[0].outputs[0].text}
+                             chat_template=CHAT_TEMPLATE)[0].outputs[0].text,
+            "json": llm.chat(MSGS, SamplingParams(temperature=0, max_tokens=40,
+                                                  structured_outputs={"json": SCHEMA}),
+                             use_tqdm=False, chat_template=CHAT_TEMPLATE)[0].outputs[0].text}
 
 
 def _start(ranks, ckpt, deploy, *extra, plain=False):
@@ -100,6 +106,11 @@ def test_served_mode_equals_single_mode(ckpt, template, want, ranks, deploy, tra
                                                      max_tokens=10, temperature=0, stream=True))
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
             want["chat"]
+        fmt = {"type": "json_schema", "json_schema": {"name": "kv", "schema": SCHEMA}}
+        c = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=40,
+                                           temperature=0, response_format=fmt)
+        assert c.choices[0].message.content == want["json"]  # the ranks' grammar, as single's
+        assert json.loads(want["json"])["k"] in ("a", "bc")
         assert asyncio.run(_streams(url, 8)) == want["text"]  # 8 at once share the batch
         # a client that hangs up mid-stream: its request is aborted on its replica
         body = {"model": "tiny", "prompt": "abc", "max_tokens": 120, "ignore_eos": True,

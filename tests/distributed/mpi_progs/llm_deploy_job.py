@@ -23,6 +23,11 @@ from abort_on_error import run_or_abort  # noqa: E402
 ENGINE_ARGS = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32, block_size=4,
                    num_blocks=256)
 CHAT = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+SCHEMA = {"type": "object", "properties": {"k": {"enum": ["a", "bc"]},
+                                           "v": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "f": {"type": "array", "items": {"type": "boolean"},
+                                                 "maxItems": 2}},
+          "required": ["k", "v", "f"], "additionalProperties": False}
 
 
 def prompts(vocab: int):
@@ -51,7 +56,14 @@ def offline_outputs(llm) -> dict:
     chat = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0,
                                                                          max_tokens=5),
                     use_tqdm=False, chat_template=CHAT)
+    grammar = [SamplingParams(temperature=0, max_tokens=60, structured_outputs={"json": SCHEMA}),
+               SamplingParams(temperature=1.0, seed=9, n=3, max_tokens=60,
+                              structured_outputs={"json": SCHEMA}),
+               SamplingParams(temperature=1.0, seed=4, n=2, max_tokens=12,
+                              structured_outputs={"regex": r"[a-e]{2,5}\d"})]
+    structured = llm.generate(ps[:3], grammar, use_tqdm=False)  # the sampler's masks, every mode
     return {
+        "structured": [[c.text for c in o.outputs] for o in structured],
         "greedy": [o.outputs[0].token_ids for o in greedy],
         "greedy_text": [o.outputs[0].text for o in greedy],
         "seeded": [[c.token_ids for c in o.outputs] for o in seeded],
@@ -96,6 +108,11 @@ async def _async_job(engine) -> dict:
     streams = await asyncio.gather(*first, *later)
     got = {"streams": streams, "aborted": await aborted, "early": await early,
            "at_once": await at_once}
+    # JSON-schema streams (greedy, and seeded n=2), after the timed ones: AsyncLLM compiles a
+    # grammar on its event loop, which would delay the others' chunks
+    got["grammar"] = await asyncio.gather(*[_stream(engine, f"g{i}", ps[2 + i], SamplingParams(
+        temperature=float(i), seed=i, n=1 + i, max_tokens=60,
+        structured_outputs={"json": SCHEMA})) for i in range(2)])
     await asyncio.sleep(0.3)  # the aborts' blocks come back at the replicas' next iterations
     if engine.engine is not None:  # rank 0's replica (the runtime's RuntimeEngine.engine)
         eng = getattr(engine.engine, "engine", engine.engine)

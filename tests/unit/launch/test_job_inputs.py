@@ -168,3 +168,30 @@ def test_console_unwritable_output_is_one_line(tmp_path):
                         f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path, capture_output=True,
                        text=True, timeout=240, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 2 and "OutputFileError" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_structured_outputs_per_line(ckpt, tmp_path):
+    """A line's ``sampling.structured_outputs`` holds its output to its grammar; a bad spec or
+    one that does not compile is that line's error record, naming the field."""
+    import re
+
+    schema = {"type": "object", "properties": {"k": {"enum": ["x", "y"]},
+                                               "v": {"type": "boolean"}},
+              "required": ["k", "v"], "additionalProperties": False}
+    lines = [{"id": "j", "prompt": "a", "sampling": {"structured_outputs": {"json": schema}}},
+             {"id": "r", "prompt": "b", "sampling": {"structured_outputs": {"regex": "[0-9]{4}"}}},
+             {"id": "bad", "prompt": "c", "sampling": {"structured_outputs": {"json": 3}}},
+             {"id": "nc", "prompt": "d", "sampling": {"structured_outputs": {
+                 "grammar": "root ::= missing"}}}]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "gen.jsonl"
+    inp.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    s = _settings(f"model.path={ckpt}", f"io.input={inp}", f"io.output={out}",
+                  "sampling.max_tokens=40", "sampling.temperature=1.0")
+    run_offline_job(job_requests(s), single_generator(s), str(out), progress=False)
+    recs = {r["id"]: r for r in _records(out)}
+    assert json.loads(recs["j"]["text"])["k"] in ("x", "y")
+    assert re.fullmatch("[0-9]{4}", recs["r"]["text"])
+    assert recs["bad"]["finish_reason"] == "error"
+    assert "sampling.structured_outputs.json" in recs["bad"]["error"]
+    assert recs["nc"]["finish_reason"] == "error"
+    assert "structured_outputs.grammar: does not compile" in recs["nc"]["error"]
