@@ -29,6 +29,7 @@ from perf_paths import PERF, RESULTS  # noqa: E402
 
 from megainfer.bench.results_io import write_json  # noqa: E402
 from megainfer.core_client.mpiexec_job import find_mpiexec  # noqa: E402
+from megainfer.tools.make_tiny import make_tiny  # noqa: E402
 
 ROOT = os.path.dirname(PERF)
 LINKS = {"launch": "launch", "kernels": "kernels", "conf": "conf"}  # megainfer.X -> tree/X
@@ -114,7 +115,6 @@ def run_async(side, ckpt, tmp) -> float:
 
 
 def main() -> None:
-    from megainfer.tools.make_tiny import make_tiny
     sides = {"before": side_of(ARGS.before), "after": side_of(ARGS.after)}
     try:
         rows = _run(sides)

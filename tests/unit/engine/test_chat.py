@@ -175,3 +175,21 @@ def test_no_second_bos_with_a_tokenizer_json(tiny_ckpts, tmp_path):
     out = llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False)[0]
     assert out.prompt_token_ids == [1, 11, 10, 12, 13]  # the template's BOS only
     assert encode_chat(llm.get_tokenizer(), "<s> hi") == [1, 10]
+
+
+def test_llm_chat_renders_tools_and_template_kwargs(tmp_path):
+    """``LLM.chat(tools=..., chat_template_kwargs=...)`` hands both to the template: the
+    Qwen3-style template lists the function and closes the think block when asked."""
+    from megainfer.tools.make_tiny import make_tiny
+    d = make_tiny("qwen3_moe", str(tmp_path / "q3"), seed=2, tokenizer="qwen3", max_pos=256)
+    llm = LLM(d, max_model_len=256)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    msgs = [{"role": "user", "content": "weather in Oslo?"}]
+    p = SamplingParams(temperature=0, max_tokens=2)
+    plain = llm.chat(msgs, p, use_tqdm=False)[0].prompt
+    with_tools = llm.chat(msgs, p, use_tqdm=False, tools=tools,
+                          chat_template_kwargs={"enable_thinking": False})[0].prompt
+    assert "get_weather" not in plain and "get_weather" in with_tools
+    assert "<think>" not in plain.split("assistant")[-1]
+    assert "</think>" in with_tools.split("assistant")[-1], with_tools
