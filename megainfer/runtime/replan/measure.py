@@ -16,6 +16,7 @@ from mpi4py import MPI
 
 from megainfer.perfmodel.trace import E2A, EXPERT, is_moe_attention
 from megainfer.runtime import tags
+from megainfer.runtime.control import Outbox
 from megainfer.runtime.messages import ExpertSamples
 SAMPLE_ITERS = 4  # iterations recorded before each decision (all of them with trace.enabled)
 
