@@ -24,19 +24,30 @@ from .weight_quant import QuantizedWeight, quantize_act_fp8
 
 
 def dequantize_fp8_blocks(data: torch.Tensor, scale_inv: torch.Tensor, block,
-                          dtype: torch.dtype) -> torch.Tensor:
-    """data [N, K] float8, scale_inv [ceil(N/bo), ceil(K/bi)] -> W [N, K] in ``dtype``: a
-    float32 copy scaled in place per block row (the scale widened to [rows of blocks, K]
-    only), then one cast. Edge blocks may be partial."""
-    bo, bi = block
-    N, K = data.shape
+                          dtype: torch.dtype = torch.float32, row0: int = 0) -> torch.Tensor:
+    """data [..., N, K] float8, scale_inv [..., ceil(N/bo), ceil(K/bi)] -> W [..., N, K] in
+    ``dtype``: a float32 copy scaled in place block row by block row (the scale widened to
+    [..., rows of blocks, K] only, no full-size scale), then one cast. Edge blocks may be
+    partial. ``row0``: ``data`` holds rows ``[row0, row0 + N)`` of dim -2 of the full weight
+    and ``scale_inv`` the block rows they touch (``row0 // bo`` on), so a slice that does not
+    start on a block boundary is scaled like the full tensor."""
+    bo, bi = int(block[0]), int(block[1])
     out = data.to(torch.float32)
-    s = scale_inv.to(torch.float32).repeat_interleave(bi, dim=1)[:, :K]  # [nr, K]
-    full = N // bo
+    if out is data:  # already float32 (a test feeding floats): never scale the caller's tensor
+        out = data.clone()
+    rows, cols = out.shape[-2], out.shape[-1]
+    s = scale_inv.to(torch.float32).repeat_interleave(bi, dim=-1)[..., :cols]  # [..., R, cols]
+    r, k = 0, 0
+    head = min(rows, (-row0) % bo)  # rows before the slice's first block boundary
+    if head:
+        out[..., :head, :].mul_(s[..., :1, :])
+        r, k = head, 1
+    full = (rows - r) // bo
     if full:
-        out[:full * bo].view(full, bo, K).mul_(s[:full, None, :])
-    if full * bo < N:
-        out[full * bo:].mul_(s[full:full + 1])
+        out[..., r:r + full * bo, :].unflatten(-2, (full, bo)).mul_(s[..., k:k + full, None, :])
+        r, k = r + full * bo, k + full
+    if r < rows:  # a partial last block
+        out[..., r:, :].mul_(s[..., k:k + 1, :])
     return out if dtype == torch.float32 else out.to(dtype)
 
 

@@ -33,7 +33,7 @@ FP8_BLOCK = (128, 128)
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
@@ -71,7 +71,7 @@ class WeightFormat:
 
     def scale_shape(self, lead: tuple, N: int, K: int) -> tuple:
         if self.name == "fp8":
-            return tuple(lead) + (_cdiv(N, self.block[0]), _cdiv(K, self.block[1]))
+            return tuple(lead) + (cdiv(N, self.block[0]), cdiv(K, self.block[1]))
         if self.name == "int8":
             return tuple(lead) + (N,)
         return tuple(lead) + (K // self.group_size, N, 2)
@@ -134,7 +134,7 @@ def quantize_fp8(w: torch.Tensor, block=FP8_BLOCK, dtype=torch.float8_e4m3fn):
     bo, bi = block
     fmax = FP8_MAX[dtype]
     *lead, N, K = w.shape
-    nr, nc = _cdiv(N, bo), _cdiv(K, bi)
+    nr, nc = cdiv(N, bo), cdiv(K, bi)
     pad = w.new_zeros(*lead, nr * bo, nc * bi, dtype=torch.float32)
     pad[..., :N, :K] = w
     blocks = pad.unflatten(-1, (nc, bi)).unflatten(-3, (nr, bo))  # [..., nr, bo, nc, bi]
@@ -243,7 +243,7 @@ def quantize_act_fp8(x: torch.Tensor, group: int, dtype=torch.float8_e4m3fn) -> 
     x [T, K] -> [T, K] holding the values an fp8 GEMM sees."""
     T, K = x.shape
     fmax = FP8_MAX[dtype]
-    nc = _cdiv(K, group)
+    nc = cdiv(K, group)
     pad = x.new_zeros(T, nc * group, dtype=torch.float32)
     pad[:, :K] = x
     g = pad.view(T, nc, group)

@@ -82,18 +82,16 @@ def core_thread(engine, deliver: Deliver) -> EngineCoreThread:
     return EngineCoreThread(EngineCore(engine), deliver)
 
 
-def engine_here(job: ResolvedJob, tokenizer=None, own_process: bool = False,
-                stream: bool = True):
+def engine_here(job: ResolvedJob, tokenizer=None, own_process: bool = False):
     """The engine when it runs in this process: single mode's ``LLMEngine``, or rank 0's
-    ``RuntimeEngine`` under ``mpiexec`` (``stream``: its replicas report each step's tokens);
-    None when it must run in a child job (``own_process``, or several ranks asked for from a
+    ``RuntimeEngine`` under ``mpiexec``; None when it must run in a child job (``own_process``, or several ranks asked for from a
     plain script). A rank other than 0 of an ``mpiexec`` launch serves inside this call until
     rank 0 closes, then ends its process with status 0."""
     size, rank = mpi_world()
     if size == 1 and job.deploy.mode == "single" and not own_process:
         return single_engine(job, tokenizer)
     if size > 1:
-        engine = start_ranks(job, stream=stream)
+        engine = start_ranks(job)
         if engine is None:  # a rank other than 0: it served until rank 0 closed
             log.debug("rank %d: the job is over, exiting", rank)
             sys.exit(0)
@@ -119,9 +117,9 @@ def open_sync(spec: JobTree, job: ResolvedJob, tokenizer=None,
     mode): its core stepped on this thread; here as rank 0 of an ``mpiexec`` launch (its ranks
     must hear from it every idle interval, also while the script does something else): its
     core on a thread; both final-only (no per-token work). Else a child job's core."""
-    engine = engine_here(job, tokenizer, own_process, stream=False)
+    engine = engine_here(job, tokenizer, own_process)
     if engine is not None and engine.idle_interval_s is None:
-        return SyncClient(*inproc(engine))
+        return inproc_client(engine)
     outputs = QueuedOutputs()
     if engine is not None:
         core = EngineCoreThread(EngineCore(engine, stream=False), outputs.deliver)
@@ -138,7 +136,7 @@ def launch_client(r) -> SyncClient:
     ``megainfer-launch``'s offline job): its ``RuntimeEngine`` stepped on this thread, final
     outputs only. Closing it stops every rank."""
     from megainfer.runtime.runtime_engine import RuntimeEngine
-    return SyncClient(*inproc(RuntimeEngine(r, stream=False)))
+    return inproc_client(RuntimeEngine(r))
 
 
 def run_job(r, inputs) -> Optional[Iterator]:
@@ -157,7 +155,8 @@ def run_job(r, inputs) -> Optional[Iterator]:
     return outputs()
 
 
-def inproc(engine, on_stats=None) -> tuple:
-    """``SyncClient``'s arguments over an engine in this process, its core final-only."""
-    core = InprocClient(EngineCore(engine, stream=False), on_stats)
-    return core, core.next_outputs, Intake.of_engine(engine), True
+def inproc_client(engine) -> SyncClient:
+    """``LLM``'s client over an engine in this process, its core stepped on the caller's
+    thread, final-only."""
+    core = InprocClient(EngineCore(engine, stream=False))
+    return SyncClient(core, core.next_outputs, Intake.of_engine(engine), final_only=True)

@@ -5,22 +5,19 @@ inputs queue in ``submit``; ``next_outputs`` runs one round of the core (the que
 then one iteration) and returns what it gave."""
 from __future__ import annotations
 
-import logging
-from typing import Callable, Optional
+from typing import Optional
 
 from megainfer.engine_core.core import EngineCore
 from megainfer.engine_core.messages import CoreInput, CoreOutputs, Shutdown
 
-log = logging.getLogger("megainfer.core_client")
-
 
 class InprocClient:
-    """``on_stats``: called with each round's ``CoreStats`` (none kept otherwise)."""
+    """Each round's ``CoreStats`` are dropped (the sync face reads none)."""
 
     ranks: tuple = ()  # no child job
 
-    def __init__(self, core: EngineCore, on_stats: Optional[Callable] = None):
-        self.core, self.engine, self.on_stats = core, core.engine, on_stats
+    def __init__(self, core: EngineCore):
+        self.core, self.engine = core, core.engine
         self.inbox: list[CoreInput] = []
         self.closed = False
         self.error: Optional[BaseException] = None
@@ -42,17 +39,10 @@ class InprocClient:
         msgs, self.inbox = self.inbox, []
         try:
             outs, _ = self.core.round(msgs)
-        except Exception as e:
+        except Exception as e:  # raised to the caller, who reports it
             self.error = e
-            log.error("%s engine core died: %s: %s", self.engine.log_prefix,
-                      type(e).__name__, e)
             raise
-        if outs.stats is not None and self.on_stats is not None:
-            self.on_stats(outs.stats)
         return outs
-
-    def has_work(self) -> bool:
-        return bool(self.inbox) or self.core.has_work()
 
     def shutdown(self, timeout: Optional[float] = None) -> None:
         """Abort what runs (its last iterations) and close the engine (its ranks too)."""

@@ -11,6 +11,7 @@ class LocalOnline:
     """A mixin: needs ``scheduler``, ``blocks`` and ``model_config``."""
 
     idle_interval_s = None  # one process: nothing watches it between iterations
+    stream_tokens = True  # (every step's tokens are at hand here: nothing to switch off)
     stall_allowance_s = 0.0
 
     @property

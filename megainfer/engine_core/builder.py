@@ -61,18 +61,17 @@ def single_engine(job: ResolvedJob, tokenizer=None):
         cuda_graphs=device.cuda_graphs)
 
 
-def start_ranks(job: ResolvedJob, comm=None, stream: bool = True):
+def start_ranks(job: ResolvedJob, comm=None):
     """Collective over ``comm`` (default ``MPI.COMM_WORLD``; every rank calls it): build this
     rank's part of the job. Rank 0 returns its ``OnlineEngine`` (single mode, world 1: an
-    ``LLMEngine``; else the runtime's ``RuntimeEngine``; ``stream``: the replicas report each
-    step's new tokens, a streaming core's). Every other rank serves rank 0 until rank 0 closes
+    ``LLMEngine``; else the runtime's ``RuntimeEngine``). Every other rank serves rank 0 until rank 0 closes
     its engine, then returns None."""
     if job.deploy.mode == "single":
         return single_engine(job)
     from megainfer.runtime.runtime_engine import RuntimeEngine
     r = build_ranks(job, comm)
     if r.role.rank == 0:
-        return RuntimeEngine(r, stream)
+        return RuntimeEngine(r)
     serve_rank0(r)
     return None
 

@@ -24,7 +24,6 @@ import threading
 import time
 from multiprocessing.connection import Client
 
-import torch
 from mpi4py import MPI
 
 from megainfer.comm.errors import CommTimeoutError
@@ -173,9 +172,7 @@ def main(argv=None) -> int:
         if rank == 0:
             conn.send(Launched(tuple(ranks[r] for r in sorted(ranks))))
         launched = True
-        if job.cpu_threads is not None:
-            torch.set_num_threads(job.cpu_threads)
-        engine = start_ranks(job)
+        engine = start_ranks(job)  # (this rank's threads set there)
     except BaseException as e:  # noqa: BLE001 - every start failure ends this rank
         log.exception("%s failed to start", prefix)
         if conn is not None:

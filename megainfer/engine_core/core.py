@@ -40,6 +40,8 @@ class OnlineEngine(Protocol):
 
     requests: dict  # unfinished requests by id
     detokenize: bool  # False: final outputs leave without text (the frontend decodes)
+    stream_tokens: bool  # False: only finished outputs needed (the runtime's replicas then
+    # send rank 0 no per-step tokens); set by the core before its first iteration
     log_prefix: str
     idle_interval_s: Optional[float]
     stall_allowance_s: float  # how much longer than its slowest an iteration may take
@@ -93,6 +95,7 @@ class EngineCore:
     def __init__(self, engine: OnlineEngine, stream: bool = True):
         self.engine, self.stream = engine, stream
         engine.detokenize = False
+        engine.stream_tokens = stream
         self.stats = CoreStatsRecorder(engine)
 
     def has_work(self) -> bool:

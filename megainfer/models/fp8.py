@@ -25,6 +25,8 @@ from typing import Optional
 import torch
 
 from megainfer.config import ConfigError
+from megainfer.kernels.cpu_qgemm import dequantize_fp8_blocks
+from megainfer.kernels.weight_quant import cdiv
 
 from .checkpoint_errors import CorruptCheckpointError, ShapeMismatchError
 
@@ -101,16 +103,12 @@ class QuantConfig:
         return cls.from_hf(cfg)
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def expected_scale_shape(shape, block, row0: int = 0) -> tuple:
     """The scale's shape for a weight (or a dim -2 slice of it starting at row ``row0`` of the
     full weight): leading dims as they are, then the blocks the last two dims touch."""
     bo, bi = block
     rows, cols = shape[-2], shape[-1]
-    return tuple(shape[:-2]) + (_cdiv(row0 + rows, bo) - row0 // bo, _cdiv(cols, bi))
+    return tuple(shape[:-2]) + (cdiv(row0 + rows, bo) - row0 // bo, cdiv(cols, bi))
 
 
 def check_scale_shape(name: str, wshape, sshape, block, where: str = "", row0: int = 0,
@@ -148,23 +146,7 @@ def dequantize_blockwise(w: torch.Tensor, scale_inv: torch.Tensor, block,
     ``row0``: ``w`` holds rows ``[row0, row0 + out)`` of dim -2 of the full weight and
     ``scale_inv`` the block rows they touch (``row0 // bo`` on), so a slice that does not start
     on a block boundary is scaled like the full tensor. No full-size scale is materialised: the
-    float32 copy of ``w`` is multiplied in place, block row by block row in one broadcast."""
-    bo, bi = int(block[0]), int(block[1])
-    check_scale_shape(name, tuple(w.shape), tuple(scale_inv.shape), (bo, bi), row0=row0)
-    out = w.to(torch.float32)
-    if out is w:  # already float32 (a test feeding floats): never scale the caller's tensor
-        out = w.clone()
-    rows, cols = out.shape[-2], out.shape[-1]
-    s = scale_inv.to(torch.float32).repeat_interleave(bi, dim=-1)[..., :cols]  # [..., R, cols]
-    r, k = 0, 0
-    head = min(rows, (-row0) % bo)  # rows before the slice's first block boundary
-    if head:
-        out[..., :head, :].mul_(s[..., :1, :])
-        r, k = head, 1
-    full = (rows - r) // bo
-    if full:
-        out[..., r:r + full * bo, :].unflatten(-2, (full, bo)).mul_(s[..., k:k + full, None, :])
-        r, k = r + full * bo, k + full
-    if r < rows:  # a partial last block
-        out[..., r:, :].mul_(s[..., k:k + 1, :])
-    return out if dtype == torch.float32 else out.to(dtype)
+    float32 copy of ``w`` is multiplied in place, block row by block row in one broadcast
+    (``kernels.cpu_qgemm.dequantize_fp8_blocks``, after the scale's shape is checked)."""
+    check_scale_shape(name, tuple(w.shape), tuple(scale_inv.shape), tuple(block), row0=row0)
+    return dequantize_fp8_blocks(w, scale_inv, block, dtype, row0=row0)

@@ -22,16 +22,12 @@ from typing import Optional
 import torch
 
 from megainfer.config import ConfigError
-from megainfer.kernels.weight_quant import (WeightFormat, pack_int4, quantize,
+from megainfer.kernels.weight_quant import (WeightFormat, cdiv, pack_int4, quantize,
                                             quantize_int4_values)
 
 from .checkpoint_reader import CheckpointReader
 
 log = logging.getLogger("megainfer.models")
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _as_stored(reader: CheckpointReader, name: str, fmt: WeightFormat) -> bool:
@@ -57,7 +53,7 @@ def _slice_cols(data, scale, fmt: WeightFormat, c0: int, c1: int):
         return data[..., c0:c1].contiguous(), scale
     bi = fmt.block[1]
     return (data[..., c0:c1].contiguous(),
-            scale[..., c0 // bi:_cdiv(c1, bi)].contiguous())
+            scale[..., c0 // bi:cdiv(c1, bi)].contiguous())
 
 
 def stored_tensors(reader: CheckpointReader, name: str, fmt: WeightFormat,

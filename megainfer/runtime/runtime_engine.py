@@ -48,10 +48,7 @@ class OnlinePlug(Protocol):
 
 
 class RuntimeEngine:
-    """``stream``: every replica reports each step's new tokens (a streaming frontend); False:
-    only the finished outputs cross to rank 0 (``LLM``, the offline job)."""
-
-    def __init__(self, rank, stream: bool = True):
+    def __init__(self, rank):
         self.rank, self.loop = rank, rank.loop
         self.engine = rank.loop.engine  # rank 0's own replica: tokenizer and limits
         self.requests: dict[str, SamplingParams] = {}  # the open requests (the core's view)
@@ -71,7 +68,7 @@ class RuntimeEngine:
         self.spans = PipelineSpans(rank) if tracer.enabled and not tracer.cuda else None  # late)
         self.arrived: dict[str, float] = {}  # requests not handed out yet: their arrival here
         self.held: dict[str, float] = {}  # handed out, not finished: how long rank 0 held them
-        self.loop.open_online(stream)
+        self.loop.open_online()
 
     @property
     def switching(self) -> bool:
@@ -83,6 +80,17 @@ class RuntimeEngine:
     def replans(self) -> list:
         """The re-plans so far, one record each (``Rank.replans``; empty without re-planning)."""
         return list(self.rank.replans)
+
+    @property
+    def stream_tokens(self) -> bool:
+        return self.loop.stream
+
+    @stream_tokens.setter
+    def stream_tokens(self, on: bool) -> None:
+        """True: every replica reports each step's new tokens (a streaming core); False: only
+        the finished outputs cross to rank 0 (``LLM``, the offline job). Set before the first
+        iteration, whose first share tells the replicas."""
+        self.loop.stream = on
 
     @property
     def tokenizer(self):

@@ -73,7 +73,8 @@ def side_of(root: str) -> dict:
             made.append(link)
     commit = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"],
                             capture_output=True, text=True, check=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "-C", root, "status", "--porcelain", "--", "megainfer",
+    dirty = bool(subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no",
+                                 "--", "megainfer",
                                  "launch"], capture_output=True, text=True).stdout.strip())
     return {"root": root, "commit": commit + ("+changes" if dirty else ""), "links": made}
 

@@ -96,12 +96,12 @@ class ReplicaLoop:
         return share[0]
 
     # ------------------------------------------------------------------ rank 0, online
-    def open_online(self, stream: bool = True) -> None:
+    def open_online(self) -> None:
         """Rank 0: serve requests that arrive while the loop runs (``RuntimeEngine``): the
-        loop never stops for lack of work; with ``stream`` the replicas report each step's new
-        tokens. The first share goes out with the first iteration (what was submitted by
-        then), as a batch of requests starts."""
-        self.online, self.stream, self.started = True, stream, False
+        loop never stops for lack of work; with ``stream`` (the default online) the replicas
+        report each step's new tokens. The first share goes out with the first iteration (what
+        was submitted by then), as a batch of requests starts."""
+        self.online, self.stream, self.started = True, True, False
 
     def submit(self, inputs: list[PromptInput]) -> None:
         """Rank 0, online: queue requests; they are handed out at the next iteration."""

@@ -28,15 +28,21 @@ NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}  # the block clo
 HERMES = '<tool_call>{"name": "now", "arguments": {"tz": "CET"}}</tool_call>'
 
 
-@pytest.fixture(scope="module")
-def client(tmp_path_factory):
+def _tool_server(tmp_path_factory, family: str, style: str, reasoning: str, parser: str):
+    """A server over a tiny ``family`` checkpoint with ``style``'s tokenizer and template,
+    auto tool choice through ``parser``; yields its openai client."""
     from megainfer.tools.make_tiny import make_tiny
-    d = make_tiny("qwen3_moe", str(tmp_path_factory.mktemp("q3") / "ckpt"), seed=2,
-                  tokenizer="qwen3", max_pos=1024)
-    s = ThreadServer(d, llm_kw=KW, api_key="k", reasoning_parser="qwen3",
-                     enable_auto_tool_choice=True, tool_call_parser="hermes")
+    d = make_tiny(family, str(tmp_path_factory.mktemp(style) / "ckpt"), seed=2,
+                  tokenizer=style, max_pos=1024)
+    s = ThreadServer(d, llm_kw=KW, api_key="k", reasoning_parser=reasoning,
+                     enable_auto_tool_choice=True, tool_call_parser=parser)
     yield openai.OpenAI(base_url=s.url + "/v1", api_key="k", max_retries=0)
     s.close()
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    yield from _tool_server(tmp_path_factory, "qwen3_moe", "qwen3", "qwen3", "hermes")
 
 
 def _ask(i=0):
@@ -158,13 +164,8 @@ DS_CALL = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜t
 
 @pytest.fixture(scope="module")
 def ds_client(tmp_path_factory):
-    from megainfer.tools.make_tiny import make_tiny
-    d = make_tiny("deepseek_v3", str(tmp_path_factory.mktemp("ds") / "ckpt"), seed=2,
-                  tokenizer="deepseek_v3", max_pos=1024)
-    s = ThreadServer(d, llm_kw=KW, api_key="k", reasoning_parser="deepseek_r1",
-                     enable_auto_tool_choice=True, tool_call_parser="deepseek_v3")
-    yield openai.OpenAI(base_url=s.url + "/v1", api_key="k", max_retries=0)
-    s.close()
+    yield from _tool_server(tmp_path_factory, "deepseek_v3", "deepseek_v3", "deepseek_r1",
+                            "deepseek_v3")
 
 
 def test_deepseek_v3_tool_tokens_and_r1_reasoning(ds_client):
