@@ -35,6 +35,7 @@ from megainfer.config import ConfigError, ServeConfig
 from megainfer.config.keys import field_names, take
 from megainfer.engine import RequestError
 from megainfer.engine.failures import EngineDeadError
+from megainfer.engine.resolve import JobTree, deploy_world_size
 
 from .settings import JOB_GROUPS, settings_from_config
 from megainfer.engine_core.launch_env import local_rank, local_ranks, world_rank, world_size
@@ -94,15 +95,13 @@ def _log_ranks(s) -> None:
 def run_spawned(cfg, c: dict, serve: ServeConfig) -> int:
     """A plain process: the frontend here, the engine core in a child job (every mode);
     ``c``, ``serve``: ``serve_tree(cfg)``."""
-    from megainfer.core_client.client import JobTree
-    from megainfer.core_client.llm_job import asks_planner, deploy_world_size
     from megainfer.serve.engine_client import EngineClient
     from megainfer.serve.metrics import iteration_role
     from megainfer.serve.server import metrics_label, serve_client, served_name
     world = deploy_world_size(c, serve.world_size)
     s = settings_from_config(c, world, world, 0, holds_cache=False)  # rank 0's settings, every
     # check up front; the KV pool is the child job's (no CUDA context in the frontend)
-    spec = JobTree(c, world, auto_plan=asks_planner(c))
+    spec = JobTree(c, world)
     name = served_name(serve, cfg.model.get("path"), s.model.family)
     client = EngineClient.spawn(spec, s, name, serve, iteration_role(s),
                                 metrics_label(serve, name, cfg.model.get("path")))
@@ -114,7 +113,6 @@ def run_spawned(cfg, c: dict, serve: ServeConfig) -> int:
 def _can_spawn(c: dict, serve: ServeConfig) -> bool:
     """An ``mpiexec`` to start the child job with; without one, single mode falls back to its
     core on a thread here (a warning), and a distributed mode fails saying what is missing."""
-    from megainfer.core_client.llm_job import deploy_world_size
     from megainfer.core_client.mpiexec_job import find_mpiexec
     from megainfer.engine.failures import CoreStartError
     try:

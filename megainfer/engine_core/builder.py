@@ -11,7 +11,6 @@ import torch
 
 from megainfer.config import ConfigError, ResolvedJob
 from megainfer.engine import LLMEngine
-from megainfer.engine.resolve import resolve_job
 from megainfer.engine.tokenizer import load_tokenizer
 from megainfer.models.loader import build_model
 
@@ -23,14 +22,6 @@ log = logging.getLogger("megainfer.engine_core")
 def mpi_world() -> tuple[int, int]:
     """(size, rank) of the MPI launch this process is part of; (1, 0) outside one."""
     return world_size(), world_rank()
-
-
-def rank_job(tree: dict, world: int, rank: int, planner=None,
-             holds_cache: bool = True) -> ResolvedJob:
-    """This rank's resolution of ``tree`` (every rank of one host: ``local_rank`` picks its GPU
-    and its share of the cores)."""
-    return resolve_job(tree, world, local_ranks=world, local_rank=rank, planner=planner,
-                       holds_cache=holds_cache)
 
 
 def device_name(device) -> str:

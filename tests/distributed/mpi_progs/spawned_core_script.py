@@ -15,7 +15,7 @@ import queue
 import sys
 import time
 
-from megainfer.core_client.client import JobTree
+from megainfer.engine.resolve import JobTree
 from megainfer.core_client.frontend_intake import Intake
 from megainfer.engine_core.messages import AddRequest
 from megainfer.engine.sampling_params import SamplingParams
