@@ -6,6 +6,6 @@ from megainfer.engine.resolve import JobTree
 
 from .client import CoreClient, open_core
 from megainfer.engine.failures import EngineDeadError, RankLostError
-from .frontend_intake import Intake
+from .request_stream import Intake
 
 __all__ = ["CoreClient", "JobTree", "open_core", "EngineDeadError", "RankLostError", "Intake"]

@@ -28,7 +28,7 @@ from megainfer.engine_core.messages import CoreInput, CoreOutputs
 from megainfer.engine_core.builder import (mpi_world, serve_rank0, single_engine,
                                            start_ranks)
 
-from .frontend_intake import Intake
+from .request_stream import Intake
 from .inproc import InprocClient
 from .spawn import ChildJobClient
 from .sync_client import QueuedOutputs, SyncClient
