@@ -188,9 +188,13 @@ class ReplanController:
         if self.hw is None:
             from megainfer.perfmodel.model.hardware import load_hardware
             from megainfer.perfmodel.model.shapes import ModelShape
+            from megainfer.perfmodel.model.weight_format import with_weight_format
             path = os.environ.get("MEGAINFER_HARDWARE_PROFILE")
             self.hw = load_hardware(path if path and os.path.isfile(path) else "cpu_node")
-            self.shape = ModelShape.from_model_config(self.job.model, "replan_measured")
+            ld = self.job.load  # weights move in their stored format (switch_cost)
+            self.shape = with_weight_format(
+                ModelShape.from_model_config(self.job.model, "replan_measured"),
+                ld.quantization, ld.quantization_group_size, ld.path)
         return self.hw, self.shape
 
     # ------------------------------------------------------------------ records
