@@ -210,12 +210,12 @@ class ReplanController:
         self.records.append(rec)
         self.clock = []  # the switch itself is not an iteration of the new plan
         log.info("[replan] iteration %d: %s -> %s (%s), predicted gain %s, switch %.3f s, "
-                 "expert weights moved %d bytes, sequences handed over: %d with KV (%d bytes), "
-                 "%d recomputed, %d not started (%d of them samples of n > 1 requests)",
-                 rec["iteration"], rec["old"], rec["new"], rec["reason"],
+                 "expert weights moved %d bytes (%d slots), sequences handed over: %d with KV "
+                 "(%d bytes), %d recomputed, %d not started (%d of them samples of n > 1 "
+                 "requests)", rec["iteration"], rec["old"], rec["new"], rec["reason"],
                  "n/a" if math.isnan(rec["predicted_gain"]) else
                  f"{100 * rec['predicted_gain']:.1f}%", rec["seconds"], rec["weight_bytes"],
-                 rec["move"], rec["kv_bytes"], rec["recompute"], rec["waiting"], rec["multi"])
+                 rec["weight_slots"], rec["move"], rec["kv_bytes"], rec["recompute"], rec["waiting"], rec["multi"])
 
     def _measure_last(self) -> None:
         if not self.records or "tokens_per_s_after" in self.records[-1]:
