@@ -105,7 +105,7 @@ def switch_cost(shape: ModelShape, old: tuple, new: tuple, state: JobState, t_it
         moved += changed * shape.attention_side_bytes(dtype)
     else:  # attention -> expert: the leaving replicas' running sequences' KV
         leaving = sum(state.running_per_replica[a1:a0]) if state.running_per_replica else 0
-        moved += leaving * state.context * shape.num_layers * shape.kv_bytes_per_token(dtype)
+        moved += leaving * state.context * shape.kv_bytes_per_token(dtype)  # (all layers)
     return moved / link_Bps + t_iter
 
 
