@@ -17,16 +17,23 @@ that hangs instead of dying is what the survivors time out on and name themselve
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
 import traceback
 
+from mpi4py import MPI
+
 from megainfer.core_client.client import launch_client
 from megainfer.engine_core.builder import build_ranks, serve_rank0
 from megainfer.engine_core.messages import gather_roster, roster_text
 from megainfer.engine.failures import RankLostError
+from megainfer.runtime.roles import assign_role
 from megainfer.runtime.startup import abort_job
+from megainfer.runtime.trace import merge_traces
+from megainfer.runtime.trace_metrics import pipeline_metrics
+from megainfer.tools.timeline import PlotExtraMissing, draw_timeline
 
 from .job import run_offline_job, write_summary
 
@@ -34,13 +41,11 @@ log = logging.getLogger("megainfer.launch")
 
 
 def run_distributed(s, requests, output_path: str, run_dir: str) -> int:
-    from mpi4py import MPI
     comm = MPI.COMM_WORLD
     run_dir = comm.bcast(run_dir, root=0)  # rank 0's Hydra run directory is the job's
     output_path = comm.bcast(output_path, root=0)
     tag = f"[rank {comm.Get_rank()}]"
     try:
-        from megainfer.runtime.roles import assign_role
         tag = assign_role(s.deploy, comm.Get_rank(), comm.Get_size()).tag
         rank = build_ranks(s, comm)
         ranks = gather_roster(comm, tag)
@@ -86,14 +91,10 @@ def _write_traces(rank, comm, run_dir: str, summary) -> None:
     """Each rank writes its trace; rank 0 merges them, puts the pipeline figures into the
     summary (``summary.pipeline``, printed too) and draws ``timeline.png`` of a steady-state
     iteration (``megainfer.tools.timeline``; without matplotlib the log names the extra)."""
-    from megainfer.runtime.trace import merge_traces
-    from megainfer.runtime.trace_metrics import pipeline_metrics
-    from megainfer.tools.timeline import PlotExtraMissing, draw_timeline
     rank.tracer.write(run_dir)
     comm.Barrier()
     if comm.Get_rank() != 0:
         return
-    import json
     paths = [os.path.join(run_dir, f"trace.rank{r}.json") for r in range(comm.Get_size())]
     merged = merge_traces(paths, os.path.join(run_dir, "trace.json"))
     with open(merged) as f:

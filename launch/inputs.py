@@ -25,8 +25,10 @@ from typing import Any, Callable, Optional
 
 from megainfer.config import ConfigError
 from megainfer.engine import PromptInput, SamplingParams
+from megainfer.engine.chat_template import ChatRenderer, ChatTemplateError, encode_chat
 from megainfer.engine.errors import RequestError, SamplingParamsError
 from megainfer.engine.sampler import mix_seed
+from megainfer.engine.tokenizer import load_tokenizer
 
 from .settings import JobSettings
 
@@ -173,8 +175,6 @@ def chat_encoder(s: JobSettings) -> ChatEncoder:
     """The checkpoint's template + tokenizer as a ``ChatEncoder``. A checkpoint without a
     template (or an unreadable one) gives an encoder that refuses every conversation, so each
     "messages" line becomes an error record naming why."""
-    from megainfer.engine.chat_template import ChatRenderer, ChatTemplateError, encode_chat
-    from megainfer.engine.tokenizer import load_tokenizer
     try:
         renderer = ChatRenderer(s.load.path)
         if renderer.template is None:

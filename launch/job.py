@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Iterable, Iterator, Optional, Protocol
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from megainfer.engine import CompletionOutput, PromptInput, RequestOutput
 
@@ -204,7 +205,6 @@ def _chain(first: Iterator[RequestOutput],
 def _bar(total: int, enabled: bool):
     if not enabled:
         return None
-    from tqdm.auto import tqdm
     return tqdm(total=total, desc="Processed prompts", unit="req", dynamic_ncols=True)
 
 

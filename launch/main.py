@@ -13,10 +13,13 @@ import os
 import sys
 
 import hydra
+import torch
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from megainfer.config import ConfigError
 from megainfer.engine import RequestError
+from megainfer.llm import LLM
 
 from . import startup_errors
 from .inputs import job_requests
@@ -29,12 +32,10 @@ log = logging.getLogger("megainfer.launch")
 
 
 def single_generator(s: JobSettings):
-    from megainfer.llm import LLM
     return LLM.from_job(s)
 
 
 def run_job(s: JobSettings, run_dir: str) -> int:
-    import torch
     torch.set_num_threads(s.cpu_threads)
     out = s.io.output or os.path.join(run_dir, "generations.jsonl")
     requests = job_requests(s) if world_rank() == 0 else []  # rank 0 hands them out
@@ -42,7 +43,7 @@ def run_job(s: JobSettings, run_dir: str) -> int:
              "output %s", s.deploy.mode, len(requests), s.model.family, s.load.load_format,
              s.load.dtype, s.device.torch_device, s.cpu_threads, out)
     if s.deploy.mode != "single":
-        from .distributed import run_distributed
+        from .distributed import run_distributed  # imports MPI: single mode never starts it
         return run_distributed(s, requests, out, run_dir)
     summary = run_offline_job(requests, single_generator(s), out, resume=s.io.resume,
                               progress=s.io.progress)
@@ -56,7 +57,6 @@ _held: startup_errors.HeldStderr | None = None  # stderr held back while Hydra c
 
 @hydra.main(config_path="pkg://megainfer.conf", config_name="config", version_base=None)
 def _hydra_main(cfg: DictConfig) -> None:
-    from hydra.core.hydra_config import HydraConfig
     if _held is not None:
         sys.stderr.write(_held.release())  # composed: what Hydra printed so far was no error
     failure = None

@@ -8,8 +8,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Sequence
 
+import yaml
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
+
 from megainfer.config import ConfigError, ModelConfig
 from megainfer.config.keys import closest, field_names, unknown_key_error
+from megainfer.config.model_source import model_config_of
 
 from .settings import known_keys
 
@@ -45,7 +50,6 @@ def override_key_error(args: Sequence[str]) -> Optional[ConfigError]:
 
 def _value(text: str):
     """The value as the message shows it (YAML's reading; Hydra's own grammar as it stands)."""
-    import yaml
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError:
@@ -63,9 +67,6 @@ def wants_job_config(args: Sequence[str]) -> bool:
 def job_config_text(args: Sequence[str]) -> str:
     """The composed job config as ``--cfg job`` prints it, ``model.arch`` read from
     ``model.path`` (or a note saying it will be, when the checkpoint cannot be read now)."""
-    from hydra import compose, initialize_config_module
-    from omegaconf import OmegaConf
-    from megainfer.config.model_source import model_config_of
     with initialize_config_module(config_module="megainfer.conf", version_base=None):
         cfg = compose("config", overrides=[a for a in args if not a.startswith("-")
                                            and a != "job" and not a.startswith("hydra")])

@@ -12,12 +12,26 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 
 import hydra
+import yaml
 from omegaconf import DictConfig, OmegaConf
 
 import megainfer.conf
+from megainfer.calibration.calibrate import calibrate, merge_profile, remeasure_node, write_profile
 from megainfer.config import ConfigError
+from megainfer.config.model_source import model_config_of
+from megainfer.perfmodel.model.disagg import Workload
+from megainfer.perfmodel.model.hardware import load_hardware, profile_from_dict
+from megainfer.perfmodel.model.shapes import ModelShape
+from megainfer.perfmodel.model.weight_format import with_weight_format
+from megainfer.perfmodel.plan.api import PlanOptions, run_goodput, run_plan
+from megainfer.perfmodel.plan.auto_plan import model_shape
+from megainfer.perfmodel.plan.goodput import Slo
+from megainfer.perfmodel.plan.goodput_search import GoodputSpace, Roles
+from megainfer.perfmodel.plan.planner import SearchSpace
+from megainfer.perfmodel.sim.events import LengthDist, poisson_requests, read_request_trace
 
 CONF_DIR = os.path.dirname(os.path.abspath(megainfer.conf.__file__))
 SOURCE_KEYS = ("path", "launch_preset")  # where the shape comes from, when not the preset
@@ -41,9 +55,6 @@ OmegaConf.register_new_resolver("plan_presets", presets, replace=True)
 
 def _model_config(m: dict):
     """The ModelConfig of ``model.path`` or ``model.launch_preset``, with the shape's name."""
-    import yaml
-
-    from megainfer.config.model_source import model_config_of
     if m.get("path"):
         path = os.path.expanduser(str(m["path"]))
         return model_config_of({"path": path}), os.path.basename(os.path.normpath(path))
@@ -53,12 +64,6 @@ def _model_config(m: dict):
 
 
 def _shape(cfg: DictConfig):
-    from dataclasses import replace
-
-    from megainfer.perfmodel.model.shapes import ModelShape
-
-    from megainfer.perfmodel.model.weight_format import with_weight_format
-    from megainfer.perfmodel.plan.auto_plan import model_shape
     d = OmegaConf.to_container(cfg.model, resolve=True)
     cache = cfg.get("cache", {})
     kv = {"kv_cache_dtype": d.get("kv_cache_dtype", cache.get("kv_cache_dtype", "auto")),
@@ -82,10 +87,8 @@ def _echo(text: str) -> None:
 
 
 def _run(cfg: DictConfig) -> None:
-    from megainfer.perfmodel.model.hardware import load_hardware, profile_from_dict
     shape = _shape(cfg)
     if cfg.command == "calibrate":
-        from megainfer.calibration.calibrate import calibrate, merge_profile, remeasure_node, write_profile
         c = cfg.calibrate
         if c.get("node_only", False):  # re-measure only the node section of an existing profile
             prof = remeasure_node(str(c.out), shape, c.bench, c.threads, c.smoke)
@@ -110,9 +113,6 @@ def _run(cfg: DictConfig) -> None:
         return
     if cfg.command != "plan":
         raise ConfigError(f"command={cfg.command!r}: must be plan or calibrate")
-    from megainfer.perfmodel.plan.api import PlanOptions, run_plan
-    from megainfer.perfmodel.model.disagg import Workload
-    from megainfer.perfmodel.plan.planner import SearchSpace
     hw = OmegaConf.to_container(cfg.hardware, resolve=True)
     profiles = [profile_from_dict(hw, hw.get("name", "hardware"))]
     if cfg.expert_hardware:
@@ -135,11 +135,6 @@ def _run(cfg: DictConfig) -> None:
 
 
 def _run_goodput(cfg: DictConfig, shape, hw, space, opt) -> None:
-    from megainfer.perfmodel.plan.api import run_goodput
-    from megainfer.perfmodel.sim.events import LengthDist, poisson_requests, read_request_trace
-    from megainfer.perfmodel.plan.goodput import Slo
-    from megainfer.perfmodel.plan.goodput_search import GoodputSpace, Roles
-    from megainfer.perfmodel.model.hardware import load_hardware
     w, g, s = cfg.workload, cfg.goodput, cfg.slo
     slo = Slo(float(s.ttft_ms) / 1e3, float(s.tpot_ms) / 1e3, float(s.percentile))
     if w.get("trace"):

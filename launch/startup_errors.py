@@ -49,7 +49,7 @@ def agree(message: Optional[str]) -> list[Optional[str]]:
     """Every rank's start-up failure message (None: that rank started fine), in rank order."""
     if world_size() < 2:
         return [message]
-    from mpi4py import MPI
+    from mpi4py import MPI  # here only: importing it starts MPI, which world size 1 never does
     return MPI.COMM_WORLD.allgather(message)
 
 

@@ -5,6 +5,8 @@ import logging
 import weakref
 from typing import Iterable, Iterator, Mapping, Optional, Sequence, Union
 
+from tqdm.auto import tqdm
+
 from megainfer.config import ConfigError, ResolvedJob, ModelConfig
 from megainfer.config.runtime import DEFAULT_KV_SCALE_GRANULARITY
 from megainfer.core_client.client import open_sync
@@ -205,7 +207,6 @@ class _Progress:
     def __init__(self, total: Optional[int], enabled: bool, client):
         self.bar, self.client = None, client
         if enabled:
-            from tqdm.auto import tqdm
             self.bar = tqdm(total=total, desc="Processed prompts", unit="req", dynamic_ncols=True)
         self.tokens0 = client.num_generated_tokens
 

@@ -117,7 +117,7 @@ def launch_client(r) -> SyncClient:
     """Rank 0 of an ``mpiexec`` launch whose ranks are built already (``ranks.build_ranks``;
     ``megainfer-launch``'s offline job): its ``RuntimeEngine`` stepped on this thread, final
     outputs only. Closing it stops every rank."""
-    from megainfer.runtime.runtime_engine import RuntimeEngine
+    from megainfer.runtime.runtime_engine import RuntimeEngine  # starts MPI: ranks only
     return inproc_client(RuntimeEngine(r))
 
 

@@ -23,6 +23,10 @@ from datetime import datetime
 from functools import lru_cache
 from typing import Any, Mapping, Optional, Sequence
 
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
 from .errors import RequestError
 
 TEMPLATE_FILE = "chat_template.jinja"
@@ -84,9 +88,6 @@ def load_special_tokens(model_dir: Optional[str]) -> dict[str, str]:
 
 @lru_cache(maxsize=16)
 def _compile(template: str):
-    import jinja2
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class Generation(jinja2.ext.Extension):
         """``{% generation %}...{% endgeneration %}`` (assistant-mask markers): the body as is."""
@@ -192,7 +193,6 @@ def check_messages(messages: Any) -> list[dict]:
 def render_chat(template: Optional[str], messages: Sequence[Mapping],
                 add_generation_prompt: bool = True, **special_tokens: str) -> str:
     """Render one conversation with ``template`` (bos_token, eos_token, ... as keywords)."""
-    import jinja2
     if template is None:
         raise ChatTemplateError("the checkpoint has no chat template (no chat_template.jinja, no "
                                 "chat_template in tokenizer_config.json); pass chat_template=")

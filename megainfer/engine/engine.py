@@ -23,6 +23,7 @@ from megainfer.config import CacheConfig, ConfigError, ModelConfig, SchedulerCon
 from megainfer.models.kv_spec import KVCacheSpec, kv_cache_spec_for
 
 from .block_manager import BlockManager
+from .cuda_graphs import DecodeGraphs
 from .grammar import Grammars
 from .grammar_state import GrammarState, MaskFiller
 from .kv_tier import make_kv_tier
@@ -104,7 +105,6 @@ class LLMEngine(LocalOnline):
         def executor(kv):
             graphs = None
             if cuda_graphs and p.is_cuda and model.attention_backend.graphable:
-                from .cuda_graphs import DecodeGraphs
                 graphs = DecodeGraphs(model, kv, cache_config.block_size,
                                       scheduler_config.max_num_seqs, scheduler_config.max_model_len)
             return LocalExecutor(model, kv, cache_config.block_size, graphs)

@@ -46,7 +46,7 @@ def tokenizer_key(tokenizer, vocab_size: int) -> tuple:
 def tokenizer_info(tokenizer, vocab_size: int):
     """xgrammar's view of the vocabulary: each id's bytes (special tokens empty: a grammar never
     allows them) and the vocabulary kind (byte-level BPE, byte fallback or raw)."""
-    import xgrammar as xgr
+    import xgrammar as xgr  # lazy: ~3 s and transformers; only structured outputs need it
     if isinstance(tokenizer, ByteTokenizer):
         vocab = [bytes([i]) if i not in tokenizer.special else b""
                  for i in range(min(256, vocab_size))]
@@ -105,7 +105,7 @@ class Grammars:
         with _lock:
             c = _compilers.get(self.key)
         if c is None:
-            import xgrammar as xgr
+            import xgrammar as xgr  # lazy: ~3 s and transformers; only structured outputs need it
             info = tokenizer_info(self.tokenizer, self.vocab_size)
             c = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             with _lock:

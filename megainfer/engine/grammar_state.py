@@ -56,7 +56,7 @@ class GrammarState:
         compile here (intake compiled it, so only a rank with another vocabulary gets here):
         the sample then ends as a dead end instead of failing the step."""
         if self.matcher is None:
-            import xgrammar as xgr
+            import xgrammar as xgr  # lazy: ~3 s and transformers (grammar.py)
             if self.future is None:
                 self.future = grammars.future(self.spec)
             try:
@@ -136,7 +136,7 @@ def apply_bitmask(x: torch.Tensor, rows, bitmask: torch.Tensor) -> None:
     xgrammar's kernel (``rows`` a list); elsewhere torch ops (``rows`` on x's device)."""
     V = x.shape[1]
     if x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous():
-        import xgrammar as xgr
+        import xgrammar as xgr  # lazy: ~3 s and transformers (grammar.py)
         full = torch.full((x.shape[0], bitmask.shape[1]), -1, dtype=torch.int32)
         full[rows] = bitmask
         xgr.apply_token_bitmask_inplace(x, full, vocab_size=V, indices=list(rows))

@@ -25,6 +25,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import safetensors.torch
+
+from megainfer.config import ConfigError
 
 log = logging.getLogger("megainfer.engine")
 
@@ -74,16 +77,14 @@ class FileStore:
         return os.path.join(self.dir, f"block_{slot}.safetensors")
 
     def write(self, slot: int, data: torch.Tensor) -> None:
-        from safetensors.torch import save
         with open(self.path(slot), "wb") as f:
-            f.write(save({"kv": data.contiguous()}))
+            f.write(safetensors.torch.save({"kv": data.contiguous()}))
 
     def read(self, slot: int) -> Optional[torch.Tensor]:
         """The stored bytes, or None when the file is missing, truncated or unreadable."""
-        from safetensors.torch import load
         try:
             with open(self.path(slot), "rb") as f:
-                t = load(f.read())["kv"]
+                t = safetensors.torch.load(f.read())["kv"]
         except Exception:  # safetensors raises its own errors on a truncated header/buffer
             return None
         return t if t.dtype == torch.uint8 and t.numel() == self.nbytes else None
@@ -235,7 +236,6 @@ class KVTier:
 
 def make_kv_tier(cache_config, kv_spec, kv_caches, log_prefix: str = "") -> Optional[KVTier]:
     """The second tier of ``cache.host_kv_gib`` (None when 0 or prefix caching is off)."""
-    from megainfer.config import ConfigError
     gib = cache_config.host_kv_gib
     if not gib or not cache_config.enable_prefix_caching or not kv_caches:
         return None

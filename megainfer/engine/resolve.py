@@ -17,6 +17,8 @@ import os
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
+import torch
+
 from megainfer.config import (CacheConfig, CommConfig, ConfigError, DeployPlan, DeviceConfig,
                               EplbConfig, LoadConfig, ModelConfig, ReplanConfig, ResolvedJob,
                               SchedulerConfig, SloConfig, TraceConfig)
@@ -26,6 +28,8 @@ from megainfer.config.hf_cache import checkpoint_dir
 from megainfer.config.keys import field_names, take
 from megainfer.config.model_source import model_config_of
 from megainfer.models.kv_spec import kv_head_slice
+from megainfer.models import ParallelContext
+from megainfer.models.loader import weight_bytes
 from megainfer.perfmodel.plan.auto_plan import auto_plan
 
 from .sizing import check_cache_fits
@@ -197,9 +201,6 @@ def kv_memory_gib(k: Mapping, model: ModelConfig, load: LoadConfig, deploy: Depl
         log.info("cache.gpu_memory_utilization=%s applies on cuda; on cpu the KV pool is "
                  "cache.memory_gib=%s GiB", util, memory_gib)
         return float(memory_gib)
-    import torch
-    from megainfer.models import ParallelContext
-    from megainfer.models.loader import weight_bytes
     if holds_cache:
         free, _ = torch.cuda.mem_get_info(device.index)  # opens this process's CUDA context
     else:  # a frontend: read without a context (the ranks measure their own free memory)

@@ -6,6 +6,7 @@ from typing import Optional
 import torch
 
 from megainfer.config import CacheConfig, ConfigError, ModelConfig
+from megainfer.kernels.attention_limits import kv_cache_limits_error
 from megainfer.models.kv_spec import kv_cache_spec_for, kv_format_error
 
 from .errors import CacheTooSmallError
@@ -38,7 +39,6 @@ def check_kv_cache_dtype(model: ModelConfig, kv_cache_dtype: str,
     """ConfigError naming cache.kv_cache_dtype when this model (a head size fp4 cannot pack) or
     the chosen attention backend cannot store/read its cache in that format; a quantised cache
     never falls back to full precision."""
-    from megainfer.kernels.attention_limits import kv_cache_limits_error
     why = kv_format_error(model, kv_cache_dtype)
     if why is None and attention_backend == "triton":
         why = kv_cache_limits_error(kv_cache_dtype, model.is_mla)

@@ -10,6 +10,8 @@ import os
 from functools import cached_property
 from typing import Optional, Protocol, Sequence
 
+from tokenizers import Tokenizer as _Tok
+
 
 class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
@@ -43,7 +45,6 @@ class HFTokenizer:
     name = "tokenizer.json"
 
     def __init__(self, path: str):
-        from tokenizers import Tokenizer as _Tok
         self.path = path  # the grammars' cache key (grammar.py)
         self.tok = _Tok.from_file(path)
 

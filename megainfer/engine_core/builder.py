@@ -59,7 +59,7 @@ def start_ranks(job: ResolvedJob, comm=None):
     its engine, then returns None."""
     if job.deploy.mode == "single":
         return single_engine(job)
-    from megainfer.runtime.runtime_engine import RuntimeEngine
+    from megainfer.runtime.runtime_engine import RuntimeEngine  # starts MPI (module docstring)
     r = build_ranks(job, comm)
     if r.role.rank == 0:
         return RuntimeEngine(r)
@@ -73,7 +73,7 @@ def build_ranks(job: ResolvedJob, comm=None):
     engine core's live T_e / T_c). A job its
     feature cannot run (re-planning: ``replan.check_replan``) is refused by every rank alike
     before anything collective (``startup.build_rank``)."""
-    from mpi4py import MPI
+    from mpi4py import MPI  # these three start MPI (module docstring)
 
     from megainfer.runtime.span_report import ExpertSpanReporter
     from megainfer.runtime.startup import build_rank
@@ -89,7 +89,7 @@ def serve_rank0(r) -> None:
     """A rank other than 0: serve rank 0's engine until its last iteration says stop, then
     close this rank's connections (as rank 0's engine does when it closes: the same
     collectives on every rank)."""
-    from megainfer.runtime.startup import run_rank
+    from megainfer.runtime.startup import run_rank  # starts MPI (module docstring)
     try:
         run_rank(r)
     finally:

@@ -6,6 +6,7 @@ the server really answers (``openapi.py``)."""
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
+from importlib.metadata import PackageNotFoundError, version as package_version
 from typing import Optional
 
 from fastapi import FastAPI, Request
@@ -30,9 +31,8 @@ OPEN_PATHS = ("/health", "/version", "/docs", "/openapi.json", "/redoc")
 
 
 def version() -> str:
-    from importlib.metadata import PackageNotFoundError, version as v
     try:
-        return v("megainfer")
+        return package_version("megainfer")
     except PackageNotFoundError:  # pragma: no cover - a source tree without an install
         return "unknown"
 

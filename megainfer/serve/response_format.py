@@ -9,6 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from megainfer.engine import SamplingParamsError, StructuredOutputsParams
 
+from .errors import APIError
+
 
 class _Format(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
@@ -45,7 +47,6 @@ ResponseFormat = Union[TextFormat, JsonObjectFormat, JsonSchemaFormat]
 def structured_spec(response_format: Optional[ResponseFormat],
                     structured_outputs: Optional[dict]) -> Optional[StructuredOutputsParams]:
     """The body's grammar, or None (plain text); both fields set: a 400."""
-    from .errors import APIError
     fmt = None if isinstance(response_format, TextFormat) else response_format
     if fmt is not None and structured_outputs is not None:
         raise APIError("response_format and structured_outputs: give at most one", 400,
