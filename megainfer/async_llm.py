@@ -4,24 +4,12 @@
     async for out in engine.generate(prompt, SamplingParams(...), request_id="r1"):
         ...  # a cumulative RequestOutput each time new tokens exist; finished=True last
     await engine.abort("r1")  # its stream ends with finish_reason "abort"
-    engine.shutdown()
 
-Where things run: in single mode the engine core (``megainfer.engine_core.core.EngineCoreThread``)
-is a background thread of this process that owns the ``LLMEngine``; in every other mode it runs
-the runtime's rank 0 (a thread of rank 0 under ``mpiexec``, or rank 0 of a child job started
-from a plain script, over a local socket: ``megainfer.core_client``). ``engine_process=True``
-puts the core in such a child job in single mode too (vLLM's choice, what ``megainfer-serve``
-does): the frontend's Python then never waits for the GIL behind the core's scheduling, at the
-price of pickling inputs and outputs over the socket. The core takes typed inputs between
-iterations and sleeps when idle. Each iteration's updates are handed to the event loop of
-every caller waiting on them with one ``loop.call_soon_threadsafe``; tokenising (in
-``generate``) and detokenising (``RequestStream``) happen on the event loop's thread, never on
-the core's. Many concurrent ``generate`` calls share one running batch. ``on_stats``: called
-(on the core's or its reader's thread: hand on, do no work) with each ``CoreStats`` the core
-sends (``engine.stats.CoreStats``: iteration times, queues, ...). Construction takes ``LLM``'s
-arguments (the same config resolution, ``deploy`` included). docs/engine.md, "Online";
-docs/python_api.md.
-"""
+It owns the frontend side: tokenising in ``generate`` and detokenising (``RequestStream``) on
+the event loop's thread, never on the core's; many concurrent ``generate`` calls share one
+running batch. The core is a thread of this process (single mode), rank 0 of the runtime, or
+a child job (``engine_process=True``). docs/engine.md, "Online: `AsyncLLM` and the engine
+core"; docs/python_api.md, "Two ways to run a script" (``on_stats``)."""
 from __future__ import annotations
 
 import asyncio

@@ -1,22 +1,15 @@
 """A re-plan's collective MPI calls (communicator duplication and split, the channels' set-up,
-communicators freed), each bounded by ``comm.timeout_s`` and naming the late rank
-(docs/replan.md, "Switch").
+communicators freed), each bounded by ``comm.timeout_s`` and naming the late rank.
 
-A blocking collective call cannot time out: one rank hung before reaching it keeps every other
-inside it forever. ``BoundedComm`` runs each such call on a helper thread (the job runs MPI
-with ``MPI_THREAD_MULTIPLE``) while the rank's own thread waits, bounded, for it to return.
-Just before the call every rank sends every other an arrival token (on the job's
-communicator, ``tags.ARRIVE``, in call order: tokens match calls first in, first out), and the
-waiting thread takes the peers' tokens as they come. When the bound passes, the first peer whose
-token did not come is named (``RankFailure``: "rank 2 did not answer within 4.0s during re-plan
-channel rebuild (communicator duplication)"); if every peer arrived the call itself hung, and
-the failure names the phase and says so. The job then aborts as on any ``RankFailure``, with
-every finished line on disk; the helper thread, still inside the call, goes with the process.
-
-``BoundedComm`` stands in for the communicator where a callee makes the collective calls
-itself (``make_m2n``'s transports duplicate the communicator they are given): ``Dup``, ``Split``
-and ``allgather`` are bounded, anything else is the communicator's own.
-"""
+A blocking collective cannot time out: one rank hung before it keeps every other inside it.
+``BoundedComm`` runs each such call on a helper thread (MPI runs ``MPI_THREAD_MULTIPLE``) while
+the rank's thread waits, bounded. Just before the call every rank sends every other an arrival
+token (``tags.ARRIVE``, first in, first out); when the bound passes the first peer whose token
+did not come is named (``RankFailure``), or, every peer arrived, the call itself is said hung.
+It stands in for the communicator where a callee makes collective calls itself: ``Dup``,
+``Split`` and ``allgather`` are bounded, anything else is the communicator's own.
+docs/replan.md, "Switch (`runtime/replan/switch.py`, `runtime/replan/requests.py`,
+`runtime/replan/weights.py`)"."""
 from __future__ import annotations
 
 import threading

@@ -1,18 +1,14 @@
 """Every control message between ranks, as a dataclass (the MPI tag each rides: ``tags.py``).
-
-Tensors never travel here (they use ``megainfer.comm``); these are small Python objects sent
+Tensors never travel here (they use ``megainfer.comm``): these are small Python objects sent
 with mpi4py's object messages.
 
-* The replicas' lockstep loop (``replicas/loop.py``, ``pd/loop.py``): ``ReplicaStatus`` (a
-  replica leader's report after each step) and ``Go`` (rank 0's answer to every attention rank,
-  online with the requests to abort).
+* Replicas' lockstep loop (``replicas/loop.py``, ``pd/loop.py``): ``ReplicaStatus`` (a leader's
+  report after each step), ``Go`` (rank 0's answer to every attention rank, with the aborts).
 * Live EPLB (``eplb/rebalancer.py``): ``PlacementUpdate``.
-* Prefill-decode (``pd/``): rank 0 -> prefill rank ``PrefillWork`` | ``PrefillStop``; prefill
-  rank -> rank 0 ``PrefillReport`` of ``PrefillResult``; in a ``Go`` to the decode replicas the
-  transfer messages ``Expect``, ``Start``, ``Drop``.
-* Re-planning (``replan/``): ``ReplanOrder`` (the phase boundary), ``ExpertSamples`` (the
-  measurements for a decision), ``GroupHeader`` of ``SampleMove`` (a request group handed over).
-"""
+* PD (``pd/``): ``PrefillWork`` | ``PrefillStop`` to a prefill rank, ``PrefillReport`` of
+  ``PrefillResult`` back; ``Expect``, ``Start``, ``Drop`` in a ``Go`` to decode replicas.
+* Re-planning (``replan/``): ``ReplanOrder``, ``ExpertSamples``, ``GroupHeader`` of
+  ``SampleMove``. docs/architecture.md, "Runtime rooms (`megainfer/runtime/`)"."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -1,19 +1,14 @@
 """The pipeline's T_e and T_c while a runtime serves (trace.enabled=true, cpu): the expert ranks'
 spans reach rank 0 as the job runs, not only in the trace merged at a batch job's end.
 
-* ``ExpertSpanReporter`` (one of a rank's ``Rank.expert_hooks``): every
-  ``REPORT_EVERY`` iterations its new ``expert`` spans (T_e) and its A2E receive waits go to
-  rank 0 as one ``messages.ExpertSpans`` (``tags.SERVE_SPANS``; a small message, sent
-  eagerly, so no request is left open when the rank finalizes).
-* ``PipelineSpans`` (rank 0): its own MoE attention spans (T_a), and whatever ``ExpertSpans``
-  arrived (``iprobe``: never waits, so a report one iteration late costs nothing); T_c as
-  ``runtime/trace_metrics.py`` defines it: a blocked expert rank's wait end minus rank 0's
-  dispatch end of the same (iteration, layer, micro-batch), on the job's trace clock.
+* ``ExpertSpanReporter`` (one of ``Rank.expert_hooks``): every ``REPORT_EVERY`` iterations its
+  new ``expert`` spans (T_e) and A2E receive waits go to rank 0 as one ``messages.ExpertSpans``
+  (``tags.SERVE_SPANS``, small and sent eagerly: no request open when the rank finalizes).
+* ``PipelineSpans`` (rank 0): its own MoE attention spans (T_a) and whatever ``ExpertSpans``
+  arrived (``iprobe``: never waits); T_c as ``runtime/trace_metrics.py`` defines it.
 
-Every runtime job with tracing on attaches them (``engine_core.builder.build_ranks``; a batch
-job also merges every rank's whole trace at its end). Spans on cuda are known only when the
-trace is resolved (a device sync): neither runs there.
-"""
+Spans on cuda are known only when the trace is resolved (a device sync): neither runs there.
+docs/serve.md, "Metrics (`GET /metrics`)"."""
 from __future__ import annotations
 
 import itertools

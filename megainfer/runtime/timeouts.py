@@ -1,18 +1,14 @@
 """The ladder of waits of a distributed job, each a multiple of ``comm.timeout_s`` (T), in one
 place; wiring, the switch, rank 0's online engine, PD's router and the engine core's hang
-watch (``OnlineEngine.hang_after_s``) read it (docs/comm.md, "Timeouts").
+watch (``OnlineEngine.hang_after_s``) read it.
 
     rank 0 (attention, prefill) waits on a peer   1.0 T   a silent peer is named by rank 0
-    rank 0's engine core is declared hung          1.5 T   after its own waits, before its
-                                                           peers' waits on it run out
-    an expert rank waits on the attention side     2.0 T   it idles while attention runs long
-    each wait of a re-plan's switch                2.0 T   (also an iteration's allowance)
-    rank 0's idle keep-alive iteration             min(0.5 s, T / 8)
-    PD rank 0's idle wait for a prefill report     min(0.5 s, T / 4)
+    rank 0's engine core is declared hung          1.5 T   before its peers' waits run out
+    an expert rank / a re-plan's switch waits      2.0 T   (also an iteration's allowance)
+    idle keep-alive iteration / PD report wait     min(0.5 s, T / 8) / min(0.5 s, T / 4)
 
-The order of the first three is what makes the right rank speak first: it is checked when this
-module is imported.
-"""
+Invariant: 1 < 1.5 < 2, so the right rank speaks first; checked when this module is imported.
+docs/comm.md, "Timeouts"."""
 from __future__ import annotations
 
 PEER_WAIT = 1.0
