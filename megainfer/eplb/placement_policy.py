@@ -1,18 +1,13 @@
 """Expert load -> placement of physical expert replicas on expert ranks (EPLB).
 
-Two policies, both vectorised over layers and deterministic (stable sorts, first-index
-ties):
+Two policies, both vectorised over layers and deterministic (stable sorts, first-index ties):
+hierarchical (expert groups packed onto nodes so node loads balance, extra replicas to the
+expert with the highest load per replica, then the node's replicas packed onto its ranks
+heaviest first) and global (the same with one group and one node, used when groups do not
+divide over nodes, or when asked for).
 
-* hierarchical: pack the expert groups onto nodes so node loads balance (each node gets
-  the same number of groups), then inside each node give the extra replicas one at a
-  time to the expert with the highest load per replica, then pack the node's replicas
-  onto its ranks heaviest first, each into the lightest rank that still has a free slot.
-* global: the same with one group and one node, used when groups do not divide over
-  nodes (or when asked for).
-
-Physical slot ``p`` lives on rank ``p // (num_replicas // num_ranks)``; ranks are
-numbered node-major (rank ``r`` is on node ``r // (num_ranks // num_nodes)``).
-"""
+Invariant: physical slot ``p`` lives on rank ``p // (num_replicas // num_ranks)``; ranks are
+numbered node-major. docs/eplb.md, "Rebalancing: `rebalance_experts`"."""
 from __future__ import annotations
 
 import torch

@@ -2,20 +2,13 @@
 
 Every ``eplb.interval`` iterations, before the iteration's first message, each replica leader
 sends every expert rank a REBALANCE control message on the dispatch channel. The expert ranks
-sum their load windows (each counts the tokens that reached its own slots, by logical
-expert), all compute the same new placement (``Placement.from_rebalance`` is deterministic),
-move weights point to point into fresh buffers, then switch them in, and expert rank 0
-sends the new ``phy2log`` to the leaders, which switch their replica choice before sending the
-iteration's tokens. Physical slots stay on their rank, so ``expert_map`` never changes; only
-which logical expert a slot holds does.
-
-Two paths for the weight moves (``comm.eplb_moves``, docs/eplb.md): device to device over the
-job's device transport (``runtime/eplb/weight_channel.py``: fixed-size messages, device buffers), or
-host staging over MPI (one device -> host copy per move on a GPU). The load window counts on
-the experts' device (no host sync per layer and micro-batch); the load all-reduce copies it to
-the host and stays an MPI all-reduce either way (L x N int64 once per interval: 125 KB for
-DeepSeek-V3).
-"""
+sum their load windows, all compute the same new placement (``Placement.from_rebalance`` is
+deterministic), move weights point to point into fresh buffers and switch them in; expert rank
+0 sends the new ``phy2log`` to the leaders, which switch their replica choice before sending
+the iteration's tokens. Invariant: physical slots stay on their rank, so ``expert_map`` never
+changes, only which logical expert a slot holds. Weight moves go device to device
+(``weight_channel.py``) or staged through the host over MPI (``comm.eplb_moves``).
+docs/eplb.md, "Live rebalancing (`megainfer/runtime/eplb/rebalancer.py`)"."""
 from __future__ import annotations
 
 import logging

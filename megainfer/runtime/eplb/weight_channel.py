@@ -1,18 +1,14 @@
 """Expert weight moves device to device: (layer, slot) weights between expert ranks as
-fixed-capacity messages over the job's device transport (``comm.eplb_moves``; docs/eplb.md,
-"Where the bytes go"). Live EPLB (``rebalancer.py``) and a re-plan (``replan/weights.py``) use it;
-without it they stage through host memory over MPI.
+fixed-capacity messages over the job's device transport (``comm.eplb_moves``). Live EPLB
+(``rebalancer.py``) and a re-plan (``replan/weights.py``) use it.
 
-Invariants:
-* A slot's weights are sent straight from the parameters (``gate_up_proj`` then ``down_proj``)
-  in messages of at most ``CHUNK_BYTES``, whatever the expert size; the caller switches the
-  received buffers in once every move is done.
-* Every rank builds the same schedule: in round ``d`` it sends to ``rank + d`` and receives
-  from ``rank - d`` (mod n), moves of a pair in (layer, slot) order; the header carries
-  (layer, slot, chunk), so a stream out of step fails the channel's header check.
-* The transport and its rings live for one set of moves (collective construction and close,
-  bounded); every wait is bounded from the last message that moved, and a silent peer is named
-  by its job rank (``RankFailure``)."""
+Invariants: a slot's weights are sent straight from the parameters (``gate_up_proj`` then
+``down_proj``) in messages of at most ``CHUNK_BYTES``; the caller switches the received buffers
+in once every move is done. Every rank builds the same schedule (round ``d``: send to
+``rank + d``, receive from ``rank - d``, mod n; a pair's moves in (layer, slot) order; the
+header carries (layer, slot, chunk)). The transport lives for one set of moves; every wait is
+bounded from the last message that moved and a silent peer is named (``RankFailure``).
+docs/eplb.md, "Where the bytes go (`comm.eplb_moves`)"."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -5,13 +5,11 @@ For each MoE layer and micro-batch the replica leader routes the tokens, ships t
 expert ranks (A2E) and, while they compute, runs attention of the next micro-batch; the
 experts' partial sums come back (E2A) and are added onto the residual in expert-rank order.
 
-    for layer l:                       attention          A2E       experts     E2A
-      for micro-batch i:               [mb i, l] -> dispatch(l,i) ~~~~~~~~~~~> combine(l,i)
-        finish(l-1, i) then pre_mlp(l, i), route, dispatch, shared expert
+    for layer l, micro-batch i:  finish(l-1, i), pre_mlp(l, i), route, dispatch, shared expert
 
 TP ranks of a replica compute attention together (heads split, all-reduce); the leader does
-the exchange and broadcasts the routed output to its TP peers.
-"""
+the exchange and broadcasts the routed output. docs/architecture.md, "One request's and one
+hidden state's path across ranks (disaggregated)"."""
 from __future__ import annotations
 
 import time

@@ -1,18 +1,15 @@
-"""Run a job whose attention:expert split may change while it runs (``replan.enabled``,
-docs/replan.md).
+"""Run a job whose attention:expert split may change while it runs (``replan.enabled``).
 
-A job runs in phases. In each, the ranks run as at launch (the attention ranks' lockstep loop,
-the expert ranks' workers) until rank 0 ends the loop: at the job's end, or with a
-``ReplanOrder`` from its ``ReplanController`` (a forced switch of ``replan.force_schedule``,
-or a decision of ``decider.decide`` every ``replan.interval`` iterations). Rank 0 then
-sends every rank the order (``tags.REPLAN_ORDER``; None: the job is over), all switch
-(``switch.switch``) and the next phase starts. Rank 0 logs each re-plan (old plan, new plan,
-predicted gain, the switch's cost, and at the next re-plan or the end the measured gain: the
-job's decode tokens per second over the iterations before and after) and keeps the list in
-``Rank.replans``. ``REPLAN`` is how the feature plugs into the start-up (``startup.py``) and,
-online, into rank 0's ``RuntimeEngine`` (``replan/online_plug.py``): there the phases end between
-the engine core's iterations and the other ranks run ``_serve`` as in a batch job.
-"""
+A job runs in phases. In each, the ranks run as at launch until rank 0 ends the loop: at the
+job's end, or with a ``ReplanOrder`` from its ``ReplanController`` (a forced switch of
+``replan.force_schedule``, or a decision of ``decider.decide`` every ``replan.interval``
+iterations). Rank 0 then sends every rank the order (``tags.REPLAN_ORDER``; None: the job is
+over), all switch (``switch.switch``) and the next phase starts. Rank 0 logs each re-plan and
+keeps the list in ``Rank.replans``. ``REPLAN`` is how the feature plugs into the start-up
+(``startup.py``) and, online, into rank 0's ``RuntimeEngine`` (``replan/online_plug.py``): there
+the phases end between the engine core's iterations and the other ranks run ``_serve`` as in a
+batch job. docs/replan.md, "Online (`LLM`, `AsyncLLM`, `megainfer-serve`;
+`runtime/replan/online_plug.py`)"; "Visible" (what is logged)."""
 from __future__ import annotations
 
 import logging

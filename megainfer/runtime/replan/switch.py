@@ -1,17 +1,15 @@
-"""Switch the attention:expert split of a running job without a restart (docs/replan.md).
+"""Switch the attention:expert split of a running job without a restart.
 
 Every rank calls ``switch`` with the same ``ReplanOrder`` at an iteration boundary (the pipeline
 drained). Ranks keep their order, so ``aXeY`` -> ``aX'eY'`` turns the ranks between X and X'
-from one role into the other. On a duplicate of the job's communicator the switch: computes
-EPLB's placement for the new expert count; hands the leaving replicas' requests to the staying
-ones (KV moved or recomputed); moves expert weights point to point; closes the old channels,
-wires the new ones (``wiring.wire_rank``) and rebuilds each rank's part (a staying replica keeps
-its engine; a new one loads attention weights and allocates its cache); then a new replica gets
-the newest requests beyond a fair share.
-
-Every wait is bounded by twice ``comm.timeout_s`` and a failure names the rank and the phase
-(``runtime/bounded.py``). Restrictions: ``deploy.attention_tp=1``, no prefill ranks
-(``check_replan``)."""
+from one role into the other. On a duplicate of the job's communicator: EPLB's placement for
+the new expert count; the leaving replicas' requests to the staying ones (KV moved or
+recomputed); expert weights point to point; old channels closed, new ones wired
+(``wiring.wire_rank``), each rank's part rebuilt (a staying replica keeps its engine); then a
+new replica gets the newest requests beyond a fair share. Every wait is bounded by twice
+``comm.timeout_s`` and names the rank and the phase (``runtime/bounded.py``). Restrictions:
+``deploy.attention_tp=1``, no prefill ranks (``check_replan``). docs/replan.md, "Switch
+(`runtime/replan/switch.py`, `runtime/replan/requests.py`, `runtime/replan/weights.py`)"."""
 from __future__ import annotations
 
 import logging

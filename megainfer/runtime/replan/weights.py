@@ -1,17 +1,14 @@
 """A re-plan's expert side: the new placement over the new expert ranks, and its weights moved
-point to point from the ranks that held them (docs/replan.md).
+point to point from the ranks that held them.
 
-The placement is EPLB's (``Placement.from_rebalance``) over the load the old expert ranks
-counted (their windows summed), with the slots padded to a multiple of the new rank count as
-at launch (``runtime/eplb/initial.py``); with no load counted yet, the launch placement for that
-count. Every rank computes the same move list: each slot of each new expert rank takes its
-logical expert from itself when it held it, else from one old holder (the holders take turns,
-as in ``eplb.weight_moves``). Weights travel as one buffer per (layer, slot), over one of live
-rebalancing's two paths (``comm.eplb_moves``, docs/eplb.md): device to device over a transport
-built on the switch communicator for these moves (``runtime/eplb/weight_channel.py``), or staged on
-the host over MPI. The receiving rank builds an experts-role model with empty slots and fills
-every slot from what arrived.
-"""
+The placement is EPLB's (``Placement.from_rebalance``) over the old expert ranks' summed load
+windows, slots padded to a multiple of the new rank count as at launch; with no load counted
+yet, the launch placement for that count. Invariant: every rank computes the same move list
+(a slot takes its logical expert from itself when it held it, else from one old holder, the
+holders taking turns). Weights travel as one buffer per (layer, slot) over live rebalancing's
+two paths (``comm.eplb_moves``); the receiving rank fills an experts-role model with empty
+slots from what arrived. docs/replan.md, "Switch (`runtime/replan/switch.py`,
+`runtime/replan/requests.py`, `runtime/replan/weights.py`)"."""
 from __future__ import annotations
 
 from typing import Optional

@@ -1,25 +1,15 @@
 """The lockstep loop of all attention ranks; rank 0 drives it for its ``RuntimeEngine``.
 
-Rank 0 keeps the requests (``submit``) and hands them out a few at a time through a
-``RequestRouter`` (``scheduler.routing``: ``round_robin`` | ``cache_aware``,
-``request_router.py``): a first share with the first iteration (``tags.REQUESTS``), then more
-every iteration. Every iteration (one ``iterate`` call on rank 0), on every attention rank:
-``engine.step()`` (an empty step when the replica is idle, so the expert ranks always get every
-(layer, micro-batch) message); replica leaders report to rank 0 a ``messages.ReplicaStatus``
-(finished outputs, whether they have work left, their queue, with ``stream`` each step's new
-tokens, and for cache-aware routing the prefix-cache keys they gained or lost); rank 0 routes
-and tells every attention rank go or stop together with its replica's new requests and aborts
-(``messages.Go``): the TP ranks of a replica get exactly what their leader gets, in the same
-order, so their schedulers stay identical. The loop never stops for lack of work; ``close``
-runs the iteration that stops every rank, and on stop leaders send the expert ranks a stop
-message (docs/python_api.md).
-
-Re-planning (docs/replan.md): rank 0's ``replan_hook`` may end the loop at an iteration
-boundary with an order (``self.order``) instead of a stop; the ranks then switch roles and
-the loops that remain go on (``resume``; rank 0: ``resume_online``), nothing finished lost: a
-kept engine's new loop takes the old one's state (``continue_from``). The aborts rank 0 holds
-when an order ends the loop wait for the loop that follows.
-"""
+Rank 0 keeps the requests (``submit``) and hands them out through a ``RequestRouter``: a first
+share with the first iteration (``tags.REQUESTS``), then more every iteration. Each iteration
+(one ``iterate`` on rank 0) every attention rank runs ``engine.step()`` (empty when idle, so the
+expert ranks get every message); leaders report a ``messages.ReplicaStatus``; rank 0 routes and
+answers every attention rank with a ``messages.Go`` (new requests, aborts). Invariant: a
+replica's TP ranks get exactly what their leader gets, in the same order, so their schedulers
+stay identical. ``close`` runs the iteration that stops every rank. A re-plan's ``replan_hook``
+may end the loop with an order; the loops that remain go on (``resume`` / ``resume_online``;
+a kept engine's loop takes the old state, ``continue_from``). docs/architecture.md, "One
+request's and one hidden state's path across ranks (disaggregated)"; docs/replan.md, "Online"."""
 from __future__ import annotations
 
 from typing import Iterable, Iterator, Optional

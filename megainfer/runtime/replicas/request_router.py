@@ -1,21 +1,14 @@
 """Rank 0's hand-out of requests to attention replicas, a few at a time (``scheduler.routing``).
 
 Every iteration each replica reports its queue (waiting, running) and the prefix-cache block
-keys it gained or lost (first tier and second tier, ``BlockManager.take_key_events``); the
-router keeps, per replica, the keys it holds. Then it hands out pending requests, first come
-first served, while some replica *has room*: fewer than ``max_num_seqs + slack`` requests
-queued, so that a replica's batch stays full while routing decisions keep using fresh cache
-state (a request not yet handed out can still go where its prefix will be).
-
-* ``round_robin``: the next replica with room, in rotation.
-* ``cache_aware`` (SGLang's router, Dynamo's KV router): the replica holding the longest run of
-  the request's full prompt blocks (keys chained with ``chain_block_keys``, the block
-  manager's function, so they are the keys the replicas report); a replica whose queue is
-  longer than the shortest one's by more than ``balance_abs`` is skipped. Ties (no match
-  included) go to the shortest queue, then in rotation. A request handed out counts its keys
-  as *expected* on its replica until the replica reports them computed (or ``expect_iters``
-  iterations pass): the requests of a new system prompt that arrive together follow the first.
-"""
+keys its tiers gained or lost (``BlockManager.take_key_events``); the router keeps each
+replica's keys and hands out pending requests, first come first served, while some replica
+has room (fewer than ``max_num_seqs + slack`` queued). ``round_robin``: the next replica with
+room. ``cache_aware``: the replica holding the longest run of the prompt's full blocks (keyed
+with ``chain_block_keys``, the block manager's chain), skipping one whose queue exceeds the
+shortest by more than ``balance_abs``; ties to the shortest queue, then in rotation. A handed-
+out request's keys count as expected on its replica until reported (or ``expect_iters``).
+docs/kv_cache.md, "Cache-aware routing across attention replicas (`scheduler.routing`)"."""
 from __future__ import annotations
 
 from collections import deque
