@@ -1,19 +1,15 @@
 """Paged KV cache bookkeeping: fixed-size blocks, a free list, reference counts, forks with
-copy-on-write, and the prefix cache (docs/engine.md, "Prefix caching").
+copy-on-write, and the prefix cache. It never touches tensors: it hands out block ids.
 
-The manager never touches tensors: it hands out physical block ids into every layer's cache.
 Invariants:
-* Deterministic: blocks leave the front of the free list and return to its back, and every
-  structure is ordered, so the same calls give the same block ids, hits and evictions on every
-  rank (TP ranks of one replica must agree).
+* Deterministic (blocks leave the free list's front, return to its back; every structure
+  ordered): the same calls give the same ids, hits and evictions on every rank.
 * A shared block is copied before it is written (``pending_copies``, applied by the engine
-  before the step); full blocks are never written again, so only a partial last block is.
-* A prefix hit needs the chained blake2b key, the block's token ids and its parent's content
-  id to match, block after block from the first: a hash collision can never serve wrong KV.
-  A request's last token is never a hit (there must be logits to sample).
-* A block whose last reference goes keeps its key and joins an LRU list; a new block is an
-  uncached free one if any, else the least recently freed cached one. With a second tier
-  (``kv_tier``) an evicted block is saved there first and a run of hits may continue into it."""
+  before the step); full blocks are never written again.
+* A prefix hit needs the chained blake2b key, the token ids and the parent's content id to
+  match, block by block from the first; a request's last token is never a hit.
+* A freed cached block keeps its key in an LRU list; with a second tier (``kv_tier``) an
+  evicted block is saved there first. docs/engine.md, "Prefix caching"; docs/kv_cache.md."""
 from __future__ import annotations
 
 import hashlib

@@ -1,20 +1,13 @@
 """Chat templates: the checkpoint's Jinja template, rendered in a sandbox as Hugging Face does.
 
-The template comes from the checkpoint directory: a ``chat_template.jinja`` file, else the
-``chat_template`` key of ``tokenizer_config.json`` (a string, or a list of named templates of
-which ``default`` is taken). A template is untrusted code: it renders in Jinja's
-``ImmutableSandboxedEnvironment`` with the settings and helpers of transformers'
-``apply_chat_template`` (``trim_blocks``, ``lstrip_blocks``, ``loopcontrols``, the ``tojson``
-filter, ``raise_exception``, ``strftime_now``, ``dict``, a ``namespace`` refusing underscore
-names), and sees only plain JSON data. Anything that goes wrong (no template, a syntax error, a
-sandbox violation (an unsafe attribute such as ``__class__`` is refused at once, not rendered
-empty as Jinja's default does), ``raise_exception`` in the template, malformed messages) is a
-``ChatTemplateError``.
-
-The rendered text already holds the special tokens the template writes (BOS, turn markers), so
-it is tokenized without adding special tokens again (``encode_chat``), as vLLM and
-transformers do for chat.
-"""
+The template comes from the checkpoint directory: ``chat_template.jinja``, else the
+``chat_template`` key of ``tokenizer_config.json`` (a string, or named templates: ``default``).
+A template is untrusted code: it renders in Jinja's ``ImmutableSandboxedEnvironment`` with
+transformers' ``apply_chat_template`` settings and helpers, sees only plain JSON data, and an
+unsafe attribute is refused at once. Anything that goes wrong (no template, a syntax error, a
+sandbox violation, ``raise_exception``, malformed messages) is a ``ChatTemplateError``. The
+rendered text holds the template's special tokens, so ``encode_chat`` adds none again.
+docs/engine.md, "Python API"."""
 from __future__ import annotations
 
 import json

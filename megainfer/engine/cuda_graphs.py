@@ -1,21 +1,14 @@
-"""Decode steps of single mode replayed from CUDA graphs, one graph per padded batch size.
-
-A decode step (every sequence has one new token) launches a few hundred small kernels; on a
-GPU the host's launch time, not the GPU, then sets the pace at small batches. A CUDA graph
-records the whole forward once per batch size and replays it with one launch.
-
-Static inputs, one row per sequence, packed so one host-to-device copy fills them:
+"""Decode steps of single mode replayed from CUDA graphs, one graph per padded batch size: at
+small batches the host's kernel launches, not the GPU, set the pace; a graph replays the
+whole forward with one launch. Static inputs, filled by one host-to-device copy:
 
     rows [B_max, 4 + W] int64: token id, position, KV slot (-1: padded row, writes nothing),
                                sequence length (0: padded row), block table (W block ids)
 
-A step of S sequences runs the graph of the smallest captured size B >= S; rows S..B-1 are
-padding. Inside the graph the columns are copied to contiguous tensors and the model runs with
-``AttentionMetadata`` over them and ``max_query_len = 1`` (the Triton decode kernel, whose grid
-depends only on B and W). Logits of the B rows land in the graph's static output; the first S
-are returned (valid until the next replay). Graphs are captured on first use of a size, after
-one eager warm-up run (Triton compiles there), and share one memory pool.
-"""
+A step of S sequences runs the graph of the smallest captured B >= S (``max_query_len = 1``,
+the Triton decode kernel); the first S rows of its static logits are returned, valid until the
+next replay. Graphs are captured on first use of a size, after one eager warm-up run, and share
+one memory pool. docs/gpu.md, "CUDA graphs for decode"."""
 from __future__ import annotations
 
 import logging

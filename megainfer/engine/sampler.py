@@ -1,16 +1,15 @@
 """Logits -> next tokens: penalties, min-tokens, greedy, temperature, top-k, top-p, min-p,
-per-request seeds, and the log-probabilities asked for (docs/engine.md, "Sampling").
+per-request seeds, and the log-probabilities asked for.
 
-Order per row (vLLM v1): logprobs from the raw logits; the grammar's token bitmask
-(structured outputs, ``grammar_state.py``); min_tokens and bad_words masks;
-logit_bias; repetition, frequency and presence penalties; greedy rows take the argmax, random rows divide by
-the temperature, filter, and race (argmax of probs / E, E ~ Exp(1)).
+Order per row (vLLM v1): logprobs from the raw logits; the grammar's bitmask; min_tokens and
+bad_words masks; logit_bias; repetition, frequency and presence penalties; greedy rows take the
+argmax, random rows divide by the temperature, filter, and race (argmax of probs / E).
 
-Invariants: everything runs on the logits' device, with one host->device copy of the step's
-tables and one device->host copy of its tokens (and asked log-probabilities). The noise E of
-row r at vocab position j is Philox4x32-10 of (key_r, j), key_r from the request's seed and
-output index, in exact int64 torch ops: CPU and CUDA give the same bits, and a request's
-samples never depend on which requests share its batch, on preemption, or on earlier steps."""
+Invariants: everything runs on the logits' device, one host->device copy of the step's tables
+and one device->host copy of its tokens. The noise E of row r at vocab position j is
+Philox4x32-10 of (key_r, j), key_r from the request's seed and output index, in exact int64
+torch ops: CPU and CUDA give the same bits, and a request's samples never depend on its batch,
+on preemption, or on earlier steps. docs/engine.md, "Sampling"."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -1,16 +1,14 @@
 """What the engine core measures about its engine, shipped to its frontend with its outputs.
 
 ``CoreStatsRecorder`` belongs to an ``EngineCore`` (engine_core/core.py) and is told of each
-iteration and idle tick the core runs: it times them, counts the generated tokens and collects
-each finished request's queue time (its ``RequestOutput.metrics.time_in_queue`` plus the time
-the engine held it before that queue: ``OnlineEngine.held_s``, rank 0's hand-out in the runtime)
-and PD's KV-transfer time, as vLLM observes them at the end; the engine adds what only it knows
-(``take_spans``: rank 0's T_a and the expert ranks' T_e and T_c, tracing on, cpu;
-``replan_count``). ``take`` empties that into one ``CoreStats`` with the engine's queues
-(``EngineLoad``) as they are now. The frontend (the server's metrics, docs/serve.md) only
-applies what arrives, so the figures are the same whether the core is a thread beside it or a
-process away.
-"""
+iteration and idle tick the core runs: it times them, counts generated tokens and collects each
+finished request's queue time (``RequestOutput.metrics.time_in_queue`` plus the engine's hold
+before it, ``OnlineEngine.held_s``) and PD's KV-transfer time; the engine adds what only it
+knows (``take_spans``: T_a, T_e, T_c with tracing on, cpu; ``replan_count``). ``take`` empties
+that into one ``CoreStats`` with the engine's queues (``EngineLoad``) as they are now.
+Invariant: the frontend only applies what arrives, so the figures are the same whether the
+core is a thread or a process away. docs/python_api.md, "Two ways to run a script";
+docs/serve.md, "Metrics (`GET /metrics`)"."""
 from __future__ import annotations
 
 import time

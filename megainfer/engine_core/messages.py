@@ -2,17 +2,13 @@
 
 The core's inputs (``AddRequest``, ``AbortRequest``, ``Shutdown``) go in between iterations;
 each round of the core comes out as one ``CoreOutputs``: a ``RequestUpdate`` per request that
-changed (the new tokens of its samples, ``SampleDelta``, and once its final ``RequestOutput``:
-finished, aborted or refused), the core's measurements (``CoreStats``) or the error it died of.
-
-Over a child job's socket (``core_client.spawn.ChildJobClient`` <-> ``child_main``) also: the
-script sends the ``JobTree`` first; rank 0 answers ``Launched`` (every rank is up and has its
-role), then ``Ready`` (its engine is built) or ``StartFailed``, and ``Heartbeat`` whenever it
-sent nothing for ``HEARTBEAT_S`` (a rank 0 silent for ``comm.timeout_s`` is declared hung).
-Every exception that crosses is an ``EngineDeadError`` (``RankLostError`` when a rank is to
-blame), so it unpickles in the script whatever the child imported. Messages between the ranks
-of the runtime are ``runtime/messages.py``'s.
-"""
+changed (its samples' new tokens, ``SampleDelta``, and once its final ``RequestOutput``), the
+core's ``CoreStats`` or the error it died of. Over a child job's socket also: ``JobTree`` first;
+rank 0 answers ``Launched``, then ``Ready`` or ``StartFailed``, and ``Heartbeat`` whenever it
+sent nothing for ``HEARTBEAT_S``. Invariant: every exception that crosses is an
+``EngineDeadError`` (``RankLostError`` when a rank is to blame), so it unpickles in the script
+whatever the child imported. Messages between ranks are ``runtime/messages.py``'s.
+docs/python_api.md, "Ranks started from a plain script"."""
 from __future__ import annotations
 
 import os

@@ -1,19 +1,13 @@
 """Tool calls read from a model's text (``serve.tool_call_parser``), whole or as it streams.
 
 ``parse(fmt, text, final)`` gives (content, calls): ``calls`` a list of ``[name or None,
-arguments text, complete]``; with ``final=False`` the text may still grow, and every field is
-a prefix of what the longer text gives (streaming sends the differences). Formats:
-
-* ``hermes`` (Qwen2.5 / Qwen3): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
-  blocks; the content is the text before the first block.
-* ``deepseek_v3``: ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME``
-  newline, a ```` ```json ```` fence around the arguments, ``<｜tool▁call▁end｜>`` ...
-  ``<｜tool▁calls▁end｜>``; the content is the text before it.
-* ``json_list`` (``tool_choice="required"``: the grammar's output, as vLLM's):
-  ``[{"name": ..., "parameters": {...}}, ...]``.
-* ``arguments`` (a named ``tool_choice``): the whole text is the arguments.
-
-The arguments are the model's own JSON text (the slice of its output), not re-serialised."""
+arguments text, complete]``. Invariant: with ``final=False`` the text may still grow, and every
+field is a prefix of what the longer text gives (streaming sends the differences). Formats:
+``hermes`` (Qwen2.5 / Qwen3 ``<tool_call>`` blocks), ``deepseek_v3`` (its tool-call special
+tokens around a ```` ```json ```` fence), ``json_list`` (``tool_choice="required"``, the
+grammar's output) and ``arguments`` (a named ``tool_choice``: the whole text). The content is
+the text before the first call; the arguments are the model's own JSON text, not
+re-serialised. docs/serve.md, "Structured outputs, tool calls, reasoning"."""
 from __future__ import annotations
 
 import json
