@@ -1,18 +1,15 @@
-"""Open the engine core a frontend talks to, in any deploy mode (docs/python_api.md).
+"""Open the engine core a frontend talks to, in any deploy mode.
 
 * single mode in one process: an ``EngineCoreThread`` over this process's ``LLMEngine``;
 * under ``mpiexec -n N python script.py``: every rank builds its part of the runtime; rank 0
-  runs an ``EngineCoreThread`` over the runtime's ``RuntimeEngine`` and returns it; every other
-  rank serves inside the call until rank 0 closes, then ends its process with status 0, so the
-  script's code after it runs on rank 0 only;
-* otherwise (a plain ``python script.py`` asking for several ranks, or any mode with
-  ``own_process``): the ranks are started as an ``mpiexec`` child job (``spawn.ChildJobClient``),
-  rank 0 of it serving the core over a local socket.
+  runs an ``EngineCoreThread`` over the runtime's ``RuntimeEngine``; every other rank serves
+  inside the call until rank 0 closes, then exits with status 0;
+* otherwise (a plain script asking for several ranks, or ``own_process``): an ``mpiexec``
+  child job (``spawn.ChildJobClient``), rank 0 of it serving the core over a local socket.
 
-Every path gives a ``CoreClient``: inputs through ``submit``, each batch of ``CoreOutputs``
-to the ``deliver`` callback (on a thread of the client's; hand them on, do no work), with the
-core's own measurements (``engine.stats.CoreStats``) in ``CoreOutputs.stats``.
-"""
+Every path gives a ``CoreClient``: inputs through ``submit``, each batch of ``CoreOutputs`` to
+the ``deliver`` callback (on a client thread: hand them on, do no work), the core's
+``CoreStats`` in ``CoreOutputs.stats``. docs/python_api.md, "Two ways to run a script"."""
 from __future__ import annotations
 
 import logging

@@ -1,20 +1,14 @@
 """An ``mpiexec`` child job of this process, ended for sure.
 
 ``mpiexec -disable-auto-cleanup -n N <this python> -m MODULE ARGS`` starts in its own session
-(a ^C in the terminal reaches the script, not the ranks: the script ends them itself), with
-``PR_SET_PDEATHSIG`` = SIGTERM (Linux), so the job goes when the script's process dies, even by
-SIGKILL. MPICH's ``mpiexec`` puts every rank in a session of its own, so ending the job is:
-SIGTERM to ``mpiexec`` (it ends its ranks), SIGKILL after a grace period, then SIGKILL to any
-rank process still there (their pids are ``track``ed). ``-disable-auto-cleanup``: a rank that
-exits leaves ``mpiexec`` running the others (rank 0 can still report; the script ends the job;
-a rank killed mid-communication still takes the others down with it, MPICH's doing: the
-script's ``RankWatch`` names the first to die).
-
-The job's stdout and stderr are forwarded, line by line, to this process's stderr and the last
-lines are kept for error messages (``output_tail``). The process is created and waited for on a
-thread of its own that lives as long as ``mpiexec`` (the parent-death signal follows the thread
-that forked, not the process).
-"""
+(a ^C reaches the script, not the ranks) with ``PR_SET_PDEATHSIG`` = SIGTERM (Linux), so the
+job goes when the script dies, even by SIGKILL. Ending it: SIGTERM to ``mpiexec``, SIGKILL
+after a grace period, then SIGKILL to any rank still there (MPICH gives each rank a session of
+its own; their pids are ``track``ed). ``-disable-auto-cleanup``: a rank that exits leaves the
+others running, so rank 0 can still report. Output is forwarded line by line to this
+process's stderr, the last lines kept (``output_tail``). Invariant: the process is created and
+waited for on a thread that lives as long as ``mpiexec`` (the parent-death signal follows the
+thread that forked). docs/python_api.md, "Ranks started from a plain script"."""
 from __future__ import annotations
 
 import collections

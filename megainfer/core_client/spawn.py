@@ -1,26 +1,15 @@
-"""The engine core of a distributed deploy mode started from a plain ``python script.py``: an
-``mpiexec`` child job (``engine_core.child_main``) whose rank 0 serves the core over a local socket
-(docs/python_api.md, "Ranks started from a plain script").
+"""The engine core of a deploy mode started from a plain ``python script.py``: an ``mpiexec``
+child job (``engine_core.child_main``) whose rank 0 serves the core over a local socket.
 
-``ChildJobClient(spec, deliver)`` listens on a unix socket in a fresh private directory
-(``CoreSocket``: a random authkey, handed to the child in its environment; one authenticated
-connection is accepted, then the socket is removed), starts the job (``MpiexecJob``), sends rank 0 the ``JobTree`` and
-blocks until rank 0's ``Ready`` (bounded: a start failure or a timeout raises
-``CoreStartError`` with the job's last output lines, the job ended). A reader thread then
-hands each ``CoreOutputs`` to ``deliver`` and watches the ranks (``RankWatch``): a rank that
-dies (or an ``mpiexec`` that exits) while the core runs ends the job and is delivered as
-``CoreOutputs(error=RankLostError(...))`` naming the rank and its role; a rank that hangs is
-named by the runtime's own timeouts (``comm.timeout_s``) on rank 0, which sends the error; a
-rank 0 silent for ``comm.timeout_s`` (no output, no heartbeat) is declared hung, and a rank 0
-whose engine core thread stays inside one iteration that long says so itself
-(``OnlineEngine.hang_after_s``).
-
-``shutdown()`` sends ``Shutdown`` (unfinished requests end with ``finish_reason="abort"``),
-waits for the last outputs and the job's exit (bounded), then ends whatever is left. Garbage
-collection and interpreter exit do the same (``weakref.finalize``); SIGTERM to the script
-raises ``SystemExit`` in its main thread (installed only over the default handler), so ``with``
-blocks and exit handlers run; the job's parent-death signal covers SIGKILL.
-"""
+``ChildJobClient(spec, deliver)`` listens on a private unix socket (``CoreSocket``: a random
+authkey in the child's environment; one authenticated connection, then the socket is removed),
+starts the job (``MpiexecJob``), sends rank 0 the ``JobTree`` and blocks until ``Ready``
+(bounded: else ``CoreStartError`` with the job's last output lines, the job ended). A reader
+thread hands each ``CoreOutputs`` to ``deliver`` and watches the ranks (``RankWatch``): a dead
+rank ends the job as ``CoreOutputs(error=RankLostError(...))``; a rank 0 silent for
+``comm.timeout_s`` is declared hung. ``shutdown()``, garbage collection, interpreter exit and
+SIGTERM (over the default handler only) all end the job the same way, leaving no process.
+docs/python_api.md, "Ranks started from a plain script"."""
 from __future__ import annotations
 
 import copy

@@ -1,20 +1,15 @@
-"""A request crossing from a prefill engine to a decode engine (prefill-decode disaggregation,
-docs/pd.md), without the engine's code knowing about it.
+"""A request crossing from one engine to another, without the engine's code knowing about it.
 
-* Prefill side: once the step that completes a request's prompt has sampled its first token,
-  ``export_state`` captures everything decoding needs (tokens, sampler seed, logprobs so far,
-  detokenizer offsets, timings) and ``detach`` takes the request out of the engine: its blocks
-  go back (kept as prefix-cache entries when caching is on); its KV already left, layer by layer.
-* Decode side: ``reserve`` takes the blocks for the prompt's KV before it arrives (a placeholder
-  request holds them), ``start`` turns the placeholder into the real request, running, with
-  ``num_computed_tokens`` = prompt length and its first token: the next step decodes it as if
-  this engine had prefilled it. The sampler's key is (seed, output index), so the tokens that
-  follow are the ones single mode samples. ``release`` gives the blocks back unused.
-* A running request moved whole between replicas (a re-plan, docs/replan.md, which moves the
-  ``Request`` objects themselves): ``export_kv`` reads its blocks of every layer into one host
-  byte buffer (``kv_bytes`` long); the receiver ``reserve``s blocks, ``import_kv`` writes the
-  buffer into them and ``adopt`` gives them to the request.
-"""
+* Prefill -> decode (PD): once a prompt's first token is sampled, ``export_state`` captures
+  what decoding needs (tokens, seed, logprobs, detokenizer offsets, timings) and ``detach``
+  takes the request out (its blocks back, kept as prefix-cache entries). The decode side
+  ``reserve``s blocks for the prompt's KV before it arrives (a placeholder holds them),
+  ``start`` makes the placeholder the real request with ``num_computed_tokens`` = prompt length
+  and its first token, ``release`` gives the blocks back unused. Invariant: the sampler's key
+  is (seed, output index), so the tokens that follow are single mode's.
+* A running request moved whole (a re-plan): ``export_kv`` / ``import_kv`` of one host byte
+  buffer (``kv_bytes`` long), ``adopt`` gives the blocks to the request.
+docs/pd.md, "What runs where"; docs/replan.md, "Switch"."""
 from __future__ import annotations
 
 import time

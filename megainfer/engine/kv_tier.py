@@ -1,16 +1,15 @@
 """The prefix cache's second tier: cached KV blocks evicted from the engine's paged KV tensors are
-kept here, bounded by ``cache.host_kv_gib`` and least-recently-used, and copied back on a hit
-(docs/kv_cache.md, "Prefix caching: the second tier").
+kept here, bounded by ``cache.host_kv_gib`` and least-recently-used, and copied back on a hit.
 
 * ``HostStore`` (cuda): one pinned host buffer; a block comes back layer by layer on a side
   stream, each layer's forward waiting on its own copy's event (``attach``).
 * ``FileStore`` (cpu): one safetensors file per block under ``cache.kv_store_dir`` (a temporary
   directory when unset), read with plain reads, never mmap or pickle.
 
-A block is stored as raw bytes of every layer, whatever the cache format. An entry keeps the
-first tier's identity (key, tokens, content ids) and a blake2b checksum; ``lookup`` serves it
-only when tokens, parent and checksum match (else it is dropped and recomputed), and the bytes
-it verified are the ones ``apply_loads`` copies."""
+Invariants: a block is stored as raw bytes of every layer, whatever the cache format; an entry
+keeps the first tier's identity (key, tokens, content ids) and a blake2b checksum; ``lookup``
+serves it only when all match (else dropped and recomputed), and ``apply_loads`` copies the
+bytes it verified. docs/kv_cache.md, "Prefix caching: the second tier (`cache.host_kv_gib`)"."""
 from __future__ import annotations
 
 import hashlib

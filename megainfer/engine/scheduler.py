@@ -1,21 +1,15 @@
 """Continuous batching with chunked prefill and preemption by recompute (vLLM v1 style).
 
 Every step has a token budget (``max_num_batched_tokens``). Running requests come first, in
-the order they started running: a decode takes one token, an unfinished prefill takes the
-next chunk of its prompt. Then waiting requests are admitted first-come-first-served while
-budget, ``max_num_seqs`` and free blocks allow; the last one admitted may get a partial
-chunk (chunked prefill). When a running request needs a block and none is free, the most
-recently started running request is preempted: its blocks are freed, its progress reset to
-zero, and it goes back to the front of the waiting queue; it recomputes prompt + generated
-tokens later, so its output does not change. The samples of an ``n`` > 1 request fork once its
-prompt is computed; forks beyond ``max_num_seqs`` wait in ``forked`` (holding the prompt's shared
-blocks) and take the seats running sequences leave, before any waiting request is admitted; a
-running request short of blocks preempts them (newest first) once no running request after it
-is left. With prefix caching a waiting request (new or preempted) starts from the longest run
-of cached full blocks of its tokens (``BlockManager.find_cached``) and only computes the rest.
-Nothing here depends on time, and the cache's keys are a deterministic hash: the same calls
-give the same schedule on every rank.
-"""
+the order they started (a decode takes one token, an unfinished prefill its next chunk); then
+waiting requests are admitted first come first served while budget, ``max_num_seqs`` and free
+blocks allow (the last may get a partial chunk). Short of a block, the most recently started
+running request is preempted: blocks freed, progress reset, back to the front of the waiting
+queue. An ``n`` > 1 request forks once its prompt is computed; forks beyond ``max_num_seqs``
+wait in ``forked`` and take seats before any waiting request. With prefix caching a waiting
+request starts from its longest run of cached blocks. Invariant: nothing depends on time, so
+the same calls give the same schedule on every rank. docs/engine.md, "Scheduling (vLLM v1
+style)"."""
 from __future__ import annotations
 
 import time
