@@ -1,26 +1,15 @@
 """The attention backends behind one seam: ``torch`` (the reference) and ``triton``.
 
-A backend turns one layer's new queries, keys and values plus the paged KV cache into the
-attention output; it also writes the new keys and values into the cache first.
+A backend writes one layer's new keys and values into the paged KV cache, then attends:
 
     q [T, Hq, D], k/v [T, Hkv, D], kv_cache [2, NB, BS, Hkv, D], meta: AttentionMetadata
     -> out [T, Hq, D] in q's dtype
 
-``torch`` gathers each sequence's blocks and calls ``scaled_dot_product_attention``
-(``megainfer.models.attention``). ``triton`` runs three kernels from
-``megainfer.kernels.triton_attention``: a KV store through the slot mapping, then a split-KV
-decode kernel with a merge pass when every sequence has one new token, else a varlen
-prefill/extend kernel over the paged cache. The Triton path reads only device tensors and
-host-side sizes, so it needs no host synchronisation and can be captured in a CUDA graph.
-
-A low-bit cache (``cache.kv_cache_dtype``, ``megainfer.kernels.kv_quant``): the torch path
-quantises on store and dequantises the gathered blocks; the Triton kernels store float8 and
-multiply each loaded K/V tile by its per-layer scale in registers, and read fp4_e2m1 (codes
-unpacked and E4M3 block scales applied in registers); the Triton store quantises fp4 rows
-itself, bit-identical to the torch quantiser (and skips the -1 slots of CUDA-graph padding).
-``token_head`` scales (``cache.kv_scale_granularity``): every row's scale is computed and stored
-inline by the store kernel and read by the attention kernels; no per-layer scale is set.
-"""
+``torch`` gathers each sequence's blocks and calls ``scaled_dot_product_attention``. ``triton``
+(``megainfer.kernels.triton_attention``): a KV store through the slot mapping, then split-KV
+decode with a merge pass, or varlen prefill/extend; it reads only device tensors and host-side
+sizes, so it needs no host sync and can be captured in a CUDA graph. Both read a low-bit cache
+(``cache.kv_cache_dtype``). docs/gpu.md, "Attention backends"; docs/kv_cache.md."""
 from __future__ import annotations
 
 import torch

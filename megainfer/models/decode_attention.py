@@ -1,18 +1,13 @@
 """Decode attention in torch: the sequences of a step with one new token each, over the paged KV.
 
 Every layer of a step reads the same sequences at the same lengths, so the plan (which blocks,
-which rows, which masks) is made once per step and kept in ``AttentionMetadata.step_cache``
-under a ``("decode", dtype)`` key; each layer then reads its own blocks (``kv_gather.
-read_context``: a strided view of the cache where a group's block table is affine, as the plan
-found once for the step, else a gather into scratch) and calls ``scaled_dot_product_attention``
-with the query heads of a KV head read against it (``enable_gqa``).
-
-A batch of one length runs as one unmasked SDPA call. A batch of mixed lengths is cut into at
-most ``MAX_GROUPS`` groups of similar length (sorted by length, split where it saves the most
-padded tokens, while a split saves more KV bytes than ``GROUP_COST_BYTES``): each group gathers
-only up to its own longest context and is masked only where its own rows are shorter, instead of
-one batch padded to the step's longest context.
-"""
+rows, masks) is made once per step and kept in ``AttentionMetadata.step_cache`` under a
+``("decode", dtype)`` key; each layer reads its own blocks (``kv_gather.read_context``: a
+strided view where a group's block table is affine, else a gather into scratch) and calls
+``scaled_dot_product_attention`` with ``enable_gqa``. One length: one unmasked call; mixed
+lengths: at most ``MAX_GROUPS`` groups of similar length (while a split saves more KV bytes
+than ``GROUP_COST_BYTES``), each gathered only up to its own longest context.
+docs/gpu.md, "Attention backends"."""
 from __future__ import annotations
 
 import math

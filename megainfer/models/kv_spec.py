@@ -1,23 +1,15 @@
-"""What one layer's paged KV cache holds per token, published by the model (docs/design_rules.md).
+"""What one layer's paged KV cache holds per token, published by the model.
 
 * ``gqa``: keys and values per KV head, ``shape_per_token = (2, Hkv, D)``; a layer's cache is
-  ``[2, num_blocks, block_size, Hkv, D]`` (the layout the GQA torch and Triton paths read).
-* ``mla``: one latent per token shared by every head, ``shape_per_token = (R + P,)`` =
-  normalised ``c_kv`` (kv_lora_rank) then the rotated ``k_pe`` (qk_rope_head_dim); a layer's
-  cache is ``[num_blocks, block_size, R + P]``. Every TP rank keeps the whole latent.
+  ``[2, num_blocks, block_size, Hkv, D]``.
+* ``mla``: one latent per token shared by every head, ``(R + P,)`` = normalised ``c_kv`` then
+  the rotated ``k_pe``; a layer's cache is ``[num_blocks, block_size, R + P]``; every TP rank
+  keeps the whole latent.
 
-The block axis (``block_axis``, ``BLOCK_AXIS[kind]``: GQA 1, MLA 0) is owned here; whoever
-selects, gathers or copies blocks of a cache reads it from the spec.
-
-``kv_format`` (``cache.kv_cache_dtype``, ``megainfer.kernels.kv_quant``): ``auto`` stores the
-model dtype; ``fp8_e4m3`` / ``fp8_e5m2`` store float8 elements (same shapes); ``fp4_e2m1``
-stores uint8 rows of ``D/2 + D/16`` bytes per ``D`` values (packed E2M1 codes + E4M3 block
-scales): GQA ``[2, NB, BS, Hkv, D/2 + D/16]``, MLA ``[NB, BS, R/2 + R/16 + P/2 + P/16]``.
-``bytes_per_token`` counts the block scales; the two float32 scales per layer are not per token.
-``kv_granularity`` (``cache.kv_scale_granularity``): ``tensor`` (per-layer scales) or
-``token_head``: each row also carries its own scale inline (fp8: + 2 bytes, fp4: + 1 byte per
-row; MLA: per part), counted in ``bytes_per_token``.
-"""
+Invariant: the block axis (``block_axis``, ``BLOCK_AXIS[kind]``: GQA 1, MLA 0) is owned here;
+whoever selects, gathers or copies blocks reads it from the spec. ``kv_format`` and
+``kv_granularity`` give the storage format (``bytes_per_token`` counts block and inline scales).
+docs/design_rules.md, "The KV cache spec"; docs/kv_cache.md, "Layouts"."""
 from __future__ import annotations
 
 import math

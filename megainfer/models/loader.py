@@ -1,17 +1,13 @@
 """Build a model for a role and fill it from a safetensors checkpoint (or seeded dummy weights).
 
-Every tensor in the checkpoint must be known to the architecture in ``config.json`` and have
-its shape; every tensor the role needs must be present. Failures are ``CheckpointError``
-subclasses naming the tensor and the file. Experts load per expert (transformers 5 layout:
-``mlp.experts.N.gate_proj`` / ``block_sparse_moe.experts.N.w1``) or fused 3-D
-(``mlp.experts.gate_up_proj [E, 2N, H]``, ``mlp.experts.down_proj [E, H, N]``).
-Only safetensors: no pickle is ever loaded.
-
-No host copy of the model: the module is built on the meta device, each parameter is allocated
-once on the target device in the target dtype, and each checkpoint tensor (or just the rows a
-rank needs) is read with plain file reads (``safetensors_io``, no mmap) straight into the
-parameter or through one reusable scratch buffer. Peak memory: the model + its largest tensor.
-"""
+Invariants: every checkpoint tensor must be known to the architecture in ``config.json`` with
+its shape, and every tensor the role needs must be present; failures are ``CheckpointError``
+subclasses naming the tensor and the file. Experts load per expert or fused 3-D. Only
+safetensors: no pickle is ever loaded. No host copy of the model: built on the meta device,
+each parameter allocated once on the target device and dtype, each tensor (or the rows a rank
+needs) read with plain reads (``safetensors_io``) into the parameter or one reusable scratch
+buffer. Peak memory: the model + its largest tensor. docs/gpu.md, "Loading without a host
+copy"."""
 from __future__ import annotations
 
 import contextlib

@@ -1,23 +1,14 @@
 """Multi-head latent attention (DeepSeek MLA) over the paged latent cache, in torch.
 
-Cache of one layer: ``latent[num_blocks, block_size, R + P]``, R = kv_lora_rank (the normalised
-``c_kv``), P = qk_rope_head_dim (the rotated ``k_pe``), one row per token shared by all heads.
-With ``W = kv_b_proj.weight.view(H, N + V, R)``: ``W_UK = W[:, :N]``, ``W_UV = W[:, N:]``.
-
-* prefill (a chunk of > 1 new tokens): HF's expanded form, k_nope / v = kv_b_proj(c_kv) over
-  the whole context of the sequence, then causal softmax attention per head.
-* decode (one new token): absorbed, the cache is never expanded per head:
-  ``q_latent = q_nope @ W_UK`` [S, H, R]; scores = (q_latent . c_kv + q_pe . k_pe) * scale;
-  softmax; ``o_latent = sum p * c_kv`` [S, H, R]; out = o_latent @ W_UV^T [S, H, V].
-
-A backend (``TorchMLA``, ``TritonMLA``) stores the new latents and attends; it is the seam the
-Triton kernels (``megainfer.kernels.triton_mla``: ``store_latent``, ``mla_decode``) plug into.
-
-A low-bit latent cache (``megainfer.kernels.kv_quant``; float8 or uint8 fp4_e2m1): ``c_kv`` and
-``k_pe`` are quantised apart (scales[0] / scales[1], and their own 16-blocks for fp4), the row
-stored as ``[q(c_kv) | q(k_pe)]``; reads dequantise only the gathered blocks of the step
-(``TritonMLA``: the store kernel quantises and the decode kernel dequantises in registers).
-"""
+Cache of one layer: ``latent[num_blocks, block_size, R + P]`` (R = kv_lora_rank, the normalised
+``c_kv``; P = qk_rope_head_dim, the rotated ``k_pe``), one row per token shared by all heads.
+Prefill (a chunk of > 1 new tokens) runs HF's expanded form over the sequence's whole context;
+decode (one new token) is absorbed through ``W_UK`` / ``W_UV`` and never expands the cache per
+head. A backend (``TorchMLA``, ``TritonMLA``) stores the new latents and attends: the seam the
+Triton kernels (``megainfer.kernels.triton_mla``) plug into. A low-bit latent cache quantises
+``c_kv`` and ``k_pe`` apart, the row stored as ``[q(c_kv) | q(k_pe)]``; reads dequantise only
+the step's gathered blocks. docs/deepseek_v3.md, "Prefill expanded, decode absorbed"; "The KV
+cache spec"."""
 from __future__ import annotations
 
 import logging

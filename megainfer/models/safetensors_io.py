@@ -1,19 +1,13 @@
 """A small safetensors reader that reads tensor bytes with plain file reads, never mmap.
 
-Format: 8-byte little-endian header length ``n``, ``n`` bytes of JSON
-(``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``), then the
-byte buffer; offsets are relative to the buffer's start.
-
-Why not ``safetensors.safe_open``: it mmaps the file, so every page a load touches is counted in
-the process's resident set (as file pages) on top of the model itself, and it returns a host
-tensor per read. Here a tensor (or a range of rows of its dim 0) is read with ``readinto``
-straight into a caller's host buffer: the parameter's own storage when it is on the host with
-the checkpoint's dtype, else a reusable scratch buffer (``Scratch``), from which the caller
-copies/converts to the parameter. Page cache filled by ``read`` is not part of the RSS.
-
-Every failure raises ``SafetensorsFormatError`` naming the file (and the tensor when there is
-one); the loader turns it into its ``CorruptCheckpointError``.
-"""
+Format: 8-byte little-endian header length ``n``, ``n`` bytes of JSON (``{name: {"dtype",
+"shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``), then the byte buffer.
+A tensor (or a range of its dim-0 rows) is read with ``readinto`` straight into the caller's
+host buffer: the parameter's own storage when it is on the host in the checkpoint's dtype, else
+a reusable ``Scratch``. Not ``safetensors.safe_open``: its mmap puts every touched page in the
+process's resident set on top of the model. Every failure raises ``SafetensorsFormatError``
+naming the file (and tensor); the loader turns it into ``CorruptCheckpointError``.
+docs/gpu.md, "Loading without a host copy"."""
 from __future__ import annotations
 
 import ctypes
