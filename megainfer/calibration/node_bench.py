@@ -1,17 +1,15 @@
 """Node-sharing calibration: what ranks on one node cost each other, as ratios and host times.
 
-contention_slowdown  CPU time of one per-layer kernel (attention or experts) while a second
-                     process runs the same kernel at the same time / its CPU time alone; alone and
-                     together are interleaved over rounds (medians), so load from other tenants
-                     cancels in the ratio. Thread CPU time, so the OS taking the core does not count:
-                     what is left is memory bandwidth / cache sharing.
-hop_overhead         host seconds per (layer, micro-batch) outside the kernels, with the runtime's
-                     own exchange (``AttentionExchange``/``ExpertExchange``) over the in-process
-                     loopback transport: attention side = dispatch + combine + residual add,
-                     expert side = receive + gather + split + reply; at 1 and 2 peers -> base,
-                     per_peer.
+contention_slowdown  thread CPU time of one per-layer kernel (attention or experts) while a
+                     second process runs the same kernel / its CPU time alone; interleaved over
+                     rounds (medians), so other tenants' load cancels and what is left is memory
+                     bandwidth / cache sharing.
+hop_overhead         host seconds per (layer, micro-batch) outside the kernels, with the
+                     runtime's own exchange over the in-process loopback transport, at 1 and 2
+                     peers -> base, per_peer.
+
   python -m megainfer.calibration.node_bench load SHAPE_JSON KIND B CTX EXPERTS BENCH  (the co-runner)
-"""
+docs/perfmodel.md, "Calibration"."""
 from __future__ import annotations
 
 import json

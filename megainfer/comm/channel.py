@@ -2,18 +2,13 @@
 
 Every (sender, receiver) pair owns fixed buffers made at construction: a send ring of
 ``depth * streams`` slots per receiver, and per sender and stream a receive ring of ``depth``
-slots whose receives are posted ahead (on tag-matching transports) and, once the caller
-released a message, re-posted in ring order at the next ``recv()`` on that stream. A message
-is one send of ``spec.nbytes(rows)`` bytes: a 32-byte header (magic + spec fingerprint,
-kind, rows, iteration, layer, micro-batch, src, aux) and the fields. Each slot binds its
-transport operation once (``send_init``/``recv_init``: MPI persistent requests), so the hot
-path is a header pack or unpack, a ring pointer and one ``start``; nothing is allocated per
-message but the handle.
-
-Tags: ``channel_id * MAX_STREAMS + micro_batch % streams``. Within one tag, MPI's
-non-overtaking rule keeps messages in send order; the header's (iteration, layer,
-micro_batch) is checked against what the receiver asked for.
-"""
+slots, posted ahead and re-posted in ring order once released. A message is one send of
+``spec.nbytes(rows)`` bytes: a 32-byte header (magic + spec fingerprint, kind, rows, iteration,
+layer, micro-batch, src, aux) and the fields. Each slot binds its operation once (persistent
+requests): nothing is allocated per message but the handle. Tags:
+``channel_id * MAX_STREAMS + micro_batch % streams``; within a tag MPI's non-overtaking rule
+keeps send order, and the header's (iteration, layer, micro_batch) is checked against what the
+receiver asked for. docs/comm.md, "Rings, tags, ordering"."""
 from __future__ import annotations
 
 from typing import Optional

@@ -1,16 +1,14 @@
 """CUDA IPC transport: ranks of one node (several may share a GPU) write straight into their
-peer's receive slots (docs/comm.md, "Device tensors: which transport, and what it costs").
+peer's receive slots.
 
 * Memory: every slot is a raw ``cudaMalloc``; the receiver owns its rings and hands each sender
   their IPC handles at ``connect`` (collective, at a channel's construction).
-* Data: a send fences on the caller's stream and on the target slot's *consumed* event, copies
-  the fields into the peer slot and records its *ready* event; the 32-byte header follows over
-  MPI. The receiver reads the fields after the ready event; re-arming a slot records its
-  consumed event and sends the sender a 4-byte *grant* (the k-th grant of a ring frees slot
-  ``k % depth``). An interprocess event is recorded only by its creator.
-* ``sync="host"`` (``auto`` when ranks share a GPU, where a stream waiting on another process's
-  event costs a flat 1.34 ms a message): no stream waits on a peer's event; the header is sent
-  once the copy completed and the grant once the slot was consumed."""
+* Data: a send fences on the caller's stream and the target slot's *consumed* event, copies the
+  fields into the peer slot, records its *ready* event; the 32-byte header follows over MPI.
+  Re-arming a slot records *consumed* and sends a 4-byte *grant* (the k-th frees slot
+  ``k % depth``). Invariant: an interprocess event is recorded only by its creator.
+* ``sync="host"`` (``auto`` when ranks share a GPU): no stream waits on a peer's event.
+docs/comm.md, "Device tensors: which transport, and what it costs"."""
 from __future__ import annotations
 
 import ctypes

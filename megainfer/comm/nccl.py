@@ -1,17 +1,13 @@
-"""NCCL transport: ctypes over ``libnccl.so.2``, grouped send/recv on a dedicated CUDA stream
-(docs/comm.md, "Transports").
+"""NCCL transport: ctypes over ``libnccl.so.2``, grouped send/recv on a dedicated CUDA stream.
 
-The library is found lazily (``$MEGAINFER_NCCL_LIB``, then the ``nvidia-nccl-cu12``/``-cu13``
-wheels, then the loader's path); rank 0's unique id is broadcast over MPI as raw bytes.
-Where NCCL differs from MPI (``Channel`` handles each):
-* no tags: receives match sends in post order (``ordered_posts``), and a posted receive holds
-  the stream, so each direction has its own transport;
-* one rank per GPU (``megainfer.comm.select`` refuses shared GPUs unless
-  ``NCCL_MULTI_RANK_GPU_ENABLE=1`` on NCCL >= 2.30);
-* counts must match: every message moves the slot's full size, its header says how much is real.
-No host synchronisation per message: the group waits on the caller's stream, headers move
-through pinned host memory, and ``test()`` queries one CUDA event per buffer, the few CUDA calls
-going straight to ``libcuda.so.1``."""
+The library is found lazily (``$MEGAINFER_NCCL_LIB``, the ``nvidia-nccl-cu12``/``-cu13``
+wheels, the loader's path); rank 0's unique id is broadcast over MPI as raw bytes. Where NCCL
+differs from MPI (``Channel`` handles each): no tags, receives match sends in post order
+(``ordered_posts``) and a posted receive holds the stream, so each direction has its own
+transport; one rank per GPU (``NCCL_MULTI_RANK_GPU_ENABLE=1`` on NCCL >= 2.30 aside); counts
+must match, so every message moves the slot's full size. No host synchronisation per message:
+the group waits on the caller's stream, headers move through pinned host memory, ``test()``
+queries one CUDA event per buffer. docs/comm.md, "Transports"."""
 from __future__ import annotations
 
 import ctypes

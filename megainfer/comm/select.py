@@ -4,17 +4,12 @@
 mpi        CPU tensors: ``MpiTransport``; device tensors: ``StagingTransport`` (pinned host)
 cuda_ipc   every rank on one node (several may share a GPU): ``CudaIpcTransport``
 nccl       one rank per GPU, any nodes: ``NcclTransport``, one communicator per direction
-auto       cpu: mpi. cuda: cuda_ipc when every rank is on one node, else nccl (rank 0 logs
-           the choice for every pair; one job does not mix the two: pairs inside a node of
-           a multi-node job also go over NCCL)
+auto       cpu: mpi. cuda: cuda_ipc when every rank is on one node, else nccl (one job
+           does not mix the two)
 =========  ==============================================================================
 
-Every check is collective and fails on every rank alike, naming the ranks and the reason, at
-start-up: cuda_ipc across nodes, NCCL with two ranks on one GPU (NCCL refuses a communicator
-that holds a device twice unless ``NCCL_MULTI_RANK_GPU_ENABLE=1`` on NCCL >= 2.30, which is
-then tried), an IPC handle that will not open (``CudaIpcTransport.connect``); cuda_ipc checks its own
-precondition (every rank on one node: ``cuda_ipc.check_cuda_ipc``).
-"""
+Invariant: every check is collective and fails on every rank alike at start-up, naming the
+ranks and the reason. docs/comm.md, "Device tensors: which transport, and what it costs"."""
 from __future__ import annotations
 
 import logging

@@ -1,16 +1,13 @@
 """MPI for device tensors: every slot is a device buffer with a (pinned, on cuda) host mirror.
 
-A send copies the message's fields device -> host, waits for that copy (the staging path's one
-host wait per message: slow, always correct; the baseline the device transports are measured
-against), then starts the MPI send of the host mirror. A receive lands in the host mirror; the
-first ``test()`` that sees it complete copies the fields host -> device on the caller's current
-stream (ordered before whatever the caller does with them) and records an event; the slot's
-next receive is posted only once that copy finished. The header never leaves the host: it is
-the mirror's first 32 bytes, as on the plain MPI transport.
-
-On a CPU "device" the same code runs with CPU tensors and plain copies (that is how the CPU
-tests exercise it).
-"""
+A send copies the fields device -> host, waits for that copy (the one host wait per message:
+slow, always correct; the baseline of the device transports), then starts the MPI send of the
+mirror. A receive lands in the mirror; the first ``test()`` that sees it complete copies the
+fields host -> device on the caller's current stream and records an event; the slot's next
+receive is posted only once that copy finished. The header never leaves the host (the
+mirror's first 32 bytes). On a CPU "device" the same code runs with CPU tensors and plain
+copies (how the CPU tests exercise it). docs/comm.md, "Device tensors: which transport, and
+what it costs"."""
 from __future__ import annotations
 
 import torch

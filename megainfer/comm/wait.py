@@ -1,25 +1,13 @@
 """How a rank waits for a request: spin, yield, or backoff (spin, then yield, then sleep).
 
-When ranks outnumber cores (the default job: 3 ranks on 2 cores) a spinning wait takes a
-core another rank needs. ``backoff`` (the default) has three phases:
-
-1. spin ``spin_s``: poll flat out, so a reply that comes within a round trip is seen as
-   fast as ``spin`` sees it (small-message latency);
-2. yield ``yield_s``: ``sched_yield`` between polls, so a peer waiting for this core gets
-   it at once (MPICH's blocking calls do the same), while a free core keeps polling;
-3. sleep: ``min_sleep_s`` doubling up to ``max_sleep_s``, and never more than
-   ``sleep_frac`` of the time waited so far (nor past the timeout), so a long transfer
-   (8 MB) is noticed at most that fraction late while a long idle wait costs few wake-ups;
-   a wait past ``idle_after_s`` is an idle one (no step takes that long between two messages
-   on the hardware we run), and its sleeps grow to ``idle_sleep_s``: an idle rank wakes a few
-   hundred times a second, not a thousand, and a message after an idle spell is seen at most
-   ``idle_sleep_s`` late.
-   Before its first sleep a thread sets its timer slack to ``TIMER_SLACK_NS`` (Linux rounds
-   sleeps up by 50 us by default, which would make every short sleep a 60 us one).
-
-``yield`` yields between polls for the whole wait; ``spin`` polls flat out (lowest latency
-on idle cores, a core burnt while waiting).
-"""
+When ranks outnumber cores (the default job: 3 ranks on 2 cores) a spinning wait takes a core
+another rank needs. ``backoff`` (the default): spin ``spin_s`` (small-message latency); then
+``sched_yield`` between polls for ``yield_s`` (a peer waiting for this core gets it at once);
+then sleep ``min_sleep_s`` doubling to ``max_sleep_s``, never more than ``sleep_frac`` of the
+time waited so far nor past the timeout; past ``idle_after_s`` a wait is idle and its sleeps
+grow to ``idle_sleep_s``. Before its first sleep a thread sets its timer slack to
+``TIMER_SLACK_NS`` (Linux rounds sleeps up by 50 us by default). ``yield`` yields between polls
+for the whole wait; ``spin`` polls flat out. docs/comm.md, "Waiting"."""
 from __future__ import annotations
 
 import ctypes
