@@ -1,20 +1,15 @@
 """``megainfer-launch`` under mpirun: every rank builds its part (``engine_core.builder.build_ranks``);
 rank 0 runs the offline job through the same client -> engine core -> engine route as ``LLM``
-(``core_client.client.launch_client``) and writes the results, the summary
-and (with ``trace.enabled``) the merged trace, its ``timeline.png`` and its pipeline figures (in
-``summary.json``) into its run directory.
+(``core_client.client.launch_client``) and writes the results, the summary and (with
+``trace.enabled``) the merged trace, its ``timeline.png`` and pipeline figures into its run
+directory.
 
-A rank that fails (a peer silent past ``comm.timeout_s``, bad input found late) prints one line
-naming itself, the peer and the phase, writes that line and its traceback to
-``<run dir>/error.rank<N>.txt``, then aborts the whole job: every line already written stays on
-disk, and rerunning the same command resumes. (The file is there because a process manager may drop
-what a rank printed just before ``MPI_Abort``; ``startup.abort_job`` waits ``ABORT_GRACE_S`` to
-make that rare.) A
-rank that dies outright is reported by the process manager (MPICH: "BAD TERMINATION ... PID n"),
-which ends the others at once; rank 0's start-up log line maps each pid to its rank and role.
-(MPICH 5.0.2 ends the job on a killed rank even with ``mpiexec -disable-auto-cleanup``; a rank
-that hangs instead of dying is what the survivors time out on and name themselves.)
-"""
+A rank that fails prints one line naming itself, the peer and the phase, writes it with its
+traceback to ``<run dir>/error.rank<N>.txt``, then aborts the whole job: every line already
+written stays on disk, and rerunning the same command resumes. A rank that dies outright is
+reported by the process manager; rank 0's start-up line maps each pid to its rank and role.
+This module starts MPI when imported: single mode never imports it.
+docs/engine.md, "Bad input" (start-up and rank failures)."""
 from __future__ import annotations
 
 import json

@@ -1,20 +1,14 @@
 """The job's requests: from an input file (jsonl / txt) or the configured workload.
 
-jsonl: one JSON object a line, ``{"id": ..., "prompt": "text"}``, ``{"id": ...,
-"prompt_token_ids": [...]}`` or ``{"id": ..., "messages": [{"role": ..., "content": ...}, ...]}``
-(a conversation, rendered with the checkpoint's chat template and tokenized without adding
-special tokens again), optionally ``"sampling": {...}`` overriding the job's sampling parameters
-for that line. Without "id" a line's id is its line number. txt: one prompt a line (blank lines
-skipped), id = line number.
-
-A bad line (not JSON, not an object, an unknown key, no prompt or more than one, a bad id or a
-repeated one, a bad "sampling" override, bad messages or no chat template) becomes a ``BadLine``:
-the job writes an error record for it, ``{"id": <its id, or the line number when the id is
-missing, bad or repeated>, "finish_reason": "error", "error": "<file>:<line>: <reason>"}``, and
-runs the rest. With ``strict`` the whole file is refused before any work: one ``InputFileError``
-listing every bad line. Each request's sampling seed is derived from the job seed and its id, so
-a resumed job samples exactly what an uninterrupted one would.
-"""
+jsonl: one JSON object a line, ``{"id", "prompt"}``, ``{"id", "prompt_token_ids"}`` or
+``{"id", "messages"}`` (rendered with the checkpoint's chat template), optionally with
+``"sampling": {...}`` overriding the job's sampling for that line; without "id" the id is the
+line number. txt: one prompt a line (blank lines skipped). A bad line becomes a ``BadLine``:
+the job writes an error record for it (``"finish_reason": "error"``, ``"error":
+"<file>:<line>: <reason>"``) and runs the rest; with ``strict`` the whole file is refused
+first (one ``InputFileError`` listing every bad line). Invariant: each request's seed comes
+from the job seed and its id, so a resumed job samples what an uninterrupted one would.
+docs/engine.md, "The offline job (`megainfer-launch`)"; "Bad input"."""
 from __future__ import annotations
 
 import json

@@ -1,18 +1,12 @@
 """What a rerun of the offline job does with the output already on disk (``io.resume``).
 
 The output holds one current record per id. A rerun sorts the job's requests against it:
-
-* ``skipped``: the id's record finished (any ``finish_reason`` but ``error``), or it is an
-  error record of an input line that is still bad with the very same error (nothing changed:
-  its record stands);
-* ``retried``: the id's record is an error (a request that failed at run time, or a bad input
-  line since fixed or bad in another way): it runs again, and its old error record is dropped
-  from the file before the job appends the new one, so the output stays one line per id;
-* ``new``: the id has no record yet.
-
-A torn last line (a killed job) is cut off first. Error records of ids the input no longer has
-are kept as they are.
-"""
+``skipped`` (the record finished, or it is the error record of an input line still bad with
+the very same error), ``retried`` (the record is an error: it runs again, its old error record
+dropped from the file before the new one is appended) or ``new`` (no record yet). Invariant:
+the output stays one line per id. A torn last line (a killed job) is cut off first; error
+records of ids the input no longer has are kept as they are. docs/engine.md, "The offline job
+(`megainfer-launch`)"."""
 from __future__ import annotations
 
 import json

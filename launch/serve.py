@@ -1,26 +1,15 @@
-"""``megainfer-serve``: the Hydra front door of the HTTP server (docs/serve.md).
+"""``megainfer-serve``: the Hydra front door of the HTTP server.
 
-The launcher's config tree (``conf/config.yaml``: model, deploy, scheduler, cache, ...) plus the
-``serve`` group (``conf/serve/default.yaml`` -> ``megainfer.config.ServeConfig``); everything but
-``serve.*`` resolves through ``settings_from_config`` exactly as for ``megainfer-launch``.
-
-Two ways to run, every deploy mode either way:
-
-* ``megainfer-serve deploy=...`` (a plain process; ``serve.engine_process=true``, the default):
-  this process is the HTTP frontend; the engine core runs in a child job of
-  ``serve.world_size`` ranks (null: what the deploy plan's counts need; single mode: one), its
-  rank 0 talking to the frontend over a local socket (``core_client.spawn``). The frontend's
-  Python never waits for the GIL behind the core's, and a rank that dies (even SIGKILLed, which
-  takes the whole child job down) leaves the frontend to answer /health with 503, end the
-  in-flight streams with an error event and exit 1 naming the rank.
-* ``mpiexec -n N megainfer-serve deploy=...``: every rank resolves the same settings and builds
-  its part of the runtime (``core_client.start_ranks``, collective). Rank 0 gets the runtime's
-  online engine (``RuntimeEngine``) and serves it with the HTTP frontend on a thread beside
-  its core; every other rank serves rank 0 inside ``start_ranks`` until rank 0's closing
-  iteration, then exits 0. SIGTERM/SIGINT, which mpiexec forwards to every rank, drains on
-  rank 0 and is ignored elsewhere (those ranks end with rank 0's closing iteration). A failure
-  after start-up on any rank aborts the whole job (non-zero), naming the rank.
-"""
+The launcher's config tree (``conf/config.yaml``) plus the ``serve`` group
+(``conf/serve/default.yaml`` -> ``megainfer.config.ServeConfig``); everything but ``serve.*``
+resolves through ``settings_from_config`` as for ``megainfer-launch``. Two ways to run:
+* ``megainfer-serve deploy=...`` (``serve.engine_process=true``, the default): this process is
+  the HTTP frontend; the engine core runs in a child job of ``serve.world_size`` ranks, rank 0
+  talking to it over a local socket. A dead rank: /health 503, streams end, exit 1 naming it.
+* ``mpiexec -n N megainfer-serve deploy=...``: rank 0 serves its ``RuntimeEngine`` with the
+  frontend on a thread beside its core; every other rank serves rank 0 until its closing
+  iteration, then exits 0; a failure after start-up on any rank aborts the whole job.
+docs/serve.md, "Where things run"."""
 from __future__ import annotations
 
 import logging

@@ -1,16 +1,13 @@
 """One error report per failed start-up, not one per rank.
 
 Under mpiexec every rank composes the same config and resolves the same settings, so a bad key
-or value fails identically on each of them. The ranks then agree on their start-up failures
-(one ``allgather`` of each rank's message or None, at the same point of every rank's start-up:
-after ``settings_from_config``, or in ``main`` when Hydra itself refused the command line) and
-rank 0 prints each distinct message once: as a single process would when every rank failed
-alike, tagged with the ranks that had it otherwise. The other ranks stay silent. Every rank
-then exits with the failure's code. World size 1 prints its message directly.
-
-While Hydra composes the config each rank's stderr is held back (Hydra prints its own errors
-there), so that a composition error can be printed by rank 0 alone.
-"""
+or value fails identically on each. The ranks agree on their failures (one ``allgather`` of
+each rank's message or None, at the same point of every rank's start-up: after
+``settings_from_config``, or in ``main`` when Hydra refused the command line) and rank 0 prints
+each distinct message once, tagged with the ranks that had it unless all did; the others stay
+silent and every rank exits with the failure's code. World size 1 prints its message directly.
+While Hydra composes, each rank's stderr is held back (``HeldStderr``), so a composition error
+is printed by rank 0 alone. docs/engine.md, "Bad input"."""
 from __future__ import annotations
 
 import io
