@@ -81,6 +81,7 @@ class OffloadClient:
         self.seq: dict[int, int] = {}  # prefill rank -> messages sent to it
         self.trips = RoundTrips()
         self.started = 0  # offloaded requests started here
+        self.returned = 0  # offloaded requests preempted here: they recompute here, local
 
     # ---------------------------------------------------------------- lifecycle
     def adopt(self, req, rank: int, xfer: int) -> None:
@@ -194,6 +195,7 @@ class RemoteKVBlocks:
 
     def __init__(self, inner, client: OffloadClient):
         self._inner, self._client = inner, client
+        self._gone: set[int] = set()  # offloaded sequences released here (finished or preempted)
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
@@ -201,11 +203,15 @@ class RemoteKVBlocks:
     def allocate(self, req, num_tokens: int, cached=()) -> bool:
         if req.seq_id in self._client.by_seq:
             return True  # the prefill rank reserved its blocks up front
+        if req.seq_id in self._gone:  # preempted, now recomputed here: its KV came home
+            self._gone.discard(req.seq_id)
+            self._client.returned += 1
         return self._inner.allocate(req, num_tokens, cached)
 
     def free_request(self, req) -> None:
         if self._client.release(req.seq_id):
             req.block_table = []
+            self._gone.add(req.seq_id)
             return
         self._inner.free_request(req)
 

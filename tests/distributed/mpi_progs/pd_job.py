@@ -10,7 +10,7 @@ with prefix caching on, ``SHARED_CACHE``'s block size), ``routing`` (scheduler.r
 (``sampled_inputs``: seeded sampling with that many samples per request; OUT.json then maps
 each request to its samples' token ids), ``offload`` (a comma list of pd.offload_ratio values:
 each runs with pd.offload=true, keyed "<ckpt>|m=<m>|off=<ratio>", its stats adding the offload
-counts of every rank), ``abort`` (a request id aborted online after its first tokens).
+counts of every rank), ``pool`` (pd.offload_blocks), ``mml`` (scheduler.max_model_len, 128).
 A decode attention replicas x TP, E expert ranks, P prefill replicas (K = A*TP + E + P*ptp); MS a
 comma list of micro-batch counts. Prompts and configs are ``runtime_job``'s, so the single-mode
 reference is the same. ``fault=kill``: every prefill rank kills itself (SIGKILL) at its first step
@@ -99,7 +99,7 @@ def offload_counts(r) -> dict:
     if client is None:
         return {}
     b = loop.engine.blocks
-    out = dict(started=client.started, offloaded=client.num_offloaded,
+    out = dict(started=client.started, offloaded=client.num_offloaded, returned=client.returned,
                trips=client.trips.count, free=b.num_free_blocks, blocks=b.num_blocks)
     if loop.pd is not None:
         out["chosen"] = loop.pd.offload.offloaded
@@ -120,7 +120,8 @@ def main():
     cache = dataclasses.replace(base, kv_cache_dtype=opts.get("kv", "auto"),
                                 num_blocks=int(opts.get("blocks", CACHE.num_blocks)),
                                 kv_scale_granularity=opts.get("gran", base.kv_scale_granularity))
-    sched = dataclasses.replace(SCHED, routing=opts.get("routing", SCHED.routing))
+    sched = dataclasses.replace(SCHED, routing=opts.get("routing", SCHED.routing),
+                                max_model_len=int(opts.get("mml", SCHED.max_model_len)))
     kill = fault in ("kill", "hang", "hang_peer")  # comm.timeout_s=3
     if "prefill_delay" in opts:  # a slow prefill: the decode pool has long idle stretches
         PrefillWorker._step = _delayed(PrefillWorker._step, float(opts["prefill_delay"]))
@@ -135,7 +136,9 @@ def main():
         cfg = ModelConfig.from_pretrained(ckpt)
         for m, ratio in runs:
             key = f"{ckpt}|m={m}" if ratio is None else f"{ckpt}|m={m}|off={ratio:g}"
-            pd = PdConfig() if ratio is None else PdConfig(offload=True, offload_ratio=ratio)
+            pool = int(opts["pool"]) if "pool" in opts else None
+            pd = PdConfig() if ratio is None else PdConfig(offload=True, offload_ratio=ratio,
+                                                           offload_blocks=pool)
             plan = DeployPlan(mode="disaggregated", attention_replicas=A, attention_tp=TP,
                               expert_ranks=E, micro_batches=m, prefill_replicas=P,
                               prefill_tp=ptp)
