@@ -1,7 +1,7 @@
 """Disaggregated jobs with prefill replicas in one mpiexec launch; rank 0 dumps outputs.
 
     mpiexec -n K python pd_job.py OUT.json A TP E P MS CKPT[,CKPT...] [key=value ...]
-keys: ``max_tokens`` (12), ``fault`` (kill | hang | hang_peer), ``kv`` (cache.kv_cache_dtype, auto),
+keys: ``max_tokens`` (12), ``fault`` (kill | hang | hang_peer | hang_offload), ``kv`` (cache.kv_cache_dtype, auto),
 ``blocks`` (cache.num_blocks of every engine, runtime_job's by default: a small pool makes the
 decode replica wait to reserve, and preempt), ``prompts=shared`` (``runtime_job.shared_inputs``
 with prefix caching on, ``SHARED_CACHE``'s block size), ``routing`` (scheduler.routing),
@@ -17,7 +17,8 @@ reference is the same. ``fault=kill``: every prefill rank kills itself (SIGKILL)
 (the process manager ends the job); ``fault=hang``: it stops answering instead (sleeps), so rank 0 must
 notice within comm.timeout_s (3 s here) and abort the job naming it; ``fault=hang_peer``: only
 the prefill TP ranks other than a replica's leader sleep at their first step (the leader's
-all-reduce waits for them). All with comm.timeout_s=3.
+all-reduce waits for them); ``fault=hang_offload``: a prefill rank sleeps at the first
+offloaded attention it is asked for (the decode rank waiting for it must name it). All with comm.timeout_s=3.
 OUT.json maps "<ckpt>|m=<m>" to {request id: token ids}, and "<ckpt>|m=<m>|stats" to rank 0's
 counts (requests handed to each decode replica and prefilled by each prefill rank, the KV
 handoff times seen, per rank the TP collectives that went point to point, rank 0's idle
@@ -39,6 +40,7 @@ from runtime_job import CACHE, SCHED, SHARED_CACHE, dump_results, inputs, shared
 from mpi4py import MPI  # noqa: E402
 
 from megainfer.config import CommConfig, DeployPlan, LoadConfig, ModelConfig, PdConfig  # noqa: E402
+from megainfer.runtime.pd.offload_pool import OffloadPool  # noqa: E402
 from megainfer.runtime.pd.prefill_worker import PrefillWorker  # noqa: E402
 from megainfer.config import ResolvedJob  # noqa: E402
 from megainfer.core_client.client import run_job
@@ -122,12 +124,14 @@ def main():
                                 kv_scale_granularity=opts.get("gran", base.kv_scale_granularity))
     sched = dataclasses.replace(SCHED, routing=opts.get("routing", SCHED.routing),
                                 max_model_len=int(opts.get("mml", SCHED.max_model_len)))
-    kill = fault in ("kill", "hang", "hang_peer")  # comm.timeout_s=3
+    kill = fault in ("kill", "hang", "hang_peer", "hang_offload")  # comm.timeout_s=3
+    if fault == "hang_offload":  # the prefill rank stops answering at its first offload message
+        OffloadPool._attend = lambda self, msg: time.sleep(3600)
     if "prefill_delay" in opts:  # a slow prefill: the decode pool has long idle stretches
         PrefillWorker._step = _delayed(PrefillWorker._step, float(opts["prefill_delay"]))
     if fault == "hang_peer":  # TP rank 1 of a prefill replica sleeps at its first step
         PrefillWorker._step = _hang_unless_leader(PrefillWorker._step)
-    elif kill:
+    elif kill and fault != "hang_offload":
         PrefillWorker._step = _die_at_first_step if fault == "kill" else _hang_at_first_step
     results = {}
     ratios = [float(x) for x in opts["offload"].split(",")] if "offload" in opts else [None]
