@@ -72,6 +72,24 @@ def test_offload_relieves_a_small_decode_pool(tiny_ckpts, single_mode_tokens, tm
     _check_freed(off["offload"])
 
 
+def test_offload_with_prefix_caching_on_the_prefill_rank(tiny_ckpts, tmp_path):
+    """Shared-prefix prompts, prefix caching on: offloaded requests whose prompts hit the
+    prefill rank's cache keep (a copy of) those blocks; single mode's tokens (caching off)."""
+    import sys
+    sys.path.insert(0, os.path.dirname(JOB))
+    from runtime_job import shared_reference
+    ckpt = tiny_ckpts[("mixtral", "base")]
+    out = tmp_path / "out.json"
+    run_mpi(4, JOB, [out, 1, 1, 2, 1, "2", ckpt, "offload=1", "prompts=shared", "mml=64",
+                     "pool=60"], timeout=600)
+    got = json.loads(out.read_text())
+    want, _ = shared_reference(ckpt)
+    assert got[f"{ckpt}|m=2|off=1"] == want
+    stats = got[f"{ckpt}|m=2|off=1|stats"]
+    assert stats["cached"] > 0 and stats["offload"][0]["started"] >= 5, stats
+    _check_freed(stats["offload"])
+
+
 def test_offload_online_streams_and_aborts(tiny_ckpts, tmp_path):
     """AsyncLLM over p1a1e2 with pd.offload: streams, aborts (before, at and after the first
     token) end as without offload, rank 0's engine and the prefill pool's ledger all back."""
