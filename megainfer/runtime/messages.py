@@ -134,6 +134,7 @@ class OffloadQKV:
 
     seq: int  # this decode rank's message count to that prefill rank (the reply echoes it)
     layer: int
+    part: int  # which of the prefill rank's head slices (OffloadPool.slices): the sender's heads
     xfers: list  # [int] the requests' transfer ids (rank 0's)
     context_lens: list  # [int]
     q: Any

@@ -56,6 +56,21 @@ def test_offload_over_two_prefill_ranks(tiny_ckpts, single_mode_tokens, tmp_path
     _check_freed(stats["offload"])
 
 
+def test_offload_with_attention_tp_2(tiny_ckpts, single_mode_tokens, tmp_path):
+    """Decode TP 2, one prefill rank: each decode TP rank sends its heads' q/k/v, the prefill
+    rank keeps one head slice per decode TP rank (the same split) and attends it."""
+    ckpts = [tiny_ckpts[(fam, "base")] for fam in ("mixtral", "qwen3_moe")]
+    out = tmp_path / "out.json"
+    run_mpi(4, JOB, [out, 1, 2, 1, 1, "2", ",".join(ckpts), "offload=1"], timeout=600)
+    got = json.loads(out.read_text())
+    for ckpt in ckpts:
+        assert got[f"{ckpt}|m=2|off=1"] == single_mode_tokens[ckpt], ckpt
+        stats = got[f"{ckpt}|m=2|off=1|stats"]
+        t0, t1, _, prefill = stats["offload"]
+        assert t0["started"] == t1["started"] == 7 and prefill["served"] == t0["trips"] + t1["trips"]
+        _check_freed(stats["offload"])
+
+
 def test_offload_relieves_a_small_decode_pool(tiny_ckpts, single_mode_tokens, tmp_path):
     """34 decode blocks preempt without offload; a 17-block offload pool takes the requests
     it has room for (the others stream their KV as usual) and the preemptions go; same tokens."""

@@ -16,6 +16,7 @@ import logging
 
 from megainfer.config import ConfigError, PdConfig
 from megainfer.models import ParallelContext, build_model
+from megainfer.models.kv_spec import kv_head_slice
 from megainfer.runtime.pd.decode import DecodeSide
 from megainfer.runtime.pd.kv_place import sender_scales
 from megainfer.runtime.pd.kv_routes import check_prefill_tp, routes_to
@@ -69,7 +70,10 @@ def build_pd_rank(job, comm):
         router = PDRouter(kv_comm, prefill_rank_ids(plan), plan.attention_replicas, engine,
                           r.role.tag, policy) if rank == 0 else None
         if job.pd.offload:  # decode attention offloaded to the prefill ranks (offload_*.py)
-            decode.offload = install_decode(engine, kv_comm, r.role.tag, policy)
+            t = r.role.tp_rank  # prefill TP = decode TP: its peer; prefill TP 1: its heads there
+            decode.offload = install_decode(engine, kv_comm, r.role.tag, policy,
+                                            offset=t if plan.prefill_tp > 1 else 0,
+                                            part=t if plan.prefill_tp == 1 else 0)
             if router is not None:
                 router.offload = OffloadLedger(
                     job.pd.offload_ratio, job.pd.pool_blocks(job.cache.num_blocks),
@@ -86,8 +90,8 @@ def check_offload(job) -> None:
     if not pd.offload:
         return
     for ok, key, value, why in (
-            (plan.prefill_tp == 1, "deploy.prefill_tp", plan.prefill_tp, "1"),
-            (plan.attention_tp == 1, "deploy.attention_tp", plan.attention_tp, "1"),
+            (plan.prefill_tp in (1, plan.attention_tp), "deploy.prefill_tp", plan.prefill_tp,
+             f"1 or deploy.attention_tp={plan.attention_tp}"),
             (not cfg.is_mla, "model.family", cfg.family, "a GQA family (not MLA)"),
             (job.cache.kv_cache_dtype == "auto", "cache.kv_cache_dtype",
              job.cache.kv_cache_dtype, "auto")):
@@ -133,7 +137,11 @@ def _build_prefill(job, role, core, kv_comm, segs, epoch):
     engine = make_engine(ejob, role, model, lambda kv: PrefillExecutor(
         model, kv, job.cache.block_size, sender))
     if pool:
-        engine.executor.offload = OffloadPool(engine, model, pool, kv_comm, tag, w.policy)
+        slices = None  # prefill TP 1: one head slice per decode TP rank (their split)
+        if tp == 1 and plan.attention_tp > 1:
+            slices = [kv_head_slice(cfg.num_kv_heads, plan.attention_tp, t)
+                      for t in range(plan.attention_tp)]
+        engine.executor.offload = OffloadPool(engine, model, pool, kv_comm, tag, w.policy, slices)
         log.info("%s KV cache split: %d blocks for prompts in flight, %d for offloaded "
                  "requests (%.1f MiB)", tag, ejob.cache.num_blocks, pool,
                  engine.executor.offload.nbytes() / 2**20)

@@ -74,8 +74,11 @@ class RoundTrips:
 
 
 class OffloadClient:
-    def __init__(self, comm: MPI.Comm, me: str, policy: WaitPolicy, device):
+    def __init__(self, comm: MPI.Comm, me: str, policy: WaitPolicy, device, offset: int = 0,
+                 part: int = 0):
         self.comm, self.me, self.policy, self.device = comm, me, policy, device
+        # this decode TP rank's peer: prefill replica's first rank + offset; its head slice there
+        self.offset, self.part = offset, part
         self.by_seq: dict[int, tuple[int, int]] = {}  # seq id -> (prefill rank, xfer)
         self.outbox = Outbox(comm)
         self.seq: dict[int, int] = {}  # prefill rank -> messages sent to it
@@ -84,8 +87,9 @@ class OffloadClient:
         self.returned = 0  # offloaded requests preempted here: they recompute here, local
 
     # ---------------------------------------------------------------- lifecycle
-    def adopt(self, req, rank: int, xfer: int) -> None:
-        self.by_seq[req.seq_id] = (rank, xfer)
+    def adopt(self, req, src: int, xfer: int) -> None:
+        """``req`` decodes here with its KV on the prefill replica whose first rank is ``src``."""
+        self.by_seq[req.seq_id] = (src + self.offset, xfer)
         self.started += 1
 
     def release(self, seq_id: int) -> bool:
@@ -94,11 +98,12 @@ class OffloadClient:
         held = self.by_seq.pop(seq_id, None)
         if held is None:
             return False
-        self.release_xfer(*held)
+        self.outbox.post(OffloadRelease([held[1]]), held[0], tags.OFFLOAD_QKV)
         return True
 
-    def release_xfer(self, rank: int, xfer: int) -> None:
-        self.outbox.post(OffloadRelease([xfer]), rank, tags.OFFLOAD_QKV)
+    def release_xfer(self, src: int, xfer: int) -> None:
+        """A request dropped before it decoded here (prefill replica's first rank ``src``)."""
+        self.outbox.post(OffloadRelease([xfer]), src + self.offset, tags.OFFLOAD_QKV)
 
     @property
     def num_offloaded(self) -> int:
@@ -142,7 +147,7 @@ class OffloadClient:
         for g in plan.remotes:
             n = self.seq.get(g.rank, 0)
             self.seq[g.rank] = n + 1
-            msg = OffloadQKV(n, layer, g.xfers, g.context_lens, q[g.rows].cpu(),
+            msg = OffloadQKV(n, layer, self.part, g.xfers, g.context_lens, q[g.rows].cpu(),
                              k[g.rows].cpu(), v[g.rows].cpu())
             self.outbox.post(msg, g.rank, tags.OFFLOAD_QKV)
             out.append((g, n, layer, time.perf_counter()))
@@ -226,11 +231,12 @@ class RemoteKVBlocks:
         self._inner.fork(parent, child)
 
 
-def install_decode(engine, comm: MPI.Comm, me: str, policy: WaitPolicy) -> OffloadClient:
+def install_decode(engine, comm: MPI.Comm, me: str, policy: WaitPolicy, offset: int = 0,
+                   part: int = 0) -> OffloadClient:
     """Give a decode attention rank's engine the offload: its block manager, its executor's
-    ``offload`` hook and every layer's attention backend."""
+    ``offload`` hook and every layer's attention backend (``OffloadClient`` for the peer)."""
     ex = engine.executor
-    client = OffloadClient(comm, me, policy, ex.device)
+    client = OffloadClient(comm, me, policy, ex.device, offset, part)
     blocks = RemoteKVBlocks(engine.blocks, client)
     engine.blocks = engine.scheduler.blocks = blocks
     ex.offload = client

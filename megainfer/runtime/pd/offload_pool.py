@@ -41,13 +41,22 @@ log = logging.getLogger("megainfer.runtime")
 
 
 class OffloadPool:
+    """``slices[t]``: (first, count) of this rank's KV heads that decode TP rank ``t`` attends
+    (its ``part`` in ``OffloadQKV``); each has its own cache tensors, so one decode rank's
+    attention reads and writes its heads only. One slice of every head: decode TP equal to
+    prefill TP (each prefill TP rank serves its decode TP peer) or both 1."""
+
     def __init__(self, engine, model, num_blocks: int, comm: MPI.Comm, me: str,
-                 policy: WaitPolicy):
+                 policy: WaitPolicy, slices=None):
         self.comm, self.me, self.policy = comm, me, policy
         self.block_size = engine.cache_config.block_size
         spec, dev = engine.kv_spec, engine.device
         self.axis = spec.block_axis
-        self.kv = spec.allocate(num_blocks, self.block_size, dev, engine.kv_caches[0].dtype)
+        two, heads, D = spec.shape_per_token
+        self.slices = slices or [(0, heads)]
+        dt = engine.kv_caches[0].dtype
+        self.kv = [replace(spec, shape_per_token=(two, n, D)).allocate(
+            num_blocks, self.block_size, dev, dt) for _, n in self.slices]  # [part][layer]
         self.blocks = BlockManager(num_blocks, self.block_size)
         self.engine_kv, self.device = engine.kv_caches, dev
         self.attn = [layer.self_attn for layer in model.layers]
@@ -62,7 +71,7 @@ class OffloadPool:
         return self.blocks.num_blocks
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.kv)
+        return sum(t.numel() * t.element_size() for part in self.kv for t in part)
 
     def pending(self) -> bool:
         return bool(self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=tags.OFFLOAD_QKV))
@@ -83,8 +92,10 @@ class OffloadPool:
         n = self.blocks.blocks_needed(req.num_prompt_tokens)
         src = torch.tensor(req.block_table[:n], dtype=torch.long, device=self.device)
         dst = torch.tensor(holder.block_table[:n], dtype=torch.long, device=self.device)
-        for mine, theirs in zip(self.kv, self.engine_kv):
-            mine.index_copy_(self.axis, dst, theirs.index_select(self.axis, src))
+        for (first, count), part in zip(self.slices, self.kv):
+            for mine, theirs in zip(part, self.engine_kv):  # [2, NB, BS, H, D]: heads dim 3
+                mine.index_copy_(self.axis, dst,
+                                 theirs.index_select(self.axis, src)[:, :, :, first:first + count])
         self.held[xfer] = holder
         self.kept += 1
 
@@ -135,7 +146,7 @@ class OffloadPool:
         attn = self.attn[msg.layer]
         dev = self.device
         q, k, v = (t.to(dev) for t in (msg.q, msg.k, msg.v))
-        return attn.attn_backend(q, k, v, self.kv[msg.layer], meta, attn.scale).cpu()
+        return attn.attn_backend(q, k, v, self.kv[msg.part][msg.layer], meta, attn.scale).cpu()
 
 
 def _short(policy: WaitPolicy) -> WaitPolicy:
