@@ -129,7 +129,8 @@ class OffloadQKV:
     """A decode attention rank -> the prefill rank holding some of its requests' KV
     (``pd.offload``; ``tags.OFFLOAD_QKV``): one layer of one micro-batch, every offloaded
     request of it on that prefill rank (one new token each). ``q`` [S, Hq, D], ``k``/``v``
-    [S, Hkv, D] in the model's dtype, rotary applied; ``context_lens[i]``: tokens of request
+    [S, Hkv, D] in the model's dtype, rotary applied (MLA: ``q`` q_nope [S, H, Dn], ``k`` q_pe
+    [S, H, P], ``v`` the new latent [S, R+P]); ``context_lens[i]``: tokens of request
     ``xfers[i]`` cached before this one (its new k/v go to that position)."""
 
     seq: int  # this decode rank's message count to that prefill rank (the reply echoes it)
@@ -144,7 +145,8 @@ class OffloadQKV:
 
 @dataclass
 class OffloadOut:
-    """The prefill rank's answer (``tags.OFFLOAD_OUT``): the attention output [S, Hq, D]."""
+    """The prefill rank's answer (``tags.OFFLOAD_OUT``): the attention output [S, Hq, D] (MLA:
+    [S, H, V])."""
 
     seq: int
     out: Any

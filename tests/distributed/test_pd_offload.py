@@ -71,6 +71,26 @@ def test_offload_with_attention_tp_2(tiny_ckpts, single_mode_tokens, tmp_path):
         _check_freed(stats["offload"])
 
 
+def test_offload_deepseek_v3_mla(tmp_path_factory, tmp_path):
+    """MLA: the prefill rank keeps the latent cache; q_nope, q_pe and the new latent cross per
+    layer, the attention output comes back; single mode's tokens at ratios 0.5 and 1, m=1, 2."""
+    import sys
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_pd import _single_mode
+    from megainfer.tools.make_tiny import make_tiny
+    ckpt = make_tiny("deepseek_v3", str(tmp_path_factory.mktemp("dsv3") / "c"), seed=1)
+    out = tmp_path / "out.json"
+    run_mpi(4, JOB, [out, 1, 1, 2, 1, "1,2", ckpt, "offload=0.5,1"], timeout=600)
+    got = json.loads(out.read_text())
+    want = _single_mode(ckpt, "auto")
+    for m in (1, 2):
+        for ratio, chosen in (("0.5", 3), ("1", 7)):
+            key = f"{ckpt}|m={m}|off={ratio}"
+            assert got[key] == want, key
+            assert got[f"{key}|stats"]["offload"][0]["started"] == chosen, key
+            _check_freed(got[f"{key}|stats"]["offload"])
+
+
 def test_offload_relieves_a_small_decode_pool(tiny_ckpts, single_mode_tokens, tmp_path):
     """34 decode blocks preempt without offload; a 17-block offload pool takes the requests
     it has room for (the others stream their KV as usual) and the preemptions go; same tokens."""

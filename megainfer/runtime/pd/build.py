@@ -92,7 +92,8 @@ def check_offload(job) -> None:
     for ok, key, value, why in (
             (plan.prefill_tp in (1, plan.attention_tp), "deploy.prefill_tp", plan.prefill_tp,
              f"1 or deploy.attention_tp={plan.attention_tp}"),
-            (not cfg.is_mla, "model.family", cfg.family, "a GQA family (not MLA)"),
+            (not cfg.is_mla or plan.prefill_tp == plan.attention_tp, "deploy.prefill_tp",
+             plan.prefill_tp, f"deploy.attention_tp={plan.attention_tp} with MLA"),
             (job.cache.kv_cache_dtype == "auto", "cache.kv_cache_dtype",
              job.cache.kv_cache_dtype, "auto")):
         if not ok:
@@ -138,7 +139,7 @@ def _build_prefill(job, role, core, kv_comm, segs, epoch):
         model, kv, job.cache.block_size, sender))
     if pool:
         slices = None  # prefill TP 1: one head slice per decode TP rank (their split)
-        if tp == 1 and plan.attention_tp > 1:
+        if tp == 1 and plan.attention_tp > 1 and not cfg.is_mla:
             slices = [kv_head_slice(cfg.num_kv_heads, plan.attention_tp, t)
                       for t in range(plan.attention_tp)]
         engine.executor.offload = OffloadPool(engine, model, pool, kv_comm, tag, w.policy, slices)

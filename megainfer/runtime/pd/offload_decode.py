@@ -194,6 +194,24 @@ class OffloadedAttention:
         return out
 
 
+class OffloadedMLA(OffloadedAttention):
+    """The MLA form (DeepSeek-V3): the backend takes (module, q_nope, q_pe, latent, cache,
+    meta); what crosses is q_nope [S, H, Dn], q_pe [S, H, P] (rotary applied) and the new
+    latent [S, R+P] (``OffloadQKV``'s q, k, v); the answer is [S, H, V]."""
+
+    def __call__(self, mla, q_nope, q_pe, latent, cache, meta):
+        plan = meta.step_cache.get(PLAN_KEY) if meta is not None else None
+        if plan is None:
+            return self.inner(mla, q_nope, q_pe, latent, cache, meta)
+        sent = self.client.send(self.layer, plan, q_nope, q_pe, latent)
+        out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], mla.v_head_dim)
+        if plan.local.numel():
+            loc = plan.local
+            out[loc] = self.inner(mla, q_nope[loc], q_pe[loc], latent[loc], cache, meta)
+        self.client.receive(sent, out)
+        return out
+
+
 class RemoteKVBlocks:
     """The engine's ``BlockManager`` for a decode engine with offloaded sequences: those hold
     no blocks here (their KV is on a prefill rank); everything else is the wrapped manager's."""
@@ -240,7 +258,8 @@ def install_decode(engine, comm: MPI.Comm, me: str, policy: WaitPolicy, offset: 
     blocks = RemoteKVBlocks(engine.blocks, client)
     engine.blocks = engine.scheduler.blocks = blocks
     ex.offload = client
+    wrap = OffloadedMLA if ex.model.config.is_mla else OffloadedAttention
     for l, layer in enumerate(ex.model.layers):
         attn = layer.self_attn
-        attn.attn_backend = OffloadedAttention(attn.attn_backend, l, client)
+        attn.attn_backend = wrap(attn.attn_backend, l, client)
     return client

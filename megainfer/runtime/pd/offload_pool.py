@@ -52,11 +52,16 @@ class OffloadPool:
         self.block_size = engine.cache_config.block_size
         spec, dev = engine.kv_spec, engine.device
         self.axis = spec.block_axis
-        two, heads, D = spec.shape_per_token
-        self.slices = slices or [(0, heads)]
+        self.mla = spec.kind == "mla"  # the latent: no heads to slice
         dt = engine.kv_caches[0].dtype
-        self.kv = [replace(spec, shape_per_token=(two, n, D)).allocate(
-            num_blocks, self.block_size, dev, dt) for _, n in self.slices]  # [part][layer]
+        if self.mla:
+            self.slices = [None]
+            self.kv = [spec.allocate(num_blocks, self.block_size, dev, dt)]
+        else:
+            two, heads, D = spec.shape_per_token
+            self.slices = slices or [(0, heads)]
+            self.kv = [replace(spec, shape_per_token=(two, n, D)).allocate(
+                num_blocks, self.block_size, dev, dt) for _, n in self.slices]  # [part][layer]
         self.blocks = BlockManager(num_blocks, self.block_size)
         self.engine_kv, self.device = engine.kv_caches, dev
         self.attn = [layer.self_attn for layer in model.layers]
@@ -92,10 +97,12 @@ class OffloadPool:
         n = self.blocks.blocks_needed(req.num_prompt_tokens)
         src = torch.tensor(req.block_table[:n], dtype=torch.long, device=self.device)
         dst = torch.tensor(holder.block_table[:n], dtype=torch.long, device=self.device)
-        for (first, count), part in zip(self.slices, self.kv):
-            for mine, theirs in zip(part, self.engine_kv):  # [2, NB, BS, H, D]: heads dim 3
-                mine.index_copy_(self.axis, dst,
-                                 theirs.index_select(self.axis, src)[:, :, :, first:first + count])
+        for sl, part in zip(self.slices, self.kv):
+            for mine, theirs in zip(part, self.engine_kv):
+                blocks = theirs.index_select(self.axis, src)
+                if sl is not None:  # GQA [2, NB, BS, H, D]: this slice's heads
+                    blocks = blocks[:, :, :, sl[0]:sl[0] + sl[1]]
+                mine.index_copy_(self.axis, dst, blocks)
         self.held[xfer] = holder
         self.kept += 1
 
@@ -146,7 +153,10 @@ class OffloadPool:
         attn = self.attn[msg.layer]
         dev = self.device
         q, k, v = (t.to(dev) for t in (msg.q, msg.k, msg.v))
-        return attn.attn_backend(q, k, v, self.kv[msg.part][msg.layer], meta, attn.scale).cpu()
+        cache = self.kv[msg.part][msg.layer]
+        if self.mla:  # q_nope, q_pe, the latent
+            return attn.attn_backend(attn, q, k, v, cache, meta).cpu()
+        return attn.attn_backend(q, k, v, cache, meta, attn.scale).cpu()
 
 
 def _short(policy: WaitPolicy) -> WaitPolicy:
