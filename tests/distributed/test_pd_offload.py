@@ -91,6 +91,25 @@ def test_offload_deepseek_v3_mla(tmp_path_factory, tmp_path):
             _check_freed(got[f"{key}|stats"]["offload"])
 
 
+def test_offload_seeded_sampling_equals_single_mode(tiny_ckpts, tmp_path):
+    """Seeded sampling (n=1: offloaded; r3 and r5 finish at their first token, so their pool
+    room comes back at once): every token single mode's, the seed travels."""
+    import sys
+    sys.path.insert(0, os.path.dirname(JOB))
+    from pd_job import sampled_inputs
+    from test_pd_tp import _single_mode
+    ckpt = tiny_ckpts[("mixtral", "base")]
+    want = {k: [c.token_ids for c in o.outputs] for k, o in
+            _single_mode(ckpt, lambda v, mt: sampled_inputs(v, mt, 1)).items()}
+    out = tmp_path / "out.json"
+    run_mpi(4, JOB, [out, 1, 1, 2, 1, "2", ckpt, "n=1", "offload=1"], timeout=600)
+    got = json.loads(out.read_text())
+    assert got[f"{ckpt}|m=2|off=1"] == want
+    stats = got[f"{ckpt}|m=2|off=1|stats"]
+    assert stats["offload"][0]["chosen"] == 7 and stats["offload"][0]["started"] >= 5, stats
+    _check_freed(stats["offload"])
+
+
 def test_offload_relieves_a_small_decode_pool(tiny_ckpts, single_mode_tokens, tmp_path):
     """34 decode blocks preempt without offload; a 17-block offload pool takes the requests
     it has room for (the others stream their KV as usual) and the preemptions go; same tokens."""
