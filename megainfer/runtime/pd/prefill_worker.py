@@ -167,13 +167,17 @@ class PrefillWorker:
         policy's timeout (a timeout here is no error: the caller looks again)."""
         self.executor.sender.poll()
         self._check_sends()
+        policy = self.sending_policy if self.executor.sender.inflight else self.policy
         pool = self.executor.offload
-        if pool is not None:  # offloaded decode attention is answered while idle too
-            pool.serve()
-            wait_until(lambda: arrived() or pool.pending(), self.sending_policy)
-            pool.serve()
+        if pool is None:
+            wait_until(arrived, policy)
             return
-        wait_until(arrived, self.sending_policy if self.executor.sender.inflight else self.policy)
+        pool.serve()  # offloaded decode attention is answered while idle too: while it holds
+        # requests, back every 50 ms at most (the wait's sleeps stay short, so a decode step's
+        # message is seen soon after it arrives)
+        short = self.sending_policy if pool.held else policy
+        wait_until(lambda: arrived() or pool.pending(), short)
+        pool.serve()
 
     def _add(self, item: WorkItem):
         xfer, inp, replica = item.xfer, item.input, item.replica
