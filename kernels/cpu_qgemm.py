@@ -6,9 +6,11 @@ precision; a dequantised copy lives only for the call, one weight at a time.
   on CPU (x and scale in the same dtype: fp32 or bf16); elsewhere data * scale, then F.linear.
 * ``int4``  ``aten._weight_int4pack_mm_for_cpu(x, data, G, scale_zeros)`` (CPU only: the
   stored layout is that op's).
-* ``fp8``   activations quantised per token per ``bi``-column group to the weight's float8
-  format (DeepSeek-V3's dynamic scheme, ``quantize_act_fp8``), the weight dequantised block by
-  block into the compute dtype for this call, then F.linear (torch has no CPU fp8 GEMM).
+* ``fp8``   on cuda the block-scaled fp8 Triton GEMM (``triton_fp8_gemm.fp8_block_linear``:
+  activations quantised per token per ``bi``-column group, fp8 tensor cores where the device
+  has them); elsewhere activations quantised the same way (``quantize_act_fp8``), the weight
+  dequantised block by block into the compute dtype for this call, then F.linear (torch has
+  no CPU fp8 GEMM).
 
 Every path is tested against ``weight_quant.qlinear_ref`` (tests/unit/kernels/
 test_weight_quant.py).
@@ -72,7 +74,11 @@ def _int4(x2: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
 
 
 def _fp8(x2: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
-    xq = quantize_act_fp8(x2, qw.fmt.block[1], qw.fmt.fp8_dtype)  # [T, K] in x's dtype
+    bi = qw.fmt.block[1]
+    if x2.is_cuda and bi >= 16 and bi & (bi - 1) == 0:  # the block-scaled fp8 Triton GEMM
+        from .triton_fp8_gemm import fp8_block_linear  # Triton: imported on cuda only
+        return fp8_block_linear(x2, qw)
+    xq = quantize_act_fp8(x2, bi, qw.fmt.fp8_dtype)  # [T, K] in x's dtype
     return F.linear(xq, dequantize_fp8_blocks(qw.data, qw.scale, qw.fmt.block, x2.dtype))
 
 

@@ -237,10 +237,10 @@ def dequantize(qw: QuantizedWeight, dtype=torch.float32) -> torch.Tensor:
     return w_t.t().to(dtype).contiguous()
 
 
-def quantize_act_fp8(x: torch.Tensor, group: int, dtype=torch.float8_e4m3fn) -> torch.Tensor:
-    """Dynamic per-token-group activation quantisation, as DeepSeek-V3 runs it (one scale per
-    token per ``group`` columns = group amax / fp8 max), returned dequantised in x's dtype:
-    x [T, K] -> [T, K] holding the values an fp8 GEMM sees."""
+def quantize_act_fp8_scaled(x: torch.Tensor, group: int, dtype=torch.float8_e4m3fn):
+    """Dynamic per-token-group activation quantisation, as DeepSeek-V3 runs it: x [T, K] ->
+    (q [T, K] ``dtype``, s [T, ceil(K/group)] float32), s = max(group amax / fp8 max, 1e-12),
+    q = fp8(x / s) (the operands of a w8a8 block GEMM)."""
     T, K = x.shape
     fmax = FP8_MAX[dtype]
     nc = cdiv(K, group)
@@ -248,8 +248,15 @@ def quantize_act_fp8(x: torch.Tensor, group: int, dtype=torch.float8_e4m3fn) -> 
     pad[:, :K] = x
     g = pad.view(T, nc, group)
     s = (g.abs().amax(-1, keepdim=True) / fmax).clamp_min(1e-12)  # [T, nc, 1]
-    q = (g / s).clamp_(-fmax, fmax).to(dtype).float() * s
-    return q.view(T, nc * group)[:, :K].to(x.dtype)
+    q = (g / s).clamp_(-fmax, fmax).to(dtype)
+    return q.view(T, nc * group)[:, :K].contiguous(), s[..., 0].contiguous()
+
+
+def quantize_act_fp8(x: torch.Tensor, group: int, dtype=torch.float8_e4m3fn) -> torch.Tensor:
+    """``quantize_act_fp8_scaled`` returned dequantised in x's dtype: x [T, K] -> [T, K]
+    holding the values an fp8 GEMM sees."""
+    q, s = quantize_act_fp8_scaled(x, group, dtype)
+    return (q.float() * s.repeat_interleave(group, dim=1)[:, :x.shape[1]]).to(x.dtype)
 
 
 def qlinear_ref(x: torch.Tensor, qw: QuantizedWeight,

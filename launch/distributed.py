@@ -42,7 +42,7 @@ def run_distributed(s, requests, output_path: str, run_dir: str) -> int:
     try:
         from megainfer.runtime.roles import assign_role
         tag = assign_role(s.deploy, comm.Get_rank(), comm.Get_size()).tag
-        rank = build_ranks(s, comm, report_spans=False)  # its trace is merged at the end
+        rank = build_ranks(s, comm)
         ranks = gather_roster(comm, tag)
         if ranks:  # so a process manager's "PID n died" can be read as a rank and role
             log.info("[launch] ranks: %s", roster_text(ranks))

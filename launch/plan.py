@@ -57,15 +57,18 @@ def _shape(cfg: DictConfig):
 
     from megainfer.perfmodel.model.shapes import ModelShape
 
+    from megainfer.perfmodel.model.weight_format import with_weight_format
     from megainfer.perfmodel.plan.auto_plan import model_shape
     d = OmegaConf.to_container(cfg.model, resolve=True)
     cache = cfg.get("cache", {})
     kv = {"kv_cache_dtype": d.get("kv_cache_dtype", cache.get("kv_cache_dtype", "auto")),
           "kv_scale_granularity": d.get("kv_scale_granularity",
                                         cache.get("kv_scale_granularity", "token_head"))}
+    q, group = d.get("quantization"), d.get("quantization_group_size", 64)
     if any(d.get(k) for k in SOURCE_KEYS):
         mc, name = _model_config(d)
-        return replace(model_shape(mc, name), **kv)
+        path = os.path.expanduser(str(d["path"])) if d.get("path") else None
+        return with_weight_format(replace(model_shape(mc, name), **kv), q, group, path)
     d.update(kv)
     return ModelShape.from_dict({k: v for k, v in d.items() if k != "name" and k not in SOURCE_KEYS},
                                 d.get("name", "model"))

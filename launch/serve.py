@@ -35,6 +35,7 @@ from megainfer.config import ConfigError, ServeConfig
 from megainfer.config.keys import field_names, take
 from megainfer.engine import RequestError
 from megainfer.engine.failures import EngineDeadError
+from megainfer.engine.resolve import JobTree, deploy_world_size
 
 from .settings import JOB_GROUPS, settings_from_config
 from megainfer.engine_core.launch_env import local_rank, local_ranks, world_rank, world_size
@@ -94,17 +95,15 @@ def _log_ranks(s) -> None:
 def run_spawned(cfg, c: dict, serve: ServeConfig) -> int:
     """A plain process: the frontend here, the engine core in a child job (every mode);
     ``c``, ``serve``: ``serve_tree(cfg)``."""
-    from megainfer.core_client.client import JobTree
-    from megainfer.core_client.llm_job import asks_planner, deploy_world_size
-    from megainfer.serve.engine_client import EngineClient
+    from megainfer.serve.served_engine import ServedEngine
     from megainfer.serve.metrics import iteration_role
     from megainfer.serve.server import metrics_label, serve_client, served_name
     world = deploy_world_size(c, serve.world_size)
     s = settings_from_config(c, world, world, 0, holds_cache=False)  # rank 0's settings, every
     # check up front; the KV pool is the child job's (no CUDA context in the frontend)
-    spec = JobTree(c, world, auto_plan=asks_planner(c))
+    spec = JobTree(c, world)
     name = served_name(serve, cfg.model.get("path"), s.model.family)
-    client = EngineClient.spawn(spec, s, name, serve, iteration_role(s),
+    client = ServedEngine.spawn(spec, s, name, serve, iteration_role(s),
                                 metrics_label(serve, name, cfg.model.get("path")))
     print(_ranks_line(client.llm.ranks, f"; frontend pid {os.getpid()}"), flush=True)
     log.info("[serve] the frontend serves %s over a child job of %d ranks", s.deploy.mode, world)
@@ -114,7 +113,6 @@ def run_spawned(cfg, c: dict, serve: ServeConfig) -> int:
 def _can_spawn(c: dict, serve: ServeConfig) -> bool:
     """An ``mpiexec`` to start the child job with; without one, single mode falls back to its
     core on a thread here (a warning), and a distributed mode fails saying what is missing."""
-    from megainfer.core_client.llm_job import deploy_world_size
     from megainfer.core_client.mpiexec_job import find_mpiexec
     from megainfer.engine.failures import CoreStartError
     try:
@@ -129,7 +127,7 @@ def _can_spawn(c: dict, serve: ServeConfig) -> bool:
 
 def run_server(cfg) -> int:
     from megainfer.engine_core.builder import start_ranks
-    from megainfer.serve.engine_client import EngineClient
+    from megainfer.serve.served_engine import ServedEngine
     from megainfer.serve.metrics import iteration_role
     from megainfer.serve.server import metrics_label, serve_client, served_name
     distributed, rank = world_size() > 1, world_rank()
@@ -153,7 +151,7 @@ def run_server(cfg) -> int:
         if distributed:
             log.info("[serve] rank 0 serves %s over %d ranks", s.deploy.mode, world_size())
         name = served_name(serve, cfg.model.get("path"), s.model.family)
-        client = EngineClient.beside(engine, name, serve, iteration_role(s),
+        client = ServedEngine.beside(engine, name, serve, iteration_role(s),
                                      engine.hang_after_s(float(s.comm.timeout_s)),
                                      metrics_label(serve, name, cfg.model.get("path")))
         code = serve_client(client, serve, s.load.path)

@@ -18,8 +18,6 @@ from megainfer.engine.resolve import GROUP_KEYS, resolve_job
 from megainfer.engine import SamplingParams
 from megainfer.engine.errors import SamplingParamsError
 
-from megainfer.perfmodel.plan.auto_plan import auto_plan
-
 log = logging.getLogger("megainfer.launch")
 
 JOB_GROUPS = ("sampling", "io", "workload")  # the offline job's own groups
@@ -129,8 +127,8 @@ def settings_from_config(cfg, world_size: int = 1, local_ranks: int = 1,
     c = _plain(cfg)
     c.pop("hydra", None)
     # deploy=auto: the planner splits the ranks (docs/perfmodel.md, "The planner at launch")
-    job = resolve_job(c, world_size, local_ranks, local_rank, planner=auto_plan,
-                      other_groups=JOB_GROUPS, holds_cache=holds_cache)
+    job = resolve_job(c, world_size, local_ranks, local_rank, other_groups=JOB_GROUPS,
+                      holds_cache=holds_cache)
     sampling = _sampling(c.get("sampling", {}))
     io = IOSettings(**take("io", c.get("io", {}), field_names(IOSettings)))
     if io.output:

@@ -32,7 +32,8 @@ from typing import Any, AsyncIterator, Callable, Optional
 
 from megainfer.config import ResolvedJob
 from megainfer.core_client import Intake, open_core
-from megainfer.core_client.client import JobTree, core_thread
+from megainfer.core_client.client import core_thread
+from megainfer.engine.resolve import JobTree
 from megainfer.engine import RequestError, RequestOutput, SamplingParams
 from megainfer.engine_core.core import SHUTDOWN_TIMEOUT_S
 from megainfer.engine_core.messages import AbortRequest, CoreOutputs

@@ -44,6 +44,13 @@
 #   tune1/2   perf/bench/tune_moe_kernels.py --space small (kernels/tile_configs.json is committed);
 #   bench     perf/bench/bench_moe_kernels.py --device cuda: Triton vs the torch path, TFLOP/s;
 #   m2n       the MPI layer on the machine's 16 cores (bench_m2n).
+#   fp8       the block-scaled FP8 dense GEMM compiled for real (fp8 tensor cores) against its
+#             torch reference (tests/unit/kernels/test_fp8_gemm_triton.py, with the cuda qlinear path);
+#   fp8bench  perf/bench/bench_fp8_gemm_gpu.py: the FP8 grouped GEMM vs bf16 at Mixtral-8x7B /
+#             Qwen3-30B-A3B / DeepSeek-V3 expert shapes (decode B = 1..256, prefill 4096) and
+#             the FP8 dense GEMM vs bf16 F.linear, against the HBM and tensor-core roofs;
+#             --budget-s (FP8_S - 30) stops it between rows. Issue 50's GPU check on its own:
+#             STEPS="env fp8 fp8bench" bash perf/gpu_session.sh (about 5 min, timeout_s 480).
 #   serve     perf/bench/bench_serve.py --device cuda: megainfer-serve (bench50m, bf16, on the GPU, a
 #             subprocess; SERVE_MODES, default single,a1e2: also mpiexec -n 3 deploy=a1e2, its 3
 #             ranks sharing the GPU, beside the simulator's prediction) driven by
@@ -196,6 +203,9 @@ step calib 200 "${R18[@]}" MEGAINFER_CALIBRATE_LINK="$W/bench_transport_gpu.json
     calibrate.bench=megainfer_cuda calibrate.mpi=false calibrate.node=false calibrate.smoke=${CALIB_SMOKE:-false} \
     calibrate.merge=false calibrate.out=$W/h200_measured.yaml"
 step nccl 60 "$PY" perf/bench/bench_nccl_self.py --out "$W/bench_nccl_self.json"
+step fp8 150 bash -c "cd $ROOT && $PY -m pytest -q -rs -p no:cacheprovider -o timeout=140 tests/unit/kernels/test_fp8_gemm_triton.py"
+step fp8bench ${FP8_S:-240} "$PY" perf/bench/bench_fp8_gemm_gpu.py --device cuda \
+  --budget-s $(( ${FP8_S:-240} - 30 )) --out "$W/bench_fp8_gemm_cuda.json"
 step tune1 90 "$PY" perf/bench/tune_moe_kernels.py --space small --shape 8,14336,4096 --top-k 2 --m 4,32,256,2048,8192 --table "$TUNED" --log "$W/tune_mixtral.json"
 step tune2 80 "$PY" perf/bench/tune_moe_kernels.py --space small --shape 64,1408,2048 --top-k 6 --m 10,85,682,5461 --table "$TUNED" --log "$W/tune_dsv2lite.json"
 step bench 150 "$PY" perf/bench/bench_moe_kernels.py --device cuda
@@ -214,5 +224,5 @@ if [[ " $STEPS " == *" m2n "* ]]; then
 fi
 join
 echo "== summary"
-grep -h -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)|error" "$W"/{tests,attn,gputests,ipc,tokens,tp,eplb,trace,online}.log 2>/dev/null | cut -c1-220 | tail -n 40
+grep -h -E "^(FAILED|ERROR)|[0-9]+ (passed|failed)|error" "$W"/{tests,attn,gputests,ipc,tokens,tp,eplb,trace,online,fp8}.log 2>/dev/null | cut -c1-220 | tail -n 40
 cat "$W/rc.txt"

@@ -21,7 +21,7 @@ from megainfer import LLM
 from mpi_util import mpiexec_path
 from megainfer.config import ServeConfig
 from megainfer.engine_core.messages import parse_roster
-from megainfer.serve.engine_client import EngineClient
+from megainfer.serve.served_engine import ServedEngine
 from megainfer.serve.server import make_server
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -35,7 +35,7 @@ class ThreadServer:
     def __init__(self, ckpt: str, name: str = "tiny", llm_kw: dict = None, **serve_kw):
         self.llm = LLM(ckpt, **(llm_kw or {}))
         self.cfg = ServeConfig(port=0, served_model_name=name, **serve_kw)
-        self.client = EngineClient.beside(self.llm.engine, name, self.cfg)
+        self.client = ServedEngine.beside(self.llm.engine, name, self.cfg)
         self.server = make_server(self.client, self.cfg, ckpt)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

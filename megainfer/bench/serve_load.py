@@ -6,7 +6,9 @@
 
 Same flags, metrics and printed table as vLLM's (request and output throughput, goodput, TTFT /
 TPOT / ITL / E2EL mean, median and the chosen percentiles), a tqdm progress bar, and
-``--save-result`` JSON with vLLM's key names. docs/serve.md, "Benchmark".
+``--save-result`` JSON with vLLM's key names. ``--trace FILE`` or ``--trace-shape`` replays a
+trace open-loop (``serve_trace``), with results per phase and ``--timeline`` a picture.
+docs/serve.md, "Benchmark" and "Trace replay".
 """
 from __future__ import annotations
 
@@ -22,7 +24,9 @@ from typing import Optional
 import httpx
 import numpy as np
 
-from .serve_requests import RequestResult, arrival_gaps, jsonl_requests, random_requests, send
+from . import serve_trace
+from .serve_requests import (RequestResult, arrival_gaps, jsonl_requests, random_requests, send,
+                             trace_requests)
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 NAMES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
@@ -45,7 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--random-range-ratio", type=float, default=0.0)
     p.add_argument("--random-vocab-size", type=int, default=256,
                    help="random prompt token ids are drawn from [0, this)")
-    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="default 1000 (a trace: all of its requests)")
     p.add_argument("--request-rate", type=float, default=float("inf"))
     p.add_argument("--burstiness", type=float, default=1.0)
     p.add_argument("--max-concurrency", type=int, default=None)
@@ -60,6 +65,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--result-filename", default=None)
     p.add_argument("--metadata", nargs="*", default=[], metavar="KEY=VALUE")
     p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--trace", default=None, metavar="FILE", help="replay a trace: Azure or "
+                   "BurstGPT CSV, or jsonl {timestamp, input_len, output_len, phase?}")
+    p.add_argument("--trace-shape", default=None, metavar="PHASE:S,...", help="a synthetic "
+                   f"trace of phases {sorted(serve_trace.PHASES)}, relative to --request-rate "
+                   "and --random-input-len / --random-output-len")
+    p.add_argument("--trace-time-scale", type=float, default=1.0,
+                   help="send times x this (0.5: twice as fast)")
+    p.add_argument("--trace-max-len", type=int, default=None,
+                   help="synthetic trace: prompt + output within this (the server's "
+                   "max_model_len)")
+    p.add_argument("--trace-save", default=None, metavar="FILE", help="write the synthetic "
+                   "trace (jsonl) here")
+    p.add_argument("--timeline", default=None, metavar="PNG",
+                   help="a trace's timeline picture (needs matplotlib)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     a = p.parse_args(argv)
     a.slos = parse_goodput(a.goodput) if a.goodput else {}
@@ -70,6 +89,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.percentiles = [float(x) for x in a.metric_percentiles.split(",")]
     if a.dataset_name != "random" and not a.dataset_path:
         p.error("--dataset-path is needed for a jsonl dataset")
+    if a.trace and a.trace_shape:
+        p.error("--trace and --trace-shape: give one")
+    if a.trace_shape and a.request_rate == float("inf"):
+        p.error("--trace-shape needs a finite --request-rate (the phases' base rate)")
+    if not a.trace_time_scale > 0:
+        p.error(f"--trace-time-scale={a.trace_time_scale}: must be > 0")
     return a
 
 
@@ -83,7 +108,10 @@ def parse_goodput(items: list[str]) -> dict[str, float]:
     return out
 
 
-async def run(a, requests) -> tuple[list[RequestResult], float]:
+async def run(a, requests, switches: Optional[list] = None
+              ) -> tuple[list[RequestResult], float]:
+    """Send ``requests`` (at a trace's times, else by the rate's gaps); ``switches``: a list the
+    re-plan switch times are appended to (``serve_trace.replan_times``; None: not watched)."""
     base = (a.base_url or f"http://{a.host}:{a.port}").rstrip("/")
     url = base + (a.endpoint or ("/v1/chat/completions" if a.backend == "openai-chat"
                                  else "/v1/completions"))
@@ -98,6 +126,7 @@ async def run(a, requests) -> tuple[list[RequestResult], float]:
                           max_keepalive_connections=a.max_concurrency or len(requests))
     async with httpx.AsyncClient(timeout=httpx.Timeout(6 * 3600.0), limits=limits) as client:
         async def one(req):
+            sent = time.perf_counter() - t0
             if sem is None:
                 r = await send(client, url, a.model, req, a.backend == "openai-chat",
                                a.ignore_eos, headers)
@@ -107,15 +136,24 @@ async def run(a, requests) -> tuple[list[RequestResult], float]:
                                    a.ignore_eos, headers)
             if bar is not None:
                 bar.update(1)
+            r.sent_at, r.phase = sent, req.phase
             return r
         t0 = time.perf_counter()
+        done = asyncio.Event()
+        watch = None if switches is None else asyncio.create_task(
+            serve_trace.replan_times(client, base, t0, done, switches))
         tasks = []
         for req, gap in zip(requests, gaps):
-            if gap:
+            if req.at is not None:  # a trace: open loop, at its own times
+                gap = t0 + req.at * a.trace_time_scale - time.perf_counter()
+            if gap > 0:
                 await asyncio.sleep(gap)
             tasks.append(asyncio.create_task(one(req)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
+        done.set()
+        if watch is not None:
+            await watch
     if bar is not None:
         bar.close()
     return list(results), duration
@@ -155,6 +193,22 @@ def summarize(a, results: list[RequestResult], duration: float) -> dict:
     return d
 
 
+SUMMARY_ONLY = ("date", "backend", "model_id", "request_rate", "burstiness", "max_concurrency")
+
+
+def summarize_phases(a, results: list[RequestResult]) -> dict:
+    """A trace's results per phase (in order of first send): ``summarize`` over its requests,
+    its duration from its first send to its last answer."""
+    out = {}
+    for name in dict.fromkeys(r.phase for r in results):
+        rs = [r for r in results if r.phase == name]
+        span = max(r.sent_at + r.latency for r in rs) - min(r.sent_at for r in rs)
+        d = summarize(a, rs, max(span, 1e-9))
+        out[name] = {k: v for k, v in d.items()
+                     if k not in SUMMARY_ONLY and not isinstance(v, (list, dict))}
+    return out
+
+
 def table(a, d: dict) -> str:
     w = 40
     rows = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="="),
@@ -183,16 +237,32 @@ def table(a, d: dict) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     a = parse_args(argv)
-    if a.dataset_name == "random":
-        reqs = random_requests(a.num_prompts, a.random_input_len, a.random_output_len,
+    try:
+        rows = serve_trace.trace_rows(a)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"megainfer-bench-serve: {e}") from None
+    if rows is not None:
+        rows = rows if a.num_prompts is None else rows[:a.num_prompts]
+        reqs = trace_requests(rows, a.random_vocab_size, a.seed)
+    elif a.dataset_name == "random":
+        reqs = random_requests(a.num_prompts or 1000, a.random_input_len, a.random_output_len,
                                a.random_range_ratio, a.random_vocab_size, a.seed)
     else:
-        reqs = jsonl_requests(a.dataset_path, a.num_prompts, a.random_output_len)
+        reqs = jsonl_requests(a.dataset_path, a.num_prompts or 1000, a.random_output_len)
     print(f"Traffic request rate: {a.request_rate}, burstiness: {a.burstiness}, "
           f"max concurrency: {a.max_concurrency}", flush=True)
-    results, duration = asyncio.run(run(a, reqs))
+    switches = [] if rows is not None else None
+    results, duration = asyncio.run(run(a, reqs, switches))
     d = summarize(a, results, duration)
     print(table(a, d), flush=True)
+    if rows is not None:
+        d["phases"], d["replan_switches_s"] = summarize_phases(a, results), switches
+        d["sent_at"], d["phase_of"] = [r.sent_at for r in results], [r.phase for r in results]
+        d["trace"] = a.trace or a.trace_shape
+        print(serve_trace.phase_table(d["phases"], a.percentiles[-1]), flush=True)
+        if a.timeline:
+            serve_trace.timeline(a.timeline, rows, results, switches, a.slos)
+            print(f"timeline: {a.timeline}", flush=True)
     errs = [e for e in d["errors"] if e]
     if errs:
         print(f"{len(errs)} requests failed, first: {errs[0]}", file=sys.stderr)

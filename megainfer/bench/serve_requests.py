@@ -17,6 +17,8 @@ class BenchRequest:
     prompt: Union[str, list[int]]
     prompt_len: int
     output_len: int
+    at: Optional[float] = None  # a trace's send time, seconds from its start (None: gaps)
+    phase: str = ""  # a trace's phase
 
 
 @dataclass
@@ -28,6 +30,8 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)  # gaps between later chunks
     latency: float = 0.0
     error: str = ""
+    sent_at: float = 0.0  # seconds from the benchmark's start to the request's send
+    phase: str = ""
 
 
 def random_requests(num: int, input_len: int, output_len: int, range_ratio: float,
@@ -67,6 +71,14 @@ def jsonl_requests(path: str, num: int, output_len: int) -> list[BenchRequest]:
     if not out:
         raise ValueError(f"{path}: no requests")
     return out
+
+
+def trace_requests(rows, vocab_size: int, seed: int) -> list[BenchRequest]:
+    """A trace's rows (``serve_trace.TraceRow``) as requests of random token ids of their
+    prompt lengths, sent at their times."""
+    rng = random.Random(seed)
+    return [BenchRequest([rng.randrange(vocab_size) for _ in range(r.input_len)], r.input_len,
+                         r.output_len, r.at, r.phase) for r in rows]
 
 
 def arrival_gaps(num: int, rate: float, burstiness: float, seed: int) -> list[float]:

@@ -17,18 +17,18 @@ from __future__ import annotations
 
 import logging
 import sys
-from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Protocol
 
 from megainfer.config import ResolvedJob
+from megainfer.engine.resolve import JobTree
 from megainfer.engine_core.core import EngineCore
 from megainfer.engine_core.core_thread import EngineCoreThread
 from megainfer.engine_core.messages import CoreInput, CoreOutputs
 
-from megainfer.engine_core.builder import (mpi_world, rank_job, serve_rank0, single_engine,
+from megainfer.engine_core.builder import (mpi_world, serve_rank0, single_engine,
                                            start_ranks)
 
-from .frontend_intake import Intake
+from .request_stream import Intake
 from .inproc import InprocClient
 from .spawn import ChildJobClient
 from .sync_client import QueuedOutputs, SyncClient
@@ -53,24 +53,6 @@ class CoreClient(Protocol):
     def busy_s(self) -> float: ...
 
     def shutdown(self, timeout: Optional[float] = None) -> None: ...
-
-
-@dataclass(frozen=True)
-class JobTree:
-    """What every rank resolves its own ``ResolvedJob`` from (its GPU and threads depend on its
-    rank): the config tree, the world size and whether ``deploy=auto`` asks the planner."""
-
-    tree: dict
-    world_size: int
-    auto_plan: bool = False
-
-    def resolve(self, rank: int, holds_cache: bool = True) -> ResolvedJob:
-        """``holds_cache``: False for a frontend that only talks to the ranks
-        (``resolve_job``)."""
-        planner = None
-        if self.auto_plan:
-            from megainfer.perfmodel.plan.auto_plan import auto_plan as planner
-        return rank_job(self.tree, self.world_size, rank, planner, holds_cache)
 
 
 Deliver = Callable[[CoreOutputs], None]

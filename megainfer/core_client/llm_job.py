@@ -8,11 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence, Union
 
-from megainfer.config import ConfigError, DeployPlan, ModelConfig, ResolvedJob
-from megainfer.config.keys import field_names
+from megainfer.config import ConfigError, ModelConfig, ResolvedJob
 from megainfer.config.llm_args import llm_tree, named_error
-
-from .client import JobTree
+from megainfer.engine.resolve import JobTree, deploy_world_size
 from megainfer.engine_core.builder import mpi_world
 
 
@@ -50,7 +48,7 @@ def resolve_llm_job(args: Mapping, model, deploy: Union[None, str, Mapping],
         if isinstance(model, ModelConfig):
             tree.setdefault("model", {})["arch"] = model
         size = launch_size if launch_size > 1 else deploy_world_size(tree, world_size)
-        spec = JobTree(tree, size, auto_plan=asks_planner(tree))
+        spec = JobTree(tree, size)
         holds_cache = launch_size > 1 or (size == 1 and not engine_process)  # else a frontend
         job = spec.resolve(rank, holds_cache=holds_cache)
     except ConfigError as e:
@@ -59,24 +57,3 @@ def resolve_llm_job(args: Mapping, model, deploy: Union[None, str, Mapping],
             raise
         raise named from e
     return LLMJob(spec, job)
-
-
-def deploy_world_size(tree: dict, world_size: Optional[int] = None) -> int:
-    """``world_size``, else the ranks the deploy plan needs (``DeployPlan.world_size``, the one
-    rule) when the preset gives every count, else 1. Bad counts raise ``DeployPlan``'s
-    ``ConfigError`` naming the key."""
-    if world_size is not None:
-        return world_size
-    d = tree.get("deploy") or {}
-    counts = ("attention_replicas",) if d.get("mode") == "colocated" else \
-        ("attention_replicas", "attention_tp", "expert_ranks")
-    if d.get("mode") not in ("colocated", "disaggregated") or \
-            not all(isinstance(d.get(k), int) for k in counts):
-        return 1
-    return DeployPlan(**{k: d[k] for k in field_names(DeployPlan) if d.get(k) is not None}
-                      ).world_size
-
-
-def asks_planner(tree: dict) -> bool:
-    """deploy=auto: the launcher's planner (the performance model) picks the plan."""
-    return (tree.get("deploy") or {}).get("mode", "auto") in (None, "auto")

@@ -65,9 +65,9 @@ class RankWatch:
             if dead:
                 r = self.ranks[dead[0]]
                 also = ", ".join(f"rank {self.ranks[i].rank}" for i in dead[1:])
-                return RankLostError(f"rank {r.rank} {r.role} (pid {r.pid}) of the spawned job "
-                                     "died" + (f" ({also} then ended with it)" if also else ""),
-                                     r.rank, r.role)
+                return RankLostError.naming(
+                    r.rank, r.role,
+                    f"(pid {r.pid}) died" + (f" ({also} then ended with it)" if also else ""))
             rc = self.job.returncode()
             if rc is not None:
                 return self.rank0(f"is gone: mpiexec exited with status {rc}")
@@ -86,7 +86,7 @@ class RankWatch:
 
     def rank0(self, what: str) -> RankLostError:
         role = self.ranks[0].role if self.ranks else None
-        return RankLostError(f"rank 0 {role} of the spawned job {what}", 0, role)
+        return RankLostError.naming(0, role, what)
 
     def close(self) -> None:
         for f in self.pidfds:

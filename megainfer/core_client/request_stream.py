@@ -1,5 +1,7 @@
-"""One request's stream of outputs in the frontend: the engine core's updates in, cumulative
-``RequestOutput``s out (vLLM's default ``output_kind``), text decoded here, off the core's loop.
+"""One request in the frontend, both ways: ``Intake.open`` validates its prompt into token ids
+with the job's tokenizer and limits (off the engine core's loop, in the frontend's process, every
+deploy mode) and gives the core's ``AddRequest``; its ``RequestStream`` turns the core's updates
+into cumulative ``RequestOutput``s (vLLM's default ``output_kind``), text decoded here.
 
 Mid-stream outputs carry every token so far and the text of the complete characters so far
 (``SampleText``: a UTF-8 character split over tokens appears whole, in one output; with stop
@@ -11,11 +13,13 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from megainfer.config import ResolvedJob
 from megainfer.engine.detokenizer import SampleText, decode_text
-from megainfer.engine.intake import TokenizedPrompt
-from megainfer.engine.outputs import CompletionOutput, RequestOutput
+from megainfer.engine.intake import TokenizedPrompt, tokenize_request
+from megainfer.engine.outputs import CompletionOutput, PromptInput, RequestOutput
 from megainfer.engine.sampling_params import SamplingParams
-from megainfer.engine_core.messages import RequestUpdate
+from megainfer.engine.tokenizer import Tokenizer, load_tokenizer
+from megainfer.engine_core.messages import AddRequest, RequestUpdate
 
 
 class RequestStream:
@@ -73,3 +77,32 @@ class RequestStream:
         if out.prompt is None:  # the runtime's replicas get token ids; the text stayed here
             out.prompt = self.prompt.prompt
         return out
+
+
+class Intake:
+    """``tokenize`` as ``LLMEngine.tokenize`` does it, without an engine."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int):
+        self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
+
+    @classmethod
+    def for_job(cls, job: ResolvedJob, tokenizer: Optional[Tokenizer] = None) -> "Intake":
+        tok = tokenizer or load_tokenizer(job.load.path, job.model.eos_token_id)
+        return cls(tok, job.model.vocab_size, job.scheduler.max_model_len)
+
+    @classmethod
+    def of_engine(cls, engine) -> "Intake":
+        """The intake of an engine in this process (its tokenizer and limits)."""
+        return cls(engine.tokenizer, engine.vocab_size, engine.max_model_len)
+
+    def tokenize(self, prompt, params: SamplingParams, prompt_token_ids=None) -> TokenizedPrompt:
+        """A ``RequestError`` names the culprit; nothing is sent to the core."""
+        return tokenize_request(self.tokenizer, prompt, prompt_token_ids, params,
+                                self.vocab_size, self.max_model_len)
+
+    def open(self, inp: PromptInput) -> tuple[AddRequest, RequestStream]:
+        """One request -> (the core's input, the stream of its outputs, text decoded here); a
+        ``RequestError`` names the culprit and nothing is sent."""
+        tokens = self.tokenize(inp.prompt, inp.params, inp.prompt_token_ids)
+        return (AddRequest(str(inp.request_id), tokens, inp.params),
+                RequestStream(inp.request_id, tokens, inp.params, self.tokenizer))

@@ -19,7 +19,7 @@ from megainfer.engine.failures import EngineDeadError, core_died, core_not_runni
 from megainfer.engine.outputs import PromptInput, RequestOutput
 from megainfer.core_client.request_stream import RequestStream
 
-from .frontend_intake import Intake
+from .request_stream import Intake
 
 log = logging.getLogger("megainfer.core_client")
 POLL_S = 1.0  # how often a wait on a child job's core checks that it still runs

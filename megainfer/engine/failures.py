@@ -33,6 +33,12 @@ class RankLostError(EngineDeadError):
         super().__init__(message)
         self.rank, self.role = rank, role
 
+    @classmethod
+    def naming(cls, rank: int, role: Optional[str], what: str) -> "RankLostError":
+        """The one wording of a lost rank, wherever it is noticed: ``rank R ROLE WHAT``."""
+        who = f"rank {rank}" if role is None else f"rank {rank} {role}"
+        return cls(f"{who} {what}", rank, role)
+
     def __reduce__(self):  # picklable with its fields (it crosses processes)
         return (type(self), (str(self), self.rank, self.role))
 

@@ -3,16 +3,19 @@
 resolution").
 
 In order: every key checked against its group's schema (``GROUP_KEYS``); ``model.path`` made
-local; the deploy plan (``deploy=auto`` over N > 1 ranks asks the ``planner`` the front door
-passes) fitted to the world size; the device; model and weights; the scheduler; the KV cache
+local; the deploy plan (``deploy=auto`` over N > 1 ranks asks the performance model's planner,
+``perfmodel/plan/auto_plan.py``, from here only) fitted to the world size; the device; model and weights; the scheduler; the KV cache
 (format, block count from the memory budget, fit); the CPU threads; comm, trace, EPLB, re-plan.
 It sits above ``megainfer.config`` because the cache's size needs the model's KV spec and
-weight bytes (``sizing.py``, ``models/loader.py``)."""
+weight bytes (``sizing.py``, ``models/loader.py``). ``JobTree`` is what every door (``LLM``, the
+launcher, the server) hands its ranks: the tree and the world size (``deploy_world_size``, from
+``DeployPlan.world_size`` alone), each rank resolving its own job from it."""
 from __future__ import annotations
 
 import logging
 import os
-from typing import Callable, Mapping, Optional
+from dataclasses import dataclass
+from typing import Mapping, Optional
 
 from megainfer.config import (CacheConfig, CommConfig, ConfigError, DeployPlan, DeviceConfig,
                               EplbConfig, LoadConfig, ModelConfig, PdConfig, ReplanConfig, ResolvedJob,
@@ -23,6 +26,7 @@ from megainfer.config.hf_cache import checkpoint_dir
 from megainfer.config.keys import field_names, take
 from megainfer.config.model_source import model_config_of
 from megainfer.models.kv_spec import kv_head_slice
+from megainfer.perfmodel.plan.auto_plan import auto_plan
 
 from .sizing import check_cache_fits
 from .sizing import check_kv_cache_dtype, derive_num_blocks, resolve_max_model_len
@@ -50,14 +54,40 @@ _PLAIN_GROUPS = (("comm", CommConfig), ("trace", TraceConfig), ("eplb", EplbConf
                  ("replan", ReplanConfig), ("slo", SloConfig), ("pd", PdConfig))
 _NOT_PLAN_KEYS = ("cpu_threads", "device", "hardware")  # deploy.* keys that are not DeployPlan's
 
-# (config tree, world size) -> (deploy, scheduler) groups with the planner's choice filled in
-# (megainfer/perfmodel/plan/auto_plan.py)
-Planner = Callable[[dict, int], tuple[dict, dict]]
+
+@dataclass(frozen=True)
+class JobTree:
+    """What every rank resolves its own ``ResolvedJob`` from (its GPU and threads depend on its
+    rank): the config tree and the world size. It crosses to a child job's ranks."""
+
+    tree: dict
+    world_size: int
+
+    def resolve(self, rank: int, holds_cache: bool = True) -> ResolvedJob:
+        """Rank ``rank``'s job (every rank of one host: ``local_rank`` picks its GPU and its
+        share of the cores); ``holds_cache``: False for a frontend (``resolve_job``)."""
+        return resolve_job(self.tree, self.world_size, local_ranks=self.world_size,
+                           local_rank=rank, holds_cache=holds_cache)
+
+
+def deploy_world_size(tree: Mapping, world_size: Optional[int] = None) -> int:
+    """``world_size``, else the ranks the deploy plan needs (``DeployPlan.world_size``, the one
+    rule) when the tree gives every count, else 1. Bad counts raise ``DeployPlan``'s
+    ``ConfigError`` naming the key."""
+    if world_size is not None:
+        return world_size
+    d = tree.get("deploy") or {}
+    counts = ("attention_replicas",) if d.get("mode") == "colocated" else \
+        ("attention_replicas", "attention_tp", "expert_ranks")
+    if d.get("mode") not in ("colocated", "disaggregated") or \
+            not all(isinstance(d.get(k), int) for k in counts):
+        return 1
+    return DeployPlan(**{k: d[k] for k in field_names(DeployPlan) if d.get(k) is not None}
+                      ).world_size
 
 
 def resolve_job(tree: Mapping, world_size: int = 1, local_ranks: int = 1, local_rank: int = 0,
-                planner: Optional[Planner] = None, other_groups: tuple = (),
-                holds_cache: bool = True) -> ResolvedJob:
+                other_groups: tuple = (), holds_cache: bool = True) -> ResolvedJob:
     """``tree`` ({group: {key: value}}) -> the job's ResolvedJob. ``local_ranks``: processes of
     this job on this host (they share its cores); ``local_rank``: this process's index among
     them (on cuda it takes that GPU, modulo the visible ones). ``other_groups``: top-level
@@ -73,10 +103,7 @@ def resolve_job(tree: Mapping, world_size: int = 1, local_ranks: int = 1, local_
         c[g] = take(g, c.get(g) or {}, known)
     c["model"] = local_model(c["model"])
     d = c["deploy"]
-    if planner is not None:
-        planned, sched = planner(c, world_size)
-    else:
-        planned, sched = d, c["scheduler"]
+    planned, sched = auto_plan(c, world_size)  # deploy=auto: the plan; else both as given
     deploy = plan_for_world({k: v for k, v in planned.items() if k not in _NOT_PLAN_KEYS},
                             world_size)
     device = resolve_device(c, local_rank, distributed=deploy.mode != "single")

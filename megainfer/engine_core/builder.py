@@ -11,7 +11,6 @@ import torch
 
 from megainfer.config import ConfigError, ResolvedJob
 from megainfer.engine import LLMEngine
-from megainfer.engine.resolve import resolve_job
 from megainfer.engine.tokenizer import load_tokenizer
 from megainfer.models.loader import build_model
 
@@ -23,14 +22,6 @@ log = logging.getLogger("megainfer.engine_core")
 def mpi_world() -> tuple[int, int]:
     """(size, rank) of the MPI launch this process is part of; (1, 0) outside one."""
     return world_size(), world_rank()
-
-
-def rank_job(tree: dict, world: int, rank: int, planner=None,
-             holds_cache: bool = True) -> ResolvedJob:
-    """This rank's resolution of ``tree`` (every rank of one host: ``local_rank`` picks its GPU
-    and its share of the cores)."""
-    return resolve_job(tree, world, local_ranks=world, local_rank=rank, planner=planner,
-                       holds_cache=holds_cache)
 
 
 def device_name(device) -> str:
@@ -76,10 +67,10 @@ def start_ranks(job: ResolvedJob, comm=None):
     return None
 
 
-def build_ranks(job: ResolvedJob, comm=None, report_spans: bool = True):
+def build_ranks(job: ResolvedJob, comm=None):
     """Collective: this rank's ``Rank`` of a distributed job (its threads set; with
-    ``trace.enabled`` on cpu and ``report_spans``, the expert ranks' spans sent to rank 0 as
-    the job runs: a served job's live T_e / T_c). A job its
+    ``trace.enabled`` on cpu, the expert ranks' spans sent to rank 0 as the job runs: the
+    engine core's live T_e / T_c). A job its
     feature cannot run (re-planning: ``replan.check_replan``) is refused by every rank alike
     before anything collective (``startup.build_rank``)."""
     from mpi4py import MPI
@@ -89,7 +80,7 @@ def build_ranks(job: ResolvedJob, comm=None, report_spans: bool = True):
     if job.cpu_threads is not None:
         torch.set_num_threads(job.cpu_threads)
     r = build_rank(job, MPI.COMM_WORLD if comm is None else comm)
-    if r.role.rank != 0 and report_spans and job.trace.enabled and not r.tracer.cuda:
+    if r.role.rank != 0 and job.trace.enabled and not r.tracer.cuda:
         r.expert_hooks.append(ExpertSpanReporter(r))  # (a re-plan may make any rank an expert)
     return r
 

@@ -26,10 +26,9 @@ from multiprocessing.connection import Client
 
 from mpi4py import MPI
 
-from megainfer.comm.errors import CommTimeoutError
 from megainfer.engine.failures import CoreStartError, EngineDeadError, RankLostError
 from megainfer.engine.stats import core_hangs
-from megainfer.runtime.control import RankFailure
+from megainfer.runtime.control import silent_peer
 from megainfer.runtime.roles import assign_role
 from megainfer.runtime.startup import abort_job
 
@@ -48,19 +47,13 @@ POLL_S = 0.25  # rank 0's main thread: how often it checks its core thread while
 def wire_error(e: BaseException, ranks: dict, what: str = "rank 0's engine core died"):
     """``e`` as the ``EngineDeadError`` the script gets: one already (the runtime's engine
     names a silent peer itself: ``RankLostError``) as it is; a peer that did not answer in time
-    anywhere else in its chain (the control plane's ``RankFailure``, a channel's
-    ``CommTimeoutError``, e.g. while the ranks start) named by its rank and role (``ranks``:
-    rank -> ``RankInfo``); anything else by its type and message."""
+    anywhere else in its chain (e.g. while the ranks start) named by ``control.silent_peer``
+    (``ranks``: rank -> ``RankInfo``); anything else by its type and message."""
     if isinstance(e, EngineDeadError):
         return e
-    seen, cur = set(), e
-    while cur is not None and id(cur) not in seen:
-        if isinstance(cur, (RankFailure, CommTimeoutError)) and isinstance(cur.peer, int):
-            role = ranks[cur.peer].role if cur.peer in ranks else None
-            return RankLostError(f"rank {cur.peer} {role} of the spawned job stopped answering: "
-                                 f"{cur}", cur.peer, role)
-        seen.add(id(cur))
-        cur = cur.__cause__ or cur.__context__
+    lost = silent_peer(e, lambda r: ranks[r].role if r in ranks else None)
+    if lost is not None:
+        return lost
     return EngineDeadError(f"{what}: {type(e).__name__}: {e} (its traceback is in the job's "
                            "log)")
 
@@ -137,7 +130,7 @@ def _hung(out: _Outbox, ranks: dict, prefix: str, hangs: str) -> None:
     """The core thread is stuck inside one round (while this thread, alive, would go on
     sending heartbeats): tell the script, naming rank 0; the caller then ends this process."""
     role = ranks[0].role if 0 in ranks else None
-    err = RankLostError(f"rank 0 {role} of the spawned job: {hangs}", 0, role)
+    err = RankLostError.naming(0, role, hangs)
     log.error("%s %s", prefix, err)
     out.send(CoreOutputs(error=err), timeout=1.0)
 

@@ -4,9 +4,13 @@ time and named. Tensors never travel here (they use ``megainfer.comm``). The mes
 ``messages.py``'s dataclasses; their tags ``tags.py``'s."""
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 from mpi4py import MPI
 
+from megainfer.comm.errors import CommTimeoutError
 from megainfer.comm.wait import WaitPolicy, wait_until
+from megainfer.engine.failures import RankLostError
 
 
 class RankFailure(RuntimeError):
@@ -17,6 +21,20 @@ class RankFailure(RuntimeError):
         super().__init__(f"{me}: {who} did not answer within {waited_s:.1f}s during {phase}; "
                          "aborting the job (finished results are on disk)")
         self.peer, self.phase = peer, phase
+
+
+def silent_peer(e: BaseException, role_of: Callable[[int], Optional[str]]
+                ) -> Optional[RankLostError]:
+    """The peer that did not answer in time somewhere in ``e``'s chain (a ``RankFailure``'s or a
+    channel's ``CommTimeoutError``'s ``peer``) as the ``RankLostError`` naming it, its role from
+    ``role_of``; None when no peer is to blame."""
+    seen, cur = set(), e
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, (RankFailure, CommTimeoutError)) and isinstance(cur.peer, int):
+            return RankLostError.naming(cur.peer, role_of(cur.peer), f"stopped answering: {cur}")
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return None
 
 
 class Outbox:

@@ -25,11 +25,11 @@ import time
 from typing import Optional, Protocol
 
 from megainfer.engine.errors import DuplicateRequestError
-from megainfer.engine.failures import RankLostError
 from megainfer.engine.intake import TokenizedPrompt
 from megainfer.engine.outputs import PromptInput, RequestOutput, StepOutputs
 from megainfer.engine.sampling_params import SamplingParams
 from megainfer.engine.stats import EngineLoad
+from megainfer.runtime.control import silent_peer
 from megainfer.runtime.roles import assign_role
 from megainfer.runtime import timeouts
 from megainfer.runtime.span_report import PipelineSpans
@@ -187,16 +187,14 @@ class RuntimeEngine:
             self.held[rid] = max(0.0, t0 - self.arrived.pop(rid))
 
     def _named(self, e: BaseException) -> BaseException:
-        """A peer that did not answer (``RankFailure``, ``CommTimeoutError``: their ``peer``)
-        -> ``RankLostError`` naming its rank and role; anything else as it is."""
-        peer = getattr(e, "peer", None)
-        if not isinstance(peer, int):
-            return e
-        job = self.rank.job
-        world = job.deploy.world_size
-        role = assign_role(job.deploy, peer, world).tag if 0 <= peer < world else None
-        return RankLostError(f"{role or f'rank {peer}'} (rank {peer}) stopped answering: {e}",
-                             peer, role)
+        """A peer that did not answer -> ``RankLostError`` naming its rank and role
+        (``control.silent_peer``); anything else as it is."""
+        return silent_peer(e, self._role_of) or e
+
+    def _role_of(self, peer: int) -> Optional[str]:
+        deploy = self.rank.job.deploy
+        return assign_role(deploy, peer, deploy.world_size).tag \
+            if 0 <= peer < deploy.world_size else None
 
     def idle_tick(self) -> None:
         self.step_outputs()

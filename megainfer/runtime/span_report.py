@@ -10,9 +10,9 @@ spans reach rank 0 as the job runs, not only in the trace merged at a batch job'
   ``runtime/trace_metrics.py`` defines it: a blocked expert rank's wait end minus rank 0's
   dispatch end of the same (iteration, layer, micro-batch), on the job's trace clock.
 
-Only the served (online) runtime attaches them (``engine_core.builder.start_ranks``); a batch job
-merges every rank's trace at its end instead. Spans on cuda are known only when the trace is
-resolved (a device sync): neither runs there.
+Every runtime job with tracing on attaches them (``engine_core.builder.build_ranks``; a batch
+job also merges every rank's whole trace at its end). Spans on cuda are known only when the
+trace is resolved (a device sync): neither runs there.
 """
 from __future__ import annotations
 

@@ -3,6 +3,6 @@ uvicorn + prometheus-client), and ``megainfer-bench-serve``, its load generator 
 
 ``protocol``: request bodies; ``app``: the routes; ``chat``: chat prompts; ``streaming``: SSE
 chunks; ``responses``: response objects; ``metrics``: Prometheus; ``errors``: OpenAI-shaped
-errors; ``engine_client``: admission and the engine's streams; ``server``: uvicorn, signals and
+errors; ``served_engine``: admission and the engine's streams; ``server``: uvicorn, signals and
 draining; ``bench``: the serving benchmark. The Hydra entry point is ``megainfer.launch.serve``.
 """

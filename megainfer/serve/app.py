@@ -16,7 +16,7 @@ from megainfer.config import ServeConfig
 
 from . import errors
 from .chat import ChatPrompts
-from .engine_client import EngineClient
+from .served_engine import ServedEngine
 from .gate import RequestGate
 from .openapi import BODY_ERRORS, GET_ERRORS, install_openapi, text_response
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -46,7 +46,7 @@ def needs_key(cfg: ServeConfig):
     return protected
 
 
-def build_app(client: EngineClient, cfg: ServeConfig, model_dir: Optional[str]) -> FastAPI:
+def build_app(client: ServedEngine, cfg: ServeConfig, model_dir: Optional[str]) -> FastAPI:
     chat = ChatServing(client, cfg, ChatPrompts(model_dir, client.tokenizer, cfg.chat_template))
     completions = CompletionServing(client, cfg)
     tokens = TokenServing(chat, model_dir)

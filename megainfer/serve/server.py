@@ -20,7 +20,7 @@ import uvicorn
 from megainfer.config import ServeConfig
 
 from .app import build_app
-from .engine_client import EngineClient
+from .served_engine import ServedEngine
 from .http_protocol import header_timeout_protocol
 
 log = logging.getLogger("megainfer.serve")
@@ -49,7 +49,7 @@ class DrainingServer(uvicorn.Server):
     requests get 503) and starts uvicorn's graceful shutdown; unlike uvicorn's own handler it
     does not re-raise the signal afterwards, so a drained server exits 0."""
 
-    def __init__(self, config: uvicorn.Config, client: EngineClient):
+    def __init__(self, config: uvicorn.Config, client: ServedEngine):
         super().__init__(config)
         self.client = client
 
@@ -112,7 +112,7 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def make_server(client: EngineClient, cfg: ServeConfig, model_dir: Optional[str]
+def make_server(client: ServedEngine, cfg: ServeConfig, model_dir: Optional[str]
                 ) -> DrainingServer:
     app = build_app(client, cfg, model_dir)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning",
@@ -136,7 +136,7 @@ class CoreWatchdog:
     core's error). ``error``: what the core died of, None while it lives or after a shutdown
     of ours."""
 
-    def __init__(self, client: EngineClient, server: DrainingServer):
+    def __init__(self, client: ServedEngine, server: DrainingServer):
         self.client, self.server = client, server
         self.error: Optional[BaseException] = None
         self.died = False
@@ -168,7 +168,7 @@ class CoreWatchdog:
         self.thread.join(1.0)
 
 
-def serve_client(client: EngineClient, cfg: ServeConfig, model_dir: Optional[str]) -> int:
+def serve_client(client: ServedEngine, cfg: ServeConfig, model_dir: Optional[str]) -> int:
     """Serve the engine core behind ``client`` until a signal: 0 when drained; 1 when the core
     died (the watchdog said why)."""
     server = make_server(client, cfg, model_dir)

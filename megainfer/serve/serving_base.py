@@ -12,7 +12,7 @@ from starlette.background import BackgroundTask
 
 from megainfer.config import ServeConfig
 
-from .engine_client import EngineClient
+from .served_engine import ServedEngine
 from .errors import APIError
 from .streaming import merged
 
@@ -53,7 +53,7 @@ async def finals(streams) -> dict:
 
 
 class Serving:
-    def __init__(self, client: EngineClient, cfg: ServeConfig):
+    def __init__(self, client: ServedEngine, cfg: ServeConfig):
         self.client, self.cfg, self.name = client, cfg, client.model_name
 
     def check_model(self, model: Optional[str]) -> None:

@@ -12,7 +12,7 @@ from megainfer.config import ServeConfig
 from . import responses as R
 from .chat import ChatPrompts
 from .chat_message import MessageReader, finish_reason
-from .engine_client import EngineClient
+from .served_engine import ServedEngine
 from .errors import APIError
 from .protocol import ChatCompletionRequest
 from .serving_base import Serving, finals, unless_disconnected
@@ -28,7 +28,7 @@ def _chars(messages) -> int:
 
 
 class ChatServing(Serving):
-    def __init__(self, client: EngineClient, cfg: ServeConfig, chat: ChatPrompts):
+    def __init__(self, client: ServedEngine, cfg: ServeConfig, chat: ChatPrompts):
         super().__init__(client, cfg)
         self.chat = chat
 

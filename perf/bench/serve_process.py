@@ -4,13 +4,13 @@
 from __future__ import annotations
 
 import os
-import re
 import signal
 import socket
 import subprocess
 import sys
 
 from megainfer.bench.process_cpu import cpu_seconds
+from megainfer.engine_core.messages import parse_roster
 
 
 def free_port() -> int:
@@ -38,8 +38,10 @@ class ServerProcess:
             line = self.proc.stdout.readline()
             if not line and self.proc.poll() is not None:
                 raise SystemExit(f"server ({' '.join(overrides)}) exited before serving")
-            if line.startswith("[serve] ranks: "):
-                self.pids = [int(p) for p in re.findall(r"pid (\d+)", line)]
+            if line.startswith("[serve] ranks: "):  # a plain process is the frontend itself
+                roster = parse_roster(line)
+                self.pids = ([self.proc.pid] if ranks == 1 else []) + \
+                    [roster[r].pid for r in sorted(roster)]
 
     def cpu_s(self) -> list[float]:
         return [cpu_seconds(p) for p in self.pids]

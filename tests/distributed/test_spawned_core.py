@@ -22,7 +22,7 @@ from spawned_core_script import Collector, add, job_tree  # noqa: E402
 from runtime_job import inputs  # noqa: E402
 
 from megainfer.engine.failures import CoreStartError, EngineDeadError, RankLostError  # noqa
-from megainfer.core_client.frontend_intake import Intake  # noqa: E402
+from megainfer.core_client.request_stream import Intake  # noqa: E402
 from megainfer.core_client.mpiexec_job import pid_alive  # noqa: E402
 from megainfer.core_client.spawn import ChildJobClient  # noqa: E402
 from megainfer.engine_core.messages import AbortRequest, AddRequest  # noqa: E402

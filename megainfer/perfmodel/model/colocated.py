@@ -72,8 +72,8 @@ class ColocatedModel:
     def mem(self, plan: ColocatedPlan) -> float:
         s, g = self.shape, plan.group
         e_local, tp_e = self.expert_split(g)
-        weights = s.attention_side_params() * self.t.wb / g
-        weights += e_local * s.num_layers * s.expert_params * self.t.wb / tp_e
+        weights = s.attention_side_bytes(self.t.dtype) / g
+        weights += e_local * s.num_layers * s.expert_bytes(self.t.dtype) / tp_e
         split = 1 if s.kv_elems_override else min(g, s.num_kv_heads)
         kv = plan.batch * self.wl.kv_len * s.num_layers * s.kv_elems / split * self.t.kvb
         return weights + kv

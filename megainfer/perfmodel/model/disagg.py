@@ -183,8 +183,8 @@ class DisaggModel:
         return t_attn, t_expert, self.t_comm(b_a, b_e, plan)
 
     def mem_attention(self, plan: Plan) -> float:
-        s, wb = self.shape, self.ta.wb
-        weights = s.attention_side_params() * wb / plan.tp_a
+        s = self.shape
+        weights = s.attention_side_bytes(self.ta.dtype) / plan.tp_a
         kv_heads_split = 1 if s.kv_elems_override else min(plan.tp_a, s.num_kv_heads)
         kv_per_seq = self.wl.kv_len * s.num_layers * s.kv_elems / kv_heads_split * self.ta.kvb
         return weights + kv_per_seq * plan.batch / plan.n_a
@@ -198,7 +198,7 @@ class DisaggModel:
 
     def mem_expert(self, plan: Plan) -> float:
         s = self.shape
-        return self.experts_per_rank(plan.n_e) * s.num_layers * s.expert_params * self.te.wb / plan.tp_e
+        return self.experts_per_rank(plan.n_e) * s.num_layers * s.expert_bytes(self.te.dtype) / plan.tp_e
 
     def predict(self, plan: Plan) -> Prediction:
         s = self.shape

@@ -4,6 +4,10 @@ Two sources, one interface:
   RooflineTimes  max(FLOPs / achieved FLOP/s, bytes / achieved bandwidth) from a datasheet profile
   FittedTimes    the calibrated linear fits T_a = k1*b_a + k2, T_e = k3*b_e + k4 of this machine
 Both add the TP all-reduce over the intra-node link when tp > 1.
+
+Weights are read in the shape's ``quantization`` (``ModelShape.attention_layer_bytes``,
+``expert_bytes``); with ``fp8`` on a profile that lists ``matmul_flops.fp8`` the quantised
+matmuls run at that rate (w8a8 block FP8), the other formats at the model dtype's (weight-only).
 """
 from __future__ import annotations
 
@@ -33,6 +37,9 @@ class RooflineTimes:
         # bytes per cached KV element: shape.kv_cache_dtype (auto: dtype's), unless kv_dtype
         self.kvb = dtype_bytes(kv_dtype) if kv_dtype else shape.kv_elem_bytes(dtype)
         self.flops = hw.flops(dtype) * hw.matmul_efficiency
+        fp8 = shape.quantization == "fp8" and "fp8" in hw.matmul_flops
+        # the quantised matmuls' FLOPs as model-dtype FLOPs (fp8 tensor cores: fewer)
+        self.qflop_scale = hw.flops(dtype) / hw.flops("fp8") if fp8 else 1.0
         self.bw = hw.mem_bw_Bps * hw.mem_efficiency
 
     def _roof(self, flops: float, nbytes: float) -> float:
@@ -44,10 +51,13 @@ class RooflineTimes:
             return 0.0
         s, h = self.shape, self.shape.hidden_size
         dense = s.attn_params + s.shared_params  # TP-split matmuls
-        flops = 2 * b * dense / tp + 2 * b * s.router_params  # projections (+shared), router
+        quant = dense - s.attn_unquantised_params  # of which in the stored format
+        flops = 2 * b * (quant * self.qflop_scale + s.attn_unquantised_params) / tp
+        flops += 2 * b * s.router_params  # projections (+shared), router
         flops += 4 * b * ctx * s.num_heads * s.head_dim / tp  # q.k^T and p.v
         kv_per_rank = s.kv_elems / min(tp, s.num_kv_heads) if not s.kv_elems_override else s.kv_elems
-        nbytes = (dense / tp + s.router_params) * self.wb  # weights read once
+        dense_b, router_b = s.attention_layer_bytes(self.dtype)
+        nbytes = dense_b / tp + router_b  # weights read once
         nbytes += b * ctx * kv_per_rank * self.kvb  # KV cache read
         nbytes += 6 * b * h * self.wb  # activations in/out (small)
         return self._roof(flops, nbytes) + allreduce_time(self.hw, b * h * self.wb, tp)
@@ -59,8 +69,8 @@ class RooflineTimes:
         if not active:
             return 0.0
         tokens = float(sum(active))
-        flops = 2 * tokens * s.expert_params / tp
-        nbytes = len(active) * s.expert_params * self.wb / tp
+        flops = 2 * tokens * s.expert_params * self.qflop_scale / tp
+        nbytes = len(active) * s.expert_bytes(self.dtype) / tp
         nbytes += tokens * (2 * s.hidden_size + 2 * s.moe_intermediate_size / tp) * self.wb
         return self._roof(flops, nbytes) + allreduce_time(self.hw, tokens * s.hidden_size * self.wb, tp)
 

@@ -55,7 +55,7 @@ class PrefillPool:
         """Bytes per device: all weights split over tp_p, plus one prompt's KV."""
         s = self.shape
         kv = prompt * s.kv_bytes_per_token(self.dtype, self.tp_p)
-        return s.total_params() * self.t.wb / self.tp_p + kv
+        return s.total_weight_bytes(self.dtype) / self.tp_p + kv
 
     def t_prefill(self, prompt: float) -> float:
         s, tp, p = self.shape, self.tp_p, float(prompt)

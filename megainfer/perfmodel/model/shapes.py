@@ -11,12 +11,19 @@ bytes, i.e. 9/16 byte per element (rows of a multiple of 16). The two float32 sc
 are not per token and are not counted. ``kv_scale_granularity=token_head`` (the engine's
 default) adds each row's inline scale: 2 bytes (fp8) or 1 (fp4) per KV head row of keys and
 of values (MLA: per c_kv and k_pe part).
+
+Weight bytes follow ``quantization`` (``model.quantization``, ``weight_format.py``): the
+attention projections (but ``attn_unquantised_params``, MLA's ``kv_b_proj``), shared experts
+and routed experts in that format, embeddings, ``lm_head``, norms and routers in the model
+dtype (``attention_side_bytes``, ``expert_bytes``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from megainfer.config import ConfigError
+from megainfer.perfmodel.model.weight_format import bytes_per_weight, check_quantization
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
 # cache.kv_cache_dtype -> bytes per cached element (None: the model dtype); fp4: (D/2 + D/16) / D
@@ -44,6 +51,9 @@ class ModelShape:
     kv_cache_dtype: str = "auto"  # cache.kv_cache_dtype: how the KV cache stores its elements
     source: str = ""
     kv_scale_granularity: str = "token_head"  # cache.kv_scale_granularity: tensor | token_head
+    quantization: Optional[str] = None  # model.quantization: the stored weights' format
+    quantization_group_size: int = 64  # model.quantization_group_size (int4)
+    attn_unquantised_params: int = 0  # per layer, attention weights kept in the model dtype (MLA kv_b)
 
     def __post_init__(self):
         for n in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -68,6 +78,10 @@ class ModelShape:
         if self.kv_scale_granularity not in ("tensor", "token_head"):
             raise ConfigError(f"cache.kv_scale_granularity={self.kv_scale_granularity!r}: must "
                               "be one of tensor, token_head")
+        check_quantization(self.quantization, self.quantization_group_size)
+        if not 0 <= self.attn_unquantised_params <= self.attn_params:
+            raise ConfigError(f"model.attn_unquantised_params={self.attn_unquantised_params!r}: "
+                              f"must be in [0, attention parameters per layer = {self.attn_params}]")
 
     # ---- parameter counts ----
     @property
@@ -129,6 +143,37 @@ class ModelShape:
 
     def total_params(self) -> int:
         return self.attention_side_params() + self.num_layers * self.num_experts * self.expert_params
+
+    # ---- weight bytes (quantization) ----
+    def quant_weight_bytes(self, dtype: str = "bfloat16") -> float:
+        """Bytes of one weight kept in ``quantization`` (scales included; the model dtype's
+        when None / fp8_dequant)."""
+        return bytes_per_weight(self.quantization, dtype_bytes(dtype), self.hidden_size,
+                                self.quantization_group_size)
+
+    def attention_layer_bytes(self, dtype: str = "bfloat16") -> tuple[float, float]:
+        """(bytes of one layer's TP-split attention-side weights: projections + shared
+        experts, bytes of its router), as stored."""
+        q = self.attn_params - self.attn_unquantised_params + self.shared_params
+        wb = dtype_bytes(dtype)
+        return (q * self.quant_weight_bytes(dtype) + self.attn_unquantised_params * wb,
+                self.router_params * wb)
+
+    def attention_side_bytes(self, dtype: str = "bfloat16") -> float:
+        """``attention_side_params`` as stored: quantised projections and shared experts, the
+        rest (router, norms, embeddings, lm_head) in ``dtype``."""
+        dense, router = self.attention_layer_bytes(dtype)
+        wb = dtype_bytes(dtype)
+        return (self.num_layers * (dense + router + 2 * self.hidden_size * wb)
+                + 2 * self.vocab_size * self.hidden_size * wb)
+
+    def expert_bytes(self, dtype: str = "bfloat16") -> float:
+        """One routed expert, one layer, as stored."""
+        return self.expert_params * self.quant_weight_bytes(dtype)
+
+    def total_weight_bytes(self, dtype: str = "bfloat16") -> float:
+        return (self.attention_side_bytes(dtype)
+                + self.num_layers * self.num_experts * self.expert_bytes(dtype))
 
     @classmethod
     def from_dict(cls, d: dict, name: str = "model") -> "ModelShape":

@@ -3,15 +3,17 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megainfer.config import ConfigError
 from megainfer.perfmodel.model.disagg import DisaggModel, Workload
 from megainfer.perfmodel.model.hardware import HardwareProfile
 from megainfer.perfmodel.model.layer_times import layer_times_for
 from megainfer.perfmodel.model.shapes import ModelShape
-from megainfer.perfmodel.plan.planner import PlanError, SearchSpace, plan_colocated, plan_disaggregated
-from megainfer.perfmodel.plan.report import as_dict, table
+from megainfer.perfmodel.model.colocated import ColocatedModel
+from megainfer.perfmodel.plan.planner import (GiB, ModelTooLargeError, PlanError, SearchSpace,
+                                              plan_colocated, plan_disaggregated)
+from megainfer.perfmodel.plan.report import as_dict, memory_line, table, weights_line
 from megainfer.perfmodel.sim.fixed_batch import simulate_plan
 from megainfer.perfmodel.timeline_plot import plot_trace
 from megainfer.perfmodel.trace import read_trace
@@ -37,33 +39,86 @@ class PlanOptions:
             raise ConfigError(f"top={self.top!r}: must be >= 1")
 
 
+def _format_hint(shape: ModelShape, hw: HardwareProfile, dtype: str) -> str:
+    """The weights' size in this format and in the smaller ones the device runs (int4: CPU
+    profiles only, as the runtime refuses it on cuda): a too-large model's error."""
+    mine = shape.total_weight_bytes(dtype)
+    parts = [f"weights in {shape.quantization or dtype}: {mine / GiB:.4g} GiB in all"]
+    for q in ("fp8", "int8") + (("int4",) if hw.node.cores > 0 else ()):
+        b = replace(shape, quantization=q).total_weight_bytes(dtype)
+        if b < 0.9 * mine:
+            parts.append(f"model.quantization={q}: {b / GiB:.4g} GiB")
+    return "; ".join(parts)
+
+
+def _colocated_memory(shape, hw, workload, opt, ranked, echo) -> None:
+    pred = ranked.pred
+    model = ColocatedModel(shape, layer_times_for(hw, shape, opt.dtype, opt.use_fit), workload,
+                           opt.dtype)
+    w = model.mem(replace(pred.plan, batch=0))
+    per_seq = model.mem(replace(pred.plan, batch=1)) - w
+    echo(memory_line(f"colocated ({pred.plan.label()})", w, pred.mem, hw.mem_bytes * hw.mem_util,
+                     per_seq, workload.kv_len))
+
+
+def _colocated_only(shape, profiles, workload, space, opt, err: PlanError, echo) -> dict:
+    """No disaggregated plan fits the devices: the colocated plan when it does, else one error
+    naming both and the weights in each smaller format."""
+    try:
+        col = plan_colocated(shape, profiles[0], workload, space, opt.dtype, opt.use_fit)
+    except PlanError as e:
+        raise ModelTooLargeError(f"{err}; colocated: {e} ({_format_hint(shape, profiles[0], opt.dtype)})") from None
+    echo(f"[plan] no disaggregated plan: {err}")
+    echo(f"[plan] best colocated plan on {profiles[0].name}")
+    echo(table(col, opt.top))
+    _colocated_memory(shape, profiles[0], workload, opt, col[0], echo)
+    result = {"model": shape.name, "plans": [], "colocated": as_dict(col[0])}
+    os.makedirs(opt.out_dir, exist_ok=True)
+    with open(os.path.join(opt.out_dir, "plans.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    return result
+
+
 def run_plan(shape: ModelShape, profiles: list[HardwareProfile], workload: Workload,
              space: SearchSpace, opt: PlanOptions, echo=print) -> dict:
-    ranked = plan_disaggregated(shape, profiles, workload, space, opt.dtype, opt.heterogeneous,
-                                opt.use_fit)
-    best = ranked[0].pred
     kind = layer_times_for(profiles[0], shape, opt.dtype, opt.use_fit).kind
     echo(f"[plan] model={shape.name} hardware={'/'.join(p.name for p in profiles)} "
          f"T_a/T_e from {kind}, TPOT SLO {space.tpot_slo_s * 1e3:g} ms, "
          f"workload in={workload.input_len} out={workload.output_len}")
+    echo(weights_line(shape, opt.dtype))
+    try:
+        ranked = plan_disaggregated(shape, profiles, workload, space, opt.dtype,
+                                    opt.heterogeneous, opt.use_fit)
+    except ModelTooLargeError as e:
+        if not opt.colocated:
+            raise ModelTooLargeError(f"{e} ({_format_hint(shape, profiles[0], opt.dtype)})") from None
+        return _colocated_only(shape, profiles, workload, space, opt, e, echo)
+    best = ranked[0].pred
     echo(table(ranked, opt.top))
+    plan = best.plan
+    hw = {p.name: p for p in profiles}
+    model = DisaggModel(shape, layer_times_for(hw[plan.hw_a], shape, opt.dtype, opt.use_fit),
+                        layer_times_for(hw[plan.hw_e], shape, opt.dtype, opt.use_fit), workload,
+                        opt.dtype)
+    cap_a = model.hw_a.mem_bytes * model.hw_a.mem_util
+    _, w, per_seq = model.attention_seqs(plan, cap_a)
+    echo(memory_line(f"attention ({plan.n_a}x tp{plan.tp_a})", w, best.mem_attn, cap_a, per_seq,
+                     workload.kv_len))
+    echo(f"[plan] expert device ({plan.n_e}x tp{plan.tp_e}): weights {best.mem_expert / GiB:.4g} "
+         f"GiB of {model.hw_e.mem_bytes * model.hw_e.mem_util / GiB:.4g} GiB usable")
     result = {"model": shape.name, "plans": [as_dict(r) for r in ranked[:opt.top]]}
     if opt.colocated:
         try:
             col = plan_colocated(shape, profiles[0], workload, space, opt.dtype, opt.use_fit)
             echo("\n[plan] best colocated baseline on " + profiles[0].name)
             echo(table(col, 1))
+            _colocated_memory(shape, profiles[0], workload, opt, col[0], echo)
             ratio = best.tokens_per_s_per_device / col[0].pred.tokens_per_s_per_device
             echo(f"[plan] disaggregated / colocated tokens/s per device: {ratio:.2f}x")
             result["colocated"] = as_dict(col[0])
         except PlanError as e:
             echo(f"[plan] colocated baseline: no feasible plan ({e})")
     os.makedirs(opt.out_dir, exist_ok=True)
-    plan = best.plan
-    hw = {p.name: p for p in profiles}
-    model = DisaggModel(shape, layer_times_for(hw[plan.hw_a], shape, opt.dtype, opt.use_fit),
-                        layer_times_for(hw[plan.hw_e], shape, opt.dtype, opt.use_fit), workload,
-                        opt.dtype)
     sim = simulate_plan(model, plan, opt.jitter_s, opt.routing, opt.skew, seed=opt.seed)
     trace_path = os.path.join(opt.out_dir, "trace.json")
     sim.trace.write(trace_path, plan=as_dict(ranked[0]))

@@ -23,6 +23,7 @@ from dataclasses import asdict, replace
 from megainfer.config import ConfigError, ModelConfig, SchedulerConfig
 from megainfer.config.deploy_fit import prefill_ranks
 from megainfer.config.model_source import model_config_of
+from megainfer.perfmodel.model.weight_format import with_weight_format
 
 log = logging.getLogger("megainfer.perfmodel")
 
@@ -87,6 +88,8 @@ def model_shape(cfg: ModelConfig, name: str = "model"):
             + cfg.kv_lora_rank * n * (cfg.qk_nope_head_dim + cfg.v_head_dim)  # kv_b
             + n * cfg.v_head_dim * h)  # o
     return replace(shape, num_kv_heads=n, head_dim=qk, attn_params_override=attn,
+                   attn_unquantised_params=cfg.kv_lora_rank * n * (cfg.qk_nope_head_dim
+                                                                   + cfg.v_head_dim),  # kv_b
                    kv_elems_override=cfg.kv_lora_rank + cfg.qk_rope_head_dim,
                    shared_intermediate_size=(shape.shared_intermediate_size
                                              or cfg.n_shared_experts * cfg.moe_intermediate_size))
@@ -202,8 +205,11 @@ def auto_plan(c: dict, world: int) -> tuple[dict, dict]:
 
 
 def job_shape(c: dict, hw):
-    """The job's model as the planner's ModelShape, its KV in the cache's format."""
-    shape = shape_of(model_config_of(c.get("model") or {}), hw)
+    """The job's model as the planner's ModelShape, its weights in ``model.quantization``'s
+    format (null: the checkpoint's own) and its KV in the cache's."""
+    m = c.get("model") or {}
+    shape = with_weight_format(shape_of(model_config_of(m), hw), m.get("quantization"),
+                               int(m.get("quantization_group_size") or 64), m.get("path"))
     cache = c.get("cache") or {}
     kv_dtype = cache.get("kv_cache_dtype")
     if kv_dtype not in (None, "auto"):  # the KV-memory bound follows the cache format
@@ -246,9 +252,10 @@ def _ranked(c: dict, d: dict, hw_name, pins: dict, world: int):
         return None
     best = ranked[0]
     timing = "calibrated fit" if shape.name in hw.fits else "roofline"
-    log.info("[plan] deploy=auto over %d ranks: hardware %s (%s); %s timed by %s; job %d "
-             "sequences, prompt ~%d tokens (%s), max_tokens %d", world, hw.name, hw_from,
-             shape.name, timing, n_seqs, wl.input_len, src, wl.output_len)
+    log.info("[plan] deploy=auto over %d ranks: hardware %s (%s); %s timed by %s, weights in "
+             "%s (%.4g MiB); job %d sequences, prompt ~%d tokens (%s), max_tokens %d", world,
+             hw.name, hw_from, shape.name, timing, shape.quantization or dtype,
+             shape.total_weight_bytes(dtype) / 2**20, n_seqs, wl.input_len, src, wl.output_len)
     if "preset" in hw_from:
         log.info(calibrate_hint())
     log.info("[plan] chosen: %s", best.describe())

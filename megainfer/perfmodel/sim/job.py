@@ -85,8 +85,8 @@ def expert_times(times, counts: np.ndarray, tp: int) -> np.ndarray:
     if isinstance(times, FittedTimes):
         f = times.fit
         return (f.k4 * act.sum(axis=-1) + f.k3 * tokens / tp) + ar
-    flops = 2 * tokens * s.expert_params / tp
-    nbytes = act.sum(axis=-1) * s.expert_params * times.wb / tp
+    flops = 2 * tokens * s.expert_params * times.qflop_scale / tp
+    nbytes = act.sum(axis=-1) * s.expert_bytes(times.dtype) / tp
     nbytes = nbytes + tokens * (2 * s.hidden_size + 2 * s.moe_intermediate_size / tp) * times.wb
     t = np.maximum(flops / times.flops, nbytes / times.bw) + times.hw.kernel_overhead_s + ar
     return np.where(act.any(axis=-1), t, 0.0)

@@ -19,7 +19,7 @@ from megainfer.config import ConfigError
 from megainfer.perfmodel.model.disagg import Workload
 from megainfer.perfmodel.model.hardware import HardwareProfile, LayerFit
 from megainfer.perfmodel.model.insitu import fit_in_situ
-from megainfer.perfmodel.model.shapes import ModelShape, dtype_bytes
+from megainfer.perfmodel.model.shapes import ModelShape
 from megainfer.perfmodel.plan.world_plan import JobLoad, NoWorldPlanError, Pins, plan_world
 
 
@@ -97,15 +97,15 @@ def switch_cost(shape: ModelShape, old: tuple, new: tuple, state: JobState, t_it
     (a0, e0), (a1, e1) = old, new
     if (a0, e0) == (a1, e1):
         return 0.0
-    wb, E = dtype_bytes(dtype), shape.num_experts
-    expert = shape.num_layers * shape.expert_params * wb  # one expert, all layers
+    E = shape.num_experts
+    expert = shape.num_layers * shape.expert_bytes(dtype)  # one expert, all layers, as stored
     changed = abs(a1 - a0)
     moved = changed * expert * (math.ceil(E / e0) + math.ceil(E / e1))  # out of / into them
     if a1 > a0:  # expert -> attention: attention weights read in
-        moved += changed * shape.attention_side_params() * wb
+        moved += changed * shape.attention_side_bytes(dtype)
     else:  # attention -> expert: the leaving replicas' running sequences' KV
         leaving = sum(state.running_per_replica[a1:a0]) if state.running_per_replica else 0
-        moved += leaving * state.context * shape.num_layers * shape.kv_bytes_per_token(dtype)
+        moved += leaving * state.context * shape.kv_bytes_per_token(dtype)  # (all layers)
     return moved / link_Bps + t_iter
 
 

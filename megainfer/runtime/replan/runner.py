@@ -188,9 +188,13 @@ class ReplanController:
         if self.hw is None:
             from megainfer.perfmodel.model.hardware import load_hardware
             from megainfer.perfmodel.model.shapes import ModelShape
+            from megainfer.perfmodel.model.weight_format import with_weight_format
             path = os.environ.get("MEGAINFER_HARDWARE_PROFILE")
             self.hw = load_hardware(path if path and os.path.isfile(path) else "cpu_node")
-            self.shape = ModelShape.from_model_config(self.job.model, "replan_measured")
+            ld = self.job.load  # weights move in their stored format (switch_cost)
+            self.shape = with_weight_format(
+                ModelShape.from_model_config(self.job.model, "replan_measured"),
+                ld.quantization, ld.quantization_group_size, ld.path)
         return self.hw, self.shape
 
     # ------------------------------------------------------------------ records
@@ -206,12 +210,12 @@ class ReplanController:
         self.records.append(rec)
         self.clock = []  # the switch itself is not an iteration of the new plan
         log.info("[replan] iteration %d: %s -> %s (%s), predicted gain %s, switch %.3f s, "
-                 "expert weights moved %d bytes, sequences handed over: %d with KV (%d bytes), "
-                 "%d recomputed, %d not started (%d of them samples of n > 1 requests)",
-                 rec["iteration"], rec["old"], rec["new"], rec["reason"],
+                 "expert weights moved %d bytes (%d slots), sequences handed over: %d with KV "
+                 "(%d bytes), %d recomputed, %d not started (%d of them samples of n > 1 "
+                 "requests)", rec["iteration"], rec["old"], rec["new"], rec["reason"],
                  "n/a" if math.isnan(rec["predicted_gain"]) else
                  f"{100 * rec['predicted_gain']:.1f}%", rec["seconds"], rec["weight_bytes"],
-                 rec["move"], rec["kv_bytes"], rec["recompute"], rec["waiting"], rec["multi"])
+                 rec["weight_slots"], rec["move"], rec["kv_bytes"], rec["recompute"], rec["waiting"], rec["multi"])
 
     def _measure_last(self) -> None:
         if not self.records or "tokens_per_s_after" in self.records[-1]:

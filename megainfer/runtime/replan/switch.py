@@ -113,7 +113,7 @@ def switch(r, order: ReplanOrder) -> dict:
     # 3. expert weights into the new expert ranks' slots
     old_model = r.worker.model if r.worker is not None else None
     moves = eplb_moves_kind(job.comm.eplb_moves, job.device.torch_device, job.comm.transport)
-    model, weight_bytes = move_expert_weights(sw, control, cfg, job.load.torch_dtype,
+    model, weight_bytes, weight_slots = move_expert_weights(sw, control, cfg, job.load.torch_dtype,
                                               job.device.torch_device, old_model, old_p, new_p,
                                               old_plan.attention_ranks, new_plan.attention_ranks,
                                               moves, fmt=load_weight_format(job.load))
@@ -142,6 +142,7 @@ def switch(r, order: ReplanOrder) -> dict:
     rec = dict(iteration=order.iteration, old=order.name(order.old), new=order.name(order.new),
                micro_batches=[order.old[2], order.new[2]], reason=order.reason,
                predicted_gain=order.predicted_gain, seconds=dt, weight_bytes=int(job_total[0]),
+               weight_slots=weight_slots,
                **{k: int(v) for k, v in zip(COUNTED, job_total[1:])})
     if any(moved.get(k) for k in ("move", "recompute", "waiting")):  # a staying replica
         log.info("%s re-plan: requests taken in: %d with their KV, %d to recompute, %d not "

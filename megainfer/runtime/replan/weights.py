@@ -82,7 +82,8 @@ def move_expert_weights(sw: MPI.Comm, control, cfg, dtype: torch.dtype, device, 
                         old: Placement, new: Placement, old_first: int, new_first: int,
                         kind: Optional[str] = None, fmt=None):
     """Collective over ``sw``: every rank sends the slots it owes; a new expert rank returns
-    its filled model (others None) and the bytes it received from peers. ``kind``: the
+    its filled model (others None), the bytes it received from peers and the number of
+    (layer, slot) moves between ranks (the same on every rank). ``kind``: the
     transport the weights move on device to device (``weight_channel.eplb_moves_kind``), None
     for host staging over MPI. ``fmt``: the weight format experts are kept in (quantised
     slots travel as their stored bytes and scales)."""
@@ -103,7 +104,7 @@ def move_expert_weights(sw: MPI.Comm, control, cfg, dtype: torch.dtype, device, 
                                        new.slots_per_rank)
     if model is not None:
         install_staged(model, staged)
-    return model, received
+    return model, received, len(remote)
 
 
 def _stage_device(sw, control, kind, device, dtype, old_model, model, moves, remote, me):

@@ -8,9 +8,10 @@ with prefix caching on, ``SHARED_CACHE``'s block size), ``routing`` (scheduler.r
 ``ptp`` (deploy.prefill_tp, 1: P is then prefill replicas of ``ptp`` ranks each), ``tp``
 (comm.tp_collectives, auto), ``prefill_delay`` (seconds every prefill step sleeps first), ``n``
 (``sampled_inputs``: seeded sampling with that many samples per request; OUT.json then maps
-each request to its samples' token ids), ``offload`` (a comma list of pd.offload_ratio values:
-each runs with pd.offload=true, keyed "<ckpt>|m=<m>|off=<ratio>", its stats adding the offload
-counts of every rank), ``pool`` (pd.offload_blocks), ``mml`` (scheduler.max_model_len, 128).
+each request to its samples' token ids), ``q`` (model.quantization, group size 32), ``offload``
+(a comma list of pd.offload_ratio values: each runs with pd.offload=true, keyed
+"<ckpt>|m=<m>|off=<ratio>", its stats adding the offload counts of every rank), ``pool``
+(pd.offload_blocks), ``mml`` (scheduler.max_model_len, 128).
 A decode attention replicas x TP, E expert ranks, P prefill replicas (K = A*TP + E + P*ptp); MS a
 comma list of micro-batch counts. Prompts and configs are ``runtime_job``'s, so the single-mode
 reference is the same. ``fault=kill``: every prefill rank kills itself (SIGKILL) at its first step
@@ -148,8 +149,8 @@ def main():
                               prefill_tp=ptp)
             comm = CommConfig(timeout_s=3 if kill else 120, transport="mpi",
                               tp_collectives=opts.get("tp", "auto"))
-            r = build_rank(ResolvedJob(cfg, LoadConfig(path=ckpt), sched, cache, plan, comm,
-                                       pd=pd))
+            load = LoadConfig(path=ckpt, quantization=opts.get("q"), quantization_group_size=32)
+            r = build_rank(ResolvedJob(cfg, load, sched, cache, plan, comm, pd=pd))
             stream = run_job(r, make_inputs(cfg.vocab_size, max_tokens))
             outs = list(stream) if stream is not None else None  # rank 0: the job runs here
             group = r.tp

@@ -1,6 +1,6 @@
 """Re-planning under mpiexec: forced switches a1e3 -> a2e2 -> a1e3 while requests run.
 
-    mpiexec -n 4 python replan_job.py OUT.json CKPT [RUNS]
+    mpiexec -n 4 python replan_job.py OUT.json CKPT [RUNS] [q=FMT[,FMT...]]
 RUNS (comma list, default move,recompute): the forced switches with a leaving replica's
 requests keeping their KV (``move``) or recomputing it (``recompute``, with live EPLB every 3
 iterations); ``n2``/``n2r``: as ``move``/``recompute`` with half the requests asking for 2 seeded
@@ -11,6 +11,8 @@ switch, in the placement, before the communicator duplication or in the channels
 job must end naming it). Traces on. OUT.json per run: rank 0's tokens, its re-plan records and
 decisions, the number of re-plan marks in its trace, and per switch per rank the role it took
 and, on expert ranks, whether every slot holds its logical expert's checkpoint weights.
+``q=FMT,...``: each run once per model.quantization (group size 32; ``none``: the checkpoint's
+own), keyed "RUN|FMT" in OUT.json.
 """
 import json
 import os
@@ -64,16 +66,22 @@ def tokens_of(out) -> list:
     return [c.token_ids for c in sorted(out.outputs, key=lambda c: c.index)]
 
 
-def reference(ckpt: str, n2: bool = False) -> dict:
-    """Single mode, same prompts: {request id: tokens}."""
+def load_config(ckpt: str, quantization=None) -> LoadConfig:
+    return LoadConfig(path=ckpt, quantization=quantization, quantization_group_size=32)
+
+
+def reference(ckpt: str, n2: bool = False, quantization=None) -> dict:
+    """Single mode, same prompts (weights in ``quantization``): {request id: tokens}."""
     from megainfer.engine.engine import LLMEngine
     cfg = ModelConfig.from_pretrained(ckpt)
-    eng = LLMEngine.from_model(build_model(cfg, LoadConfig(path=ckpt)), SCHED, CACHE)
+    eng = LLMEngine.from_model(build_model(cfg, load_config(ckpt, quantization)), SCHED, CACHE)
     return {o.request_id: tokens_of(o) for o in eng.generate_stream(inputs(cfg.vocab_size, n2))}
 
 
 def main():
     out, ckpt = sys.argv[1], sys.argv[2]
+    args = [a for a in sys.argv[3:] if not a.startswith("q=")]
+    fmts = next((a[2:].split(",") for a in sys.argv[3:] if a.startswith("q=")), None)
     comm = MPI.COMM_WORLD
     cfg, load = ModelConfig.from_pretrained(ckpt), LoadConfig(path=ckpt)
     plan = DeployPlan(mode="disaggregated", attention_replicas=1, expert_ranks=3, micro_batches=2)
@@ -92,9 +100,13 @@ def main():
             "n2": ReplanConfig(enabled=True, force_schedule=FORCE, kv_transfer="move"),
             "n2r": ReplanConfig(enabled=True, force_schedule=FORCE, kv_transfer="recompute"),
             "m": ReplanConfig(enabled=True, force_schedule=FORCE_M, kv_transfer="auto")}
-    if len(sys.argv) > 3 and sys.argv[3].startswith("hang"):  # rank 2 hangs inside the switch
-        return hang(cfg, load, plan, sys.argv[3])
-    for mode in sys.argv[3].split(",") if len(sys.argv) > 3 else ("move", "recompute"):
+    if args and args[0].startswith("hang"):  # rank 2 hangs inside the switch
+        return hang(cfg, load, plan, args[0])
+    runs_asked = [(mode, q) for mode in (args[0].split(",") if args else ("move", "recompute"))
+                  for q in (fmts or [None])]
+    for mode, q in runs_asked:
+        key = mode if fmts is None else f"{mode}|{q}"
+        load = load_config(ckpt, None if q in (None, "none") else q)
         checks.clear()
         replan = runs[mode]
         eplb = EplbConfig(enabled=True, redundant_experts=2, window=3, interval=3) \
@@ -108,7 +120,7 @@ def main():
         gathered = comm.gather((list(checks), final), root=0)
         if comm.Get_rank() == 0:
             marks = sum(1 for e in r.tracer.events if e["cat"] == "replan")
-            result[mode] = {"tokens": tokens, "records": r.replans, "marks": marks,
+            result[key] = {"tokens": tokens, "records": r.replans, "marks": marks,
                             "decisions": r.replan_decisions,
                             "checks": [g[0] for g in gathered], "final": [g[1] for g in gathered]}
         r.close()

@@ -152,7 +152,7 @@ def test_skip_special_tokens_false_keeps_their_text_offline_and_streamed(tiny_ck
 
     # streamed: each iteration's update applied to the request's stream as AsyncLLM does (one
     # update at a time here: AsyncLLM's event loop may take several in one wake-up)
-    from megainfer.core_client.frontend_intake import Intake
+    from megainfer.core_client.request_stream import Intake
     from megainfer.engine.outputs import PromptInput
     from megainfer.engine_core.core import EngineCore
     core = EngineCore(llm.engine)

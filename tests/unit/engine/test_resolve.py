@@ -74,9 +74,9 @@ def test_weight_bytes_counts_the_built_model():
 # ------------------------------------------------------------------ LLM's arguments
 def test_vllm_names_and_threads(monkeypatch, threads):
     seen = {}
-    import megainfer.engine_core.builder as ranks_mod  # where LLM's arguments are resolved
-    real = ranks_mod.resolve_job
-    monkeypatch.setattr(ranks_mod, "resolve_job",
+    import megainfer.engine.resolve as resolve_mod  # where LLM's arguments are resolved
+    real = resolve_mod.resolve_job
+    monkeypatch.setattr(resolve_mod, "resolve_job",
                         lambda tree, *a, **k: seen.setdefault("tree", tree) and real(tree, *a, **k))
     llm = LLM(TINY, enforce_eager=True, max_num_seqs=3, seed=5)
     assert seen["tree"]["engine"]["cuda_graphs"] is False
@@ -124,7 +124,9 @@ def test_other_modes_resolve_to_the_launchers_plan(kw, ranks, mode, threads):
         args["tensor_parallel_size"] = tp
     got = resolve_llm_job(args, TINY, kw.get("deploy"), tp, kw.get("world_size"), ())
     assert got.job.deploy.mode == mode and got.job.deploy.world_size == ranks
-    assert got.spec.world_size == ranks and got.spec.auto_plan == (kw.get("deploy") in ("auto", None))
+    assert got.spec.world_size == ranks
+    # every rank resolves the same plan for itself (deploy=auto: the planner asked on each)
+    assert got.spec.resolve(ranks - 1, holds_cache=False).deploy == got.job.deploy
     if tp is not None:
         assert got.job.deploy.attention_tp == tp
 

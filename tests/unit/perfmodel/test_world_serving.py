@@ -5,7 +5,7 @@ rank resolving the same config picks the same plan; bad slo.* values are named."
 import pytest
 
 from megainfer.config import ConfigError, ModelConfig, SloConfig
-from megainfer.core_client.client import JobTree
+from megainfer.engine.resolve import JobTree
 from megainfer.core_client.llm_job import resolve_llm_job
 from megainfer.perfmodel.model.hardware import load_hardware
 from megainfer.perfmodel.plan.auto_plan import model_shape
@@ -79,7 +79,7 @@ def test_deploy_auto_with_an_arrival_rate_runs_the_serving_plan_on_every_rank():
     assert (plan.attention_replicas, plan.attention_tp, plan.expert_ranks,
             plan.micro_batches) == (best.plan.n_a, best.plan.tp_a, best.plan.n_e, best.plan.m)
     assert got.job.slo.arrival_rate == 4
-    spec = JobTree(got.spec.tree, 4, auto_plan=True)  # what every rank resolves for itself
+    spec = JobTree(got.spec.tree, 4)  # what every rank resolves for itself
     assert all(spec.resolve(r, holds_cache=False).deploy == plan for r in (0, 3))
     assert _resolve(4, "deploy.prefill_replicas=0").job.deploy.prefill_replicas == 0
     assert _resolve(4, "replan.enabled=true").job.deploy.prefill_replicas == 0

@@ -73,6 +73,9 @@ def test_switch_cost_counts_weights_kv_and_a_drain():
     to_e_more_kv = switch_cost(SHAPE, (2, 2), (1, 3), JobState(8, 100, 10, 32, (4, 8)), 0.5, 1e9,
                                "float32")
     assert none == 0 and to_e > 0.5 and to_e_more_kv > to_e
+    # 4 more sequences of 100 tokens leave: their KV, every layer counted once
+    kv = 4 * 100 * SHAPE.kv_bytes_per_token("float32")
+    assert (to_e_more_kv - to_e) * 1e9 == pytest.approx(kv)
 
 
 def test_a_slow_traced_t_c_keeps_an_expert_bound_plan():

@@ -39,8 +39,8 @@ def test_the_controllers_clock_stays_bounded_and_measures_the_last_switch():
         assert ctl.hook(_loop(it, 2), True) is None  # the forced switch is far away
     ctl.switching(None)
     rec = dict(iteration=40, old="a1e2", new="a2e1", reason="forced", seconds=0.1,
-               predicted_gain=float("nan"), weight_bytes=0, move=0, kv_bytes=0, recompute=0,
-               waiting=0, multi=0)
+               predicted_gain=float("nan"), weight_bytes=0, weight_slots=0, move=0, kv_bytes=0,
+               recompute=0, waiting=0, multi=0)
     ctl.switched(rec)
     assert math.isfinite(rec["tokens_per_s_before"])
     for it in range(40, 10_040):  # a server's iterations, idle ones included

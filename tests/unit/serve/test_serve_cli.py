@@ -85,12 +85,12 @@ def test_the_ranks_tree_keeps_the_seed_and_not_the_offline_job(monkeypatch):
     """What a plain megainfer-serve's child job resolves: sampling.seed (requests without
     their own seed) and every group but the offline job's; deploy=auto plans from the same tree
     in the frontend and on the ranks (here: the same split of 4 ranks)."""
-    from megainfer.core_client.client import JobTree
+    from megainfer.engine.resolve import JobTree
     from megainfer.launch.serve import serve_tree
     from megainfer.launch.settings import settings_from_config
     c, _ = serve_tree(_compose("sampling.seed=7", "workload=random", "serve.world_size=4"))
     assert c["sampling"] == {"seed": 7} and "workload" not in c and "io" not in c
-    rank = JobTree(c, 4, auto_plan=True).resolve(3, holds_cache=False)
+    rank = JobTree(c, 4).resolve(3, holds_cache=False)
     assert rank.seed == 7
     assert settings_from_config(c, 4, 4, 0, holds_cache=False).deploy == rank.deploy
 

@@ -1,6 +1,6 @@
 """The server's view of a distributed runtime without mpiexec: a stand-in with
 ``RuntimeEngine``'s members (``load()``, ``idle_interval_s``, ``last_iteration_at``) behind the
-real ``EngineClient`` and engine core thread. Gauges count every replica's sequences (waiting
+real ``ServedEngine`` and engine core thread. Gauges count every replica's sequences (waiting
 includes what rank 0 has not handed out); /health's "every rank answers" holds while idle
 iterations keep coming and turns false once one hangs past two idle intervals plus an
 iteration; the watchdog's error is what the engine core died of."""
@@ -9,7 +9,7 @@ import time
 
 from megainfer.engine.outputs import StepOutputs
 from megainfer.engine.stats import EngineLoad
-from megainfer.serve.engine_client import MIN_ITERATION_ALLOWANCE_S, EngineClient
+from megainfer.serve.served_engine import MIN_ITERATION_ALLOWANCE_S, ServedEngine
 
 
 class FakeRuntime:
@@ -72,7 +72,7 @@ def _until(cond, timeout=5.0):
 
 def test_runtime_gauges_and_health_follow_the_iterations():
     eng = FakeRuntime()
-    client = EngineClient.beside(eng, "fake", role="disaggregated")
+    client = ServedEngine.beside(eng, "fake", role="disaggregated")
     try:
         load = eng.load()
         assert (load.running, load.queued, load.kv_usage) == (3, 6, 0.25)
@@ -97,7 +97,7 @@ def test_a_core_stuck_in_one_iteration_is_declared_dead():
     declared dead (health false, the error says it hangs) although its thread lives; without it
     the same hang leaves the core alive (the staleness check above is what /health shows)."""
     eng = FakeRuntime()
-    client = EngineClient.beside(eng, "fake", role="disaggregated", hang_after_s=0.5)
+    client = ServedEngine.beside(eng, "fake", role="disaggregated", hang_after_s=0.5)
     try:
         _until(lambda: eng.last_iteration_at > time.monotonic() - 0.2)
         assert client.healthy and client.llm.core_busy_s() < 0.5

@@ -1,8 +1,8 @@
 """The server's one handle on the engine core: admission (the queue bound, draining), health,
 the metrics of each request, and the ``AsyncLLM`` streams. The core is single mode's
-``LLMEngine`` or rank 0's ``RuntimeEngine``, in a child job of its own (``EngineClient.spawn``:
+``LLMEngine`` or rank 0's ``RuntimeEngine``, in a child job of its own (``ServedEngine.spawn``:
 what ``megainfer-serve`` does outside ``mpiexec``) or on a thread beside the frontend
-(``EngineClient.beside``: rank 0 under ``mpiexec``, tests); either way its measurements arrive
+(``ServedEngine.beside``: rank 0 under ``mpiexec``, tests); either way its measurements arrive
 with its outputs (``metrics.CoreWatch``). docs/serve.md."""
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ QUEUED_TOKENS_PER_MAX_LEN = 16  # serve.max_queued_tokens=null: this many max_mo
 MIN_QUEUED_TOKENS = 1 << 18  # and at least this many (256 prompts of 1024 tokens)
 
 
-class EngineClient:
+class ServedEngine:
     def __init__(self, make_llm, model_name: str, cfg: ServeConfig = ServeConfig(),
                  role: str = "single", hang_after_s: Optional[float] = None,
                  metrics_label: Optional[str] = None):
@@ -59,7 +59,7 @@ class EngineClient:
     @classmethod
     def beside(cls, engine, model_name: str, cfg: ServeConfig = ServeConfig(),
                role: str = "single", hang_after_s: Optional[float] = None,
-               metrics_label: Optional[str] = None) -> "EngineClient":
+               metrics_label: Optional[str] = None) -> "ServedEngine":
         """Serve an online engine built in this process (``LLM(...).engine``, rank 0's
         ``RuntimeEngine``) with its core on a thread here."""
         return cls(lambda on_stats: AsyncLLM.from_engine(engine, on_stats), model_name, cfg,
@@ -67,7 +67,7 @@ class EngineClient:
 
     @classmethod
     def spawn(cls, spec, job, model_name: str, cfg: ServeConfig = ServeConfig(),
-              role: str = "single", metrics_label: Optional[str] = None) -> "EngineClient":
+              role: str = "single", metrics_label: Optional[str] = None) -> "ServedEngine":
         """Start the job's ranks (single mode: one) as a child job whose rank 0 runs the core
         (``core_client.spawn``); ``job``: rank 0's resolution of ``spec``."""
         return cls(lambda on_stats: AsyncLLM.from_job(spec, job, engine_process=True,
@@ -249,7 +249,7 @@ class Admission:
     """Places held in the server's queue bounds (sequences, prompt tokens not yet prefilled)
     and request ids; ``release`` (idempotent) gives them back."""
 
-    def __init__(self, client: EngineClient, seqs: int, tokens: int, request_ids: list[str]):
+    def __init__(self, client: ServedEngine, seqs: int, tokens: int, request_ids: list[str]):
         self.client, self.seqs, self.tokens, self.request_ids = client, seqs, tokens, request_ids
 
     def prefilled(self, tokens: int) -> None:

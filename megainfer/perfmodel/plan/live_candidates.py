@@ -1,0 +1,89 @@
+"""The live planner's evaluator: every role assignment of the same N ranks (AE splits, PD splits:
+``world_serving.candidates``) simulated at a forecast load, the requests' TTFT and TPOT scaled by
+the planner's corrections before the SLOs judge them. ``ServingPins(prefill_replicas=0)`` keeps
+it to the attention:expert splits a running job can switch between. docs/replan.md, "The live
+planner"."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megainfer.perfmodel.model.hardware import HardwareProfile
+from megainfer.perfmodel.model.shapes import ModelShape
+from megainfer.perfmodel.plan.goodput import Slo, attainment, simulate_ae, simulate_pd
+from megainfer.perfmodel.plan.goodput_search import alternate_families
+from megainfer.perfmodel.plan.live_planner import Corrections, Load, Prediction
+from megainfer.perfmodel.plan.world_plan import _slots
+from megainfer.perfmodel.plan.world_serving import (ServingChoice, ServingPins, ServingTarget,
+                                                    candidates)
+from megainfer.perfmodel.sim.events import LengthDist, poisson_requests
+from megainfer.perfmodel.sim.job import JobConfig
+
+
+def assignment_label(c: ServingChoice) -> str:
+    """``a1e2m2``; PD: ``p1+a1e1m2`` (``t2`` after a count with TP 2)."""
+    p = c.plan
+    tp = f"t{p.tp_a}" if p.tp_a > 1 else ""
+    decode = f"a{p.n_a}{tp}e{p.n_e}m{p.m}"
+    if c.pool is None:
+        return decode
+    n_p, tp_p = c.prefill
+    return f"p{n_p}{f't{tp_p}' if tp_p > 1 else ''}+{decode}"
+
+
+def assignment_deploy(c: ServingChoice) -> dict:
+    """The ``deploy.*`` counts that run ``c``."""
+    p, (n_p, tp_p) = c.plan, c.prefill
+    return dict(attention_replicas=p.n_a, attention_tp=p.tp_a, expert_ranks=p.n_e,
+                micro_batches=p.m, prefill_replicas=n_p, prefill_tp=tp_p)
+
+
+@dataclass
+class SimulatedAssignments:
+    """``__call__(load, corrections, only)``: the predictions of the candidates (``only``: that
+    label alone), the current one always among them when ``current`` is set; at most
+    ``max_sims`` simulations a call, families taking turns."""
+
+    shape: ModelShape
+    hw: HardwareProfile
+    world: int
+    slo: Slo
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    pins: ServingPins = ServingPins()
+    dtype: str = "float32"
+    num_requests: int = 200
+    max_sims: int = 8
+    seed: int = 0
+    current: Optional[str] = None
+
+    def __call__(self, load: Load, corr: Corrections, only: Optional[str] = None
+                 ) -> list[Prediction]:
+        rate = max(load.rate, 1e-6)  # an idle forecast: a trickle, every plan meets it
+        reqs = poisson_requests(self.num_requests, rate,
+                                LengthDist("fixed", max(1, round(load.prompt_len))),
+                                LengthDist("fixed", max(1, round(load.output_len))), self.seed)
+        target = ServingTarget(reqs, self.slo, self.max_num_seqs, self.max_num_batched_tokens)
+        models: dict = {}
+        cands = candidates(self.shape, self.hw, target, self.world, self.pins, self.dtype,
+                           models=models)
+        want = only or self.current
+        picked = [c for c in cands if assignment_label(c) == want] if want else []
+        if only is None:
+            rest = [c for c in alternate_families(cands, ("AE", "PD"))
+                    if assignment_label(c) != want]
+            picked += rest[:max(0, self.max_sims - len(picked))]
+        return [self._predict(c, target, corr, models) for c in picked]
+
+    def _predict(self, c: ServingChoice, target: ServingTarget, corr: Corrections,
+                 models: dict) -> Prediction:
+        cfg = JobConfig(max_num_seqs=c.batch_limit, seed=self.seed, max_iterations=200_000,
+                        max_num_batched_tokens=target.max_num_batched_tokens)
+        model = models[_slots(self.shape, c.plan.n_e).num_experts]
+        t = (simulate_pd(c.pool, model, c.plan, target.requests, cfg, self.dtype) if c.pool
+             else simulate_ae(model, c.plan, target.requests, cfg))
+        a = attainment(t.arrival_s, t.ttft_s * corr.ttft, t.tpot_s * corr.tpot, t.finish_s,
+                       self.slo)
+        headroom = max(a.ttft_p / self.slo.ttft_s, a.tpot_p / self.slo.tpot_s)
+        return Prediction(assignment_label(c), a.ttft_p, a.tpot_p, a.goodput_req_s, headroom,
+                          assignment_deploy(c))
