@@ -26,7 +26,7 @@ import yaml
 
 import megainfer.conf
 from megainfer.config import (CacheConfig, CommConfig, DeployPlan, DeviceConfig, EplbConfig,
-                              LoadConfig, ModelConfig, ReplanConfig, SchedulerConfig, ServeConfig,
+                              LoadConfig, ModelConfig, PdConfig, ReplanConfig, SchedulerConfig, ServeConfig,
                               SloConfig, TraceConfig)
 from megainfer.engine.sampling_params import SamplingParams
 from .settings import IOSettings, JobSettings, WorkloadSettings
@@ -49,6 +49,7 @@ GROUPS = {
     "eplb": (EplbConfig, (), "expert-parallel load balancing"),
     "replan": (ReplanConfig, (), "online re-planning of the attention:expert split"),
     "slo": (SloConfig, (), "the serving target deploy=auto plans for"),
+    "pd": (PdConfig, (), "prefill-decode options: decode attention offloaded to the prefill ranks"),
     "serve": (ServeConfig, (), "megainfer-serve's HTTP server (docs/serve.md)"),
 }
 # launcher keys that are no dataclass field: key -> (type, meaning source is the YAML comment)

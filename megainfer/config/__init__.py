@@ -5,7 +5,7 @@ these objects. Nothing under ``megainfer/`` imports Hydra. Every validation fail
 ``ConfigError`` (a ``ValueError``) whose message names the offending field and value.
 
 ``model.py``: the checkpoint's architecture; ``runtime.py``: how a job runs it; ``replan.py``:
-online re-planning; ``slo.py``: the serving target ``deploy=auto`` plans for; ``serve.py``: the HTTP server; ``job.py``: all of one job's groups in one
+online re-planning; ``pd.py``: prefill-decode options (decode attention offload); ``slo.py``: the serving target ``deploy=auto`` plans for; ``serve.py``: the HTTP server; ``job.py``: all of one job's groups in one
 bundle; ``base.py``: the error type and the fixed vocabularies; ``keys.py``, ``deploy_fit.py``,
 ``model_source.py``, ``hf_cache.py``, ``llm_args.py``: the pieces the one resolution
 (``megainfer/engine/resolve.py``) turns a ``group.key`` tree into a ``ResolvedJob`` with.
@@ -18,12 +18,13 @@ from .runtime import (DEPLOY_MODES, KV_CACHE_DTYPES, CacheConfig, CommConfig, De
                       DeviceConfig, EplbConfig, LoadConfig, SchedulerConfig,
                       TraceConfig)
 from .replan import ReplanConfig
+from .pd import PdConfig
 from .slo import SloConfig
 from .serve import ServeConfig
 from .job import ResolvedJob
 
 __all__ = ["ConfigError", "YarnScaling", "ModelConfig", "LoadConfig", "DeviceConfig",
            "CacheConfig", "SchedulerConfig", "DeployPlan", "EplbConfig", "CommConfig",
-           "TraceConfig", "ReplanConfig", "SloConfig", "ServeConfig", "ResolvedJob", "ATTENTION_BACKENDS",
+           "TraceConfig", "ReplanConfig", "PdConfig", "SloConfig", "ServeConfig", "ResolvedJob", "ATTENTION_BACKENDS",
            "DEVICES", "DTYPE_NAMES",
            "MLA_FAMILIES", "SUPPORTED_FAMILIES", "DEPLOY_MODES", "KV_CACHE_DTYPES"]

@@ -9,6 +9,7 @@ from typing import Optional
 
 from .base import require
 from .model import ModelConfig
+from .pd import PdConfig
 from .replan import ReplanConfig
 from .slo import SloConfig
 from .runtime import (CacheConfig, CommConfig, DeployPlan, DeviceConfig, EplbConfig, LoadConfig,
@@ -29,6 +30,7 @@ class ResolvedJob:
     device: DeviceConfig = DeviceConfig()  # cuda: every rank on GPU local_rank % visible
     replan: ReplanConfig = ReplanConfig()  # online re-planning (docs/replan.md)
     slo: SloConfig = SloConfig()  # what deploy=auto plans a server for (docs/perfmodel.md)
+    pd: PdConfig = PdConfig()  # prefill-decode options: decode attention offload (docs/pd.md)
     cpu_threads: Optional[int] = None  # torch intra-op threads of this process; None: torch's
 
     def __post_init__(self):
@@ -38,3 +40,6 @@ class ResolvedJob:
                                               and not isinstance(self.cpu_threads, bool)
                                               and self.cpu_threads >= 1),
                  "deploy.cpu_threads", self.cpu_threads, "must be a positive integer or null")
+        if self.pd.offload:
+            require(self.deploy.prefill_replicas > 0, "pd.offload", self.pd.offload,
+                    "needs prefill ranks (deploy.prefill_replicas > 0)")

@@ -20,7 +20,7 @@ from typing import Mapping, Optional
 import torch
 
 from megainfer.config import (CacheConfig, CommConfig, ConfigError, DeployPlan, DeviceConfig,
-                              EplbConfig, LoadConfig, ModelConfig, ReplanConfig, ResolvedJob,
+                              EplbConfig, LoadConfig, ModelConfig, PdConfig, ReplanConfig, ResolvedJob,
                               SchedulerConfig, SloConfig, TraceConfig)
 from megainfer.config.base import require
 from megainfer.config.deploy_fit import plan_for_world
@@ -52,9 +52,10 @@ GROUP_KEYS: dict[str, set] = {
     "eplb": field_names(EplbConfig),
     "replan": field_names(ReplanConfig),
     "slo": field_names(SloConfig),
+    "pd": field_names(PdConfig),
 }
 _PLAIN_GROUPS = (("comm", CommConfig), ("trace", TraceConfig), ("eplb", EplbConfig),
-                 ("replan", ReplanConfig), ("slo", SloConfig))
+                 ("replan", ReplanConfig), ("slo", SloConfig), ("pd", PdConfig))
 _NOT_PLAN_KEYS = ("cpu_threads", "device", "hardware")  # deploy.* keys that are not DeployPlan's
 
 

@@ -60,6 +60,7 @@ class WorkItem:
     xfer: int  # the transfer's id (rank 0 counts them)
     input: Any  # PromptInput
     replica: int  # the decode replica that will run it
+    offload: int = 0  # pd.offload: tokens to keep room for here (its KV stays); 0: stream it
 
 
 @dataclass
@@ -99,6 +100,7 @@ class Expect:
     src: int  # the prefill replica's first rank
     num_tokens: int  # the prompt's
     request_id: str
+    offload: bool = False  # its KV stays on the prefill rank: nothing to receive or reserve
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,44 @@ class Drop:
 
     xfer: int
     sent: bool  # whether the KV was sent (take it) or not (cancel the receives)
+
+
+# ---------------------------------------------------------------------- decode attention offload
+@dataclass
+class OffloadQKV:
+    """A decode attention rank -> the prefill rank holding some of its requests' KV
+    (``pd.offload``; ``tags.OFFLOAD_QKV``): one layer of one micro-batch, every offloaded
+    request of it on that prefill rank (one new token each). ``q`` [S, Hq, D], ``k``/``v``
+    [S, Hkv, D] in the model's dtype, rotary applied (MLA: ``q`` q_nope [S, H, Dn], ``k`` q_pe
+    [S, H, P], ``v`` the new latent [S, R+P]); ``context_lens[i]``: tokens of request
+    ``xfers[i]`` cached before this one (its new k/v go to that position)."""
+
+    seq: int  # this decode rank's message count to that prefill rank (the reply echoes it)
+    layer: int
+    part: int  # which of the prefill rank's head slices (OffloadPool.slices): the sender's heads
+    xfers: list  # [int] the requests' transfer ids (rank 0's)
+    context_lens: list  # [int]
+    q: Any
+    k: Any
+    v: Any
+
+
+@dataclass
+class OffloadOut:
+    """The prefill rank's answer (``tags.OFFLOAD_OUT``): the attention output [S, Hq, D] (MLA:
+    [S, H, V])."""
+
+    seq: int
+    out: Any
+
+
+@dataclass
+class OffloadRelease:
+    """A decode attention rank -> the prefill rank (``tags.OFFLOAD_QKV``, after that request's
+    last ``OffloadQKV``): these requests finished, were aborted, dropped or preempted (they
+    recompute on the decode rank): free their blocks."""
+
+    xfers: list
 
 
 # ---------------------------------------------------------------------- re-planning

@@ -48,6 +48,7 @@ ARRIVE = 108  # BoundedComm: every rank -> every other, "I reached call k"
 SERVE_SPANS = 109  # expert rank -> rank 0, served online with tracing: its T_e and A2E spans
 EPLB_WEIGHTS = 1000  # host-staged expert weights among expert ranks (+ layer * slots + slot)
 PD_WORK, PD_DONE = 201, 202  # rank 0 <-> prefill ranks
+OFFLOAD_QKV, OFFLOAD_OUT = 203, 204  # decode attention rank <-> prefill rank (pd.offload)
 KV_SEGMENT = 1000  # one (transfer, layer, segment) of prefill KV, up to TAG_UB
 REPLAN_HEADERS, REPLAN_KV, REPLAN_CHECKPOINT = 1, 2, 3  # the switch's own communicator
 REPLAN_EXPERT = 2000  # a re-plan's host-staged expert weights (+ layer * slots + slot)
@@ -67,6 +68,9 @@ TAGS = (
     Tag(PD_WORK, "kv", "rank 0 -> prefill leader (and leader -> its TP ranks): "
         "messages.PrefillWork or messages.PrefillStop"),
     Tag(PD_DONE, "kv", "prefill leader -> rank 0: messages.PrefillReport"),
+    Tag(OFFLOAD_QKV, "kv", "decode attention rank -> prefill rank: messages.OffloadQKV "
+        "(one per layer per micro-batch) or messages.OffloadRelease"),
+    Tag(OFFLOAD_OUT, "kv", "prefill rank -> decode attention rank: messages.OffloadOut"),
     Tag(KV_SEGMENT, "kv", "prefill KV segments (pd/kv_segments.kv_tag)",
         span=MPI_TAG_UB_MIN - KV_SEGMENT),
     Tag(REPLAN_HEADERS, "switch", "leaving replica -> staying one: [messages.GroupHeader]"),

@@ -12,15 +12,20 @@ messages travel on a duplicate of the world communicator.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
-from megainfer.config import ConfigError
+from megainfer.config import ConfigError, PdConfig
 from megainfer.models import ParallelContext, build_model
+from megainfer.models.kv_spec import kv_head_slice
 from megainfer.runtime.pd.decode import DecodeSide
 from megainfer.runtime.pd.kv_place import sender_scales
 from megainfer.runtime.pd.kv_routes import check_prefill_tp, routes_to
 from megainfer.runtime.pd.kv_segments import Segments
 from megainfer.runtime.pd.kv_stream import Dest, KVReceiver, KVSender
 from megainfer.runtime.pd.loop import PDReplicaLoop
+from megainfer.runtime.pd.offload_decode import install_decode
+from megainfer.runtime.pd.offload_policy import OffloadLedger
+from megainfer.runtime.pd.offload_pool import OffloadPool
 from megainfer.runtime.pd.prefill_experts import expert_slots_of, split_experts
 from megainfer.runtime.pd.prefill_worker import PrefillExecutor, PrefillWorker
 from megainfer.runtime.pd.router import PDRouter
@@ -31,6 +36,8 @@ from megainfer.runtime.trace import Tracer
 from megainfer.runtime.wiring import (build_base_rank, rank_of, replica_tp_group, trace_epoch,
                                       wait_policy, wire_rank)
 
+log = logging.getLogger("megainfer.runtime")
+
 
 def build_pd_rank(job, comm):
     plan, cfg = job.deploy, job.model
@@ -40,6 +47,7 @@ def build_pd_rank(job, comm):
                            cfg.num_experts)
     if why is not None:  # every rank raises the same, before any collective call
         raise ConfigError(f"deploy.prefill_tp={plan.prefill_tp}: {why}")
+    check_offload(job)
     epoch = trace_epoch(comm)
     kv_comm = comm.Dup()
     core = comm.Split(1 if role.is_prefill else 0, rank)
@@ -61,10 +69,39 @@ def build_pd_rank(job, comm):
                             lambda leader: [(leader + x.src, x.count) for x in rts])
         router = PDRouter(kv_comm, prefill_rank_ids(plan), plan.attention_replicas, engine,
                           r.role.tag, policy) if rank == 0 else None
+        if job.pd.offload:  # decode attention offloaded to the prefill ranks (offload_*.py)
+            t = r.role.tp_rank  # prefill TP = decode TP: its peer; prefill TP 1: its heads there
+            decode.offload = install_decode(engine, kv_comm, r.role.tag, policy,
+                                            offset=t if plan.prefill_tp > 1 else 0,
+                                            part=t if plan.prefill_tp == 1 else 0)
+            if router is not None:
+                router.offload = OffloadLedger(
+                    job.pd.offload_ratio, job.pd.pool_blocks(job.cache.num_blocks),
+                    plan.prefill_replicas, job.cache.block_size, job.scheduler.max_model_len)
         return PDReplicaLoop(engine, r.role, r.job.deploy, r.control, exchange, first_moe_layer,
                              decode, router)
-    return build_base_rank(dataclasses.replace(job, deploy=dataclasses.replace(
+    return build_base_rank(dataclasses.replace(job, pd=PdConfig(), deploy=dataclasses.replace(
         plan, prefill_replicas=0)), core, make_loop=decode_loop)
+
+
+def check_offload(job) -> None:
+    """``pd.offload`` where it is built (every rank raises the same, before any collective)."""
+    pd, plan, cfg = job.pd, job.deploy, job.model
+    if not pd.offload:
+        return
+    for ok, key, value, why in (
+            (plan.prefill_tp in (1, plan.attention_tp), "deploy.prefill_tp", plan.prefill_tp,
+             f"1 or deploy.attention_tp={plan.attention_tp}"),
+            (not cfg.is_mla or plan.prefill_tp == plan.attention_tp, "deploy.prefill_tp",
+             plan.prefill_tp, f"deploy.attention_tp={plan.attention_tp} with MLA"),
+            (job.cache.kv_cache_dtype == "auto", "cache.kv_cache_dtype",
+             job.cache.kv_cache_dtype, "auto")):
+        if not ok:
+            raise ConfigError(f"pd.offload=true: needs {key}={why} for now (got {value!r})")
+    pool = pd.pool_blocks(job.cache.num_blocks)
+    if pool >= job.cache.num_blocks:
+        raise ConfigError(f"pd.offload_blocks={pool}: must leave blocks of the prefill rank's "
+                          f"cache.num_blocks={job.cache.num_blocks} for prompts")
 
 
 def _build_prefill(job, role, core, kv_comm, segs, epoch):
@@ -95,8 +132,20 @@ def _build_prefill(job, role, core, kv_comm, segs, epoch):
                       for x in routes_to(kind, cfg.num_kv_heads, tp, plan.attention_tp, t)
                       if x.src == tp_rank])
     sender = KVSender(kv_comm, cfg.num_layers, kind, tag, w.policy, segs, job.cache.block_size)
-    engine = make_engine(job, role, model, lambda kv: PrefillExecutor(
+    pool = job.pd.pool_blocks(job.cache.num_blocks)  # pd.offload: the cache split in two
+    ejob = job if not pool else dataclasses.replace(job, cache=dataclasses.replace(
+        job.cache, num_blocks=job.cache.num_blocks - pool))
+    engine = make_engine(ejob, role, model, lambda kv: PrefillExecutor(
         model, kv, job.cache.block_size, sender))
+    if pool:
+        slices = None  # prefill TP 1: one head slice per decode TP rank (their split)
+        if tp == 1 and plan.attention_tp > 1 and not cfg.is_mla:
+            slices = [kv_head_slice(cfg.num_kv_heads, plan.attention_tp, t)
+                      for t in range(plan.attention_tp)]
+        engine.executor.offload = OffloadPool(engine, model, pool, kv_comm, tag, w.policy, slices)
+        log.info("%s KV cache split: %d blocks for prompts in flight, %d for offloaded "
+                 "requests (%.1f MiB)", tag, ejob.cache.num_blocks, pool,
+                 engine.executor.offload.nbytes() / 2**20)
     track = tracks_keys(job.scheduler.routing, plan.prefill_replicas, job.cache.enable_prefix_caching)
     worker = PrefillWorker(engine, engine.executor, kv_comm, dests, tag, w.policy, tracer,
                            track_keys=track and tp_rank == 0,

@@ -34,6 +34,7 @@ class _Expect:
     placeholder: object = None  # the reserved blocks (a placeholder Request)
     said: Optional[object] = None  # rank 0's Start or Drop, once it says
     abort: bool = False  # aborted after its Start, before it started: ends as it starts
+    src: int = -1  # pd.offload: the prefill rank keeping its KV (``inc`` is None), else -1
 
 
 class DecodeSide:
@@ -45,6 +46,7 @@ class DecodeSide:
         self.handoff_s: dict[str, float] = {}  # request id -> prefill end to decode start
         self.num_started = 0
         self.aborted: list = []  # outputs of requests aborted as they started
+        self.offload = None  # pd.offload: the OffloadClient (set by pd/build.py), else None
 
     def abort(self, request_id: str) -> bool:
         """End a request whose start is announced but waits for blocks or KV: it ends (output
@@ -65,7 +67,9 @@ class DecodeSide:
 
     def apply(self, msgs: list) -> None:
         for m in msgs:
-            if isinstance(m, Expect):
+            if isinstance(m, Expect) and m.offload:  # its KV stays there: nothing to receive
+                self.expects[m.xfer] = _Expect(None, m.num_tokens, src=m.src)
+            elif isinstance(m, Expect):
                 bs = self.engine.cache_config.block_size
                 inc = self.receiver.post(m.xfer, self.sources(m.src), -(-m.num_tokens // bs),
                                          m.request_id)
@@ -77,6 +81,9 @@ class DecodeSide:
     def _advance(self) -> None:
         engine = self.engine
         for xfer, e in list(self.expects.items()):
+            if e.inc is None:
+                self._advance_offloaded(xfer, e)
+                continue
             if isinstance(e.said, Drop):
                 if e.said.sent:
                     self.receiver.wait(e.inc)
@@ -107,7 +114,24 @@ class DecodeSide:
                 if e.abort:
                     self.aborted.append(engine.abort_request(req.request_id))
 
+    def _advance_offloaded(self, xfer: int, e: _Expect) -> None:
+        """A request whose KV stays on prefill rank ``e.src``: it starts holding no blocks here
+        (``offload_decode``); dropped, the prefill rank frees what it kept."""
+        if isinstance(e.said, Drop):
+            self.offload.release_xfer(e.src, xfer)
+            del self.expects[xfer]
+        elif isinstance(e.said, Start):
+            engine, state = self.engine, e.said.state
+            req = start(engine, state, reserve(engine, 0, f"pd{xfer}"))
+            self.offload.adopt(req, e.src, xfer)
+            self.handoff_s[req.request_id] = time.perf_counter() - state.t_prefill_end
+            self.num_started += 1
+            del self.expects[xfer]
+            if e.abort:
+                self.aborted.append(engine.abort_request(req.request_id))
+
     def poll(self) -> None:
         """Progress for the receives in flight (called once per iteration)."""
         for e in self.expects.values():
-            e.inc.test()
+            if e.inc is not None:
+                e.inc.test()

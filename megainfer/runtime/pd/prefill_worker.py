@@ -42,6 +42,8 @@ class PrefillExecutor(LocalExecutor):
         super().__init__(model, kv_caches, block_size)
         self.sender = sender
         self.planned: dict[int, OutgoingKV] = {}  # seq_id -> its transfer, until its prompt is done
+        # pd.offload: the OffloadPool (set by pd/build.py), served after every layer; else None
+        self.offload = None
         for l, layer in enumerate(model.layers):
             layer.register_forward_hook(self._hook(l))
 
@@ -49,6 +51,8 @@ class PrefillExecutor(LocalExecutor):
         def after_layer(module, args, output):
             if self.sender.active:
                 self.sender.send_layer(l, self.kv_caches[l])
+            if self.offload is not None:
+                self.offload.serve()
         return after_layer
 
     @torch.inference_mode()
@@ -80,6 +84,7 @@ class PrefillWorker:
         self.sending_policy = replace(policy, timeout_s=min(0.05, policy.timeout_s))
         self.tracer = tracer
         self.xfer_of: dict[str, int] = {}  # engine request id -> transfer id
+        self.keep: dict[str, int] = {}  # pd.offload: request id -> tokens its KV keeps room for
         self.transfers: list[OutgoingKV] = []  # completed, for the stats
         self.steps = 0
         self.outbox = Outbox(comm)  # reports to rank 0 in flight
@@ -101,6 +106,8 @@ class PrefillWorker:
                     self.peer_outbox.flush()
                 self.executor.sender.drain()
                 self._collect()
+                if self.executor.offload is not None:
+                    self.executor.offload.drain()
                 return self.steps
             report = [self._add(item) for item in work]
             report = [r for r in report if r is not None]
@@ -160,7 +167,17 @@ class PrefillWorker:
         policy's timeout (a timeout here is no error: the caller looks again)."""
         self.executor.sender.poll()
         self._check_sends()
-        wait_until(arrived, self.sending_policy if self.executor.sender.inflight else self.policy)
+        policy = self.sending_policy if self.executor.sender.inflight else self.policy
+        pool = self.executor.offload
+        if pool is None:
+            wait_until(arrived, policy)
+            return
+        pool.serve()  # offloaded decode attention is answered while idle too: while it holds
+        # requests, back every 50 ms at most (the wait's sleeps stay short, so a decode step's
+        # message is seen soon after it arrives)
+        short = self.sending_policy if pool.held else policy
+        wait_until(lambda: arrived() or pool.pending(), short)
+        pool.serve()
 
     def _add(self, item: WorkItem):
         xfer, inp, replica = item.xfer, item.input, item.replica
@@ -172,7 +189,9 @@ class PrefillWorker:
             return PrefillResult(xfer, "failed", RequestOutput.failed(inp.request_id, inp.prompt,
                                                                       inp.prompt_token_ids, e))
         self.xfer_of[req.request_id] = xfer
-        if self.dests[replica]:  # a TP rank whose heads go elsewhere (MLA: rank 0's) sends none
+        if item.offload:  # its KV stays here (pd.offload): nothing is streamed
+            self.keep[req.request_id] = item.offload
+        elif self.dests[replica]:  # a TP rank whose heads go elsewhere (MLA: rank 0's) sends none
             self.executor.planned[req.seq_id] = OutgoingKV(xfer, req.request_id,
                                                          self.dests[replica], req.num_prompt_tokens)
         return None
@@ -183,7 +202,12 @@ class PrefillWorker:
         self.steps += 1
         report = [PrefillResult(self.xfer_of.pop(out.request_id), "output", out)
                   for out in finished]
+        for out in finished:
+            self.keep.pop(out.request_id, None)
         for req in [r for r in self.engine.requests.values() if r.output_token_ids]:
+            keep = self.keep.pop(req.request_id, 0)
+            if keep:
+                self.executor.offload.keep(self.xfer_of[req.request_id], req, keep)
             state = export_state(req)
             detach(self.engine, req)
             report.append(PrefillResult(self.xfer_of.pop(req.request_id), "state", state))

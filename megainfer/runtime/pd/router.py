@@ -67,6 +67,7 @@ class PDRouter:
         self.decoding: dict[str, int] = {}  # request id -> decode replica, once started
         self.aborted: set[int] = set()  # transfers whose request was aborted on a prefill rank
         self.first_tokens: list[SampleDelta] = []  # the prefill ranks' sampled tokens (online)
+        self.offload = None  # pd.offload: its OffloadLedger (set by pd/build.py), else None
         # nothing to decode anywhere: the next thing that can change that is a prefill report
         # (a first token to start, a request to drop, room for a hand-out), so rank 0 waits for
         # one, sleeping (bounded: well under every other rank's comm.timeout_s)
@@ -143,18 +144,25 @@ class PDRouter:
                 f = self.inflight.pop(res.xfer)
                 self.outstanding[p] -= 1
                 self.prefilled[p] += 1
+                off = self.offload
                 if res.xfer in self.aborted:  # its output went out at the abort: drop its KV
                     self.aborted.discard(res.xfer)
                     msgs[f.replica].append(Drop(res.xfer, res.kind != "failed"))
+                    if off is not None:
+                        off.credit(res.xfer)
                 elif res.kind == "state":
                     msgs[f.replica].append(Start(res.xfer, res.payload))
                     self.decoding[f.request_id] = f.replica
+                    if off is not None:
+                        off.decoding(f.request_id, res.xfer)
                     self.first_tokens += _first_tokens(res.payload)
                 else:  # finished at its first token, or refused: nothing to decode
                     out = res.payload
                     out.request_id = self.ids.pop(f.request_id, out.request_id)
                     done.append(out)
                     msgs[f.replica].append(Drop(res.xfer, res.kind == "output"))
+                    if off is not None:
+                        off.credit(res.xfer)
 
     def _hand_out(self, loads, msgs, done) -> None:
         room = sum(max(0, self.cap - n) for n in loads)  # what the decode replicas can take
@@ -183,8 +191,9 @@ class PDRouter:
                 loads[d] += 1
                 self.assigned[d] += 1
                 self.next_d = (d + 1) % self.A
-                msgs[d].append(Expect(xfer, self.prefill_ranks[p], len(ids), rid))
-                work[p].append(WorkItem(xfer, inp, d))
+                keep = 0 if self.offload is None else self.offload.decide(p, xfer, inp, len(ids))
+                msgs[d].append(Expect(xfer, self.prefill_ranks[p], len(ids), rid, keep > 0))
+                work[p].append(WorkItem(xfer, inp, d, keep))
         for p, items in enumerate(work):
             if items:
                 self._send(PrefillWork(items), self.prefill_ranks[p])
@@ -200,6 +209,8 @@ class PDRouter:
     def caller_id(self, rid):
         """The caller's id of a request decoded here (outputs carry the engine's str id)."""
         self.decoding.pop(rid, None)
+        if self.offload is not None:
+            self.offload.finished(rid)
         return self.ids.pop(rid, rid)
 
 

@@ -51,6 +51,10 @@ class DisaggregatedExecutor:
 
     deploy_mode = "disaggregated"
     supports_full_logits = True  # every new token's logits when asked (prompt_logprobs)
+    # the plug point of decode attention offload (pd.offload, runtime/pd/offload_decode.py, set
+    # by runtime/pd/build.py): ``metadata(part, block_size, device) -> (meta, ids, positions)``
+    # over the rows attended here; None: every row is
+    offload = None
 
     def __init__(self, model, kv_caches, block_size: int, micro_batches: int, exchange, tp_group,
                  rebalancer=None, tracer: Optional[Tracer] = None):
@@ -90,6 +94,9 @@ class DisaggregatedExecutor:
     # ------------------------------------------------------------------ pieces
     def _start(self, part) -> _MicroBatch:
         """The micro-batch's metadata, ids and positions on the device in one copy."""
+        if self.offload is not None:
+            meta, ids, pos = self.offload.metadata(part, self.block_size, self.device)
+            return _MicroBatch(part, meta, pos, self.model.embed(ids))
         meta, (ids, pos) = AttentionMetadata.build_with(
             part.query_lens, part.context_lens, part.block_tables, self.block_size, self.device,
             extras=[part.input_ids, part.positions])

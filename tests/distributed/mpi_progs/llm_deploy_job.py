@@ -118,6 +118,9 @@ async def _async_job(engine) -> dict:
         eng = getattr(engine.engine, "engine", engine.engine)
         got["free_blocks"] = [eng.blocks.num_free_blocks, eng.blocks.num_blocks]
         got["engine_detokenizes"] = eng.detokenize  # online the frontend decodes, not the engine
+        ledger = getattr(getattr(getattr(engine.engine, "loop", None), "pd", None), "offload", None)
+        if ledger is not None:  # pd.offload: requests offloaded, and the pools' room all back
+            got["offload"] = [ledger.offloaded, ledger.free == [ledger.pool_blocks] * len(ledger.free)]
     return got
 
 

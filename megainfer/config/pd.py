@@ -1,0 +1,36 @@
+"""Prefill-decode disaggregation's options beyond the rank split (``pd.*``; docs/pd.md,
+"Decode attention offloaded to the prefill ranks")."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from .base import is_number, require
+
+
+@dataclass(frozen=True)
+class PdConfig:
+    """``offload``: a request prefilled on a prefill rank may keep its KV there, and every
+    decode step runs its attention there (Adrenaline); the decode rank computes q/k/v, O
+    projection and the MoE for it. Off by default; needs ``deploy.prefill_replicas > 0``."""
+
+    offload: bool = False  # decode attention of some requests runs on the prefill rank holding their KV
+    # fraction of the eligible requests offloaded (0: none, 1: every one the prefill rank's offload pool has room for)
+    offload_ratio: float = 1.0
+    # KV blocks of a prefill rank's cache kept for offloaded requests (the rest holds prompts in flight); null: half of cache.num_blocks
+    offload_blocks: Optional[int] = None
+
+    def __post_init__(self):
+        require(isinstance(self.offload, bool), "pd.offload", self.offload, "must be true or false")
+        require(is_number(self.offload_ratio) and 0 <= self.offload_ratio <= 1,
+                "pd.offload_ratio", self.offload_ratio, "must be a number in [0, 1]")
+        require(self.offload_blocks is None or (isinstance(self.offload_blocks, int)
+                                                and not isinstance(self.offload_blocks, bool)
+                                                and self.offload_blocks >= 1),
+                "pd.offload_blocks", self.offload_blocks, "must be an integer >= 1 or null")
+
+    def pool_blocks(self, num_blocks: int) -> int:
+        """The prefill rank's offload pool out of its ``num_blocks`` (0 when off)."""
+        if not self.offload:
+            return 0
+        return num_blocks // 2 if self.offload_blocks is None else self.offload_blocks
