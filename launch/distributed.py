@@ -39,11 +39,11 @@ def run_distributed(s, requests, output_path: str, run_dir: str) -> int:
     comm = MPI.COMM_WORLD
     run_dir = comm.bcast(run_dir, root=0)  # rank 0's Hydra run directory is the job's
     output_path = comm.bcast(output_path, root=0)
-    tag = f"[rank {comm.Get_rank()}]"
+    label = f"[rank {comm.Get_rank()}]"
     try:
-        tag = assign_role(s.deploy, comm.Get_rank(), comm.Get_size()).tag
+        label = assign_role(s.deploy, comm.Get_rank(), comm.Get_size()).label
         rank = build_ranks(s, comm)
-        ranks = gather_roster(comm, tag)
+        ranks = gather_roster(comm, label)
         if ranks:  # so a process manager's "PID n died" can be read as a rank and role
             log.info("[launch] ranks: %s", roster_text(ranks))
         if comm.Get_rank() == 0:  # the one route: client -> engine core -> rank 0's engine
@@ -64,7 +64,7 @@ def run_distributed(s, requests, output_path: str, run_dir: str) -> int:
     except Exception as e:  # noqa: BLE001 -- any failure on any rank ends the whole job
         if isinstance(e, RankLostError) and e.__cause__ is not None:
             e = e.__cause__  # the failure where it happened (a timeout names peer and phase)
-        _report_failure(f"{tag} error: {type(e).__name__}: {e}", run_dir, comm.Get_rank())
+        _report_failure(f"{label} error: {type(e).__name__}: {e}", run_dir, comm.Get_rank())
         abort_job(comm, 1)
         return 1
 

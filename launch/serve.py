@@ -75,8 +75,8 @@ def _log_ranks(s) -> None:
 
     from megainfer.runtime.roles import assign_role
     comm = MPI.COMM_WORLD
-    tag = assign_role(s.deploy, comm.Get_rank(), comm.Get_size()).tag
-    ranks = gather_roster(comm, tag)
+    label = assign_role(s.deploy, comm.Get_rank(), comm.Get_size()).label
+    ranks = gather_roster(comm, label)
     if ranks:
         print(_ranks_line(ranks), flush=True)
 

@@ -136,13 +136,13 @@ def _hung(out: _Outbox, ranks: dict, prefix: str, hangs: str) -> None:
 
 
 def _launch(rank: int, world: int, comm, spec):
-    """(this rank's job, {rank: RankInfo} on rank 0, role tag); ``spec``: rank 0's
+    """(this rank's job, {rank: RankInfo} on rank 0, role label); ``spec``: rank 0's
     ``JobTree`` (None on the others)."""
     spec = comm.bcast(spec, root=0)
     job = spec.resolve(rank)
-    tag = assign_role(job.deploy, rank, world).tag
-    ranks = {i.rank: i for i in gather_roster(comm, tag)}
-    return job, ranks, tag
+    label = assign_role(job.deploy, rank, world).label
+    ranks = {i.rank: i for i in gather_roster(comm, label)}
+    return job, ranks, label
 
 
 def main(argv=None) -> int:

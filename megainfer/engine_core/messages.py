@@ -71,7 +71,7 @@ HEARTBEAT_S = 1.0
 
 @dataclass(frozen=True)
 class RankInfo:
-    """One rank of the child job: its process and its role's log tag (``[expert 0]``)."""
+    """One rank of the child job: its process and its role's log label (``[expert 0]``)."""
 
     rank: int
     pid: int
@@ -79,7 +79,7 @@ class RankInfo:
 
 
 def gather_roster(comm, role: str) -> tuple[RankInfo, ...]:
-    """Collective over ``comm``: every rank's ``RankInfo`` (``role``: this rank's log tag), in
+    """Collective over ``comm``: every rank's ``RankInfo`` (``role``: this rank's log label), in
     rank order on rank 0, () on the others. The one roster of a job: the launcher's, the
     server's and a child job's (``Launched``)."""
     got = comm.gather(RankInfo(comm.Get_rank(), os.getpid(), role), root=0)

@@ -56,7 +56,7 @@ class Outbox:
 
 
 class ControlPlane:
-    """Timed object messages on a communicator (``me`` is the speaker's log tag)."""
+    """Timed object messages on a communicator (``me`` is the speaker's log label)."""
 
     def __init__(self, comm: MPI.Comm, me: str, policy: WaitPolicy):
         self.comm, self.me, self.policy = comm, me, policy

@@ -94,7 +94,7 @@ def build_expert(job, out: Rank, placement, side_comm, model=None) -> None:
                                   job.eplb, eplb_moves_kind(job.comm.eplb_moves,
                                                             job.device.torch_device,
                                                             job.comm.transport))
-    out.worker = ExpertWorker(model, plan.micro_batches, ExpertExchange(out.m2n), out.role.tag,
+    out.worker = ExpertWorker(model, plan.micro_batches, ExpertExchange(out.m2n), out.role.label,
                               out.tracer, rebalancer)
     out.worker.iteration_hooks = out.expert_hooks
 
@@ -112,7 +112,7 @@ def make_engine(job: ResolvedJob, role, model, make_executor):
                      load_tokenizer(job.load.path, job.model.eos_token_id),
                      kv_spec=model.kv_cache_spec(job.load.torch_dtype),
                      kv_dtype=job.load.torch_dtype, device=job.device.torch_device,
-                     seed=job.seed, log_prefix=role.tag)
+                     seed=job.seed, log_prefix=role.label)
 
 
 def build_attention(job, out: Rank, placement, engine=None,
@@ -156,7 +156,7 @@ def build_colocated(job, out: Rank, placement) -> None:
     expert_side = ExpertExchange(m2n)  # its receives and sends are grouped with the attention
     exchange = AttentionExchange(m2n, slot_owner(placement, job.device.torch_device), tracer,
                                  lanes=(DISPATCH, COMBINE), partner=expert_side)  # side's
-    worker = ExpertWorker(model, plan.micro_batches, expert_side, role.tag, tracer,
+    worker = ExpertWorker(model, plan.micro_batches, expert_side, role.label, tracer,
                           trace_comm=False)
     rebalancer = AttentionRebalancer(placement, job.eplb, out.control, m2n, 0, role.replica)
     engine = make_engine(job, role, model, lambda kv: ColocatedExecutor(

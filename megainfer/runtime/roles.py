@@ -43,7 +43,8 @@ class RankRole:
         return self.rank - self.tp_rank
 
     @property
-    def tag(self) -> str:
+    def label(self) -> str:
+        """The rank's log label: ``[attn dp0 tp1]``, ``[prefill 0]``, ``[expert 3]``."""
         if self.is_attention:
             return f"[attn dp{self.replica} tp{self.tp_rank}]"
         if self.is_prefill:

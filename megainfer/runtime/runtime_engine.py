@@ -53,7 +53,7 @@ class RuntimeEngine:
         self.engine = rank.loop.engine  # rank 0's own replica: tokenizer and limits
         self.requests: dict[str, SamplingParams] = {}  # the open requests (the core's view)
         self.detokenize = False
-        self.log_prefix = rank.role.tag
+        self.log_prefix = rank.role.label
         self.idle_interval_s = timeouts.idle_interval_s(rank.job.comm.timeout_s)
         self.failed: Optional[BaseException] = None
         self.closed = False
@@ -193,7 +193,7 @@ class RuntimeEngine:
 
     def _role_of(self, peer: int) -> Optional[str]:
         deploy = self.rank.job.deploy
-        return assign_role(deploy, peer, deploy.world_size).tag \
+        return assign_role(deploy, peer, deploy.world_size).label \
             if 0 <= peer < deploy.world_size else None
 
     def idle_tick(self) -> None:

@@ -83,7 +83,7 @@ def wire_rank(job: ResolvedJob, comm, role: RankRole, bounded=None) -> Wiring:
     tp_comm = coll.Split(tp_colour(plan, role), role.rank)
     if not role.is_prefill:
         side_comm = coll.Split(0 if role.is_attention else 1, role.rank)  # expert ranks' own
-    w = Wiring(policy, ControlPlane(comm, role.tag, policy), m2n, tp_comm, side_comm)
+    w = Wiring(policy, ControlPlane(comm, role.label, policy), m2n, tp_comm, side_comm)
     if m2n is not None:
         w.closers.append(m2n.close)
         if dev.type == "cuda":  # device buffers, IPC mappings, NCCL communicators (collective)
@@ -130,7 +130,7 @@ def build_base_rank(job: ResolvedJob, comm=MPI.COMM_WORLD, feature: Optional[Fea
     epoch = trace_epoch(comm)
     traced = job.trace.enabled or (feature is not None and feature.traced is not None
                                    and feature.traced(job, role))
-    tracer = Tracer(enabled=traced, rank=rank, name=role.tag, mode=plan.mode, epoch=epoch,
+    tracer = Tracer(enabled=traced, rank=rank, name=role.label, mode=plan.mode, epoch=epoch,
                     device=dev)
     w = wire_rank(job, comm, role)
     num_experts_ranks = plan.attention_replicas if colocated else plan.expert_ranks
@@ -152,5 +152,5 @@ def run_base_rank(r: Rank) -> None:
         r.loop.serve()
     else:
         n = r.worker.run()
-        log.debug("%s served %d iterations", r.role.tag, n)
+        log.debug("%s served %d iterations", r.role.label, n)
     return None

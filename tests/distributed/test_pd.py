@@ -23,7 +23,7 @@ def test_rank_order_prefill_last():
     assert plan.world_size == 6
     kinds = [assign_role(plan, r, 6).kind for r in range(6)]
     assert kinds == ["attention", "attention", "expert", "expert", "prefill", "prefill"]
-    assert assign_role(plan, 5, 6).tag == "[prefill 1]"
+    assert assign_role(plan, 5, 6).label == "[prefill 1]"
     assert prefill_rank_ids(plan) == [4, 5]
     assert DeployPlan(mode="disaggregated", expert_ranks=2).world_size == 3  # unchanged
     with pytest.raises(ConfigError, match="deploy.prefill_tp"):

@@ -61,17 +61,17 @@ def build_pd_rank(job, comm):
         """A decode replica's loop: receives KV from the prefill ranks (docs/pd.md)."""
         kv0 = engine.kv_caches[0]
         receiver = KVReceiver(kv_comm, engine.kv_spec.kind, tuple(kv0.shape), kv0.dtype,
-                              cfg.num_layers, r.role.tag, policy, segs, engine.kv_spec.parts,
+                              cfg.num_layers, r.role.label, policy, segs, engine.kv_spec.parts,
                               scaled=sender_scales(kv0) is not None)
         rts = routes_to(engine.kv_spec.kind, cfg.num_kv_heads, plan.prefill_tp, plan.attention_tp,
                         r.role.tp_rank)
         decode = DecodeSide(engine, receiver, r.tracer if job.trace.enabled else None,
                             lambda leader: [(leader + x.src, x.count) for x in rts])
         router = PDRouter(kv_comm, prefill_rank_ids(plan), plan.attention_replicas, engine,
-                          r.role.tag, policy) if rank == 0 else None
+                          r.role.label, policy) if rank == 0 else None
         if job.pd.offload:  # decode attention offloaded to the prefill ranks (offload_*.py)
             t = r.role.tp_rank  # prefill TP = decode TP: its peer; prefill TP 1: its heads there
-            decode.offload = install_decode(engine, kv_comm, r.role.tag, policy,
+            decode.offload = install_decode(engine, kv_comm, r.role.label, policy,
                                             offset=t if plan.prefill_tp > 1 else 0,
                                             part=t if plan.prefill_tp == 1 else 0)
             if router is not None:
@@ -111,7 +111,7 @@ def _build_prefill(job, role, core, kv_comm, segs, epoch):
     work at the same iteration), and the KV routes from this rank's heads to every decode TP
     rank."""
     plan, cfg, rank = job.deploy, job.model, role.rank
-    tp, tp_rank, tag = plan.prefill_tp, role.tp_rank, role.tag
+    tp, tp_rank, label = plan.prefill_tp, role.tp_rank, role.label
     w = wire_rank(job, core, role)  # this prefill replica's TP ranks
     par, slots, group = ParallelContext(), None, None
     if tp > 1:  # collectives over MPI, or the device transport (comm.tp_collectives)
@@ -119,7 +119,7 @@ def _build_prefill(job, role, core, kv_comm, segs, epoch):
         par = ParallelContext(tp_rank, tp, group.all_reduce)
         slots = [expert_slots_of(cfg.num_experts, tp, tp_rank)] * cfg.num_layers
     dev = job.device.torch_device
-    tracer = Tracer(enabled=job.trace.enabled, rank=rank, name=tag, epoch=epoch, device=dev)
+    tracer = Tracer(enabled=job.trace.enabled, rank=rank, name=label, epoch=epoch, device=dev)
     model = build_model(cfg, job.load, par, role="full", expert_slots=slots, device=dev)
     if tp > 1:
         split_experts(model, group.all_reduce)  # this rank's experts, partial sums all-reduced
@@ -131,7 +131,7 @@ def _build_prefill(job, role, core, kv_comm, segs, epoch):
                       for t in range(plan.attention_tp)
                       for x in routes_to(kind, cfg.num_kv_heads, tp, plan.attention_tp, t)
                       if x.src == tp_rank])
-    sender = KVSender(kv_comm, cfg.num_layers, kind, tag, w.policy, segs, job.cache.block_size)
+    sender = KVSender(kv_comm, cfg.num_layers, kind, label, w.policy, segs, job.cache.block_size)
     pool = job.pd.pool_blocks(job.cache.num_blocks)  # pd.offload: the cache split in two
     ejob = job if not pool else dataclasses.replace(job, cache=dataclasses.replace(
         job.cache, num_blocks=job.cache.num_blocks - pool))
@@ -142,12 +142,12 @@ def _build_prefill(job, role, core, kv_comm, segs, epoch):
         if tp == 1 and plan.attention_tp > 1 and not cfg.is_mla:
             slices = [kv_head_slice(cfg.num_kv_heads, plan.attention_tp, t)
                       for t in range(plan.attention_tp)]
-        engine.executor.offload = OffloadPool(engine, model, pool, kv_comm, tag, w.policy, slices)
+        engine.executor.offload = OffloadPool(engine, model, pool, kv_comm, label, w.policy, slices)
         log.info("%s KV cache split: %d blocks for prompts in flight, %d for offloaded "
-                 "requests (%.1f MiB)", tag, ejob.cache.num_blocks, pool,
+                 "requests (%.1f MiB)", label, ejob.cache.num_blocks, pool,
                  engine.executor.offload.nbytes() / 2**20)
     track = tracks_keys(job.scheduler.routing, plan.prefill_replicas, job.cache.enable_prefix_caching)
-    worker = PrefillWorker(engine, engine.executor, kv_comm, dests, tag, w.policy, tracer,
+    worker = PrefillWorker(engine, engine.executor, kv_comm, dests, label, w.policy, tracer,
                            track_keys=track and tp_rank == 0,
                            peers=w.tp_comm if tp > 1 else None)
     out = rank_of(job, core, role, w, tracer)

@@ -71,10 +71,10 @@ class PrefillExecutor(LocalExecutor):
 
 
 class PrefillWorker:
-    def __init__(self, engine, executor: PrefillExecutor, comm: MPI.Comm, dests: list, tag: str,
+    def __init__(self, engine, executor: PrefillExecutor, comm: MPI.Comm, dests: list, label: str,
                  policy: WaitPolicy, tracer=None, track_keys: bool = False,
                  peers: Optional[MPI.Comm] = None):
-        self.engine, self.executor, self.comm, self.tag = engine, executor, comm, tag
+        self.engine, self.executor, self.comm, self.label = engine, executor, comm, label
         self.peers = peers  # this prefill replica's TP ranks (None: one rank)
         self.leader = peers is None or peers.Get_rank() == 0
         self.peer_outbox = Outbox(peers) if peers is not None else None  # leader's forwards
@@ -185,7 +185,7 @@ class PrefillWorker:
             req = self.engine.add_request(inp.request_id, inp.prompt, inp.params,
                                           prompt_token_ids=inp.prompt_token_ids)
         except RequestError as e:
-            log.warning("%s request %r refused: %s", self.tag, inp.request_id, e)
+            log.warning("%s request %r refused: %s", self.label, inp.request_id, e)
             return PrefillResult(xfer, "failed", RequestOutput.failed(inp.request_id, inp.prompt,
                                                                       inp.prompt_token_ids, e))
         self.xfer_of[req.request_id] = xfer
@@ -234,7 +234,7 @@ class PrefillWorker:
         now = time.perf_counter()
         for o in self.executor.sender.inflight:
             if now - o.t_compute_end > self.policy.timeout_s:
-                raise RankFailure(self.tag, o.dests[0].rank,
+                raise RankFailure(self.label, o.dests[0].rank,
                                   f"KV transfer of request {o.request_id!r}",
                                   now - o.t_compute_end)
 

@@ -15,9 +15,9 @@ log = logging.getLogger("megainfer.runtime")
 
 
 class ExpertWorker:
-    def __init__(self, model, micro_batches: int, exchange, tag: str, tracer: Tracer | None = None,
+    def __init__(self, model, micro_batches: int, exchange, label: str, tracer: Tracer | None = None,
                  rebalancer=None, trace_comm: bool = True):
-        self.model, self.m, self.exchange, self.tag = model, micro_batches, exchange, tag
+        self.model, self.m, self.exchange, self.label = model, micro_batches, exchange, label
         self.moe_layers = [i for i, layer in enumerate(model.layers) if layer.is_moe]
         self.tracer = tracer or Tracer(enabled=False)
         self.rebalancer = rebalancer  # EPLB (expert ranks): load window, live weight moves

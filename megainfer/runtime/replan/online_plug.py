@@ -42,7 +42,7 @@ class OnlineReplanner:
             self.switching = False
         new = self.rank.loop
         new.resume_online()
-        log.info("%s re-plan %s done; serving on", new.role.tag, order.label)
+        log.info("%s re-plan %s done; serving on", new.role.label, order.label)
         return new
 
     def drain(self) -> None:

@@ -52,7 +52,7 @@ def group_count(engine) -> int:
     return len({s.request_id for s in engine.scheduler.queued()})
 
 
-def hand_out(engine, ids: dict, dests: list[int], mode: str, link_Bps: float, tag: str,
+def hand_out(engine, ids: dict, dests: list[int], mode: str, link_Bps: float, label: str,
              limit=None):
     """Take unfinished request groups out of ``engine``: every one (a leaving replica), or the
     ``limit`` newest (a replica giving some to a new one). A group travels whole: its head (the
@@ -85,7 +85,7 @@ def hand_out(engine, ids: dict, dests: list[int], mode: str, link_Bps: float, ta
     return out, counts
 
 
-def take_in(engine, ids: dict, items: list, tag: str) -> dict:
+def take_in(engine, ids: dict, items: list, label: str) -> dict:
     """Staying or new replica: install the request groups another replica handed over (in its
     order). Samples whose KV came are running again where they stopped (fresh blocks, not
     shared: a group's samples each bring theirs); the others wait, ahead of what never started
@@ -112,7 +112,7 @@ def take_in(engine, ids: dict, items: list, tag: str) -> dict:
             else:
                 if choice == "move":
                     log.info("%s re-plan: no free blocks for request %r sample %d's KV; "
-                             "recomputing it", tag, s.request_id, index)
+                             "recomputing it", label, s.request_id, index)
                     choice = "recompute"
                 s.num_computed_tokens, s.status = 0, RequestStatus.WAITING
                 back.append(s)
@@ -130,7 +130,7 @@ def balance_shares(counts: list[int], old: int, new: int) -> list[int]:
 
 
 def migrate(control, loop_or_none, leaving: list[int], staying: list[int], mode: str,
-            link_Bps: float, tag: str, limit=None) -> dict:
+            link_Bps: float, label: str, limit=None) -> dict:
     """Collective over ``control.comm`` (every rank calls it): ``leaving`` replicas send (all
     their requests, or the ``limit[rank]`` newest), ``staying`` ones receive, every wait
     bounded. Returns this rank's counts: the KV bytes it sent, the sequences it took in by
@@ -140,10 +140,10 @@ def migrate(control, loop_or_none, leaving: list[int], staying: list[int], mode:
     counts = {"move": 0, "recompute": 0, "waiting": 0, "multi": 0, "kv_bytes": 0}
     if me in leaving:  # counts the bytes it sent; the receivers count the requests
         engine = loop_or_none.engine
-        out, c = hand_out(engine, loop_or_none.ids, staying, mode, link_Bps, tag,
+        out, c = hand_out(engine, loop_or_none.ids, staying, mode, link_Bps, label,
                           None if limit is None else limit[me])
         log.info("%s re-plan: handing out %d requests with their KV, %d to recompute, %d not "
-                 "started", tag, c["move"], c["recompute"], c["waiting"])
+                 "started", label, c["move"], c["recompute"], c["waiting"])
         reqs = []
         for dest in staying:
             control.send([h for h, _ in out[dest]], dest, tags.REPLAN_HEADERS)
@@ -170,7 +170,7 @@ def migrate(control, loop_or_none, leaving: list[int], staying: list[int], mode:
                                      "re-plan KV hand-over (receiving)")
                     kvs.append(kv)
                 items.append((h, kvs))
-            c = take_in(engine, loop_or_none.ids, items, tag)
+            c = take_in(engine, loop_or_none.ids, items, label)
             for k, v in c.items():
                 counts[k] += v
     return counts

@@ -88,9 +88,9 @@ def switch(r, order: ReplanOrder) -> dict:
                        micro_batches=order.new[2])
     new_role = assign_role(new_plan, rank, world)
     policy = WaitPolicy(mode=job.comm.wait_mode, timeout_s=switch_wait_s(job.comm.timeout_s))
-    bounded = BoundedComm(comm, f"{r.role.tag} re-plan", policy, "re-plan start")
+    bounded = BoundedComm(comm, f"{r.role.label} re-plan", policy, "re-plan start")
     sw = bounded.Dup()
-    control = ControlPlane(sw, f"{r.role.tag} re-plan", policy)
+    control = ControlPlane(sw, f"{r.role.label} re-plan", policy)
     t_start = r.tracer.now_us()
     # 1. the new placement, from the load the old expert ranks counted
     checkpoint(control, "re-plan start")
@@ -106,7 +106,7 @@ def switch(r, order: ReplanOrder) -> dict:
     old_leaders, new_leaders = leader_ranks(old_plan), leader_ranks(new_plan)
     leaving, staying = old_leaders[a1:], old_leaders[:min(a0, a1)]
     moved = migrate(control, r.loop, leaving, staying, job.replan.kv_transfer,
-                    job.replan.link_gbps * 1e9 / 8, r.role.tag) if leaving else {}
+                    job.replan.link_gbps * 1e9 / 8, r.role.label) if leaving else {}
     checkpoint(control, "re-plan request hand-over")
     # 3. expert weights into the new expert ranks' slots
     old_model = r.worker.model if r.worker is not None else None
@@ -128,7 +128,7 @@ def switch(r, order: ReplanOrder) -> dict:
         give = balance_shares(held.tolist(), a0, a1)
         if any(give):
             moved = migrate(control, r.loop, old_leaders, new_leaders[a0:],
-                            job.replan.kv_transfer, job.replan.link_gbps * 1e9 / 8, r.role.tag,
+                            job.replan.kv_transfer, job.replan.link_gbps * 1e9 / 8, r.role.label,
                             limit=dict(enumerate(give)))
     mine = np.array([weight_bytes] + [moved.get(k, 0) for k in COUNTED], dtype=np.int64)
     job_total = np.empty_like(mine)  # the job's totals, for the log and the summary
@@ -144,7 +144,7 @@ def switch(r, order: ReplanOrder) -> dict:
                **{k: int(v) for k, v in zip(COUNTED, job_total[1:])})
     if any(moved.get(k) for k in ("move", "recompute", "waiting")):  # a staying replica
         log.info("%s re-plan: requests taken in: %d with their KV, %d to recompute, %d not "
-                 "started", r.role.tag, moved["move"], moved["recompute"], moved["waiting"])
+                 "started", r.role.label, moved["move"], moved["recompute"], moved["waiting"])
     return rec
 
 
@@ -162,7 +162,7 @@ def _rebuild(r, new_job, role, placement, expert_model, keep, order, bounded) ->
     w = wire_rank(new_job, comm, role, bounded=bounded)
     old_loop = r.loop
     r.role, r.loop, r.worker = role, None, None
-    r.tracer.name = role.tag
+    r.tracer.name = role.label
     if not new_job.trace.enabled and rank != 0:  # measured decisions sample rank 0 and experts
         r.tracer.enabled = not new_job.replan.force_schedule and not role.is_attention
         if role.is_attention:

@@ -46,7 +46,7 @@ class HoldingLoop:
 
 def _runtime(loop):
     job = SimpleNamespace(comm=SimpleNamespace(timeout_s=8.0))
-    rank = SimpleNamespace(loop=loop, role=SimpleNamespace(tag="[attn dp0 tp0]"), job=job,
+    rank = SimpleNamespace(loop=loop, role=SimpleNamespace(label="[attn dp0 tp0]"), job=job,
                            feature=None, tracer=SimpleNamespace(enabled=False, cuda=False),
                            replans=[])
     return RuntimeEngine(rank)

@@ -80,7 +80,7 @@ def test_rank_order_lives_in_roles():
     assert prefill_rank_ids(plan) == [5, 7]
     assert [(r.prefill_index, r.tp_rank, r.leader_rank) for r in roles[5:]] == [
         (0, 0, 5), (0, 1, 5), (1, 0, 7), (1, 1, 7)]
-    assert roles[6].tag == "[prefill 0 tp1]" and roles[1].leader_rank == 0
+    assert roles[6].label == "[prefill 0 tp1]" and roles[1].leader_rank == 0
     colours = [tp_colour(plan, r) for r in roles]
     assert colours[0] == colours[1] != colours[2] == colours[3]
     assert len(set(colours)) == 2 + 1 + 2  # two replicas, one expert rank, two prefill replicas
