@@ -1,28 +1,14 @@
 """CPU matmuls of the weights a decode step reads: ``y = x @ W.T`` through the GEMM measured
 fastest for the step's row count and this process's thread count.
 
-At decode row counts (1-64 rows against a 512 x 2048 weight) MKL's fp32 sgemm reads weights
-at 3-18 GB/s on this machine, a quarter of what a plain ``sum`` reads; oneDNN's inner-product
-over a weight reordered once into its blocked layout reads them at 25-60 GB/s (perf/
-tune_cpu_gemm.py, perf/bench/bench_decode_step.py). Three methods:
-
-* ``mm``      ``torch.mm(x, W.t())``: MKL, what ``F.linear`` does.
-* ``skinny``  ``torch.mm(W, x.t()).t()``: weight-major, the old rule for 3-16 rows.
-* ``onednn``  ``torch.ops.mkldnn._linear_pointwise`` over ``torch.ops.mkldnn.
-  _reorder_linear_weight(W)``: the pair torch.compile's CPU backend emits for frozen linear
-  weights. Private ops: ``tests/test_cpu_gemm.py`` pins their schemas and results, so a torch
-  upgrade that changes or drops them fails there, loudly, instead of here.
-
-Which method runs for how many rows is a table per weight kind (``expert``: the routed
-experts' [2N, H] and [H, N]; ``dense``: attention projections, dense MLPs, lm_head) and thread
-count (``cpu_gemm_rules.json`` beside this file, written by ``perf/bench/tune_cpu_gemm.py`` from
-measurement); ``use_rules`` swaps it (the benches' "before" runs ``OLD_RULES``, the path before
-issue 38, through it). Only float32 and bfloat16 CPU weights (with activations of their
-dtype) take the oneDNN path; other dtypes and devices use ``F.linear`` / ``torch.mm``.
-
-Reordered weights are cached on the weight tensor, keyed by its storage, shape, strides and
-version counter, so an in-place ``copy_`` repacks on the next call; writes through ``.data``
-bypass the version counter: whoever writes weights that way calls ``forget_packed``.
+Methods: ``mm`` (``torch.mm(x, W.t())``, MKL), ``skinny`` (``torch.mm(W, x.t()).t()``) and
+``onednn`` (``torch.ops.mkldnn._linear_pointwise`` over a weight reordered once by
+``_reorder_linear_weight``; private ops whose schemas a test pins). Which runs for how many
+rows: a table per weight kind (``expert``, ``dense``) and thread count, ``cpu_gemm_rules.json``
+(``use_rules`` swaps it). Only float32/bfloat16 CPU weights take oneDNN. Reordered weights are
+cached on the weight, keyed by storage, shape, strides and version counter; whoever writes
+weights through ``.data`` calls ``forget_packed``.
+docs/kernels.md, "CPU matmuls of dense and expert weights".
 """
 from __future__ import annotations
 

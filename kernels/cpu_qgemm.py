@@ -1,19 +1,14 @@
-"""``y = x @ W.T`` with W kept in its stored format (``weight_quant.py``), on CPU (and, through
-the dequantising paths, on any device torch runs): the weight is never stored in full
-precision; a dequantised copy lives only for the call, one weight at a time.
+"""``y = x @ W.T`` with W kept in its stored format (``weight_quant.py``), on CPU and, through
+the dequantising paths, on any device torch runs: a dequantised copy lives only for the call.
 
-* ``int8``  ``aten._weight_int8pack_mm(x, data, scale)``: oneDNN/AVX-512 int8 weight-only GEMM
-  on CPU (x and scale in the same dtype: fp32 or bf16); elsewhere data * scale, then F.linear.
-* ``int4``  ``aten._weight_int4pack_mm_for_cpu(x, data, G, scale_zeros)`` (CPU only: the
-  stored layout is that op's).
-* ``fp8``   on cuda the block-scaled fp8 Triton GEMM (``triton_fp8_gemm.fp8_block_linear``:
-  activations quantised per token per ``bi``-column group, fp8 tensor cores where the device
-  has them); elsewhere activations quantised the same way (``quantize_act_fp8``), the weight
-  dequantised block by block into the compute dtype for this call, then F.linear (torch has
-  no CPU fp8 GEMM).
+* ``int8``: ``aten._weight_int8pack_mm`` on CPU (x and scale in one dtype, fp32 or bf16);
+  elsewhere data * scale, then F.linear.
+* ``int4``: ``aten._weight_int4pack_mm_for_cpu`` (CPU only: the stored layout is that op's).
+* ``fp8``: on cuda ``triton_fp8_gemm.fp8_block_linear``; elsewhere activations quantised the
+  same way, the weight dequantised block by block into the compute dtype, then F.linear.
 
-Every path is tested against ``weight_quant.qlinear_ref`` (tests/unit/kernels/
-test_weight_quant.py).
+Every path is tested against ``weight_quant.qlinear_ref``.
+docs/checkpoints.md, "Weight formats" (Compute).
 """
 from __future__ import annotations
 

@@ -1,24 +1,14 @@
 """The NVFP4 (``fp4_e2m1``) KV row codec in torch: values -> packed E2M1 codes and E4M3 block
-scales, and back (docs/kv_cache.md, "Layouts").
+scales, and back.
 
-Along a row, blocks of 16 values share one FP8 E4M3 scale; every value is a 4-bit E2M1 code
-(sign, 2 exponent bits, 1 mantissa bit: magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6), two codes per
-byte (value 2j in the low nibble of byte j, 2j+1 in the high one). A row of D values is ``D/2``
-code bytes then ``D/16`` scale bytes (E4M3 bits). value = E2M1(code) x E4M3(block scale) x g,
-``g`` the second-level scale: the layer's float32 (``tensor``) or the row's 2**e
-(``token_head``, ``kv_rows.py``).
-
-**Block scales: least squared error.** Each block's scale is amax / d for the d in
-``FP4_DIVISORS`` (6, 5.5, 5, 4.5, 4) whose stored block gives the least squared error: each
-candidate is rounded to E4M3 as it is stored (saturated at 448), the block coded with it, and
-its error summed against what dequantisation gives, in float32, in a fixed pairwise order
-(values 2j and 2j+1, then pairs of pairs: the Triton store, ``triton_fp4._quant_fp4_row``, adds
-in the same order, so both write the same bytes). Ties go to the earlier candidate (d = 6
-first). d = 6 is a candidate, so a block is never worse than with the plain amax / 6 rule in
-that measure. Readers are unchanged: the bytes mean what they meant.
-
-``scale_rule`` (ablations, perf/bench/bench_kv_quant.py): ``amax/6`` (the previous rule: always
-d = 6) or ``per-tensor`` (every block scale fixed, the second-level scale alone).
+A row of D values is ``D/2`` code bytes (value 2j in the low nibble of byte j, 2j+1 in the
+high one) then ``D/16`` E4M3 block-scale bytes: value = E2M1(code) x E4M3(block scale) x g,
+``g`` the layer's float32 (``tensor``) or the row's 2**e (``token_head``, ``kv_rows.py``).
+Each block's scale is amax / d for the d in ``FP4_DIVISORS`` whose stored block gives the least
+squared error (summed in float32 in the fixed pairwise order the Triton store uses too; ties to
+d = 6), so a block is never worse than with amax / 6. ``scale_rule`` selects the ablations
+``amax/6`` and ``per-tensor``.
+docs/kv_cache.md, "Layouts".
 """
 from __future__ import annotations
 

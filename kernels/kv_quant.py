@@ -1,28 +1,14 @@
 """Low-bit KV cache formats (``cache.kv_cache_dtype``): quantise on store, dequantise on read.
 The one entry point per direction (``quantize``, ``dequantize``), the per-layer scales, and
-every public name of the formats' modules (docs/kv_cache.md):
+every public name of the formats' modules: ``kv_formats.py`` (formats, storage dtypes, row
+widths, the fp8 codec), ``kv_fp4.py`` (NVFP4 rows), ``kv_rows.py`` (``token_head`` rows).
 
-* ``kv_formats.py``: formats, storage dtypes, row widths; the fp8 element codec.
-  ``auto``: the model dtype, stored as is (no scales; bit-identical to a plain cache).
-  ``fp8_e4m3`` / ``fp8_e5m2``: ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` elements:
-  stored = saturate(x / scale), read = stored * scale.
-* ``kv_fp4.py``: ``fp4_e2m1``, the NVFP4 layout: per 16 values an FP8 E4M3 block scale, chosen
-  among amax / {6, 5.5, 5, 4.5, 4} for the least squared error; 4-bit E2M1 codes, two per
-  byte; a row of D values is ``D/2`` packed bytes then ``D/16`` scale bytes, so the scales
-  travel with the token (block copies, prefix reuse, transfers). value = E2M1(code) x
-  E4M3(block) x second-level scale.
-* ``kv_rows.py``: ``token_head`` rows, each with its own scale inline (fp8: bf16; fp4: E8M0).
-
-Scale granularity (``cache.kv_scale_granularity``): ``token_head`` (``kv_rows.py``: a row's
-bytes depend only on that row; the per-layer scales stay registered, zero, unused) or
-``tensor``: one float32 scale per layer for keys and one for values (vLLM's ``k_scale`` /
-``v_scale``), set **once, from the first non-zero write** (a prefill, or whatever a CUDA-graph
-warm-up stores first) and then kept: ``scale = SCALE_HEADROOM * amax / fmt_max`` (fp8: the
-format's max; fp4: 6 x 448, so that a block as large as the first amax x headroom gets the
-largest E4M3 block scale). Values beyond the headroom saturate; nothing is ever requantised.
-The update is device-side (``torch.where``), no host synchronisation. The scales of a layer's
-cache live in ``scales_of(cache)``: float32 ``[2]`` (keys, values), zero until the first write,
-registered when the cache is allocated (``KVCacheSpec.allocate``).
+Formats: ``auto`` (the model dtype, no scales), ``fp8_e4m3`` / ``fp8_e5m2`` (stored =
+saturate(x / scale), read = stored * scale), ``fp4_e2m1``. With ``tensor`` granularity a
+layer's scales, ``scales_of(cache)`` float32 ``[2]`` (keys, values), are zero until the first
+non-zero write sets ``SCALE_HEADROOM * amax / fmt_max`` once, device-side, never requantised;
+with ``token_head`` they stay registered, zero, unused.
+docs/kv_cache.md, "Scales".
 """
 from __future__ import annotations
 

@@ -1,18 +1,14 @@
-"""``token_head`` rows (``cache.kv_scale_granularity=token_head``, docs/kv_cache.md): every stored
-row (one token's keys or values of one KV head; MLA: one part of one token's latent) carries
-its own scale inline, after its values, so a row's bytes depend only on that row (not on the
-batch, micro-batch, TP split or transfer).
+"""``token_head`` rows (``cache.kv_scale_granularity=token_head``): every stored row (one token's
+keys or values of one KV head; MLA: one part of one token's latent) carries its own scale
+inline, after its values, so a row's bytes depend only on that row.
 
-* fp8: the row's ``D`` elements then a bfloat16 scale (2 bytes, ``bf16(amax / fmt_max)``,
-  little-endian), ``D + 2`` storage elements; -0 is stored as +0.
-* fp4: the NVFP4 row (``kv_fp4.py``: ``D/2`` code bytes, ``D/16`` E4M3 block scales) then one
-  E8M0 byte ``e + 127``, the second-level scale being ``2**e``, the least power of two
-  >= amax / (4 x 448) (``ROW_SCALE_DIV``): every block-scale candidate amax / d, d in
-  [4, 6], fits E4M3 unsaturated, so the row's largest block scale is in [144, 448] (never an
-  E4M3 subnormal, however small the row).
+* fp8: the row's ``D`` elements then its bfloat16 scale ``bf16(amax / fmt_max)`` (2 bytes,
+  little-endian): ``D + 2`` storage elements; -0 is stored as +0.
+* fp4: the NVFP4 row (``kv_fp4.py``) then one E8M0 byte ``e + 127``, ``2**e`` the least power
+  of two >= amax / (4 x 448) (``ROW_SCALE_DIV``).
 
-The Triton store kernels write the same bytes (``triton_kv_cache.py``, ``triton_fp4.py``,
-``triton_mla_store.py``).
+The Triton store kernels write the same bytes.
+docs/kv_cache.md, "Layouts".
 """
 from __future__ import annotations
 

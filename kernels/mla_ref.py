@@ -1,17 +1,13 @@
 """Absorbed MLA (DeepSeek-V2/V3 multi-head latent attention) over a paged latent cache, in plain
 torch: the references for ``triton_mla.py``, and argument checks.
 
-Latent cache of one layer: ``cache[num_blocks, block_size, R + P]``, shared by all heads. Per
-token it holds the normalised compressed KV ``c_kv [R]`` (R = kv_lora_rank) followed by the
-rotated rope key ``k_pe [P]`` (P = qk_rope_head_dim). Token ``pos`` of sequence ``s`` lives at
-block ``block_tables[s, pos // block_size]``, offset ``pos % block_size``; a slot is
-``block * block_size + offset``.
-
-Absorbed decode: the caller folds W_UK into the query (``q_latent = q_nope @ W_UK``, per head)
-and W_UV into the output (``out @ W_UV``), so keys and values are the latent rows themselves:
-``score[s,h,t] = (q_latent[s,h] . c_kv[t] + q_pe[s,h] . k_pe[t]) * scale`` and
-``out[s,h] = softmax_t(score) @ c_kv``. The references loop over sequences, compute in fp32 and
-return q's dtype; they are slow and obviously correct, for tests.
+Latent cache of one layer: ``cache[num_blocks, block_size, R + P]``, shared by all heads: per
+token ``c_kv [R]`` (R = kv_lora_rank) then ``k_pe [P]`` (P = qk_rope_head_dim). Token ``pos``
+of sequence ``s`` is at block ``block_tables[s, pos // block_size]``, offset ``pos %
+block_size``. Absorbed: ``score[s,h,t] = (q_latent[s,h] . c_kv[t] + q_pe[s,h] . k_pe[t]) *
+scale``, ``out[s,h] = softmax_t(score) @ c_kv``. The references loop over sequences, compute
+in fp32 and return q's dtype: slow and obviously correct, for tests.
+docs/kernels.md, "MLA (latent) attention".
 """
 from __future__ import annotations
 

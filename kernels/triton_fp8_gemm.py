@@ -1,24 +1,13 @@
-"""Block-scaled FP8 dense GEMM (DeepSeek-V3's recipe; vLLM's / SGLang's
-``w8a8_block_fp8_matmul``): e4m3 (or e5m2) weights with one float32 scale per BO x BI block,
-activations quantised per token per BI-column group at run time. The cuda path of an fp8
-linear weight (``cpu_qgemm.qlinear``: attention projections, dense MLPs, shared experts); torch
-references: ``weight_quant.quantize_act_fp8_scaled`` and ``weight_quant.qlinear_ref``.
+"""Block-scaled FP8 dense GEMM (vLLM's / SGLang's ``w8a8_block_fp8_matmul``): the cuda path of
+an fp8 linear weight (``cpu_qgemm.qlinear``); torch references ``weight_quant.quantize_act_fp8_scaled``
+and ``weight_quant.qlinear_ref``. Row-major, any strides:
 
-Shapes, dtypes, layouts (row-major, any strides):
-
-* ``quant_act_fp8_triton(x, group, fp8_dtype)``: x [M, K] fp32 / bf16 / fp16 ->
-  (xq [M, K] float8, xs [M, ceil(K/group)] float32), xs = max(group amax / fp8 max, 1e-12),
-  xq = fp8(x / xs) rounded to nearest even (``triton_qweights.fp8_round``).
-* ``w8a8_block_fp8_matmul(xq, xs, wq, ws, block, out_dtype)``: wq [N, K] float8, ws
-  [ceil(N/BO), ceil(K/BI)] float32 (HF ``weight_scale_inv``), xs's group = BI ->
-  y [M, N] = sum over K blocks kb of xs[:, kb] * ws[n // BO, kb] * (xq[:, kb] @ wq[n, kb].T),
-  accumulated in float32, stored in ``out_dtype``. One K tile is one BI block.
+* ``quant_act_fp8_triton``: x [M, K] fp32/bf16/fp16 -> xq [M, K] float8, xs [M, ceil(K/group)]
+  float32 (per token per ``group`` columns).
+* ``w8a8_block_fp8_matmul``: wq [N, K] float8, ws [ceil(N/BO), ceil(K/BI)] float32, xs's group
+  = BI -> y [M, N] in ``out_dtype``, accumulated in float32, one K tile per BI block.
 * ``fp8_block_linear(x, qw, bias)``: x [..., K] -> y [..., N] in x's dtype, both steps.
-
-The K-tile dot runs on the fp8 tensor cores (``FP8_DOT``) on devices of compute capability
->= 8.9 (Ada, Hopper); elsewhere, and under ``TRITON_INTERPRET``, the fp8 tiles are widened to
-float32 first (the products of two fp8 values are exact in float32, so only the summation
-order differs).
+docs/kernels.md, "Block-scaled FP8 dense GEMM (Triton)".
 """
 from __future__ import annotations
 

@@ -1,17 +1,13 @@
 """Absorbed MLA decode in Triton over a paged latent cache (the latent store, ``store_latent``,
 is in ``triton_mla_store.py``, importable from here too).
 
-cache [NB, BS, R + P]: per token c_kv [R] (R = kv_lora_rank) then k_pe [P], shared by every
-head; block_tables [S, max_blocks] int32/int64. Absorbed decode (W_UK folded into q_latent, W_UV
-applied by the caller to the output) makes the latent rows both keys and values:
-score = (q_latent . c_kv + q_pe . k_pe) * scale, out = softmax(score) @ c_kv -> [S, H, R].
-
-Split-KV like ``triton_attention.decode_attention``: program (seq, head block, split) loads each
-tile of BLOCK_N latent rows once and serves BLOCK_H heads with it: the heads are the M
-dimension of ``tl.dot`` (the point of absorption, as in FlashMLA and SGLang's grouped decode
-kernel). Online softmax in the log2 domain, m/l/acc fp32, partials acc / l and m + log2 l in
-fp32 scratch, then a merge pass. R and P are padded to powers of two >= 16 and masked. The grid
-depends only on shapes, never on seq_lens values (CUDA-graph safe). References: ``mla_ref.py``.
+cache [NB, BS, R + P]: per token c_kv [R] then k_pe [P], shared by every head; block_tables
+[S, max_blocks] int32/int64. score = (q_latent . c_kv + q_pe . k_pe) * scale, out =
+softmax(score) @ c_kv -> [S, H, R]. Split-KV: program (seq, head block, split) serves BLOCK_H
+heads (the M dimension of ``tl.dot``) with each tile of BLOCK_N latent rows; online softmax in
+the log2 domain with fp32 m/l/acc, then a merge pass. R and P are padded to powers of two
+>= 16 and masked; the grid depends only on shapes (CUDA-graph safe). References: ``mla_ref.py``.
+docs/kernels.md, "MLA (latent) attention".
 """
 from __future__ import annotations
 

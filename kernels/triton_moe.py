@@ -3,14 +3,11 @@
   gemm1: act[slot]  = silu(x[token] @ w1[e, :N].T) * (x[token] @ w1[e, N:].T)   [S, N]
   gemm2: y[slot]    = w[slot] * (act[slot] @ w2[e].T)                            [S, K] fp32
   sum:   out[m]     = y[m*k + 0] + y[m*k + 1] + ... (fixed order j = 0..k-1)     [M, K]
-A block whose expert is -1 (not on this rank) writes zeros. Accumulation is fp32; fp32 inputs
-use IEEE dots (no TF32) so results match the reference to ~1e-5.
-
-Weights kept in a stored format (``QuantizedWeight``: int8 per channel, int4 nibbles per group,
-fp8 128 x 128 blocks; ``triton_qweights.py``) are dequantised in the tile, after the load, into
-the activations' dtype; fp8 also quantises each activation tile per token per ``BLOCK_K`` =
-block-column group (DeepSeek's dynamic scheme), so ``BLOCK_K`` is the weight's block width.
-Shapes as above with ``w1``/``w2`` logical: stored int4 is [E, 2N, K/2] / [E, K, N/2] uint8.
+A block whose expert is -1 (not on this rank) writes zeros; accumulation is fp32, fp32 inputs
+use IEEE dots (no TF32). ``QuantizedWeight`` weights (int8, int4 nibbles, fp8 blocks;
+``triton_qweights.py``) are dequantised in the tile; fp8 needs ``BLOCK_K`` = the weight's block
+width. ``w1``/``w2`` are logical; stored int4 is [E, 2N, K/2] / [E, K, N/2] uint8.
+docs/kernels.md, "Fused grouped GEMM (Triton)".
 """
 from __future__ import annotations
 

@@ -1,23 +1,14 @@
-"""Weight formats a linear or expert weight is kept in (``model.quantization``), and their
-quantisers and torch reference dequantisers. Compute paths: ``cpu_qgemm.py``.
+"""Weight formats a linear or expert weight is kept in (``model.quantization``): their
+quantisers and torch reference dequantisers (compute paths: ``cpu_qgemm.py``).
 
-A logical weight ``W [..., N, K]`` (N output rows, K input columns; leading dims: experts) is
-stored as:
-
-* ``fp8``   e4m3 (or e5m2, as an FP8 checkpoint ships it) ``data [..., N, K]`` and float32
-  ``scale_inv [..., ceil(N/bo), ceil(K/bi)]`` per (bo x bi) block (DeepSeek-V3's recipe,
-  HF ``weight_scale_inv``): ``W = data * scale_inv[i // bo, j // bi]``. Activations are
-  quantised per token per ``bi``-column group at run time (``quantize_act_fp8``).
-* ``int8``  ``data [..., N, K]`` int8 and float32 ``scale [..., N]`` per output channel,
-  symmetric: ``W = data * scale[i]``.
-* ``int4``  asymmetric per group of ``G`` input columns: values ``q in [0, 15]`` with
-  ``W = (q - 8) * scale + zero``; stored as torch's CPU int4 layout (``data [..., N, K/2]``
-  uint8 from ``aten._convert_weight_to_int4pack_for_cpu``, rows tiled by 16) and float32
-  ``scale_zeros [..., K/G, N, 2]`` (``aten._weight_int4pack_mm_for_cpu``'s operand). The
-  CPU op's constraints are this format's: N % 16 == 0, K % G == 0, G in 32/64/128/256.
-
-``QuantizedWeight`` bundles one weight's stored tensors (the module's parameters, by
-reference) with its format and logical shape; indexing it by expert gives that expert's.
+A logical weight ``W [..., N, K]`` (N output rows, K input columns; leading dims: experts):
+``fp8`` e4m3/e5m2 ``data [..., N, K]`` + float32 ``scale_inv [..., ceil(N/bo), ceil(K/bi)]``,
+``W = data * scale_inv[i // bo, j // bi]``; ``int8`` ``data [..., N, K]`` + ``scale [..., N]``,
+``W = data * scale[i]``; ``int4`` uint8 ``data [..., N, K/2]`` (torch's CPU int4 layout) +
+``scale_zeros [..., K/G, N, 2]``, ``W = (q - 8) * scale + zero``, N % 16 == 0, K % G == 0.
+int8/int4 scales are in the model dtype. ``QuantizedWeight`` bundles one weight's stored
+tensors (by reference) with its format and logical shape; indexing it by expert gives one's.
+docs/checkpoints.md, "Weight formats".
 """
 from __future__ import annotations
 
