@@ -1,15 +1,13 @@
 """One typed config tree: frozen dataclasses validated in ``__post_init__``.
 
-Hydra is only the front door (``megainfer.launch``): it composes YAML and turns it into
-these objects. Nothing under ``megainfer/`` imports Hydra. Every validation failure is a
-``ConfigError`` (a ``ValueError``) whose message names the offending field and value.
-
-``model.py``: the checkpoint's architecture; ``runtime.py``: how a job runs it; ``replan.py``:
-online re-planning; ``pd.py``: prefill-decode options (decode attention offload); ``slo.py``: the serving target ``deploy=auto`` plans for; ``serve.py``: the HTTP server; ``job.py``: all of one job's groups in one
-bundle; ``base.py``: the error type and the fixed vocabularies; ``keys.py``, ``deploy_fit.py``,
-``model_source.py``, ``hf_cache.py``, ``llm_args.py``: the pieces the one resolution
-(``megainfer/engine/resolve.py``) turns a ``group.key`` tree into a ``ResolvedJob`` with.
-This package imports nothing of megainfer above it (only ``megainfer.kernels``' limits).
+Hydra is only the front door (``megainfer.launch``): nothing under ``megainfer/`` imports it.
+Every validation failure is a ``ConfigError`` (a ``ValueError``) naming the field and value.
+``model.py``, ``runtime.py``, ``replan.py``, ``pd.py``, ``slo.py``, ``serve.py``: the groups;
+``job.py``: one job's groups in one bundle; ``base.py``: the error type and fixed vocabularies;
+``keys.py``, ``deploy_fit.py``, ``model_source.py``, ``hf_cache.py``, ``llm_args.py``: the pieces
+the one resolution (``megainfer/engine/resolve.py``) uses. This package imports nothing of
+megainfer above it (only ``megainfer.kernels``' limits).
+docs/architecture.md, "Module map".
 """
 from .base import (ATTENTION_BACKENDS, DEVICES, DTYPE_NAMES, MLA_FAMILIES,
                    SUPPORTED_FAMILIES, ConfigError)

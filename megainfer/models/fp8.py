@@ -1,19 +1,14 @@
 """FP8 block-quantised checkpoints (the DeepSeek-V3 / HF ``quant_method: fp8`` layout),
 dequantised on load.
 
-A quantised linear weight ``X.weight [out, in]`` is stored as float8 (``F8_E4M3``, or
-``F8_E5M2``) next to a float ``X.weight_scale_inv [ceil(out/bo), ceil(in/bi)]``, where
-``(bo, bi)`` is ``quantization_config.weight_block_size``; its value is
-``fp8.float() * scale_inv[i // bo, j // bi]`` (the last row and column of blocks may be partial).
-A fused expert weight ``mlp.experts.gate_up_proj [E, out, in]`` (transformers' naming) has a
-scale ``mlp.experts.gate_up_proj_scale_inv [E, ceil(out/bo), ceil(in/bi)]``. Everything else
-(norms, embeddings, router, lm_head, biases) is stored unquantised.
-
-``checkpoint_reader`` hides the scales from the tensor names the loader iterates and, when a
-float8 weight (or rows of it) is read, reads its scale too and delivers the dequantised values:
-float32 arithmetic, one cast to the parameter's dtype. Errors are the loader's
-``CheckpointError`` subclasses naming the tensor and file; a bad ``quantization_config`` is a
-``ConfigError`` naming ``config.json quantization_config.<key>``.
+A quantised linear weight ``X.weight [out, in]`` is float8 (``F8_E4M3`` or ``F8_E5M2``) beside
+a float ``X.weight_scale_inv [ceil(out/bo), ceil(in/bi)]``, ``(bo, bi)`` the
+``weight_block_size``: value ``fp8.float() * scale_inv[i // bo, j // bi]`` (edge blocks may be
+partial); fused experts ``mlp.experts.gate_up_proj [E, out, in]`` have a 3-D scale likewise.
+``checkpoint_reader`` hides the scales from the names the loader iterates and delivers the
+dequantised values (float32 arithmetic, one cast). Errors: the loader's ``CheckpointError``
+subclasses naming tensor and file; a bad ``quantization_config`` is a ``ConfigError``.
+docs/checkpoints.md, "FP8 block-quantised checkpoints".
 """
 from __future__ import annotations
 

@@ -1,17 +1,13 @@
 """Checkpoint tensors -> weights kept in a stored format (``quant_weights.py``), one tensor at
 a time: never a full-precision copy of the model.
 
-* A float8 checkpoint tensor whose dtype and block match the format (``model.quantization``
-  null or fp8 on an FP8 checkpoint) is read as it is: its fp8 bytes and its
-  ``weight_scale_inv`` rows go into the parameters unchanged.
-* Anything else (bf16/fp32 tensors, or fp8 ones into int8/int4) is read as its logical
-  float32 values (this rank's rows, or the whole tensor for a column slice), quantised, and
-  the float32 copy dropped: peak extra memory is one tensor in float32.
-
-Tensor-parallel slices of dim 0 (column-parallel q/k/v, MLA's q) read only their rows (fp8
-rows on whole blocks, checked at build time); slices of dim 1 (row-parallel ``o_proj``) are
-quantised from the whole tensor and then sliced, so every rank stores exactly the bytes and
-scales single mode stores (int8's per-row scale spans the whole row).
+A float8 tensor whose dtype and block match the format is read as it is (its fp8 bytes and
+``weight_scale_inv`` rows go into the parameters unchanged); anything else is read as float32
+(this rank's rows), quantised, and the float32 copy dropped: peak extra memory is one tensor in
+float32. Tensor-parallel slices of dim 0 read only their rows (fp8 on whole blocks); slices of
+dim 1 (row-parallel ``o_proj``) are quantised whole, then sliced, so every rank stores exactly
+single mode's bytes and scales.
+docs/checkpoints.md, "Weight formats" (Loading).
 """
 from __future__ import annotations
 

@@ -1,21 +1,14 @@
 """Which weights of a model are kept in a stored format (``model.quantization``), and the
-module that holds a quantised linear weight. The formats, their quantisers and compute paths:
+module that holds a quantised linear weight (``QuantLinear``). Formats and compute paths:
 ``megainfer.kernels.weight_quant`` / ``cpu_qgemm``; loading into them: ``quant_load.py``.
 
-Kept quantised: the attention projections (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``;
-MLA's ``q_a_proj``, ``q_b_proj``, ``kv_a_proj_with_mqa``), dense MLPs and shared experts
-(``gate_proj``, ``up_proj``, ``down_proj``) and the routed experts (``gate_up_proj``,
-``down_proj``). In the model dtype: embeddings, ``lm_head``, norms, routers, Qwen2's
-``shared_expert_gate`` and MLA's ``kv_b_proj`` (the absorbed decode reads it per head as W_UK
-and W_UV; vLLM dequantises it at load for the same reason).
-
-Parameter names stay Hugging Face's: ``X.weight`` holds the stored tensor and its scale sits
-beside it as ``X.weight_scale_inv`` (fp8, HF's name), ``X.weight_scale`` (int8) or
-``X.weight_scale_zeros`` (int4); fused experts ``mlp.experts.gate_up_proj`` and
-``mlp.experts.gate_up_proj_scale_inv`` likewise. ``apply_weight_format`` swaps these in on the
-meta model before anything is allocated, and refuses (``ConfigError``, naming the weight and
-the constraint) a shape the format cannot store or a tensor-parallel slice that does not fall
-on whole blocks or groups: before any weight is read.
+Kept quantised: attention projections, dense MLPs, shared and routed experts; in the model
+dtype: embeddings, ``lm_head``, norms, routers, ``shared_expert_gate`` and MLA's ``kv_b_proj``.
+Parameter names stay Hugging Face's: ``X.weight`` holds the stored tensor, its scale beside it
+(``X.weight_scale_inv`` fp8, ``X.weight_scale`` int8, ``X.weight_scale_zeros`` int4).
+``apply_weight_format`` swaps these in on the meta model and refuses (``ConfigError`` naming
+the weight) a shape or tensor-parallel slice the format cannot store, before any read.
+docs/checkpoints.md, "Weight formats".
 """
 from __future__ import annotations
 
