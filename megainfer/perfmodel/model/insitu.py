@@ -1,18 +1,14 @@
 """Layer-time fits read off traced runtime runs ("in-situ" calibration).
 
-``calibrate`` times each layer alone in one process (``layer_bench``). Inside the runtime the
-same layers run slower (caches shared with the exchange, MPI progress, Python between layers;
-docs/perfmodel.md), and the model inherits that gap. In-situ calibration fits the same
-k1..k4 to the spans of real traced runs of the disaggregated runtime (1 attention + 1 expert
-rank, m = 1, so no two ranks compute at once and the node terms stay separate):
+Inside the runtime the layers run slower than ``layer_bench`` times them alone, so this fits
+the same k1..k4 to the spans of traced runs of the disaggregated runtime (1 attention + 1
+expert rank, m = 1, so no two ranks compute at once):
 
-* attention: every ``attn`` span of a decode iteration, with its token count b and context
-  length ctx (prompt + iteration): ``T_a = k2 + b * (k1 + k1_ctx * ctx)``;
-* experts: every ``expert`` span, the expert rank holding all E experts and receiving
-  ``tokens`` (token, expert) pairs: ``T_e = E * k4 + k3 * tokens``, i.e. ``k4`` per expert and
-  ``k3`` per (token, expert) pair, as ``FittedTimes.t_expert`` sums them.
-
-The runs themselves are launched by ``perf/validate/calibrate_in_situ.py``.
+* attention: every decode ``attn`` span, b tokens at context ctx (prompt + iteration):
+  ``T_a = k2 + b * (k1 + k1_ctx * ctx)``;
+* experts: every ``expert`` span, all E experts on the rank receiving ``tokens`` (token,
+  expert) pairs: ``T_e = E * k4 + k3 * tokens``, as ``FittedTimes.t_expert`` sums them.
+Runs launched by ``perf/validate/calibrate_in_situ.py``; docs/perfmodel.md, "Validation".
 """
 from __future__ import annotations
 

@@ -1,21 +1,14 @@
 """Model shapes: the architecture numbers the performance model needs, and the byte counts.
 
-Parameter counts are per layer unless named otherwise. Attention-side per layer: q/k/v/o
-projections and the router (plus shared experts, which run on attention ranks). Expert side:
-one routed expert = gate, up, down = 3 * hidden * moe_intermediate.
-
-KV bytes follow ``kv_cache_dtype`` (``cache.kv_cache_dtype``, docs/kv_cache.md) exactly as the
-engine's cache stores them: ``auto`` the model dtype; ``fp8_e4m3`` / ``fp8_e5m2`` one byte per
-element; ``fp4_e2m1`` (NVFP4) a row of D values is D/2 packed bytes + D/16 E4M3 block-scale
-bytes, i.e. 9/16 byte per element (rows of a multiple of 16). The two float32 scales per layer
-are not per token and are not counted. ``kv_scale_granularity=token_head`` (the engine's
-default) adds each row's inline scale: 2 bytes (fp8) or 1 (fp4) per KV head row of keys and
-of values (MLA: per c_kv and k_pe part).
-
-Weight bytes follow ``quantization`` (``model.quantization``, ``weight_format.py``): the
-attention projections (but ``attn_unquantised_params``, MLA's ``kv_b_proj``), shared experts
-and routed experts in that format, embeddings, ``lm_head``, norms and routers in the model
-dtype (``attention_side_bytes``, ``expert_bytes``).
+Parameter counts are per layer unless named otherwise: attention side = q/k/v/o projections,
+the router and the shared experts (which run on attention ranks); one routed expert = gate,
+up, down = 3 * hidden * moe_intermediate. KV bytes follow ``cache.kv_cache_dtype`` as the
+engine's cache stores them (``auto`` the model dtype, fp8 1 byte, ``fp4_e2m1`` 9/16 byte per
+element; ``token_head`` adds each row's inline scale: 2 bytes fp8, 1 fp4). Weight bytes follow
+``model.quantization`` (``weight_format.py``): attention projections (but
+``attn_unquantised_params``), shared and routed experts in that format, embeddings,
+``lm_head``, norms and routers in the model dtype (``attention_side_bytes``, ``expert_bytes``).
+docs/perfmodel.md, "Weight formats".
 """
 from __future__ import annotations
 

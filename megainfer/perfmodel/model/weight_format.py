@@ -1,18 +1,14 @@
-"""Bytes per weight of each ``model.quantization`` (docs/checkpoints.md, "Weight formats"), as
-the loader keeps them (``megainfer/models/quant_weights.py``, ``kernels/weight_quant.py``).
-
-Per stored weight of a matrix with K input columns:
+"""Bytes per weight of each ``model.quantization``, as the loader keeps them
+(``megainfer/models/quant_weights.py``, ``kernels/weight_quant.py``), per stored weight of a
+matrix with K input columns:
 
 * ``None`` / ``fp8_dequant``: the model dtype's bytes (``None`` on a checkpoint that ships FP8
-  weights is that checkpoint's ``fp8``: ``checkpoint_quantization``).
-* ``fp8``: 1 byte + one float32 scale per 128 x 128 block, 4 / 16384.
-* ``int8``: 1 byte + one scale (model dtype) per output row, dtype_bytes / K.
-* ``int4``: 1/2 byte + a (scale, zero) pair (model dtype) per group of G inputs, 2 * dtype / G.
-
-The planner takes K = ``hidden_size`` for int8's per-row scale (down projections have K =
-the intermediate size; the scale is < 0.1 % of the bytes either way). Only the quantised
-weights (attention projections but MLA's ``kv_b_proj``, shared experts and dense MLPs, routed
-experts) use these bytes; embeddings, ``lm_head``, norms and routers stay in the model dtype.
+  weights is that checkpoint's ``fp8``: ``checkpoint_quantization``);
+* ``fp8``: 1 byte + one float32 scale per 128 x 128 block, 4 / 16384;
+* ``int8``: 1 byte + one model-dtype scale per output row, dtype_bytes / K (K = hidden size);
+* ``int4``: 1/2 byte + a (scale, zero) pair per group of G inputs, 2 * dtype / G.
+Only the quantised weights use these bytes; the rest stay in the model dtype.
+docs/perfmodel.md, "Weight formats".
 """
 from __future__ import annotations
 

@@ -1,17 +1,15 @@
 """``deploy=auto`` over N > 1 ranks: the composed config tree -> the plan the performance model
-picks (docs/perfmodel.md, "The planner at launch").
+picks.
 
-The job as the planner sees it (the model's shape from its config.json or preset, prompt
-lengths from ``io.input`` or the workload, ``sampling.max_tokens``, ``scheduler.max_num_seqs``)
-and this machine's hardware profile -> the fastest split of exactly N ranks (``world_plan.py``),
-logged with the runner-up. With ``slo.arrival_rate`` set it plans a server instead: AE and PD
-splits simulated against ``slo.*`` (``serving_plan.py``). Explicit ``deploy.*`` counts pin their
-dimension.
-
-Hardware: ``deploy.hardware``; else the calibrated profile (``$MEGAINFER_HARDWARE_PROFILE``, else
-``~/.cache/megainfer/hardware/<hostname>.yaml``); else, on cuda, the datasheet preset named in
-the GPU's name (the one place the perfmodel asks torch, lazily); else ``cpu_node``. Pure
-arithmetic on the same inputs: every rank computes the same plan without communicating."""
+The job as the planner sees it (model shape from config.json or preset, prompt lengths from
+``io.input`` or the workload, ``sampling.max_tokens``, ``scheduler.max_num_seqs``) and this
+machine's hardware profile -> the fastest split of exactly N ranks (``world_plan.py``), logged
+with the runner-up; with ``slo.arrival_rate`` set, a server's plan (``serving_plan.py``).
+Explicit ``deploy.*`` counts pin their dimension. Hardware: ``deploy.hardware``, else the
+calibrated profile, else on cuda the datasheet preset in the GPU's name (the one place the
+perfmodel asks torch, lazily), else ``cpu_node``. Pure arithmetic: every rank plans alike.
+docs/perfmodel.md, "The planner at launch".
+"""
 from __future__ import annotations
 
 import json

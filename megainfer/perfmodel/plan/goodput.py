@@ -1,21 +1,14 @@
 """SLOs, goodput, and a PD or AE plan's job times against them.
 
-* ``Slo`` (``slo.ttft_ms``, ``slo.tpot_ms``, ``slo.percentile``) and ``attainment``: a request
-  meets the SLOs when its TTFT and its TPOT are both within them (a one-token output has no
-  TPOT and meets that half; an unfinished request meets neither). Goodput is requests meeting
-  both per second of offered load (met / arrival span; an all-at-once batch: met / makespan).
-  A plan *attains* the SLOs when at least ``percentile`` % of the requests meet both.
-* ``simulate_pd``: a PD plan as one simulation (``sim.pd.simulate_pd_job``: prefill replicas
-  with their own chunked-prefill schedulers, KV transfers sharing links, the decode pool, on
-  one clock).
-* ``simulate_pd_composed``: the older model, kept as its baseline: the prefill pool's queue
-  (``PrefillPool.serve``) at the arrival times gives each request's first token; its KV cache
-  then crosses the link (``kv_transfer_s``), and the request joins the decode pool
-  (``sim.job.simulate_job`` on the decode plan) as a 1-token prompt with output_len - 1 tokens
-  to go; the decode pool's attention sees the prompt's context through a context shift of the
-  mean prompt length (``decode_model``'s ``prompt_shift``). TTFT = prefill wait + prefill;
-  TPOT = (decode finish - first token) / (output_len - 1), KV transfer and decode queueing
-  included.
+* ``Slo`` and ``attainment``: a request meets the SLOs when its TTFT and its TPOT are both
+  within them (a one-token output has no TPOT; an unfinished request meets neither). Goodput
+  is requests meeting both per second of arrival span (an all-at-once batch: makespan). A
+  plan attains the SLOs when at least ``percentile`` % of the requests meet both.
+* ``simulate_ae``: an AE plan through ``sim.job.simulate_job``.
+* ``simulate_pd``: a PD plan as one simulation (``sim.pd.simulate_pd_job``).
+* ``simulate_pd_composed``: its baseline, the prefill pool's queue, then each KV transfer,
+  then the decode pool as a separate job with a context shift of the mean prompt.
+docs/perfmodel.md, "Goodput planning".
 """
 from __future__ import annotations
 

@@ -1,16 +1,14 @@
 """Workload + SLOs + per-role hardware -> the plan with the most goodput per dollar, checked in
-the job simulator (docs/perfmodel.md, "Goodput planning").
+the job simulator.
 
-Two families: AE (attention/expert disaggregation, prefill chunked into the decode batches on
-the same ranks) and PD (a prefill pool feeding an AE decode pool, simulated as one job:
-``goodput.simulate_pd`` -> ``pd.simulate_pd_job``).
-Every decode split (tp_a, n_a, tp_e, n_e, m) first goes through the closed form: expert and
-attention memory, the largest batch whose iteration meets the TPOT SLO (the decode pool's batch
-limit, ``scheduler.max_num_seqs``), and the token rate it sustains at that batch against the
-workload's (arrival rate x mean output). Prefill pools are pruned on memory, the mean prompt's
-prefill time against the TTFT SLO, a stable queue, and their own queue simulation (cheap). The
-survivors are simulated best bound first (goodput <= the offered rate, so rate / cost bounds a
-candidate's requests per dollar) until no unsimulated candidate can beat the best found.
+Two families: AE (prefill chunked into the decode batches on the same ranks) and PD (a prefill
+pool feeding an AE decode pool, simulated as one job: ``goodput.simulate_pd``). Every decode
+split (tp_a, n_a, tp_e, n_e, m) first goes through the closed form: memory, the largest batch
+whose iteration meets the TPOT SLO, and the token rate it sustains against the workload's.
+Prefill pools are pruned on memory, TTFT, a stable queue and their own queue simulation. The
+survivors are simulated best bound first (rate / cost bounds a candidate's requests per dollar)
+until no unsimulated candidate can beat the best found.
+docs/perfmodel.md, "Goodput planning".
 """
 from __future__ import annotations
 

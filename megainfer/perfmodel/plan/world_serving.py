@@ -1,21 +1,14 @@
 """Exactly N ranks + a serving target (request rate, lengths, SLOs) -> AE or PD plans, best first.
 
-What ``deploy=auto`` asks when ``slo.arrival_rate`` is set (docs/perfmodel.md, "Planning a
-server"). Two families over exactly ``world`` ranks, one device a rank (the runtime's expert
-ranks are expert parallel only: ``tp_e = 1``):
-
-* **AE**: ``n_a`` attention replicas of ``tp_a`` ranks and ``n_e = world - n_a * tp_a`` expert
-  ranks; prefill chunked into the same iterations;
-* **PD**: ``prefill_replicas x prefill_tp`` prefill ranks (each replica the whole model) feeding
-  an AE decode pool over the ranks left.
-
-Every split gets the closed form's memory check and its decode batch limit (the largest batch
-per replica whose iteration meets ``slo.tpot_ms``, within ``scheduler.max_num_seqs`` and the KV
-memory); the survivors are ordered by the decode throughput at that limit (PD needing a prefill
-pool that keeps up) and the first ``max_sims`` simulated on the same Poisson requests
-(``goodput.simulate_ae`` / ``simulate_pd``), families taking turns. Ranked: plans attaining the
-SLOs first, then goodput, then each SLO's headroom, the tighter first. Pure arithmetic seeded by the
-inputs: every rank computes the same plan without communicating.
+What ``deploy=auto`` asks when ``slo.arrival_rate`` is set. Two families over exactly ``world``
+ranks, one device a rank (expert ranks are expert parallel only: ``tp_e = 1``): **AE** (``n_a``
+attention replicas of ``tp_a`` ranks, ``world - n_a * tp_a`` expert ranks, prefill chunked into
+the same iterations) and **PD** (``prefill_replicas x prefill_tp`` prefill ranks feeding an AE
+decode pool over the ranks left). Each split runs at its decode batch limit (``slo.tpot_ms``,
+``scheduler.max_num_seqs``, KV memory); the first ``max_sims`` by decode throughput, families
+taking turns, are simulated on the same seeded Poisson requests and ranked by attaining the
+SLOs, goodput, then headroom. Pure arithmetic: every rank computes the same plan.
+docs/perfmodel.md, "Planning a server".
 """
 from __future__ import annotations
 
