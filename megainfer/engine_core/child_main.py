@@ -1,19 +1,14 @@
 """``mpiexec -n N python -m megainfer.engine_core.child_main ADDRESS``: the ranks a
-``ChildJobClient`` starts from a plain script (docs/python_api.md, "Ranks started from a plain
-script").
+``ChildJobClient`` starts from a plain script.
 
 Rank 0 connects to the script's unix socket ``ADDRESS`` (authkey in ``$MEGAINFER_CORE_AUTHKEY``),
-receives the ``JobTree`` and broadcasts it; every rank resolves its own job, reports (rank, pid,
-role) to rank 0 (``Launched``) and builds its part (``builder.start_ranks``). Rank 0 then runs the
-engine core on a thread (``EngineCoreThread``), sends ``Ready``, and its main thread hands the
-script's inputs to the core while the core's outputs go back over the socket; the socket's end
-(the script gone) is a ``Shutdown``. The other ranks serve rank 0 until it closes and exit 0.
-
-A failure before ``Launched`` aborts the whole job (the others may wait in a collective); after
-it, the failing rank logs its traceback and exits 1 at once (no ``MPI_Finalize``: its peers are
-alive), and the script, which watches the ranks' pids, names it. Exceptions sent to the script
-are ``EngineDeadError``s: a ``RankFailure`` or ``CommTimeoutError`` (a peer silent past
-``comm.timeout_s``) becomes a ``RankLostError`` naming that peer's rank and role.
+receives the ``JobTree`` and broadcasts it; every rank resolves its own job, reports to rank 0
+(``Launched``) and builds its part (``builder.start_ranks``). Rank 0 runs the engine core on a
+thread (``EngineCoreThread``), sends ``Ready`` and relays inputs and outputs; the socket's end
+is a ``Shutdown``. The other ranks serve rank 0 until it closes and exit 0. A failure before
+``Launched`` aborts the whole job; after it, the failing rank logs its traceback and exits 1 at
+once (no ``MPI_Finalize``). Errors sent to the script are ``EngineDeadError``s.
+docs/python_api.md, "Ranks started from a plain script".
 """
 from __future__ import annotations
 

@@ -1,22 +1,14 @@
 """Rank 0 of the distributed runtime as an online engine (``engine_core.core.OnlineEngine``): the
 engine core behind ``LLM(deploy=...)``, ``AsyncLLM`` and the server in every mode but single.
 
-Requests arrive between iterations (``add_tokenized``) and are handed out by the loop's router
-at the next one (PD: to the prefill ranks); each iteration of every rank (``step_outputs``)
-returns the new tokens of every replica's requests (their leaders report them; PD's first
-tokens come from the prefill ranks' reports) and the outputs that finished. ``abort_request``
-ends a request wherever it is (``ReplicaLoop.abort``). Nothing to do: the engine core waits
-for input up to ``idle_interval_s`` and then runs one empty iteration (``idle_tick``), so every
-rank's watch on the others (``comm.timeout_s``) stays alive while the ranks sleep between.
-``close`` runs the iteration that stops every rank.
-
-A feature that acts between iterations plugs in at one named point, ``Feature.online(rank) ->
-OnlinePlug`` (re-planning: ``replan/online_plug.py``; this module imports no feature): after every
-iteration ``between`` may end the loop's phase (a re-plan's switch of every rank) and hands
-back the loop to go on with; ``close`` releases the ranks that wait on it. While it works
-``switching`` is true: an iteration takes longer then, and the ranks are not lost (every wait
-of a switch is bounded by twice ``comm.timeout_s`` and a failure ends the engine, named).
-``replans``: the switches so far (``Rank.replans``' records).
+Requests arrive between iterations (``add_tokenized``) and are handed out at the next one;
+each ``step_outputs`` is one iteration of every rank and returns every replica's new tokens and
+finished outputs; ``abort_request`` ends a request wherever it is. With nothing to do the core
+waits up to ``idle_interval_s``, then runs one empty iteration (``idle_tick``) so every rank's
+watch on the others stays alive; ``close`` runs the iteration that stops every rank. A feature
+plugs in at one point, ``Feature.online(rank) -> OnlinePlug`` (this module imports none): its
+``between`` may end the loop's phase and hands back the loop to go on with, ``switching`` is
+true while it works. docs/engine.md, "Online: `AsyncLLM` and the engine core" (Rank 0).
 """
 from __future__ import annotations
 
