@@ -1,26 +1,13 @@
 """Every MPI tag megainfer uses (the runtime's and the calibration's), with the communicator it
-rides: one table, ``TAGS`` (docs/architecture.md, "Runtime rooms").
+rides: one table, ``TAGS``.
 
-A tag only has to be unique among the messages of one communicator, so equal values on
-different communicators are fine; ``tests/unit/runtime/test_runtime_layout.py`` checks that no
-two entries of one communicator overlap and that no tag is defined outside this table. The
-communicators:
-
-* ``job``: the job's communicator (``COMM_WORLD``; with prefill replicas, the decode and expert
-  ranks' ``core`` split), the control plane's (``runtime/control.py``);
-* ``experts``: the expert ranks among themselves (``Wiring.side_comm``, live EPLB);
-* ``switch``: a re-plan's duplicate of the job's communicator, one per switch;
-* ``kv``: the prefill-decode duplicate of the world communicator (``pd/build.py``); the
-  prefill replica's TP communicator carries ``PD_WORK`` too (the leader's forwards);
-* ``bounded``: whatever communicator a ``BoundedComm`` wraps (the job's, or a weight channel's);
-* ``channel``: each ``megainfer.comm`` transport's own duplicate, where a ``Channel`` uses
-  ``channel_id * MAX_STREAMS + stream`` below ``MAX_CHANNELS * MAX_STREAMS``;
-* ``calibration``: the ``mpiexec -n 2`` job of ``megainfer-plan calibrate``'s MPI ping-pong
-  (``megainfer/calibration/mpi_pingpong.py``), its own ``COMM_WORLD``.
-
-Ranges (``Tag.span > 1``) are a base plus an offset the owner computes: ``EPLB_WEIGHTS +
-layer * slots + slot``, ``REPLAN_EXPERT + layer * slots_per_rank + slot``, ``KV_SEGMENT +
-(transfer, layer, segment) mod (TAG_UB - KV_SEGMENT)``.
+A tag only has to be unique among the messages of one communicator (``job``, ``experts``,
+``switch``, ``kv``, ``bounded``, ``channel``, ``calibration``), so equal values on different
+communicators are fine; ``tests/unit/runtime/test_runtime_layout.py`` checks that no two entries
+of one communicator overlap and that no tag is defined outside this table. A range
+(``Tag.span > 1``) is a base plus an offset its owner computes (``EPLB_WEIGHTS``,
+``REPLAN_EXPERT``, ``KV_SEGMENT``).
+docs/architecture.md, "Runtime rooms".
 """
 from __future__ import annotations
 

@@ -1,22 +1,13 @@
 """Wire one rank of a distributed job to the others, and build its base part.
 
-``wire_rank`` is the one place a rank's connections are made, at start-up (``build_base_rank``),
-for a prefill replica (``pd/build.py``) and at a re-plan's rebuild (``replan/switch.py``): the
-wait policy (expert ranks wait twice as long), the M2N channels (every rank builds both in the
-same order: channel ids are a counter), the TP communicator (``roles.tp_colour``), the expert
-ranks' side communicator, the control plane and what must be closed at the end.
-
-``build_base_rank`` is the base start-up, by mode:
-
-* disaggregated: attention ranks build an attention-role model, a KV cache and an engine whose
-  executor is the ping-pong pipeline (``DisaggregatedExecutor``); expert ranks build an
-  experts-role model holding only their slots and serve (``ExpertWorker``).
-* colocated: every rank builds a full model with its expert-parallel slice of the experts and
-  an engine whose executor dispatches to / serves for all ranks (``ColocatedExecutor``).
-
-The parts themselves (models, engines, loops, workers) are built in ``rank_parts``. Features
-(prefill replicas, re-planning) never patch this module: they plug in through a ``Feature``
-that ``startup.py`` picks (docs/architecture.md, "Runtime rooms").
+``wire_rank`` is the one place a rank's connections are made (start-up, a prefill replica in
+``pd/build.py``, a re-plan's rebuild in ``replan/switch.py``), collectively and in the same order
+on every rank: the wait policy, both M2N channels, the TP and side communicators, the control
+plane and the closers. ``build_base_rank`` is the base start-up by mode (disaggregated:
+attention ranks with the ping-pong pipeline, expert ranks serving their slots; colocated: every
+rank a full model with its expert slice); the parts come from ``rank_parts``. Features never
+patch this module: they plug in through a ``Feature`` that ``startup.py`` picks.
+docs/architecture.md, "Runtime rooms".
 """
 from __future__ import annotations
 

@@ -1,25 +1,13 @@
 """Event-driven simulator of whole jobs on a disaggregated plan (``DisaggModel`` + ``Plan``).
 
-Unlike ``fixed_batch.py`` (one fixed batch in a fixed order, hence equal to the closed form), this
-runs a job: requests arrive (``events.poisson_requests`` or a jsonl trace), each attention
-replica's scheduler does continuous batching with chunked prefill the way
-``megainfer/engine/scheduler.py`` does (running requests first in start order: a decode takes
-one token, an unfinished prefill its next chunk; then waiting requests FCFS while the token
-budget and ``max_num_seqs`` allow; no KV-block preemption), replicas step in lock step, and
-each iteration goes through the ping-pong pipeline event by event:
-
-* a replica's micro-batches are contiguous groups of its sequences, split by tokens like
-  ``runtime/pipeline/microbatch.split_by_tokens``; attention of (layer, micro-batch) takes the
-  model's T_a(b, mean context of its tokens) (+ node terms), the same fit the closed form uses;
-* the micro-batch's token slots spread over experts by a ``Routing`` draw; each expert rank's
-  time is the model's T_e of its own experts' counts, so the slowest rank sets the layer;
-* A2E / E2A messages cross links of finite bandwidth: a sender's NIC sends its messages at once
-  (shared bandwidth), a receiver's NIC is a work-conserving link over the messages of that
-  (layer, micro-batch) (``events.makespan``), both FIFO across steps; a message set has
-  arrived when both are done, plus the node's wake-up latency.
-
-The per-(layer, micro-batch) recursion is vectorised over ranks (numpy), so hundreds of ranks
-take seconds. A fixed batch with balanced routing reproduces ``DisaggModel.predict`` (t_iter).
+Unlike ``fixed_batch.py`` (one fixed batch), this runs a job: requests arrive, each attention
+replica's scheduler does continuous batching with chunked prefill as
+``megainfer/engine/scheduler.py`` does, replicas step in lock step, and each iteration goes
+through the ping-pong pipeline event by event: attention T_a per (layer, micro-batch), experts
+by a ``Routing`` draw (the slowest rank sets the layer), A2E / E2A over links of finite
+bandwidth, FIFO across steps. The per-(layer, micro-batch) recursion is vectorised over ranks.
+Invariant: a fixed batch with balanced routing reproduces ``DisaggModel.predict`` (t_iter).
+docs/perfmodel.md, "The whole-job simulator".
 """
 from __future__ import annotations
 

@@ -1,20 +1,12 @@
 """Whole jobs on the colocated baseline (``model.colocated.ColocatedModel`` + ``ColocatedPlan``).
 
-The same job loop as ``job.simulate_job`` (arrivals, continuous batching with chunked
-prefill, the scheduler's budget; the group is one replica), each iteration timed per (layer,
-micro-batch) like ``ColocatedModel.predict`` but from the micro-batch's own tokens and context:
-
-* attention of micro-batch i: T_a(b_i, ctx_i) over the group's TP, plus the node terms;
-* dispatch / combine: all-to-alls inside the group; the device receiving the most token slots
-  (the routing draw decides) sets the time, ``intra_link.time(bytes, n_msgs=g - 1)`` + wake-up;
-* experts: every device's T_e of its own experts' counts (EP while g <= E, expert TP beyond),
-  the slowest sets the stage;
-* m = 1: attention, dispatch, experts, combine in sequence per layer; m = 2 (DBO: one
-  micro-batch computes while the other communicates): max(sum of compute, sum of communication,
-  max over micro-batches of compute + communication), which is the closed form's
-  max(2c, 2x, c + x) for two equal micro-batches.
-
-A fixed balanced batch reproduces ``ColocatedModel.predict(plan).t_iter``.
+The same job loop as ``job.simulate_job`` (the group is one replica), each iteration timed per
+(layer, micro-batch) like ``ColocatedModel.predict`` but from the micro-batch's own tokens and
+context: attention over the group's TP, dispatch / combine all-to-alls timed by the device
+receiving the most token slots, experts by the slowest device; m = 1 in sequence, m = 2 (DBO)
+max(sum of compute, sum of communication, max over micro-batches of compute + communication).
+Invariant: a fixed balanced batch reproduces ``ColocatedModel.predict(plan).t_iter``.
+docs/perfmodel.md, "The whole-job simulator".
 """
 from __future__ import annotations
 

@@ -1,31 +1,14 @@
 """One event loop for a prefill/decode (PD) split: prefill replicas, KV transfers, decode pool.
 
-What ``runtime/pd/router.py``, ``runtime/pd/prefill_worker.py`` and ``runtime/pd/decode.py`` do
-(docs/pd.md), as a discrete-event simulation over one clock (docs/perfmodel.md, "PD as one
-simulation", has each rule):
-
-* **Admission** (rank 0): one FCFS queue, handed out while a decode replica has room (fewer
-  than ``max_num_seqs`` requests handed to it and unfinished); least-loaded decode replica,
-  prefill replica with the fewest unfinished prompts, ties in rotation.
-* **Prefill replicas** (``PrefillPool``): each its own chunked-prefill scheduler (unfinished
-  prompts first, then FCFS, within ``prefill_tokens`` and ``max_num_seqs``); a step of n tokens
-  at mean context c costs, per layer, ``T_a(n, c)`` + every expert's time for its ``Routing``
-  draw + ``prompt_host_s`` per prompt, plus the lm_head over the prompts it completes, whose
-  first tokens are sampled at the step's end (TTFT).
-* **KV transfers**: each step's new KV streams layer by layer to the request's decode replica,
-  holding the prefill egress (``tp_p`` NICs) and the decode ingress (``tp_a`` NICs) at the
-  slower bandwidth, FIFO on both; it ends no earlier than the step's end plus its last layer's
-  share, plus the link latency.
-* **Decode pool**: ``sim.job.Pipeline.iteration``, replicas in lock step; a request decodes from
-  the first iteration that begins after its first token and its whole KV have arrived (exact
-  contexts P + j); an iteration's E2A messages wait for the KV message in flight on the ingress.
-
-Invariants: events (prefill step ends, decode iteration ends, arrivals, KV arrivals) are
-applied before anything starts at the same time, so what is ready at t is seen by what starts
-at t. Shared cores (``node.cores`` > 0): prefill and decode ranks of one profile time-share
-them (``pd_parts.Node``), rates recomputed at every event; ``idle_decode_busy`` is the share an
-idle decode rank still takes. Not modelled: the decode pool's own A2E/E2A traffic delaying a
-later KV transfer on the same link; prefix caching on prefill ranks; KV blocks (no preemption).
+What ``runtime/pd/router.py``, ``runtime/pd/prefill_worker.py`` and ``runtime/pd/decode.py`` do,
+as a discrete-event simulation over one clock: FCFS admission by rank 0, each prefill replica's
+chunked-prefill scheduler (``PrefillPool``), KV streamed layer by layer over the prefill egress
+and decode ingress (FIFO), and the decode pool as ``sim.job.Pipeline.iteration`` in lock step.
+Invariants: events are applied before anything starts at the same time, so what is ready at t
+is seen by what starts at t; a request decodes from the first iteration after its first token
+and its whole KV arrived. Shared cores are time-shared (``pd_parts.Node``), rates recomputed at
+every event.
+docs/perfmodel.md, "PD as one simulation".
 """
 from __future__ import annotations
 

@@ -1,18 +1,14 @@
-"""A decode rank's side of prefill-decode disaggregation (docs/pd.md): what rank 0's go message
-tells it about transfers, applied at the same iteration on every TP rank of the replica, so
-their schedulers stay identical.
+"""A decode rank's side of prefill-decode disaggregation: rank 0's transfer messages, applied at
+the same iteration on every TP rank of the replica, so their schedulers stay identical.
 
-* ``Expect(xfer, src, num_tokens, request_id)``: post one receive per layer from each rank
-  of the prefill replica starting at rank ``src`` that holds some of this rank's KV heads (the
-  KV may start arriving at once), and reserve the prompt's blocks (first come
-  first served; when too few blocks are free, retried every iteration).
-* ``Start(xfer, state)``: the prefill rank sampled the first token; once the blocks are
-  reserved, wait (bounded) for every layer, scatter them into the blocks and start the request.
-* ``Drop(xfer, sent)``: the request finished (or was refused, or was aborted online) at the
-  prefill rank: take the KV if it was sent (else cancel the receives) and give the blocks back.
-
-Online, rank 0's go may also abort a request this replica decodes (``ReplicaLoop`` ends it in
-the engine) or one started but still waiting for blocks or KV (``abort``: it ends as it starts).
+* ``Expect``: post the receives from the prefill ranks holding this rank's KV heads and reserve
+  the prompt's blocks (first come first served, retried every iteration).
+* ``Start``: once the blocks are reserved, wait (bounded) for every layer, scatter them into the
+  blocks and start the request.
+* ``Drop``: the request ended at the prefill rank: take the KV if it was sent (else cancel the
+  receives) and give the blocks back.
+Online, ``abort`` ends a started request still waiting for blocks or KV as soon as it starts.
+docs/pd.md, "What runs where".
 """
 from __future__ import annotations
 

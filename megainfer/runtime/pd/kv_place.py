@@ -1,15 +1,12 @@
-"""Placing a transferred layer of KV blocks into a decode replica's paged cache (docs/pd.md).
+"""Placing a transferred layer of KV blocks into a decode replica's paged cache.
 
 Model-dtype caches: a plain copy into the reserved blocks. Quantised caches
-(``cache.kv_cache_dtype`` fp8 / fp4, docs/kv_cache.md): the bytes arrive as the prefill rank
-stored them, with (``tensor`` granularity) its two per-layer float32 scales. Where the decode cache's scale for a part
-(keys / values; MLA ``c_kv`` / ``k_pe``) is unset, it adopts the sender's and the bytes are
-placed as they are (lossless; the usual case, since a decode replica's cache is first written
-by transfers); equal scales: the same; a part whose scale differs is dequantised with the
-sender's scale and quantised with the decode cache's (``kv_quant``). The cache is never widened
-to full precision. ``token_head`` caches (``cache.kv_scale_granularity``): every row carries
-its own scale, so the bytes are placed verbatim and no scales travel (``sender_scales`` is
-None on both sides); their per-layer scales are never set.
+(``cache.kv_cache_dtype`` fp8 / fp4) with ``tensor`` scales: where the decode cache's scale for a
+part is unset it adopts the sender's and the bytes are placed as they are (lossless); equal
+scales: the same; a part whose scale differs is requantised from the sender's scale to the
+decode cache's (``kv_quant``). The cache is never widened to full precision. ``token_head``
+caches: the bytes are placed verbatim and no scales travel (``sender_scales`` is None).
+docs/pd.md, "Layer-wise KV streaming".
 """
 from __future__ import annotations
 

@@ -1,20 +1,15 @@
-"""Layer-wise KV streaming from a prefill rank to the ranks of a decode replica (docs/pd.md,
-"Layer-wise KV streaming").
+"""Layer-wise KV streaming from a prefill rank to the ranks of a decode replica.
 
 One transfer moves one request's prompt KV, layer by layer, as raw bytes of the cache's storage
-format (fp8 and fp4 rows travel as stored; a ``tensor`` cache's two float32 scales follow each
-segment), cut into segments of about one prefill chunk; positions past the prompt are zeroed,
-so a transfer's bytes depend only on the prompt. A decode TP rank gets its own KV heads; from a
-TP prefill replica each prefill rank sends the heads it holds (``kv_routes``).
-
-* ``KVSender`` (prefill rank): right after layer l ran, that layer's completed segments are
-  gathered block-major per destination and sent non-blocking, overlapping layer l+1.
-* ``KVReceiver`` (decode rank): one ``Irecv`` per (layer, segment, sender), one tag each; waits
-  bounded by ``comm.timeout_s``, naming the prefill rank and the request; ``scatter`` places
-  every layer into the blocks the decode engine reserved (``kv_place``).
-
-Every message rides a communicator of its own, so its tags never meet the control plane's or
-the M2N channels'. Segments, tags and the gathered bytes: ``kv_segments``."""
+format, in segments of about one prefill chunk; positions past the prompt are zeroed, so its
+bytes depend only on the prompt. A decode TP rank gets its own KV heads (``kv_routes``).
+``KVSender`` (prefill rank) sends layer l's completed segments non-blocking right after layer l
+ran, overlapping layer l+1; ``KVReceiver`` (decode rank) posts one ``Irecv`` per (layer,
+segment, sender), waits bounded by ``comm.timeout_s`` naming the prefill rank and the request,
+and ``scatter`` places every layer into the reserved blocks (``kv_place``). Every message rides
+a communicator of its own. Segments, tags and the gathered bytes: ``kv_segments``.
+docs/pd.md, "Layer-wise KV streaming".
+"""
 from __future__ import annotations
 
 import time

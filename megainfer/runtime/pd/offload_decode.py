@@ -1,22 +1,14 @@
 """A decode attention rank's side of decode attention offloaded to the prefill ranks
-(``pd.offload``, docs/pd.md, "Decode attention offloaded to the prefill ranks").
+(``pd.offload``).
 
-A request rank 0 offloaded starts here without blocks: its KV stays on the prefill rank that
-prefilled it. Every step the decode rank computes q/k/v (and rotary) for the whole micro-batch
-as usual; for the offloaded rows, at every layer, ``OffloadedAttention`` posts one
-``OffloadQKV`` per prefill rank (the rows' q, k, v, transfer ids and context lengths), runs the
-local rows' attention meanwhile, then waits (bounded: a silent prefill rank raises
-``RankFailure`` naming it) for the ``OffloadOut`` and puts its rows into the output; O
-projection and the MoE then run for every row.
-
-* ``RemoteKVBlocks`` wraps the engine's block manager: an offloaded sequence allocates nothing
-  here; freeing it (finish, abort, preemption) sends ``OffloadRelease`` to its prefill rank,
-  after its last ``OffloadQKV`` on the same tag, so the prefill rank frees its blocks. A
-  preempted offloaded request recomputes prompt and tokens here, as any preempted request:
-  from then on it is local (its KV has come home by recompute).
-* ``OffloadClient.metadata`` (the executor's ``offload`` hook, ``DisaggregatedExecutor._start``)
-  builds a micro-batch's attention metadata over its local rows only and records the
-  offloaded rows in ``meta.step_cache`` for the layers' backends.
+An offloaded request holds no blocks here: its KV stays on the prefill rank that prefilled it.
+``OffloadedAttention`` sends its rows' q/k/v to that rank at every layer (``OffloadQKV``), runs
+the local rows meanwhile and waits, bounded, for ``OffloadOut`` (``RankFailure`` names a silent
+prefill rank); O projection and the MoE run here for every row. ``RemoteKVBlocks`` allocates
+nothing for it and, on free, sends ``OffloadRelease`` after its last ``OffloadQKV``; a preempted
+one recomputes here and is local from then on. ``OffloadClient.metadata`` (the executor's
+``offload`` hook) builds a micro-batch's metadata over its local rows only.
+docs/pd.md, "Decode attention offloaded to the prefill ranks".
 """
 from __future__ import annotations
 

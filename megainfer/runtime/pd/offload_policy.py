@@ -1,15 +1,12 @@
 """Rank 0's choice of the requests whose decode attention runs on their prefill rank
-(``pd.offload``, docs/pd.md, "Decode attention offloaded to the prefill ranks").
+(``pd.offload``).
 
-At hand-out, a request that can be offloaded (one sample, no prompt logprobs) is offloaded
-when the fixed fraction says so (``pd.offload_ratio`` r: the k-th such request is when
-``floor((k + 1) r) > floor(k r)``, so 0.5 offloads every other one, 1 every one, 0 none) and
-its prefill rank's offload pool has room for its whole life: ``min(prompt + max_tokens,
-max_model_len)`` tokens, reserved up front (the prefill rank then never runs short during a
-decode step, and needs no per-step block message). Rank 0 keeps the ledger: the room comes
-back when the request's output reaches rank 0 (finished or aborted) or it is dropped at the
-prefill rank; the decode rank sent the release to the prefill rank before either (a prefill
-rank short of room waits for it, ``OffloadPool.keep``).
+At hand-out, a request with one sample and no prompt logprobs is offloaded when the fixed
+fraction ``pd.offload_ratio`` says so (the k-th such request when ``floor((k + 1) r) > floor(k
+r)``) and its prefill rank's pool has room for its whole life, ``min(prompt + max_tokens,
+max_model_len)`` tokens, reserved up front. Rank 0 keeps the ledger: the room comes back when
+the request's output reaches rank 0 or it is dropped at the prefill rank.
+docs/pd.md, "Decode attention offloaded to the prefill ranks".
 """
 from __future__ import annotations
 

@@ -1,23 +1,14 @@
-"""A prefill rank's side of decode attention offload (``pd.offload``, docs/pd.md, "Decode
-attention offloaded to the prefill ranks"): the offload pool and the attention it serves.
+"""A prefill rank's side of decode attention offload (``pd.offload``): the offload pool and the
+attention it serves.
 
-The prefill rank's KV memory is split at start-up: its engine's cache keeps
-``cache.num_blocks - pool`` blocks for prompts in flight, and ``OffloadPool`` holds ``pool``
-blocks (``pd.offload_blocks``) for offloaded requests, with their own block manager. When the
-step that completes an offloaded request's prompt has sampled its first token, ``keep``
-allocates the blocks of the request's whole life (prompt + ``max_tokens``, at most
-``max_model_len``: rank 0 sized it and checked the room), copies the prompt's KV into them
-(a copy inside this rank's memory; nothing is sent) and the request leaves the engine as any
-handed-off one. Every decode step then brings, per layer and micro-batch, one ``OffloadQKV``
-from the decode rank: ``serve`` writes its k/v at each request's next position, runs the
-layer's attention backend over the pool and answers ``OffloadOut``; ``OffloadRelease`` frees
-a request's blocks.
-
-Scheduling on the prefill rank: offloaded attention first. ``serve`` runs whatever has arrived
-after every decoder layer of a prefill step (``PrefillExecutor``'s layer hook) and in every
-idle wait, so a decode step waits at most about one prefill layer for its answer; the prefill
-chunks take the rest of the time, under the scheduler's token budget as before (one offload
-message is one new token per request: it cannot starve a prefill chunk for long).
+The rank's KV memory is split at start-up: the engine keeps ``cache.num_blocks - pool`` blocks,
+``OffloadPool`` holds ``pool`` (``pd.offload_blocks``) with its own block manager. ``keep``
+allocates an offloaded request's whole life once its first token is sampled and copies the
+prompt's KV in (nothing is sent); ``serve`` answers each ``OffloadQKV`` with ``OffloadOut``
+(writes k/v at the next position, runs the layer's backend over the pool); ``OffloadRelease``
+frees the blocks. Offloaded attention comes first: ``serve`` runs after every prefill layer and
+in every idle wait, so a decode step waits at most about one prefill layer.
+docs/pd.md, "Decode attention offloaded to the prefill ranks".
 """
 from __future__ import annotations
 

@@ -1,20 +1,14 @@
-"""Rank 0's side of prefill-decode disaggregation (docs/pd.md): it keeps the pending requests,
-hands each to a prefill rank together with the decode replica that will run it, and turns the
-prefill ranks' reports into messages for the decode replicas.
+"""Rank 0's side of prefill-decode disaggregation: it keeps the pending requests, hands each to a
+prefill rank together with the decode replica that will run it, and turns the prefill ranks'
+reports into messages for the decode replicas.
 
-Hand-out, every iteration, first come first served while the decode replicas have room (each
-under ``max_num_seqs`` requests running + waiting + transfers pending + handed out this
-iteration): the prefill rank is chosen by the attention replicas' ``RequestRouter``
-(``scheduler.routing``, megainfer/runtime/replicas/request_router.py) over the prefill ranks: with
-``cache_aware`` and prefix caching, the prefill rank holding the longest run of the prompt's
-blocks (the prefill ranks report their cache's key events), else the shortest queue, in
-rotation; the decode replica is the least loaded (ties in rotation): its KV comes whole from
-the prefill rank, so a prefix there saves nothing. The decode replica gets ``expect`` at once
-(it reserves the blocks and posts its receives before the first layer is sent); the prefill
-rank's report later becomes ``start`` (or ``drop``).
-
-A prefill rank with requests outstanding that has said nothing for ``comm.timeout_s`` (it
-reports after every step) is declared failed: ``RankFailure`` names it and a request.
+Hand-out is first come first served while a decode replica has room (``max_num_seqs`` over
+running + waiting + pending + handed out); the prefill rank comes from the attention replicas'
+``RequestRouter`` run over the prefill ranks, the decode replica is the least loaded. The decode
+replica gets ``expect`` at once; the prefill rank's report later becomes ``start`` (or
+``drop``). A prefill rank with requests outstanding that is silent for ``comm.timeout_s`` is
+declared failed (``RankFailure``).
+docs/pd.md, "What runs where".
 """
 from __future__ import annotations
 
