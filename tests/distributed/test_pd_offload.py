@@ -3,7 +3,7 @@ mpiexec: greedy tokens identical to single mode for offload ratios 0, 0.5 and 1 
 m=1 and m=2 (Mixtral- and Qwen3-MoE-shaped), with two prefill ranks, with a decode pool small
 enough to preempt; every block freed on both sides; online streams and aborts; a prefill rank
 that stops answering offloaded attention ends the job naming it. The pieces in one process:
-tests/unit/runtime/test_pd_offload.py."""
+tests/unit/runtime/test_offload_parts.py."""
 import json
 import os
 
