@@ -41,3 +41,13 @@ def is_number(v, finite: bool = True) -> bool:
     if not isinstance(v, (int, float)) or isinstance(v, bool) or v != v:
         return False
     return not finite or math.isfinite(v)
+
+
+def check_weight_format(quantization, group_size) -> None:
+    """``model.quantization`` and ``model.quantization_group_size`` (``ConfigError`` naming
+    the key): the loader's ``LoadConfig`` and the planner's ``ModelShape`` alike."""
+    require(quantization in QUANTIZATIONS, "model.quantization", quantization,
+            "must be null, " + ", ".join(q for q in QUANTIZATIONS if q))
+    require(is_int_at_least(group_size, 1) and group_size in INT4_GROUP_SIZES,
+            "model.quantization_group_size", group_size,
+            f"must be one of {', '.join(map(str, INT4_GROUP_SIZES))}")

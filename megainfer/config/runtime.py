@@ -5,8 +5,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from .base import (ATTENTION_BACKENDS, DEVICES, DTYPE_NAMES, INT4_GROUP_SIZES, QUANTIZATIONS,
-                   ConfigError, is_int_at_least, require, torch_dtype_of)
+from .base import (ATTENTION_BACKENDS, DEVICES, DTYPE_NAMES, ConfigError, check_weight_format,
+                   require, torch_dtype_of)
 from .model import ModelConfig
 
 # the cache's storage formats (auto: the model dtype; docs/kv_cache.md, kernels/kv_quant.py)
@@ -36,12 +36,7 @@ class LoadConfig:
                  self.load_format, "must be 'safetensors' or 'dummy'")
         require(self.dtype in DTYPE_NAMES, "model.dtype", self.dtype,
                  "must be float32, bfloat16 or float16")
-        require(self.quantization in QUANTIZATIONS, "model.quantization", self.quantization,
-                 "must be null, " + ", ".join(q for q in QUANTIZATIONS if q))
-        require(is_int_at_least(self.quantization_group_size, 1)
-                 and self.quantization_group_size in INT4_GROUP_SIZES,
-                 "model.quantization_group_size", self.quantization_group_size,
-                 f"must be one of {', '.join(map(str, INT4_GROUP_SIZES))}")
+        check_weight_format(self.quantization, self.quantization_group_size)
         if self.load_format == "safetensors":
             require(self.path is not None and os.path.isdir(self.path), "model.path", self.path,
                      "must be an existing checkpoint directory (or use load_format=dummy)")

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megainfer.config import ConfigError
-from megainfer.perfmodel.model.weight_format import bytes_per_weight, check_quantization
+from megainfer.config.base import check_weight_format
+from megainfer.perfmodel.model.weight_format import bytes_per_weight
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
 # cache.kv_cache_dtype -> bytes per cached element (None: the model dtype); fp4: (D/2 + D/16) / D
@@ -71,7 +72,7 @@ class ModelShape:
         if self.kv_scale_granularity not in ("tensor", "token_head"):
             raise ConfigError(f"cache.kv_scale_granularity={self.kv_scale_granularity!r}: must "
                               "be one of tensor, token_head")
-        check_quantization(self.quantization, self.quantization_group_size)
+        check_weight_format(self.quantization, self.quantization_group_size)
         if not 0 <= self.attn_unquantised_params <= self.attn_params:
             raise ConfigError(f"model.attn_unquantised_params={self.attn_unquantised_params!r}: "
                               f"must be in [0, attention parameters per layer = {self.attn_params}]")

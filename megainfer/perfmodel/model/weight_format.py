@@ -18,20 +18,9 @@ from dataclasses import replace
 from typing import Optional
 
 from megainfer.config import ConfigError
-from megainfer.config.base import INT4_GROUP_SIZES, QUANTIZATIONS
 
 FP8_BLOCK_WEIGHTS = 128 * 128  # weights per float32 block scale
 FP8_SCALE_BYTES = 4
-
-
-def check_quantization(quantization: Optional[str], group_size: int) -> None:
-    """ConfigError naming ``model.quantization`` / ``model.quantization_group_size``."""
-    if quantization not in QUANTIZATIONS:
-        raise ConfigError(f"model.quantization={quantization!r}: must be null, "
-                          + ", ".join(q for q in QUANTIZATIONS if q))
-    if quantization == "int4" and group_size not in INT4_GROUP_SIZES:
-        raise ConfigError(f"model.quantization_group_size={group_size!r}: must be one of "
-                          f"{', '.join(map(str, INT4_GROUP_SIZES))}")
 
 
 def bytes_per_weight(quantization: Optional[str], dtype_b: float, k: int,

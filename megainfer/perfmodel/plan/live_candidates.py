@@ -6,7 +6,6 @@ planner"."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from megainfer.perfmodel.model.hardware import HardwareProfile
 from megainfer.perfmodel.model.shapes import ModelShape
@@ -40,9 +39,9 @@ def assignment_deploy(c: ServingChoice) -> dict:
 
 @dataclass
 class SimulatedAssignments:
-    """``__call__(load, corrections, only)``: the predictions of the candidates (``only``: that
-    label alone), the current one always among them when ``current`` is set; at most
-    ``max_sims`` simulations a call, families taking turns."""
+    """``__call__(load, corrections, current, alone)``: the predictions of the candidates, the
+    ``current`` assignment always among them (``alone``: it only); at most ``max_sims``
+    simulations a call, families taking turns."""
 
     shape: ModelShape
     hw: HardwareProfile
@@ -55,9 +54,8 @@ class SimulatedAssignments:
     num_requests: int = 200
     max_sims: int = 8
     seed: int = 0
-    current: Optional[str] = None
 
-    def __call__(self, load: Load, corr: Corrections, only: Optional[str] = None
+    def __call__(self, load: Load, corr: Corrections, current: str, alone: bool = False
                  ) -> list[Prediction]:
         rate = max(load.rate, 1e-6)  # an idle forecast: a trickle, every plan meets it
         reqs = poisson_requests(self.num_requests, rate,
@@ -67,11 +65,10 @@ class SimulatedAssignments:
         models: dict = {}
         cands = candidates(self.shape, self.hw, target, self.world, self.pins, self.dtype,
                            models=models)
-        want = only or self.current
-        picked = [c for c in cands if assignment_label(c) == want] if want else []
-        if only is None:
+        picked = [c for c in cands if assignment_label(c) == current]
+        if not alone:
             rest = [c for c in alternate_families(cands, ("AE", "PD"))
-                    if assignment_label(c) != want]
+                    if assignment_label(c) != current]
             picked += rest[:max(0, self.max_sims - len(picked))]
         return [self._predict(c, target, corr, models) for c in picked]
 

@@ -107,8 +107,8 @@ class Prediction:
     deploy: dict = field(default_factory=dict, compare=False)  # the deploy.* counts it sets
 
 
-# load, corrections, only this assignment (None: every one) -> predictions
-Evaluator = Callable[[Load, Corrections, Optional[str]], Sequence[Prediction]]
+# (load, corrections, the current assignment, it alone?) -> predictions, the current among them
+Evaluator = Callable[[Load, Corrections, str, bool], Sequence[Prediction]]
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,8 @@ class LivePlanner:
         self._correct(w)
         self.forecast.observe(w)
         load = self.forecast.predict(self.horizon_s / 2)  # the horizon's middle
-        preds = {p.assignment: p for p in self.evaluate(load, self.corrections, None)}
+        preds = {p.assignment: p for p in self.evaluate(load, self.corrections, self.current,
+                                                        False)}
         cur = preds.get(self.current)
         best = self._best(list(preds.values()))
         g_cur = cur.goodput_req_s if cur is not None else 0.0
@@ -197,7 +198,7 @@ class LivePlanner:
         if w.ttft_p_s is None and w.tpot_p_s is None or not w.arrivals:
             return
         seen = Load(w.arrivals / w.duration_s, w.mean_prompt_len, w.mean_output_len)
-        got = list(self.evaluate(seen, Corrections(), self.current))
+        got = list(self.evaluate(seen, Corrections(), self.current, True))
         if got:
             self.corrections.observe(w.ttft_p_s, got[0].ttft_p_s, "ttft")
             self.corrections.observe(w.tpot_p_s, got[0].tpot_p_s, "tpot")

@@ -177,12 +177,16 @@ class OffloadedAttention:
         plan = meta.step_cache.get(PLAN_KEY) if meta is not None else None
         if plan is None:
             return self.inner(q, k, v, kv_cache, meta, scale)
-        sent = self.client.send(self.layer, plan, q, k, v)
-        out = q.new_empty(q.shape)
+        return self._split(plan, (q, k, v), q.new_empty(q.shape),
+                           lambda loc: self.inner(q[loc], k[loc], v[loc], kv_cache, meta, scale))
+
+    def _split(self, plan, sent: tuple, out: torch.Tensor, local) -> torch.Tensor:
+        """The remote rows' tensors ``sent`` first, then ``local(rows)`` for this rank's rows
+        into ``out`` while they are away, then the answers into theirs."""
+        waiting = self.client.send(self.layer, plan, *sent)
         if plan.local.numel():
-            loc = plan.local
-            out[loc] = self.inner(q[loc], k[loc], v[loc], kv_cache, meta, scale)
-        self.client.receive(sent, out)
+            out[plan.local] = local(plan.local)
+        self.client.receive(waiting, out)
         return out
 
 
@@ -195,13 +199,9 @@ class OffloadedMLA(OffloadedAttention):
         plan = meta.step_cache.get(PLAN_KEY) if meta is not None else None
         if plan is None:
             return self.inner(mla, q_nope, q_pe, latent, cache, meta)
-        sent = self.client.send(self.layer, plan, q_nope, q_pe, latent)
         out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], mla.v_head_dim)
-        if plan.local.numel():
-            loc = plan.local
-            out[loc] = self.inner(mla, q_nope[loc], q_pe[loc], latent[loc], cache, meta)
-        self.client.receive(sent, out)
-        return out
+        return self._split(plan, (q_nope, q_pe, latent), out, lambda loc: self.inner(
+            mla, q_nope[loc], q_pe[loc], latent[loc], cache, meta))
 
 
 class RemoteKVBlocks:

@@ -68,11 +68,11 @@ class Capacities:
     def __init__(self, plans: dict):
         self.plans, self.calls = plans, []
 
-    def __call__(self, load, corr, only=None):
-        self.calls.append((load, only))
+    def __call__(self, load, corr, current, alone=False):
+        self.calls.append((load, current, alone))
         return [Prediction(name, 0.01, 0.01, min(load.rate, cap) * eff,
                            headroom=load.rate / cap)
-                for name, (cap, eff) in self.plans.items() if only in (None, name)]
+                for name, (cap, eff) in self.plans.items() if not alone or name == current]
 
 
 def test_a_switch_waits_for_confirmation_and_pays_for_itself():
@@ -121,8 +121,7 @@ def test_a_load_on_the_boundary_switches_at_most_once_per_dwell_window():
 def test_on_the_simulator_it_picks_what_the_simulator_ranks_first():
     shape, hw, slo = model_shape(TINY), load_hardware("cpu_node"), Slo(0.05, 0.012)
     pins = ServingPins(prefill_replicas=0)  # the splits a running job switches between
-    ev = SimulatedAssignments(shape, hw, 4, slo, 64, 512, pins=pins, num_requests=64,
-                              current="a2e2m2")
+    ev = SimulatedAssignments(shape, hw, 4, slo, 64, 512, pins=pins, num_requests=64)
     load = Load(200.0, 256, 16)
     reqs = poisson_requests(64, load.rate, LengthDist("fixed", 256), LengthDist("fixed", 16),
                             seed=0)
@@ -131,11 +130,11 @@ def test_on_the_simulator_it_picks_what_the_simulator_ranks_first():
         c for c in ranked if assignment_label(c) == "a2e2m2").result.goodput_req_s
     p = LivePlanner(ev, "a2e2m2", horizon_s=60, switch_s=0.5, min_gain=0.1, dwell_s=0,
                     confirm=1)
-    measured_ttft = 2 * ev(load, Corrections(), "a2e2m2")[0].ttft_p_s
+    measured_ttft = 2 * ev(load, Corrections(), "a2e2m2", alone=True)[0].ttft_p_s
     d = p.decide(ServedWindow(10, 10, 2000, 256, 16, ttft_p_s=measured_ttft))
     assert d.action == "switch" and d.target == assignment_label(ranked[0]), d.reason
     assert d.corrections[0] > 1.2 and d.corrections[1] == 1.0  # TTFT measured 2x predicted
-    assert ev(load, Corrections(), d.target)[0].deploy == dict(
+    assert ev(load, Corrections(), d.target, alone=True)[0].deploy == dict(
         attention_replicas=ranked[0].plan.n_a, attention_tp=ranked[0].plan.tp_a,
         expert_ranks=ranked[0].plan.n_e, micro_batches=ranked[0].plan.m, prefill_replicas=0,
         prefill_tp=1)
