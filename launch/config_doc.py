@@ -29,7 +29,8 @@ from megainfer.config import (CacheConfig, CommConfig, DeployPlan, DeviceConfig,
                               LoadConfig, ModelConfig, PdConfig, ReplanConfig, SchedulerConfig, ServeConfig,
                               SloConfig, TraceConfig)
 from megainfer.engine.sampling_params import SamplingParams
-from .settings import IOSettings, JobSettings, WorkloadSettings
+from megainfer.config.offline_job import IOSettings, WorkloadSettings
+from megainfer.engine.job_doors import JobSettings
 
 CONF = os.path.dirname(os.path.abspath(megainfer.conf.__file__))
 
@@ -273,7 +274,7 @@ def render() -> str:
            "composed) and of `megainfer-plan`, once. *Default* is what the launcher composes "
            "from its default presets (`conf/config.yaml`); a preset (`deploy=a1e2`, "
            "`model=bench50m`) changes several at once. Each group is validated into a frozen "
-           "dataclass (`megainfer/config/`, `launch/settings.py`), whose errors name the key.",
+           "dataclass (`megainfer/config/`, `megainfer/config/offline_job.py`), whose errors name the key.",
            ""]
     rows = launch_rows()
     for group, (_, _, what) in GROUPS.items():

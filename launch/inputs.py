@@ -24,7 +24,7 @@ from megainfer.engine.errors import RequestError, SamplingParamsError
 from megainfer.engine.sampler import mix_seed
 from megainfer.engine.tokenizer import load_tokenizer
 
-from .settings import JobSettings
+from megainfer.engine.job_doors import JobSettings
 
 LINE_KEYS = {"id", "prompt", "prompt_token_ids", "messages", "sampling"}
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "messages")

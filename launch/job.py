@@ -24,7 +24,7 @@ from megainfer.engine import CompletionOutput, PromptInput, RequestOutput
 
 from .inputs import BadLine
 from .resume import OutputRecords, plan_resume, read_output
-from .settings import OutputFileError
+from megainfer.config.offline_job import OutputFileError
 
 log = logging.getLogger("megainfer.launch")
 

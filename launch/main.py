@@ -25,7 +25,7 @@ from . import startup_errors
 from .inputs import job_requests
 from .job import run_offline_job, write_summary
 from .overrides import job_config_text, override_key_error, wants_job_config
-from .settings import JobSettings, settings_from_config
+from megainfer.engine.job_doors import JobSettings, settings_from_config
 from megainfer.engine_core.launch_env import local_rank, local_ranks, world_rank, world_size
 
 log = logging.getLogger("megainfer.launch")

@@ -16,7 +16,7 @@ from megainfer.config import ConfigError, ModelConfig
 from megainfer.config.keys import closest, field_names, unknown_key_error
 from megainfer.config.model_source import model_config_of
 
-from .settings import known_keys
+from megainfer.engine.job_doors import known_keys
 
 _FREE_PREFIXES = ("+", "~", "hydra.", "hydra/")  # added / deleted keys; Hydra's own settings
 

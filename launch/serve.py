@@ -2,7 +2,7 @@
 
 The launcher's config tree (``conf/config.yaml``) plus the ``serve`` group
 (``conf/serve/default.yaml`` -> ``megainfer.config.ServeConfig``); everything but ``serve.*``
-resolves through ``settings_from_config`` as for ``megainfer-launch``. Two ways to run:
+resolves through ``settings_from_config`` as for ``megainfer-launch`` (``megainfer/engine/job_doors.py``). Two ways to run:
 * ``megainfer-serve deploy=...`` (``serve.engine_process=true``, the default): this process is
   the HTTP frontend; the engine core runs in a child job of ``serve.world_size`` ranks, rank 0
   talking to it over a local socket. A dead rank: /health 503, streams end, exit 1 naming it.
@@ -18,34 +18,18 @@ import signal
 import sys
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from megainfer.config import ConfigError, ServeConfig
-from megainfer.config.keys import field_names, take
 from megainfer.engine import RequestError
 from megainfer.engine.failures import EngineDeadError
+from megainfer.engine.job_doors import serve_tree, settings_from_config
 from megainfer.engine.resolve import JobTree, deploy_world_size
 
-from .settings import JOB_GROUPS, settings_from_config
 from megainfer.engine_core.launch_env import local_rank, local_ranks, world_rank, world_size
 from megainfer.engine_core.messages import gather_roster, roster_text
 
 log = logging.getLogger("megainfer.serve")
-
-
-def serve_tree(cfg) -> tuple[dict, ServeConfig]:
-    """(the config tree every rank and the frontend resolve, the serve group). The offline job's
-    groups are dropped (each request carries its own sampling; ``deploy=auto`` must not plan
-    for the built-in prompts) but ``sampling.seed``, the seed of requests without their own,
-    which a child job's ranks then get too."""
-    c = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
-    c.pop("hydra", None)
-    serve = ServeConfig(**take("serve", c.pop("serve", None) or {}, field_names(ServeConfig)))
-    seed = (c.get("sampling") or {}).get("seed")
-    c = {g: v for g, v in c.items() if g not in JOB_GROUPS}
-    if seed is not None:
-        c["sampling"] = {"seed": seed}
-    return c, serve
 
 
 def serve_settings(cfg):

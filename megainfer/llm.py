@@ -10,7 +10,8 @@ from tqdm.auto import tqdm
 from megainfer.config import ConfigError, ResolvedJob, ModelConfig
 from megainfer.config.runtime import DEFAULT_KV_SCALE_GRANULARITY
 from megainfer.core_client.client import open_sync
-from megainfer.core_client.llm_job import LLMJob, resolve_llm_job
+from megainfer.engine.job_doors import LLMJob, resolve_llm_job
+from megainfer.engine_core.builder import mpi_world
 from megainfer.engine import PromptInput, RequestError, RequestOutput, SamplingParams
 from megainfer.engine.chat_template import ChatRenderer, encode_chat
 from megainfer.engine_core.core import SHUTDOWN_TIMEOUT_S
@@ -99,7 +100,8 @@ class LLM:
                     kv_scale_granularity=kv_scale_granularity,
                     tensor_parallel_size=tensor_parallel_size, cpu_threads=cpu_threads)
         self._setup(resolve_llm_job(args, model, deploy, tensor_parallel_size, world_size,
-                                    overrides, enforce_eager, self._engine_process), tokenizer)
+                                    overrides, enforce_eager, self._engine_process,
+                                    launch=mpi_world()), tokenizer)
 
     @classmethod
     def from_job(cls, job: ResolvedJob, tokenizer: Optional[Tokenizer] = None) -> "LLM":

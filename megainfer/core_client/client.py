@@ -19,7 +19,7 @@ from typing import Callable, Iterator, Optional, Protocol
 from megainfer.config import ResolvedJob
 from megainfer.engine.resolve import JobTree
 from megainfer.engine_core.core import EngineCore
-from megainfer.engine_core.core_thread import EngineCoreThread
+from megainfer.engine_core.core import EngineCoreThread
 from megainfer.engine_core.messages import CoreInput, CoreOutputs
 
 from megainfer.engine_core.builder import (mpi_world, serve_rank0, single_engine,

@@ -1,6 +1,6 @@
 """One config resolution for ``LLM`` and the launcher: a plain tree of ``group.key`` values ->
-``ResolvedJob``, every check run once, before any weight is read (docs/engine.md, "One config
-resolution").
+``ResolvedJob``, every check run once, before any weight is read (docs/architecture.md, "Module
+map").
 
 In order: every key checked against its group's schema (``GROUP_KEYS``); ``model.path`` made
 local; the deploy plan (``deploy=auto`` over N > 1 ranks asks the performance model's planner,

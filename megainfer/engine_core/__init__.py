@@ -1,5 +1,5 @@
 """The engine core's side of the request route (docs/architecture.md, "The one route"): the
-messages of every client <-> core boundary (``messages``), the core (``core``) and its thread
-(``core_thread``), the builder of single and distributed engines (``builder``), this
+messages of every client <-> core boundary (``messages``), the core and its thread
+(``core``), the builder of single and distributed engines (``builder``), this
 process's place in an MPI launch (``launch_env``) and a child job's entry (``child_main``).
 The clients are ``megainfer.core_client``'s."""

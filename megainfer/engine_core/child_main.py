@@ -29,7 +29,7 @@ from megainfer.runtime.startup import abort_job
 
 from .builder import start_ranks
 from .core import EngineCore
-from .core_thread import EngineCoreThread
+from .core import EngineCoreThread
 from .launch_env import parent_death_signal
 from .messages import (AUTHKEY_ENV, HEARTBEAT_S, LOG_LEVEL_ENV, AbortRequest, AddRequest,
                        CoreOutputs, Heartbeat, Launched, Ready, Shutdown, StartFailed,

@@ -1,17 +1,21 @@
 """The engine core: one ``OnlineEngine`` driven by typed messages between its iterations.
 
-``EngineCore`` is synchronous (no threads; the in-process client, the core's thread and tests
-drive it): ``round`` takes the inputs that came (``messages.py``), runs one iteration when
+``EngineCore`` is synchronous (no threads; the in-process client, ``EngineCoreThread`` and
+tests drive it): ``round`` takes the inputs that came (``messages.py``), runs one iteration when
 there is work and gives one ``CoreOutputs``. Prompts arrive tokenized (the client's
 ``Intake``) and outputs leave without text (the client's ``RequestStream`` decodes), so
 neither runs on the core's loop, except what decides a request's end: stop strings are
 matched by the engine (``Request.append_token``), and logprob entries carry their token text.
-The idea is vLLM v1's ``EngineCore``; the code is megainfer's own. docs/engine.md, "Online".
+``EngineCoreThread`` runs that loop on a background thread (sleeping while idle), as vLLM v1's
+``EngineCoreProc`` runs its busy loop; the code is megainfer's own. docs/engine.md, "Online".
 """
 from __future__ import annotations
 
 import logging
-from typing import Optional, Protocol
+import queue
+import threading
+import time
+from typing import Callable, Optional, Protocol
 
 from megainfer.engine.errors import RequestError
 from megainfer.engine.intake import TokenizedPrompt
@@ -161,3 +165,76 @@ class EngineCore:
         """An empty iteration of every rank (timed like any): their watch stays alive."""
         seconds, _ = timed(self.engine.idle_tick)
         self.stats.idle_tick(seconds)
+
+
+class EngineCoreThread:
+    """``EngineCore``'s loop in a background thread: inputs through ``submit`` (any thread),
+    each iteration's updates to ``deliver`` (called on this thread: hand them on, do no work).
+    Idle, the thread blocks on its input queue (no CPU). A crash in the loop is delivered as
+    ``CoreOutputs.error`` and ends the thread. What the core measured since the last round
+    (``EngineCore.stats``) goes as ``CoreOutputs.stats`` after each round of inputs and
+    iteration that produced updates or measurements."""
+
+    ranks: tuple = ()  # a ``CoreClient``: no child job's ranks
+
+    def __init__(self, core: EngineCore, deliver: Callable[[CoreOutputs], None],
+                 name: str = "megainfer-engine-core"):
+        self.core, self.deliver = core, deliver
+        self.engine = core.engine
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.error: Optional[BaseException] = None
+        self.busy_since: Optional[float] = None  # monotonic start of this round; None: idle
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def busy_s(self) -> float:
+        """How long the loop has been inside its current round (its inputs, one iteration,
+        the delivery of its outputs); 0 while it waits for input."""
+        since = self.busy_since
+        return 0.0 if since is None else time.monotonic() - since
+
+    def submit(self, msg: CoreInput) -> None:
+        self.inbox.put(msg)
+
+    def shutdown(self, timeout: Optional[float] = None) -> None:
+        if self.thread.is_alive():
+            self.submit(Shutdown())
+            self.thread.join(timeout)
+
+    def _run(self) -> None:
+        engine = self.core.engine
+        idle_s = engine.idle_interval_s
+        try:
+            stop = False
+            while not stop:
+                self.busy_since = None
+                msgs = self._take(block=not self.core.has_work(), timeout=idle_s)  # idle: sleep
+                self.busy_since = time.monotonic()
+                outs, stop = self.core.round(msgs, idle=not msgs and idle_s is not None)
+                if outs.updates or outs.stats is not None:
+                    self.deliver(outs)
+        except BaseException as e:  # noqa: BLE001 - delivered: every waiting caller gets it
+            self.error = e
+            log.exception("%s engine core loop died", engine.log_prefix)
+            self.deliver(CoreOutputs(error=e))
+        finally:
+            engine.close()  # on this thread: the runtime's MPI calls stay on one thread
+
+    def _take(self, block: bool, timeout: Optional[float] = None) -> list[CoreInput]:
+        """Every input queued now (waiting up to ``timeout`` for the first one when
+        ``block``)."""
+        msgs = []
+        if block:
+            try:
+                msgs.append(self.inbox.get(timeout=timeout))
+            except queue.Empty:
+                return msgs
+        while True:
+            try:
+                msgs.append(self.inbox.get_nowait())
+            except queue.Empty:
+                return msgs

@@ -182,8 +182,8 @@ def resolved_deploy(deploy: str, ranks: int, overrides: list[str]):
     """The plan rank 0 resolves (``deploy=auto``: the planner's split of ``ranks``)."""
     from hydra import compose, initialize_config_module
 
-    from megainfer.launch.serve import serve_tree
-    from megainfer.launch.settings import settings_from_config
+    from megainfer.engine.job_doors import serve_tree
+    from megainfer.engine.job_doors import settings_from_config
     with initialize_config_module("megainfer.conf", version_base=None):
         c, _ = serve_tree(compose("serve", [f"deploy={deploy}", *overrides]))
     return settings_from_config(c, ranks, ranks, 0, holds_cache=False).deploy

@@ -172,7 +172,7 @@ def test_ipc_handle_keeps_all_64_bytes_zeros_included():
 
 def _settings(*overrides, world=1):
     from hydra import compose, initialize_config_module
-    from megainfer.launch.settings import settings_from_config
+    from megainfer.engine.job_doors import settings_from_config
     with initialize_config_module(config_module="megainfer.conf", version_base=None):
         cfg = compose("config", overrides=list(overrides))
     return settings_from_config(cfg, world)

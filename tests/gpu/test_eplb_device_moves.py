@@ -109,7 +109,7 @@ def test_eplb_moves_choice():
         CommConfig(eplb_moves="nccl")
     from hydra import compose, initialize_config_module
 
-    from megainfer.launch.settings import settings_from_config
+    from megainfer.engine.job_doors import settings_from_config
     for value in ("device", "bogus"):  # the launcher's path: conf/config.yaml + an override
         with initialize_config_module(config_module="megainfer.conf", version_base=None):
             cfg = compose("config", overrides=[f"comm.eplb_moves={value}"])

@@ -205,7 +205,7 @@ def test_triton_and_torch_attention_identical(ckpts, family):
 
 PRIMARY_CONTEXT = """import sys, torch
 from megainfer.config import ModelConfig
-from megainfer.core_client.llm_job import resolve_llm_job
+from megainfer.engine.job_doors import resolve_llm_job
 tiny = ModelConfig(family="mixtral", vocab_size=300, hidden_size=32, num_layers=1, num_heads=2,
                    num_kv_heads=1, head_dim=16, num_experts=2, top_k=1, moe_intermediate_size=32,
                    max_position_embeddings=64)

@@ -45,7 +45,7 @@ def test_llm_argument_maps_to_the_key():
 def test_launcher_and_llm_reach_the_loader(tmp_path, caplog):
     from hydra import compose, initialize_config_module
 
-    from megainfer.launch.settings import settings_from_config
+    from megainfer.engine.job_doors import settings_from_config
     from megainfer.tools.make_tiny import make_tiny
     path = make_tiny("qwen3_moe", str(tmp_path / "q3"), seed=1)
     with initialize_config_module(config_module="megainfer.conf", version_base=None):

@@ -7,7 +7,7 @@ import pytest
 
 from megainfer import LLM, SamplingParams
 from megainfer.engine_core.core import EngineCore
-from megainfer.engine_core.core_thread import EngineCoreThread
+from megainfer.engine_core.core import EngineCoreThread
 from megainfer.engine_core.messages import AbortRequest, AddRequest, CoreOutputs, Shutdown
 
 KW = dict(dtype="float32", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=24,

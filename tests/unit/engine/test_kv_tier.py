@@ -151,7 +151,7 @@ def test_config_keys_and_errors(tmp_path):
 def test_hydra_keys():
     from hydra import compose, initialize_config_module
 
-    from megainfer.launch.settings import settings_from_config
+    from megainfer.engine.job_doors import settings_from_config
     with initialize_config_module(config_module="megainfer.conf", version_base=None):
         cfg = compose("config", overrides=["cache.host_kv_gib=0.5", "cache.kv_store_dir=/tmp/x"])
     c = settings_from_config(cfg, 1).cache

@@ -283,7 +283,7 @@ def test_config_default_on_and_hydra_key():
     from hydra import compose, initialize_config_module
 
     from megainfer.config import CacheConfig
-    from megainfer.launch.settings import settings_from_config
+    from megainfer.engine.job_doors import settings_from_config
     assert CacheConfig().enable_prefix_caching
     for over, want in (([], True), (["cache.enable_prefix_caching=false"], False)):
         with initialize_config_module(config_module="megainfer.conf", version_base=None):

@@ -14,7 +14,7 @@ from megainfer import LLM, SamplingParams
 from megainfer.config import ConfigError, DeviceConfig, LoadConfig, ModelConfig, ResolvedJob
 from megainfer.engine.resolve import kv_budget_gib
 from megainfer.launch.overrides import job_config_text, override_key_error
-from megainfer.launch.settings import JobSettings, settings_from_config
+from megainfer.engine.job_doors import JobSettings, settings_from_config
 
 GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 TINY = ModelConfig(family="mixtral", vocab_size=300, hidden_size=32, num_layers=1, num_heads=2,
@@ -117,7 +117,7 @@ def test_errors_name_the_argument(kw, match, threads):
 ])
 def test_other_modes_resolve_to_the_launchers_plan(kw, ranks, mode, threads):
     """What LLM(deploy=...) would start (the ranks themselves: tests/distributed)."""
-    from megainfer.core_client.llm_job import resolve_llm_job
+    from megainfer.engine.job_doors import resolve_llm_job
     args = {}
     tp = kw.pop("tensor_parallel_size", None)
     if tp is not None:
@@ -157,7 +157,7 @@ def test_a_frontend_never_opens_a_cuda_context_to_size_the_kv_pool(fake_gpu, dep
     memory (``mem_get_info``); one that only fronts the ranks reads the total instead, so it
     holds no CUDA context (GPU memory for its life; a GPU in exclusive-process mode refusing
     the ranks)."""
-    from megainfer.core_client.llm_job import resolve_llm_job
+    from megainfer.engine.job_doors import resolve_llm_job
     args = {"gpu_memory_utilization": 0.5, "num_blocks": None, "device": "cuda",
             "attention_backend": "torch"}
     got = resolve_llm_job(args, TINY, deploy, None, None, ["deploy.device=cuda"],

@@ -3,7 +3,7 @@ import pytest
 from hydra import compose, initialize_config_module
 
 from megainfer.config import ConfigError
-from megainfer.launch.settings import settings_from_config
+from megainfer.engine.job_doors import settings_from_config
 
 
 def plan(*overrides, world):

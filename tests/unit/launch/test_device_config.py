@@ -9,7 +9,7 @@ from hydra import compose, initialize_config_module
 from megainfer import LLM
 from megainfer.config import ConfigError, DeviceConfig, ModelConfig
 from megainfer.engine.cuda_graphs import graph_batch_sizes
-from megainfer.launch.settings import settings_from_config
+from megainfer.engine.job_doors import settings_from_config
 from megainfer.models.attention import AttentionMetadata, to_device_once
 
 NO_CUDA = not torch.cuda.is_available()

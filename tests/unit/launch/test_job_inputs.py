@@ -12,7 +12,8 @@ from hydra import compose, initialize_config_module
 from megainfer.launch.inputs import BadLine, InputFileError, job_requests
 from megainfer.launch.job import run_offline_job
 from megainfer.launch.main import single_generator
-from megainfer.launch.settings import OutputFileError, check_output_path, settings_from_config
+from megainfer.config.offline_job import OutputFileError, check_output_path
+from megainfer.engine.job_doors import settings_from_config
 
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
             "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")

@@ -17,7 +17,7 @@ from megainfer.launch.inputs import BadLine, InputFileError, read_requests
 from megainfer.launch.job import run_offline_job
 from mpi_util import mpiexec_path
 from megainfer.launch.resume import done_ids
-from megainfer.launch.settings import settings_from_config
+from megainfer.engine.job_doors import settings_from_config
 
 
 def settings(*overrides, world=1):

@@ -7,7 +7,7 @@ import pytest
 from hydra import compose, initialize_config_module
 
 from megainfer.perfmodel.plan.auto_plan import prompt_lengths
-from megainfer.launch.settings import settings_from_config
+from megainfer.engine.job_doors import settings_from_config
 from megainfer.perfmodel.model.disagg import Workload
 from megainfer.perfmodel.model.hardware import load_hardware
 from megainfer.perfmodel.model.shapes import ModelShape

@@ -6,7 +6,7 @@ import pytest
 
 from megainfer.config import ConfigError, ModelConfig, SloConfig
 from megainfer.engine.resolve import JobTree
-from megainfer.core_client.llm_job import resolve_llm_job
+from megainfer.engine.job_doors import resolve_llm_job
 from megainfer.perfmodel.model.hardware import load_hardware
 from megainfer.perfmodel.plan.auto_plan import model_shape
 from megainfer.perfmodel.plan.goodput import Slo

@@ -116,7 +116,7 @@ def test_block_manager_reports_key_events():
 def test_config_routing_key():
     from hydra import compose, initialize_config_module
 
-    from megainfer.launch.settings import settings_from_config
+    from megainfer.engine.job_doors import settings_from_config
     assert SchedulerConfig().routing == "cache_aware"
     with pytest.raises(ConfigError, match="scheduler.routing"):
         SchedulerConfig(routing="random")

@@ -86,8 +86,8 @@ def test_the_ranks_tree_keeps_the_seed_and_not_the_offline_job(monkeypatch):
     their own seed) and every group but the offline job's; deploy=auto plans from the same tree
     in the frontend and on the ranks (here: the same split of 4 ranks)."""
     from megainfer.engine.resolve import JobTree
-    from megainfer.launch.serve import serve_tree
-    from megainfer.launch.settings import settings_from_config
+    from megainfer.engine.job_doors import serve_tree
+    from megainfer.engine.job_doors import settings_from_config
     c, _ = serve_tree(_compose("sampling.seed=7", "workload=random", "serve.world_size=4"))
     assert c["sampling"] == {"seed": 7} and "workload" not in c and "io" not in c
     rank = JobTree(c, 4).resolve(3, holds_cache=False)
