@@ -220,7 +220,8 @@ class ReplanController:
         last = self.records[-1]
         after = _tokens_per_s(self.clock[:WINDOW + 1])
         last["tokens_per_s_after"] = after
-        last["measured_gain"] = after / last["tokens_per_s_before"] - 1
+        before = last["tokens_per_s_before"]  # 0 when nothing ran before the switch: no gain
+        last["measured_gain"] = after / before - 1 if before > 0 else float("nan")
 
     def finish(self) -> None:
         self._measure_last()

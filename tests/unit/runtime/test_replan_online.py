@@ -51,6 +51,25 @@ def test_the_controllers_clock_stays_bounded_and_measures_the_last_switch():
     assert rank.replans == [rec]
 
 
+def test_a_switch_after_idle_iterations_measures_no_gain():
+    """A switch whose window before it ran nothing (a server between bursts: 0 tokens/s) gets
+    no measured gain (nan), not a ZeroDivisionError that kills the engine core."""
+    ctl, rank = _controller()
+    for it in range(5):
+        ctl.hook(_loop(it, 0), True)
+    ctl.switching(None)
+    rec = dict(iteration=5, old="a1e2", new="a2e1", reason="forced", seconds=0.1,
+               predicted_gain=float("nan"), weight_bytes=0, weight_slots=0, move=0, kv_bytes=0,
+               recompute=0, waiting=0, multi=0)
+    ctl.switched(rec)
+    assert rec["tokens_per_s_before"] == 0.0
+    for it in range(5, 5 + 2 * WINDOW):
+        ctl.hook(_loop(it, 3), False)
+    ctl.switching(None)  # the next switch closes this one's "after"
+    assert rec["tokens_per_s_after"] > 0 and math.isnan(rec["measured_gain"])
+    ctl.finish()
+
+
 def test_a_draining_core_orders_no_switch():
     """Once the engine core's shutdown began (``OnlineReplanner.drain``) a forced switch due
     in its last iterations is not ordered; without the drain it is."""
