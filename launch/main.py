@@ -68,6 +68,9 @@ def _hydra_main(cfg: DictConfig) -> None:
         sys.exit(2)
     try:
         code = run_job(s, HydraConfig.get().runtime.output_dir)
+        if not code and world_size() > 1:
+            from megainfer.runtime.startup import finish_job
+            code = finish_job(f"[launch rank{world_rank()}]")
     except (ConfigError, RequestError) as e:
         print(f"[launch rank{world_rank()}] error: {type(e).__name__}: {e}", file=sys.stderr,
               flush=True)

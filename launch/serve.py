@@ -149,6 +149,9 @@ def run_server(cfg) -> int:
 def _hydra_main(cfg: DictConfig) -> None:
     try:
         code = run_server(cfg)
+        if not code and world_size() > 1:
+            from megainfer.runtime.startup import finish_job
+            code = finish_job(f"[serve] rank {world_rank()}")
     except (ConfigError, RequestError) as e:
         if world_rank() == 0:
             print(f"[serve] error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)

@@ -75,13 +75,13 @@ def build_ranks(job: ResolvedJob, comm=None):
     before anything collective (``startup.build_rank``)."""
     from mpi4py import MPI  # these three start MPI (module docstring)
 
-    from megainfer.runtime.span_report import ExpertSpanReporter
+    from megainfer.runtime.span_report import ExpertSpanReporter, reports_spans
     from megainfer.runtime.startup import build_rank
     if job.cpu_threads is not None:
         torch.set_num_threads(job.cpu_threads)
     r = build_rank(job, MPI.COMM_WORLD if comm is None else comm)
-    if r.role.rank != 0 and job.trace.enabled and not r.tracer.cuda:
-        r.expert_hooks.append(ExpertSpanReporter(r))  # (a re-plan may make any rank an expert)
+    if reports_spans(job, r.role, r.tracer):
+        r.expert_hooks.append(ExpertSpanReporter(r))
     return r
 
 
@@ -89,8 +89,10 @@ def serve_rank0(r) -> None:
     """A rank other than 0: serve rank 0's engine until its last iteration says stop, then
     close this rank's connections (as rank 0's engine does when it closes: the same
     collectives on every rank)."""
+    from megainfer.runtime.span_report import send_last_report
     from megainfer.runtime.startup import run_rank  # starts MPI (module docstring)
     try:
         run_rank(r)
+        send_last_report(r)  # rank 0 receives up to it before it closes
     finally:
         r.close()

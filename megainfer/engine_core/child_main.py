@@ -25,7 +25,7 @@ from megainfer.engine.failures import CoreStartError, EngineDeadError, RankLostE
 from megainfer.engine.stats import core_hangs
 from megainfer.runtime.control import silent_peer
 from megainfer.runtime.roles import assign_role
-from megainfer.runtime.startup import abort_job
+from megainfer.runtime.startup import abort_job, finish_job
 
 from .builder import start_ranks
 from .core import EngineCore
@@ -172,7 +172,7 @@ def main(argv=None) -> int:
         return 1  # not reached: _end exits
     if engine is None:  # a rank other than 0: it served until rank 0 closed
         log.debug("%s the job is over", prefix)
-        return 0
+        return finish_job(prefix)
     try:
         clean = serve_script(conn, engine, job, ranks, prefix)
     except BaseException:  # noqa: BLE001
@@ -181,7 +181,7 @@ def main(argv=None) -> int:
     conn.close()
     if not clean:
         _end(comm, True, 1)  # peers may be lost: no MPI_Finalize
-    return 0
+    return finish_job(prefix)
 
 
 def _end(comm, launched: bool, code: int) -> None:

@@ -207,9 +207,10 @@ class GroupHeader:
 @dataclass(frozen=True)
 class ExpertSpans:
     """An expert rank -> rank 0 while served online with tracing on (``span_report``): its
-    spans since its last report."""
+    spans since its last report; ``last``: the job is over, no report follows."""
 
     rank: int
     expert_s: list[float] = field(default_factory=list)  # each (layer, micro-batch) expert span
     # each A2E receive wait that blocked: ((iteration, layer, micro-batch), its end in us)
     arrivals: list[tuple] = field(default_factory=list)
+    last: bool = False

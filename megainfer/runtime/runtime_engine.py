@@ -208,6 +208,8 @@ class RuntimeEngine:
                 self.loop.close()
                 if self.plug is not None:
                     self.plug.close()
+                if self.spans is not None:
+                    self.spans.close()  # every span report received: none left at finalize
         finally:
             self.rank.close()
             log.info("%s runtime closed after %d iterations", self.log_prefix,

@@ -6,6 +6,11 @@ spans reach rank 0 as the job runs, not only in the trace merged at a batch job'
   (``tags.SERVE_SPANS``, small and sent eagerly: no request open when the rank finalizes).
 * ``PipelineSpans`` (rank 0): its own MoE attention spans (T_a) and whatever ``ExpertSpans``
   arrived (``iprobe``: never waits); T_c as ``runtime/trace_metrics.py`` defines it.
+* The end: once the job is over each reporting rank sends one ``last`` report
+  (``send_last_report``) and rank 0's ``close`` receives every report up to it (same source,
+  tag and communicator: MPI matches them in order). A report left unreceived at rank 0 makes
+  MPICH's ``MPI_Finalize`` fail ("being freed has unmatched messages"); the rank then leaves
+  without telling the process manager, and mpiexec SIGKILLs the job's other ranks.
 
 Spans on cuda are known only when the trace is resolved (a device sync): neither runs there.
 docs/serve.md, "Metrics (`GET /metrics`)"."""
@@ -14,12 +19,24 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+import logging
+
 from megainfer.perfmodel.trace import A2E, EXPERT, is_moe_attention, is_wait
 from megainfer.runtime import tags
+from megainfer.runtime.control import RankFailure
 from megainfer.runtime.messages import ExpertSpans
+
+log = logging.getLogger("megainfer.runtime")
 
 REPORT_EVERY = 4  # expert iterations per report
 KEEP_DISPATCHES = 4096  # rank 0's latest dispatch ends kept for matching late reports
+
+
+def reports_spans(job, role, tracer) -> bool:
+    """Whether this rank sends its expert spans to rank 0: a rank of rank 0's communicator
+    (not rank 0; a PD prefill rank is in a communicator of its own) with tracing on, on cpu.
+    A re-plan may make any such rank an expert rank, so each reports from the start."""
+    return role.rank != 0 and not role.is_prefill and job.trace.enabled and not tracer.cuda
 
 
 def _key(e: dict) -> tuple:
@@ -49,6 +66,19 @@ class ExpertSpanReporter:
                            if e["cat"] == A2E and is_wait(e) and e["dur"] > 0])
         self.rank.control.send(msg, 0, tags.SERVE_SPANS)  # a few KB: completes at once (eager)
 
+    def send_last(self) -> None:
+        """The job is over: the report rank 0 waits for before it finalizes (no spans: nobody
+        reads them now); this rank sends no more."""
+        self.rank.control.send(ExpertSpans(self.rank.comm.Get_rank(), last=True), 0,
+                               tags.SERVE_SPANS)
+
+
+def send_last_report(rank) -> None:
+    """A rank other than 0 whose job ended well: its reporter's last report, if it has one."""
+    for hook in rank.expert_hooks:
+        if isinstance(hook, ExpertSpanReporter):
+            hook.send_last()
+
 
 @dataclass
 class SpanSamples:
@@ -64,6 +94,8 @@ class PipelineSpans:
 
     def __init__(self, rank):
         self.comm, self.tracer, self.seen = rank.comm, rank.tracer, len(rank.tracer.events)
+        self.control = rank.control
+        self.reporters = rank.job.trace.enabled  # every other rank reports (``reports_spans``)
         self.dispatch_end: dict = {}  # (iteration, layer, mb) -> rank 0's dispatch end, us
 
     def take(self) -> SpanSamples:
@@ -87,3 +119,16 @@ class PipelineSpans:
                 if sent is not None and end > sent:
                     out.comm_s.append((end - sent) / 1e6)
         return out
+
+    def close(self) -> None:
+        """Every rank stopped: receive each reporting rank's reports up to its ``last`` (each
+        wait bounded by the control plane's policy; a rank that stays silent is logged and
+        left: the job ends anyway)."""
+        if not self.reporters:
+            return
+        for k in range(1, self.comm.Get_size()):
+            try:
+                while not self.control.recv(k, tags.SERVE_SPANS, "the last span report").last:
+                    pass
+            except RankFailure as e:
+                log.warning("%s", e)

@@ -35,6 +35,22 @@ def abort_job(comm, code: int) -> None:
     time.sleep(ABORT_GRACE_S)
     comm.Abort(code)
 
+def finish_job(who: str) -> int:
+    """A rank whose part of the job ended well ends MPI now, while the interpreter still
+    stands: 0, or 1 when ``MPI_Finalize`` failed (its error stack on stderr, ``who`` first).
+    Left to mpi4py's hook at the very end of the interpreter's exit, a failed MPI_Finalize is
+    silent, and the rank leaves without telling the process manager, which kills the job's other
+    ranks (SIGKILL)."""
+    if not MPI.Is_initialized() or MPI.Is_finalized():
+        return 0
+    try:
+        MPI.Finalize()
+    except MPI.Exception as e:
+        print(f"{who} MPI_Finalize failed: {e.Get_error_string()}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
 # in this order: re-planning refuses a job with prefill replicas before PD would build it
 FEATURES = (REPLAN, PD)
 
