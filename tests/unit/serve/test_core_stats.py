@@ -4,6 +4,7 @@ finished request's queue time (arrival -> first scheduled step) taken from its o
 queues as they are after every input or iteration (an abort while idle too), nothing sent when
 nothing changed; and rank 0's T_c matched from late expert reports (``runtime.span_report``)."""
 import time
+from types import SimpleNamespace
 
 from prometheus_client import generate_latest
 
@@ -96,9 +97,21 @@ class _Comm:
         return self.inbox.pop(0)
 
 
+class _Control:
+    """Rank 0's control plane as the reader's close sees it: each rank's reports, in order."""
+
+    def __init__(self, reports: dict):
+        self.reports = reports
+
+    def recv(self, src, tag, phase):
+        return self.reports[src].pop(0)
+
+
 class _Rank:
-    def __init__(self):
+    def __init__(self, reports=None):
         self.comm, self.tracer = _Comm(), _Tracer()
+        self.control = _Control(reports or {})
+        self.job = SimpleNamespace(trace=SimpleNamespace(enabled=reports is not None))
 
 
 def test_rank_zero_matches_late_expert_reports_to_its_dispatches():
@@ -116,3 +129,12 @@ def test_rank_zero_matches_late_expert_reports_to_its_dispatches():
     assert got.comm_s == [50e-6]  # (0,1,1) arrived before its dispatch ended: no wait seen
     r.tracer.events.append(complete_event(1, A2E, 1, wait_name(A2E, 1, 0), 0, 5, 9, 1, 0, 4))
     assert spans.take().comm_s == []  # an expert rank's own wait span is not a dispatch
+
+
+def test_rank_zero_closes_after_every_ranks_last_report():
+    reports = {1: [ExpertSpans(1, [1e-3]), ExpertSpans(1, last=True)],
+               2: [ExpertSpans(2, last=True)]}
+    r = _Rank(reports)
+    r.comm.Get_size = lambda: 3
+    PipelineSpans(r).close()
+    assert reports == {1: [], 2: []}  # nothing left for MPI_Finalize to find
