@@ -68,21 +68,17 @@ def start_ranks(job: ResolvedJob, comm=None):
 
 
 def build_ranks(job: ResolvedJob, comm=None):
-    """Collective: this rank's ``Rank`` of a distributed job (its threads set; with
-    ``trace.enabled`` on cpu, the expert ranks' spans sent to rank 0 as the job runs: the
-    engine core's live T_e / T_c). A job its
-    feature cannot run (re-planning: ``replan.check_replan``) is refused by every rank alike
-    before anything collective (``startup.build_rank``)."""
-    from mpi4py import MPI  # these three start MPI (module docstring)
+    """Collective: this rank's ``Rank`` of a distributed job, its threads set
+    (``startup.build_rank``: with ``trace.enabled`` on cpu the expert ranks' spans reach rank 0
+    as the job runs, the engine core's live T_e / T_c). A job its feature cannot run
+    (re-planning: ``replan.check_replan``) is refused by every rank alike before anything
+    collective."""
+    from mpi4py import MPI  # these two start MPI (module docstring)
 
-    from megainfer.runtime.span_report import ExpertSpanReporter, reports_spans
     from megainfer.runtime.startup import build_rank
     if job.cpu_threads is not None:
         torch.set_num_threads(job.cpu_threads)
-    r = build_rank(job, MPI.COMM_WORLD if comm is None else comm)
-    if reports_spans(job, r.role, r.tracer):
-        r.expert_hooks.append(ExpertSpanReporter(r))
-    return r
+    return build_rank(job, MPI.COMM_WORLD if comm is None else comm)
 
 
 def serve_rank0(r) -> None:

@@ -21,6 +21,7 @@ from megainfer.runtime.pd import PD
 from megainfer.config import ResolvedJob
 from megainfer.runtime.rank_parts import Feature, Rank
 from megainfer.runtime.replan import REPLAN
+from megainfer.runtime.span_report import ExpertSpanReporter, reports_spans
 from megainfer.runtime.wiring import build_base_rank, run_base_rank
 
 ABORT_GRACE_S = 0.5  # for mpiexec to forward a rank's last lines before MPI_Abort ends the job
@@ -70,6 +71,8 @@ def build_rank(job: ResolvedJob, comm=MPI.COMM_WORLD) -> Rank:
     else:
         r = build_base_rank(job, comm, feature)
     r.feature = feature
+    if reports_spans(job, r.role, r.tracer):  # traced on cpu: T_e reaches rank 0 as it runs
+        r.expert_hooks.append(ExpertSpanReporter(r))
     return r
 
 
