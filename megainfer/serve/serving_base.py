@@ -14,7 +14,7 @@ from megainfer.config import ServeConfig
 
 from .served_engine import ServedEngine
 from .errors import APIError
-from .streaming import merged
+from .responses import merged
 
 
 class ClientGone(Exception):

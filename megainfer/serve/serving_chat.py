@@ -16,7 +16,6 @@ from .served_engine import ServedEngine
 from .errors import APIError
 from .protocol import ChatCompletionRequest
 from .serving_base import Serving, finals, unless_disconnected
-from .streaming import chat_events, merged
 from .reasoning import END as THINK_END, think_open
 from .response_format import structured_spec
 from .tools import tool_plan
@@ -78,8 +77,8 @@ class ChatServing(Serving):
             stream = c.generate(ids, params, rid, admission)
             if body.stream:
                 so = body.stream_options
-                return self.stream_response(chat_events(
-                    merged([stream]), rid, self.name, body.n, top, reader,
+                return self.stream_response(R.chat_events(
+                    R.merged([stream]), rid, self.name, body.n, top, reader,
                     bool(so and so.include_usage), bool(so and so.continuous_usage_stats)),
                     admission)
             out = (await unless_disconnected(request, finals([stream])))[0]

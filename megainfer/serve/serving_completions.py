@@ -17,7 +17,6 @@ from . import responses as R
 from .errors import APIError
 from .protocol import CompletionRequest
 from .serving_base import Serving, finals, unless_disconnected
-from .streaming import completion_events, merged
 
 
 @dataclass
@@ -53,8 +52,8 @@ class CompletionServing(Serving):
                        for w, r in zip(work, rids)]
             if body.stream:
                 so = body.stream_options
-                return self.stream_response(completion_events(
-                    merged(streams), rid, self.name, body.n,
+                return self.stream_response(R.completion_events(
+                    R.merged(streams), rid, self.name, body.n,
                     [w.echo for w in work] if body.echo else None, body.logprobs,
                     bool(so and so.include_usage), bool(so and so.continuous_usage_stats)),
                     admission)
