@@ -131,7 +131,8 @@ def simulate_pd_job(pool, model: DisaggModel, plan: Plan, requests: Requests,
                 if len(done):
                     dset = set(done.tolist())
                     d_run[a] = [k for k in d_run[a] if k not in dset]
-                    kv_used[a] -= int(life[done][~off[done]].sum())
+                    if decode_kv_tokens is not None:
+                        kv_used[a] -= int(life[done][~off[done]].sum())
                     for k in dset:
                         book.finished(k)
         if left == 0:

@@ -49,7 +49,7 @@ def test_ratio_zero_is_the_simulator_before_the_offload(n_a, m, n_p, tok_s, iter
     pool, model, plan = _setup(n_a=n_a, m=m, n_p=n_p)
     cfg = JobConfig(max_num_seqs=8)
     old = simulate_pd_job(pool, model, plan, _stream(), cfg)
-    assert old.throughput_tok_s == pytest.approx(tok_s, rel=1e-12) and len(old.iteration_s) == iters
+    assert old.throughput_tok_s == pytest.approx(tok_s, rel=1e-9) and len(old.iteration_s) == iters
     for off in (Offload(0.0), Offload(0.0, pool_blocks=0), Offload(1.0, pool_blocks=0)):
         new = simulate_pd_job(pool, model, plan, _stream(), cfg, offload=off)
         assert not new.offloaded.any()
