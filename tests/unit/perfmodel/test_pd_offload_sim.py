@@ -175,3 +175,13 @@ def test_offload_moves_the_kv_reads_to_the_prefill_replica():
     r1 = simulate_pd_job(pool, model, plan, reqs, JobConfig(max_num_seqs=16, max_num_batched_tokens=4096),
                          offload=Offload(1.0))
     assert np.median(r1.tpot_s) < 0.5 * np.median(r0.tpot_s)
+
+
+def test_offloaded_decode_slows_monotonically_as_the_link_does():
+    """Fully offloaded, a slower link (or a longer latency) never makes a decode step shorter."""
+    tpot = []
+    for bw, lat in [(1e11, 1e-7), (1e9, 1e-6), (1e7, 1e-5), (1e6, 1e-4)]:
+        pool, model, plan = _setup(hw=synthetic_hw(mem=4e7, link_bw=bw, latency=lat))
+        r = simulate_pd_job(pool, model, plan, _offline(n=8), JobConfig(), offload=Offload(1.0))
+        tpot.append(float(np.median(r.tpot_s)))
+    assert tpot == sorted(tpot) and tpot[-1] > 2 * tpot[0]
