@@ -218,7 +218,6 @@ def _simulate(c: ServingChoice, model: DisaggModel, target: ServingTarget, dtype
     return c
 
 
-
 def _offloaded(c: ServingChoice, ratio: float, model: DisaggModel, target: ServingTarget,
                hw: HardwareProfile, wl: Workload) -> Optional[ServingChoice]:
     """PD split ``c`` with ``ratio`` of its requests' decode attention offloaded: seats up to
