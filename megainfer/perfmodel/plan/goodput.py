@@ -23,6 +23,7 @@ from megainfer.perfmodel.model.prefill_pool import PrefillPool, kv_transfer_s
 from megainfer.perfmodel.sim.events import Requests
 from megainfer.perfmodel.sim.job import JobConfig, simulate_job
 from megainfer.perfmodel.sim.pd import simulate_pd_job
+from megainfer.perfmodel.sim.pd_offload import Offload
 
 
 @dataclass(frozen=True)
@@ -95,10 +96,13 @@ def simulate_ae(model: DisaggModel, plan: Plan, reqs: Requests, cfg: JobConfig) 
 
 
 def simulate_pd(pool: PrefillPool, model: DisaggModel, plan: Plan, reqs: Requests,
-                cfg: JobConfig, dtype: str) -> JobTimes:
+                cfg: JobConfig, dtype: str, offload: Offload = Offload(),
+                decode_kv_tokens: int | None = None) -> JobTimes:
     """A PD plan as one simulation (``pd.simulate_pd_job``: prefill replicas, KV transfers
-    sharing links, the decode pool, on one clock); ``model`` without a context shift."""
-    r = simulate_pd_job(pool, model, plan, reqs, cfg, dtype)
+    sharing links, the decode pool, on one clock); ``model`` without a context shift;
+    ``offload``, ``decode_kv_tokens``: the decode-attention offload (``sim.pd_offload``)."""
+    r = simulate_pd_job(pool, model, plan, reqs, cfg, dtype, offload=offload,
+                        decode_kv_tokens=decode_kv_tokens)
     return JobTimes(r.arrival_s, r.ttft_s, r.tpot_s, r.finish_s)
 
 

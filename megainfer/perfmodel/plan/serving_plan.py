@@ -6,7 +6,11 @@ The planned requests are ``slo.num_requests`` Poisson arrivals at ``slo.arrival_
 ``slo.input_len`` / ``slo.output_len`` tokens (seeded: every rank plans the same); the
 scheduler's ``max_num_seqs`` and ``max_num_batched_tokens`` are the simulated ones. Explicit
 ``deploy.*`` counts pin their dimension (``deploy.prefill_replicas=0``: AE only); re-planning
-(``replan.enabled``) takes AE only (it does not re-plan prefill ranks yet)."""
+(``replan.enabled``) takes AE only (it does not re-plan prefill ranks yet). The best PD split
+is also simulated with its decode attention offloaded (``OFFLOAD_RATIOS`` and
+``pd.offload_ratio``); the plan chosen is the best one the config runs (``pd.offload`` and
+``pd.offload_ratio`` are the user's: the planner does not set them), and the log says how the
+offload ratios compared and which config would run a better one."""
 from __future__ import annotations
 
 import logging
@@ -17,6 +21,7 @@ from megainfer.config.keys import field_names
 from .auto_plan import _max_seqs, calibrate_hint, hardware_for, job_shape, plan_dtype
 
 log = logging.getLogger("megainfer.perfmodel")
+OFFLOAD_RATIOS = (1.0, 0.5)  # offload ratios the best PD split is also simulated at
 
 
 def serving_plan(c: dict, d: dict, hw_name, pins: dict, world: int, sched: dict
@@ -39,13 +44,17 @@ def serving_plan(c: dict, d: dict, hw_name, pins: dict, world: int, sched: dict
                             LengthDist("fixed", slo_cfg.output_len), seed=0)
     tokens = int(sched.get("max_num_batched_tokens") or SchedulerConfig.max_num_batched_tokens)
     target = ServingTarget(reqs, slo, _max_seqs(sched), tokens)
+    pd_cfg = c.get("pd") or {}
+    run = float(pd_cfg.get("offload_ratio", 1.0)) if pd_cfg.get("offload") else 0.0
     try:
         ranked = plan_world_serving(shape, hw, target, world, ServingPins(**pins),
-                                    plan_dtype(c, d, hw))
+                                    plan_dtype(c, d, hw),
+                                    offload_ratios=tuple(sorted({*OFFLOAD_RATIOS, run} - {0.0})))
     except NoWorldPlanError as e:  # deploy.py then fills the counts or names a fix
         log.info("[plan] %s; the counts are inferred from the world size instead", e)
         return d, sched
-    best = ranked[0]
+    runs = [x for x in ranked if x.family == "AE" or x.offload == run]
+    best = runs[0] if runs else ranked[0]
     timing = "calibrated fit" if shape.name in hw.fits else "roofline"
     log.info("[plan] deploy=auto over %d ranks for serving %g requests/s (in %d, out %d; SLO "
              "TTFT %g ms, TPOT %g ms at p%g): hardware %s (%s); %s timed by %s; %d plans "
@@ -60,8 +69,10 @@ def serving_plan(c: dict, d: dict, hw_name, pins: dict, world: int, sched: dict
         log.warning("[plan] no simulated split of %d ranks meets the SLOs for %g%% of the "
                     "requests; running the closest: %s", world, slo_cfg.percentile,
                     best.describe(slo))
-    if len(ranked) > 1:
-        log.info("[plan] runner-up: %s", ranked[1].describe(slo))
+    others = [x for x in runs if x is not best]  # the runner-up the config could run
+    if others:
+        log.info("[plan] runner-up: %s", others[0].describe(slo))
+    _log_offload(ranked, best, run, slo)
     p = best.plan
     if best.batch_limit < _max_seqs(sched):
         log.info("[plan] batch limit applied: scheduler.max_num_seqs %d -> %d per decode "
@@ -72,3 +83,26 @@ def serving_plan(c: dict, d: dict, hw_name, pins: dict, world: int, sched: dict
     return dict(d, mode="disaggregated", attention_replicas=p.n_a, attention_tp=p.tp_a,
                 expert_ranks=p.n_e, micro_batches=p.m, prefill_replicas=n_p,
                 prefill_tp=tp_p), sched
+
+
+def _log_offload(ranked: list, best, run: float, slo) -> None:
+    """How the best PD split did at each offload ratio simulated, and, when a ratio the config
+    does not run ranks above the chosen plan, the keys that would run it."""
+    split = [x for x in ranked if x.offload]
+    if not split:
+        return
+    key = lambda x: (x.plan.label(), x.plan.m, x.prefill)  # noqa: E731  the split, any batch
+    same = [x for x in ranked if x.pool is not None and key(x) == key(split[0])]
+    seen = {}
+    for x in same:  # best first, one per ratio
+        seen.setdefault(x.offload, x)
+    order = ", ".join(f"ratio {r:g}: goodput {x.result.goodput_req_s:.4g} req/s, "
+                      f"{100 * x.result.fraction:.0f}% meet both" for r, x in seen.items())
+    log.info("[plan] decode-attention offload on %s, ranked: %s; the config runs ratio %g "
+             "(pd.offload=%s)", split[0].pool.label(), order, run, "true" if run else "false")
+    top = ranked[0]
+    if top is not best and top.offload != run:
+        keys = (f"pd.offload=true pd.offload_ratio={top.offload:g}" if top.offload
+                else "pd.offload=false")
+        log.info("[plan] %s would rank above the chosen plan (%s): %s runs it",
+                 top.label(), "meets the SLOs" if top.result.ok else "closer to the SLOs", keys)

@@ -7,7 +7,10 @@ the same iterations) and **PD** (``prefill_replicas x prefill_tp`` prefill ranks
 decode pool over the ranks left). Each split runs at its decode batch limit (``slo.tpot_ms``,
 ``scheduler.max_num_seqs``, KV memory); the first ``max_sims`` by decode throughput, families
 taking turns, are simulated on the same seeded Poisson requests and ranked by attaining the
-SLOs, goodput, then headroom. Pure arithmetic: every rank computes the same plan.
+SLOs, goodput, then headroom. ``offload_ratios``: the best simulated PD split also runs at
+these decode-attention offload ratios (``sim.pd_offload``; its decode seats then bounded by
+``max_num_seqs`` and the TPOT SLO, its local requests by the replica's KV memory), ranked by
+the same rule. Pure arithmetic: every rank computes the same plan.
 docs/perfmodel.md, "Planning a server".
 """
 from __future__ import annotations
@@ -27,6 +30,7 @@ from megainfer.perfmodel.plan.world_plan import (NoWorldPlanError, Pins, _slots,
                                                  world_splits)
 from megainfer.perfmodel.sim.events import Requests
 from megainfer.perfmodel.sim.job import JobConfig
+from megainfer.perfmodel.sim.pd_offload import Offload
 
 MAX_SIMS = 8  # simulations per launch (each runs the whole request sample)
 
@@ -61,6 +65,9 @@ class ServingChoice:
     batch_limit: int  # sequences per decode replica (the simulated scheduler's max_num_seqs)
     pool: Optional[PrefillPool] = None
     result: Optional[Attainment] = None
+    offload: float = 0.0  # PD: the pd.offload_ratio simulated (0: off)
+    decode_kv_tokens: Optional[int] = None  # offload: a decode replica's KV, tokens (local requests)
+    offload_blocks: Optional[int] = None  # offload: a prefill replica's pool (half its KV), blocks
 
     @property
     def plan(self) -> Plan:
@@ -79,6 +86,8 @@ class ServingChoice:
     def label(self) -> str:
         p = self.plan
         d = f"{p.label()} m={p.m} batch<={self.batch_limit}/replica"
+        if self.offload:
+            d += f" offload={self.offload:g}"
         return f"{self.pool.label()} -> {d}" if self.pool else d
 
     def describe(self, slo: Slo) -> str:
@@ -105,12 +114,17 @@ def _decode_splits(shape: ModelShape, hw: HardwareProfile, wl: Workload, ranks: 
     return out
 
 
-def _at_batch_limit(model: DisaggModel, base: Plan, target: ServingTarget, cap: float):
-    """The split at the largest batch per replica within max_num_seqs, the KV memory and (when
-    some batch meets it) the TPOT SLO; None when its weights or one micro-batch do not fit."""
+def _at_batch_limit(model: DisaggModel, base: Plan, target: ServingTarget, cap: float,
+                    kv_bound: bool = True):
+    """The split at the largest batch per replica within max_num_seqs, the KV memory (unless
+    not ``kv_bound``: offloaded requests keep their KV elsewhere) and (when some batch meets
+    it) the TPOT SLO; None when its weights or one micro-batch do not fit."""
     if model.mem_expert(base) > cap:
         return None
-    k_max = min(model.attention_seqs(base, cap)[0], target.max_num_seqs) // base.m
+    seats = model.attention_seqs(base, cap)[0]
+    k_max = min(seats if kv_bound else target.max_num_seqs, target.max_num_seqs) // base.m
+    if seats < 1:
+        return None
     if k_max < 1:
         return None
     step = base.m * base.n_a
@@ -165,10 +179,12 @@ def candidates(shape: ModelShape, hw: HardwareProfile, target: ServingTarget, wo
 
 def plan_world_serving(shape: ModelShape, hw: HardwareProfile, target: ServingTarget,
                        world: int, pins: ServingPins = ServingPins(), dtype: str = "float32",
-                       use_fit: bool = True, max_sims: int = MAX_SIMS,
-                       seed: int = 0) -> list[ServingChoice]:
+                       use_fit: bool = True, max_sims: int = MAX_SIMS, seed: int = 0,
+                       offload_ratios: tuple = ()) -> list[ServingChoice]:
     """The simulated candidates, best first (attaining the SLOs, then goodput, then SLO
-    headroom); raises ``NoWorldPlanError`` when no split of ``world`` ranks fits."""
+    headroom); raises ``NoWorldPlanError`` when no split of ``world`` ranks fits. The best
+    simulated PD split also runs at every ratio > 0 of ``offload_ratios`` (one more
+    simulation each)."""
     if not (isinstance(world, int) and world >= 2):
         raise NoWorldPlanError(f"world size {world!r}: a disaggregated plan needs >= 2 ranks")
     models: dict = {}
@@ -176,15 +192,47 @@ def plan_world_serving(shape: ModelShape, hw: HardwareProfile, target: ServingTa
     if not cands:
         raise NoWorldPlanError(f"deploy=auto: no AE or PD split of {world} ranks fits model "
                                f"{shape.name!r} on {hw.name} (memory, or the deploy pins)")
-    done = []
-    for c in alternate_families(cands, ("AE", "PD"))[:max_sims]:
-        cfg = JobConfig(max_num_seqs=c.batch_limit, seed=seed, max_iterations=200_000,
-                        max_num_batched_tokens=target.max_num_batched_tokens)
-        model = models[_slots(shape, c.plan.n_e).num_experts]
-        t = (simulate_pd(c.pool, model, c.plan, target.requests, cfg, dtype) if c.pool else
-             simulate_ae(model, c.plan, target.requests, cfg))
-        c.result = attainment(t.arrival_s, t.ttft_s, t.tpot_s, t.finish_s, target.slo)
-        done.append(c)
-    return sorted(done, key=lambda c: (not c.result.ok, -c.result.goodput_req_s,
-                                       c.headroom(target.slo), c.label()))
+    rank = lambda cs: sorted(cs, key=lambda c: (not c.result.ok, -c.result.goodput_req_s,  # noqa: E731
+                                                c.headroom(target.slo), c.label()))
+    done = [_simulate(c, models[_slots(shape, c.plan.n_e).num_experts], target, dtype, seed)
+            for c in alternate_families(cands, ("AE", "PD"))[:max_sims]]
+    pd = [c for c in rank(done) if c.pool]
+    if pd and offload_ratios:  # the best PD split again, its decode attention offloaded
+        model, wl = models[_slots(shape, pd[0].plan.n_e).num_experts], mean_workload(target.requests)
+        for r in offload_ratios:
+            v = _offloaded(pd[0], r, model, target, hw, wl) if r > 0 else None
+            if v is not None:
+                done.append(_simulate(v, model, target, dtype, seed))
+    return rank(done)
 
+
+def _simulate(c: ServingChoice, model: DisaggModel, target: ServingTarget, dtype: str,
+              seed: int) -> ServingChoice:
+    """``c`` with its ``result``: the target's requests simulated on it."""
+    cfg = JobConfig(max_num_seqs=c.batch_limit, seed=seed, max_iterations=200_000,
+                    max_num_batched_tokens=target.max_num_batched_tokens)
+    off = Offload(c.offload, c.offload_blocks)
+    t = (simulate_pd(c.pool, model, c.plan, target.requests, cfg, dtype, off, c.decode_kv_tokens)
+         if c.pool else simulate_ae(model, c.plan, target.requests, cfg))
+    c.result = attainment(t.arrival_s, t.ttft_s, t.tpot_s, t.finish_s, target.slo)
+    return c
+
+
+def _offloaded(c: ServingChoice, ratio: float, model: DisaggModel, target: ServingTarget,
+               hw: HardwareProfile, wl: Workload) -> Optional[ServingChoice]:
+    """PD split ``c`` with ``ratio`` of its requests' decode attention offloaded: seats up to
+    max_num_seqs and the TPOT SLO (the KV memory bounds its local requests only, as
+    ``decode_kv_tokens``: the seats' KV at the mean request's whole life), each prefill
+    replica's offload pool half of its KV memory (``pd.offload_blocks``' default)."""
+    cap = hw.mem_bytes * hw.mem_util
+    base = replace(c.plan, batch=0)
+    seats = model.attention_seqs(base, cap)[0]
+    v = _at_batch_limit(model, base, target, cap, kv_bound=False)
+    if v is None or seats < 1:
+        return None
+    pool, s = c.pool, c.pool.shape
+    kv = (cap - s.total_weight_bytes(pool.dtype) / pool.tp_p) / s.kv_bytes_per_token(pool.dtype, pool.tp_p)
+    blocks = max(int(kv // 2) // Offload().block_size, 0)
+    life = int((target.requests.prompt_len + target.requests.output_len).max())
+    return ServingChoice("PD", v.decode, v.batch_limit, pool, None, ratio,
+                         max(seats * (wl.input_len + wl.output_len), life), blocks)

@@ -118,11 +118,14 @@ class Pipeline:
 
     def iteration(self, t0: float, tok: np.ndarray, ctx: np.ndarray, rows: np.ndarray,
                   counts: np.ndarray, trace: TraceWriter | None = None, it: int = 0,
-                  ingress_free: np.ndarray | None = None) -> float:
+                  ingress_free: np.ndarray | None = None, remote_s: np.ndarray | None = None) -> float:
         """End time of one iteration. tok, ctx, rows: [n_a, m] tokens, mean context and sampled
         rows per (replica, micro-batch); counts: [layers, m, E] tokens per expert;
         ingress_free: [n_a] when each replica's ingress link is free of other traffic (PD's KV
-        transfers, ``sim.pd``), so its E2A messages queue behind it."""
+        transfers, ``sim.pd``), so its E2A messages queue behind it; remote_s: [n_a, m] seconds
+        per layer of the offloaded rows' attention (round trip to the prefill replicas and their
+        attention there, ``sim.pd_offload``): it overlaps the local attention, so the attention
+        part of a (layer, micro-batch) is the longer of the two."""
         p, L = self.plan, counts.shape[0]
         n_a, n_e, tp_a, tp_e = p.n_a, p.n_e, p.tp_a, p.tp_e
         act = np.flatnonzero(tok.sum(axis=0) > 0)  # empty micro-batches are skipped
@@ -133,6 +136,8 @@ class Pipeline:
         te = expert_times(self.model.te, cr, tp_e)  # [L, m, n_e] alone
         h_a, h_e, d_a, d_e = self.node_terms(ta, te)
         ta = np.where(tok > 0, (ta + h_a) * d_a, 0.0)
+        if remote_s is not None:
+            ta = np.where(tok > 0, np.maximum(ta, remote_s), 0.0)
         te = np.where(te > 0, (te + h_e) * d_e, 0.0)
         sent = tok * self.model.shape.top_k * self.tok_bytes  # [n_a, m] bytes a replica sends
         recv = cr.sum(axis=-1) * self.tok_bytes  # [L, m, n_e] bytes each expert rank receives

@@ -7,8 +7,9 @@ and decode ingress (FIFO), and the decode pool as ``sim.job.Pipeline.iteration``
 Invariants: events are applied before anything starts at the same time, so what is ready at t
 is seen by what starts at t; a request decodes from the first iteration after its first token
 and its whole KV arrived. Shared cores are time-shared (``pd_parts.Node``), rates recomputed at
-every event.
-docs/perfmodel.md, "PD as one simulation".
+every event. ``offload`` (``sim.pd_offload``): some requests keep their KV on their prefill
+replica, which runs their decode attention every layer (docs/pd.md ``pd.offload``).
+docs/perfmodel.md, "PD as one simulation" and "The offload in the PD simulator".
 """
 from __future__ import annotations
 
@@ -16,10 +17,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from megainfer.config import ConfigError
 from megainfer.perfmodel.model.disagg import DisaggModel, Plan
 from megainfer.perfmodel.sim.events import Requests, draw_counts
 from megainfer.perfmodel.sim.job import JobConfig, _split
 from megainfer.perfmodel.sim.job_result import JobResult
+from megainfer.perfmodel.sim.pd_offload import Offload, OffloadBook, RemoteAttention
 from megainfer.perfmodel.sim.pd_parts import Node, Prefill, PrefillStep
 
 
@@ -29,6 +32,7 @@ class PdJobResult(JobResult):
 
     prefill_steps: list = field(default_factory=list)  # (replica, start, duration, tokens)
     kv_ready_s: np.ndarray | None = None  # when each request's whole KV had arrived
+    offloaded: np.ndarray | None = None  # [requests] bool: its decode attention ran on its prefill replica
 
     @property
     def handoff_s(self) -> np.ndarray:
@@ -38,10 +42,14 @@ class PdJobResult(JobResult):
 
 def simulate_pd_job(pool, model: DisaggModel, plan: Plan, requests: Requests,
                     cfg: JobConfig = JobConfig(), dtype: str = "bfloat16",
-                    prefill_tokens: int | None = None, idle_decode_busy: float = 0.0) -> PdJobResult:
+                    prefill_tokens: int | None = None, idle_decode_busy: float = 0.0,
+                    offload: Offload = Offload(), decode_kv_tokens: int | None = None) -> PdJobResult:
     """Run ``requests`` through ``pool`` (``model.prefill_pool.PrefillPool``) and the decode ``plan``;
     ``idle_decode_busy``: the share of a core each decode rank takes while the pool has nothing
-    to decode (``pd_parts.Node``; 0: they wait without computing)."""
+    to decode (``pd_parts.Node``; 0: they wait without computing); ``offload``: the decode
+    attention offload (ratio 0: off); ``decode_kv_tokens``: a decode replica's KV cache in
+    tokens (None: unlimited): a request decoding there holds its prompt + output tokens from
+    its first decode step on, and waits (FCFS) until they fit; offloaded requests hold none."""
     rng = np.random.default_rng(cfg.seed)
     s = model.shape
     probs = cfg.routing.probabilities(s.num_layers, s.num_experts, rng)
@@ -55,6 +63,10 @@ def simulate_pd_job(pool, model: DisaggModel, plan: Plan, requests: Requests,
     bw = min(pool.hw.inter_link.bandwidth_Bps * pool.tp_p, model.hw_a.inter_link.bandwidth_Bps * plan.tp_a)
     lat = max(pool.hw.inter_link.latency_s, model.hw_a.inter_link.latency_s)
     egress, ingress, msg = np.zeros(n_p), np.zeros(n_a), np.zeros(n_a)
+    book, off = OffloadBook(offload, n_p), np.zeros(n, bool)
+    remote = RemoteAttention(pool, model, bw, lat, offload)
+    life = P + O  # KV tokens of a request's whole life
+    kv_used, share = np.zeros(n_a, np.int64), np.ones(n_p)  # share: p's time left to prefill
     computed, gen = np.zeros(n, np.int64), np.zeros(n, np.int64)
     first, fin, ready = np.full(n, np.nan), np.full(n, np.nan), np.full(n, np.nan)
     dec_of, pre_of = np.full(n, -1), np.full(n, -1)
@@ -86,11 +98,14 @@ def simulate_pd_job(pool, model: DisaggModel, plan: Plan, requests: Requests,
                 for k, ns in work:
                     computed[k] += ns
                     a = dec_of[k]
-                    nbytes = ns * kvb
-                    go = max(start, egress[p], ingress[a])
-                    done = max(go + nbytes / bw, end + nbytes / (s.num_layers * bw))
-                    egress[p] = ingress[a] = done
-                    msg[a] = nbytes / (s.num_layers * bw)  # one layer's message of it
+                    if off[k]:  # its KV stays: ready one latency after its first token
+                        done = end
+                    else:
+                        nbytes = ns * kvb
+                        go = max(start, egress[p], ingress[a])
+                        done = max(go + nbytes / bw, end + nbytes / (s.num_layers * bw))
+                        egress[p] = ingress[a] = done
+                        msg[a] = nbytes / (s.num_layers * bw)  # one layer's message of it
                     if computed[k] >= P[k]:  # prompt done: first token, leave the prefill rank
                         first[k], ready[k] = end, max(end, done + lat)
                         gen[k] = 1
@@ -100,6 +115,7 @@ def simulate_pd_job(pool, model: DisaggModel, plan: Plan, requests: Requests,
                             fin[k] = end
                             load[a] -= 1
                             left -= 1
+                            book.finished(k)
                         else:
                             d_wait[a].append(k)
         if d_busy is not None and d_busy[0] <= t:
@@ -115,6 +131,10 @@ def simulate_pd_job(pool, model: DisaggModel, plan: Plan, requests: Requests,
                 if len(done):
                     dset = set(done.tolist())
                     d_run[a] = [k for k in d_run[a] if k not in dset]
+                    if decode_kv_tokens is not None:
+                        kv_used[a] -= int(life[done][~off[done]].sum())
+                    for k in dset:
+                        book.finished(k)
         if left == 0:
             break
         # 2. admission (rank 0): FCFS while a decode replica has room
@@ -128,6 +148,10 @@ def simulate_pd_job(pool, model: DisaggModel, plan: Plan, requests: Requests,
             rot_a, rot_p = (a + 1) % n_a, (p + 1) % n_p
             k = pending.pop(0)
             dec_of[k], pre_of[k] = a, p
+            off[k] = book.decide(p, k, int(life[k]))
+            if not off[k] and decode_kv_tokens is not None and life[k] > decode_kv_tokens:
+                raise ConfigError(f"decode_kv_tokens={decode_kv_tokens}: below request {k}'s "
+                                  f"{int(life[k])} tokens (it could never decode)")
             load[a] += 1
             pload[p] += 1
             p_queue[p].append(k)
@@ -153,9 +177,13 @@ def simulate_pd_job(pool, model: DisaggModel, plan: Plan, requests: Requests,
         # 4. an idle decode pool starts an iteration with what is runnable at t
         if d_busy is None:
             for a in range(n_a):
-                go = [k for k in d_wait[a] if ready[k] <= t]
+                if decode_kv_tokens is None:
+                    go = [k for k in d_wait[a] if ready[k] <= t]
+                else:
+                    go = _fits(d_wait[a], ready, t, off, life, kv_used, a, decode_kv_tokens)
                 if go:
-                    d_wait[a] = [k for k in d_wait[a] if ready[k] > t]
+                    gone = set(go)
+                    d_wait[a] = [k for k in d_wait[a] if k not in gone]
                     d_run[a].extend(go)
             if any(d_run):
                 tok, ctx, rows = np.zeros((n_a, m)), np.zeros((n_a, m)), np.zeros((n_a, m))
@@ -165,20 +193,29 @@ def simulate_pd_job(pool, model: DisaggModel, plan: Plan, requests: Requests,
                     if len(ids):
                         mb = _split(np.ones(len(ids)), m)
                         tok[a] = np.bincount(mb, minlength=m)
-                        ctx[a] = np.bincount(mb, computed[ids] + 1.0, m)
+                        # offloaded rows' KV is read on their prefill replica: no local context
+                        ctx[a] = np.bincount(mb, np.where(off[ids], 0.0, computed[ids] + 1.0), m)
                         rows[a] = tok[a]
                     work.append((a, ids))
                 ctx = np.divide(ctx, tok, out=np.zeros_like(ctx), where=tok > 0)
                 counts = draw_counts(probs, tok.sum(axis=0), s.top_k, s.num_experts, s.num_layers, rng)
                 busy = np.minimum(ingress, t + msg)  # E2A waits for the KV message in flight
                 pipe = node.pipeline(n_busy)
-                end = pipe.iteration(t, tok, ctx, rows, counts, ingress_free=busy) + cfg.iteration_overhead_s
+                rt, used = None, None
+                if book.active:
+                    rt, used = _remote(remote, work, off, pre_of, computed, p_busy, m, n_p, s.num_layers)
+                end = pipe.iteration(t, tok, ctx, rows, counts, ingress_free=busy, remote_s=rt)
+                end += cfg.iteration_overhead_s
+                if used is not None:  # p's share of the iteration left to its prefill steps
+                    share = np.maximum(1.0 - s.num_layers * used / max(end - t, 1e-300), 0.05)
                 iters.append((t, end - t, float(tok.sum())))
                 d_busy = (end, work)
         # 5. prefill steps' rates under what now runs beside them; the next event
-        for b in p_busy:
+        for p, b in enumerate(p_busy):
             if b is not None:
                 r = node.rate(b.attn_s, b.exp_s, n_busy, d_busy is not None)
+                if book.active and d_busy is not None:
+                    r *= share[p]
                 if r != b.rate:
                     b.rate, b.end = r, t + b.left / r
         cand = [b.end for b in p_busy if b is not None]
@@ -191,4 +228,38 @@ def simulate_pd_job(pool, model: DisaggModel, plan: Plan, requests: Requests,
         if not cand:
             break
         t = max(t, min(cand))
-    return PdJobResult(A, first, fin, O, iters, None, [tuple(x) for x in psteps], ready)
+    return PdJobResult(A, first, fin, O, iters, None, [tuple(x) for x in psteps], ready, off)
+
+
+def _fits(wait: list, ready, t: float, off, life, kv_used, a: int, cap: int) -> list:
+    """The requests of ``wait`` that start decoding on replica ``a`` at ``t``: ready, and, for a
+    local one, its life's KV fits beside ``kv_used[a]`` (FCFS: a local one that does not fit
+    holds back the local ones after it); ``kv_used[a]`` takes theirs."""
+    go, blocked = [], False
+    for k in wait:
+        if ready[k] > t:
+            continue
+        if not off[k]:
+            if blocked or kv_used[a] + life[k] > cap:
+                blocked = True
+                continue
+            kv_used[a] += life[k]
+        go.append(k)
+    return go
+
+
+def _remote(remote: RemoteAttention, work: list, off, pre_of, computed, p_busy: list, m: int,
+            n_p: int, L: int):
+    """(round trip [n_a, m] s per layer, prefill seconds [n_p] per layer) of an iteration's
+    offloaded rows (``work``: [(replica, ids)] in micro-batch order, as the iteration's)."""
+    n_a = len(work)
+    cnt, csum = np.zeros((n_a, m, n_p)), np.zeros((n_a, m, n_p))
+    for a, ids in work:
+        if len(ids):
+            mb = _split(np.ones(len(ids)), m)
+            o = off[ids]
+            np.add.at(cnt, (a, mb[o], pre_of[ids[o]]), 1.0)
+            np.add.at(csum, (a, mb[o], pre_of[ids[o]]), computed[ids[o]] + 1.0)
+    # a busy prefill replica answers after its step's layer in flight: half a layer on average
+    wait = np.array([0.0 if b is None else 0.5 * (b.attn_s + b.exp_s) / (L * b.rate) for b in p_busy])
+    return remote.layer(cnt, csum, wait)
