@@ -98,6 +98,7 @@ def test_offload_metrics_served(ckpt, want):
         assert httpx.get(url + "/health").status_code == 200
         assert gauge(url, "num_requests_offloaded") == 0
         assert gauge(url, "offloaded_requests_total") == 0
+        assert gauge(url, "num_requests_running") == gauge(url, "num_requests_waiting") == 0
         t, events = _stream_in_thread(url)
         seen = []  # the gauge's readings while the stream is in flight
 
