@@ -1,6 +1,7 @@
-"""``mpiexec -n 4 megainfer-serve deploy=p1a1e2 pd.offload=true pd.offload_ratio=1``: the
-offload metrics on /metrics (docs/serve.md, "Metrics (`GET /metrics`)"). While a long stream
-decodes, ``num_requests_offloaded`` is 1; after it, 0 again, ``offloaded_requests_total`` 1 and
+"""``mpiexec -n 4 megainfer-serve deploy=p1a1e2 pd.offload=true pd.offload_ratio=1`` (and a
+plain ``megainfer-serve``, the ranks its child job): the offload metrics on /metrics
+(docs/serve.md, "Metrics (`GET /metrics`)"). While a long stream decodes,
+``num_requests_offloaded`` is 1; after it, 0 again, ``offloaded_requests_total`` 1 and
 ``offload_round_trip_seconds`` holds one round trip per layer per token decoded on the decode
 rank; concurrent streams are all offloaded (``ignore_eos``: none ends at its first token,
 sampled on the prefill rank, so each decodes); every text is single mode's.
@@ -90,8 +91,11 @@ async def _streams(url):
         await client.close()
 
 
-def test_offload_metrics_served(ckpt, want):
-    srv = MpiServe(4, ["deploy=p1a1e2", f"model.path={ckpt}", "serve.served_model_name=tiny",
+@pytest.mark.parametrize("plain", [False, True], ids=["mpiexec", "plain"])
+def test_offload_metrics_served(ckpt, want, plain):
+    """``plain``: a plain megainfer-serve frontend, the ranks its child job (the figures cross
+    its socket in ``CoreStats``)."""
+    srv = MpiServe(None if plain else 4, ["deploy=p1a1e2", f"model.path={ckpt}", "serve.served_model_name=tiny",
                        *OVERRIDES])
     try:
         url = srv.url
