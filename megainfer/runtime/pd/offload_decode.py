@@ -7,9 +7,8 @@ the local rows meanwhile and waits, bounded, for ``OffloadOut`` (``RankFailure``
 prefill rank); O projection and the MoE run here for every row. ``RemoteKVBlocks`` allocates
 nothing for it and, on free, sends ``OffloadRelease`` after its last ``OffloadQKV``; a preempted
 one recomputes here and is local from then on. ``OffloadClient.metadata`` (the executor's
-``offload`` hook) builds a micro-batch's metadata over its local rows only;
-``OffloadClient.status`` is what the replica's leader reports to rank 0 each step (served as
-metrics: ``offload_report.py``).
+``offload`` hook) builds a micro-batch's metadata over its local rows only; ``status``: the
+leader's report to rank 0 each step (``offload_report.py``, the served metrics).
 docs/pd.md, "Decode attention offloaded to the prefill ranks".
 """
 from __future__ import annotations
