@@ -1,7 +1,8 @@
 """What an ``EngineCore`` reads of an engine that runs in this process alone (single mode's
 ``LLMEngine``): its queues from its scheduler and block pool, and the answers of a process that
-no rank watches, holds nothing before its queue, has no pipeline spans and never re-plans
-(``engine_core.core.OnlineEngine``; the runtime's rank 0 answers otherwise)."""
+no rank watches, holds nothing before its queue, has no pipeline spans, never re-plans
+and offloads no decode attention (``engine_core.core.OnlineEngine``; the runtime's rank 0
+answers otherwise)."""
 from __future__ import annotations
 
 from .stats import EngineLoad
@@ -31,6 +32,9 @@ class LocalOnline:
 
     def replan_count(self) -> int:
         return 0
+
+    def offload_report(self):
+        return None
 
     def hang_after_s(self, timeout_s: float) -> float:
         return timeout_s

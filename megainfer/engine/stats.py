@@ -4,8 +4,9 @@
 iteration and idle tick the core runs: it times them, counts generated tokens and collects each
 finished request's queue time (``RequestOutput.metrics.time_in_queue`` plus the engine's hold
 before it, ``OnlineEngine.held_s``) and PD's KV-transfer time; the engine adds what only it
-knows (``take_spans``: T_a, T_e, T_c with tracing on, cpu; ``replan_count``). ``take`` empties
-that into one ``CoreStats`` with the engine's queues (``EngineLoad``) as they are now.
+knows (``take_spans``: T_a, T_e, T_c with tracing on, cpu; ``replan_count``; at ``take``,
+``offload_report``: PD's offloaded decode attention). ``take`` empties that into one
+``CoreStats`` with the engine's queues (``EngineLoad``) and offloaded requests as they are now.
 Invariant: the frontend only applies what arrives, so the figures are the same whether the
 core is a thread or a process away. docs/python_api.md, "Two ways to run a script";
 docs/serve.md, "Metrics (`GET /metrics`)"."""
@@ -43,6 +44,11 @@ class CoreStats:
     expert_layer_s: list[float] = field(default_factory=list)  # T_e spans (the expert ranks')
     a2e_latency_s: list[float] = field(default_factory=list)  # T_c: dispatch end -> arrival
     replans: int = 0  # re-plans (switches of every rank) since the last CoreStats
+    offloaded_requests: int = 0  # pd.offload: requests offloaded since the last CoreStats
+    # pd.offload: per-layer round trips of the offload exchange, as the decode ranks measured
+    offload_round_trip_s: list[float] = field(default_factory=list)
+    # pd.offload: requests whose decode attention runs on a prefill rank now (None: no offload)
+    offloaded: Optional[int] = None
     # not None: the engine must be stepped at least this often (its ranks watch each other)
     idle_interval_s: Optional[float] = None
     # how much longer than its slowest iteration one iteration may take without a rank being
@@ -55,7 +61,7 @@ class CoreStats:
         return len(self.iteration_s) + len(self.idle_tick_s)
 
 
-_NOT_MEASURED = ("load", "idle_interval_s", "stall_allowance_s")  # set at ``take``
+_NOT_MEASURED = ("load", "idle_interval_s", "stall_allowance_s", "offloaded")  # set at ``take``
 
 
 class CoreStatsRecorder:
@@ -67,10 +73,13 @@ class CoreStatsRecorder:
         self.last_load: Optional[EngineLoad] = None
         self.fresh = self._empty()
         self.replans = 0  # re-plans counted so far
+        self.offload_started = 0  # offloaded requests counted so far
+        self.last_offloaded: Optional[int] = None
 
     @staticmethod
     def _empty() -> dict:
-        """CoreStats' measured fields, empty (all but the queues and the two settings)."""
+        """CoreStats' measured fields, empty (all but the queues, the two settings and the
+        requests offloaded now)."""
         return {f.name: f.default if f.default_factory is MISSING else f.default_factory()
                 for f in fields(CoreStats) if f.name not in _NOT_MEASURED}
 
@@ -99,11 +108,17 @@ class CoreStatsRecorder:
 
     def take(self) -> Optional[CoreStats]:
         f, load = self.fresh, self.engine.load()
-        if load == self.last_load and not any(f.values()):
+        off, offloaded = self.engine.offload_report(), None
+        if off is not None:
+            f["offload_round_trip_s"] += off.round_trip_s
+            f["offloaded_requests"] += off.started - self.offload_started
+            self.offload_started, offloaded = off.started, off.offloaded
+        if load == self.last_load and offloaded == self.last_offloaded and not any(f.values()):
             return None
-        self.fresh, self.last_load = self._empty(), load
+        self.fresh, self.last_load, self.last_offloaded = self._empty(), load, offloaded
         return CoreStats(load, idle_interval_s=self.engine.idle_interval_s,
-                         stall_allowance_s=self.engine.stall_allowance_s, **f)
+                         stall_allowance_s=self.engine.stall_allowance_s, offloaded=offloaded,
+                         **f)
 
 
 def timed(fn) -> tuple[float, object]:

@@ -40,6 +40,8 @@ class OnlineEngine(Protocol):
     end it (its ranks too). What the core's ``CoreStatsRecorder`` reads: ``load``, ``held_s``
     (how long the engine held a finished request before its queue time began: rank 0's
     hand-out), ``take_spans`` (T_a / T_e / T_c since the last call, or None), ``replan_count``,
+    ``offload_report`` (PD's decode attention offload: a ``runtime.messages.OffloadStatus``,
+    its round trips since the last call; None without ``pd.offload``, single mode too),
     ``stall_allowance_s``; a watchdog reads ``hang_after_s``."""
 
     requests: dict  # unfinished requests by id
@@ -72,6 +74,8 @@ class OnlineEngine(Protocol):
     def take_spans(self): ...
 
     def replan_count(self) -> int: ...
+
+    def offload_report(self): ...
 
     def hang_after_s(self, timeout_s: float) -> float: ...
 

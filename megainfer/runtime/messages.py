@@ -3,7 +3,8 @@ Tensors never travel here (they use ``megainfer.comm``): these are small Python 
 with mpi4py's object messages.
 
 * Replicas' lockstep loop (``replicas/loop.py``, ``pd/loop.py``): ``ReplicaStatus`` (a leader's
-  report after each step), ``Go`` (rank 0's answer to every attention rank, with the aborts).
+  report after each step; with ``pd.offload`` its ``OffloadStatus``), ``Go`` (rank 0's answer
+  to every attention rank, with the aborts).
 * Live EPLB (``eplb/rebalancer.py``): ``PlacementUpdate``.
 * PD (``pd/``): ``PrefillWork`` | ``PrefillStop`` to a prefill rank, ``PrefillReport`` of
   ``PrefillResult`` back; ``Expect``, ``Start``, ``Drop`` in a ``Go`` to decode replicas.
@@ -12,7 +13,7 @@ with mpi4py's object messages.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 
 # ---------------------------------------------------------------------- the replicas' loop
@@ -28,6 +29,7 @@ class ReplicaStatus:
     transfers_pending: int = 0  # PD: KV transfers announced to this replica, not started yet
     new_tokens: list = field(default_factory=list)  # online: this step's SampleDeltas
     kv_usage: float = 0.0  # the share of the replica's KV blocks in use
+    offload: Optional["OffloadStatus"] = None  # pd.offload: its decode attention offload
 
     @property
     def load(self) -> int:
@@ -146,6 +148,17 @@ class OffloadOut:
 
     seq: int
     out: Any
+
+
+@dataclass(frozen=True)
+class OffloadStatus:
+    """A decode replica's decode attention offload, in its ``ReplicaStatus`` (its first TP
+    rank's ``OffloadClient``); summed over the replicas, rank 0's report of them all
+    (``pd/offload_report.py``)."""
+
+    offloaded: int  # requests whose decode attention runs on a prefill rank now
+    started: int  # requests offloaded so far (ever)
+    round_trip_s: tuple = ()  # per-layer round trips (q/k/v out, output back) since the last
 
 
 @dataclass

@@ -119,6 +119,11 @@ class RuntimeEngine:
     def replan_count(self) -> int:
         return len(self.rank.replans)
 
+    def offload_report(self):
+        """PD with ``pd.offload``: the decode replicas' offload (``messages.OffloadStatus``, its
+        round trips since the last call), else None."""
+        return self.loop.offload_report()
+
     def hang_after_s(self, timeout_s: float) -> float:
         return timeouts.core_hang_s(timeout_s) + self.stall_allowance_s
 

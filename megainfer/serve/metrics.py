@@ -2,8 +2,9 @@
 
 Two sources. The engine core measures itself wherever it runs (``engine.stats``:
 each iteration's time, the generated tokens, single mode's queue times, PD's KV-transfer
-times, rank 0's T_a with tracing on, and its queues) and sends that with its outputs;
-``ServeMetrics.apply`` observes it (``CoreWatch`` keeps the queues, for the gauges, and the
+times and, with ``pd.offload``, its offloaded requests and offload round trips, rank 0's T_a
+with tracing on, and its queues) and sends that with its outputs; ``ServeMetrics.apply``
+observes it (``CoreWatch`` keeps the queues and the offloaded requests, for the gauges, and the
 iteration clock, for /health). The frontend observes each request's figures as its outputs
 reach it (``RequestTimer``: TTFT, inter-token latency, end-to-end latency, finish reasons,
 prefix-cache queries and hits). prometheus-client's metrics are thread-safe: ``apply`` runs on
@@ -73,6 +74,15 @@ class ServeMetrics:
         self.kv_transfer = Histogram(P + "kv_transfer_seconds", "PD: a request's KV from the "
                                      "end of its prefill to its decode start", buckets=_LATENCY,
                                      **lab)
+        self.offloaded = Gauge(P + "num_requests_offloaded", "PD with pd.offload: requests "
+                               "whose decode attention runs on a prefill rank now", **lab)
+        self.offloaded_total = Counter(P + "offloaded_requests", "PD with pd.offload: requests "
+                                       "whose decode attention was offloaded to a prefill rank",
+                                       **lab)
+        self.offload_round_trip = Histogram(P + "offload_round_trip_seconds", "PD with "
+                                            "pd.offload: one layer's offload exchange on a "
+                                            "decode rank (q/k/v sent to the attention output "
+                                            "back)", buckets=_SPAN, **lab)
         self.model_name = model_name
 
     def labels(self, metric, **kw):
@@ -86,7 +96,8 @@ class ServeMetrics:
                                (self.kv_transfer, stats.kv_transfer_s),
                                (self.attention_layer, stats.attention_layer_s),
                                (self.expert_layer, stats.expert_layer_s),
-                               (self.a2e_latency, stats.a2e_latency_s)):
+                               (self.a2e_latency, stats.a2e_latency_s),
+                               (self.offload_round_trip, stats.offload_round_trip_s)):
             if values:
                 h = self.labels(metric)
                 for v in values:
@@ -95,19 +106,22 @@ class ServeMetrics:
             self.labels(self.generation_tokens).inc(stats.generated_tokens)
         if stats.replans:
             self.labels(self.replans).inc(stats.replans)
+        if stats.offloaded_requests:
+            self.labels(self.offloaded_total).inc(stats.offloaded_requests)
 
 
 RECENT_ITERATIONS = 16  # the slowest of these bounds how long an iteration may take (health)
 
 
 class CoreWatch:
-    """What the frontend knows of the engine core from its ``CoreStats``: its queues as last
-    sent (the gauges), when an iteration of every rank last came (``last_iteration_at``,
+    """What the frontend knows of the engine core from its ``CoreStats``: its queues and its
+    offloaded requests as last sent (the gauges), when an iteration of every rank last came (``last_iteration_at``,
     monotonic, this process's clock) and the slowest recent one, and whether it must keep
     iterating while idle (``idle_interval_s``: the runtime's ranks watch each other)."""
 
     def __init__(self, metrics: ServeMetrics, role: str):
         self.metrics, self.load = metrics, EngineLoad(0, 0, 0.0)
+        self.offloaded = 0  # pd.offload: requests offloaded now (0 without)
         self.iteration = metrics.labels(metrics.iteration, role=role)
         self.recent_s: deque = deque(maxlen=RECENT_ITERATIONS)
         self.idle_interval_s: Optional[float] = None
@@ -115,13 +129,16 @@ class CoreWatch:
         self.last_iteration_at = time.monotonic()
         for g, f in ((metrics.running, lambda: self.load.running),
                      (metrics.waiting, lambda: self.load.queued),
-                     (metrics.kv_usage, lambda: self.load.kv_usage)):
+                     (metrics.kv_usage, lambda: self.load.kv_usage),
+                     (metrics.offloaded, lambda: self.offloaded)):
             metrics.labels(g).set_function(f)
 
     def apply(self, stats: CoreStats) -> None:
         """The core's callback (its thread, or the socket reader's)."""
         self.load, self.idle_interval_s = stats.load, stats.idle_interval_s
         self.stall_allowance_s = stats.stall_allowance_s
+        if stats.offloaded is not None:
+            self.offloaded = stats.offloaded
         if stats.iterations:
             self.last_iteration_at = time.monotonic()
             self.recent_s.extend(stats.iteration_s + stats.idle_tick_s)

@@ -26,6 +26,7 @@ from megainfer.runtime.pd.loop import PDReplicaLoop
 from megainfer.runtime.pd.offload_decode import install_decode
 from megainfer.runtime.pd.offload_policy import OffloadLedger
 from megainfer.runtime.pd.offload_pool import OffloadPool
+from megainfer.runtime.pd.offload_report import OffloadTally
 from megainfer.runtime.pd.prefill_experts import expert_slots_of, split_experts
 from megainfer.runtime.pd.prefill_worker import PrefillExecutor, PrefillWorker
 from megainfer.runtime.pd.router import PDRouter
@@ -79,7 +80,8 @@ def build_pd_rank(job, comm):
                     job.pd.offload_ratio, job.pd.pool_blocks(job.cache.num_blocks),
                     plan.prefill_replicas, job.cache.block_size, job.scheduler.max_model_len)
         return PDReplicaLoop(engine, r.role, r.job.deploy, r.control, exchange, first_moe_layer,
-                             decode, router)
+                             decode, router,
+                             OffloadTally() if job.pd.offload and router is not None else None)
     return build_base_rank(dataclasses.replace(job, pd=PdConfig(), deploy=dataclasses.replace(
         plan, prefill_replicas=0)), core, make_loop=decode_loop)
 

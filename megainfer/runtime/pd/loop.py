@@ -8,7 +8,8 @@ messages (expect / start / drop) instead of new requests; every rank of a replic
 replica, which count in its load. When no replica has anything to decode (transfers still
 pending or not), rank 0 waits, sleeping, for a prefill report before the next (empty) iteration
 instead of spinning: a decode pool waiting for its first prompts leaves the cores to the
-prefill ranks.
+prefill ranks. With ``pd.offload`` a leader's report carries its ``OffloadStatus`` and rank 0
+sums them (``OffloadTally``; ``offload_report``, the served metrics).
 """
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from typing import Iterable, Optional
 
 from megainfer.engine.outputs import PromptInput, RequestOutput
 from megainfer.runtime import tags
-from megainfer.runtime.messages import ReplicaStatus
+from megainfer.runtime.messages import OffloadStatus, ReplicaStatus
 from megainfer.runtime.pd.decode import DecodeSide
+from megainfer.runtime.pd.offload_report import OffloadTally
 from megainfer.runtime.pd.router import PDRouter
 from megainfer.runtime.replicas.loop import ReplicaLoop, kv_usage
 
@@ -26,9 +28,11 @@ class PDReplicaLoop(ReplicaLoop):
     routes_requests = False  # decode replicas are not routed by prefix: no key events
 
     def __init__(self, engine, role, plan, control, exchange, first_moe_layer: int,
-                 decode: DecodeSide, router: Optional[PDRouter]):
+                 decode: DecodeSide, router: Optional[PDRouter],
+                 tally: Optional[OffloadTally] = None):
         super().__init__(engine, role, plan, control, exchange, first_moe_layer)
         self.decode, self.pd = decode, router
+        self.tally = tally  # rank 0 with pd.offload: the replicas' offload reports summed
         self.idle = [0, 0]  # rank 0: iterations with nothing to decode; waits that timed out
 
     def _hand_out_first(self, inputs: Iterable[PromptInput]) -> list[PromptInput]:
@@ -60,6 +64,11 @@ class PDReplicaLoop(ReplicaLoop):
             self.aborts[replica].append(request_id)
         return out
 
+    def offload_report(self) -> Optional[OffloadStatus]:
+        """Rank 0: the decode replicas' offload as last reported, summed, with the round trips
+        since the last call (None: no ``pd.offload``)."""
+        return None if self.tally is None else self.tally.take()
+
     def _abort_here(self, request_ids: list[str]) -> list[RequestOutput]:
         rest = [rid for rid in request_ids if not self.decode.abort(rid)]  # KV still coming
         return super()._abort_here(rest)
@@ -73,7 +82,8 @@ class PDReplicaLoop(ReplicaLoop):
         d.poll()
         return ReplicaStatus(finished, e.has_unfinished(), e.scheduler.num_waiting,
                              len(e.scheduler.running), transfers_pending=d.pending,
-                             new_tokens=self.deltas, kv_usage=kv_usage(e))
+                             new_tokens=self.deltas, kv_usage=kv_usage(e),
+                             offload=None if d.offload is None else d.offload.status())
 
     def _sync(self, finished: list[RequestOutput]
               ) -> tuple[list[RequestOutput], bool, list, list[str]]:
@@ -85,7 +95,10 @@ class PDReplicaLoop(ReplicaLoop):
             return [], go.proceed, [], go.aborts
         done, busy, decoding = [], False, False
         loads = []
-        for st in self._gather(status):
+        statuses = self._gather(status)
+        if self.tally is not None:
+            self.tally.add(statuses)
+        for st in statuses:
             done += st.finished
             busy = busy or st.busy or st.transfers_pending > 0  # decoding, or KV still arriving
             decoding = decoding or st.busy

@@ -7,12 +7,14 @@ the local rows meanwhile and waits, bounded, for ``OffloadOut`` (``RankFailure``
 prefill rank); O projection and the MoE run here for every row. ``RemoteKVBlocks`` allocates
 nothing for it and, on free, sends ``OffloadRelease`` after its last ``OffloadQKV``; a preempted
 one recomputes here and is local from then on. ``OffloadClient.metadata`` (the executor's
-``offload`` hook) builds a micro-batch's metadata over its local rows only.
+``offload`` hook) builds a micro-batch's metadata over its local rows only; ``status``: the
+leader's report to rank 0 each step (``offload_report.py``, the served metrics).
 docs/pd.md, "Decode attention offloaded to the prefill ranks".
 """
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -22,7 +24,8 @@ from megainfer.comm.wait import WaitPolicy, wait_until
 from megainfer.models.attention import AttentionMetadata
 from megainfer.runtime import tags
 from megainfer.runtime.control import Outbox, RankFailure
-from megainfer.runtime.messages import OffloadQKV, OffloadRelease
+from megainfer.runtime.messages import OffloadQKV, OffloadRelease, OffloadStatus
+from megainfer.runtime.pd.offload_report import PENDING_ROUND_TRIPS
 
 PLAN_KEY = "pd.offload"  # meta.step_cache key of a micro-batch's offloaded rows
 
@@ -46,12 +49,15 @@ class _Plan:
 @dataclass
 class RoundTrips:
     """Per-layer offload round trips seen by this decode rank: count, seconds from the send to
-    the reply, and the part of that waited after the local attention ended (exposed)."""
+    the reply, and the part of that waited after the local attention ended (exposed);
+    ``pending``: the round trips (s) not reported yet (``take``), the latest
+    ``PENDING_ROUND_TRIPS`` at most."""
 
     count: int = 0
     total_s: float = 0.0
     exposed_s: float = 0.0
     samples_ms: list = field(default_factory=list)  # the first 4096 round trips, ms
+    pending: deque = field(default_factory=lambda: deque(maxlen=PENDING_ROUND_TRIPS))
 
     def add(self, rt: float, exposed: float) -> None:
         self.count += 1
@@ -59,6 +65,13 @@ class RoundTrips:
         self.exposed_s += exposed
         if len(self.samples_ms) < 4096:
             self.samples_ms.append(rt * 1e3)
+        self.pending.append(rt)
+
+    def take(self) -> tuple:
+        """The round trips (s) since the last call."""
+        out = tuple(self.pending)
+        self.pending.clear()
+        return out
 
     @property
     def hidden_fraction(self):
@@ -100,6 +113,10 @@ class OffloadClient:
     @property
     def num_offloaded(self) -> int:
         return len(self.by_seq)
+
+    def status(self) -> OffloadStatus:
+        """For the replica's report to rank 0: offloaded now, ever, the round trips since."""
+        return OffloadStatus(self.num_offloaded, self.started, self.trips.take())
 
     # ---------------------------------------------------------------- the step
     def metadata(self, part, block_size: int, device):

@@ -121,6 +121,11 @@ class ReplicaLoop:
         """Rank 0: the ids of the requests not handed out yet."""
         return {str(inp.request_id) for inp in self.router.pending}
 
+    def offload_report(self):
+        """Rank 0: the decode replicas' attention offload (``messages.OffloadStatus``); None:
+        none here (PD's loop answers with ``pd.offload``)."""
+        return None
+
     def iterate(self) -> list[RequestOutput]:
         """Rank 0, online: one iteration of every rank; its finished outputs (the new tokens:
         ``self.new_tokens``). After ``close`` the iteration tells every rank to stop."""

@@ -35,6 +35,9 @@ class HoldingLoop:
     def pending_ids(self):
         return {str(p.request_id) for p in self.pending}
 
+    def offload_report(self):
+        return None
+
     def iterate(self):
         done = [RequestOutput(p.request_id, None, p.prompt_token_ids,
                               [CompletionOutput(0, "", [1], "length")], True,

@@ -39,6 +39,9 @@ class FakeRuntime:
     def replan_count(self):
         return 0
 
+    def offload_report(self):
+        return None
+
     def hang_after_s(self, timeout_s):
         return timeout_s
 
