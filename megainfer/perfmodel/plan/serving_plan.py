@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 
 from megainfer.config import SchedulerConfig, SloConfig
+from megainfer.config.pd import PdConfig
 from megainfer.config.keys import field_names
 
 from .auto_plan import _max_seqs, calibrate_hint, hardware_for, job_shape, plan_dtype
@@ -45,7 +46,7 @@ def serving_plan(c: dict, d: dict, hw_name, pins: dict, world: int, sched: dict
     tokens = int(sched.get("max_num_batched_tokens") or SchedulerConfig.max_num_batched_tokens)
     target = ServingTarget(reqs, slo, _max_seqs(sched), tokens)
     pd_cfg = c.get("pd") or {}
-    run = float(pd_cfg.get("offload_ratio", 1.0)) if pd_cfg.get("offload") else 0.0
+    run = float(pd_cfg.get("offload_ratio", PdConfig.offload_ratio)) if pd_cfg.get("offload") else 0.0
     try:
         ranked = plan_world_serving(shape, hw, target, world, ServingPins(**pins),
                                     plan_dtype(c, d, hw),
