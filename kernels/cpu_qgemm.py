@@ -1,9 +1,11 @@
 """``y = x @ W.T`` with W kept in its stored format (``weight_quant.py``), on CPU and, through
 the dequantising paths, on any device torch runs: a dequantised copy lives only for the call.
 
-* ``int8``: ``aten._weight_int8pack_mm`` on CPU (x and scale in one dtype, fp32 or bf16);
-  elsewhere data * scale, then F.linear.
-* ``int4``: ``aten._weight_int4pack_mm_for_cpu`` (CPU only: the stored layout is that op's).
+* ``int8``: on CPU (fp32 or bf16 activations) ``aten._weight_int8pack_mm`` or the data cast
+  for the call, F.linear and the scale on the output, as ``cpu_qgemm_rules`` measured faster
+  for the rows and threads; elsewhere data * scale, then F.linear.
+* ``int4``: ``aten._weight_int4pack_mm_for_cpu`` or the weight dequantised for the call
+  (``dequantize_int4_cpu_t``), by the same rules (CPU only: the stored layout is that op's).
 * ``fp8``: on cuda ``triton_fp8_gemm.fp8_block_linear``; elsewhere activations quantised the
   same way, the weight dequantised block by block into the compute dtype, then F.linear.
 
@@ -17,6 +19,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from .cpu_qgemm_rules import method_for
 from .weight_quant import QuantizedWeight, quantize_act_fp8
 
 
@@ -49,14 +52,40 @@ def dequantize_fp8_blocks(data: torch.Tensor, scale_inv: torch.Tensor, block,
 
 
 def _int8(x2: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    """x2 [T, K] @ W.T -> [T, N]: the weight-only kernel or, per ``cpu_qgemm_rules``, the
+    int8 data cast to x's dtype for this call, F.linear, then the per-channel scale on the
+    output (``(x @ q.T) * s == x @ (q * s).T``)."""
     if x2.is_cpu and x2.dtype in (torch.float32, torch.bfloat16):
         scale = qw.scale if qw.scale.dtype == x2.dtype else qw.scale.to(x2.dtype)
-        return torch.ops.aten._weight_int8pack_mm(x2.contiguous(), qw.data, scale)
+        if method_for("int8", x2.dtype, x2.shape[0]) == "weight_only":
+            return torch.ops.aten._weight_int8pack_mm(x2.contiguous(), qw.data, scale)
+        return F.linear(x2, qw.data.to(x2.dtype)).mul_(scale)
     w = qw.data.to(x2.dtype) * qw.scale.to(x2.dtype)[:, None]  # [N, K], this call only
     return F.linear(x2, w)
 
 
+def dequantize_int4_cpu_t(data: torch.Tensor, scale_zeros: torch.Tensor, group_size: int,
+                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """torch's CPU int4 layout, data uint8 [N, K/2] (N % 64 == 0), scale_zeros [K/G, N, 2] ->
+    W.T [K, N] in ``dtype`` (transposed: the layout's own order, and the scales' [K/G, N]),
+    (q - 8) * scale + zero computed in float32, then one cast. The layout, as
+    ``_convert_weight_to_int4pack_for_cpu`` writes it: blocks of 64 rows of W, each [K, 32]
+    bytes, byte b of column k holding row b of the block in its low, row 32 + b in its high
+    nibble."""
+    N, K, G = data.shape[0], data.shape[1] * 2, group_size
+    p = data.view(N // 64, K, 32).transpose(0, 1)  # [K, N/64, 32]
+    wt = torch.empty(K, N // 64, 2, 32, dtype=torch.float32, device=data.device)
+    wt[:, :, 0].copy_(p & 15)
+    wt[:, :, 1].copy_(p >> 4)
+    s = scale_zeros[..., 0].float()  # [K/G, N]
+    c = scale_zeros[..., 1].float() - 8.0 * s  # (q - 8) * s + z = q * s + (z - 8 s)
+    wt = wt.view(K // G, G, N).mul_(s[:, None]).add_(c[:, None]).view(K, N)
+    return wt if dtype == torch.float32 else wt.to(dtype)
+
+
 def _int4(x2: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    """x2 [T, K] @ W.T -> [T, N]: the weight-only kernel (fp32 or bf16 activations; others
+    through fp32) or, per ``cpu_qgemm_rules``, W dequantised for this call then F.linear."""
     if qw.fmt.int4_layout != "torch_cpu" or not x2.is_cpu:  # the Triton layout: this call only
         return F.linear(x2, qw.dequantize(x2.dtype))
     sz = qw.scale if qw.scale.dtype == x2.dtype else qw.scale.to(x2.dtype)
@@ -64,6 +93,9 @@ def _int4(x2: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.float().contiguous(), qw.data,
                                                        qw.fmt.group_size, sz.float())
         return y.to(x2.dtype)
+    if qw.shape[-2] % 64 == 0 and method_for("int4", x2.dtype, x2.shape[0]) == "dequant":
+        return torch.mm(x2, dequantize_int4_cpu_t(qw.data, qw.scale, qw.fmt.group_size,
+                                                  x2.dtype))
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), qw.data,
                                                       qw.fmt.group_size, sz)
 

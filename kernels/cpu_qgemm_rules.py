@@ -1,0 +1,112 @@
+"""Which CPU op computes ``y = x @ W.T`` for a stored int8/int4 weight (``cpu_qgemm.py``): a
+table per (format, activation dtype) and thread count, measured by
+``perf/bench/tune_cpu_qgemm.py`` into ``cpu_qgemm_rules.json`` and read once.
+
+Methods: ``weight_only`` (torch's weight-only kernel, ``_weight_int8pack_mm`` /
+``_weight_int4pack_mm_for_cpu``: cheapest at a few rows, its cost grows row by row) and
+``dequant`` (the weight dequantised into the activations' dtype for this call only, then
+``F.linear``: a fixed cost, cheaper above some rows). A table entry is
+``{"int8/bfloat16": {"1": [[max_rows or None, method], ...]}}``, rows ascending, a None
+catch-all last (``cpu_gemm``'s form). A (format, dtype) missing from the table, or no table
+file, takes ``DEFAULT``: weight-only up to 4 rows in bf16, dequantised above and always in
+fp32 (the weight-only kernels run fp32 activations row by row, 10-100x slower).
+docs/kernels.md, "CPU matmuls of dense and expert weights".
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+METHODS = ("weight_only", "dequant")
+RULES_PATH = Path(__file__).with_name("cpu_qgemm_rules.json")
+KEYS = ("int8/bfloat16", "int8/float32", "int4/bfloat16", "int4/float32")
+DEFAULT = {"int8/bfloat16": {"1": [[4, "weight_only"], [None, "dequant"]]},
+           "int4/bfloat16": {"1": [[4, "weight_only"], [None, "dequant"]]},
+           "int8/float32": {"1": [[None, "dequant"]]},
+           "int4/float32": {"1": [[None, "dequant"]]}}
+
+
+class CpuQgemmRuleError(ValueError):
+    """A rule table is malformed; the message names the entry."""
+
+
+def rule_key(fmt_name: str, dtype: torch.dtype) -> str:
+    """("int8", torch.bfloat16) -> "int8/bfloat16": a table key."""
+    return f"{fmt_name}/{str(dtype).removeprefix('torch.')}"
+
+
+def check_rules(rules: dict) -> dict:
+    """{key: {threads: [[max_rows or None, method], ...]}} (keys a subset of KEYS) -> the same
+    with int thread keys and tuple entries; raises ``CpuQgemmRuleError`` naming a bad entry."""
+    out = {}
+    for key, table in rules.items():
+        if key not in KEYS:
+            raise CpuQgemmRuleError(f"cpu qgemm rules: key {key!r} not in {KEYS}")
+        if not table:
+            raise CpuQgemmRuleError(f"cpu qgemm rules[{key}]: empty table")
+        for t, steps in table.items():
+            where = f"cpu qgemm rules[{key}][{t}]"
+            if not str(t).isdigit() or int(t) < 1:
+                raise CpuQgemmRuleError(f"{where}: thread key must be a positive integer")
+            last = 0
+            for i, (rows, method) in enumerate(steps):
+                if method not in METHODS:
+                    raise CpuQgemmRuleError(f"{where}[{i}]: method {method!r} not in {METHODS}")
+                if rows is None and i != len(steps) - 1:
+                    raise CpuQgemmRuleError(f"{where}[{i}]: None must be the last entry")
+                if rows is not None and rows <= last:
+                    raise CpuQgemmRuleError(f"{where}[{i}]: max rows {rows} not ascending")
+                last = rows or last
+            if not steps or steps[-1][0] is not None:
+                raise CpuQgemmRuleError(f"{where}: the last entry must be [None, method]")
+        out[key] = {int(t): [tuple(s) for s in steps] for t, steps in table.items()}
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _table_rules() -> dict:
+    rules = check_rules(DEFAULT)
+    if RULES_PATH.exists():
+        with open(RULES_PATH) as f:
+            rules.update(check_rules(json.load(f)["rules"]))
+    return rules
+
+
+_override: Optional[dict] = None
+_METHODS: dict = {}  # (key, rows, threads) -> method under the table in force
+
+
+@contextlib.contextmanager
+def use_rules(rules: Optional[dict]):
+    """Run a block under another table (``check_rules``' form, keys missing from it take
+    ``DEFAULT``); None: the measured table."""
+    global _override
+    prev = _override
+    _override = None if rules is None else {**check_rules(DEFAULT), **check_rules(rules)}
+    _METHODS.clear()
+    try:
+        yield
+    finally:
+        _override = prev
+        _METHODS.clear()
+
+
+def method_for(fmt_name: str, dtype: torch.dtype, rows: int,
+               threads: Optional[int] = None) -> str:
+    """The method for ``rows`` rows of activations in ``dtype`` against a ``fmt_name`` weight
+    at ``threads`` (default: torch's): the entry of the largest thread key <= threads (the
+    smallest key if none is)."""
+    t = torch.get_num_threads() if threads is None else threads
+    key = rule_key(fmt_name, dtype)
+    method = _METHODS.get((key, rows, t))
+    if method is None:
+        rules = (_override if _override is not None else _table_rules())[key]
+        keys = sorted(rules)
+        steps = rules[max((k for k in keys if k <= t), default=keys[0])]
+        method = _METHODS[(key, rows, t)] = next(m for r, m in steps if r is None or rows <= r)
+    return method
