@@ -103,6 +103,22 @@ def test_fused_rms_norm_is_bit_identical_to_hf_form(shape):
     assert torch.equal(F.rms_norm(x, (shape[-1],), norm.weight, 1e-6), want)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", [(7, 128), (3, 4, 32), (1, 512), (64, 4096), (33, 7168)])
+def test_half_rms_norm_is_bit_identical_to_hf_form(shape, dtype):
+    """RMSNorm's bf16/fp16 path (the weightless fused op, then the weight) against HF's
+    formula, bit for bit, over inputs of several scales."""
+    for seed, scale in enumerate((0.01, 3.0, 60.0)):
+        g = torch.Generator().manual_seed(shape[-1] + seed)
+        x = (torch.randn(*shape, generator=g) * scale).to(dtype)
+        norm = RMSNorm(shape[-1], 1e-6).to(dtype)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(shape[-1], generator=g))
+        xf = x.float()
+        want = norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+        assert torch.equal(norm(x), want)
+
+
 def _hf_rotary(x, positions, inv_freq, dtype):
     """HF's apply_rotary_pos_emb for one tensor: fp32 tables cast to dtype, x*cos +
     rotate_half(x)*sin."""
