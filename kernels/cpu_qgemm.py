@@ -14,7 +14,7 @@ docs/checkpoints.md, "Weight formats" (Compute).
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -116,7 +116,7 @@ def qlinear(x: torch.Tensor, qw: QuantizedWeight,
             bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [..., K] @ W.T (+ bias) -> [..., N] in x's dtype, W = ``qw`` as stored."""
     K = qw.shape[-1]
-    x2 = x.reshape(-1, K)  # [T, K]
+    x2 = x if x.dim() == 2 else x.reshape(-1, K)  # [T, K]
     if x2.shape[0] == 0:
         y = x2.new_zeros(0, qw.shape[-2])
     else:
@@ -124,6 +124,55 @@ def qlinear(x: torch.Tensor, qw: QuantizedWeight,
     if bias is not None:
         y = y + bias
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+_ATTR_CAT = "_megainfer_qcat"
+
+
+def _key(t: torch.Tensor) -> tuple:
+    """A stored tensor's storage and version (-1: an inference tensor keeps none)."""
+    try:
+        return t.data_ptr(), t._version
+    except RuntimeError:
+        return t.data_ptr(), -1
+
+
+def _concat_ok(qws: Sequence[QuantizedWeight]) -> bool:
+    """Whether stored weights [N_i, K] concatenate along N into one stored weight: int8 always
+    (rows and their scales), torch_cpu int4 when every N_i is whole 64-row layout blocks."""
+    f = qws[0].fmt
+    if any(q.fmt != f or q.dim() != 2 or q.shape[1] != qws[0].shape[1] for q in qws):
+        return False
+    if f.name == "int8":
+        return True
+    return f.name == "int4" and f.int4_layout == "torch_cpu" and all(
+        q.shape[0] % 64 == 0 for q in qws)
+
+
+def qlinear_split(x: torch.Tensor, qws: Sequence[QuantizedWeight],
+                  biases: Sequence[Optional[torch.Tensor]]) -> list[torch.Tensor]:
+    """[qlinear(x, w, b) for w, b in zip(qws, biases)]: x [T, K], qws[i] [N_i, K] -> [T, N_i]
+    each, as views of one ``qlinear`` over the weights concatenated along N (data, scales and
+    biases copied once, cached on ``qws[0].data`` for its storage and version) when
+    ``_concat_ok``; otherwise one call per weight."""
+    if not _concat_ok(qws) or x.dim() != 2:
+        return [qlinear(x, w, b) for w, b in zip(qws, biases)]
+    key = tuple(_key(t) for q in qws for t in (q.data, q.scale))
+    key += tuple(None if b is None else _key(b) for b in biases)
+    cache = getattr(qws[0].data, _ATTR_CAT, None)
+    if cache is None or cache[0] != key:
+        with torch.no_grad():
+            data = torch.cat([q.data for q in qws])  # [sum N_i, K or K/2]
+            dim = 0 if qws[0].fmt.name == "int8" else 1  # int4 scale_zeros [K/G, N, 2]
+            scale = torch.cat([q.scale for q in qws], dim=dim)
+            bias = None if all(b is None for b in biases) else torch.cat(
+                [b if b is not None else data.new_zeros(q.shape[0], dtype=x.dtype)
+                 for b, q in zip(biases, qws)])
+        n = sum(q.shape[0] for q in qws)
+        cache = (key, QuantizedWeight(data, scale, qws[0].fmt, (n, qws[0].shape[1])), bias)
+        setattr(qws[0].data, _ATTR_CAT, cache)
+    y = qlinear(x, cache[1], cache[2])  # [T, sum N_i]
+    return list(y.split([q.shape[0] for q in qws], dim=-1))
 
 
 def stacked_qlinear(w: QuantizedWeight) -> Callable[[torch.Tensor, int], torch.Tensor]:

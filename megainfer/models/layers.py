@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megainfer.kernels import cpu_gemm, kv_quant
+from megainfer.kernels.cpu_qgemm import qlinear_split
 
 from .attention import AttentionMetadata, causal_attention
 from .attention_backends import TorchAttention
@@ -202,8 +203,8 @@ class SelfAttention(nn.Module):
         """x [T, H] -> [T, H]; without meta the T tokens are one sequence and nothing is cached."""
         T, D = x.shape[0], self.head_dim
         projs = (self.q_proj, self.k_proj, self.v_proj)
-        if isinstance(self.q_proj, QuantLinear):  # each weight as stored
-            q, k, v = (p(x) for p in projs)
+        if isinstance(self.q_proj, QuantLinear):  # as stored, one GEMM where they concatenate
+            q, k, v = qlinear_split(x, [p.qweight for p in projs], [p.bias for p in projs])
         else:
             q, k, v = cpu_gemm.linear_split(x, [p.weight for p in projs], [p.bias for p in projs])
         q, k, v = (q.view(T, self.q_heads, D), k.view(T, self.kv_heads, D),

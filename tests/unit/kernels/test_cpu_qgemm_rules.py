@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megainfer.kernels import cpu_qgemm_rules as rules
-from megainfer.kernels.cpu_qgemm import dequantize_int4_cpu_t, qlinear
+from megainfer.kernels.cpu_qgemm import dequantize_int4_cpu_t, qlinear, qlinear_split
 from megainfer.kernels.weight_quant import QuantizedWeight, WeightFormat, dequantize, quantize
 from megainfer.kernels.weight_quant import qlinear_ref
 
@@ -81,3 +81,38 @@ def test_every_op_matches_reference(fmt, method, dtype, T, N):
     assert y.dtype == dtype and y.shape == (T, N)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(y.float(), qlinear_ref(x, qw), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("fmt", [WeightFormat("int8"), WeightFormat("int4", group_size=64)],
+                         ids=["int8", "int4-g64"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("T", [1, 40])
+def test_split_equals_one_call_per_weight(fmt, dtype, T):
+    """q/k/v as one GEMM over the concatenated stored weights: the same outputs as one call
+    per weight (bit for bit on the weight-only kernels), biases included; the cached copy is
+    rebuilt after an in-place write."""
+    qws = [_qw(n, 128, fmt, dtype, seed=n) for n in (128, 64, 64)]
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(T, 128, generator=g).to(dtype)
+    biases = [torch.randn(q.shape[0], generator=g).to(dtype) for q in qws[:2]] + [None]
+    with rules.use_rules({rules.rule_key(fmt.name, dtype): {"1": [[None, "weight_only"]]}}):
+        got = qlinear_split(x, qws, biases)
+        want = [qlinear(x, q, b) for q, b in zip(qws, biases)]
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    got = qlinear_split(x, qws, biases)  # the measured rule
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for a, q, b in zip(got, qws, biases):
+        ref = qlinear_ref(x, q, b)
+        torch.testing.assert_close(a.float(), ref, atol=tol, rtol=tol)
+    qws[1].data.copy_(qws[2].data)
+    qws[1].scale.copy_(qws[2].scale)
+    torch.testing.assert_close(qlinear_split(x, qws, [None] * 3)[1].float(),
+                               qlinear_ref(x, qws[2]), atol=tol, rtol=tol)
+
+
+def test_split_falls_back_where_int4_rows_break_blocks():
+    fmt = WeightFormat("int4", group_size=32)
+    qws = [_qw(n, 64, fmt, torch.float32) for n in (64, 48)]
+    x = torch.randn(2, 64)
+    for a, q in zip(qlinear_split(x, qws, [None, None]), qws):
+        torch.testing.assert_close(a, qlinear_ref(x, q), atol=1e-4, rtol=1e-4)
