@@ -1,6 +1,7 @@
 """The CPU fast path of the fused MoE: sort slots by expert, one matmul pair per expert group.
 
-No loop over tokens: one stable sort, one gather, two matmuls per local expert that has
+One row (a decode step of one sequence, all experts local): ``one_row_moe``, its k experts
+in slot order. Otherwise no loop over tokens: one stable sort, one gather, two matmuls per local expert that has
 slots (``cpu_gemm.linear``: the GEMM measured fastest for that many rows at this thread count,
 over weights reordered once) with ``silu(gate) * up`` between them as two ops writing a fresh
 contiguous tensor (the down GEMM's input, no copy), one scatter back into a per-slot buffer,
@@ -40,6 +41,17 @@ def fused_moe_torch(hidden: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     K = hidden.shape[1]
     if M == 0 or E_l == 0:
         return torch.zeros(M, K, dtype=hidden.dtype, device=hidden.device)
+    if M == 1 and expert_map is None:
+        return one_row_moe(hidden, w1, w2, topk_weights, topk_ids)
+    return grouped_moe(hidden, w1, w2, topk_weights, topk_ids, expert_map)
+
+
+def grouped_moe(hidden: torch.Tensor, w1, w2, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor]) -> torch.Tensor:
+    """``fused_moe_torch`` for M >= 1 rows: slots sorted and gathered by expert."""
+    M, k = topk_ids.shape
+    E_l, N = w1.shape[0], w2.shape[2]
+    K = hidden.shape[1]
     local = local_slot_experts(topk_ids, E_l, expert_map)  # [S]
     order = torch.argsort(local, stable=True)  # [S] slots grouped by local expert
     counts = torch.bincount(local, minlength=E_l + 1).tolist()  # one host sync
@@ -70,3 +82,19 @@ def _stacked(w):
 
 def _fp32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 else t.float()
+
+
+def one_row_moe(hidden: torch.Tensor, w1, w2, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor) -> torch.Tensor:
+    """One row (hidden [1, K], topk_* [1, k]), every expert local: its k experts in slot order,
+    no sort, gather or scatter (11 fewer ops per layer), the same products and the same
+    fp32 sum over the k slots as ``grouped_moe``, bit for bit (a test holds it)."""
+    N = w2.shape[2]
+    up, down = _stacked(w1), _stacked(w2)
+    ys = []
+    for e in topk_ids[0].tolist():  # one host sync, as grouped_moe's bincount
+        g = up(hidden, e)  # [1, 2N]
+        ys.append(down(F.silu(g[:, :N]).mul_(g[:, N:]), e))  # [1, K]
+    y = _fp32(torch.cat(ys))  # [k, K] in slot order
+    out = y.mul_(_fp32(topk_weights).view(-1, 1)).view(1, len(ys), -1).sum(1)  # [1, K]
+    return out if out.dtype == hidden.dtype else out.to(hidden.dtype)
