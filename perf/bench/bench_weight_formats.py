@@ -209,6 +209,7 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, nargs="+", default=[1])
     ap.add_argument("--no-before", dest="before", action="store_false",
                     help="no 'before' rows (the weight-only kernels at every row count)")
+    ap.add_argument("--out", default=os.path.join(RESULTS, "bench_weight_formats.json"))
     ap.add_argument("--no-speed", action="store_true")
     ap.add_argument("--no-accuracy", action="store_true")
     a = ap.parse_args(argv)
@@ -216,7 +217,7 @@ def main(argv=None):
     out = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                machine=platform.processor() or platform.machine(), torch=torch.__version__,
                load_average=os.getloadavg()[0], args=vars(a))
-    fn = os.path.join(RESULTS, "bench_weight_formats.json")
+    fn = a.out
     if a.no_accuracy and os.path.exists(fn):  # keep the accuracy rows of the last full run
         with open(fn) as f:
             last = json.load(f)
