@@ -33,6 +33,8 @@ class PdJobResult(JobResult):
     prefill_steps: list = field(default_factory=list)  # (replica, start, duration, tokens)
     kv_ready_s: np.ndarray | None = None  # when each request's whole KV had arrived
     offloaded: np.ndarray | None = None  # [requests] bool: its decode attention ran on its prefill replica
+    # per decode iteration and (replica, micro-batch) with offloaded rows: one layer's round trip, s
+    round_trip_s: np.ndarray | None = None
 
     @property
     def handoff_s(self) -> np.ndarray:
@@ -78,7 +80,7 @@ def simulate_pd_job(pool, model: DisaggModel, plan: Plan, requests: Requests,
     d_run = [[] for _ in range(n_a)]
     d_busy = None  # (end, [(a, ids)]) of the decode iteration in flight
     nxt, left, t, rot_a, rot_p = 0, n, 0.0, 0, 0
-    iters, psteps = [], []
+    iters, psteps, trips = [], [], []
     for _ in range(cfg.max_iterations * 4):
         if left == 0:
             break
@@ -204,6 +206,7 @@ def simulate_pd_job(pool, model: DisaggModel, plan: Plan, requests: Requests,
                 rt, used = None, None
                 if book.active:
                     rt, used = _remote(remote, work, off, pre_of, computed, p_busy, m, n_p, s.num_layers)
+                    trips.extend(rt[rt > 0].tolist())
                 end = pipe.iteration(t, tok, ctx, rows, counts, ingress_free=busy, remote_s=rt)
                 end += cfg.iteration_overhead_s
                 if used is not None:  # p's share of the iteration left to its prefill steps
@@ -228,7 +231,8 @@ def simulate_pd_job(pool, model: DisaggModel, plan: Plan, requests: Requests,
         if not cand:
             break
         t = max(t, min(cand))
-    return PdJobResult(A, first, fin, O, iters, None, [tuple(x) for x in psteps], ready, off)
+    return PdJobResult(A, first, fin, O, iters, None, [tuple(x) for x in psteps], ready, off,
+                       np.array(trips))
 
 
 def _fits(wait: list, ready, t: float, off, life, kv_used, a: int, cap: int) -> list:

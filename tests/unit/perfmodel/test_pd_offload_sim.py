@@ -87,7 +87,8 @@ def test_offloaded_kv_stays_ready_one_latency_after_the_first_token():
 
 def test_one_offloaded_request_pays_the_round_trip_every_layer():
     """One request on a slow link: every decode iteration is at least L round trips (2
-    latencies, q/k/v up and the output down with their headers at the link's bandwidth)."""
+    latencies, q/k/v up and the output down with their headers at the link's bandwidth), and
+    ``round_trip_s`` records each iteration's."""
     pool, model, plan = _setup(hw=SLOW)
     reqs = Requests(np.array([0.0]), np.array([64]), np.array([9]))
     r0 = simulate_pd_job(pool, model, plan, reqs, JobConfig())
@@ -99,6 +100,8 @@ def test_one_offloaded_request_pays_the_round_trip_every_layer():
     assert len(d1) == len(d0) == 8
     assert min(d1) >= s.num_layers * wire
     assert max(d0) < s.num_layers * wire  # locally it is much shorter
+    # one round trip per iteration recorded (one replica, one micro-batch), none without offload
+    assert len(r1.round_trip_s) == 8 and r1.round_trip_s.min() >= wire and not len(r0.round_trip_s)
 
 
 def test_remote_attention_grows_with_context_and_messages_queue_on_a_prefill_replica():
