@@ -65,7 +65,7 @@ def simulate_pd_job(pool, model: DisaggModel, plan: Plan, requests: Requests,
     bw = min(pool.hw.inter_link.bandwidth_Bps * pool.tp_p, model.hw_a.inter_link.bandwidth_Bps * plan.tp_a)
     lat = max(pool.hw.inter_link.latency_s, model.hw_a.inter_link.latency_s)
     egress, ingress, msg = np.zeros(n_p), np.zeros(n_a), np.zeros(n_a)
-    book, off = OffloadBook(offload, n_p), np.zeros(n, bool)
+    book, off = OffloadBook(offload, n_p, n_a, decode_kv_tokens), np.zeros(n, bool)
     remote = RemoteAttention(pool, model, bw, lat, offload)
     life = P + O  # KV tokens of a request's whole life
     kv_used, share = np.zeros(n_a, np.int64), np.ones(n_p)  # share: p's time left to prefill
@@ -150,7 +150,10 @@ def simulate_pd_job(pool, model: DisaggModel, plan: Plan, requests: Requests,
             rot_a, rot_p = (a + 1) % n_a, (p + 1) % n_p
             k = pending.pop(0)
             dec_of[k], pre_of[k] = a, p
-            off[k] = book.decide(p, k, int(life[k]))
+            tpot = None  # auto with a TPOT SLO: the last iteration plus this request's round trips
+            if book.auto and offload.tpot_slo_s is not None:
+                tpot = (iters[-1][1] if iters else 0.0) + s.num_layers * remote.one_row_s(float(P[k] + O[k] / 2))
+            off[k] = book.decide(p, a, k, int(life[k]), tpot)
             if not off[k] and decode_kv_tokens is not None and life[k] > decode_kv_tokens:
                 raise ConfigError(f"decode_kv_tokens={decode_kv_tokens}: below request {k}'s "
                                   f"{int(life[k])} tokens (it could never decode)")
@@ -265,5 +268,6 @@ def _remote(remote: RemoteAttention, work: list, off, pre_of, computed, p_busy: 
             np.add.at(cnt, (a, mb[o], pre_of[ids[o]]), 1.0)
             np.add.at(csum, (a, mb[o], pre_of[ids[o]]), computed[ids[o]] + 1.0)
     # a busy prefill replica answers after its step's layer in flight: half a layer on average
-    wait = np.array([0.0 if b is None else 0.5 * (b.attn_s + b.exp_s) / (L * b.rate) for b in p_busy])
+    w = remote.off.layer_wait
+    wait = np.array([0.0 if b is None else w * (b.attn_s + b.exp_s) / (L * b.rate) for b in p_busy])
     return remote.layer(cnt, csum, wait)
