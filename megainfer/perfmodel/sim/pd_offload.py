@@ -1,8 +1,8 @@
 """Decode attention offloaded to the prefill replicas in ``sim.pd.simulate_pd_job``
 (``pd.offload``, docs/pd.md "Decode attention offloaded to the prefill ranks"): which requests
 are offloaded (``Offload``, ``OffloadBook``: ``perfmodel/offload_rule.py``'s rule, which
-``runtime/pd/offload_policy.py``'s ledger applies too) and, per decode iteration, each layer's round trip and remote attention
-(``RemoteAttention``). docs/perfmodel.md, "The offload in the PD simulator"."""
+``runtime/pd/offload_policy.py``'s ledger applies too) and, per decode iteration, each layer's
+round trip and remote attention (``RemoteAttention``). docs/perfmodel.md, "The offload in the PD simulator"."""
 from __future__ import annotations
 
 import math
