@@ -152,7 +152,9 @@ def simulate_pd_job(pool, model: DisaggModel, plan: Plan, requests: Requests,
             dec_of[k], pre_of[k] = a, p
             tpot = None  # auto with a TPOT SLO: the last iteration plus this request's round trips
             if book.auto and offload.tpot_slo_s is not None:
-                tpot = (iters[-1][1] if iters else 0.0) + s.num_layers * remote.one_row_s(float(P[k] + O[k] / 2))
+                trip = (remote.one_row_s(float(P[k] + O[k] / 2))
+                        + _answer_wait(p_busy[p], offload.layer_wait, s.num_layers))
+                tpot = (iters[-1][1] if iters else 0.0) + s.num_layers * trip
             off[k] = book.decide(p, a, k, int(life[k]), tpot)
             if not off[k] and decode_kv_tokens is not None and life[k] > decode_kv_tokens:
                 raise ConfigError(f"decode_kv_tokens={decode_kv_tokens}: below request {k}'s "
@@ -255,6 +257,12 @@ def _fits(wait: list, ready, t: float, off, life, kv_used, a: int, cap: int) -> 
     return go
 
 
+def _answer_wait(step, layer_wait: float, L: int) -> float:
+    """How long a prefill replica with ``step`` in flight (None: idle) makes an offloaded
+    message wait: ``layer_wait`` (half, this runtime) of its step's layer, at its rate."""
+    return 0.0 if step is None else layer_wait * (step.attn_s + step.exp_s) / (L * step.rate)
+
+
 def _remote(remote: RemoteAttention, work: list, off, pre_of, computed, p_busy: list, m: int,
             n_p: int, L: int):
     """(round trip [n_a, m] s per layer, prefill seconds [n_p] per layer) of an iteration's
@@ -267,7 +275,5 @@ def _remote(remote: RemoteAttention, work: list, off, pre_of, computed, p_busy: 
             o = off[ids]
             np.add.at(cnt, (a, mb[o], pre_of[ids[o]]), 1.0)
             np.add.at(csum, (a, mb[o], pre_of[ids[o]]), computed[ids[o]] + 1.0)
-    # a busy prefill replica answers after its step's layer in flight: half a layer on average
-    w = remote.off.layer_wait
-    wait = np.array([0.0 if b is None else w * (b.attn_s + b.exp_s) / (L * b.rate) for b in p_busy])
+    wait = np.array([_answer_wait(b, remote.off.layer_wait, L) for b in p_busy])
     return remote.layer(cnt, csum, wait)
