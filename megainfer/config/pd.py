@@ -7,6 +7,8 @@ from typing import Optional
 
 from .base import is_number, require
 
+OFFLOAD_POLICIES = ("ratio", "auto")  # pd.offload_policy; the rule: perfmodel/offload_rule.py
+
 
 @dataclass(frozen=True)
 class PdConfig:
@@ -19,6 +21,8 @@ class PdConfig:
     offload_ratio: float = 1.0
     # KV blocks of a prefill rank's cache kept for offloaded requests (the rest holds prompts in flight); null: half of cache.num_blocks
     offload_blocks: Optional[int] = None
+    # ratio: offload_ratio of the eligible requests; auto: only while the prefill rank's pool has room and the decode replica's KV would not hold the request
+    offload_policy: str = "ratio"
 
     def __post_init__(self):
         require(isinstance(self.offload, bool), "pd.offload", self.offload, "must be true or false")
@@ -28,6 +32,8 @@ class PdConfig:
                                                 and not isinstance(self.offload_blocks, bool)
                                                 and self.offload_blocks >= 1),
                 "pd.offload_blocks", self.offload_blocks, "must be an integer >= 1 or null")
+        require(self.offload_policy in OFFLOAD_POLICIES, "pd.offload_policy", self.offload_policy,
+                f"must be one of {', '.join(OFFLOAD_POLICIES)}")
 
     def pool_blocks(self, num_blocks: int) -> int:
         """The prefill rank's offload pool out of its ``num_blocks`` (0 when off)."""

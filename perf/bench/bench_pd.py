@@ -46,7 +46,6 @@ import os
 import platform
 import statistics
 import sys
-import threading
 
 import numpy as np
 
@@ -56,6 +55,7 @@ from mpi_launch import run_job  # noqa: E402
 from perf_paths import RESULTS  # noqa: E402
 from megainfer.bench.results_io import write_json  # noqa: E402
 
+from bench_conditions import LoadSampler, calibration  # noqa: E402
 from megainfer.bench.pd_runs import spans_path  # noqa: E402
 
 
@@ -76,39 +76,6 @@ def summarise(r: dict) -> dict:
                 kv_bytes_sent=sum(p["kv_bytes_sent"] for p in pre) if pre else 0,
                 transfers=sum(p["transfers"] for p in pre) if pre else 0,
                 hidden_fraction=None if window <= 0 else 1 - exposed / window)
-
-
-class LoadSampler:
-    """The 1-min load average every ``every_s`` seconds while the ``with`` block runs."""
-
-    def __init__(self, every_s: float = 5.0):
-        self.every_s, self.samples, self._stop = every_s, [], threading.Event()
-
-    def __enter__(self):
-        self.samples.append(os.getloadavg()[0])
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
-        return self
-
-    def _run(self):
-        while not self._stop.wait(self.every_s):
-            self.samples.append(os.getloadavg()[0])
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._t.join()
-        self.samples.append(os.getloadavg()[0])
-
-
-def calibration(spec: str) -> dict:
-    """One traced bench50m run (perf/validate/calibrate_bench50m.py) between launches: its spans tell
-    perf/validate/validate_sim_pd.py how fast the shared machine was then."""
-    import tempfile
-
-    from bench50m_probe import sample
-    b, p, d = (int(x) for x in spec.split(","))
-    with tempfile.TemporaryDirectory(prefix="bench_pd_cal_") as tmp:  # its traces are read back
-        return dict(sample(b, p, d, tmp), probe=True)
 
 
 def median_row(runs: list[dict]) -> dict:

@@ -3,7 +3,8 @@ on the same 4 ranks (1 prefill + 1 decode attention + 2 expert ranks), on a work
 decode rank's KV pool is the limit.
 
     python perf/bench/bench_pd_offload.py [--num 12 --prompt 96 --output 16 --block-size 16
-        --num-blocks 35 --offload-blocks 21 --m 2 --repeats 3 --out perf/results/bench_pd_offload.json]
+        --num-blocks 35 --offload-blocks 21 --m 2 --repeats 3 --calibrate B,P,D
+        --out perf/results/bench_pd_offload.json]
 
 Model: bench50m (dummy weights, fp32, one thread per rank). Every engine has ``--num-blocks``
 blocks (the decode pool: ``num_blocks x block_size`` tokens, here room for 5 whole sequences);
@@ -14,21 +15,32 @@ the decode engine's largest batch (sequences in one step), its preemptions, toke
 tokens / job seconds), and with offload the requests offloaded, the per-layer round trip
 (mean, ms: the decode rank posting q/k/v to the reply arriving) and the share of it hidden
 behind the decode rank's own attention (1 - waited after the local attention / round trip).
-Greedy tokens of both layouts must agree. The simulator does not model the offload yet: no
-prediction column. On 2 shared cores four ranks oversubscribe the CPU: tokens/s is noise-bound;
-the largest batch and the preemptions are the mechanism's figures.
+Greedy tokens of both layouts must agree. On 2 shared cores four ranks oversubscribe the CPU:
+tokens/s is noise-bound; the largest batch and the preemptions are the mechanism's figures.
+
+The prediction beside each row (``simulator``): ``perf/validate/predict_pd_offload.py``'s, the
+PD simulator with the offload, calibrated as the PD bench's comparison is (bench50m's in-situ
+fits, each launch under the conditions of the probes beside it). ``--calibrate B,P,D``: a traced
+bench50m probe (``bench_conditions.calibration``) before each launch and after the last, kept in
+``calibrations`` (each launch's ``calibration``: the index of the probe before it); every
+launch records its 1-min load average (``load_average``, sampled every 5 s).
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "harness"))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "harness"))
+sys.path.insert(0, os.path.join(HERE, "..", "validate"))
 
+from bench_conditions import LoadSampler, calibration  # noqa: E402
 from mpi_launch import run_job  # noqa: E402
+from predict_pd_offload import predict  # noqa: E402
 from perf_paths import RESULTS  # noqa: E402
 from megainfer.bench.results_io import write_json  # noqa: E402
 
@@ -49,7 +61,7 @@ def row(r: dict) -> dict:
 
 def median(rows: list[dict]) -> dict:
     out = {}
-    for k in rows[0]:
+    for k in (k for k in rows[0] if k not in ("calibration", "load_average")):
         xs = [x[k] for x in rows if x[k] is not None]
         out[k] = statistics.median(xs) if xs else None
     return out
@@ -65,6 +77,9 @@ def main():
     ap.add_argument("--offload-blocks", type=int, default=21)
     ap.add_argument("--m", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--calibrate", default=None, metavar="B,P,D",
+                    help="before each launch and after the last, one traced bench50m probe run "
+                         "of batch B, prompt P, D new tokens (the machine's speed for the prediction)")
     ap.add_argument("--out", default=os.path.join(RESULTS, "bench_pd_offload.json"))
     args = ap.parse_args()
     base = dict(num=args.num, prompt_len=args.prompt, output_len=args.output, m=args.m,
@@ -72,29 +87,42 @@ def main():
                 offload_blocks=args.offload_blocks, max_num_seqs=args.num,
                 max_num_batched_tokens=max(args.prompt, 64))
     runs = {"pd": [], "pd_offload": []}
-    tokens = {}
+    tokens, cals = {}, []
     order = [("pd", False), ("pd_offload", True)]
     for i in range(args.repeats):
         for name, off in (order if i % 2 == 0 else order[::-1]):  # alternating
+            if args.calibrate:
+                cals.append(calibration(args.calibrate))
             out = f"{args.out}.{name}.{i}.tmp.json"
-            r = run_job(4, "pd_offload_bench_job.py", out, [json.dumps(dict(base, offload=off))])
+            with LoadSampler() as ls:
+                r = run_job(4, "pd_offload_bench_job.py", out, [json.dumps(dict(base, offload=off))])
             os.remove(out)
             tokens.setdefault(name, r["tokens"])
-            runs[name].append(row(r))
+            load = statistics.mean(ls.samples)
+            runs[name].append(dict(row(r), load_average=load,
+                                   calibration=len(cals) - 1 if args.calibrate else None))
+            print(f"  {name} launch {i + 1}/{args.repeats}: load average {load:.2f}", flush=True)
+    if args.calibrate:
+        cals.append(calibration(args.calibrate))
     same = tokens["pd"] == tokens["pd_offload"]
     rows = {k: median(v) for k, v in runs.items()}
-    print(f"{'layout':12} {'max batch':>9} {'preempt':>7} {'tok/s':>7} {'offloaded':>9} "
-          f"{'rt ms':>7} {'hidden':>6}")
+    res = dict(config=base, repeats=args.repeats, rows=rows, runs=runs, calibrations=cals,
+               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               tokens_identical=same, machine="2 shared CPU cores, 4 ranks")
+    res["simulator"] = sim = predict(res)
+    res["batch_gain"] = rows["pd_offload"]["max_batch"] / max(1, rows["pd"]["max_batch"])
+    print(f"{'layout':12} {'max batch':>13} {'preempt':>7} {'tok/s':>15} {'offloaded':>9} "
+          f"{'rt ms':>13} {'hidden':>6}   (measured / predicted)")
     for k, v in rows.items():
-        rt = "-" if v["round_trip_ms"] is None else f"{v['round_trip_ms']:.2f}"
+        p = sim["rows"][k]
+        rt = "-" if v["round_trip_ms"] is None else f"{v['round_trip_ms']:.2f} / {p['round_trip_ms']:.2f}"
         hid = "-" if v["hidden_fraction"] is None else f"{100 * v['hidden_fraction']:.0f}%"
-        print(f"{k:12} {v['max_batch']:>9.0f} {v['preemptions']:>7.0f} {v['tokens_per_s']:>7.1f} "
-              f"{v['offloaded']:>9.0f} {rt:>7} {hid:>6}")
-    gain = rows["pd_offload"]["max_batch"] / max(1, rows["pd"]["max_batch"])
-    print(f"batch capacity gained: {gain:.2f}x; greedy tokens identical: {same}")
-    write_json(args.out, dict(config=base, repeats=args.repeats, rows=rows, runs=runs,
-                              batch_gain=gain, tokens_identical=same,
-                              simulator=None, machine="2 shared CPU cores, 4 ranks"))
+        print(f"{k:12} {v['max_batch']:>6.0f} / {p['max_batch']:<4.0f} {v['preemptions']:>7.0f} "
+              f"{v['tokens_per_s']:>7.1f} / {p['tokens_per_s']:<5.1f} {v['offloaded']:>4.0f} / {p['offloaded']:<2} "
+              f"{rt:>13} {hid:>6}")
+    print(f"batch capacity gained: {res['batch_gain']:.2f}x; greedy tokens identical: {same}; "
+          f"measured / predicted: {json.dumps(sim['measured_over_predicted'])}")
+    write_json(args.out, res)
     if not same:
         raise SystemExit("greedy tokens differ between the layouts")
 

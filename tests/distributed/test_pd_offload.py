@@ -126,6 +126,30 @@ def test_offload_relieves_a_small_decode_pool(tiny_ckpts, single_mode_tokens, tm
     _check_freed(off["offload"])
 
 
+def test_offload_auto_gives_single_mode_tokens_and_offloads_only_under_pressure(
+        tiny_ckpts, single_mode_tokens, tmp_path):
+    """``pd.offload_policy=auto`` on the small decode pool (34 blocks of 4 tokens, lives of up
+    to 64 tokens with max_model_len 64): greedy tokens identical to single mode; the requests
+    the decode KV would not hold beside the local ones are offloaded while the 17-block pool has
+    room (rank 0's ledger, offload_rule.picks_auto), the others stay local; every block freed.
+    With room for every request locally (the default 256 blocks), auto offloads none."""
+    ckpt = tiny_ckpts[("mixtral", "base")]
+    out = tmp_path / "out.json"
+    run_mpi(3, JOB, [out, 1, 1, 1, 1, "2", ckpt, "offload=auto", "blocks=34", "mml=64",
+                     "pool=17"], timeout=600)
+    got = json.loads(out.read_text())
+    assert got[f"{ckpt}|m=2|off=auto"] == single_mode_tokens[ckpt]
+    off = got[f"{ckpt}|m=2|off=auto|stats"]
+    decode = off["offload"][0]
+    assert 0 < decode["chosen"] == decode["started"] < 7, off  # pressure and pool room chose
+    _check_freed(off["offload"])
+    out2 = tmp_path / "out2.json"
+    run_mpi(3, JOB, [out2, 1, 1, 1, 1, "2", ckpt, "offload=auto"], timeout=600)
+    got2 = json.loads(out2.read_text())
+    assert got2[f"{ckpt}|m=2|off=auto"] == single_mode_tokens[ckpt]
+    assert got2[f"{ckpt}|m=2|off=auto|stats"]["offload"][0]["chosen"] == 0  # no pressure
+
+
 def test_offload_with_prefix_caching_on_the_prefill_rank(tiny_ckpts, tmp_path):
     """Shared-prefix prompts, prefix caching on: offloaded requests whose prompts hit the
     prefill rank's cache keep (a copy of) those blocks; single mode's tokens (caching off)."""

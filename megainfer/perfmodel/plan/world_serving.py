@@ -218,6 +218,19 @@ def _simulate(c: ServingChoice, model: DisaggModel, target: ServingTarget, dtype
     return c
 
 
+def replica_kv_tokens(shape, hw: HardwareProfile, tp: int, dtype: str) -> float:
+    """KV tokens a whole-model replica of ``tp`` devices on ``hw`` holds beside its weights
+    (a prefill replica; the usable memory ``mem_bytes x mem_util``)."""
+    cap = hw.mem_bytes * hw.mem_util
+    return (cap - shape.total_weight_bytes(dtype) / tp) / shape.kv_bytes_per_token(dtype, tp)
+
+
+def offload_pool_blocks(kv_tokens: float) -> int:
+    """A prefill replica's offload pool in blocks: half its KV memory (``pd.offload_blocks``'
+    default)."""
+    return max(int(kv_tokens // 2) // Offload().block_size, 0)
+
+
 def _offloaded(c: ServingChoice, ratio: float, model: DisaggModel, target: ServingTarget,
                hw: HardwareProfile, wl: Workload) -> Optional[ServingChoice]:
     """PD split ``c`` with ``ratio`` of its requests' decode attention offloaded: seats up to
@@ -230,9 +243,8 @@ def _offloaded(c: ServingChoice, ratio: float, model: DisaggModel, target: Servi
     v = _at_batch_limit(model, base, target, cap, kv_bound=False)
     if v is None or seats < 1:
         return None
-    pool, s = c.pool, c.pool.shape
-    kv = (cap - s.total_weight_bytes(pool.dtype) / pool.tp_p) / s.kv_bytes_per_token(pool.dtype, pool.tp_p)
-    blocks = max(int(kv // 2) // Offload().block_size, 0)
+    pool = c.pool
+    blocks = offload_pool_blocks(replica_kv_tokens(pool.shape, hw, pool.tp_p, pool.dtype))
     life = int((target.requests.prompt_len + target.requests.output_len).max())
     return ServingChoice("PD", v.decode, v.batch_limit, pool, None, ratio,
                          max(seats * (wl.input_len + wl.output_len), life), blocks)

@@ -33,6 +33,8 @@ class PdJobResult(JobResult):
     prefill_steps: list = field(default_factory=list)  # (replica, start, duration, tokens)
     kv_ready_s: np.ndarray | None = None  # when each request's whole KV had arrived
     offloaded: np.ndarray | None = None  # [requests] bool: its decode attention ran on its prefill replica
+    # per decode iteration and (replica, micro-batch) with offloaded rows: one layer's round trip, s
+    round_trip_s: np.ndarray | None = None
 
     @property
     def handoff_s(self) -> np.ndarray:
@@ -63,7 +65,7 @@ def simulate_pd_job(pool, model: DisaggModel, plan: Plan, requests: Requests,
     bw = min(pool.hw.inter_link.bandwidth_Bps * pool.tp_p, model.hw_a.inter_link.bandwidth_Bps * plan.tp_a)
     lat = max(pool.hw.inter_link.latency_s, model.hw_a.inter_link.latency_s)
     egress, ingress, msg = np.zeros(n_p), np.zeros(n_a), np.zeros(n_a)
-    book, off = OffloadBook(offload, n_p), np.zeros(n, bool)
+    book, off = OffloadBook(offload, n_p, n_a, decode_kv_tokens), np.zeros(n, bool)
     remote = RemoteAttention(pool, model, bw, lat, offload)
     life = P + O  # KV tokens of a request's whole life
     kv_used, share = np.zeros(n_a, np.int64), np.ones(n_p)  # share: p's time left to prefill
@@ -78,7 +80,7 @@ def simulate_pd_job(pool, model: DisaggModel, plan: Plan, requests: Requests,
     d_run = [[] for _ in range(n_a)]
     d_busy = None  # (end, [(a, ids)]) of the decode iteration in flight
     nxt, left, t, rot_a, rot_p = 0, n, 0.0, 0, 0
-    iters, psteps = [], []
+    iters, psteps, trips = [], [], []
     for _ in range(cfg.max_iterations * 4):
         if left == 0:
             break
@@ -148,7 +150,12 @@ def simulate_pd_job(pool, model: DisaggModel, plan: Plan, requests: Requests,
             rot_a, rot_p = (a + 1) % n_a, (p + 1) % n_p
             k = pending.pop(0)
             dec_of[k], pre_of[k] = a, p
-            off[k] = book.decide(p, k, int(life[k]))
+            tpot = None  # auto with a TPOT SLO: the last iteration plus this request's round trips
+            if book.auto and offload.tpot_slo_s is not None:
+                trip = (remote.one_row_s(float(P[k] + O[k] / 2))
+                        + _answer_wait(p_busy[p], offload.layer_wait, s.num_layers))
+                tpot = (iters[-1][1] if iters else 0.0) + s.num_layers * trip
+            off[k] = book.decide(p, a, k, int(life[k]), tpot)
             if not off[k] and decode_kv_tokens is not None and life[k] > decode_kv_tokens:
                 raise ConfigError(f"decode_kv_tokens={decode_kv_tokens}: below request {k}'s "
                                   f"{int(life[k])} tokens (it could never decode)")
@@ -204,6 +211,7 @@ def simulate_pd_job(pool, model: DisaggModel, plan: Plan, requests: Requests,
                 rt, used = None, None
                 if book.active:
                     rt, used = _remote(remote, work, off, pre_of, computed, p_busy, m, n_p, s.num_layers)
+                    trips.extend(rt[rt > 0].tolist())
                 end = pipe.iteration(t, tok, ctx, rows, counts, ingress_free=busy, remote_s=rt)
                 end += cfg.iteration_overhead_s
                 if used is not None:  # p's share of the iteration left to its prefill steps
@@ -228,7 +236,8 @@ def simulate_pd_job(pool, model: DisaggModel, plan: Plan, requests: Requests,
         if not cand:
             break
         t = max(t, min(cand))
-    return PdJobResult(A, first, fin, O, iters, None, [tuple(x) for x in psteps], ready, off)
+    return PdJobResult(A, first, fin, O, iters, None, [tuple(x) for x in psteps], ready, off,
+                       np.array(trips))
 
 
 def _fits(wait: list, ready, t: float, off, life, kv_used, a: int, cap: int) -> list:
@@ -248,6 +257,12 @@ def _fits(wait: list, ready, t: float, off, life, kv_used, a: int, cap: int) -> 
     return go
 
 
+def _answer_wait(step, layer_wait: float, L: int) -> float:
+    """How long a prefill replica with ``step`` in flight (None: idle) makes an offloaded
+    message wait: ``layer_wait`` (half, this runtime) of its step's layer, at its rate."""
+    return 0.0 if step is None else layer_wait * (step.attn_s + step.exp_s) / (L * step.rate)
+
+
 def _remote(remote: RemoteAttention, work: list, off, pre_of, computed, p_busy: list, m: int,
             n_p: int, L: int):
     """(round trip [n_a, m] s per layer, prefill seconds [n_p] per layer) of an iteration's
@@ -260,6 +275,5 @@ def _remote(remote: RemoteAttention, work: list, off, pre_of, computed, p_busy: 
             o = off[ids]
             np.add.at(cnt, (a, mb[o], pre_of[ids[o]]), 1.0)
             np.add.at(csum, (a, mb[o], pre_of[ids[o]]), computed[ids[o]] + 1.0)
-    # a busy prefill replica answers after its step's layer in flight: half a layer on average
-    wait = np.array([0.0 if b is None else 0.5 * (b.attn_s + b.exp_s) / (L * b.rate) for b in p_busy])
+    wait = np.array([_answer_wait(b, remote.off.layer_wait, L) for b in p_busy])
     return remote.layer(cnt, csum, wait)

@@ -1,8 +1,8 @@
 """Decode attention offloaded to the prefill replicas in ``sim.pd.simulate_pd_job``
 (``pd.offload``, docs/pd.md "Decode attention offloaded to the prefill ranks"): which requests
-are offloaded (``Offload``, ``OffloadBook``: the rule of ``runtime/pd/offload_policy.py``'s
-ledger) and, per decode iteration, each layer's round trip and remote attention
-(``RemoteAttention``). docs/perfmodel.md, "The offload in the PD simulator"."""
+are offloaded (``Offload``, ``OffloadBook``: ``perfmodel/offload_rule.py``'s rule, which
+``runtime/pd/offload_policy.py``'s ledger applies too) and, per decode iteration, each layer's
+round trip and remote attention (``RemoteAttention``). docs/perfmodel.md, "The offload in the PD simulator"."""
 from __future__ import annotations
 
 import math
@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megainfer.config import ConfigError
+from megainfer.perfmodel.offload_rule import POLICIES, OffloadCandidate, blocks_for, picks_auto, picks_by_ratio
 
 
 @dataclass(frozen=True)
@@ -18,15 +19,29 @@ class Offload:
     """``ratio``: ``pd.offload_ratio`` (0: off, today's simulator); ``pool_blocks``: a prefill
     replica's offload pool (``pd.offload_blocks``; None: unlimited) of ``block_size``-token
     blocks; ``header_up_B`` / ``header_down_B``: pickled header bytes of one ``OffloadQKV`` /
-    ``OffloadOut`` message (measured, docs/pd.md)."""
+    ``OffloadOut`` message (measured, docs/pd.md); ``policy``: ``pd.offload_policy`` (``auto``:
+    ``offload_rule.picks_auto``, ``ratio`` ignored); ``tpot_slo_s``: the TPOT SLO ``auto`` keeps
+    the predicted TPOT within (None: none)."""
 
     ratio: float = 0.0
     pool_blocks: int | None = None
     block_size: int = 16
     header_up_B: float = 1100.0
     header_down_B: float = 500.0
+    policy: str = "ratio"
+    tpot_slo_s: float | None = None
+    # the share of its prefill step's layer in flight a busy prefill replica makes a message wait:
+    # 0.5, this runtime (it answers between layers); 0, attention kernels run beside the prefill
+    # (Adrenaline's SM partition)
+    layer_wait: float = 0.5
 
     def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ConfigError(f"offload policy={self.policy!r}: must be one of {', '.join(POLICIES)}")
+        if self.tpot_slo_s is not None and not (isinstance(self.tpot_slo_s, (int, float)) and self.tpot_slo_s > 0):
+            raise ConfigError(f"offload tpot_slo_s={self.tpot_slo_s!r}: must be a positive number or None")
+        if not (isinstance(self.layer_wait, (int, float)) and 0.0 <= self.layer_wait <= 1.0):
+            raise ConfigError(f"offload layer_wait={self.layer_wait!r}: must be a number in [0, 1]")
         if not (isinstance(self.ratio, (int, float)) and 0.0 <= self.ratio <= 1.0):
             raise ConfigError(f"offload ratio={self.ratio!r}: must be a number in [0, 1]")
         if self.pool_blocks is not None and not (isinstance(self.pool_blocks, int) and self.pool_blocks >= 0):
@@ -36,29 +51,39 @@ class Offload:
 
 
 class OffloadBook:
-    """Rank 0's ledger over one job: the k-th eligible request (every simulated request has one
-    sample and no prompt logprobs) is offloaded when ``floor((k+1) r) > floor(k r)`` and its
-    prefill replica's pool has room for its whole life (prompt + output tokens, in blocks),
-    held until it finishes."""
+    """Rank 0's ledger over one job (every simulated request has one sample and no prompt
+    logprobs, so all are eligible): ``offload_rule``'s choice at hand-out, the pool's room for
+    the request's whole life (prompt + output tokens, in blocks) held until it finishes; for
+    ``auto`` also each decode replica's KV reserved by the local requests handed to it
+    (``decode_kv_tokens``; None: unlimited, so ``auto`` never offloads)."""
 
-    def __init__(self, off: Offload, n_p: int):
+    def __init__(self, off: Offload, n_p: int, n_a: int = 1, decode_kv_tokens: int | None = None):
         self.off = off
-        self.active = off.ratio > 0
+        self.auto = off.policy == "auto"
+        self.active = off.ratio > 0 or self.auto
         cap = math.inf if off.pool_blocks is None else off.pool_blocks
         self.free = [cap] * n_p  # per prefill replica: pool blocks not promised
         self.held: dict[int, tuple[int, int]] = {}  # request -> (prefill replica, blocks)
+        self.kv_cap = math.inf if decode_kv_tokens is None else decode_kv_tokens
+        self.local = [0] * n_a  # per decode replica: whole-life tokens of its local requests
+        self.held_local: dict[int, tuple[int, int]] = {}  # local request -> (decode replica, tokens)
         self.eligible = 0
 
-    def decide(self, p: int, k: int, tokens: int) -> bool:
-        """Whether request ``k``, prefilled on replica ``p``, is offloaded (``tokens``: its life)."""
+    def decide(self, p: int, a: int, k: int, tokens: int, tpot_s: float | None = None) -> bool:
+        """Whether request ``k``, prefilled on replica ``p`` and decoded on ``a``, is offloaded
+        (``tokens``: its life; ``tpot_s``: the predicted TPOT with it offloaded, for ``auto``)."""
         if not self.active:
             return False
-        j, r = self.eligible, self.off.ratio
+        need = blocks_for(tokens, self.off.block_size)
+        if self.auto:
+            go = picks_auto(OffloadCandidate(need, self.free[p], int(tokens),
+                                             self.kv_cap - self.local[a], tpot_s, self.off.tpot_slo_s))
+        else:
+            go = picks_by_ratio(self.eligible, self.off.ratio) and need <= self.free[p]
         self.eligible += 1
-        if math.floor((j + 1) * r) <= math.floor(j * r):
-            return False
-        need = -(-int(tokens) // self.off.block_size)
-        if need > self.free[p]:
+        if not go:
+            self.local[a] += int(tokens)
+            self.held_local[k] = (a, int(tokens))
             return False
         self.free[p] -= need
         self.held[k] = (p, need)
@@ -68,6 +93,9 @@ class OffloadBook:
         held = self.held.pop(k, None)
         if held is not None:
             self.free[held[0]] += held[1]
+        loc = self.held_local.pop(k, None)
+        if loc is not None:
+            self.local[loc[0]] -= loc[1]
 
 
 class RemoteAttention:
@@ -79,7 +107,8 @@ class RemoteAttention:
     t_attn(S, 0)`` of the pool's layer times (the context part: reading the KV and q.k, p.v;
     the projections stay on the decode side) plus one kernel overhead. A prefill replica runs
     the messages of one micro-batch from every decode replica one after another, and answers
-    after the layer of its own prefill step in flight: half a layer's wait on average."""
+    after the layer of its own prefill step in flight: half a layer's wait on average
+    (``Offload.layer_wait``)."""
 
     def __init__(self, pool, model, bw: float, lat: float, off: Offload):
         s = pool.shape
@@ -95,6 +124,13 @@ class RemoteAttention:
             return 0.0
         t, tp = self.pool.t, self.pool.tp_p
         return max(t.t_attn(n, ctx, tp) - t.t_attn(n, 0.0, tp), 0.0) + self.pool.hw.kernel_overhead_s
+
+    def one_row_s(self, ctx: float) -> float:
+        """One layer's round trip of a single offloaded row at context ``ctx`` on an idle
+        prefill replica: both messages on the wire and its attention there."""
+        o = self.off
+        return (2 * self.lat + (self.up_B + o.header_up_B + self.down_B + o.header_down_B) / self.bw
+                + self.attn_s(1, ctx))
 
     def layer(self, n: np.ndarray, ctx_sum: np.ndarray, wait_s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(round trip [n_a, m] s per layer, prefill time [n_p] s per layer taken by it) from

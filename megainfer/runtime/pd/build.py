@@ -78,7 +78,9 @@ def build_pd_rank(job, comm):
             if router is not None:
                 router.offload = OffloadLedger(
                     job.pd.offload_ratio, job.pd.pool_blocks(job.cache.num_blocks),
-                    plan.prefill_replicas, job.cache.block_size, job.scheduler.max_model_len)
+                    plan.prefill_replicas, job.cache.block_size, job.scheduler.max_model_len,
+                    job.pd.offload_policy, plan.attention_replicas,
+                    job.cache.num_blocks * job.cache.block_size)
         return PDReplicaLoop(engine, r.role, r.job.deploy, r.control, exchange, first_moe_layer,
                              decode, router,
                              OffloadTally() if job.pd.offload and router is not None else None)

@@ -185,7 +185,7 @@ class PDRouter:
                 loads[d] += 1
                 self.assigned[d] += 1
                 self.next_d = (d + 1) % self.A
-                keep = 0 if self.offload is None else self.offload.decide(p, xfer, inp, len(ids))
+                keep = 0 if self.offload is None else self.offload.decide(p, d, xfer, inp, len(ids))
                 msgs[d].append(Expect(xfer, self.prefill_ranks[p], len(ids), rid, keep > 0))
                 work[p].append(WorkItem(xfer, inp, d, keep))
         for p, items in enumerate(work):

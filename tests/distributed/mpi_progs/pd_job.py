@@ -9,8 +9,9 @@ with prefix caching on, ``SHARED_CACHE``'s block size), ``routing`` (scheduler.r
 (comm.tp_collectives, auto), ``prefill_delay`` (seconds every prefill step sleeps first), ``n``
 (``sampled_inputs``: seeded sampling with that many samples per request; OUT.json then maps
 each request to its samples' token ids), ``q`` (model.quantization, group size 32), ``offload``
-(a comma list of pd.offload_ratio values: each runs with pd.offload=true, keyed
-"<ckpt>|m=<m>|off=<ratio>", its stats adding the offload counts of every rank), ``pool``
+(a comma list of pd.offload_ratio values or ``auto``, pd.offload_policy=auto: each runs with
+pd.offload=true, keyed "<ckpt>|m=<m>|off=<ratio or auto>", its stats adding the offload
+counts of every rank), ``pool``
 (pd.offload_blocks), ``mml`` (scheduler.max_model_len, 128).
 A decode attention replicas x TP, E expert ranks, P prefill replicas (K = A*TP + E + P*ptp); MS a
 comma list of micro-batch counts. Prompts and configs are ``runtime_job``'s, so the single-mode
@@ -135,15 +136,18 @@ def main():
     elif kill and fault != "hang_offload":
         PrefillWorker._step = _die_at_first_step if fault == "kill" else _hang_at_first_step
     results = {}
-    ratios = [float(x) for x in opts["offload"].split(",")] if "offload" in opts else [None]
+    # pd.offload_ratio values, or "auto" (pd.offload_policy=auto)
+    ratios = [x if x == "auto" else float(x) for x in opts["offload"].split(",")] if "offload" in opts else [None]
     runs = [(m, ratio) for m in ms for ratio in ratios]
     for ckpt in ckpts:
         cfg = ModelConfig.from_pretrained(ckpt)
         for m, ratio in runs:
-            key = f"{ckpt}|m={m}" if ratio is None else f"{ckpt}|m={m}|off={ratio:g}"
+            key = (f"{ckpt}|m={m}" if ratio is None else f"{ckpt}|m={m}|off=auto" if ratio == "auto"
+                   else f"{ckpt}|m={m}|off={ratio:g}")
             pool = int(opts["pool"]) if "pool" in opts else None
-            pd = PdConfig() if ratio is None else PdConfig(offload=True, offload_ratio=ratio,
-                                                           offload_blocks=pool)
+            pd = (PdConfig() if ratio is None else
+                  PdConfig(offload=True, offload_policy="auto", offload_blocks=pool) if ratio == "auto" else
+                  PdConfig(offload=True, offload_ratio=ratio, offload_blocks=pool))
             plan = DeployPlan(mode="disaggregated", attention_replicas=A, attention_tp=TP,
                               expert_ranks=E, micro_batches=m, prefill_replicas=P,
                               prefill_tp=ptp)

@@ -87,7 +87,8 @@ def test_offloaded_kv_stays_ready_one_latency_after_the_first_token():
 
 def test_one_offloaded_request_pays_the_round_trip_every_layer():
     """One request on a slow link: every decode iteration is at least L round trips (2
-    latencies, q/k/v up and the output down with their headers at the link's bandwidth)."""
+    latencies, q/k/v up and the output down with their headers at the link's bandwidth), and
+    ``round_trip_s`` records each iteration's."""
     pool, model, plan = _setup(hw=SLOW)
     reqs = Requests(np.array([0.0]), np.array([64]), np.array([9]))
     r0 = simulate_pd_job(pool, model, plan, reqs, JobConfig())
@@ -99,6 +100,8 @@ def test_one_offloaded_request_pays_the_round_trip_every_layer():
     assert len(d1) == len(d0) == 8
     assert min(d1) >= s.num_layers * wire
     assert max(d0) < s.num_layers * wire  # locally it is much shorter
+    # one round trip per iteration recorded (one replica, one micro-batch), none without offload
+    assert len(r1.round_trip_s) == 8 and r1.round_trip_s.min() >= wire and not len(r0.round_trip_s)
 
 
 def test_remote_attention_grows_with_context_and_messages_queue_on_a_prefill_replica():
@@ -185,3 +188,27 @@ def test_offloaded_decode_slows_monotonically_as_the_link_does():
         r = simulate_pd_job(pool, model, plan, _offline(n=8), JobConfig(), offload=Offload(1.0))
         tpot.append(float(np.median(r.tpot_s)))
     assert tpot == sorted(tpot) and tpot[-1] > 2 * tpot[0]
+
+
+def test_auto_offloads_only_what_the_decode_kv_cannot_hold():
+    """``policy="auto"`` (offload_rule.picks_auto) on a decode pool of 200 KV tokens (two
+    96-token requests): with unlimited decode KV nothing is offloaded; with 200 tokens all but
+    the first two, which fit locally, are (the pool is unlimited), and the batches grow as with
+    ratio 1; a TPOT SLO below one round trip offloads none."""
+    pool, model, plan = _setup()
+    cfg = JobConfig(max_num_seqs=32)
+    auto = Offload(0.0, policy="auto")
+    r_inf = simulate_pd_job(pool, model, plan, _offline(), cfg, offload=auto)
+    assert not r_inf.offloaded.any()
+    r = simulate_pd_job(pool, model, plan, _offline(), cfg, offload=auto, decode_kv_tokens=200)
+    assert r.offloaded.sum() == 30 and not r.offloaded[:2].any()
+    r1 = simulate_pd_job(pool, model, plan, _offline(), cfg, offload=Offload(1.0), decode_kv_tokens=200)
+    assert _batch(r) == pytest.approx(_batch(r1), rel=0.2)
+    tight = Offload(0.0, policy="auto", tpot_slo_s=1e-9)
+    rt = simulate_pd_job(pool, model, plan, _stream(), JobConfig(max_num_seqs=8), offload=tight,
+                         decode_kv_tokens=200)
+    assert not rt.offloaded.any()
+    with pytest.raises(ConfigError, match="policy"):
+        Offload(policy="adaptive")
+    with pytest.raises(ConfigError, match="layer_wait"):
+        Offload(layer_wait=2)

@@ -35,7 +35,8 @@ def test_config_validates_naming_the_field():
     assert PdConfig(offload=True, offload_blocks=7).pool_blocks(100) == 7
     for kw, name in ((dict(offload="yes"), "pd.offload"), (dict(offload_ratio=1.5), "pd.offload_ratio"),
                      (dict(offload_ratio=-0.1), "pd.offload_ratio"),
-                     (dict(offload_blocks=0), "pd.offload_blocks")):
+                     (dict(offload_blocks=0), "pd.offload_blocks"),
+                     (dict(offload_policy="adaptive"), "pd.offload_policy")):
         with pytest.raises(ConfigError, match=name):
             PdConfig(**kw)
 
@@ -48,24 +49,44 @@ def _inp(n=1, max_tokens=12, prompt_logprobs=None):
 @pytest.mark.parametrize("ratio,want", [(0, 0), (0.5, 5), (1, 10), (0.3, 3)])
 def test_ledger_offloads_the_fraction(ratio, want):
     led = OffloadLedger(ratio, 1000, 1, 4, 128)
-    picks = [led.decide(0, x, _inp(), 10) for x in range(10)]
+    picks = [led.decide(0, 0, x, _inp(), 10) for x in range(10)]
     assert sum(t > 0 for t in picks) == want == led.offloaded
     assert all(t in (0, 22) for t in picks)  # prompt + max_tokens, reserved up front
 
 
 def test_ledger_room_credits_and_ineligible_requests():
     led = OffloadLedger(1, 10, 2, 4, 64)
-    assert led.decide(0, 0, _inp(n=2), 8) == 0  # n > 1: forks share blocks, not offloaded
-    assert led.decide(0, 1, _inp(prompt_logprobs=1), 8) == 0
-    assert led.decide(0, 2, _inp(max_tokens=None), 8) == 0  # max_model_len: 16 blocks, no room
+    assert led.decide(0, 0, 0, _inp(n=2), 8) == 0  # n > 1: forks share blocks, not offloaded
+    assert led.decide(0, 0, 1, _inp(prompt_logprobs=1), 8) == 0
+    assert led.decide(0, 0, 2, _inp(max_tokens=None), 8) == 0  # max_model_len: 16 blocks, no room
     assert led.no_room == 1 and led.free == [10, 10]
-    assert led.decide(0, 3, _inp(max_tokens=20), 8) == 28  # 7 blocks
-    assert led.decide(0, 4, _inp(max_tokens=20), 8) == 0 and led.free == [3, 10]  # no room
-    assert led.decide(1, 5, _inp(max_tokens=20), 8) == 28  # the other prefill rank has room
+    assert led.decide(0, 0, 3, _inp(max_tokens=20), 8) == 28  # 7 blocks
+    assert led.decide(0, 0, 4, _inp(max_tokens=20), 8) == 0 and led.free == [3, 10]  # no room
+    assert led.decide(1, 0, 5, _inp(max_tokens=20), 8) == 28  # the other prefill rank has room
     led.decoding("r3", 3)
     led.finished("r3")  # its output reached rank 0
     led.credit(5)  # dropped at the prefill rank
     assert led.free == [10, 10] and not led.held
+
+
+def test_ledger_auto_offloads_only_under_decode_kv_pressure_while_the_pool_has_room():
+    """``pd.offload_policy=auto``, decode replicas of 64 KV tokens, a pool of 14 blocks of 4:
+    each request lives 20 tokens (5 blocks). Three fit locally on replica 0, the fourth would
+    not: offloaded, as the fifth; the sixth finds the pool full and stays local (it waits);
+    replica 1 has room, so its request stays local; a local one finishing relieves the pressure."""
+    led = OffloadLedger(0.0, 14, 1, 4, 128, policy="auto", num_decode=2, decode_kv_tokens=64)
+    picks = [led.decide(0, 0, x, _inp(max_tokens=12), 8) for x in range(6)]
+    assert picks == [0, 0, 0, 20, 20, 0] and led.local == [80, 0] and led.free == [4]
+    assert led.decide(0, 1, 6, _inp(max_tokens=12), 8) == 0 and led.local == [80, 20]
+    for x in (0, 1):
+        led.decoding(f"r{x}", x)
+        led.finished(f"r{x}")  # two local ones done on replica 0: 40 tokens free there
+    led.credit(3)  # an offloaded one dropped: its pool room back
+    assert led.local == [40, 20] and led.free == [9]
+    assert led.decide(0, 0, 7, _inp(max_tokens=12), 8) == 0  # fits locally again: no pressure
+    auto_off = OffloadLedger(1.0, 14, 1, 4, 128, policy="auto", num_decode=1, decode_kv_tokens=None)
+    assert led.decide(0, 0, 8, _inp(n=2), 8) == 0  # n > 1 never
+    assert auto_off.decide(0, 0, 0, _inp(max_tokens=12), 8) == 0  # unlimited decode KV: no pressure
 
 
 def test_remote_blocks_release_on_finish_and_come_home_on_preemption():
