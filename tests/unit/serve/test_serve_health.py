@@ -36,7 +36,7 @@ class FakeRuntime:
     def take_spans(self):
         return None
 
-    def replan_count(self):
+    def replan_switches(self):
         return 0
 
     def offload_report(self):
