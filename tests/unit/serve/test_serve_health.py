@@ -37,7 +37,7 @@ class FakeRuntime:
         return None
 
     def replan_switches(self):
-        return 0
+        return []
 
     def offload_report(self):
         return None
