@@ -182,8 +182,8 @@ class AsyncLLM:
         self._core.submit(AbortRequest(str(request_id)))
 
     def order_replan(self, label: str, reason: str) -> None:
-        """Switch every rank to ``label`` (``aNeMmK``) at the engine core's next iteration with
-        work (a live planner's order; ``replan.enabled=true``)."""
+        """Switch every rank to ``label`` (``aNeMmK``) at the engine core's next iteration
+        (idle or not; a live planner's order; ``replan.enabled=true``)."""
         self._core.submit(OrderReplan(label, reason))
 
     def shutdown(self, timeout: Optional[float] = SHUTDOWN_TIMEOUT_S) -> None:

@@ -44,7 +44,7 @@ class Shutdown:
 @dataclass(frozen=True)
 class OrderReplan:
     """A live planner's switch (``replan.policy=planner``): every rank to ``label``
-    (``aNeMmK``) from the next iteration with work; ``reason``: the decision's, logged and
+    (``aNeMmK``) from the next iteration; ``reason``: the decision's, logged and
     recorded with the switch."""
 
     label: str

@@ -124,7 +124,7 @@ class RuntimeEngine:
 
     def order_replan(self, label: str, reason: str) -> None:
         """A live planner's switch to ``label`` (``aNeMmK``), carried out at the next
-        iteration with work (``replan.policy=planner``; the plug's ``order``)."""
+        iteration, idle or not (``replan.policy=planner``; the plug's ``order``)."""
         if self.plug is None:
             raise RuntimeError(f"re-plan order {label!r}: this job does not re-plan "
                                "(replan.enabled=false)")

@@ -255,7 +255,7 @@ class ServedEngine:
 
     def order_replan(self, label: str, reason: str) -> None:
         """A planner's switch of every rank to ``label`` (``aNeMmK``), carried out by the
-        engine core at its next iteration with work."""
+        engine core at its next iteration."""
         self.llm.order_replan(label, reason)
 
     async def abort_all(self) -> int:

@@ -48,7 +48,7 @@ class OnlineReplanner:
 
     def order(self, label: str, reason: str) -> None:
         """The live planner's switch (``replan.policy=planner``): the controller orders it at
-        the next iteration with work."""
+        the next iteration."""
         self.ctl.order(label, reason)
 
     def drain(self) -> None:

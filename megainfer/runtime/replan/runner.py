@@ -130,7 +130,8 @@ class ReplanController:
 
     def order(self, label: str, reason: str) -> None:
         """The live planner's order (online, ``replan.policy=planner``): ``label`` ('a2e1m2')
-        from the next iteration with work (a newer order replaces one not carried out yet)."""
+        from the next iteration, idle or not (a newer order replaces one not carried out
+        yet)."""
         a, e, _ = parse_plan(label) or (0, 0, None)
         world = self.rank.comm.Get_size()
         if a + e != world or e > self.job.model.num_experts:
@@ -140,12 +141,13 @@ class ReplanController:
         self.planned = (label, reason)
 
     def _ordered(self, it: int, cur: tuple, work: bool):
-        """A forced switch due at ``it``, else the planner's order; None while draining, idle
-        or with nothing ordered (once every forced switch is done too)."""
-        if self.draining or not work:
+        """A forced switch due at ``it`` (at an iteration with work), else the planner's order
+        (at any iteration: an idle one is the cheapest to switch at); None while draining or
+        with nothing ordered (once every forced switch is done too)."""
+        if self.draining:
             return None
         if self.forced:
-            if self.forced[0][0] > it:
+            if not work or self.forced[0][0] > it:
                 return None
             (_, label), reason, kind = self.forced.pop(0), "forced", "forced"
         elif self.planned is not None:
