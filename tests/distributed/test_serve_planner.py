@@ -89,9 +89,6 @@ def test_the_served_planner_switches_and_every_answer_is_single_modes(tiny_ckpts
         assert gauge(url, "replans_total") == 1  # the dwell allows no second
         srv.signal(signal.SIGTERM)
         assert srv.wait(60) == 0, srv.output()
-        out = srv.output()  # every decision logged with its numbers; the switch as any re-plan's
-        assert "[planner] " in out and f"switch {start} -> {view['current']}" in out, out
-        assert "(planner: " in out, out
         wait_for(lambda: not srv.alive_pids(), 10, "every rank gone")
     finally:
         srv.close()
