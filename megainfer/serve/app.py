@@ -1,7 +1,7 @@
 """The FastAPI application: OpenAI's /v1/completions, /v1/chat/completions and /v1/models,
-vLLM's /tokenize, /detokenize, /health, /metrics and /version (docs/serve.md). The routes only
-parse and delegate to one serving class per endpoint; the key, the body's size and pace, and
-unexpected errors are the gate's (``gate.RequestGate``); the OpenAPI document declares what
+vLLM's /tokenize, /detokenize, /health, /metrics and /version, and the live planner's /planner
+(docs/serve.md). The routes only parse and delegate to one serving class per endpoint; the
+key, the body's size and pace, and unexpected errors are the gate's (``gate.RequestGate``); the OpenAPI document declares what
 the server really answers (``openapi.py``)."""
 from __future__ import annotations
 
