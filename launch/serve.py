@@ -65,6 +65,15 @@ def _log_ranks(s) -> None:
         print(_ranks_line(ranks), flush=True)
 
 
+def _with_planner(client, job, cfg):
+    """``replan.policy=planner``: the live planner plugs into the served engine
+    (``ServedEngine.planner``); ``cfg``: the composed config (``deploy.hardware``)."""
+    if job.replan.enabled and job.replan.policy == "planner":
+        from megainfer.serve.planner_loop import ServedPlanner
+        client.planner = ServedPlanner.for_job(job, cfg.deploy.get("hardware"), client.metrics)
+    return client
+
+
 def run_spawned(cfg, c: dict, serve: ServeConfig) -> int:
     """A plain process: the frontend here, the engine core in a child job (every mode);
     ``c``, ``serve``: ``serve_tree(cfg)``."""
@@ -76,8 +85,9 @@ def run_spawned(cfg, c: dict, serve: ServeConfig) -> int:
     # check up front; the KV pool is the child job's (no CUDA context in the frontend)
     spec = JobTree(c, world)
     name = served_name(serve, cfg.model.get("path"), s.model.family)
-    client = ServedEngine.spawn(spec, s, name, serve, iteration_role(s),
-                                metrics_label(serve, name, cfg.model.get("path")))
+    client = _with_planner(ServedEngine.spawn(spec, s, name, serve, iteration_role(s),
+                                              metrics_label(serve, name, cfg.model.get("path"))),
+                           s, cfg)
     print(_ranks_line(client.llm.ranks, f"; frontend pid {os.getpid()}"), flush=True)
     log.info("[serve] the frontend serves %s over a child job of %d ranks", s.deploy.mode, world)
     return serve_client(client, serve, s.load.path)
@@ -124,9 +134,9 @@ def run_server(cfg) -> int:
         if distributed:
             log.info("[serve] rank 0 serves %s over %d ranks", s.deploy.mode, world_size())
         name = served_name(serve, cfg.model.get("path"), s.model.family)
-        client = ServedEngine.beside(engine, name, serve, iteration_role(s),
-                                     engine.hang_after_s(float(s.comm.timeout_s)),
-                                     metrics_label(serve, name, cfg.model.get("path")))
+        client = _with_planner(ServedEngine.beside(
+            engine, name, serve, iteration_role(s), engine.hang_after_s(float(s.comm.timeout_s)),
+            metrics_label(serve, name, cfg.model.get("path"))), s, cfg)
         code = serve_client(client, serve, s.load.path)
     except (ConfigError, RequestError):
         if not distributed:

@@ -24,7 +24,7 @@ from megainfer.core_client.client import core_thread
 from megainfer.engine.resolve import JobTree
 from megainfer.engine import RequestError, RequestOutput, SamplingParams
 from megainfer.engine_core.core import SHUTDOWN_TIMEOUT_S
-from megainfer.engine_core.messages import AbortRequest, CoreOutputs
+from megainfer.engine_core.messages import AbortRequest, CoreOutputs, OrderReplan
 from megainfer.engine.errors import DuplicateRequestError
 from megainfer.engine.failures import EngineDeadError, core_died, core_not_running
 from megainfer.engine.outputs import PromptInput
@@ -180,6 +180,11 @@ class AsyncLLM:
         """End a request wherever it is (waiting, running, partly prefilled): its blocks are
         freed and its stream ends with ``finish_reason="abort"``. Unknown or finished: no-op."""
         self._core.submit(AbortRequest(str(request_id)))
+
+    def order_replan(self, label: str, reason: str) -> None:
+        """Switch every rank to ``label`` (``aNeMmK``) at the engine core's next iteration
+        (idle or not; a live planner's order; ``replan.enabled=true``)."""
+        self._core.submit(OrderReplan(label, reason))
 
     def shutdown(self, timeout: Optional[float] = SHUTDOWN_TIMEOUT_S) -> None:
         """Abort what runs (those streams end with "abort") and stop the engine core (one

@@ -30,8 +30,11 @@ class LocalOnline:
     def take_spans(self):
         return None
 
-    def replan_count(self) -> int:
-        return 0
+    def replan_switches(self) -> list:
+        return []
+
+    def order_replan(self, label: str, reason: str) -> None:
+        raise RuntimeError(f"re-plan order {label!r}: single mode does not re-plan")
 
     def offload_report(self):
         return None

@@ -4,7 +4,7 @@
 iteration and idle tick the core runs: it times them, counts generated tokens and collects each
 finished request's queue time (``RequestOutput.metrics.time_in_queue`` plus the engine's hold
 before it, ``OnlineEngine.held_s``) and PD's KV-transfer time; the engine adds what only it
-knows (``take_spans``: T_a, T_e, T_c with tracing on, cpu; ``replan_count``; at ``take``,
+knows (``take_spans``: T_a, T_e, T_c with tracing on, cpu; ``replan_switches``; at ``take``,
 ``offload_report``: PD's offloaded decode attention). ``take`` empties that into one
 ``CoreStats`` with the engine's queues (``EngineLoad``) and offloaded requests as they are now.
 Invariant: the frontend only applies what arrives, so the figures are the same whether the
@@ -44,6 +44,8 @@ class CoreStats:
     expert_layer_s: list[float] = field(default_factory=list)  # T_e spans (the expert ranks')
     a2e_latency_s: list[float] = field(default_factory=list)  # T_c: dispatch end -> arrival
     replans: int = 0  # re-plans (switches of every rank) since the last CoreStats
+    # of those: (who ordered it: forced | measured | planner, its seconds), in order
+    replan_switch_s: list[tuple[str, float]] = field(default_factory=list)
     offloaded_requests: int = 0  # pd.offload: requests offloaded since the last CoreStats
     # pd.offload: per-layer round trips of the offload exchange, as the decode ranks measured
     offload_round_trip_s: list[float] = field(default_factory=list)
@@ -99,9 +101,10 @@ class CoreStatsRecorder:
             if m is not None and m.kv_handoff_s is not None:
                 f["kv_transfer_s"].append(m.kv_handoff_s)
         f["generated_tokens"] += sum(len(d.token_ids) for d in res.new_tokens)
-        replans = eng.replan_count()
-        f["replans"] += replans - self.replans
-        self.replans = replans
+        switches = eng.replan_switches()
+        f["replans"] += len(switches) - self.replans
+        f["replan_switch_s"] += switches[self.replans:]
+        self.replans = len(switches)
 
     def idle_tick(self, seconds: float) -> None:
         self.fresh["idle_tick_s"].append(seconds)

@@ -32,8 +32,8 @@ from .core import EngineCore
 from .core import EngineCoreThread
 from .launch_env import parent_death_signal
 from .messages import (AUTHKEY_ENV, HEARTBEAT_S, LOG_LEVEL_ENV, AbortRequest, AddRequest,
-                       CoreOutputs, Heartbeat, Launched, Ready, Shutdown, StartFailed,
-                       gather_roster)
+                       CoreOutputs, Heartbeat, Launched, OrderReplan, Ready, Shutdown,
+                       StartFailed, gather_roster)
 
 log = logging.getLogger("megainfer.engine_core")
 POLL_S = 0.25  # rank 0's main thread: how often it checks its core thread while no input comes
@@ -111,7 +111,7 @@ def serve_script(conn, engine, job, ranks: dict, prefix: str) -> bool:
             log.warning("%s the script closed its socket: shutting down", prefix)
             core.submit(Shutdown())
             break
-        if not isinstance(msg, (AddRequest, AbortRequest, Shutdown)):
+        if not isinstance(msg, (AddRequest, AbortRequest, OrderReplan, Shutdown)):
             log.error("%s ignored %r: not an engine core input", prefix, msg)
             continue
         core.submit(msg)

@@ -23,7 +23,8 @@ from megainfer.engine.outputs import RequestOutput, StepOutputs
 from megainfer.engine.sampling_params import SamplingParams
 from megainfer.engine.stats import CoreStatsRecorder, EngineLoad, timed
 
-from .messages import AbortRequest, AddRequest, CoreInput, CoreOutputs, RequestUpdate, Shutdown
+from .messages import (AbortRequest, AddRequest, CoreInput, CoreOutputs, OrderReplan,
+                       RequestUpdate, Shutdown)
 
 log = logging.getLogger("megainfer.engine_core")
 
@@ -39,7 +40,8 @@ class OnlineEngine(Protocol):
     iterations that end the aborted requests follow (the runtime stops re-planning); ``close``:
     end it (its ranks too). What the core's ``CoreStatsRecorder`` reads: ``load``, ``held_s``
     (how long the engine held a finished request before its queue time began: rank 0's
-    hand-out), ``take_spans`` (T_a / T_e / T_c since the last call, or None), ``replan_count``,
+    hand-out), ``take_spans`` (T_a / T_e / T_c since the last call, or None), ``replan_switches``
+    ((who ordered it, seconds) of every re-plan so far),
     ``offload_report`` (PD's decode attention offload: a ``runtime.messages.OffloadStatus``,
     its round trips since the last call; None without ``pd.offload``, single mode too),
     ``stall_allowance_s``; a watchdog reads ``hang_after_s``."""
@@ -73,7 +75,9 @@ class OnlineEngine(Protocol):
 
     def take_spans(self): ...
 
-    def replan_count(self) -> int: ...
+    def replan_switches(self) -> list[tuple[str, float]]: ...
+
+    def order_replan(self, label: str, reason: str) -> None: ...  # a live planner's switch
 
     def offload_report(self): ...
 
@@ -140,6 +144,9 @@ class EngineCore:
         if isinstance(msg, AbortRequest):
             out = eng.abort_request(msg.request_id)  # None: finished already, or unknown
             return [] if out is None else [RequestUpdate(msg.request_id, output=out)]
+        if isinstance(msg, OrderReplan):
+            eng.order_replan(msg.label, msg.reason)
+            return []
         if isinstance(msg, Shutdown):
             eng.drain()
             updates = [u for rid in list(eng.requests) for u in self.handle(AbortRequest(rid))]
@@ -148,7 +155,8 @@ class EngineCore:
                     break
                 updates += self.step()
             return updates
-        raise TypeError(f"engine core input {msg!r}: not an AddRequest, AbortRequest or Shutdown")
+        raise TypeError(f"engine core input {msg!r}: not an AddRequest, AbortRequest, "
+                        "OrderReplan or Shutdown")
 
     def step(self) -> list[RequestUpdate]:
         """One iteration; one update per request with new tokens (``stream``) or a final

@@ -1,6 +1,7 @@
 """Every message that crosses between a frontend's client and an engine core, in one place.
 
-The core's inputs (``AddRequest``, ``AbortRequest``, ``Shutdown``) go in between iterations;
+The core's inputs (``AddRequest``, ``AbortRequest``, ``Shutdown``, a live planner's
+``OrderReplan``) go in between iterations;
 each round of the core comes out as one ``CoreOutputs``: a ``RequestUpdate`` per request that
 changed (its samples' new tokens, ``SampleDelta``, and once its final ``RequestOutput``), the
 core's ``CoreStats`` or the error it died of. Over a child job's socket also: ``JobTree`` first;
@@ -40,7 +41,17 @@ class Shutdown:
     """Abort every unfinished request (their outputs go out) and stop the loop."""
 
 
-CoreInput = Union[AddRequest, AbortRequest, Shutdown]
+@dataclass(frozen=True)
+class OrderReplan:
+    """A live planner's switch (``replan.policy=planner``): every rank to ``label``
+    (``aNeMmK``) from the next iteration; ``reason``: the decision's, logged and
+    recorded with the switch."""
+
+    label: str
+    reason: str
+
+
+CoreInput = Union[AddRequest, AbortRequest, Shutdown, OrderReplan]
 
 
 @dataclass

@@ -180,6 +180,7 @@ class ReplanOrder:
     new: tuple
     reason: str  # "forced" or the decision's description
     predicted_gain: float = float("nan")
+    kind: str = "measured"  # who ordered it: forced | measured | planner
     stream: bool = False  # the loops that resume report each step's new tokens (a streaming core)
 
     def name(self, p: tuple) -> str:

@@ -36,6 +36,8 @@ class OnlinePlug(Protocol):
 
     def drain(self) -> None: ...  # the engine core shuts down: only its last iterations follow
 
+    def order(self, label: str, reason: str) -> None: ...  # a switch from outside the loop
+
     def close(self) -> None: ...  # after the last iteration (the ranks told to stop)
 
 
@@ -116,8 +118,17 @@ class RuntimeEngine:
     def take_spans(self):
         return None if self.spans is None else self.spans.take()
 
-    def replan_count(self) -> int:
-        return len(self.rank.replans)
+    def replan_switches(self) -> list[tuple[str, float]]:
+        """(who ordered it: forced | measured | planner, seconds) of every re-plan so far."""
+        return [(rec["kind"], rec["seconds"]) for rec in self.rank.replans]
+
+    def order_replan(self, label: str, reason: str) -> None:
+        """A live planner's switch to ``label`` (``aNeMmK``), carried out at the next
+        iteration, idle or not (``replan.policy=planner``; the plug's ``order``)."""
+        if self.plug is None:
+            raise RuntimeError(f"re-plan order {label!r}: this job does not re-plan "
+                               "(replan.enabled=false)")
+        self.plug.order(label, reason)
 
     def offload_report(self):
         """PD with ``pd.offload``: the decode replicas' offload (``messages.OffloadStatus``, its

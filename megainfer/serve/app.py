@@ -1,10 +1,11 @@
 """The FastAPI application: OpenAI's /v1/completions, /v1/chat/completions and /v1/models,
-vLLM's /tokenize, /detokenize, /health, /metrics and /version (docs/serve.md). The routes only
-parse and delegate to one serving class per endpoint; the key, the body's size and pace, and
-unexpected errors are the gate's (``gate.RequestGate``); the OpenAPI document declares what
+vLLM's /tokenize, /detokenize, /health, /metrics and /version, and the live planner's /planner
+(docs/serve.md). The routes only parse and delegate to one serving class per endpoint; the
+key, the body's size and pace, and unexpected errors are the gate's (``gate.RequestGate``); the OpenAPI document declares what
 the server really answers (``openapi.py``)."""
 from __future__ import annotations
 
+import asyncio
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version as package_version
 from typing import Optional
@@ -53,7 +54,11 @@ def build_app(client: ServedEngine, cfg: ServeConfig, model_dir: Optional[str]) 
 
     @asynccontextmanager
     async def lifespan(_):
+        planner = None if client.planner is None else asyncio.ensure_future(
+            client.planner.run(client))
         yield
+        if planner is not None:
+            planner.cancel()
         client.shutdown()  # what still runs is aborted
 
     app = FastAPI(title="megainfer", version=version(), lifespan=lifespan)
@@ -98,6 +103,14 @@ def build_app(client: ServedEngine, cfg: ServeConfig, model_dir: Optional[str]) 
              responses={**text_response(CONTENT_TYPE_LATEST, 200), **GET_ERRORS})
     async def metrics():
         return Response(generate_latest(client.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/planner", responses=GET_ERRORS)
+    async def planner():
+        """The live planner's last decisions (``replan.policy=planner``; else 404)."""
+        if client.planner is None:
+            raise errors.APIError("no live planner runs (replan.policy=planner)", 404,
+                                  code="not_found")
+        return JSONResponse(client.planner.view())
 
     @app.get("/version")
     async def get_version():

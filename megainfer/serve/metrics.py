@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
@@ -71,6 +72,10 @@ class ServeMetrics:
                                      "cpu only)", buckets=_SPAN, **lab)
         self.replans = Counter(P + "replans", "Re-plans: switches of every rank to another "
                                "attention:expert split (replan.enabled=true)", **lab)
+        self.replan_switch = Histogram(P + "replan_switch_seconds", "Re-plans: one switch "
+                                       "of every rank, by who ordered it (kind: forced, "
+                                       "measured, planner)", buckets=_LATENCY,
+                                       labelnames=["model_name", "kind"], registry=r)
         self.kv_transfer = Histogram(P + "kv_transfer_seconds", "PD: a request's KV from the "
                                      "end of its prefill to its decode start", buckets=_LATENCY,
                                      **lab)
@@ -106,6 +111,8 @@ class ServeMetrics:
             self.labels(self.generation_tokens).inc(stats.generated_tokens)
         if stats.replans:
             self.labels(self.replans).inc(stats.replans)
+        for kind, seconds in stats.replan_switch_s:
+            self.labels(self.replan_switch, kind=kind).observe(seconds)
         if stats.offloaded_requests:
             self.labels(self.offloaded_total).inc(stats.offloaded_requests)
 
@@ -149,12 +156,23 @@ class CoreWatch:
         return max(self.recent_s, default=0.0)
 
 
+@dataclass(frozen=True)
+class ServedRequest:
+    """One finished request as the frontend measured it (``RequestTimer.served``)."""
+
+    prompt_len: int
+    output_len: int  # tokens of all its samples
+    ttft_s: Optional[float]  # None: no token came
+    tpot_s: Optional[float]  # (end-to-end - TTFT) / (tokens - 1); None with one token or none
+
+
 class RequestTimer:
     """One request's latencies as its outputs reach the frontend."""
 
     def __init__(self, metrics: ServeMetrics):
         self.m, self.start = metrics, time.perf_counter()
         self.last: Optional[float] = None
+        self.ttft_s: Optional[float] = None
         self.num_tokens = 0
 
     def tokens(self, total: int) -> None:
@@ -164,7 +182,8 @@ class RequestTimer:
             return
         now = time.perf_counter()
         if self.last is None:
-            self.m.labels(self.m.ttft).observe(now - self.start)
+            self.ttft_s = now - self.start
+            self.m.labels(self.m.ttft).observe(self.ttft_s)
             new -= 1
         elif new:
             gap = (now - self.last) / new
@@ -172,6 +191,14 @@ class RequestTimer:
             for _ in range(new):
                 h.observe(gap)
         self.last, self.num_tokens = now, total
+
+    def served(self, out) -> ServedRequest:
+        """What this finished request measured (the TPOT as the serving benchmark defines
+        it)."""
+        tpot = None
+        if self.ttft_s is not None and self.num_tokens > 1:
+            tpot = (self.last - self.start - self.ttft_s) / (self.num_tokens - 1)
+        return ServedRequest(len(out.prompt_token_ids), self.num_tokens, self.ttft_s, tpot)
 
     def finished(self, out) -> None:
         m = self.m

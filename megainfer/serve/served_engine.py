@@ -3,14 +3,17 @@ the metrics of each request, and the ``AsyncLLM`` streams. The core is single mo
 ``LLMEngine`` or rank 0's ``RuntimeEngine``, in a child job of its own (``ServedEngine.spawn``:
 what ``megainfer-serve`` does outside ``mpiexec``) or on a thread beside the frontend
 (``ServedEngine.beside``: rank 0 under ``mpiexec``, tests); either way its measurements arrive
-with its outputs (``metrics.CoreWatch``). docs/serve.md."""
+with its outputs (``metrics.CoreWatch``). A planner plugs in at one point, ``ServedEngine.planner``
+(``TrafficPlanner``; this module imports none): it is told of each request's arrival and
+finish, runs beside the server (``app.py``'s lifespan) and orders re-plan switches through
+``order_replan``. docs/serve.md."""
 from __future__ import annotations
 
 import asyncio
 import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Awaitable, Callable, Optional, Protocol
 
 from megainfer.async_llm import AsyncLLM
 from megainfer.config import ServeConfig
@@ -20,7 +23,7 @@ from megainfer.engine.failures import EngineDeadError
 from megainfer.engine.grammar import Grammars
 
 from .errors import APIError, request_error
-from .metrics import CoreWatch, RequestTimer, ServeMetrics
+from .metrics import CoreWatch, RequestTimer, ServedRequest, ServeMetrics
 
 MIN_ITERATION_ALLOWANCE_S = 1.0  # health: the least time one iteration may take
 OFF_LOOP_CHARS = 4096  # a text prompt longer than this is tokenised off the event loop
@@ -28,7 +31,22 @@ QUEUED_TOKENS_PER_MAX_LEN = 16  # serve.max_queued_tokens=null: this many max_mo
 MIN_QUEUED_TOKENS = 1 << 18  # and at least this many (256 prompts of 1024 tokens)
 
 
+class TrafficPlanner(Protocol):
+    """What the server feeds a planner (``replan.policy=planner``: ``serve/planner_loop.py``),
+    on the event loop."""
+
+    def arrived(self, prompt_len: int) -> None: ...
+
+    def finished(self, req: ServedRequest) -> None: ...
+
+    def run(self, client: "ServedEngine") -> Awaitable[None]: ...  # until cancelled
+
+    def view(self) -> dict: ...  # GET /planner
+
+
 class ServedEngine:
+    planner: Optional[TrafficPlanner] = None  # the live planner, when one runs
+
     def __init__(self, make_llm, model_name: str, cfg: ServeConfig = ServeConfig(),
                  role: str = "single", hang_after_s: Optional[float] = None,
                  metrics_label: Optional[str] = None):
@@ -221,6 +239,8 @@ class ServedEngine:
         m = self.metrics
         m.labels(m.prompt_tokens).inc(len(ids))
         timer = RequestTimer(m)
+        if self.planner is not None:
+            self.planner.arrived(len(ids))
         started = admission is None
         async for out in self.llm.generate({"prompt_token_ids": ids}, params, request_id):
             if not started:
@@ -229,7 +249,14 @@ class ServedEngine:
             timer.tokens(sum(len(c.token_ids) for c in out.outputs))
             if out.finished:
                 timer.finished(out)
+                if self.planner is not None:
+                    self.planner.finished(timer.served(out))
             yield out
+
+    def order_replan(self, label: str, reason: str) -> None:
+        """A planner's switch of every rank to ``label`` (``aNeMmK``), carried out by the
+        engine core at its next iteration."""
+        self.llm.order_replan(label, reason)
 
     async def abort_all(self) -> int:
         """The drain's end: abort every request still live (their streams end with

@@ -1,17 +1,19 @@
 """The live planner's evaluator: every role assignment of the same N ranks (AE splits, PD splits:
 ``world_serving.candidates``) simulated at a forecast load, the requests' TTFT and TPOT scaled by
 the planner's corrections before the SLOs judge them. ``ServingPins(prefill_replicas=0)`` keeps
-it to the attention:expert splits a running job can switch between. docs/replan.md, "The live
+it to the attention:expert splits a running job can switch between; ``ReachableAssignments``
+simulates every split and keeps those (``switchable``), naming a better one it cannot reach. docs/replan.md, "The live
 planner"."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 from megainfer.perfmodel.model.hardware import HardwareProfile
 from megainfer.perfmodel.model.shapes import ModelShape
 from megainfer.perfmodel.plan.goodput import Slo, attainment, simulate_ae, simulate_pd
 from megainfer.perfmodel.plan.goodput_search import alternate_families
-from megainfer.perfmodel.plan.live_planner import Corrections, Load, Prediction
+from megainfer.perfmodel.plan.live_planner import TIE, Corrections, Load, Prediction
 from megainfer.perfmodel.plan.world_plan import _slots
 from megainfer.perfmodel.plan.world_serving import (ServingChoice, ServingPins, ServingTarget,
                                                     candidates)
@@ -84,3 +86,42 @@ class SimulatedAssignments:
         headroom = max(a.ttft_p / self.slo.ttft_s, a.tpot_p / self.slo.tpot_s)
         return Prediction(assignment_label(c), a.ttft_p, a.tpot_p, a.goodput_req_s, headroom,
                           assignment_deploy(c))
+
+
+@dataclass
+class ReachableAssignments:
+    """``inner``'s predictions kept to the assignments a running job can switch to
+    (``reachable(prediction)``); the best of the others (more goodput than every kept one,
+    beyond ``TIE``) is kept in ``better_unreachable`` for the decision to name, None when there
+    is none."""
+
+    inner: SimulatedAssignments
+    reachable: Callable[[Prediction], bool]
+    better_unreachable: Optional[Prediction] = None
+
+    def __call__(self, load: Load, corr: Corrections, current: str, alone: bool = False
+                 ) -> list[Prediction]:
+        preds = self.inner(load, corr, current, alone)
+        if alone:
+            return preds
+        kept = [p for p in preds if self.reachable(p)]
+        out = [p for p in preds if not self.reachable(p)]
+        top = max((p.goodput_req_s for p in kept), default=0.0)
+        best = max(out, key=lambda p: p.goodput_req_s, default=None)
+        self.better_unreachable = best if best is not None and \
+            best.goodput_req_s > top * (1 + TIE) else None
+        return kept
+
+
+def switchable(world: int, num_experts: int, micro_batches: Optional[int] = None
+               ) -> Callable[[Prediction], bool]:
+    """The assignments online re-planning switches between today: A:E splits of the same
+    ``world`` ranks, attention TP 1, no prefill ranks, at most ``num_experts`` expert ranks,
+    1..4 micro-batches (the measured decisions' range; ``micro_batches``: that count only)."""
+    def ok(p: Prediction) -> bool:
+        d = p.deploy
+        return (d.get("prefill_replicas", 0) == 0 and d.get("attention_tp", 1) == 1
+                and d["attention_replicas"] + d["expert_ranks"] == world
+                and d["expert_ranks"] <= num_experts and 1 <= d["micro_batches"] <= 4
+                and micro_batches in (None, d["micro_batches"]))
+    return ok

@@ -6,7 +6,8 @@ hook, as in a batch job; when the hook ends an iteration with an order, ``betwee
 to every rank, every rank switches (``runner.order_switch``: the other ranks run ``_serve``,
 as in a batch job) and rank 0's loop over its kept engine resumes with the old loop's online
 state (``ReplicaLoop.continue_from``): requests not handed out, aborts held back, which
-requests are open. ``drain`` (the core's shutdown began) stops ordering switches. ``close``,
+requests are open. ``order``: the live planner's switch (the frontend's, through the engine
+core's ``OrderReplan``), ordered by the controller like a forced one. ``drain`` (the core's shutdown began) stops ordering switches. ``close``,
 after the iteration that stopped every rank's loop, sends the end (a None order) so every
 rank's ``_serve`` returns."""
 from __future__ import annotations
@@ -44,6 +45,11 @@ class OnlineReplanner:
         new.resume_online()
         log.info("%s re-plan %s done; serving on", new.role.label, order.label)
         return new
+
+    def order(self, label: str, reason: str) -> None:
+        """The live planner's switch (``replan.policy=planner``): the controller orders it at
+        the next iteration."""
+        self.ctl.order(label, reason)
 
     def drain(self) -> None:
         """The engine core shuts down (its last iterations end the aborted requests): a switch

@@ -39,7 +39,7 @@ def run_replanning(r) -> None:
 
 
 def _auto(r) -> bool:
-    return not r.job.replan.force_schedule
+    return r.job.replan.measured
 
 
 def _attach_reporter(r) -> None:
@@ -102,6 +102,7 @@ class ReplanController:
         self.hw, self.shape = None, None
         self.clock: list = []  # per iteration: (perf_counter at its sync, sequences running)
         self.draining = False  # the engine core shuts down: no switch is ordered any more
+        self.planned = None  # the live planner's order not carried out yet: (label, reason)
 
     @property
     def job(self):  # the plan in it changes at each switch
@@ -117,24 +118,49 @@ class ReplanController:
             self._measure_last()  # switch's "after" is measured, the latest WINDOW kept
             del self.clock[:-(WINDOW + 1)]
         running = loop.engine.scheduler.running
-        if running and not self.cfg.force_schedule:  # what measured decisions sample
+        if not self.cfg.measured:  # forced switches or the live planner's: no measurements
+            return self._ordered(it, cur, work)
+        if running:  # what measured decisions sample
             self.ctx[it - 1] = sum(q.num_computed_tokens for q in running) / len(running)
-        if not self.cfg.force_schedule:  # measured decisions: record the next step's spans?
-            self.rank.tracer.enabled = self.job.trace.enabled or records(it, self.cfg.interval)
-        else:  # forced switches only (no measurements are sent), also once all are done
-            if self.draining or not self.forced or not work or self.forced[0][0] > it:
-                return None
-            _, label = self.forced.pop(0)
-            a, e, m = parse_plan(label)
-            new = (a, e, m or cur[2])
-            if new == cur:
-                log.info("[replan] forced switch at iteration %d: already %s", it, label)
-                return None
-            return ReplanOrder(it, cur, new, "forced")
+        self.rank.tracer.enabled = self.job.trace.enabled or records(it, self.cfg.interval)
         if it % self.cfg.interval:
             return None
         self._collect(it)  # the expert ranks send their samples every interval: taken
         return self._decide(loop, it, cur) if work and not self.draining else None
+
+    def order(self, label: str, reason: str) -> None:
+        """The live planner's order (online, ``replan.policy=planner``): ``label`` ('a2e1m2')
+        from the next iteration, idle or not (a newer order replaces one not carried out
+        yet)."""
+        a, e, _ = parse_plan(label) or (0, 0, None)
+        world = self.rank.comm.Get_size()
+        if a + e != world or e > self.job.model.num_experts:
+            log.warning("[replan] planner order %r ignored: not a split of the %d ranks", label,
+                        world)
+            return
+        self.planned = (label, reason)
+
+    def _ordered(self, it: int, cur: tuple, work: bool):
+        """A forced switch due at ``it`` (at an iteration with work), else the planner's order
+        (at any iteration: an idle one is the cheapest to switch at); None while draining or
+        with nothing ordered (once every forced switch is done too)."""
+        if self.draining:
+            return None
+        if self.forced:
+            if not work or self.forced[0][0] > it:
+                return None
+            (_, label), reason, kind = self.forced.pop(0), "forced", "forced"
+        elif self.planned is not None:
+            (label, why), self.planned = self.planned, None
+            reason, kind = f"planner: {why}", "planner"
+        else:
+            return None
+        a, e, m = parse_plan(label)
+        new = (a, e, m or cur[2])
+        if new == cur:
+            log.info("[replan] %s switch at iteration %d: already %s", kind, it, label)
+            return None
+        return ReplanOrder(it, cur, new, reason, kind=kind)
 
     def _collect(self, it: int) -> None:
         ev, self.start = take_events(self.rank.tracer, self.start, self.job.trace.enabled)
@@ -179,7 +205,7 @@ class ReplanController:
         if not d.switch:
             return None
         return ReplanOrder(it, cur, (*d.best, d.micro_batches[1]), f"measured: {d.reason}",
-                           d.gain)
+                           d.gain, kind="measured")
 
     def _model(self):
         if self.hw is None:
@@ -234,7 +260,7 @@ class ReplanController:
 
 def _traced(job, role) -> bool:
     """Measured decisions (no forced schedule) sample rank 0's spans and the expert ranks'."""
-    return not job.replan.force_schedule and (role.rank == 0 or not role.is_attention)
+    return job.replan.measured and (role.rank == 0 or not role.is_attention)
 
 
 def _online(r):

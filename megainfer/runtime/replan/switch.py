@@ -138,7 +138,7 @@ def switch(r, order: ReplanOrder) -> dict:
     r.tracer.add(REPLAN, replan_name(order.label), t_start, r.tracer.now_us() - t_start,
                  order.iteration, -1, -1, 0)
     rec = dict(iteration=order.iteration, old=order.name(order.old), new=order.name(order.new),
-               micro_batches=[order.old[2], order.new[2]], reason=order.reason,
+               micro_batches=[order.old[2], order.new[2]], kind=order.kind, reason=order.reason,
                predicted_gain=order.predicted_gain, seconds=dt, weight_bytes=int(job_total[0]),
                weight_slots=weight_slots,
                **{k: int(v) for k, v in zip(COUNTED, job_total[1:])})
@@ -164,7 +164,7 @@ def _rebuild(r, new_job, role, placement, expert_model, keep, order, bounded) ->
     r.role, r.loop, r.worker = role, None, None
     r.tracer.name = role.label
     if not new_job.trace.enabled and rank != 0:  # measured decisions sample rank 0 and experts
-        r.tracer.enabled = not new_job.replan.force_schedule and not role.is_attention
+        r.tracer.enabled = new_job.replan.measured and not role.is_attention
         if role.is_attention:
             r.tracer.events = []
     r.job, r.m2n, r.policy, r.control, r.closers = new_job, w.m2n, w.policy, w.control, w.closers

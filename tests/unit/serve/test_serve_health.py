@@ -36,8 +36,8 @@ class FakeRuntime:
     def take_spans(self):
         return None
 
-    def replan_count(self):
-        return 0
+    def replan_switches(self):
+        return []
 
     def offload_report(self):
         return None
