@@ -47,23 +47,30 @@ def check_rules(rules: dict) -> dict:
 
 
 def _check_kind(kind: str, rules: dict) -> dict:
+    return check_table(rules, f"cpu gemm rules[{kind}]", METHODS, CpuGemmRuleError)
+
+
+def check_table(rules: dict, where: str, methods: tuple, error: type) -> dict:
+    """One rule table {threads: [[max_rows or None, method], ...]}: thread keys positive
+    integers, rows ascending, methods in ``methods``, a None catch-all last (else ``error``
+    naming ``where``) -> int thread keys and tuple entries. The CPU GEMM's and the
+    stored-format GEMM's rules (``cpu_qgemm_rules.py``) alike."""
     if not rules:
-        raise CpuGemmRuleError(f"cpu gemm rules[{kind}]: empty table")
+        raise error(f"{where}: empty table")
     for t, steps in rules.items():
         if not str(t).isdigit() or int(t) < 1:
-            raise CpuGemmRuleError(f"cpu gemm rules[{kind}]: thread key {t!r} must be a positive "
-                                  "integer")
-        where, last = f"cpu gemm rules[{kind}][{t}]", 0
+            raise error(f"{where}: thread key {t!r} must be a positive integer")
+        at, last = f"{where}[{t}]", 0
         for i, (rows, method) in enumerate(steps):
-            if method not in METHODS:
-                raise CpuGemmRuleError(f"{where}[{i}]: method {method!r} not in {METHODS}")
+            if method not in methods:
+                raise error(f"{at}[{i}]: method {method!r} not in {methods}")
             if rows is None and i != len(steps) - 1:
-                raise CpuGemmRuleError(f"{where}[{i}]: None must be the last entry")
+                raise error(f"{at}[{i}]: None must be the last entry")
             if rows is not None and rows <= last:
-                raise CpuGemmRuleError(f"{where}[{i}]: max rows {rows} not ascending")
+                raise error(f"{at}[{i}]: max rows {rows} not ascending")
             last = rows or last
         if not steps or steps[-1][0] is not None:
-            raise CpuGemmRuleError(f"{where}: the last entry must be [None, method]")
+            raise error(f"{at}: the last entry must be [None, method]")
     return {int(t): [tuple(s) for s in steps] for t, steps in rules.items()}
 
 

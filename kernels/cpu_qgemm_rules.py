@@ -22,6 +22,8 @@ from typing import Optional
 
 import torch
 
+from .cpu_gemm import check_table
+
 METHODS = ("weight_only", "dequant")
 RULES_PATH = Path(__file__).with_name("cpu_qgemm_rules.json")
 KEYS = ("int8/bfloat16", "int8/float32", "int4/bfloat16", "int4/float32")
@@ -47,24 +49,7 @@ def check_rules(rules: dict) -> dict:
     for key, table in rules.items():
         if key not in KEYS:
             raise CpuQgemmRuleError(f"cpu qgemm rules: key {key!r} not in {KEYS}")
-        if not table:
-            raise CpuQgemmRuleError(f"cpu qgemm rules[{key}]: empty table")
-        for t, steps in table.items():
-            where = f"cpu qgemm rules[{key}][{t}]"
-            if not str(t).isdigit() or int(t) < 1:
-                raise CpuQgemmRuleError(f"{where}: thread key must be a positive integer")
-            last = 0
-            for i, (rows, method) in enumerate(steps):
-                if method not in METHODS:
-                    raise CpuQgemmRuleError(f"{where}[{i}]: method {method!r} not in {METHODS}")
-                if rows is None and i != len(steps) - 1:
-                    raise CpuQgemmRuleError(f"{where}[{i}]: None must be the last entry")
-                if rows is not None and rows <= last:
-                    raise CpuQgemmRuleError(f"{where}[{i}]: max rows {rows} not ascending")
-                last = rows or last
-            if not steps or steps[-1][0] is not None:
-                raise CpuQgemmRuleError(f"{where}: the last entry must be [None, method]")
-        out[key] = {int(t): [tuple(s) for s in steps] for t, steps in table.items()}
+        out[key] = check_table(table, f"cpu qgemm rules[{key}]", METHODS, CpuQgemmRuleError)
     return out
 
 
