@@ -12,7 +12,6 @@ docs/kernels.md, "CPU matmuls of dense and expert weights".
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 from pathlib import Path
@@ -20,6 +19,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+
+from .rule_tables import RuleTables, check_table
 
 METHODS = ("mm", "skinny", "onednn")
 RULES_PATH = Path(__file__).with_name("cpu_gemm_rules.json")
@@ -50,31 +51,6 @@ def _check_kind(kind: str, rules: dict) -> dict:
     return check_table(rules, f"cpu gemm rules[{kind}]", METHODS, CpuGemmRuleError)
 
 
-def check_table(rules: dict, where: str, methods: tuple, error: type) -> dict:
-    """One rule table {threads: [[max_rows or None, method], ...]}: thread keys positive
-    integers, rows ascending, methods in ``methods``, a None catch-all last (else ``error``
-    naming ``where``) -> int thread keys and tuple entries. The CPU GEMM's and the
-    stored-format GEMM's rules (``cpu_qgemm_rules.py``) alike."""
-    if not rules:
-        raise error(f"{where}: empty table")
-    for t, steps in rules.items():
-        if not str(t).isdigit() or int(t) < 1:
-            raise error(f"{where}: thread key {t!r} must be a positive integer")
-        at, last = f"{where}[{t}]", 0
-        for i, (rows, method) in enumerate(steps):
-            if method not in methods:
-                raise error(f"{at}[{i}]: method {method!r} not in {methods}")
-            if rows is None and i != len(steps) - 1:
-                raise error(f"{at}[{i}]: None must be the last entry")
-            if rows is not None and rows <= last:
-                raise error(f"{at}[{i}]: max rows {rows} not ascending")
-            last = rows or last
-        if not steps or steps[-1][0] is not None:
-            raise error(f"{at}: the last entry must be [None, method]")
-    return {int(t): [tuple(s) for s in steps] for t, steps in rules.items()}
-
-
-@functools.lru_cache(maxsize=1)
 def _table_rules() -> dict:
     if not RULES_PATH.exists():  # an install without the measured table: oneDNN throughout
         return {kind: {1: [(None, "onednn")]} for kind in KINDS}
@@ -82,39 +58,20 @@ def _table_rules() -> dict:
         return check_rules(json.load(f)["rules"])
 
 
-_override: Optional[dict] = None
+_RULES = RuleTables(_table_rules, check_rules)
 
 
-@contextlib.contextmanager
 def use_rules(rules: Optional[dict]):
     """Run a block under another rule table (``check_rules``' form); None: the measured table.
     ``use_rules(OLD_RULES)`` is the path before issue 38 (MKL; experts weight-major for 3-16
     rows)."""
-    global _override
-    prev, _override = _override, None if rules is None else check_rules(rules)
-    _METHODS.clear()
-    try:
-        yield
-    finally:
-        _override = prev
-        _METHODS.clear()
-
-
-# (kind, rows, threads) -> method under the table in force: a decode step asks ~70 times
-_METHODS: dict = {}
+    return _RULES.use(rules)
 
 
 def method_for(rows: int, kind: str = "dense", threads: Optional[int] = None) -> str:
     """The method for ``rows`` rows of a ``kind`` weight at ``threads`` (default: torch's)
     threads: the entry of the largest thread key <= threads (the smallest key if none is)."""
-    t = torch.get_num_threads() if threads is None else threads
-    method = _METHODS.get((kind, rows, t))
-    if method is None:
-        rules = (_override if _override is not None else _table_rules())[kind]
-        keys = sorted(rules)
-        steps = rules[max((k for k in keys if k <= t), default=keys[0])]
-        method = _METHODS[(kind, rows, t)] = next(m for r, m in steps if r is None or rows <= r)
-    return method
+    return _RULES.method(kind, rows, threads)
 
 
 @functools.lru_cache(maxsize=1)

@@ -14,15 +14,13 @@ docs/kernels.md, "CPU matmuls of dense and expert weights".
 """
 from __future__ import annotations
 
-import contextlib
-import functools
 import json
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from .cpu_gemm import check_table
+from .rule_tables import RuleTables, check_table
 
 METHODS = ("weight_only", "dequant")
 RULES_PATH = Path(__file__).with_name("cpu_qgemm_rules.json")
@@ -53,7 +51,6 @@ def check_rules(rules: dict) -> dict:
     return out
 
 
-@functools.lru_cache(maxsize=1)
 def _table_rules() -> dict:
     rules = check_rules(DEFAULT)
     if RULES_PATH.exists():
@@ -62,23 +59,13 @@ def _table_rules() -> dict:
     return rules
 
 
-_override: Optional[dict] = None
-_METHODS: dict = {}  # (key, rows, threads) -> method under the table in force
+_RULES = RuleTables(_table_rules, lambda rules: {**check_rules(DEFAULT), **check_rules(rules)})
 
 
-@contextlib.contextmanager
 def use_rules(rules: Optional[dict]):
     """Run a block under another table (``check_rules``' form, keys missing from it take
     ``DEFAULT``); None: the measured table."""
-    global _override
-    prev = _override
-    _override = None if rules is None else {**check_rules(DEFAULT), **check_rules(rules)}
-    _METHODS.clear()
-    try:
-        yield
-    finally:
-        _override = prev
-        _METHODS.clear()
+    return _RULES.use(rules)
 
 
 def method_for(fmt_name: str, dtype: torch.dtype, rows: int,
@@ -86,12 +73,4 @@ def method_for(fmt_name: str, dtype: torch.dtype, rows: int,
     """The method for ``rows`` rows of activations in ``dtype`` against a ``fmt_name`` weight
     at ``threads`` (default: torch's): the entry of the largest thread key <= threads (the
     smallest key if none is)."""
-    t = torch.get_num_threads() if threads is None else threads
-    key = rule_key(fmt_name, dtype)
-    method = _METHODS.get((key, rows, t))
-    if method is None:
-        rules = (_override if _override is not None else _table_rules())[key]
-        keys = sorted(rules)
-        steps = rules[max((k for k in keys if k <= t), default=keys[0])]
-        method = _METHODS[(key, rows, t)] = next(m for r, m in steps if r is None or rows <= r)
-    return method
+    return _RULES.method(rule_key(fmt_name, dtype), rows, threads)
