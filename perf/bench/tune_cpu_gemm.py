@@ -146,22 +146,28 @@ def main(argv=None):
                 print(f"{kind} {t} threads: not written, the load average "
                       f"{os.getloadavg()[0]:.1f} left fewer than {t} of {os.cpu_count()} "
                       "cores free", flush=True)
+    write_tuned("tune_cpu_gemm", a, load0, samples, rules, skipped, cpu_gemm.RULES_PATH)
+
+
+def write_tuned(name: str, a, load0, samples: dict, rules: dict, skipped: list,
+                rules_path) -> None:
+    """A tuner's end (this one's and ``tune_cpu_qgemm.py``'s): every sample with the machine
+    and its load to ``a.out``; with ``a.write`` the rules to ``rules_path``, the table the
+    kernels read."""
     load = [load0, os.getloadavg()]
     print("rules:", json.dumps(rules))
     print(f"load average at start / end: {load[0][0]:.1f} / {load[1][0]:.1f}")
     machine = dict(platform=platform.platform(), processor=platform.processor(),
                    cpu_count=os.cpu_count(), torch=torch.__version__, load_average=load)
-    write_json(a.out, dict(name="tune_cpu_gemm",
-                           date=datetime.datetime.now().isoformat(timespec="seconds"),
+    write_json(a.out, dict(name=name, date=datetime.datetime.now().isoformat(timespec="seconds"),
                            machine=machine, args=vars(a), seconds=samples, rules=rules,
                            not_written=skipped), indent=2)
     if a.write:
-        table = dict(source="perf/bench/tune_cpu_gemm.py", date=datetime.date.today().isoformat(),
+        table = dict(source=f"perf/bench/{name}.py", date=datetime.date.today().isoformat(),
                      machine=machine, rules=rules)
-        with open(cpu_gemm.RULES_PATH, "w") as f:
+        with open(rules_path, "w") as f:
             json.dump(table, f, indent=1)
             f.write("\n")
-
 
 if __name__ == "__main__":
     main()

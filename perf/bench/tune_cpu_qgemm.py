@@ -17,10 +17,7 @@ load average left it fewer free cores gets no rule (the fewer-thread one applies
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import sys
 import time
 
@@ -32,9 +29,8 @@ from megainfer.kernels.weight_quant import QuantizedWeight, WeightFormat, quanti
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "harness"))
-from megainfer.bench.results_io import write_json  # noqa: E402
 from perf_paths import RESULTS  # noqa: E402
-from tune_cpu_gemm import cores_were_free, rule_from  # noqa: E402
+from tune_cpu_gemm import cores_were_free, rule_from, write_tuned  # noqa: E402
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 PREFERENCE = ("dequant", "weight_only")
@@ -108,21 +104,8 @@ def main(argv=None):
                 skipped.append(dict(key=key, threads=t, load_average=os.getloadavg()[0]))
                 print(f"{key} {t} threads: not written (load average "
                       f"{os.getloadavg()[0]:.1f})", flush=True)
-    load = [load0, os.getloadavg()]
-    print("rules:", json.dumps(rules))
-    machine = dict(platform=platform.platform(), processor=platform.processor(),
-                   cpu_count=os.cpu_count(), torch=torch.__version__, load_average=load)
-    write_json(a.out, dict(name="tune_cpu_qgemm",
-                           date=datetime.datetime.now().isoformat(timespec="seconds"),
-                           machine=machine, args=vars(a), seconds=samples, rules=rules,
-                           not_written=skipped), indent=2)
-    if a.write:
-        table = dict(source="perf/bench/tune_cpu_qgemm.py",
-                     date=datetime.date.today().isoformat(), machine=machine, rules=rules)
-        with open(cpu_qgemm_rules.RULES_PATH, "w") as f:
-            json.dump(table, f, indent=1)
-            f.write("\n")
-
+    write_tuned("tune_cpu_qgemm", a, load0, samples, rules, skipped,
+                cpu_qgemm_rules.RULES_PATH)
 
 if __name__ == "__main__":
     main()
