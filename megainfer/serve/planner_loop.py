@@ -17,7 +17,14 @@ from typing import Optional
 
 from prometheus_client import Counter
 
+from megainfer.perfmodel.model.shapes import ModelShape
+from megainfer.perfmodel.model.weight_format import with_weight_format
+from megainfer.perfmodel.plan.auto_plan import hardware_for
+from megainfer.perfmodel.plan.goodput import Slo
+from megainfer.perfmodel.plan.live_candidates import (ReachableAssignments, SimulatedAssignments,
+                                                      decode_label, switchable)
 from megainfer.perfmodel.plan.live_planner import LivePlanner
+from megainfer.perfmodel.plan.world_serving import ServingPins
 
 from .metrics import P, ServedRequest, ServeMetrics
 from .served_window import ServedWindowRecorder
@@ -71,13 +78,6 @@ class ServedPlanner:
     def for_job(cls, job, hardware: Optional[str], metrics: ServeMetrics) -> "ServedPlanner":
         """The planner of a resolved job: its model, ranks, scheduler, ``replan.*`` and
         ``slo.*``; ``hardware``: ``deploy.hardware`` (None: as ``deploy=auto`` finds it)."""
-        from megainfer.perfmodel.model.shapes import ModelShape
-        from megainfer.perfmodel.model.weight_format import with_weight_format
-        from megainfer.perfmodel.plan.auto_plan import hardware_for
-        from megainfer.perfmodel.plan.goodput import Slo
-        from megainfer.perfmodel.plan.live_candidates import (ReachableAssignments,
-                                                              SimulatedAssignments, switchable)
-        from megainfer.perfmodel.plan.world_serving import ServingPins
         d, r, slo, ld = job.deploy, job.replan, job.slo, job.load
         hw, _ = hardware_for(hardware, job.device.device)
         shape = with_weight_format(ModelShape.from_model_config(job.model, "served"),
@@ -91,7 +91,7 @@ class ServedPlanner:
             "float32" if "float32" in hw.matmul_flops else sorted(hw.matmul_flops)[0],
             num_requests=slo.num_requests, max_sims=MAX_SIMS)
         evaluate = ReachableAssignments(sims, switchable(world, job.model.num_experts, hold))
-        current = f"a{d.attention_replicas}e{d.expert_ranks}m{d.micro_batches}"
+        current = decode_label(d.attention_replicas, d.expert_ranks, d.micro_batches)
         planner = LivePlanner(evaluate, current, r.horizon_s, r.switch_s, r.min_gain,
                               r.dwell_s, r.confirm)
         log.info("[planner] live planner on: every %gs from %s over %d ranks (hardware %s), "

@@ -21,11 +21,15 @@ from megainfer.perfmodel.sim.events import LengthDist, poisson_requests
 from megainfer.perfmodel.sim.job import JobConfig
 
 
+def decode_label(n_a: int, n_e: int, m: int, tp_a: int = 1) -> str:
+    """``a1e2m2`` (``a1t2e2m2`` with attention TP 2): the attention:expert split's name."""
+    return f"a{n_a}{f't{tp_a}' if tp_a > 1 else ''}e{n_e}m{m}"
+
+
 def assignment_label(c: ServingChoice) -> str:
     """``a1e2m2``; PD: ``p1+a1e1m2`` (``t2`` after a count with TP 2)."""
     p = c.plan
-    tp = f"t{p.tp_a}" if p.tp_a > 1 else ""
-    decode = f"a{p.n_a}{tp}e{p.n_e}m{p.m}"
+    decode = decode_label(p.n_a, p.n_e, p.m, p.tp_a)
     if c.pool is None:
         return decode
     n_p, tp_p = c.prefill
