@@ -16,8 +16,6 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from megainfer.config.pd import OFFLOAD_POLICIES as POLICIES  # noqa: F401  (the policies' one owner)
-
 
 def picks_by_ratio(k: int, ratio: float) -> bool:
     """Whether the k-th eligible request (from 0) is chosen by the fixed fraction ``ratio``."""

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from megainfer.config import ConfigError
-from megainfer.perfmodel.offload_rule import POLICIES, OffloadCandidate, blocks_for, picks_auto, picks_by_ratio
+from megainfer.config.pd import OFFLOAD_POLICIES
+from megainfer.perfmodel.offload_rule import (OffloadCandidate, blocks_for, picks_auto,
+                                             picks_by_ratio)
 
 
 @dataclass(frozen=True)
@@ -36,8 +38,8 @@ class Offload:
     layer_wait: float = 0.5
 
     def __post_init__(self):
-        if self.policy not in POLICIES:
-            raise ConfigError(f"offload policy={self.policy!r}: must be one of {', '.join(POLICIES)}")
+        if self.policy not in OFFLOAD_POLICIES:
+            raise ConfigError(f"offload policy={self.policy!r}: must be one of {', '.join(OFFLOAD_POLICIES)}")
         if self.tpot_slo_s is not None and not (isinstance(self.tpot_slo_s, (int, float)) and self.tpot_slo_s > 0):
             raise ConfigError(f"offload tpot_slo_s={self.tpot_slo_s!r}: must be a positive number or None")
         if not (isinstance(self.layer_wait, (int, float)) and 0.0 <= self.layer_wait <= 1.0):

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from megainfer.perfmodel.offload_rule import OffloadCandidate, blocks_for, picks_auto, picks_by_ratio
+from megainfer.perfmodel.offload_rule import (OffloadCandidate, blocks_for, picks_auto,
+                                             picks_by_ratio)
 
 
 class OffloadLedger:
