@@ -90,15 +90,27 @@ def _version(w: torch.Tensor) -> int:
         return -1
 
 
-def _key(w: torch.Tensor) -> tuple:
+def storage_key(w: torch.Tensor) -> tuple:
+    """What a copy derived from ``w`` depends on: its storage, shape, strides and version."""
     return (w.data_ptr(), tuple(w.shape), tuple(w.stride()), _version(w))
+
+
+def cached_on(owner: torch.Tensor, attr: str, key: tuple, build: Callable[[], tuple]) -> tuple:
+    """``build()``'s result kept on ``owner`` under ``attr`` while ``key`` (``storage_key``s of
+    what it was built from) stays the same; rebuilt once it changes."""
+    cache = getattr(owner, attr, None)
+    if cache is None or cache[0] != key:
+        with torch.no_grad():
+            cache = (key, build())
+        setattr(owner, attr, cache)
+    return cache[1]
 
 
 def _packs(w: torch.Tensor) -> dict:
     """{index: reordered copy} cached on ``w`` for its current storage, shape, strides and
     version (a fresh, empty dict once any of them changed)."""
     cache = getattr(w, _ATTR, None)
-    key = _key(w)
+    key = storage_key(w)
     if cache is None or cache[0] != key:
         cache = (key, {})
         setattr(w, _ATTR, cache)
@@ -190,15 +202,14 @@ def linear_split(x: torch.Tensor, ws: Sequence[torch.Tensor],
     if (not onednn_ok(w0) or x.dtype != w0.dtype or x.dim() != 2 or not x.shape[0]
             or method_for(x.shape[0], kind) != "onednn"):
         return [linear(x, w, b, kind=kind) for w, b in zip(ws, biases)]
-    key = tuple(_key(t) for t in (*ws, *biases) if t is not None)
-    cache = getattr(w0, _ATTR_CAT, None)
-    if cache is None or cache[0] != key:
-        with torch.no_grad():
-            w = torch.cat([t.detach() for t in ws])  # [sum N_i, K]
-            b = None if all(t is None for t in biases) else torch.cat(
-                [t.detach() if t is not None else w.new_zeros(n.shape[0])
-                 for t, n in zip(biases, ws)])
-            cache = (key, torch.ops.mkldnn._reorder_linear_weight(w), b)
-        setattr(w0, _ATTR_CAT, cache)
-    y = _onednn_linear(x, cache[1], cache[2])
+    def build():
+        w = torch.cat([t.detach() for t in ws])  # [sum N_i, K]
+        b = None if all(t is None for t in biases) else torch.cat(
+            [t.detach() if t is not None else w.new_zeros(n.shape[0])
+             for t, n in zip(biases, ws)])
+        return torch.ops.mkldnn._reorder_linear_weight(w), b
+
+    key = tuple(storage_key(t) for t in (*ws, *biases) if t is not None)
+    w, b = cached_on(w0, _ATTR_CAT, key, build)
+    y = _onednn_linear(x, w, b)
     return list(y.split([w.shape[0] for w in ws], dim=-1))

@@ -19,6 +19,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from .cpu_gemm import cached_on, storage_key
 from .cpu_qgemm_rules import method_for
 from .weight_quant import QuantizedWeight, quantize_act_fp8
 
@@ -129,14 +130,6 @@ def qlinear(x: torch.Tensor, qw: QuantizedWeight,
 _ATTR_CAT = "_megainfer_qcat"
 
 
-def _key(t: torch.Tensor) -> tuple:
-    """A stored tensor's storage and version (-1: an inference tensor keeps none)."""
-    try:
-        return t.data_ptr(), t._version
-    except RuntimeError:
-        return t.data_ptr(), -1
-
-
 def _concat_ok(qws: Sequence[QuantizedWeight]) -> bool:
     """Whether stored weights [N_i, K] concatenate along N into one stored weight: int8 always
     (rows and their scales), torch_cpu int4 when every N_i is whole 64-row layout blocks."""
@@ -157,21 +150,21 @@ def qlinear_split(x: torch.Tensor, qws: Sequence[QuantizedWeight],
     ``_concat_ok``; otherwise one call per weight."""
     if not _concat_ok(qws) or x.dim() != 2:
         return [qlinear(x, w, b) for w, b in zip(qws, biases)]
-    key = tuple(_key(t) for q in qws for t in (q.data, q.scale))
-    key += tuple(None if b is None else _key(b) for b in biases)
-    cache = getattr(qws[0].data, _ATTR_CAT, None)
-    if cache is None or cache[0] != key:
-        with torch.no_grad():
-            data = torch.cat([q.data for q in qws])  # [sum N_i, K or K/2]
-            dim = 0 if qws[0].fmt.name == "int8" else 1  # int4 scale_zeros [K/G, N, 2]
-            scale = torch.cat([q.scale for q in qws], dim=dim)
-            bias = None if all(b is None for b in biases) else torch.cat(
-                [b if b is not None else data.new_zeros(q.shape[0], dtype=x.dtype)
-                 for b, q in zip(biases, qws)])
+
+    def build():
+        data = torch.cat([q.data for q in qws])  # [sum N_i, K or K/2]
+        dim = 0 if qws[0].fmt.name == "int8" else 1  # int4 scale_zeros [K/G, N, 2]
+        scale = torch.cat([q.scale for q in qws], dim=dim)
+        bias = None if all(b is None for b in biases) else torch.cat(
+            [b if b is not None else data.new_zeros(q.shape[0], dtype=x.dtype)
+             for b, q in zip(biases, qws)])
         n = sum(q.shape[0] for q in qws)
-        cache = (key, QuantizedWeight(data, scale, qws[0].fmt, (n, qws[0].shape[1])), bias)
-        setattr(qws[0].data, _ATTR_CAT, cache)
-    y = qlinear(x, cache[1], cache[2])  # [T, sum N_i]
+        return QuantizedWeight(data, scale, qws[0].fmt, (n, qws[0].shape[1])), bias
+
+    key = tuple(storage_key(t) for q in qws for t in (q.data, q.scale))
+    key += tuple(None if b is None else storage_key(b) for b in biases)
+    w, bias = cached_on(qws[0].data, _ATTR_CAT, key, build)
+    y = qlinear(x, w, bias)  # [T, sum N_i]
     return list(y.split([q.shape[0] for q in qws], dim=-1))
 
 
