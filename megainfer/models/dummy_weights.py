@@ -10,7 +10,7 @@ import torch
 
 from .checkpoint_errors import ShapeMismatchError
 from .quant_load import quantised_dummy
-from .quant_weights import QuantLinear
+from .quant_linear import QuantLinear
 
 
 def _seeded(name: str, shape, seed: int, std: float) -> torch.Tensor:
@@ -49,7 +49,7 @@ def fill_dummy(model, cfg, seed: int, phy2log) -> None:
             H, N = cfg.hidden_size, cfg.moe_intermediate_size
             gu = _seeded(base + ".gate_up", (2 * N, H), seed, H ** -0.5)
             dn = _seeded(base + ".down", (H, N), seed, N ** -0.5)
-            if getattr(ex, "weight_format", None) is not None:
+            if ex.quantised:
                 quantised_dummy(ex, gu, local, "gate_up_proj")
                 quantised_dummy(ex, dn, local, "down_proj")
                 continue

@@ -19,7 +19,7 @@ from megainfer.kernels.cpu_qgemm import qlinear_split
 from .attention import AttentionMetadata, causal_attention
 from .attention_backends import TorchAttention
 from .kv_spec import kv_head_slice
-from .quant_weights import QuantLinear
+from .quant_linear import QuantLinear
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,8 @@ from .fp8 import QuantConfig
 from .dummy_weights import expert_modules as _expert_modules, fill_dummy as _fill_dummy
 from .dummy_weights import logical as _logical
 from .quant_load import check_stored_experts, load_quant_expert, load_quant_linear, report_bytes
-from .quant_weights import QuantLinear, apply_weight_format, weight_format_for
+from .quant_linear import QuantLinear
+from .quant_weights import apply_weight_format, weight_format_for
 
 FAMILIES = {f.name: f for f in (MIXTRAL, QWEN3_MOE, QWEN2_MOE, DEEPSEEK_V2, DEEPSEEK_V3)}
 __all__ = ["build_model", "weight_bytes", "FAMILIES", "CheckpointError", "ConfigMismatchError",
@@ -215,7 +216,7 @@ def _load_experts(model, cfg, reader, experts, fused, phy2log, path):
     N = cfg.moe_intermediate_size
     for layer, ex in _expert_modules(model):
         gu_all, dn_all = ex.gate_up_proj.data, ex.down_proj.data
-        quant = getattr(ex, "weight_format", None) is not None
+        quant = ex.quantised
         for local, slot in enumerate(ex.slots):
             e = _logical(phy2log, layer, slot)
             src = _expert_source(layer, e, fused, experts, path)

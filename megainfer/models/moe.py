@@ -16,8 +16,11 @@ from torch import nn
 
 from megainfer.kernels import cpu_gemm, fused_moe, select_experts
 
+from megainfer.kernels.weight_quant import QuantizedWeight, WeightFormat
+
 from .layers import GatedMLP
-from .quant_weights import expert_weight
+
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 
 
 class Router(nn.Module):
@@ -100,6 +103,33 @@ class RoutedExperts(nn.Module):
         self.slots = list(slots)
         self.identity = self.slots == list(range(num_slots))  # every slot here, in order
         self.compute_dtype: Optional[torch.dtype] = None  # the model dtype (set by the loader)
+        # model.quantization's stored format (quant_weights.apply_weight_format sets it, with
+        # each weight's logical [E_local, N, K]); None: the weights are plain tensors
+        self.weight_format: Optional[WeightFormat] = None
+        self.logical_shapes: dict[str, tuple] = {}
+
+    @property
+    def quantised(self) -> bool:
+        return self.weight_format is not None
+
+    def stored(self, name: str):
+        """``gate_up_proj`` / ``down_proj`` as the GEMM takes it: the tensor itself, or a
+        ``QuantizedWeight`` [E_local, N, K] over the stored tensor and its scale."""
+        w = getattr(self, name)
+        fmt = self.weight_format
+        if fmt is None:
+            return w
+        return QuantizedWeight(w, getattr(self, name + fmt.scale_name), fmt,
+                               self.logical_shapes[name])
+
+    def slot_tensors(self, slot: int) -> list:
+        """Every stored tensor of one local slot, in the order a weight move sends them:
+        gate_up, down, then (quantised experts) their scales."""
+        out = [self.gate_up_proj.data[slot], self.down_proj.data[slot]]
+        if self.weight_format is not None:
+            out += [getattr(self, n + self.weight_format.scale_name).data[slot]
+                    for n in EXPERT_WEIGHTS]
+        return out
 
     def init_buffers(self, device) -> None:
         """Rebuild expert_map (int32) on device: the loader builds the model on the meta device,
@@ -118,7 +148,7 @@ class RoutedExperts(nn.Module):
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor):
         """x [T, H], topk_* [T, k] (physical slot ids) -> partial sum [T, H] over local slots."""
         emap = None if self.identity else self.expert_map
-        return fused_moe(x, expert_weight(self, "gate_up_proj"), expert_weight(self, "down_proj"),
+        return fused_moe(x, self.stored("gate_up_proj"), self.stored("down_proj"),
                          topk_weights, topk_ids, emap)
 
     def empty_output(self) -> torch.Tensor:

@@ -22,6 +22,7 @@ from megainfer.kernels.weight_quant import (WeightFormat, cdiv, pack_int4, quant
                                             quantize_int4_values)
 
 from .checkpoint_reader import CheckpointReader
+from .moe import RoutedExperts
 
 log = logging.getLogger("megainfer.models")
 
@@ -125,7 +126,7 @@ def check_stored_experts(where, model, N: int) -> None:
     """Before any weight is read: per-expert gate and up kept as stored fp8 join into one
     [2N, K] weight whose blocks are the halves' only when N is a whole number of blocks."""
     fmt = next((m.weight_format for m in model.modules()
-                if getattr(m, "weight_format", None) is not None), None)
+                if isinstance(m, RoutedExperts) and m.quantised), None)
     scales = getattr(where, "scales", {})
     quant = getattr(where, "quant", None)
     if fmt is None or fmt.name != "fp8" or quant is None or N % fmt.block[0] == 0:
@@ -192,11 +193,11 @@ def report_bytes(model, role: str, fmt: Optional[WeightFormat], dtype: torch.dty
 
 def weight_bytes_by_kind(model) -> dict:
     """{'quantised': bytes of stored weights and scales, 'other': the rest} of a built model."""
-    from .quant_weights import QuantLinear
+    from .quant_weights import is_quantised
     seen, out = set(), {"quantised": 0, "other": 0}
     quant_ids = set()
     for mod in model.modules():
-        if isinstance(mod, QuantLinear) or getattr(mod, "weight_format", None) is not None:
+        if is_quantised(mod):
             for n, p in mod.named_parameters(recurse=False):
                 if n != "bias":
                     quant_ids.add(id(p))

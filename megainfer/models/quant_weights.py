@@ -1,5 +1,5 @@
-"""Which weights of a model are kept in a stored format (``model.quantization``), and the
-module that holds a quantised linear weight (``QuantLinear``). Formats and compute paths:
+"""Which weights of a model are kept in a stored format (``model.quantization``); the module
+that holds a quantised linear weight: ``quant_linear.QuantLinear``. Formats and compute paths:
 ``megainfer.kernels.weight_quant`` / ``cpu_qgemm``; loading into them: ``quant_load.py``.
 
 Kept quantised: attention projections, dense MLPs, shared and routed experts; in the model
@@ -14,99 +14,16 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
 from torch import nn
 
 from megainfer.config import ConfigError
-from megainfer.kernels.cpu_qgemm import qlinear
-from megainfer.kernels.weight_quant import QuantizedWeight, WeightFormat
+from megainfer.kernels.weight_quant import WeightFormat
+
+from .moe import EXPERT_WEIGHTS, RoutedExperts
+from .quant_linear import QuantLinear, scale_param, storage_param
 
 QUANTISED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj",
                      "kv_a_proj_with_mqa", "gate_proj", "up_proj", "down_proj")
-EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
-
-
-def _storage(shape, dtype, *, keep_fp32=False) -> nn.Parameter:
-    """A parameter the loader allocates in its own dtype (``quant_storage``) or float32."""
-    p = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
-    if keep_fp32:
-        p.keep_fp32 = True
-    else:
-        p.quant_storage = True
-    return p
-
-
-def _scale_param(fmt: WeightFormat, shape) -> nn.Parameter:
-    """fp8 block scales: float32 (as shipped); int8/int4 scales: the model dtype (the CPU ops
-    take them in the activations' dtype), so allocated like any other parameter."""
-    if fmt.name == "fp8":
-        return _storage(shape, torch.float32, keep_fp32=True)
-    return nn.Parameter(torch.empty(shape), requires_grad=False)
-
-
-class QuantLinear(nn.Module):
-    """``y = x @ W.T + b`` with ``W [out, in]`` kept in ``fmt``: ``weight`` (the stored tensor)
-    and ``weight<fmt.scale_name>``; ``bias`` in the model dtype. ``shard``: (dim, slice of the
-    full logical weight this rank holds, full size), nn.Linear's ``tp_shard``."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, fmt: WeightFormat,
-                 shard: Optional[tuple] = None, bias_shard: Optional[tuple] = None):
-        super().__init__()
-        self.in_features, self.out_features, self.fmt, self.shard = (in_features, out_features,
-                                                                     fmt, shard)
-        N, K = out_features, in_features
-        self.weight = _storage(fmt.storage_shape((), N, K), fmt.storage_dtype)
-        self.register_parameter("weight" + fmt.scale_name,
-                                _scale_param(fmt, fmt.scale_shape((), N, K)))
-        self.bias = nn.Parameter(torch.empty(N)) if bias else None
-        if bias and bias_shard is not None:
-            self.bias.tp_shard = bias_shard
-
-    @property
-    def full_shape(self) -> tuple:
-        """The logical [out, in] of the whole checkpoint tensor this rank holds a slice of."""
-        shape = [self.out_features, self.in_features]
-        if self.shard is not None:
-            shape[self.shard[0]] = self.shard[2]
-        return tuple(shape)
-
-    @property
-    def scale(self) -> torch.Tensor:
-        return getattr(self, "weight" + self.fmt.scale_name)
-
-    @property
-    def qweight(self) -> QuantizedWeight:
-        return QuantizedWeight(self.weight, self.scale, self.fmt,
-                               (self.out_features, self.in_features))
-
-    def forward(self, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
-        """x [..., in] -> [..., out] in x's dtype (``with_bias=False``: a row-parallel
-        partial sum, the bias added after the all-reduce)."""
-        return qlinear(x, self.qweight, self.bias if with_bias else None)
-
-    def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, format={self.fmt.name}"
-
-
-def expert_weight(experts: nn.Module, name: str):
-    """``experts.gate_up_proj`` / ``down_proj`` as the GEMM takes it: the tensor itself, or a
-    ``QuantizedWeight`` [E_local, N, K] over the stored tensor and its scale."""
-    w = getattr(experts, name)
-    fmt = getattr(experts, "weight_format", None)
-    if fmt is None:
-        return w
-    return QuantizedWeight(w, getattr(experts, name + fmt.scale_name), fmt,
-                           experts.logical_shapes[name])
-
-
-def slot_tensors(experts: nn.Module, slot: int) -> list:
-    """Every stored tensor of one local slot, in the order a weight move sends them:
-    gate_up, down, then (quantised experts) their scales."""
-    out = [experts.gate_up_proj.data[slot], experts.down_proj.data[slot]]
-    fmt = getattr(experts, "weight_format", None)
-    if fmt is not None:
-        out += [getattr(experts, n + fmt.scale_name).data[slot] for n in EXPERT_WEIGHTS]
-    return out
 
 
 def _check_shape(fmt: WeightFormat, name: str, N: int, K: int) -> None:
@@ -152,22 +69,23 @@ def apply_weight_format(model: nn.Module, fmt: Optional[WeightFormat]) -> None:
             bshard = getattr(lin.bias, "tp_shard", None) if lin.bias is not None else None
             setattr(mod, child, QuantLinear(lin.in_features, lin.out_features,
                                             lin.bias is not None, fmt, shard, bshard))
-        if hasattr(mod, "gate_up_proj") and isinstance(mod.gate_up_proj, nn.Parameter):
+        if isinstance(mod, RoutedExperts):
             _quantise_experts(mod, mod_name, fmt)
 
 
-def _quantise_experts(ex: nn.Module, mod_name: str, fmt: WeightFormat) -> None:
+def _quantise_experts(ex: RoutedExperts, mod_name: str, fmt: WeightFormat) -> None:
     ex.weight_format, ex.logical_shapes = fmt, {}
     for name in EXPERT_WEIGHTS:
         E, N, K = getattr(ex, name).shape
         _check_shape(fmt, f"{mod_name}.{name}", N, K)
         ex.logical_shapes[name] = (E, N, K)
-        setattr(ex, name, _storage(fmt.storage_shape((E,), N, K), fmt.storage_dtype))
-        ex.register_parameter(name + fmt.scale_name, _scale_param(fmt, fmt.scale_shape((E,), N, K)))
+        setattr(ex, name, storage_param(fmt.storage_shape((E,), N, K), fmt.storage_dtype))
+        ex.register_parameter(name + fmt.scale_name, scale_param(fmt, fmt.scale_shape((E,), N, K)))
 
 
 def is_quantised(module: nn.Module) -> bool:
-    return isinstance(module, QuantLinear) or getattr(module, "weight_format", None) is not None
+    return isinstance(module, QuantLinear) or (isinstance(module, RoutedExperts)
+                                               and module.quantised)
 
 
 def weight_format_for(quantization: Optional[str], group_size: int, checkpoint_quant=None

@@ -22,6 +22,8 @@ from megainfer.config import (CacheConfig, CommConfig, DeployPlan, LoadConfig, P
 from megainfer.core_client.client import run_job  # noqa: E402
 from megainfer.engine.outputs import PromptInput  # noqa: E402
 from megainfer.engine.sampling_params import SamplingParams  # noqa: E402
+from megainfer.runtime.pd.loop import PDReplicaLoop  # noqa: E402
+from megainfer.runtime.pd.prefill_worker import PrefillWorker  # noqa: E402
 from megainfer.runtime.startup import build_rank  # noqa: E402
 
 
@@ -34,10 +36,11 @@ def inputs(a: dict, num: int, out_len: int, seed: int):
 
 
 def offload_figures(r) -> dict:
-    pool = getattr(getattr(getattr(r, "worker", None), "executor", None), "offload", None)
-    if pool is not None:
-        return dict(role="prefill", kept=pool.kept, served=pool.served, serve_s=pool.serve_s)
-    client = getattr(getattr(getattr(r, "loop", None), "decode", None), "offload", None)
+    if isinstance(r.worker, PrefillWorker):
+        pool = r.worker.executor.offload
+        return {} if pool is None else dict(role="prefill", kept=pool.kept, served=pool.served,
+                                            serve_s=pool.serve_s)
+    client = r.loop.decode.offload if isinstance(r.loop, PDReplicaLoop) else None
     if client is None:
         return {}
     t = client.trips

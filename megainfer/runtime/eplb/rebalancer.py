@@ -21,7 +21,6 @@ from mpi4py import MPI
 from megainfer.comm.spec import KIND_REBALANCE
 from megainfer.config import EplbConfig
 from megainfer.eplb import ExpertLoadWindow, Placement, weight_moves
-from megainfer.models.quant_weights import slot_tensors
 from megainfer.runtime import tags
 from megainfer.runtime.control import ControlPlane
 from megainfer.runtime.eplb.weight_channel import Inbound, Outbound, run_moves, world_ranks_of
@@ -190,38 +189,34 @@ def install_staged(model, staged: dict) -> None:
     for (layer, slot), buf in staged.items():
         ex = model.layers[layer].mlp.experts
         at = 0
-        for dst in slot_tensors(ex, slot):
-            n = dst.numel() if not _quantised(ex) else dst.numel() * dst.element_size()
+        for dst in ex.slot_tensors(slot):
+            n = dst.numel() if not ex.quantised else dst.numel() * dst.element_size()
             src = buf[at:at + n]
-            dst.copy_(src.view(dst.shape) if not _quantised(ex) else
+            dst.copy_(src.view(dst.shape) if not ex.quantised else
                       src.view(dst.dtype).view(dst.shape))
             at += n
         ex.slot_written(slot)
 
 
-def _quantised(ex) -> bool:
-    return getattr(ex, "weight_format", None) is not None
-
-
 def move_dtype(ex) -> torch.dtype:
     """What a slot's weights travel as: their dtype, or bytes (uint8) for quantised experts,
     whose stored tensors and scales differ in dtype."""
-    return torch.uint8 if _quantised(ex) else ex.gate_up_proj.dtype
+    return torch.uint8 if ex.quantised else ex.gate_up_proj.dtype
 
 
 def _parts(ex, slot: int) -> tuple:
     """A slot's weights in the order they travel (gate_up, then down; quantised: then their
     scales, as bytes), read in place."""
-    parts = slot_tensors(ex, slot)
-    return tuple(t.view(torch.uint8).reshape(-1) if _quantised(ex) else t for t in parts)
+    parts = ex.slot_tensors(slot)
+    return tuple(t.view(torch.uint8).reshape(-1) if ex.quantised else t for t in parts)
 
 
 def empty_slot(ex, slot: int, device="cpu") -> torch.Tensor:
     """An uninitialised flat buffer the size of one slot's weights (gate_up, then down; quantised
     experts: their stored bytes and scales), in ``move_dtype`` on ``device`` (host staging by
     default): where a moved slot is received."""
-    parts = slot_tensors(ex, slot)
-    n = sum(t.numel() * (t.element_size() if _quantised(ex) else 1) for t in parts)
+    parts = ex.slot_tensors(slot)
+    n = sum(t.numel() * (t.element_size() if ex.quantised else 1) for t in parts)
     return torch.empty(n, dtype=move_dtype(ex), device=device)
 
 

@@ -22,7 +22,6 @@ from runtime_job import CACHE, SCHED, inputs  # noqa: E402
 
 from megainfer.config import CommConfig, DeployPlan, EplbConfig, LoadConfig, ModelConfig  # noqa: E402
 from megainfer.models import build_model  # noqa: E402
-from megainfer.models.quant_weights import slot_tensors  # noqa: E402
 from megainfer.config import ResolvedJob  # noqa: E402
 from megainfer.core_client.client import run_job
 from megainfer.runtime.startup import build_rank  # noqa: E402
@@ -42,7 +41,7 @@ def check_weights(r, cfg, load) -> bool:
     return all(torch.equal(x.cpu().view(torch.uint8), y.view(torch.uint8))  # stored bytes
                for a, b in zip(r.worker.model.layers, ref.layers) if a.is_moe
                for s in range(len(mine))
-               for x, y in zip(slot_tensors(a.mlp.experts, s), slot_tensors(b.mlp.experts, s)))
+               for x, y in zip(a.mlp.experts.slot_tensors(s), b.mlp.experts.slot_tensors(s)))
 
 
 def run_and_gather(job: ResolvedJob, vocab_size: int, max_tokens: int, expert_stats):

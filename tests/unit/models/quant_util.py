@@ -13,7 +13,7 @@ from megainfer.kernels import cpu_gemm
 from megainfer.kernels.cpu_qgemm import dequantize_fp8_blocks
 from megainfer.kernels.weight_quant import quantize_act_fp8, quantize_fp8
 from megainfer.models import build_model
-from megainfer.models.quant_weights import QuantLinear, expert_weight
+from megainfer.models.quant_linear import QuantLinear
 
 # int4's CPU layout needs out_features % 16 == 0 and in_features % group == 0 (group 32 here):
 # DeepSeek's kv_a_proj_with_mqa is kv_lora_rank + qk_rope_head_dim = 40 + 8 rows
@@ -51,7 +51,7 @@ def dequantised_twin(qmodel, path, dtype="float32"):
                     twin.fp8_inputs[id(mods[name].weight)] = m.fmt
             elif getattr(m, "weight_format", None) is not None:
                 for part in ("gate_up_proj", "down_proj"):
-                    getattr(mods[name], part).copy_(expert_weight(m, part).dequantize())
+                    getattr(mods[name], part).copy_(m.stored(part).dequantize())
                 mods[name].forward = _expert_loop(mods[name], m.weight_format)
     return twin
 

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from megainfer.config import ConfigError, LoadConfig, ModelConfig
 from megainfer.models import ParallelContext, build_model
 from megainfer.models.quant_load import weight_bytes_by_kind
-from megainfer.models.quant_weights import QuantLinear
+from megainfer.models.quant_linear import QuantLinear
 
 from quant_util import build, dequantised_twin, logits, make, write_dequantised, write_fp8
 

@@ -7,7 +7,7 @@ import torch
 
 from megainfer.config import ConfigError
 from megainfer.models.quant_load import weight_bytes_by_kind
-from megainfer.models.quant_weights import QuantLinear
+from megainfer.models.quant_linear import QuantLinear
 
 from quant_util import SHAPES, build, dequantised_twin, logits, make
 
