@@ -101,13 +101,19 @@ class CoreStatsRecorder:
             if m is not None and m.kv_handoff_s is not None:
                 f["kv_transfer_s"].append(m.kv_handoff_s)
         f["generated_tokens"] += sum(len(d.token_ids) for d in res.new_tokens)
-        switches = eng.replan_switches()
+        self._switches()
+
+    def idle_tick(self, seconds: float) -> None:
+        """One keep-alive iteration of ``seconds`` (a planner's switch may run in it)."""
+        self.fresh["idle_tick_s"].append(seconds)
+        self._switches()
+
+    def _switches(self) -> None:
+        """The re-plan switches since the last iteration or tick."""
+        f, switches = self.fresh, self.engine.replan_switches()
         f["replans"] += len(switches) - self.replans
         f["replan_switch_s"] += switches[self.replans:]
         self.replans = len(switches)
-
-    def idle_tick(self, seconds: float) -> None:
-        self.fresh["idle_tick_s"].append(seconds)
 
     def take(self) -> Optional[CoreStats]:
         f, load = self.fresh, self.engine.load()
