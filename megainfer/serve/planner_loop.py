@@ -1,8 +1,9 @@
 """The live planner inside megainfer-serve (``replan.policy=planner``): every
 ``replan.planner_interval_s`` the interval's served traffic (``served_window``) goes to
-``LivePlanner.decide`` (on a worker thread: it runs the simulations), over every A:E split of the
-same ranks a running job can switch to (``live_candidates.ReachableAssignments``: a better PD
-split is named in the decision, not ordered); a ``switch`` is ordered through the engine core's
+``LivePlanner.decide`` (in a niced child process, ``planner_child``: it runs the simulations),
+over every A:E split of the same ranks a running job can switch to
+(``live_candidates.ReachableAssignments``: a better PD split is named in the decision, not
+ordered); a ``switch`` is ordered through the engine core's
 re-plan path (``ServedEngine.order_replan``, as a forced switch is carried out). Every decision is
 logged with its reason and numbers, counted (``megainfer:planner_decisions_total{outcome}``) and
 the latest ``KEEP`` kept for ``GET /planner``. docs/replan.md, "The live planner"."""
@@ -22,15 +23,15 @@ from megainfer.perfmodel.model.weight_format import with_weight_format
 from megainfer.perfmodel.plan.auto_plan import hardware_for
 from megainfer.perfmodel.plan.goodput import Slo
 from megainfer.perfmodel.plan.live_candidates import (ReachableAssignments, SimulatedAssignments,
-                                                      decode_label, switchable)
+                                                      decode_label, Switchable)
 from megainfer.perfmodel.plan.live_planner import LivePlanner
 from megainfer.perfmodel.plan.world_serving import ServingPins
 
 from .metrics import P, ServedRequest, ServeMetrics
+from .planner_child import KEEP, PlannerChild, PlannerHere
 from .served_window import ServedWindowRecorder
 
 log = logging.getLogger("megainfer.serve")
-KEEP = 64  # decisions GET /planner shows
 MAX_SIMS = 12  # simulations a decision runs at most (the current split always among them)
 OUTCOMES = ("stay", "hold", "switch", "error")
 
@@ -60,11 +61,15 @@ def _unreachable_note(p) -> str:
 
 class ServedPlanner:
     """A ``served_engine.TrafficPlanner``: ``planner`` decides, ``evaluate`` (its evaluator, a
-    ``ReachableAssignments``) says which better split it could not reach."""
+    ``ReachableAssignments``) says which better split it could not reach; ``decider`` runs the
+    decisions (``planner_child.PlannerChild`` in a server, on this process's worker thread by
+    default). ``planner`` here also holds the settings and the current assignment ``GET
+    /planner`` shows."""
 
     def __init__(self, planner: LivePlanner, evaluate, interval_s: float, percentile: float,
-                 metrics: ServeMetrics):
+                 metrics: ServeMetrics, decider=None):
         self.planner, self.evaluate, self.interval_s = planner, evaluate, interval_s
+        self.decider = decider or PlannerHere(planner, evaluate)
         self.window = ServedWindowRecorder(percentile)
         self.entries: deque[PlannerEntry] = deque(maxlen=KEEP)
         self.counts = dict.fromkeys(OUTCOMES, 0)
@@ -90,14 +95,15 @@ class ServedPlanner:
             ServingPins(attention_tp=1, micro_batches=hold),
             "float32" if "float32" in hw.matmul_flops else sorted(hw.matmul_flops)[0],
             num_requests=slo.num_requests, max_sims=MAX_SIMS)
-        evaluate = ReachableAssignments(sims, switchable(world, job.model.num_experts, hold))
+        evaluate = ReachableAssignments(sims, Switchable(world, job.model.num_experts, hold))
         current = decode_label(d.attention_replicas, d.expert_ranks, d.micro_batches)
         planner = LivePlanner(evaluate, current, r.horizon_s, r.switch_s, r.min_gain,
                               r.dwell_s, r.confirm)
         log.info("[planner] live planner on: every %gs from %s over %d ranks (hardware %s), "
                  "SLOs TTFT %g ms / TPOT %g ms at p%g", r.planner_interval_s, current, world,
                  hw.name, slo.ttft_ms, slo.tpot_ms, slo.percentile)
-        return cls(planner, evaluate, r.planner_interval_s, slo.percentile, metrics)
+        return cls(planner, evaluate, r.planner_interval_s, slo.percentile, metrics,
+                   PlannerChild(planner, evaluate))
 
     # ------------------------------------------------------------------ TrafficPlanner
     def arrived(self, prompt_len: int) -> None:
@@ -117,14 +123,12 @@ class ServedPlanner:
         w = self.window.take(client.watch.load.queued)
         t0 = time.perf_counter()
         try:
-            d = await asyncio.to_thread(self.planner.decide, w)
+            d, better, self.planner.current = await asyncio.to_thread(self.decider.decide, w)
         except Exception as e:  # noqa: BLE001 - logged and shown; the server serves on
             log.exception("[planner] decision failed")
             cur = self.planner.current
             return self._keep(PlannerEntry(w.end_s, "error", cur, cur, f"{type(e).__name__}: "
                                            f"{e}", asdict(w), None, None, {}))
-        del self.planner.log[:-KEEP]  # a server runs on: its own log bounded too
-        better = self.evaluate.better_unreachable
         reason = d.reason + (_unreachable_note(better) if better is not None else "")
         entry = self._keep(PlannerEntry(
             w.end_s, d.action, d.current, d.target, reason, asdict(w), asdict(d.load),

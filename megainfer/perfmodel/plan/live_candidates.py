@@ -2,8 +2,8 @@
 ``world_serving.candidates``) simulated at a forecast load, the requests' TTFT and TPOT scaled by
 the planner's corrections before the SLOs judge them. ``ServingPins(prefill_replicas=0)`` keeps
 it to the attention:expert splits a running job can switch between; ``ReachableAssignments``
-simulates every split and keeps those (``switchable``), naming a better one it cannot reach. docs/replan.md, "The live
-planner"."""
+simulates every split and keeps those (``Switchable``), naming a better one it cannot reach.
+docs/replan.md, "The live planner"."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -117,15 +117,20 @@ class ReachableAssignments:
         return kept
 
 
-def switchable(world: int, num_experts: int, micro_batches: Optional[int] = None
-               ) -> Callable[[Prediction], bool]:
+@dataclass(frozen=True)
+class Switchable:
     """The assignments online re-planning switches between today: A:E splits of the same
     ``world`` ranks, attention TP 1, no prefill ranks, at most ``num_experts`` expert ranks,
-    1..4 micro-batches (the measured decisions' range; ``micro_batches``: that count only)."""
-    def ok(p: Prediction) -> bool:
+    1..4 micro-batches (the measured decisions' range; ``micro_batches``: that count only).
+    A value, so a planner holding it pickles (``serve/planner_child.py``)."""
+
+    world: int
+    num_experts: int
+    micro_batches: Optional[int] = None
+
+    def __call__(self, p: Prediction) -> bool:
         d = p.deploy
         return (d.get("prefill_replicas", 0) == 0 and d.get("attention_tp", 1) == 1
-                and d["attention_replicas"] + d["expert_ranks"] == world
-                and d["expert_ranks"] <= num_experts and 1 <= d["micro_batches"] <= 4
-                and micro_batches in (None, d["micro_batches"]))
-    return ok
+                and d["attention_replicas"] + d["expert_ranks"] == self.world
+                and d["expert_ranks"] <= self.num_experts and 1 <= d["micro_batches"] <= 4
+                and self.micro_batches in (None, d["micro_batches"]))

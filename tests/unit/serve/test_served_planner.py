@@ -5,6 +5,7 @@ PD split is named, never ordered; the engine core hands an ``OrderReplan`` to it
 the re-plan controller carries the order out at the next iteration (idle or not), once, as a
 ``planner`` switch."""
 import asyncio
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -14,10 +15,11 @@ from megainfer.config import ReplanConfig
 from megainfer.engine.stats import EngineLoad
 from megainfer.engine_core.core import EngineCore
 from megainfer.engine_core.messages import OrderReplan
-from megainfer.perfmodel.plan.live_candidates import ReachableAssignments, switchable
+from megainfer.perfmodel.plan.live_candidates import ReachableAssignments, Switchable
 from megainfer.perfmodel.plan.live_planner import LivePlanner, LoadForecast, Prediction
 from megainfer.runtime.replan.runner import ReplanController
 from megainfer.serve.metrics import ServedRequest, ServeMetrics
+from megainfer.serve.planner_child import PlannerChild
 from megainfer.serve.planner_loop import ServedPlanner
 from megainfer.serve.served_window import ServedWindowRecorder
 
@@ -61,7 +63,7 @@ class Clock:
 
 
 def _planner(plans, **kw):
-    ev = ReachableAssignments(Capacities(plans), switchable(3, 8))
+    ev = ReachableAssignments(Capacities(plans), Switchable(3, 8))
     lp = LivePlanner(ev, "a1e2m1", horizon_s=60, switch_s=1, min_gain=0.1,
                      forecast=LoadForecast(alpha=1.0, beta=1e-6), **kw)
     sp = ServedPlanner(lp, ev, 5.0, 90.0, ServeMetrics("m"))
@@ -120,6 +122,36 @@ def test_a_failed_decision_is_shown_and_the_loop_goes_on():
     sp.planner.evaluate = boom
     e = _serve(sp, clock, FakeClient(), 2)
     assert e.action == "error" and "simulator broke" in e.reason and sp.counts["error"] == 1
+
+
+def test_decisions_in_the_child_process_equal_those_on_a_thread(monkeypatch):
+    """The server's planner decides in its own process (niced): the same decisions, reasons,
+    predictions and orders as on a thread; a child that dies is an error entry, the loop goes
+    on."""
+    here = os.path.dirname(os.path.abspath(__file__))  # the child unpickles Capacities from here
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    plans = {"a1e2m1": (4.0, 1.0), "a2e1m1": (10.0, 1.0), "p1+a1e1m1": (30.0, 1.0)}
+    rates = (2, 2, 8, 8, 8, 8, 8, 2, 2, 2)
+    (sp, clock), (sc, clock_c) = (_planner(plans, dwell_s=12, confirm=2) for _ in range(2))
+    sc.decider = child = PlannerChild(sc.planner, sc.evaluate)
+    try:
+        assert os.getpriority(os.PRIO_PROCESS, child.proc.pid) == min(
+            19, os.getpriority(os.PRIO_PROCESS, 0) + 10)
+        a, b = FakeClient(), FakeClient()
+        got = [_serve(sp, clock, a, r) for r in rates]
+        kids = [_serve(sc, clock_c, b, r) for r in rates]
+        key = lambda e: (e.action, e.current, e.target, e.reason, e.predicted,  # noqa: E731
+                         e.unreachable, e.window)
+        assert [key(e) for e in kids] == [key(e) for e in got]
+        assert b.orders == a.orders and a.orders  # the same switches ordered
+        assert sc.view()["current"] == sp.view()["current"] != "a1e2m1"
+        child.proc.kill()
+        child.proc.wait()
+        e = _serve(sc, clock_c, b, 2)
+        assert e.action == "error" and "planner's process" in e.reason
+    finally:
+        child.close()
+    assert child.proc.poll() is not None
 
 
 class OrderTaker:
