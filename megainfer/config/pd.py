@@ -23,6 +23,8 @@ class PdConfig:
     offload_blocks: Optional[int] = None
     # ratio: offload_ratio of the eligible requests; auto: only while the prefill rank's pool has room and the decode replica's KV would not hold the request
     offload_policy: str = "ratio"
+    # a request the policy would offload whose prefill rank's pool is short sends requests decoding from that pool home (their KV moved to their decode replica, which must hold their whole lives)
+    offload_return_home: bool = True
 
     def __post_init__(self):
         require(isinstance(self.offload, bool), "pd.offload", self.offload, "must be true or false")
@@ -32,6 +34,8 @@ class PdConfig:
                                                 and not isinstance(self.offload_blocks, bool)
                                                 and self.offload_blocks >= 1),
                 "pd.offload_blocks", self.offload_blocks, "must be an integer >= 1 or null")
+        require(isinstance(self.offload_return_home, bool), "pd.offload_return_home",
+                self.offload_return_home, "must be true or false")
         require(self.offload_policy in OFFLOAD_POLICIES, "pd.offload_policy", self.offload_policy,
                 f"must be one of {', '.join(OFFLOAD_POLICIES)}")
 

@@ -171,6 +171,12 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
 
+    def preempt(self, req: Request) -> None:
+        """A running request gives its blocks back from outside a schedule (it recomputes, first
+        of the waiting ones)."""
+        self.running.discard(req)
+        self._preempt(req)
+
     def _preempt(self, req: Request) -> None:
         self.blocks.free_request(req)
         req.num_computed_tokens = 0

@@ -47,6 +47,7 @@ class CoreStats:
     # of those: (who ordered it: forced | measured | planner, its seconds), in order
     replan_switch_s: list[tuple[str, float]] = field(default_factory=list)
     offloaded_requests: int = 0  # pd.offload: requests offloaded since the last CoreStats
+    offload_homes: int = 0  # pd.offload: offloaded requests whose KV moved home since the last
     # pd.offload: per-layer round trips of the offload exchange, as the decode ranks measured
     offload_round_trip_s: list[float] = field(default_factory=list)
     # pd.offload: requests whose decode attention runs on a prefill rank now (None: no offload)
@@ -76,6 +77,7 @@ class CoreStatsRecorder:
         self.fresh = self._empty()
         self.replans = 0  # re-plans counted so far
         self.offload_started = 0  # offloaded requests counted so far
+        self.offload_homes = 0  # offloaded requests sent home counted so far
         self.last_offloaded: Optional[int] = None
 
     @staticmethod
@@ -121,7 +123,9 @@ class CoreStatsRecorder:
         if off is not None:
             f["offload_round_trip_s"] += off.round_trip_s
             f["offloaded_requests"] += off.started - self.offload_started
+            f["offload_homes"] += off.returned_home - self.offload_homes
             self.offload_started, offloaded = off.started, off.offloaded
+            self.offload_homes = off.returned_home
         if load == self.last_load and offloaded == self.last_offloaded and not any(f.values()):
             return None
         self.fresh, self.last_load, self.last_offloaded = self._empty(), load, offloaded

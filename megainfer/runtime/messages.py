@@ -7,7 +7,9 @@ with mpi4py's object messages.
   to every attention rank, with the aborts).
 * Live EPLB (``eplb/rebalancer.py``): ``PlacementUpdate``.
 * PD (``pd/``): ``PrefillWork`` | ``PrefillStop`` to a prefill rank, ``PrefillReport`` of
-  ``PrefillResult`` back; ``Expect``, ``Start``, ``Drop`` in a ``Go`` to decode replicas.
+  ``PrefillResult`` back; ``Expect``, ``Start``, ``Drop`` (and with ``pd.offload``
+  ``OffloadHome``) in a ``Go`` to decode replicas; ``OffloadQKV`` / ``OffloadOut``,
+  ``OffloadRelease``, ``OffloadReturn`` between decode and prefill ranks.
 * Re-planning (``replan/``): ``ReplanOrder``, ``ExpertSamples``, ``GroupHeader`` of
   ``SampleMove``. docs/architecture.md, "Runtime rooms (`megainfer/runtime/`)"."""
 from __future__ import annotations
@@ -121,6 +123,15 @@ class Drop:
     sent: bool  # whether the KV was sent (take it) or not (cancel the receives)
 
 
+@dataclass(frozen=True)
+class OffloadHome:
+    """To a decode replica (``pd.offload``): the offloaded request of this transfer comes home:
+    its KV moves from the prefill rank's pool into this replica's blocks before the next step
+    (``pd/offload_home.py``); the prefill rank needs its room."""
+
+    xfer: int
+
+
 # ---------------------------------------------------------------------- decode attention offload
 @dataclass
 class OffloadQKV:
@@ -159,6 +170,7 @@ class OffloadStatus:
     offloaded: int  # requests whose decode attention runs on a prefill rank now
     started: int  # requests offloaded so far (ever)
     round_trip_s: tuple = ()  # per-layer round trips (q/k/v out, output back) since the last
+    returned_home: int = 0  # offloaded requests whose KV moved home so far (ever)
 
 
 @dataclass
@@ -168,6 +180,18 @@ class OffloadRelease:
     recompute on the decode rank): free their blocks."""
 
     xfers: list
+
+
+@dataclass(frozen=True)
+class OffloadReturn:
+    """A decode attention rank -> the prefill rank (``tags.OFFLOAD_QKV``, after the request's
+    last ``OffloadQKV``): send the first ``num_tokens`` tokens of this request's KV in head
+    slice ``part`` home, layer by layer as a KV transfer (``kv_stream``'s tags and layout), then
+    free its blocks (once every slice went)."""
+
+    xfer: int
+    num_tokens: int
+    part: int
 
 
 # ---------------------------------------------------------------------- re-planning

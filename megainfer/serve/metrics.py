@@ -84,6 +84,9 @@ class ServeMetrics:
         self.offloaded_total = Counter(P + "offloaded_requests", "PD with pd.offload: requests "
                                        "whose decode attention was offloaded to a prefill rank",
                                        **lab)
+        self.offload_homes = Counter(P + "offload_returned_home", "PD with pd.offload: "
+                                     "offloaded requests whose KV moved home to their decode "
+                                     "replica (the prefill rank needed the room)", **lab)
         self.offload_round_trip = Histogram(P + "offload_round_trip_seconds", "PD with "
                                             "pd.offload: one layer's offload exchange on a "
                                             "decode rank (q/k/v sent to the attention output "
@@ -115,6 +118,8 @@ class ServeMetrics:
             self.labels(self.replan_switch, kind=kind).observe(seconds)
         if stats.offloaded_requests:
             self.labels(self.offloaded_total).inc(stats.offloaded_requests)
+        if stats.offload_homes:
+            self.labels(self.offload_homes).inc(stats.offload_homes)
 
 
 RECENT_ITERATIONS = 16  # the slowest of these bounds how long an iteration may take (health)

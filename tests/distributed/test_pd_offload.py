@@ -182,6 +182,50 @@ def test_offload_online_streams_and_aborts(tiny_ckpts, tmp_path):
     _check_streams(got, _single(ckpt, "async"))
 
 
+def _greedy(path: str, max_tokens: int, first: int) -> dict:
+    """Single mode's greedy tokens of runtime_job's prompts at ``max_tokens`` (the first
+    request ``first``)."""
+    import sys
+    sys.path.insert(0, os.path.dirname(JOB))
+    from runtime_job import CACHE, SCHED, inputs
+    from megainfer.config import LoadConfig, ModelConfig
+    from megainfer.engine.engine import LLMEngine
+    from megainfer.models import build_model
+    cfg = ModelConfig.from_pretrained(path)
+    engine = LLMEngine.from_model(build_model(cfg, LoadConfig(path=path)), SCHED, CACHE)
+    return {o.request_id: o.outputs[0].token_ids
+            for o in engine.generate_stream(inputs(cfg.vocab_size, max_tokens, first))}
+
+
+@pytest.mark.parametrize("fam,tp", [("mixtral", 1), ("qwen3_moe", 2), ("deepseek_v3", 1)])
+def test_offloaded_requests_come_home_for_the_room(tiny_ckpts, tmp_path_factory, tmp_path, fam,
+                                                   tp):
+    """Two seats per decode replica, a 30-block pool of 4-token blocks: r0 (3 + 100 tokens,
+    26 blocks) is offloaded, r1 (40 + 24) finds the pool short while r0 is not decoding yet
+    and streams its KV; r1 done, r2 (9 + 24) finds it short again with r0 decoding, so r0
+    comes home (its KV sent from the pool into the decode replica's blocks through the KV
+    stream, every decode TP rank its own heads) and r2 is offloaded; greedy tokens identical to
+    single mode, every block freed on both sides. DeepSeek-V3: the latent cache comes home."""
+    if fam == "deepseek_v3":
+        from megainfer.tools.make_tiny import make_tiny
+        ckpt = make_tiny("deepseek_v3", str(tmp_path_factory.mktemp("dsv3") / "c"), seed=1)
+    else:
+        ckpt = tiny_ckpts[(fam, "base")]
+    out = tmp_path / "out.json"
+    run_mpi(4, JOB, [out, 1, tp, 3 - tp, 1, "2", ckpt, "offload=1", "seqs=2", "pool=30",
+                     "max_tokens=24", "first=100"], timeout=600)  # p1a1e2; TP 2: p1a1e1
+    got = json.loads(out.read_text())
+    assert got[f"{ckpt}|m=2|off=1"] == _greedy(ckpt, 24, 100)
+    stats = got[f"{ckpt}|m=2|off=1|stats"]
+    decode, prefill = stats["offload"][0], stats["offload"][-1]
+    assert decode["sent_home"] >= 1, stats
+    for d in stats["offload"][:tp]:  # every decode TP rank brought each one home
+        assert d["homed"] + d["returned"] == decode["sent_home"], stats
+    assert prefill["home"] == decode["homed"] and decode["homed"] >= 1, stats
+    assert decode["chosen"] == decode["started"] > decode["sent_home"], stats
+    _check_freed(stats["offload"])
+
+
 def test_prefill_rank_silent_on_offloaded_attention_ends_the_job(tiny_ckpts, tmp_path):
     ckpt = tiny_ckpts[("mixtral", "base")]
     with pytest.raises(AssertionError) as e:

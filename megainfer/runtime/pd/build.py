@@ -80,7 +80,8 @@ def build_pd_rank(job, comm):
                     job.pd.offload_ratio, job.pd.pool_blocks(job.cache.num_blocks),
                     plan.prefill_replicas, job.cache.block_size, job.scheduler.max_model_len,
                     job.pd.offload_policy, plan.attention_replicas,
-                    job.cache.num_blocks * job.cache.block_size)
+                    job.cache.num_blocks * job.cache.block_size, job.pd.offload_return_home,
+                    job.slo.tpot_ms / 1e3, cfg.num_layers)
         return PDReplicaLoop(engine, r.role, r.job.deploy, r.control, exchange, first_moe_layer,
                              decode, router,
                              OffloadTally() if job.pd.offload and router is not None else None)
@@ -146,7 +147,8 @@ def _build_prefill(job, role, core, kv_comm, segs, epoch):
         if tp == 1 and plan.attention_tp > 1 and not cfg.is_mla:
             slices = [kv_head_slice(cfg.num_kv_heads, plan.attention_tp, t)
                       for t in range(plan.attention_tp)]
-        engine.executor.offload = OffloadPool(engine, model, pool, kv_comm, label, w.policy, slices)
+        engine.executor.offload = OffloadPool(engine, model, pool, kv_comm, label, w.policy, segs,
+                                              slices)
         log.info("%s KV cache split: %d blocks for prompts in flight, %d for offloaded "
                  "requests (%.1f MiB)", label, ejob.cache.num_blocks, pool,
                  engine.executor.offload.nbytes() / 2**20)

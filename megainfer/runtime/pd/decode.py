@@ -7,6 +7,8 @@ the same iteration on every TP rank of the replica, so their schedulers stay ide
   blocks and start the request.
 * ``Drop``: the request ended at the prefill rank: take the KV if it was sent (else cancel the
   receives) and give the blocks back.
+* ``OffloadHome`` (``pd.offload``): an offloaded request's KV comes home (``offload_home``),
+  once it has started here (at once, or right after its ``Start``).
 Online, ``abort`` ends a started request still waiting for blocks or KV as soon as it starts.
 docs/pd.md, "What runs where".
 """
@@ -19,8 +21,9 @@ from typing import Optional
 
 from megainfer.engine.kv_handoff import release, reserve, start
 from megainfer.perfmodel.trace import KV_RECV, kv_transfer_name
-from megainfer.runtime.messages import Drop, Expect, Start
+from megainfer.runtime.messages import Drop, Expect, OffloadHome, Start
 from megainfer.runtime.pd.kv_stream import IncomingKV, KVReceiver
+from megainfer.runtime.pd.offload_home import bring_home
 
 
 @dataclass
@@ -43,6 +46,7 @@ class DecodeSide:
         self.num_started = 0
         self.aborted: list = []  # outputs of requests aborted as they started
         self.offload = None  # pd.offload: the OffloadClient (set by pd/build.py), else None
+        self.homing: list[int] = []  # pd.offload: transfers coming home once they start here
 
     def abort(self, request_id: str) -> bool:
         """End a request whose start is announced but waits for blocks or KV: it ends (output
@@ -63,7 +67,9 @@ class DecodeSide:
 
     def apply(self, msgs: list) -> None:
         for m in msgs:
-            if isinstance(m, Expect) and m.offload:  # its KV stays there: nothing to receive
+            if isinstance(m, OffloadHome):
+                self.homing.append(m.xfer)
+            elif isinstance(m, Expect) and m.offload:  # its KV stays there: nothing to receive
                 self.expects[m.xfer] = _Expect(None, m.num_tokens, src=m.src)
             elif isinstance(m, Expect):
                 bs = self.engine.cache_config.block_size
@@ -73,6 +79,20 @@ class DecodeSide:
             else:
                 self.expects[m.xfer].said = m
         self._advance()
+        if self.homing:
+            self._bring_home()
+
+    def _bring_home(self) -> None:
+        """The offloaded requests rank 0 sent home: each started here comes home now (its KV
+        moved, or preempted to recompute when blocks are short); one whose ``Start`` is still
+        waiting here goes when it starts."""
+        wait = []
+        for xfer in self.homing:
+            if xfer in self.expects:
+                wait.append(xfer)
+            else:
+                bring_home(self.engine, self.offload, self.receiver, xfer)
+        self.homing = wait
 
     def _advance(self) -> None:
         engine = self.engine

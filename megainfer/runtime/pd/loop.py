@@ -9,10 +9,12 @@ replica, which count in its load. When no replica has anything to decode (transf
 pending or not), rank 0 waits, sleeping, for a prefill report before the next (empty) iteration
 instead of spinning: a decode pool waiting for its first prompts leaves the cores to the
 prefill ranks. With ``pd.offload`` a leader's report carries its ``OffloadStatus`` and rank 0
-sums them (``OffloadTally``; ``offload_report``, the served metrics).
+sums them (``OffloadTally``; ``offload_report``, the served metrics) and gives rank 0's ledger the
+decode iteration's time and round trips (``auto``'s TPOT prediction).
 """
 from __future__ import annotations
 
+import time
 from typing import Iterable, Optional
 
 from megainfer.engine.outputs import PromptInput, RequestOutput
@@ -34,6 +36,7 @@ class PDReplicaLoop(ReplicaLoop):
         self.decode, self.pd = decode, router
         self.tally = tally  # rank 0 with pd.offload: the replicas' offload reports summed
         self.idle = [0, 0]  # rank 0: iterations with nothing to decode; waits that timed out
+        self.last_sync, self.was_decoding = None, False  # rank 0: the last sync, if it decoded
 
     def _hand_out_first(self, inputs: Iterable[PromptInput]) -> list[PromptInput]:
         """Rank 0: the requests go to the prefill ranks; the replicas' first share is empty."""
@@ -85,6 +88,15 @@ class PDReplicaLoop(ReplicaLoop):
                              new_tokens=self.deltas, kv_usage=kv_usage(e),
                              offload=None if d.offload is None else d.offload.status())
 
+    def _observe(self, statuses) -> None:
+        """Rank 0 with pd.offload: the last iteration's wall time (when it decoded) and the
+        round trips reported, for ``auto``'s TPOT prediction (``OffloadLedger.observe``)."""
+        now, ledger = time.perf_counter(), self.pd.offload
+        if self.last_sync is not None and self.was_decoding and ledger is not None:
+            ledger.observe(now - self.last_sync, tuple(
+                t for st in statuses if st.offload is not None for t in st.offload.round_trip_s))
+        self.last_sync = now
+
     def _sync(self, finished: list[RequestOutput]
               ) -> tuple[list[RequestOutput], bool, list, list[str]]:
         d = self.decode
@@ -98,11 +110,16 @@ class PDReplicaLoop(ReplicaLoop):
         statuses = self._gather(status)
         if self.tally is not None:
             self.tally.add(statuses)
+            self._observe(statuses)
         for st in statuses:
             done += st.finished
             busy = busy or st.busy or st.transfers_pending > 0  # decoding, or KV still arriving
             decoding = decoding or st.busy
             loads.append(st.load)
+        self.was_decoding = decoding
+        if self.pd.offload is not None:  # finished now: not sent home by this hand-out
+            for out in done:
+                self.pd.offload.finished(out.request_id)
         msgs, prefilled = self.pd.iterate(loads)
         self.new_tokens += self.pd.take_first_tokens()  # sampled on the prefill ranks
         for out in done:

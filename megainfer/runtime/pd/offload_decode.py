@@ -6,7 +6,8 @@ An offloaded request holds no blocks here: its KV stays on the prefill rank that
 the local rows meanwhile and waits, bounded, for ``OffloadOut`` (``RankFailure`` names a silent
 prefill rank); O projection and the MoE run here for every row. ``RemoteKVBlocks`` allocates
 nothing for it and, on free, sends ``OffloadRelease`` after its last ``OffloadQKV``; a preempted
-one recomputes here and is local from then on. ``OffloadClient.metadata`` (the executor's
+one recomputes here and is local from then on, one sent home (``offload_home``) takes blocks
+here for its KV. ``OffloadClient.metadata`` (the executor's
 ``offload`` hook) builds a micro-batch's metadata over its local rows only; ``status``: the
 leader's report to rank 0 each step (``offload_report.py``, the served metrics).
 docs/pd.md, "Decode attention offloaded to the prefill ranks".
@@ -90,6 +91,7 @@ class OffloadClient:
         self.trips = RoundTrips()
         self.started = 0  # offloaded requests started here
         self.returned = 0  # offloaded requests preempted here: they recompute here, local
+        self.homed = 0  # offloaded requests whose KV came home (offload_home.bring_home)
 
     # ---------------------------------------------------------------- lifecycle
     def adopt(self, req, src: int, xfer: int) -> None:
@@ -106,6 +108,15 @@ class OffloadClient:
         self.outbox.post(OffloadRelease([held[1]]), held[0], tags.OFFLOAD_QKV)
         return True
 
+    def seq_of(self, xfer: int):
+        """The sequence id of offloaded transfer ``xfer`` here, None if not offloaded here."""
+        return next((s for s, (_, x) in self.by_seq.items() if x == xfer), None)
+
+    def came_home(self, seq_id: int) -> None:
+        """The sequence's KV is in this rank's blocks now: it decodes locally."""
+        del self.by_seq[seq_id]
+        self.homed += 1
+
     def release_xfer(self, src: int, xfer: int) -> None:
         """A request dropped before it decoded here (prefill replica's first rank ``src``)."""
         self.outbox.post(OffloadRelease([xfer]), src + self.offset, tags.OFFLOAD_QKV)
@@ -116,7 +127,7 @@ class OffloadClient:
 
     def status(self) -> OffloadStatus:
         """For the replica's report to rank 0: offloaded now, ever, the round trips since."""
-        return OffloadStatus(self.num_offloaded, self.started, self.trips.take())
+        return OffloadStatus(self.num_offloaded, self.started, self.trips.take(), self.homed)
 
     # ---------------------------------------------------------------- the step
     def metadata(self, part, block_size: int, device):
@@ -239,6 +250,11 @@ class RemoteKVBlocks:
             self._gone.discard(req.seq_id)
             self._client.returned += 1
         return self._inner.allocate(req, num_tokens, cached)
+
+    def take_home(self, req, num_tokens: int) -> bool:
+        """Blocks here for the first ``num_tokens`` tokens of offloaded ``req`` (its KV is
+        coming home, ``offload_home``); False (nothing changed) when too few are free."""
+        return self._inner.allocate(req, num_tokens)
 
     def free_request(self, req) -> None:
         if self._client.release(req.seq_id):

@@ -8,8 +8,12 @@ rank's pool has room for its whole life, ``min(prompt + max_tokens, max_model_le
 reserved up front; with ``auto`` when that pool has room and its decode replica's KV
 (``cache.num_blocks`` blocks) would not hold it beside the local requests rank 0 has given that
 replica (their whole lives). Rank 0 keeps the ledger: the room comes back when the request's
-output reaches rank 0 or it is dropped at the prefill rank. The TPOT part of ``auto`` is not
-wired here: rank 0 has no TPOT prediction (the simulator's book has one).
+output reaches rank 0 or it is dropped at the prefill rank, or when it is sent home
+(``offload_home``): a request the policy would offload whose pool is short sends requests
+decoding from that pool home, oldest first, while their decode replicas' KV holds their whole
+lives (``pd.offload_return_home``). ``auto``'s TPOT condition: with ``slo.tpot_ms`` set, the
+prediction is rank 0's last decode iteration plus the latest per-layer round trip at every
+layer (``observe``, from the replicas' reports), the rule the simulator applies.
 docs/pd.md, "Decode attention offloaded to the prefill ranks".
 """
 from __future__ import annotations
@@ -23,22 +27,46 @@ from megainfer.perfmodel.offload_rule import (OffloadCandidate, blocks_for, pick
 class OffloadLedger:
     def __init__(self, ratio: float, pool_blocks: int, num_prefill: int, block_size: int,
                  max_model_len: int, policy: str = "ratio", num_decode: int = 1,
-                 decode_kv_tokens: Optional[int] = None):
+                 decode_kv_tokens: Optional[int] = None, return_home: bool = True,
+                 tpot_slo_s: Optional[float] = None, num_layers: int = 1):
         self.ratio, self.block_size, self.max_model_len = ratio, block_size, max_model_len
         self.pool_blocks, self.auto = pool_blocks, policy == "auto"
+        self.return_home = return_home
         self.free = [pool_blocks] * num_prefill  # per prefill rank: pool blocks not promised
         self.held: dict[int, tuple[int, int]] = {}  # xfer -> (prefill index, blocks)
+        self.life: dict[int, tuple[int, int]] = {}  # offloaded xfer -> (decode replica, tokens)
         self.kv_cap = decode_kv_tokens  # a decode replica's KV, tokens (None: unlimited)
         self.local = [0] * num_decode  # per decode replica: whole-life tokens of its local requests
         self.held_local: dict[int, tuple[int, int]] = {}  # local xfer -> (decode replica, tokens)
         self.xfer_of: dict[str, int] = {}  # request id -> xfer, once it decodes
+        self.homes: list[tuple[int, int]] = []  # (decode replica, xfer) sent home, not told yet
+        self.tpot_slo_s, self.L = tpot_slo_s, num_layers
+        self.iteration_s: Optional[float] = None  # the last decode iteration's wall time
+        self.round_trip_s: Optional[float] = None  # the latest mean per-layer round trip
         self.eligible = 0  # requests that could have been offloaded
         self.offloaded = 0  # requests offloaded
-        self.no_room = 0  # chosen by the ratio but the pool was full
+        self.no_room = 0  # chosen by the ratio but the pool was full (and none could go home)
+        self.sent_home = 0  # offloaded requests sent home for the room
+        self.over_tpot = 0  # auto: left local since the predicted TPOT broke the SLO
+
+    def observe(self, iteration_s: float, round_trips: tuple) -> None:
+        """Rank 0's last decode iteration (s) and the per-layer round trips reported in it."""
+        self.iteration_s = iteration_s
+        if round_trips:
+            self.round_trip_s = sum(round_trips) / len(round_trips)
+
+    def predicted_tpot_s(self) -> Optional[float]:
+        """The TPOT with one more request offloaded: the last decode iteration plus the
+        latest per-layer round trip at every layer (the simulator's rule); None before a
+        decode iteration and a round trip were measured."""
+        if self.iteration_s is None or self.round_trip_s is None:
+            return None
+        return self.iteration_s + self.L * self.round_trip_s
 
     def decide(self, p: int, d: int, xfer: int, inp, num_prompt_tokens: int) -> int:
         """Tokens prefill rank ``p`` keeps room for (0: the request's KV is streamed to decode
-        replica ``d``)."""
+        replica ``d``). A request the policy would offload whose pool is short sends decoding
+        requests of that pool home when their decode replicas' KV holds them (``take_homes``)."""
         params = inp.params
         mml = self.max_model_len
         tokens = min(num_prompt_tokens + (params.max_tokens or mml), mml)
@@ -49,17 +77,55 @@ class OffloadLedger:
         need = blocks_for(tokens, self.block_size)
         if self.auto:
             free_kv = tokens if self.kv_cap is None else self.kv_cap - self.local[d]
-            if not picks_auto(OffloadCandidate(need, self.free[p], tokens, free_kv)):
+            tpot = self.predicted_tpot_s()
+            ahead = OffloadCandidate(need, need, tokens, free_kv, tpot, self.tpot_slo_s)
+            if not picks_auto(ahead):  # no pressure, or the TPOT SLO: the pool aside
+                self.over_tpot += tokens > free_kv
                 return self._local(d, xfer, tokens)
         elif not picks_by_ratio(k, self.ratio):
             return self._local(d, xfer, tokens)
-        elif need > self.free[p]:
+        if need > self.free[p] and not self._make_room(p, need):
             self.no_room += 1
             return self._local(d, xfer, tokens)
         self.free[p] -= need
         self.held[xfer] = (p, need)
+        self.life[xfer] = (d, tokens)
         self.offloaded += 1
         return tokens
+
+    def _make_room(self, p: int, need: int) -> bool:
+        """Send requests decoding from pool ``p`` home, oldest first, each while its decode
+        replica's KV holds its whole life beside the local ones, until ``need`` blocks are
+        free; nothing is sent unless that many can be (True then)."""
+        if not self.return_home:
+            return False
+        free, room, go = self.free[p], list(self.local), []
+        for x in sorted(set(self.xfer_of.values())):
+            if free >= need:
+                break
+            if self.held.get(x, (None,))[0] != p:
+                continue
+            dx, tx = self.life[x]
+            if self.kv_cap is None or room[dx] + tx <= self.kv_cap:
+                room[dx] += tx
+                free += self.held[x][1]
+                go.append(x)
+        if free < need:
+            return False
+        for x in go:
+            q, blocks = self.held.pop(x)
+            self.free[q] += blocks
+            dx, tx = self.life.pop(x)
+            self.local[dx] += tx
+            self.held_local[x] = (dx, tx)
+            self.homes.append((dx, x))
+            self.sent_home += 1
+        return True
+
+    def take_homes(self) -> list[tuple[int, int]]:
+        """(decode replica, xfer) of the requests sent home since the last call."""
+        out, self.homes = self.homes, []
+        return out
 
     def _local(self, d: int, xfer: int, tokens: int) -> int:
         self.local[d] += tokens
@@ -77,6 +143,7 @@ class OffloadLedger:
         held = self.held.pop(xfer, None) if xfer is not None else None
         if held is not None:
             self.free[held[0]] += held[1]
+            self.life.pop(xfer, None)
         loc = self.held_local.pop(xfer, None) if xfer is not None else None
         if loc is not None:
             self.local[loc[0]] -= loc[1]

@@ -6,7 +6,7 @@ The rank's KV memory is split at start-up: the engine keeps ``cache.num_blocks -
 allocates an offloaded request's whole life once its first token is sampled and copies the
 prompt's KV in (nothing is sent); ``serve`` answers each ``OffloadQKV`` with ``OffloadOut``
 (writes k/v at the next position, runs the layer's backend over the pool); ``OffloadRelease``
-frees the blocks. Offloaded attention comes first: ``serve`` runs after every prefill layer and
+frees the blocks, ``OffloadReturn`` sends them home first (``offload_home``). Offloaded attention comes first: ``serve`` runs after every prefill layer and
 in every idle wait, so a decode step waits at most about one prefill layer.
 docs/pd.md, "Decode attention offloaded to the prefill ranks".
 """
@@ -26,7 +26,8 @@ from megainfer.engine.sampling_params import SamplingParams
 from megainfer.models.attention import AttentionMetadata
 from megainfer.runtime import tags
 from megainfer.runtime.control import Outbox, RankFailure
-from megainfer.runtime.messages import OffloadOut, OffloadRelease
+from megainfer.runtime.messages import OffloadOut, OffloadRelease, OffloadReturn
+from megainfer.runtime.pd.offload_home import HomeSender
 
 log = logging.getLogger("megainfer.runtime")
 
@@ -38,7 +39,7 @@ class OffloadPool:
     prefill TP (each prefill TP rank serves its decode TP peer) or both 1."""
 
     def __init__(self, engine, model, num_blocks: int, comm: MPI.Comm, me: str,
-                 policy: WaitPolicy, slices=None):
+                 policy: WaitPolicy, segs, slices=None):
         self.comm, self.me, self.policy = comm, me, policy
         self.block_size = engine.cache_config.block_size
         spec, dev = engine.kv_spec, engine.device
@@ -61,6 +62,9 @@ class OffloadPool:
         self.served = 0  # OffloadQKV messages answered
         self.serve_s = 0.0  # seconds spent answering them
         self.kept = 0  # requests kept
+        # their way home (offload_home): every decode TP rank's slice, then the blocks freed
+        self.home = HomeSender(comm, spec.kind, len(model.layers), segs, self.block_size,
+                               len(self.slices), me, policy)
 
     @property
     def num_blocks(self) -> int:
@@ -106,6 +110,7 @@ class OffloadPool:
             wait_until(self.pending, _short(self.policy))
         self.serve()
         self.outbox.flush()
+        self.home.drain()
         if self.held:
             log.warning("%s offload pool: requests %s still hold blocks at the end", self.me,
                         sorted(self.held))
@@ -122,11 +127,16 @@ class OffloadPool:
                     if holder is not None:
                         self.blocks.free_request(holder)
                 continue
+            if isinstance(msg, OffloadReturn):  # its KV goes home, then its blocks are free
+                if self.home.send(msg, src, self.kv[msg.part], self.held[msg.xfer].block_table):
+                    self.blocks.free_request(self.held.pop(msg.xfer))
+                continue
             t0 = time.perf_counter()
             self.outbox.post(OffloadOut(msg.seq, self._attend(msg)), src, tags.OFFLOAD_OUT)
             self.serve_s += time.perf_counter() - t0
             self.served += 1
             n += 1
+        self.home.poll()
         return n
 
     @torch.inference_mode()

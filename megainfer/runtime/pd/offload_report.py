@@ -20,6 +20,7 @@ class OffloadTally:
     def __init__(self):
         self.offloaded = 0  # requests whose decode attention runs on a prefill rank now
         self.started = 0  # requests offloaded so far
+        self.returned_home = 0  # offloaded requests whose KV moved home so far
         self.round_trip_s: deque = deque(maxlen=PENDING_ROUND_TRIPS)  # not taken yet
 
     def add(self, statuses) -> None:
@@ -27,6 +28,7 @@ class OffloadTally:
         now = [st.offload for st in statuses if st.offload is not None]
         self.offloaded = sum(o.offloaded for o in now)
         self.started = sum(o.started for o in now)
+        self.returned_home = sum(o.returned_home for o in now)
         for o in now:
             self.round_trip_s.extend(o.round_trip_s)
 
@@ -35,4 +37,4 @@ class OffloadTally:
         last call."""
         trips = tuple(self.round_trip_s)
         self.round_trip_s.clear()
-        return OffloadStatus(self.offloaded, self.started, trips)
+        return OffloadStatus(self.offloaded, self.started, trips, self.returned_home)

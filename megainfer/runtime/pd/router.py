@@ -25,7 +25,8 @@ from megainfer.engine.intake import tokenize_prompt
 from megainfer.engine.outputs import PromptInput, RequestOutput, SampleDelta
 from megainfer.runtime import tags
 from megainfer.runtime.control import Outbox, RankFailure
-from megainfer.runtime.messages import Drop, Expect, PrefillStop, PrefillWork, Start, WorkItem
+from megainfer.runtime.messages import (Drop, Expect, OffloadHome, PrefillStop, PrefillWork,
+                                        Start, WorkItem)
 from megainfer.runtime.replicas.request_router import RequestRouter
 from megainfer.runtime.timeouts import pd_idle_wait_s
 
@@ -107,6 +108,9 @@ class PDRouter:
         msgs, done = [[] for _ in range(self.A)], []
         self._collect(msgs, done)
         self._hand_out(list(loads), msgs, done)
+        if self.offload is not None:  # sent home for the room (offload_home), before the next step
+            for d, xfer in self.offload.take_homes():
+                msgs[d].append(OffloadHome(xfer))
         self._check_silence()
         return msgs, done
 

@@ -12,7 +12,9 @@ each request to its samples' token ids), ``q`` (model.quantization, group size 3
 (a comma list of pd.offload_ratio values or ``auto``, pd.offload_policy=auto: each runs with
 pd.offload=true, keyed "<ckpt>|m=<m>|off=<ratio or auto>", its stats adding the offload
 counts of every rank), ``pool``
-(pd.offload_blocks), ``mml`` (scheduler.max_model_len, 128).
+(pd.offload_blocks), ``mml`` (scheduler.max_model_len, 128), ``seqs`` (scheduler.max_num_seqs,
+8: fewer hand rank 0's requests out as seats free, so later ones meet earlier ones decoding),
+``first`` (max_tokens of the first request, ``max_tokens`` by default).
 A decode attention replicas x TP, E expert ranks, P prefill replicas (K = A*TP + E + P*ptp); MS a
 comma list of micro-batch counts. Prompts and configs are ``runtime_job``'s, so the single-mode
 reference is the same. ``fault=kill``: every prefill rank kills itself (SIGKILL) at its first step
@@ -97,16 +99,19 @@ def offload_counts(r) -> dict:
     pool = getattr(getattr(worker, "executor", None), "offload", None)
     if pool is not None:
         return dict(kept=pool.kept, served=pool.served, held=len(pool.held),
-                    free=pool.blocks.num_free_blocks, blocks=pool.num_blocks)
+                    free=pool.blocks.num_free_blocks, blocks=pool.num_blocks,
+                    home=pool.home.returned)
     loop = getattr(r, "loop", None)
     client = getattr(getattr(loop, "decode", None), "offload", None)
     if client is None:
         return {}
     b = loop.engine.blocks
     out = dict(started=client.started, offloaded=client.num_offloaded, returned=client.returned,
-               trips=client.trips.count, free=b.num_free_blocks, blocks=b.num_blocks)
+               homed=client.homed, trips=client.trips.count, free=b.num_free_blocks,
+               blocks=b.num_blocks)
     if loop.pd is not None:
         out["chosen"] = loop.pd.offload.offloaded
+        out["sent_home"] = loop.pd.offload.sent_home
     return out
 
 
@@ -121,11 +126,14 @@ def main():
     ptp, n = int(opts.get("ptp", 1)), int(opts.get("n", 0))
     if n:
         make_inputs = lambda vocab, mt: sampled_inputs(vocab, mt, n)  # noqa: E731
+    if "first" in opts:  # the first request decodes longer
+        make_inputs = lambda vocab, mt: inputs(vocab, mt, int(opts["first"]))  # noqa: E731
     cache = dataclasses.replace(base, kv_cache_dtype=opts.get("kv", "auto"),
                                 num_blocks=int(opts.get("blocks", CACHE.num_blocks)),
                                 kv_scale_granularity=opts.get("gran", base.kv_scale_granularity))
     sched = dataclasses.replace(SCHED, routing=opts.get("routing", SCHED.routing),
-                                max_model_len=int(opts.get("mml", SCHED.max_model_len)))
+                                max_model_len=int(opts.get("mml", SCHED.max_model_len)),
+                                max_num_seqs=int(opts.get("seqs", SCHED.max_num_seqs)))
     kill = fault in ("kill", "hang", "hang_peer", "hang_offload")  # comm.timeout_s=3
     if fault == "hang_offload":  # the prefill rank stops answering at its first offload message
         OffloadPool._attend = lambda self, msg: time.sleep(3600)

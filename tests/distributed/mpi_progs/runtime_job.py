@@ -37,9 +37,12 @@ def prompts(vocab: int):
     return [torch.randint(3, vocab, (L,), generator=g).tolist() for L in (3, 40, 9, 1, 23, 17, 30)]
 
 
-def inputs(vocab: int, max_tokens: int):
+def inputs(vocab: int, max_tokens: int, first_max_tokens=None):
+    """Greedy requests of ``max_tokens`` each (the first ``first_max_tokens`` when given)."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    return [PromptInput(f"r{i}", prompt_token_ids=p, params=params)
+    first = params if first_max_tokens is None else \
+        SamplingParams(temperature=0.0, max_tokens=first_max_tokens, ignore_eos=True)
+    return [PromptInput(f"r{i}", prompt_token_ids=p, params=first if i == 0 else params)
             for i, p in enumerate(prompts(vocab))]
 
 

@@ -2,7 +2,8 @@
 ``OnlineEngine.offload_report`` at each ``take`` (the requests offloaded since as a count, the
 round trips, the offloaded-now figure; a change of that alone is sent; None from an engine
 without offload leaves it None), and the frontend renders ``num_requests_offloaded``,
-``offloaded_requests_total`` and ``offload_round_trip_seconds``. The served path under
+``offloaded_requests_total``, ``offload_returned_home_total`` and
+``offload_round_trip_seconds``. The served path under
 mpiexec: tests/distributed/test_serve_offload.py."""
 from prometheus_client import generate_latest
 
@@ -60,7 +61,7 @@ def test_offload_metrics_render():
     assert _sample(text, f"megainfer:num_requests_offloaded{LAB}") == 0  # before any report
     assert _sample(text, f"megainfer:offloaded_requests_total{LAB}") is None  # no sample yet
     assert _sample(text, f"megainfer:offload_round_trip_seconds_count{LAB}") is None
-    for report in (OffloadStatus(1, 1, (0.002, 0.003)), OffloadStatus(2, 3, (0.02,))):
+    for report in (OffloadStatus(1, 1, (0.002, 0.003)), OffloadStatus(2, 3, (0.02,), 1)):
         eng.report = report
         watch.apply(rec.take())
     text = generate_latest(m.registry).decode()
@@ -70,13 +71,15 @@ def test_offload_metrics_render():
     assert abs(_sample(text, f"megainfer:offload_round_trip_seconds_sum{LAB}") - 0.025) < 1e-12
     assert _sample(text, 'megainfer:offload_round_trip_seconds_bucket{le="0.0025",'
                    'model_name="tiny"}') == 1
+    assert _sample(text, f"megainfer:offload_returned_home_total{LAB}") == 1
     assert "# TYPE megainfer:num_requests_offloaded gauge" in text
     assert "# TYPE megainfer:offloaded_requests_total counter" in text
     assert "# TYPE megainfer:offload_round_trip_seconds histogram" in text
-    eng.report = OffloadStatus(0, 3, ())
+    eng.report = OffloadStatus(0, 3, (), 3)
     watch.apply(rec.take())
     text = generate_latest(m.registry).decode()
     assert _sample(text, f"megainfer:num_requests_offloaded{LAB}") == 0
+    assert _sample(text, f"megainfer:offload_returned_home_total{LAB}") == 3  # 2 more since
     assert _sample(text, f"megainfer:offloaded_requests_total{LAB}") == 3
     eng.report = None  # stats without the figure (None) leave the gauge as it was
     got = rec.take()
