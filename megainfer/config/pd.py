@@ -25,6 +25,8 @@ class PdConfig:
     offload_policy: str = "ratio"
     # a request the policy would offload whose prefill rank's pool is short sends requests decoding from that pool home (their KV moved to their decode replica, which must hold their whole lives)
     offload_return_home: bool = True
+    # auto: a prefill rank whose measured busy share (its prefill steps and the offloaded attention it serves, over the last second) exceeds this takes no more offloaded requests
+    offload_max_prefill_busy: float = 0.9
 
     def __post_init__(self):
         require(isinstance(self.offload, bool), "pd.offload", self.offload, "must be true or false")
@@ -36,6 +38,9 @@ class PdConfig:
                 "pd.offload_blocks", self.offload_blocks, "must be an integer >= 1 or null")
         require(isinstance(self.offload_return_home, bool), "pd.offload_return_home",
                 self.offload_return_home, "must be true or false")
+        require(is_number(self.offload_max_prefill_busy) and 0 < self.offload_max_prefill_busy <= 1,
+                "pd.offload_max_prefill_busy", self.offload_max_prefill_busy,
+                "must be a number in (0, 1]")
         require(self.offload_policy in OFFLOAD_POLICIES, "pd.offload_policy", self.offload_policy,
                 f"must be one of {', '.join(OFFLOAD_POLICIES)}")
 

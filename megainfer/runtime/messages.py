@@ -94,6 +94,7 @@ class PrefillReport:
     waiting: int
     running: int
     key_events: list = field(default_factory=list)
+    busy_s: float = 0.0  # seconds busy so far: its prefill steps, and with pd.offload serving
 
 
 @dataclass(frozen=True)

@@ -223,6 +223,7 @@ def test_offloaded_requests_come_home_for_the_room(tiny_ckpts, tmp_path_factory,
         assert d["homed"] + d["returned"] == decode["sent_home"], stats
     assert prefill["home"] == decode["homed"] and decode["homed"] >= 1, stats
     assert decode["chosen"] == decode["started"] > decode["sent_home"], stats
+    assert 0 < decode["busy_s"][0] < 600, stats  # the prefill rank's busy seconds, reported
     _check_freed(stats["offload"])
 
 

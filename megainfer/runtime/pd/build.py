@@ -81,7 +81,7 @@ def build_pd_rank(job, comm):
                     plan.prefill_replicas, job.cache.block_size, job.scheduler.max_model_len,
                     job.pd.offload_policy, plan.attention_replicas,
                     job.cache.num_blocks * job.cache.block_size, job.pd.offload_return_home,
-                    job.slo.tpot_ms / 1e3, cfg.num_layers)
+                    job.slo.tpot_ms / 1e3, cfg.num_layers, job.pd.offload_max_prefill_busy)
         return PDReplicaLoop(engine, r.role, r.job.deploy, r.control, exchange, first_moe_layer,
                              decode, router,
                              OffloadTally() if job.pd.offload and router is not None else None)

@@ -13,22 +13,30 @@ output reaches rank 0 or it is dropped at the prefill rank, or when it is sent h
 decoding from that pool home, oldest first, while their decode replicas' KV holds their whole
 lives (``pd.offload_return_home``). ``auto``'s TPOT condition: with ``slo.tpot_ms`` set, the
 prediction is rank 0's last decode iteration plus the latest per-layer round trip at every
-layer (``observe``, from the replicas' reports), the rule the simulator applies.
+layer (``observe``, from the replicas' reports), the rule the simulator applies; and only
+while the prefill rank's measured busy share over the last second (its prefill steps and the
+offloaded attention it served, from its reports: ``prefill_busy``) is at most
+``pd.offload_max_prefill_busy``.
 docs/pd.md, "Decode attention offloaded to the prefill ranks".
 """
 from __future__ import annotations
 
+import time
+from collections import deque
 from typing import Optional
 
 from megainfer.perfmodel.offload_rule import (OffloadCandidate, blocks_for, picks_auto,
                                              picks_by_ratio)
+
+BUSY_WINDOW_S = 1.0  # auto: a prefill rank's busy share is measured over about this long
 
 
 class OffloadLedger:
     def __init__(self, ratio: float, pool_blocks: int, num_prefill: int, block_size: int,
                  max_model_len: int, policy: str = "ratio", num_decode: int = 1,
                  decode_kv_tokens: Optional[int] = None, return_home: bool = True,
-                 tpot_slo_s: Optional[float] = None, num_layers: int = 1):
+                 tpot_slo_s: Optional[float] = None, num_layers: int = 1,
+                 max_prefill_busy: float = 1.0):
         self.ratio, self.block_size, self.max_model_len = ratio, block_size, max_model_len
         self.pool_blocks, self.auto = pool_blocks, policy == "auto"
         self.return_home = return_home
@@ -43,11 +51,33 @@ class OffloadLedger:
         self.tpot_slo_s, self.L = tpot_slo_s, num_layers
         self.iteration_s: Optional[float] = None  # the last decode iteration's wall time
         self.round_trip_s: Optional[float] = None  # the latest mean per-layer round trip
+        self.max_busy = max_prefill_busy  # auto: a prefill rank busier than this takes none
+        self.busy = [deque() for _ in range(num_prefill)]  # per prefill rank: (t, busy_s so far)
         self.eligible = 0  # requests that could have been offloaded
         self.offloaded = 0  # requests offloaded
         self.no_room = 0  # chosen by the ratio but the pool was full (and none could go home)
         self.sent_home = 0  # offloaded requests sent home for the room
         self.over_tpot = 0  # auto: left local since the predicted TPOT broke the SLO
+        self.no_spare = 0  # auto: left local since its prefill rank had no spare time
+
+    def prefill_busy(self, p: int, busy_s: float, t: float) -> None:
+        """Prefill rank ``p``'s report at rank 0's time ``t``: seconds busy so far (its prefill
+        steps and the offloaded attention it served)."""
+        samples = self.busy[p]
+        samples.append((t, busy_s))
+        while len(samples) > 2 and samples[1][0] <= t - BUSY_WINDOW_S:
+            samples.popleft()  # the one before the window stays: the window's start
+
+    def busy_fraction(self, p: int, now: Optional[float] = None) -> Optional[float]:
+        """The share of the last ``BUSY_WINDOW_S`` (from the latest report before it) prefill
+        rank ``p`` was busy, up to ``now``; None before two reports. A rank silent since its
+        last report was idle since (it reports after every step)."""
+        samples = self.busy[p]
+        if len(samples) < 2:
+            return None
+        now = time.perf_counter() if now is None else now
+        (t0, b0), (_, b1) = samples[0], samples[-1]
+        return min(1.0, (b1 - b0) / max(now - t0, 1e-9))
 
     def observe(self, iteration_s: float, round_trips: tuple) -> None:
         """Rank 0's last decode iteration (s) and the per-layer round trips reported in it."""
@@ -63,7 +93,8 @@ class OffloadLedger:
             return None
         return self.iteration_s + self.L * self.round_trip_s
 
-    def decide(self, p: int, d: int, xfer: int, inp, num_prompt_tokens: int) -> int:
+    def decide(self, p: int, d: int, xfer: int, inp, num_prompt_tokens: int,
+               now: Optional[float] = None) -> int:
         """Tokens prefill rank ``p`` keeps room for (0: the request's KV is streamed to decode
         replica ``d``). A request the policy would offload whose pool is short sends decoding
         requests of that pool home when their decode replicas' KV holds them (``take_homes``)."""
@@ -81,6 +112,10 @@ class OffloadLedger:
             ahead = OffloadCandidate(need, need, tokens, free_kv, tpot, self.tpot_slo_s)
             if not picks_auto(ahead):  # no pressure, or the TPOT SLO: the pool aside
                 self.over_tpot += tokens > free_kv
+                return self._local(d, xfer, tokens)
+            busy = self.busy_fraction(p, now)
+            if busy is not None and busy > self.max_busy:  # its prefill rank has no time
+                self.no_spare += 1
                 return self._local(d, xfer, tokens)
         elif not picks_by_ratio(k, self.ratio):
             return self._local(d, xfer, tokens)

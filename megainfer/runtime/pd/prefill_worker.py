@@ -87,6 +87,7 @@ class PrefillWorker:
         self.keep: dict[str, int] = {}  # pd.offload: request id -> tokens its KV keeps room for
         self.transfers: list[OutgoingKV] = []  # completed, for the stats
         self.steps = 0
+        self.prompt_s = 0.0  # seconds in prefill steps, offloaded attention served in them aside
         self.outbox = Outbox(comm)  # reports to rank 0 in flight
         self.track = track_keys
         if track_keys:
@@ -141,8 +142,10 @@ class PrefillWorker:
         """Non-blocking: rank 0 may be sending us work at the same time (no send waits on a
         receive that waits on it)."""
         s, b = self.engine.scheduler, self.engine.blocks
+        pool = self.executor.offload
         msg = PrefillReport(report, s.num_waiting, len(s.running),
-                            b.take_key_events() if self.track else [])
+                            b.take_key_events() if self.track else [],
+                            self.prompt_s + (pool.serve_s if pool is not None else 0.0))
         self.outbox.post(msg, 0, tags.PD_DONE)
 
     def _receive(self, block: bool):
@@ -198,6 +201,8 @@ class PrefillWorker:
 
     def _step(self) -> list:
         t0 = time.perf_counter()
+        pool = self.executor.offload
+        served0 = pool.serve_s if pool is not None else 0.0
         finished = self.engine.step()
         self.steps += 1
         report = [PrefillResult(self.xfer_of.pop(out.request_id), "output", out)
@@ -216,6 +221,8 @@ class PrefillWorker:
                             (time.perf_counter() - t0) * 1e6, self.steps, -1, 0,
                             self.engine.last_step_tokens)
         self._collect()
+        served = pool.serve_s - served0 if pool is not None else 0.0
+        self.prompt_s += time.perf_counter() - t0 - served
         return report
 
     def _collect(self) -> None:

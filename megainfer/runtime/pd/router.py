@@ -138,6 +138,8 @@ class PDRouter:
             p = self.prefill_ranks.index(src)
             self.last_heard[p] = time.perf_counter()
             self.router.update(p, report.waiting, report.running, report.key_events)
+            if self.offload is not None:
+                self.offload.prefill_busy(p, report.busy_s, self.last_heard[p])
             for res in report.results:
                 f = self.inflight.pop(res.xfer)
                 self.outstanding[p] -= 1

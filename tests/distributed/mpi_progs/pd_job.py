@@ -112,6 +112,7 @@ def offload_counts(r) -> dict:
     if loop.pd is not None:
         out["chosen"] = loop.pd.offload.offloaded
         out["sent_home"] = loop.pd.offload.sent_home
+        out["busy_s"] = [q[-1][1] if q else 0.0 for q in loop.pd.offload.busy]  # as reported
     return out
 
 

@@ -138,6 +138,29 @@ def test_ledger_auto_keeps_the_tpot_slo_by_its_prediction():
     assert led.decide(0, 0, 2, _inp(max_tokens=12), 8) == 0 and led.over_tpot == 1
 
 
+def test_ledger_auto_offloads_only_while_the_prefill_rank_has_spare_time():
+    """``auto`` with ``max_prefill_busy=0.5``: before two reports no measurement (offloaded
+    under pressure); reports 0.2 s apart with 0.18 s more busy: 90% busy, the request stays
+    local (``no_spare``); half a second later with no report (idle since): 0.18 of 0.7 s
+    busy, offloaded again; the window forgets reports older than a second."""
+    led = OffloadLedger(0.0, 100, 1, 4, 128, policy="auto", decode_kv_tokens=10,
+                        max_prefill_busy=0.5)
+    led.prefill_busy(0, 1.0, 10.0)
+    assert led.busy_fraction(0, 10.1) is None
+    assert led.decide(0, 0, 0, _inp(max_tokens=12), 8, now=10.1) == 20
+    led.prefill_busy(0, 1.18, 10.2)
+    assert led.busy_fraction(0, 10.2) == pytest.approx(0.9)
+    assert led.decide(0, 0, 1, _inp(max_tokens=12), 8, now=10.2) == 0 and led.no_spare == 1
+    assert led.busy_fraction(0, 10.7) == pytest.approx(0.18 / 0.7)
+    assert led.decide(0, 0, 2, _inp(max_tokens=12), 8, now=10.7) == 20
+    for i, t in enumerate((10.4, 10.6, 11.3, 11.5)):
+        led.prefill_busy(0, 1.2 + 0.01 * i, t)
+    assert [x[0] for x in led.busy[0]] == [10.4, 10.6, 11.3, 11.5]  # 10.4: the window's start
+    assert led.busy_fraction(0, 11.5) == pytest.approx(0.03 / 1.1)
+    with pytest.raises(ConfigError, match="pd.offload_max_prefill_busy"):
+        PdConfig(offload_max_prefill_busy=0)
+
+
 def test_remote_blocks_release_on_finish_and_come_home_on_preemption():
     client = OffloadClient(MPI.COMM_SELF, "[attn dp0 tp0]", POLICY, torch.device("cpu"))
     blocks = RemoteKVBlocks(BlockManager(8, 4), client)
