@@ -177,8 +177,24 @@ def test_offload_online_streams_and_aborts(tiny_ckpts, tmp_path):
     p = run_mpi(4, LLM_JOB, [out, ckpt, "p1a1e2", "async", "pd.offload=true"], timeout=400)
     assert "still hold blocks" not in p.stderr
     got = json.loads(out.read_text())
-    offloaded, room_back = got["offload"]
+    offloaded, room_back, _ = got["offload"]
     assert offloaded >= 7 and room_back, got["offload"]
+    _check_streams(got, _single(ckpt, "async"))
+
+
+def test_offload_online_requests_come_home_mid_stream(tiny_ckpts, tmp_path):
+    """AsyncLLM over p1a1e2, a 24-block pool (a few requests' lives): streams arriving while
+    others decode find the pool short and send decoding ones home, mid-stream; every stream and
+    abort ends as single mode's, the pool's room all back."""
+    from test_llm_deploy import _check_streams, _single
+    ckpt = tiny_ckpts[("mixtral", "base")]
+    out = tmp_path / "out.json"
+    p = run_mpi(4, LLM_JOB, [out, ckpt, "p1a1e2", "async", "pd.offload=true",
+                             "pd.offload_blocks=24"], timeout=400)
+    assert "still hold blocks" not in p.stderr
+    got = json.loads(out.read_text())
+    offloaded, room_back, sent_home = got["offload"]
+    assert room_back and sent_home >= 1 and offloaded > sent_home, got["offload"]
     _check_streams(got, _single(ckpt, "async"))
 
 

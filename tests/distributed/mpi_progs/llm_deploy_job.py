@@ -120,7 +120,8 @@ async def _async_job(engine) -> dict:
         got["engine_detokenizes"] = eng.detokenize  # online the frontend decodes, not the engine
         ledger = getattr(getattr(getattr(engine.engine, "loop", None), "pd", None), "offload", None)
         if ledger is not None:  # pd.offload: requests offloaded, and the pools' room all back
-            got["offload"] = [ledger.offloaded, ledger.free == [ledger.pool_blocks] * len(ledger.free)]
+            got["offload"] = [ledger.offloaded, ledger.free == [ledger.pool_blocks] * len(ledger.free),
+                              ledger.sent_home]
     return got
 
 
