@@ -8,7 +8,9 @@ Invariants: events are applied before anything starts at the same time, so what 
 is seen by what starts at t; a request decodes from the first iteration after its first token
 and its whole KV arrived. Shared cores are time-shared (``pd_parts.Node``), rates recomputed at
 every event. ``offload`` (``sim.pd_offload``): some requests keep their KV on their prefill
-replica, which runs their decode attention every layer (docs/pd.md ``pd.offload``).
+replica, which runs their decode attention every layer (docs/pd.md ``pd.offload``), until one
+the policy would offload finds the pool short and sends them home (their KV moved to the decode
+replica before its next iteration, which waits for it).
 docs/perfmodel.md, "PD as one simulation" and "The offload in the PD simulator".
 """
 from __future__ import annotations
@@ -33,6 +35,7 @@ class PdJobResult(JobResult):
     prefill_steps: list = field(default_factory=list)  # (replica, start, duration, tokens)
     kv_ready_s: np.ndarray | None = None  # when each request's whole KV had arrived
     offloaded: np.ndarray | None = None  # [requests] bool: its decode attention ran on its prefill replica
+    returned_home: np.ndarray | None = None  # [requests] bool: offloaded, then its KV went home
     # per decode iteration and (replica, micro-batch) with offloaded rows: one layer's round trip, s
     round_trip_s: np.ndarray | None = None
 
@@ -66,6 +69,7 @@ def simulate_pd_job(pool, model: DisaggModel, plan: Plan, requests: Requests,
     lat = max(pool.hw.inter_link.latency_s, model.hw_a.inter_link.latency_s)
     egress, ingress, msg = np.zeros(n_p), np.zeros(n_a), np.zeros(n_a)
     book, off = OffloadBook(offload, n_p, n_a, decode_kv_tokens), np.zeros(n, bool)
+    ever_off, homed, going_home = np.zeros(n, bool), np.zeros(n, bool), []
     remote = RemoteAttention(pool, model, bw, lat, offload)
     life = P + O  # KV tokens of a request's whole life
     kv_used, share = np.zeros(n_a, np.int64), np.ones(n_p)  # share: p's time left to prefill
@@ -155,7 +159,8 @@ def simulate_pd_job(pool, model: DisaggModel, plan: Plan, requests: Requests,
                 trip = (remote.one_row_s(float(P[k] + O[k] / 2))
                         + _answer_wait(p_busy[p], offload.layer_wait, s.num_layers))
                 tpot = (iters[-1][1] if iters else 0.0) + s.num_layers * trip
-            off[k] = book.decide(p, a, k, int(life[k]), tpot)
+            off[k] = ever_off[k] = book.decide(p, a, k, int(life[k]), tpot)
+            going_home += book.take_homes()  # their KV moves before the next iteration
             if not off[k] and decode_kv_tokens is not None and life[k] > decode_kv_tokens:
                 raise ConfigError(f"decode_kv_tokens={decode_kv_tokens}: below request {k}'s "
                                   f"{int(life[k])} tokens (it could never decode)")
@@ -192,6 +197,18 @@ def simulate_pd_job(pool, model: DisaggModel, plan: Plan, requests: Requests,
                     gone = set(go)
                     d_wait[a] = [k for k in d_wait[a] if k not in gone]
                     d_run[a].extend(go)
+                    for k in go:
+                        book.started(k)
+            delay = 0.0  # KV coming home first: the replica waits for it between two iterations
+            for k in going_home:
+                if np.isnan(fin[k]):
+                    p, a = pre_of[k], dec_of[k]
+                    off[k], homed[k] = False, True
+                    go = max(t, egress[p], ingress[a])
+                    egress[p] = ingress[a] = go + computed[k] * kvb / bw
+                    delay = max(delay, egress[p] + lat - t)
+                    kv_used[a] += life[k]
+            going_home = []
             if any(d_run):
                 tok, ctx, rows = np.zeros((n_a, m)), np.zeros((n_a, m)), np.zeros((n_a, m))
                 work = []
@@ -213,7 +230,7 @@ def simulate_pd_job(pool, model: DisaggModel, plan: Plan, requests: Requests,
                     rt, used = _remote(remote, work, off, pre_of, computed, p_busy, m, n_p, s.num_layers)
                     trips.extend(rt[rt > 0].tolist())
                 end = pipe.iteration(t, tok, ctx, rows, counts, ingress_free=busy, remote_s=rt)
-                end += cfg.iteration_overhead_s
+                end += cfg.iteration_overhead_s + delay
                 if used is not None:  # p's share of the iteration left to its prefill steps
                     share = np.maximum(1.0 - s.num_layers * used / max(end - t, 1e-300), 0.05)
                 iters.append((t, end - t, float(tok.sum())))
@@ -236,8 +253,8 @@ def simulate_pd_job(pool, model: DisaggModel, plan: Plan, requests: Requests,
         if not cand:
             break
         t = max(t, min(cand))
-    return PdJobResult(A, first, fin, O, iters, None, [tuple(x) for x in psteps], ready, off,
-                       np.array(trips))
+    return PdJobResult(A, first, fin, O, iters, None, [tuple(x) for x in psteps], ready,
+                       offloaded=ever_off, round_trip_s=np.array(trips), returned_home=homed)
 
 
 def _fits(wait: list, ready, t: float, off, life, kv_used, a: int, cap: int) -> list:

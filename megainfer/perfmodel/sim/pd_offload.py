@@ -32,6 +32,9 @@ class Offload:
     header_down_B: float = 500.0
     policy: str = "ratio"
     tpot_slo_s: float | None = None
+    # a request the policy would offload whose pool is short sends decoding ones home
+    # (``pd.offload_return_home``): their KV moves to the decode replica between two iterations
+    return_home: bool = True
     # the share of its prefill step's layer in flight a busy prefill replica makes a message wait:
     # 0.5, this runtime (it answers between layers); 0, attention kernels run beside the prefill
     # (Adrenaline's SM partition)
@@ -55,9 +58,12 @@ class Offload:
 class OffloadBook:
     """Rank 0's ledger over one job (every simulated request has one sample and no prompt
     logprobs, so all are eligible): ``offload_rule``'s choice at hand-out, the pool's room for
-    the request's whole life (prompt + output tokens, in blocks) held until it finishes; for
-    ``auto`` also each decode replica's KV reserved by the local requests handed to it
-    (``decode_kv_tokens``; None: unlimited, so ``auto`` never offloads)."""
+    the request's whole life (prompt + output tokens, in blocks) held until it finishes or goes
+    home; for ``auto`` also each decode replica's KV reserved by the local requests handed to
+    it (``decode_kv_tokens``; None: unlimited, so ``auto`` never offloads). A request chosen
+    whose pool is short sends requests decoding from it home, oldest first, while their decode
+    replicas' KV holds their lives, as ``runtime/pd/offload_policy.py``'s ledger does
+    (``take_homes``)."""
 
     def __init__(self, off: Offload, n_p: int, n_a: int = 1, decode_kv_tokens: int | None = None):
         self.off = off
@@ -69,6 +75,9 @@ class OffloadBook:
         self.kv_cap = math.inf if decode_kv_tokens is None else decode_kv_tokens
         self.local = [0] * n_a  # per decode replica: whole-life tokens of its local requests
         self.held_local: dict[int, tuple[int, int]] = {}  # local request -> (decode replica, tokens)
+        self.life: dict[int, tuple[int, int]] = {}  # offloaded request -> (decode replica, tokens)
+        self.running: dict[int, None] = {}  # offloaded requests decoding, in start order
+        self.homes: list[int] = []  # sent home, not taken yet
         self.eligible = 0
 
     def decide(self, p: int, a: int, k: int, tokens: int, tpot_s: float | None = None) -> bool:
@@ -77,11 +86,12 @@ class OffloadBook:
         if not self.active:
             return False
         need = blocks_for(tokens, self.off.block_size)
-        if self.auto:
-            go = picks_auto(OffloadCandidate(need, self.free[p], int(tokens),
+        if self.auto:  # pressure and the TPOT SLO; the pool's room below
+            go = picks_auto(OffloadCandidate(need, need, int(tokens),
                                              self.kv_cap - self.local[a], tpot_s, self.off.tpot_slo_s))
         else:
-            go = picks_by_ratio(self.eligible, self.off.ratio) and need <= self.free[p]
+            go = picks_by_ratio(self.eligible, self.off.ratio)
+        go = go and (need <= self.free[p] or self._make_room(p, need))
         self.eligible += 1
         if not go:
             self.local[a] += int(tokens)
@@ -89,12 +99,49 @@ class OffloadBook:
             return False
         self.free[p] -= need
         self.held[k] = (p, need)
+        self.life[k] = (a, int(tokens))
         return True
+
+    def started(self, k: int) -> None:
+        """Request ``k`` decodes from now on (offloaded ones may then be sent home)."""
+        if k in self.held:
+            self.running[k] = None
+
+    def _make_room(self, p: int, need: int) -> bool:
+        if not self.off.return_home:
+            return False
+        free, room, go = self.free[p], list(self.local), []
+        for k in self.running:
+            if free >= need:
+                break
+            if self.held[k][0] != p:
+                continue
+            a, tokens = self.life[k]
+            if room[a] + tokens <= self.kv_cap:
+                room[a] += tokens
+                free += self.held[k][1]
+                go.append(k)
+        if free < need:
+            return False
+        for k in go:
+            self.free[p] += self.held.pop(k)[1]
+            del self.running[k]
+            a, tokens = self.life.pop(k)
+            self.local[a] += tokens
+            self.held_local[k] = (a, tokens)
+            self.homes.append(k)
+        return True
+
+    def take_homes(self) -> list[int]:
+        out, self.homes = self.homes, []
+        return out
 
     def finished(self, k: int) -> None:
         held = self.held.pop(k, None)
         if held is not None:
             self.free[held[0]] += held[1]
+            self.life.pop(k, None)
+            self.running.pop(k, None)
         loc = self.held_local.pop(k, None)
         if loc is not None:
             self.local[loc[0]] -= loc[1]

@@ -212,3 +212,23 @@ def test_auto_offloads_only_what_the_decode_kv_cannot_hold():
         Offload(policy="adaptive")
     with pytest.raises(ConfigError, match="layer_wait"):
         Offload(layer_wait=2)
+
+
+def test_a_short_pool_sends_a_decoding_request_home_for_a_newcomer():
+    """Two seats, an 8-block pool of 16-token blocks: r0 (8 + 100 tokens, 7 blocks) is
+    offloaded, r1 (8 + 20) finds the pool short before r0 decodes and stays local; r1 done, r2
+    finds it short with r0 decoding: r0 goes home (its KV moved before the next iteration) and
+    r2 is offloaded, as the runtime's ledger does. Without ``return_home`` nothing goes home
+    and fewer are offloaded; every request finishes either way."""
+    pool, model, plan = _setup()
+    n = 6
+    reqs = Requests(np.zeros(n), np.full(n, 8), np.array([100] + [20] * (n - 1)))
+    cfg = JobConfig(max_num_seqs=2)
+    r = simulate_pd_job(pool, model, plan, reqs, cfg, offload=Offload(1.0, pool_blocks=8))
+    assert r.returned_home[0] and r.offloaded[0] and not r.offloaded[1] and r.offloaded[2]
+    assert r.returned_home.sum() >= 1 and not (r.returned_home & ~r.offloaded).any()
+    stay = simulate_pd_job(pool, model, plan, reqs, cfg,
+                           offload=Offload(1.0, pool_blocks=8, return_home=False))
+    assert not stay.returned_home.any() and stay.offloaded.sum() < r.offloaded.sum()
+    for x in (r, stay):
+        assert not np.isnan(x.finish_s).any()
