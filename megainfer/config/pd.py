@@ -14,9 +14,12 @@ OFFLOAD_POLICIES = ("ratio", "auto")  # pd.offload_policy; the rule: perfmodel/o
 class PdConfig:
     """``offload``: a request prefilled on a prefill rank may keep its KV there, and every
     decode step runs its attention there (Adrenaline); the decode rank computes q/k/v, O
-    projection and the MoE for it. Off by default; needs ``deploy.prefill_replicas > 0``."""
+    projection and the MoE for it. Off by default; needs ``deploy.prefill_replicas > 0``. In
+    the config tree ``pd.offload`` may be null (unset): ``deploy=auto`` planning a server then
+    chooses it and its ratio (``perfmodel/plan/serving_plan.py``), else it resolves to false."""
 
-    offload: bool = False  # decode attention of some requests runs on the prefill rank holding their KV
+    # decode attention of some requests runs on the prefill rank holding their KV; null (unset): deploy=auto's choice when it plans a server (slo.arrival_rate), else false
+    offload: bool = False
     # fraction of the eligible requests offloaded (0: none, 1: every one the prefill rank's offload pool has room for)
     offload_ratio: float = 1.0
     # KV blocks of a prefill rank's cache kept for offloaded requests (the rest holds prompts in flight); null: half of cache.num_blocks

@@ -1,0 +1,57 @@
+"""The decode-attention offload as one more serving candidate: the ratios a planner tries it at
+and the words every planner says about it (``deploy=auto``'s log, ``megainfer-plan``'s output):
+why an offloaded plan was chosen (``chosen_note``: its goodput and the fraction of requests
+meeting the SLOs against the best plan without it) or why not (``not_chosen``), and the
+``pd.*`` keys that run a ratio (``offload_keys``). A candidate here is anything with
+``label()``, ``offload`` (0: off) and a simulated ``result`` (``goodput.Attainment``):
+``world_serving.ServingChoice`` and ``goodput_search.Candidate``. docs/perfmodel.md,
+"Planning a server"."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+OFFLOAD_RATIOS = (1.0, 0.5)  # pd.offload_ratio values the best PD split is also simulated at
+
+
+def offload_keys(ratio: float) -> str:
+    """The ``pd.*`` keys that run ``ratio`` (0: the offload off)."""
+    return f"pd.offload=true pd.offload_ratio={ratio:g}" if ratio else "pd.offload=false"
+
+
+def numbers(c, extra: Optional[Callable] = None) -> str:
+    """``goodput X req/s, N% meet both`` (and ``extra(c)`` after it) of a simulated candidate."""
+    r = c.result
+    s = f"goodput {r.goodput_req_s:.4g} req/s, {100 * r.fraction:.0f}% meet both"
+    return s + (f", {extra(c)}" if extra else "")
+
+
+def best_without(ranked: list):
+    """The best candidate without the offload (``ranked`` best first), or None."""
+    return next((x for x in ranked if not x.offload), None)
+
+
+def best_offloaded(ranked: list):
+    """The best offloaded candidate (``ranked`` best first), or None."""
+    return next((x for x in ranked if x.offload), None)
+
+
+def chosen_note(chosen, without, by: str, extra: Optional[Callable] = None) -> str:
+    """Why the offloaded ``chosen`` won, to follow its ``chosen:`` line: ``(decode attention
+    offloaded: goodput X req/s, N% meet both, against Y req/s, M% meet both for the best plan
+    without it, <label>; pd.offload=true pd.offload_ratio=R <by>)``."""
+    against = (f"against {numbers(without, extra)} for the best plan without it, "
+               f"{without.label()}" if without is not None else "no plan without it simulated")
+    return (f" (decode attention offloaded: {numbers(chosen, extra)}, {against}; "
+            f"{offload_keys(chosen.offload)} {by})")
+
+
+def not_chosen(offloaded, chosen, extra: Optional[Callable] = None,
+               tie: str = "the same goodput, less SLO headroom") -> str:
+    """Why the offload lost, one line: its best plan ranked below the chosen one (it misses the
+    SLOs the chosen one meets, has less goodput, or ``tie``), both with their numbers."""
+    a, b = offloaded.result, chosen.result
+    by = ("it misses the SLOs" if b.ok and not a.ok else "less goodput"
+          if f"{a.goodput_req_s:.4g}" != f"{b.goodput_req_s:.4g}" else tie)
+    return (f"decode-attention offload not chosen: its best plan, {offloaded.label()} "
+            f"({numbers(offloaded, extra)}), ranks below the chosen {chosen.label()} "
+            f"({numbers(chosen, extra)}) on {by}; pd.offload stays false")
