@@ -46,12 +46,27 @@ def chosen_note(chosen, without, by: str, extra: Optional[Callable] = None) -> s
 
 
 def not_chosen(offloaded, chosen, extra: Optional[Callable] = None,
+               measure: tuple = ("less goodput", lambda c: c.result.goodput_req_s),
                tie: str = "the same goodput, less SLO headroom") -> str:
     """Why the offload lost, one line: its best plan ranked below the chosen one (it misses the
-    SLOs the chosen one meets, has less goodput, or ``tie``), both with their numbers."""
-    a, b = offloaded.result, chosen.result
-    by = ("it misses the SLOs" if b.ok and not a.ok else "less goodput"
-          if f"{a.goodput_req_s:.4g}" != f"{b.goodput_req_s:.4g}" else tie)
+    SLOs the chosen one meets, ``measure`` (its words, e.g. "less goodput", and its value of a
+    candidate: the planner's ranking after the SLOs) or ``tie``), both with their numbers."""
+    words, value = measure
+    by = ("it misses the SLOs" if chosen.result.ok and not offloaded.result.ok else words
+          if f"{value(offloaded):.4g}" != f"{value(chosen):.4g}" else tie)
     return (f"decode-attention offload not chosen: its best plan, {offloaded.label()} "
             f"({numbers(offloaded, extra)}), ranks below the chosen {chosen.label()} "
             f"({numbers(chosen, extra)}) on {by}; pd.offload stays false")
+
+
+def choice_lines(ranked: list, describe: Callable, by: str, **why) -> list[str]:
+    """``chosen: <describe(best)>`` of ``ranked`` (best first, offloaded candidates included),
+    with ``chosen_note`` when the best is offloaded (``by``: who sets or runs the keys), else
+    followed by ``not_chosen`` when an offloaded candidate was simulated. ``why``: ``extra``
+    for both, ``measure`` and ``tie`` for ``not_chosen``."""
+    best = ranked[0]
+    line = f"chosen: {describe(best)}"
+    if best.offload:
+        return [line + chosen_note(best, best_without(ranked), by, why.get("extra"))]
+    off = best_offloaded(ranked)
+    return [line] + ([not_chosen(off, best, **why)] if off is not None else [])
