@@ -9,7 +9,8 @@ docs/perfmodel.md, "Goodput planning"."""
 from __future__ import annotations
 
 from megainfer.perfmodel.model.prefill_pool import decode_model
-from megainfer.perfmodel.plan.goodput_search import Candidate, GoodputSpace, Outcome, Roles, mean_workload
+from megainfer.perfmodel.plan.goodput_search import (Candidate, GoodputSpace, Outcome, Roles,
+                                                     mean_workload)
 from megainfer.perfmodel.plan import offload_choice
 from megainfer.perfmodel.plan.offload_choice import OFFLOAD_RATIOS
 from megainfer.perfmodel.plan.world_serving import (ServingChoice, ServingTarget,

@@ -1,8 +1,8 @@
 """The decode-attention offload as one more serving candidate: the ratios a planner tries it at
 and the words every planner says about it (``deploy=auto``'s log, ``megainfer-plan``'s output):
 why an offloaded plan was chosen (``chosen_note``: its goodput and the fraction of requests
-meeting the SLOs against the best plan without it) or why not (``not_chosen``), and the
-``pd.*`` keys that run a ratio (``offload_keys``). A candidate here is anything with
+meeting the SLOs against the best plan without it) or why not (``not_chosen``), both after the
+``chosen:`` line (``choice_lines``), and the ``pd.*`` keys that run a ratio (``offload_keys``). A candidate here is anything with
 ``label()``, ``offload`` (0: off) and a simulated ``result`` (``goodput.Attainment``):
 ``world_serving.ServingChoice`` and ``goodput_search.Candidate``. docs/perfmodel.md,
 "Planning a server"."""
