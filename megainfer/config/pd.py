@@ -43,3 +43,20 @@ class PdConfig:
         if not self.offload:
             return 0
         return num_blocks // 2 if self.offload_blocks is None else self.offload_blocks
+
+
+def offload_needs(prefill_tp: int, attention_tp: int, is_mla: bool,
+                  kv_cache_dtype: str) -> Optional[str]:
+    """What ``pd.offload=true`` needs of this split and cache that it lacks for now, in words
+    (``<key>=<need> (got <value>)``), or None: the runtime's check where it is built
+    (``runtime/pd/build.check_offload``) and the planner's (``deploy=auto`` chooses no offload
+    the runtime would refuse)."""
+    for ok, key, value, why in (
+            (prefill_tp in (1, attention_tp), "deploy.prefill_tp", prefill_tp,
+             f"1 or deploy.attention_tp={attention_tp}"),
+            (not is_mla or prefill_tp == attention_tp, "deploy.prefill_tp", prefill_tp,
+             f"deploy.attention_tp={attention_tp} with MLA"),
+            (kv_cache_dtype in (None, "auto"), "cache.kv_cache_dtype", kv_cache_dtype, "auto")):
+        if not ok:
+            return f"{key}={why} for now (got {value!r})"
+    return None

@@ -20,7 +20,7 @@ import logging
 
 from megainfer.config import SchedulerConfig, SloConfig
 from megainfer.config.base import is_number
-from megainfer.config.pd import PdConfig
+from megainfer.config.pd import PdConfig, offload_needs
 from megainfer.config.keys import field_names
 
 from .auto_plan import _max_seqs, calibrate_hint, hardware_for, job_shape, plan_dtype
@@ -65,7 +65,11 @@ def serving_plan(c: dict, d: dict, hw_name, pins: dict, world: int, sched: dict
     except NoWorldPlanError as e:  # deploy.py then fills the counts or names a fix
         log.info("[plan] %s; the counts are inferred from the world size instead", e)
         return d, sched, pd_cfg
-    runs = ranked if free else [x for x in ranked if x.family == "AE" or x.offload == run]
+    if free:  # every plan, but no offload the runtime refuses for now
+        need = _offload_needs(ranked, c)
+        runs = [x for x in ranked if not x.offload or not need]
+    else:
+        runs = [x for x in ranked if x.family == "AE" or x.offload == run]
     best = runs[0] if runs else ranked[0]
     timing = "calibrated fit" if shape.name in hw.fits else "roofline"
     log.info("[plan] deploy=auto over %d ranks for serving %g requests/s (in %d, out %d; SLO "
@@ -87,7 +91,7 @@ def serving_plan(c: dict, d: dict, hw_name, pins: dict, world: int, sched: dict
     if others:
         log.info("[plan] runner-up: %s", others[0].describe(slo))
     if free:
-        _log_free_offload(ranked, best, pins, replan)
+        _log_free_offload(ranked, best, pins, replan, need)
     else:
         _log_offload(ranked, best, run, slo)
     p = best.plan
@@ -104,12 +108,27 @@ def serving_plan(c: dict, d: dict, hw_name, pins: dict, world: int, sched: dict
                 prefill_tp=tp_p), sched, pd_cfg
 
 
-def _log_free_offload(ranked: list, best, pins: dict, replan: bool) -> None:
+def _offload_needs(ranked: list, c: dict):
+    """What the runtime needs for the offload on the PD split it was simulated on, that the
+    split or the cache lacks (``config.pd.offload_needs``), or None."""
+    from megainfer.config.model_source import model_config_of
+    off = best_offloaded(ranked)
+    if off is None:
+        return None
+    return offload_needs(off.prefill[1], off.plan.tp_a, model_config_of(c.get("model") or {}).is_mla,
+                         (c.get("cache") or {}).get("kv_cache_dtype") or "auto")
+
+
+def _log_free_offload(ranked: list, best, pins: dict, replan: bool, need) -> None:
     """``pd.offload`` unset and no offloaded plan chosen: why not, in one line."""
     if best.offload:
         return  # the chosen line says why
     off = best_offloaded(ranked)
-    if off is not None:
+    if off is not None and need:
+        log.info("[plan] decode-attention offload not chosen: %s would rank %s, but pd.offload "
+                 "needs %s; pd.offload stays false", off.label(),
+                 "first" if off is ranked[0] else f"#{ranked.index(off) + 1}", need)
+    elif off is not None:
         log.info("[plan] %s", not_chosen(off, best))
     elif pins.get("prefill_replicas") == 0:
         log.info("[plan] decode-attention offload not considered: it needs prefill ranks and "

@@ -130,3 +130,14 @@ def test_pd_offload_unset_and_ranked_below_stays_off_and_says_why(caplog):
         assert _resolve(4, "replan.enabled=true").job.pd.offload is False
     assert _lines(caplog, "decode-attention offload not considered: it needs prefill ranks and "
                           "replan.enabled plans AE only")
+
+
+def test_pd_offload_unset_is_not_chosen_where_the_runtime_refuses_it(tmp_path, caplog):
+    """A prefill replica of 2 TP ranks feeding attention TP 1: the offload ranks first but the
+    runtime does not run it yet (config.pd.offload_needs): the plan runs without it."""
+    with caplog.at_level(logging.INFO, logger="megainfer.perfmodel"):
+        job = _resolve_kv_bound(tmp_path, "deploy.prefill_tp=2", "deploy.attention_tp=null")
+    assert job.pd.offload is False and (job.deploy.prefill_tp, job.deploy.attention_tp) == (2, 1)
+    why, = _lines(caplog, "[plan] decode-attention offload not chosen: ")
+    assert " offload=" in why and "would rank first, but pd.offload needs deploy.prefill_tp=1 " \
+        "or deploy.attention_tp=1 for now (got 2); pd.offload stays false" in why
