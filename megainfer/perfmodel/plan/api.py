@@ -163,7 +163,7 @@ def run_goodput(shape: ModelShape, roles, reqs, slo, space, dtype: str, use_fit:
                     f"{r.goodput_req_s:9.3g} {c.per_dollar():8.4g} {r.goodput_req_s * 3600 / c.devices:9.4g} "
                     f"{r.ttft_p * 1e3:9.4g} {r.tpot_p * 1e3:9.4g}")
     echo("\n".join(rows))
-    for line in choice_lines(out) + why_bound(out, slo):
+    for line in choice_lines(out, shape) + why_bound(out, slo):
         echo(f"[goodput] {line}")
     res = {"model": shape.name, "plans": [
         {"family": c.family, "label": c.label(), "devices": c.devices, "cost_per_hour": c.cost_per_hour,
@@ -185,7 +185,8 @@ def run_world_serving(shape: ModelShape, hw: HardwareProfile, reqs, slo, world: 
     the best PD split also with its decode attention offloaded), printed ranked, the chosen one
     first, and which was chosen and why (``offload_choice``'s words, as deploy=auto's log);
     ``<out_dir>/goodput.json``."""
-    from megainfer.perfmodel.plan.offload_choice import OFFLOAD_RATIOS, choice_lines, offload_keys
+    from megainfer.perfmodel.plan.offload_choice import (OFFLOAD_RATIOS, choice_lines, offload_keys,
+                                                         runs_it)
     from megainfer.perfmodel.plan.world_serving import ServingTarget, plan_world_serving
     span = float(reqs.arrival_s.max() - reqs.arrival_s.min())
     echo(f"[goodput] model={shape.name} hardware={hw.name}, exactly {world} ranks (as deploy=auto "
@@ -206,7 +207,9 @@ def run_world_serving(shape: ModelShape, hw: HardwareProfile, reqs, slo, world: 
     if not ranked[0].result.ok:
         echo(f"[goodput] no simulated split of {world} ranks meets the SLOs for "
              f"{slo.percentile:g}% of the requests; the closest is chosen")
-    for line in choice_lines(ranked, lambda c: c.describe(slo), "runs it"):
+    best = ranked[0]
+    by = runs_it(best.prefill[1], best.plan.tp_a, shape) if best.offload else ""
+    for line in choice_lines(ranked, lambda c: c.describe(slo), by):
         echo(f"[goodput] {line}")
     res = {"model": shape.name, "world_size": world, "plans": [
         {"family": c.family, "label": c.label(), "offload_ratio": c.offload,

@@ -55,12 +55,14 @@ def _per_dollar(c: Candidate) -> str:
     return f"{c.per_dollar():.4g} req/$"
 
 
-def choice_lines(out: Outcome) -> list[str]:
+def choice_lines(out: Outcome, shape) -> list[str]:
     """``chosen: <family> <plan>``, with why when its decode attention is offloaded (against
     the best plan without it), and, when the offload was simulated and lost, why not
     (``offload_choice.choice_lines``, ranked by requests per dollar)."""
     ranked = out.ranked + [c for c in out.offloaded if c not in out.ranked]
+    best = ranked[0]
+    by = offload_choice.runs_it(best.pool.tp_p, best.decode.tp_a, shape) if best.offload else ""
     return offload_choice.choice_lines(
-        ranked, lambda c: f"{c.family} {c.label()}", "runs it", extra=_per_dollar,
+        ranked, lambda c: f"{c.family} {c.label()}", by, extra=_per_dollar,
         measure=("fewer requests per dollar", Candidate.per_dollar),
         tie="the same requests per dollar and cost")

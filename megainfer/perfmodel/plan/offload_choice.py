@@ -10,12 +10,22 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
+from megainfer.config.pd import offload_needs
+
 OFFLOAD_RATIOS = (1.0, 0.5)  # pd.offload_ratio values the best PD split is also simulated at
 
 
 def offload_keys(ratio: float) -> str:
     """The ``pd.*`` keys that run ``ratio`` (0: the offload off)."""
     return f"pd.offload=true pd.offload_ratio={ratio:g}" if ratio else "pd.offload=false"
+
+
+def runs_it(prefill_tp: int, attention_tp: int, shape) -> str:
+    """``runs it``, or what the runtime still needs for the offload on this split
+    (``config.pd.offload_needs``; ``shape``: the planner's ModelShape, MLA by its latent KV)."""
+    need = offload_needs(prefill_tp, attention_tp, bool(shape.kv_elems_override),
+                         shape.kv_cache_dtype)
+    return "runs it" if need is None else f"would run it (the runtime needs {need})"
 
 
 def numbers(c, extra: Optional[Callable] = None) -> str:

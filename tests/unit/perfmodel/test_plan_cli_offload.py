@@ -70,3 +70,16 @@ def test_the_per_dollar_search_says_why_the_offload_ranked_below(tmp_path, capsy
     assert " offload=" in why and "req/$), ranks below the chosen A" in why
     assert why.endswith("on fewer requests per dollar; pd.offload stays false")
     assert [p["offload_ratio"] for p in res["plans"]][0] == 0.0
+
+
+def test_the_keys_line_says_what_the_runtime_still_needs():
+    from dataclasses import replace
+
+    from megainfer.perfmodel.plan.auto_plan import model_shape
+    from megainfer.perfmodel.plan.offload_choice import runs_it
+    from test_world_serving import TINY
+    shape = model_shape(TINY)
+    assert runs_it(1, 2, shape) == runs_it(2, 2, shape) == "runs it"
+    assert runs_it(2, 1, shape) == ("would run it (the runtime needs deploy.prefill_tp=1 or "
+                                    "deploy.attention_tp=1 for now (got 2))")
+    assert "cache.kv_cache_dtype=auto" in runs_it(1, 1, replace(shape, kv_cache_dtype="fp8_e4m3"))
