@@ -4,7 +4,8 @@ picks.
 The job as the planner sees it (model shape from config.json or preset, prompt lengths from
 ``io.input`` or the workload, ``sampling.max_tokens``, ``scheduler.max_num_seqs``) and this
 machine's hardware profile -> the fastest split of exactly N ranks (``world_plan.py``), logged
-with the runner-up; with ``slo.arrival_rate`` set, a server's plan (``serving_plan.py``).
+with the runner-up; with ``slo.arrival_rate`` set, a server's plan (``serving_plan.py``),
+the decode-attention offload included when ``pd.offload`` is unset.
 Explicit ``deploy.*`` counts pin their dimension. Hardware: ``deploy.hardware``, else the
 calibrated profile, else on cuda the datasheet preset in the GPU's name (the one place the
 perfmodel asks torch, lazily), else ``cpu_node``. Pure arithmetic: every rank plans alike.
