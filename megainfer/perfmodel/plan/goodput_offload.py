@@ -59,7 +59,7 @@ def choice_lines(out: Outcome, shape) -> list[str]:
     """``chosen: <family> <plan>``, with why when its decode attention is offloaded (against
     the best plan without it), and, when the offload was simulated and lost, why not
     (``offload_choice.choice_lines``, ranked by requests per dollar)."""
-    ranked = out.ranked + [c for c in out.offloaded if c not in out.ranked]
+    ranked = out.ranked + [c for c in out.offloaded if not c.result.ok]  # the rest: ranked
     best = ranked[0]
     by = offload_choice.runs_it(best.pool.tp_p, best.decode.tp_a, shape) if best.offload else ""
     return offload_choice.choice_lines(

@@ -2,10 +2,10 @@
 and the words every planner says about it (``deploy=auto``'s log, ``megainfer-plan``'s output):
 why an offloaded plan was chosen (``chosen_note``: its goodput and the fraction of requests
 meeting the SLOs against the best plan without it) or why not (``not_chosen``), both after the
-``chosen:`` line (``choice_lines``), and the ``pd.*`` keys that run a ratio (``offload_keys``). A candidate here is anything with
-``label()``, ``offload`` (0: off) and a simulated ``result`` (``goodput.Attainment``):
-``world_serving.ServingChoice`` and ``goodput_search.Candidate``. docs/perfmodel.md,
-"Planning a server"."""
+``chosen:`` line (``choice_lines``), and the ``pd.*`` keys that run a ratio (``offload_keys``,
+``runs_it``). A candidate here is anything with ``label()``, ``offload`` (0: off) and a
+simulated ``result`` (``goodput.Attainment``): ``world_serving.ServingChoice`` and
+``goodput_search.Candidate``. docs/perfmodel.md, "Planning a server"."""
 from __future__ import annotations
 
 from typing import Callable, Optional
