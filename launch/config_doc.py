@@ -57,7 +57,7 @@ GROUPS = {
 EXTRA_TYPES = {"model.arch": "mapping (ModelConfig fields)", "deploy.hardware": "str | null",
                "model.revision": "str | null", "cache.gpu_memory_utilization": "float | null",
                "cache.memory_gib": "float"}
-PLAN_NULL_TYPES = {"workload.arrival_rate": "float | null"}  # plan.yaml keys whose default is null
+PLAN_NULL_TYPES = {"workload.arrival_rate": "float | null", "goodput.world_size": "int | null"}  # plan.yaml keys whose default is null
 # fields of a key class that are not keys, and keys read from another class's field
 NOT_KEYS = {"DeviceConfig.index"}
 RENAMED = {"deploy.device": "device", "deploy.cpu_threads": "cpu_threads",

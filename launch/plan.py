@@ -26,7 +26,7 @@ from megainfer.perfmodel.model.disagg import Workload
 from megainfer.perfmodel.model.hardware import load_hardware, profile_from_dict
 from megainfer.perfmodel.model.shapes import ModelShape
 from megainfer.perfmodel.model.weight_format import with_weight_format
-from megainfer.perfmodel.plan.api import PlanOptions, run_goodput, run_plan
+from megainfer.perfmodel.plan.api import PlanOptions, run_goodput, run_plan, run_world_serving
 from megainfer.perfmodel.plan.auto_plan import model_shape
 from megainfer.perfmodel.plan.goodput import Slo
 from megainfer.perfmodel.plan.goodput_search import GoodputSpace, Roles
@@ -152,6 +152,14 @@ def _run_goodput(cfg: DictConfig, shape, hw, space, opt) -> None:
                 raise ConfigError(f"workload.{key}: {e}") from None
         reqs = poisson_requests(int(w.num_requests), rate, dist("prompt", w.input_len),
                                 dist("output", w.output_len), int(cfg.sim.seed))
+    if g.get("world_size") is not None:
+        world = g.world_size
+        if not (isinstance(world, int) and world >= 2):
+            raise ConfigError(f"goodput.world_size={world!r}: must be an integer >= 2 (or null)")
+        run_world_serving(shape, hw, reqs, slo, world, int(g.max_batch),
+                          int(g.max_num_batched_tokens), opt.dtype, opt.use_fit, opt.top,
+                          opt.out_dir, int(cfg.sim.seed))
+        return
     r = cfg.role_hardware
     roles = Roles(*(load_hardware(str(r[k])) if r.get(k) else hw
                     for k in ("prefill", "attention", "experts")))

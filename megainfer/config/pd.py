@@ -14,9 +14,12 @@ OFFLOAD_POLICIES = ("ratio", "auto")  # pd.offload_policy; the rule: perfmodel/o
 class PdConfig:
     """``offload``: a request prefilled on a prefill rank may keep its KV there, and every
     decode step runs its attention there (Adrenaline); the decode rank computes q/k/v, O
-    projection and the MoE for it. Off by default; needs ``deploy.prefill_replicas > 0``."""
+    projection and the MoE for it. Off by default; needs ``deploy.prefill_replicas > 0``. In
+    the config tree ``pd.offload`` may be null (unset): ``deploy=auto`` planning a server then
+    chooses it and its ratio (``perfmodel/plan/serving_plan.py``), else it resolves to false."""
 
-    offload: bool = False  # decode attention of some requests runs on the prefill rank holding their KV
+    # decode attention of some requests runs on the prefill rank holding their KV; null (unset): deploy=auto's choice when it plans a server (slo.arrival_rate), else false
+    offload: bool = False
     # fraction of the eligible requests offloaded (0: none, 1: every one the prefill rank's offload pool has room for)
     offload_ratio: float = 1.0
     # KV blocks of a prefill rank's cache kept for offloaded requests (the rest holds prompts in flight); null: half of cache.num_blocks
@@ -49,3 +52,20 @@ class PdConfig:
         if not self.offload:
             return 0
         return num_blocks // 2 if self.offload_blocks is None else self.offload_blocks
+
+
+def offload_needs(prefill_tp: int, attention_tp: int, is_mla: bool,
+                  kv_cache_dtype: str) -> Optional[str]:
+    """What ``pd.offload=true`` needs of this split and cache that it lacks for now, in words
+    (``<key>=<need> (got <value>)``), or None: the runtime's check where it is built
+    (``runtime/pd/build.check_offload``) and the planner's (``deploy=auto`` chooses no offload
+    the runtime would refuse)."""
+    for ok, key, value, why in (
+            (prefill_tp in (1, attention_tp), "deploy.prefill_tp", prefill_tp,
+             f"1 or deploy.attention_tp={attention_tp}"),
+            (not is_mla or prefill_tp == attention_tp, "deploy.prefill_tp", prefill_tp,
+             f"deploy.attention_tp={attention_tp} with MLA"),
+            (kv_cache_dtype in (None, "auto"), "cache.kv_cache_dtype", kv_cache_dtype, "auto")):
+        if not ok:
+            return f"{key}={why} for now (got {value!r})"
+    return None

@@ -107,7 +107,9 @@ def resolve_job(tree: Mapping, world_size: int = 1, local_ranks: int = 1, local_
         c[g] = take(g, c.get(g) or {}, known)
     c["model"] = local_model(c["model"])
     d = c["deploy"]
-    planned, sched = auto_plan(c, world_size)  # deploy=auto: the plan; else both as given
+    planned, sched, pd = auto_plan(c, world_size)  # deploy=auto: the plan; else as given
+    # pd.offload null (unset): the planner's when it plans a server, else PdConfig's false
+    c["pd"] = {k: v for k, v in pd.items() if not (k == "offload" and v is None)}
     deploy = plan_for_world({k: v for k, v in planned.items() if k not in _NOT_PLAN_KEYS},
                             world_size)
     device = resolve_device(c, local_rank, distributed=deploy.mode != "single")

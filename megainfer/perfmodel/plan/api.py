@@ -137,15 +137,20 @@ def run_plan(shape: ModelShape, profiles: list[HardwareProfile], workload: Workl
 def run_goodput(shape: ModelShape, roles, reqs, slo, space, dtype: str, use_fit: bool, top: int,
                 out_dir: str, seed: int = 0, echo=print) -> dict:
     """Goodput planning (``workload.arrival_rate`` or ``workload.trace`` given): the search of
-    ``goodput_search``, printed as the chosen plan, the runners-up and why the best is bound
-    where it is; ``<out_dir>/goodput.json``."""
+    ``goodput_search`` (with PD, the best PD candidate also with its decode attention offloaded:
+    ``goodput_offload``), printed as the ranked plans, the chosen one and why (the offload's
+    words, ``offload_choice``), and why the best is bound where it is;
+    ``<out_dir>/goodput.json``."""
+    from megainfer.perfmodel.plan.goodput_offload import choice_lines
     from megainfer.perfmodel.plan.goodput_search import search_goodput, why_bound
+    from megainfer.perfmodel.plan.offload_choice import OFFLOAD_RATIOS
     span = float(reqs.arrival_s.max() - reqs.arrival_s.min())
     echo(f"[goodput] model={shape.name} prefill={roles.prefill.name} attention={roles.attention.name} "
          f"experts={roles.experts.name}; {len(reqs)} requests over {span:.3g} s, prompt mean "
          f"{reqs.prompt_len.mean():.0f}, output mean {reqs.output_len.mean():.0f}; SLO TTFT "
          f"{slo.ttft_s * 1e3:g} ms, TPOT {slo.tpot_s * 1e3:g} ms at p{slo.percentile:g}")
-    out = search_goodput(shape, roles, reqs, slo, space, dtype, use_fit, seed)
+    out = search_goodput(shape, roles, reqs, slo, space, dtype, use_fit, seed,
+                         OFFLOAD_RATIOS if "PD" in space.families else ())
     echo(f"[goodput] {len(out.candidates)} candidates after the closed-form prune, "
          f"{out.simulated} simulated, {len(out.ranked)} attain the SLOs"
          + (f", {out.unsimulated} left unsimulated (goodput.max_sims)" if out.unsimulated else ""))
@@ -158,13 +163,59 @@ def run_goodput(shape: ModelShape, roles, reqs, slo, space, dtype: str, use_fit:
                     f"{r.goodput_req_s:9.3g} {c.per_dollar():8.4g} {r.goodput_req_s * 3600 / c.devices:9.4g} "
                     f"{r.ttft_p * 1e3:9.4g} {r.tpot_p * 1e3:9.4g}")
     echo("\n".join(rows))
-    for line in why_bound(out, slo):
+    for line in choice_lines(out, shape) + why_bound(out, slo):
         echo(f"[goodput] {line}")
     res = {"model": shape.name, "plans": [
         {"family": c.family, "label": c.label(), "devices": c.devices, "cost_per_hour": c.cost_per_hour,
          "goodput_req_s": c.result.goodput_req_s, "requests_per_dollar": c.per_dollar(),
-         "ttft_p_s": c.result.ttft_p, "tpot_p_s": c.result.tpot_p, "attained": c.result.fraction}
+         "ttft_p_s": c.result.ttft_p, "tpot_p_s": c.result.tpot_p, "attained": c.result.fraction,
+         "offload_ratio": c.offload}
         for c in out.ranked[:top]], "ruled_out": out.ruled, "simulated": out.simulated}
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "goodput.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    return res
+
+
+def run_world_serving(shape: ModelShape, hw: HardwareProfile, reqs, slo, world: int,
+                      max_num_seqs: int, max_num_batched_tokens: int, dtype: str, use_fit: bool,
+                      top: int, out_dir: str, seed: int = 0, echo=print) -> dict:
+    """Goodput planning over exactly ``world`` ranks of ``hw`` (``goodput.world_size``): what
+    ``deploy=auto`` plans a server with (``world_serving.plan_world_serving``: AE and PD splits,
+    the best PD split also with its decode attention offloaded), printed ranked, the chosen one
+    first, and which was chosen and why (``offload_choice``'s words, as deploy=auto's log);
+    ``<out_dir>/goodput.json``."""
+    from megainfer.perfmodel.plan.offload_choice import (OFFLOAD_RATIOS, choice_lines, offload_keys,
+                                                         runs_it)
+    from megainfer.perfmodel.plan.world_serving import ServingTarget, plan_world_serving
+    span = float(reqs.arrival_s.max() - reqs.arrival_s.min())
+    echo(f"[goodput] model={shape.name} hardware={hw.name}, exactly {world} ranks (as deploy=auto "
+         f"plans a server); {len(reqs)} requests over {span:.3g} s, prompt mean "
+         f"{reqs.prompt_len.mean():.0f}, output mean {reqs.output_len.mean():.0f}; SLO TTFT "
+         f"{slo.ttft_s * 1e3:g} ms, TPOT {slo.tpot_s * 1e3:g} ms at p{slo.percentile:g}")
+    target = ServingTarget(reqs, slo, max_num_seqs, max_num_batched_tokens)
+    ranked = plan_world_serving(shape, hw, target, world, dtype=dtype, use_fit=use_fit,
+                                seed=seed, offload_ratios=OFFLOAD_RATIOS)
+    rows = [f"{'#':>2} {'family':<6} {'plan':<80} {'goodput/s':>9} {'meet %':>6} "
+            f"{'TTFT p ms':>9} {'TPOT p ms':>9}"]
+    for i, c in enumerate(ranked[:top]):
+        r = c.result
+        rows.append(f"{i:>2} {c.family:<6} {c.label():<80} {r.goodput_req_s:9.4g} "
+                    f"{100 * r.fraction:6.0f} {r.ttft_p * 1e3:9.4g} {r.tpot_p * 1e3:9.4g}")
+    echo(f"[goodput] {len(ranked)} plans simulated")
+    echo("\n".join(rows))
+    if not ranked[0].result.ok:
+        echo(f"[goodput] no simulated split of {world} ranks meets the SLOs for "
+             f"{slo.percentile:g}% of the requests; the closest is chosen")
+    best = ranked[0]
+    by = runs_it(best.prefill[1], best.plan.tp_a, shape) if best.offload else ""
+    for line in choice_lines(ranked, lambda c: c.describe(slo), by):
+        echo(f"[goodput] {line}")
+    res = {"model": shape.name, "world_size": world, "plans": [
+        {"family": c.family, "label": c.label(), "offload_ratio": c.offload,
+         "keys": offload_keys(c.offload) if c.pool else "", "goodput_req_s": c.result.goodput_req_s,
+         "ttft_p_s": c.result.ttft_p, "tpot_p_s": c.result.tpot_p, "attained": c.result.fraction}
+        for c in ranked[:top]]}
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "goodput.json"), "w") as f:
         json.dump(res, f, indent=1)

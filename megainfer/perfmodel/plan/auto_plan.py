@@ -4,7 +4,8 @@ picks.
 The job as the planner sees it (model shape from config.json or preset, prompt lengths from
 ``io.input`` or the workload, ``sampling.max_tokens``, ``scheduler.max_num_seqs``) and this
 machine's hardware profile -> the fastest split of exactly N ranks (``world_plan.py``), logged
-with the runner-up; with ``slo.arrival_rate`` set, a server's plan (``serving_plan.py``).
+with the runner-up; with ``slo.arrival_rate`` set, a server's plan (``serving_plan.py``),
+the decode-attention offload included when ``pd.offload`` is unset.
 Explicit ``deploy.*`` counts pin their dimension. Hardware: ``deploy.hardware``, else the
 calibrated profile, else on cuda the datasheet preset in the GPU's name (the one place the
 perfmodel asks torch, lazily), else ``cpu_node``. Pure arithmetic: every rank plans alike.
@@ -163,35 +164,38 @@ def prompt_lengths(c: dict) -> tuple[list, str]:
     return [_text_tokens(p) for p in (w.get("prompts") or [])], "workload prompts"
 
 
-def auto_plan(c: dict, world: int) -> tuple[dict, dict]:
-    """(``deploy``, ``scheduler``) dicts to resolve. ``deploy``: with ``deploy.mode=auto`` and
+def auto_plan(c: dict, world: int) -> tuple[dict, dict, dict]:
+    """(``deploy``, ``scheduler``, ``pd``) dicts to resolve. ``deploy``: with ``deploy.mode=auto`` and
     world > 1, the planner's choice filled into the counts the user left null: for serving
     (``slo.arrival_rate`` set) AE or PD over the whole world (``serving_plan``), else the
     fastest decode split of the ranks the prefill ranks leave; otherwise ``deploy`` unchanged.
     ``scheduler``: the scheduler section with ``max_num_seqs`` lowered to the chosen plan's
     batch limit per replica when the KV memory of the profile (or, serving, the TPOT SLO) is
     what bounds that batch (the requests and ``max_num_seqs`` bounds are already the runtime's
-    own); otherwise both unchanged."""
+    own); otherwise both unchanged. ``pd``: the ``pd`` group; planning a server with
+    ``pd.offload`` unset, ``offload=true`` and the chosen ``offload_ratio`` when the plan
+    chosen offloads decode attention; otherwise unchanged."""
     sched = dict(c.get("scheduler") or {})
     d = dict(c.get("deploy") or {})
+    pd = dict(c.get("pd") or {})
     hw_name = d.pop("hardware", None)
     if d.get("mode", "auto") not in (None, "auto") or world < 2:
-        return d, sched
+        return d, sched, pd
     serving = (c.get("slo") or {}).get("arrival_rate") is not None
     keys = COUNT_KEYS + PREFILL_KEYS if serving else COUNT_KEYS
     pins = {k: d.get(k) for k in keys}
     if all(v is not None for v in pins.values()):
-        return d, sched
+        return d, sched, pd
     if any(v is not None and (not isinstance(v, int) or isinstance(v, bool)
                               or v < (0 if k == "prefill_replicas" else 1))
            for k, v in pins.items()):
-        return d, sched  # DeployPlan names the bad value
+        return d, sched, pd  # DeployPlan names the bad value
     if serving:
         from .serving_plan import serving_plan
         return serving_plan(c, d, hw_name, pins, world, sched)
     best = _ranked(c, d, hw_name, pins, world - prefill_ranks(d))
     if best is None:
-        return d, sched
+        return d, sched, pd
     p = best.plan
     if best.binding == "kv_memory" and best.batch_limit < _max_seqs(sched):
         log.info("[plan] batch limit applied: scheduler.max_num_seqs %d -> %d per replica (the "
@@ -199,7 +203,7 @@ def auto_plan(c: dict, world: int) -> tuple[dict, dict]:
                  best.batch_limit)
         sched["max_num_seqs"] = best.batch_limit
     return dict(d, mode="disaggregated", attention_replicas=p.n_a, attention_tp=p.tp_a,
-                expert_ranks=p.n_e, micro_batches=p.m), sched
+                expert_ranks=p.n_e, micro_batches=p.m), sched, pd
 
 
 def job_shape(c: dict, hw):

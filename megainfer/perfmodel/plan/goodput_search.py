@@ -83,9 +83,12 @@ class Candidate:
         return self.decode_cost + (self.pool.cost_per_hour if self.pool else 0.0)
 
     decode_cost: float = 0.0
+    offload: float = 0.0  # PD: the decode-attention offload ratio simulated (0: off; goodput_offload)
 
     def label(self) -> str:
         d = f"{self.decode.label()} m={self.decode.m} batch<={self.decode.batch // self.decode.n_a}/replica"
+        if self.offload:
+            d += f" offload={self.offload:g}"
         return f"{self.pool.label()} -> {d}" if self.pool else d
 
     def per_dollar(self) -> float:
@@ -101,6 +104,7 @@ class Outcome:
     simulated: int = 0
     unsimulated: int = 0  # closed-form survivors left over when goodput.max_sims ran out
     candidates: list = field(default_factory=list)  # every candidate, cheapest first
+    offloaded: list = field(default_factory=list)  # the offloaded variants simulated (goodput_offload)
 
 
 def _note(out: Outcome, family: str, bound: str, gap: float, text: str) -> None:
@@ -186,9 +190,11 @@ def _prefill_pools(shape: ModelShape, hw: HardwareProfile, reqs: Requests, slo: 
 
 def search_goodput(shape: ModelShape, roles: Roles, reqs: Requests, slo: Slo,
                    space: GoodputSpace = GoodputSpace(), dtype: str = "bfloat16",
-                   use_fit: bool = True, seed: int = 0) -> Outcome:
+                   use_fit: bool = True, seed: int = 0, offload_ratios: tuple = ()) -> Outcome:
     """Feasible candidates ranked by goodput per dollar (``Outcome.ranked``); raises PlanError
-    naming, per family, the bound (memory, TPOT, TTFT) that ruled its candidates out."""
+    naming, per family, the bound (memory, TPOT, TTFT) that ruled its candidates out.
+    ``offload_ratios``: the best simulated PD candidate also runs with its decode attention
+    offloaded at each (``goodput_offload.add_offload``, one simulation each)."""
     out = Outcome([])
     wl = mean_workload(reqs)
     span = float(reqs.arrival_s.max() - reqs.arrival_s.min())
@@ -231,6 +237,9 @@ def search_goodput(shape: ModelShape, roles: Roles, reqs: Requests, slo: Slo,
                   f"{100 * c.result.fraction:.0f}% of requests meet both SLOs")
     out.ranked.sort(key=lambda c: (-c.per_dollar(), c.cost_per_hour, c.label()))
     out.candidates = order  # every candidate, for "why bound here"
+    if offload_ratios:
+        from megainfer.perfmodel.plan.goodput_offload import add_offload  # it builds on this module
+        add_offload(out, shape, roles, reqs, slo, space, dtype, use_fit, seed, offload_ratios)
     if not out.ranked:
         raise PlanError(no_plan_message(out, fams, rate, slo))
     return out

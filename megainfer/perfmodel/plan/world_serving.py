@@ -194,20 +194,20 @@ def plan_world_serving(shape: ModelShape, hw: HardwareProfile, target: ServingTa
                                f"{shape.name!r} on {hw.name} (memory, or the deploy pins)")
     rank = lambda cs: sorted(cs, key=lambda c: (not c.result.ok, -c.result.goodput_req_s,  # noqa: E731
                                                 c.headroom(target.slo), c.label()))
-    done = [_simulate(c, models[_slots(shape, c.plan.n_e).num_experts], target, dtype, seed)
-            for c in alternate_families(cands, ("AE", "PD"))[:max_sims]]
+    done = [simulate_choice(c, models[_slots(shape, c.plan.n_e).num_experts], target, dtype,
+                            seed) for c in alternate_families(cands, ("AE", "PD"))[:max_sims]]
     pd = [c for c in rank(done) if c.pool]
     if pd and offload_ratios:  # the best PD split again, its decode attention offloaded
         model, wl = models[_slots(shape, pd[0].plan.n_e).num_experts], mean_workload(target.requests)
         for r in offload_ratios:
-            v = _offloaded(pd[0], r, model, target, hw, wl) if r > 0 else None
+            v = offloaded_variant(pd[0], r, model, target, hw, wl) if r > 0 else None
             if v is not None:
-                done.append(_simulate(v, model, target, dtype, seed))
+                done.append(simulate_choice(v, model, target, dtype, seed))
     return rank(done)
 
 
-def _simulate(c: ServingChoice, model: DisaggModel, target: ServingTarget, dtype: str,
-              seed: int) -> ServingChoice:
+def simulate_choice(c: ServingChoice, model: DisaggModel, target: ServingTarget, dtype: str,
+                    seed: int) -> ServingChoice:
     """``c`` with its ``result``: the target's requests simulated on it."""
     cfg = JobConfig(max_num_seqs=c.batch_limit, seed=seed, max_iterations=200_000,
                     max_num_batched_tokens=target.max_num_batched_tokens)
@@ -231,9 +231,10 @@ def offload_pool_blocks(kv_tokens: float) -> int:
     return max(int(kv_tokens // 2) // Offload().block_size, 0)
 
 
-def _offloaded(c: ServingChoice, ratio: float, model: DisaggModel, target: ServingTarget,
-               hw: HardwareProfile, wl: Workload) -> Optional[ServingChoice]:
-    """PD split ``c`` with ``ratio`` of its requests' decode attention offloaded: seats up to
+def offloaded_variant(c: ServingChoice, ratio: float, model: DisaggModel, target: ServingTarget,
+                      hw: HardwareProfile, wl: Workload) -> Optional[ServingChoice]:
+    """PD split ``c`` with ``ratio`` of its requests' decode attention offloaded (``hw``: the
+    decode attention's; the offload pool on ``c.pool.hw``): seats up to
     max_num_seqs and the TPOT SLO (the KV memory bounds its local requests only, as
     ``decode_kv_tokens``: the seats' KV at the mean request's whole life), each prefill
     replica's offload pool half of its KV memory (``pd.offload_blocks``' default)."""
@@ -244,7 +245,7 @@ def _offloaded(c: ServingChoice, ratio: float, model: DisaggModel, target: Servi
     if v is None or seats < 1:
         return None
     pool = c.pool
-    blocks = offload_pool_blocks(replica_kv_tokens(pool.shape, hw, pool.tp_p, pool.dtype))
+    blocks = offload_pool_blocks(replica_kv_tokens(pool.shape, pool.hw, pool.tp_p, pool.dtype))
     life = int((target.requests.prompt_len + target.requests.output_len).max())
     return ServingChoice("PD", v.decode, v.batch_limit, pool, None, ratio,
                          max(seats * (wl.input_len + wl.output_len), life), blocks)

@@ -15,6 +15,7 @@ import dataclasses
 import logging
 
 from megainfer.config import ConfigError, PdConfig
+from megainfer.config.pd import offload_needs
 from megainfer.models import ParallelContext, build_model
 from megainfer.models.kv_spec import kv_head_slice
 from megainfer.runtime.pd.decode import DecodeSide
@@ -94,15 +95,9 @@ def check_offload(job) -> None:
     pd, plan, cfg = job.pd, job.deploy, job.model
     if not pd.offload:
         return
-    for ok, key, value, why in (
-            (plan.prefill_tp in (1, plan.attention_tp), "deploy.prefill_tp", plan.prefill_tp,
-             f"1 or deploy.attention_tp={plan.attention_tp}"),
-            (not cfg.is_mla or plan.prefill_tp == plan.attention_tp, "deploy.prefill_tp",
-             plan.prefill_tp, f"deploy.attention_tp={plan.attention_tp} with MLA"),
-            (job.cache.kv_cache_dtype == "auto", "cache.kv_cache_dtype",
-             job.cache.kv_cache_dtype, "auto")):
-        if not ok:
-            raise ConfigError(f"pd.offload=true: needs {key}={why} for now (got {value!r})")
+    need = offload_needs(plan.prefill_tp, plan.attention_tp, cfg.is_mla, job.cache.kv_cache_dtype)
+    if need:
+        raise ConfigError(f"pd.offload=true: needs {need}")
     pool = pd.pool_blocks(job.cache.num_blocks)
     if pool >= job.cache.num_blocks:
         raise ConfigError(f"pd.offload_blocks={pool}: must leave blocks of the prefill rank's "
