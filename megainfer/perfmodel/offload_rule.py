@@ -8,6 +8,8 @@ its whole life. ``auto`` (``picks_auto``): only while (1) that pool has room, (2
 replica's KV is under pressure: the request's whole life does not fit beside the local requests
 already given to that replica (it would otherwise wait or be preempted), and (3) where a TPOT
 SLO and a prediction are given, the predicted TPOT with the extra round trip stays within it.
+A request chosen whose pool is short sends requests decoding from that pool home
+(``homes_for_room``).
 docs/pd.md, "Decode attention offloaded to the prefill ranks".
 """
 from __future__ import annotations
@@ -47,3 +49,30 @@ def picks_auto(c: OffloadCandidate) -> bool:
     if c.need_tokens <= c.decode_free_tokens:  # no pressure: it decodes locally without waiting
         return False
     return c.tpot_s is None or c.tpot_slo_s is None or c.tpot_s <= c.tpot_slo_s
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """An offloaded request decoding from a pool, as ``homes_for_room`` sees it."""
+
+    key: object  # the caller's id of it
+    pool_blocks: int  # its blocks in that pool
+    replica: int  # its decode replica
+    tokens: int  # its whole life in that replica's KV
+
+
+def homes_for_room(need: int, pool_free: int, decoding: list, local_tokens: list,
+                   kv_cap: Optional[float]) -> Optional[list]:
+    """The requests of ``decoding`` (oldest first) to send home so that ``need`` blocks of their
+    pool are free, each only while its decode replica's KV (``kv_cap`` tokens; None: unlimited)
+    holds its whole life beside ``local_tokens`` (per replica) and the ones before it; None when
+    that many cannot be freed (nothing is sent then)."""
+    free, room, go = pool_free, list(local_tokens), []
+    for d in decoding:
+        if free >= need:
+            break
+        if kv_cap is None or room[d.replica] + d.tokens <= kv_cap:
+            room[d.replica] += d.tokens
+            free += d.pool_blocks
+            go.append(d)
+    return go if free >= need else None

@@ -12,8 +12,8 @@ import numpy as np
 
 from megainfer.config import ConfigError
 from megainfer.config.pd import OFFLOAD_POLICIES
-from megainfer.perfmodel.offload_rule import (OffloadCandidate, blocks_for, picks_auto,
-                                             picks_by_ratio)
+from megainfer.perfmodel.offload_rule import (Decoding, OffloadCandidate, blocks_for,
+                                             homes_for_room, picks_auto, picks_by_ratio)
 
 
 @dataclass(frozen=True)
@@ -110,26 +110,18 @@ class OffloadBook:
     def _make_room(self, p: int, need: int) -> bool:
         if not self.off.return_home:
             return False
-        free, room, go = self.free[p], list(self.local), []
-        for k in self.running:
-            if free >= need:
-                break
-            if self.held[k][0] != p:
-                continue
-            a, tokens = self.life[k]
-            if room[a] + tokens <= self.kv_cap:
-                room[a] += tokens
-                free += self.held[k][1]
-                go.append(k)
-        if free < need:
+        go = homes_for_room(need, self.free[p], [Decoding(k, self.held[k][1], *self.life[k])
+                                                 for k in self.running if self.held[k][0] == p],
+                            self.local, None if math.isinf(self.kv_cap) else self.kv_cap)
+        if go is None:
             return False
-        for k in go:
-            self.free[p] += self.held.pop(k)[1]
-            del self.running[k]
-            a, tokens = self.life.pop(k)
+        for h in go:
+            self.free[p] += self.held.pop(h.key)[1]
+            del self.running[h.key]
+            a, tokens = self.life.pop(h.key)
             self.local[a] += tokens
-            self.held_local[k] = (a, tokens)
-            self.homes.append(k)
+            self.held_local[h.key] = (a, tokens)
+            self.homes.append(h.key)
         return True
 
     def take_homes(self) -> list[int]:

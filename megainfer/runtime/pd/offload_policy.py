@@ -25,8 +25,8 @@ import time
 from collections import deque
 from typing import Optional
 
-from megainfer.perfmodel.offload_rule import (OffloadCandidate, blocks_for, picks_auto,
-                                             picks_by_ratio)
+from megainfer.perfmodel.offload_rule import (Decoding, OffloadCandidate, blocks_for,
+                                             homes_for_room, picks_auto, picks_by_ratio)
 
 BUSY_WINDOW_S = 1.0  # auto: a prefill rank's busy share is measured over about this long
 
@@ -134,22 +134,14 @@ class OffloadLedger:
         free; nothing is sent unless that many can be (True then)."""
         if not self.return_home:
             return False
-        free, room, go = self.free[p], list(self.local), []
-        for x in sorted(set(self.xfer_of.values())):
-            if free >= need:
-                break
-            if self.held.get(x, (None,))[0] != p:
-                continue
-            dx, tx = self.life[x]
-            if self.kv_cap is None or room[dx] + tx <= self.kv_cap:
-                room[dx] += tx
-                free += self.held[x][1]
-                go.append(x)
-        if free < need:
+        decoding = [Decoding(x, self.held[x][1], *self.life[x])
+                    for x in sorted(set(self.xfer_of.values())) if self.held.get(x, (None,))[0] == p]
+        go = homes_for_room(need, self.free[p], decoding, self.local, self.kv_cap)
+        if go is None:
             return False
-        for x in go:
-            q, blocks = self.held.pop(x)
-            self.free[q] += blocks
+        for h in go:
+            x = h.key
+            self.free[p] += self.held.pop(x)[1]
             dx, tx = self.life.pop(x)
             self.local[dx] += tx
             self.held_local[x] = (dx, tx)

@@ -3,7 +3,8 @@
 decode KV pressure, the predicted TPOT within the SLO)."""
 import pytest
 
-from megainfer.perfmodel.offload_rule import OffloadCandidate, blocks_for, picks_auto, picks_by_ratio
+from megainfer.perfmodel.offload_rule import (Decoding, OffloadCandidate, blocks_for, homes_for_room,
+                                             picks_auto, picks_by_ratio)
 
 
 @pytest.mark.parametrize("ratio,want", [(0, []), (0.5, [1, 3, 5, 7, 9]), (1, list(range(10))),
@@ -34,3 +35,16 @@ def test_auto_keeps_the_predicted_tpot_within_the_slo():
     assert picks_auto(_c(tpot_s=0.11))  # no SLO set
     assert picks_auto(_c(tpot_slo_s=0.1))  # no prediction (rank 0): pool and pressure only
     assert not picks_auto(_c(decode_free_tokens=500, tpot_s=0.01, tpot_slo_s=0.1))
+
+
+def test_homes_for_room_frees_the_pool_oldest_first_while_decode_kv_holds_them():
+    """A newcomer needs 8 pool blocks, 2 are free: the oldest decoding request (5 blocks) fits
+    its replica's KV and goes, the next (4 blocks) does not fit replica 0 beside it and is
+    passed over, the third (3 blocks, replica 1) goes: 10 free. Too little to free: none goes."""
+    dec = [Decoding("a", 5, 0, 40), Decoding("b", 4, 0, 40), Decoding("c", 3, 1, 30)]
+    go = homes_for_room(8, 2, dec, [30, 0], kv_cap=100)
+    assert [d.key for d in go] == ["a", "c"]
+    assert [d.key for d in homes_for_room(6, 2, dec, [30, 0], kv_cap=100)] == ["a"]
+    assert homes_for_room(20, 2, dec, [30, 0], kv_cap=100) is None
+    assert homes_for_room(8, 2, dec, [90, 90], kv_cap=100) is None  # no replica has room
+    assert [d.key for d in homes_for_room(8, 2, dec, [90, 90], kv_cap=None)] == ["a", "b"]
