@@ -30,7 +30,7 @@ from megainfer.perfmodel.plan.world_plan import (NoWorldPlanError, Pins, _slots,
                                                  world_splits)
 from megainfer.perfmodel.sim.events import Requests
 from megainfer.perfmodel.sim.job import JobConfig
-from megainfer.perfmodel.sim.pd_offload import Offload
+from megainfer.perfmodel.sim.pd_offload import Offload, RemoteAttention, kv_link
 
 MAX_SIMS = 8  # simulations per launch (each runs the whole request sample)
 
@@ -114,11 +114,24 @@ def _decode_splits(shape: ModelShape, hw: HardwareProfile, wl: Workload, ranks: 
     return out
 
 
+@dataclass(frozen=True)
+class _WithRoundTrips:
+    """A prediction whose iteration also waits ``extra_s`` (the offload's round trips)."""
+
+    pred: Prediction
+    extra_s: float
+
+    @property
+    def t_iter(self) -> float:
+        return self.pred.t_iter + self.extra_s
+
+
 def _at_batch_limit(model: DisaggModel, base: Plan, target: ServingTarget, cap: float,
-                    kv_bound: bool = True):
+                    kv_bound: bool = True, extra_s=None):
     """The split at the largest batch per replica within max_num_seqs, the KV memory (unless
     not ``kv_bound``: offloaded requests keep their KV elsewhere) and (when some batch meets
-    it) the TPOT SLO; None when its weights or one micro-batch do not fit."""
+    it) the TPOT SLO, each batch's iteration lengthened by ``extra_s(batch)`` s when given (the
+    offload's round trips); None when its weights or one micro-batch do not fit."""
     if model.mem_expert(base) > cap:
         return None
     seats = model.attention_seqs(base, cap)[0]
@@ -128,9 +141,14 @@ def _at_batch_limit(model: DisaggModel, base: Plan, target: ServingTarget, cap: 
     if k_max < 1:
         return None
     step = base.m * base.n_a
-    pred, miss = largest_batch(lambda b: model.predict(replace(base, batch=b)), step, k_max,
-                               target.slo.tpot_s)
+    if extra_s is None:
+        predict = lambda b: model.predict(replace(base, batch=b))  # noqa: E731
+    else:
+        predict = lambda b: _WithRoundTrips(model.predict(replace(base, batch=b)), extra_s(b))  # noqa: E731
+    pred, miss = largest_batch(predict, step, k_max, target.slo.tpot_s)
     pred = pred or miss  # no batch meets the TPOT SLO: the smallest, the simulation judges
+    if extra_s is not None:
+        pred = pred.pred
     return ServingChoice("AE", pred, pred.plan.batch // base.n_a)
 
 
@@ -235,16 +253,22 @@ def offloaded_variant(c: ServingChoice, ratio: float, model: DisaggModel, target
                       hw: HardwareProfile, wl: Workload) -> Optional[ServingChoice]:
     """PD split ``c`` with ``ratio`` of its requests' decode attention offloaded (``hw``: the
     decode attention's; the offload pool on ``c.pool.hw``): seats up to
-    max_num_seqs and the TPOT SLO (the KV memory bounds its local requests only, as
-    ``decode_kv_tokens``: the seats' KV at the mean request's whole life), each prefill
+    max_num_seqs and the TPOT SLO, each iteration predicted with its offloaded rows' round trip
+    at every layer (``ratio`` of a micro-batch's rows, at the mean request's middle context, on
+    an idle prefill replica: ``RemoteAttention.rows_s``, the link the PD simulator takes; the
+    local attention's overlap not counted), the KV memory bounding its local requests only, as
+    ``decode_kv_tokens``: the seats' KV at the mean request's whole life; each prefill
     replica's offload pool half of its KV memory (``pd.offload_blocks``' default)."""
     cap = hw.mem_bytes * hw.mem_util
     base = replace(c.plan, batch=0)
     seats = model.attention_seqs(base, cap)[0]
-    v = _at_batch_limit(model, base, target, cap, kv_bound=False)
+    pool, p = c.pool, c.plan
+    remote = RemoteAttention(pool, model, *kv_link(pool, model, p.tp_a), Offload(ratio))
+    ctx = wl.input_len + wl.output_len / 2
+    trips = lambda b: pool.shape.num_layers * remote.rows_s(ratio * b / (p.n_a * p.m), ctx)  # noqa: E731
+    v = _at_batch_limit(model, base, target, cap, kv_bound=False, extra_s=trips)
     if v is None or seats < 1:
         return None
-    pool = c.pool
     blocks = offload_pool_blocks(replica_kv_tokens(pool.shape, pool.hw, pool.tp_p, pool.dtype))
     life = int((target.requests.prompt_len + target.requests.output_len).max())
     return ServingChoice("PD", v.decode, v.batch_limit, pool, None, ratio,

@@ -24,7 +24,7 @@ from megainfer.perfmodel.model.disagg import DisaggModel, Plan
 from megainfer.perfmodel.sim.events import Requests, draw_counts
 from megainfer.perfmodel.sim.job import JobConfig, _split
 from megainfer.perfmodel.sim.job_result import JobResult
-from megainfer.perfmodel.sim.pd_offload import Offload, OffloadBook, RemoteAttention
+from megainfer.perfmodel.sim.pd_offload import Offload, OffloadBook, RemoteAttention, kv_link
 from megainfer.perfmodel.sim.pd_parts import Node, Prefill, PrefillStep
 
 
@@ -65,8 +65,7 @@ def simulate_pd_job(pool, model: DisaggModel, plan: Plan, requests: Requests,
     A, P, O = requests.arrival_s, requests.prompt_len, requests.output_len
     order = np.argsort(A, kind="stable")
     kvb = s.kv_bytes_per_token(dtype)
-    bw = min(pool.hw.inter_link.bandwidth_Bps * pool.tp_p, model.hw_a.inter_link.bandwidth_Bps * plan.tp_a)
-    lat = max(pool.hw.inter_link.latency_s, model.hw_a.inter_link.latency_s)
+    bw, lat = kv_link(pool, model, plan.tp_a)
     egress, ingress, msg = np.zeros(n_p), np.zeros(n_a), np.zeros(n_a)
     book, off = OffloadBook(offload, n_p, n_a, decode_kv_tokens), np.zeros(n, bool)
     ever_off, homed, going_home = np.zeros(n, bool), np.zeros(n, bool), []

@@ -139,6 +139,13 @@ class OffloadBook:
             self.local[loc[0]] -= loc[1]
 
 
+def kv_link(pool, model, tp_a: int) -> tuple[float, float]:
+    """(bytes/s, latency s) between a prefill replica and a decode replica of ``tp_a``
+    ranks: the KV stream's, which the offload's messages take too."""
+    bw = min(pool.hw.inter_link.bandwidth_Bps * pool.tp_p, model.hw_a.inter_link.bandwidth_Bps * tp_a)
+    return bw, max(pool.hw.inter_link.latency_s, model.hw_a.inter_link.latency_s)
+
+
 class RemoteAttention:
     """One layer's offloaded attention of a decode iteration. Per (decode replica, micro-batch)
     and prefill replica p holding some of its rows: one message up with the rows' q [S, Hq, D],
@@ -169,9 +176,14 @@ class RemoteAttention:
     def one_row_s(self, ctx: float) -> float:
         """One layer's round trip of a single offloaded row at context ``ctx`` on an idle
         prefill replica: both messages on the wire and its attention there."""
+        return self.rows_s(1, ctx)
+
+    def rows_s(self, n: float, ctx: float) -> float:
+        """One layer's round trip of ``n`` offloaded rows of one micro-batch at mean context
+        ``ctx`` on an idle prefill replica (one message each way)."""
         o = self.off
-        return (2 * self.lat + (self.up_B + o.header_up_B + self.down_B + o.header_down_B) / self.bw
-                + self.attn_s(1, ctx))
+        return (2 * self.lat + (n * (self.up_B + self.down_B) + o.header_up_B + o.header_down_B)
+                / self.bw + self.attn_s(n, ctx))
 
     def layer(self, n: np.ndarray, ctx_sum: np.ndarray, wait_s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(round trip [n_a, m] s per layer, prefill time [n_p] s per layer taken by it) from

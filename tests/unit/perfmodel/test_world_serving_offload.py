@@ -52,6 +52,27 @@ def test_offload_wins_where_the_decode_kv_memory_bounds_the_batch():
     assert all(c.offload == 0 for c in plain)  # no ratios: the planner as before
 
 
+def test_the_offloaded_batch_limit_counts_the_round_trips():
+    """The offloaded variant's seats meet the TPOT SLO with its rows' round trip at every layer
+    (RemoteAttention.rows_s): on the kv_bound profile (1 ms TPOT) 44 per replica where the
+    all-local prediction allowed 59; a link 100x slower leaves fewer still, the simulation
+    judging the rest."""
+    from dataclasses import replace
+    from megainfer.perfmodel.plan.world_serving import offloaded_variant
+    from megainfer.perfmodel.plan.goodput_search import mean_workload
+    from megainfer.perfmodel.model.prefill_pool import PrefillPool, decode_model
+    t, ranked = _kv_bound((1.0,))
+    base = next(c for c in ranked if c.pool is not None and c.offload == 0)
+    off = next(c for c in ranked if c.offload == 1.0)
+    assert off.batch_limit == 44 and base.batch_limit == 20
+    hw = synthetic_hw(mem=2.2e6, flops=1e11, bw=1e10)
+    slow = replace(hw, inter_link=replace(hw.inter_link, bandwidth_Bps=hw.inter_link.bandwidth_Bps / 100))
+    pool = PrefillPool(base.pool.shape, slow, 1, 1, "float32", use_fit=False)
+    model = decode_model(base.pool.shape, slow, slow, mean_workload(t.requests), "float32", False)
+    v = offloaded_variant(replace(base, pool=pool), 1.0, model, t, slow, mean_workload(t.requests))
+    assert v is not None and v.batch_limit < off.batch_limit
+
+
 def test_deploy_auto_runs_what_the_config_runs_and_says_how_the_offload_compared(caplog):
     with caplog.at_level(logging.INFO, logger="megainfer.perfmodel"):
         _resolve(4, "pd.offload=true", "pd.offload_ratio=0.5")
@@ -94,7 +115,7 @@ def test_pd_offload_unset_the_planner_chooses_it_and_says_why(tmp_path, caplog):
     assert (job.deploy.prefill_replicas, job.deploy.attention_replicas,
             job.deploy.expert_ranks) == (1, 2, 1)
     chosen, = _lines(caplog, "[plan] chosen:")
-    assert "batch<=59/replica offload=1: " in chosen
+    assert "batch<=44/replica offload=1: " in chosen
     assert "100% of requests meet both, goodput 1960 req/s" in chosen
     assert ("(decode attention offloaded: goodput 1960 req/s, 100% meet both, against goodput "
             "1531 req/s, 78% meet both for the best plan without it, ") in chosen
