@@ -1,6 +1,13 @@
 """Offline throughput: ``megainfer.LLM.generate`` vs Hugging Face ``generate``, side by side.
 
     python perf/bench/bench_offline.py [--batch 32 --input-len 64 --output-len 64 --repeats 3]
+        [--formats fp32 bf16 int8+bf16 int4+bf16 fp8 --out FILE]
+
+``--formats`` (issue 50's jobs per weight format): one ``LLM`` per format of the same checkpoint
+(``fp32``; ``bf16``: ``dtype=bfloat16``; ``int8`` / ``int4`` (group ``--group-size``) / ``fp8``:
+``quantization=``, with ``+bf16`` for bfloat16 activations), each timed beside transformers'
+fp32 in the same alternation, its greedy tokens compared with transformers' (a quantised
+format's agree only as far as its rounding lets them).
 
 Same checkpoint (a ~49M-parameter Mixtral-shaped model, random weights, saved with
 ``save_pretrained``), same prompts (random token ids, all the same length so HF needs no
@@ -114,6 +121,18 @@ def run_ours(llm, prompts, n_out):
     return dt, [o.outputs[0].token_ids for o in res]
 
 
+def format_args(fmt: str, group: int) -> dict:
+    """``LLM`` keyword arguments of a ``--formats`` entry: ``fp32`` | ``bf16`` | ``Q[+bf16]``
+    (Q: int8, int4, fp8)."""
+    q, _, act = fmt.partition("+")
+    if act not in ("", "bf16") or q not in ("fp32", "bf16", "int8", "int4", "fp8"):
+        raise SystemExit(f"--formats {fmt!r}: fp32, bf16, or int8 / int4 / fp8 with an optional +bf16")
+    dtype = "bfloat16" if "bf16" in (q, act) else "float32"
+    quant = None if q in ("fp32", "bf16") else q
+    over = [f"model.quantization_group_size={group}"] if quant == "int4" else []
+    return dict(dtype=dtype, quantization=quant, overrides=over)
+
+
 def agreement(a_tokens, b_tokens) -> float:
     """Fraction of positions where two runs' greedy tokens agree."""
     same = sum(x == y for a, b in zip(a_tokens, b_tokens) for x, y in zip(a, b))
@@ -135,6 +154,10 @@ def main(argv=None):
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--inter", type=int, default=768)
+    ap.add_argument("--formats", nargs="+", default=["fp32"],
+                    help="weight formats, one LLM each: fp32 bf16 int8 int4 fp8, +bf16 for "
+                         "bfloat16 activations (the first is the headline row)")
+    ap.add_argument("--group-size", type=int, default=64, help="int4's group size")
     ap.add_argument("--out", default=os.path.join(RESULTS, "bench_offline.json"))
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -145,34 +168,45 @@ def main(argv=None):
         build_checkpoint(d, a)
         hf = transformers.AutoModelForCausalLM.from_pretrained(d).eval()
         n_params = sum(p.numel() for p in hf.parameters())
-        llm = LLM(d, max_num_seqs=a.batch, max_num_batched_tokens=max(2048, a.batch * a.input_len),
-                  max_model_len=a.input_len + a.output_len, block_size=16)
+        llms = {f: LLM(d, max_num_seqs=a.batch, max_num_batched_tokens=max(2048, a.batch * a.input_len),
+                       max_model_len=a.input_len + a.output_len, block_size=16,
+                       **format_args(f, a.group_size)) for f in a.formats}
         g = torch.Generator().manual_seed(0)
         prompts = torch.randint(3, a.vocab, (a.batch, a.input_len), generator=g).tolist()
-        run_ours(llm, prompts[:2], 4)  # warm-up both sides
+        for llm in llms.values():  # warm-up every side
+            run_ours(llm, prompts[:2], 4)
         run_hf(hf, prompts[:2], 4)
         roof, bw = [matmul_roofline()], [read_bandwidth()]
-        hf_t, our_t, agree = [], [], None
+        hf_t, our_t, agrees = [], {f: [] for f in a.formats}, {}
         for r in range(a.repeats):
             dt, hf_tok = run_hf(hf, prompts, a.output_len)
             hf_t.append(dt)
-            dt, our_tok = run_ours(llm, prompts, a.output_len)
-            our_t.append(dt)
-            agree = agreement(hf_tok, our_tok)
-            print(f"  repeat {r}: hf {hf_t[-1]:.2f}s  megainfer {our_t[-1]:.2f}s", flush=True)
+            for f in (a.formats if r % 2 == 0 else a.formats[::-1]):  # alternating order
+                dt, our_tok = run_ours(llms[f], prompts, a.output_len)
+                our_t[f].append(dt)
+                agrees[f] = agreement(hf_tok, our_tok)
+            print(f"  repeat {r}: hf {hf_t[-1]:.2f}s  " + "  ".join(
+                f"{f} {our_t[f][-1]:.2f}s" for f in a.formats), flush=True)
         roof.append(matmul_roofline())
         bw.append(read_bandwidth())
     tokens = a.batch * a.output_len
     flops = job_flops(a)
     peak = statistics.median(roof)
     rows = {}
-    for name, ts in (("transformers generate", hf_t), ("megainfer LLM.generate", our_t)):
+    ours_name = lambda f: "megainfer LLM.generate" + ("" if f == "fp32" else f" [{f}]")  # noqa: E731
+    agree = agrees.get("fp32", next(iter(agrees.values())))
+    for name, ts in (("transformers generate", hf_t),
+                     *((ours_name(f), our_t[f]) for f in a.formats)):
         med, best = statistics.median(ts), min(ts)
         rows[name] = dict(seconds_median=med, seconds_min=best, seconds=ts,
                           output_tokens_per_s=tokens / med, output_tokens_per_s_best=tokens / best,
                           gflops=flops / med / 1e9, roofline_fraction=flops / med / 1e9 / peak,
                           roofline_fraction_best=flops / best / 1e9 / peak)
-    ours, base = rows["megainfer LLM.generate"], rows["transformers generate"]
+    for f in a.formats:
+        rows[ours_name(f)]["greedy_token_agreement_with_transformers_fp32"] = agrees[f]
+        rows[ours_name(f)]["vs_transformers_fp32"] = (
+            rows[ours_name(f)]["output_tokens_per_s"] / rows["transformers generate"]["output_tokens_per_s"])
+    ours, base = rows[ours_name(a.formats[0])], rows["transformers generate"]
     speedup = ours["output_tokens_per_s"] / base["output_tokens_per_s"]
     speedup_best = ours["output_tokens_per_s_best"] / base["output_tokens_per_s_best"]
     bound = time_lower_bound(a, n_params, peak * 1e9, statistics.median(bw))
@@ -181,12 +215,17 @@ def main(argv=None):
     print(f"\nbatch {a.batch}, {a.input_len} in / {a.output_len} out, {n_params / 1e6:.1f}M params "
           f"({a.experts} experts top-{a.top_k}), {a.threads} threads, fp32 roofline "
           f"{peak:.1f} GFLOP/s, load average {load[0]:.1f}")
-    print(f"{'':<24}{'median s':>10}{'min s':>8}{'out tok/s':>12}{'GFLOP/s':>10}"
-          f"{'of roofline':>13}{'(best run)':>12}")
+    w = max(24, max(len(n) for n in rows) + 2)
+    print(f"{'':<{w}}{'median s':>10}{'min s':>8}{'out tok/s':>12}{'GFLOP/s':>10}"
+          f"{'of roofline':>13}{'(best run)':>12}{'vs HF fp32':>12}{'greedy = HF':>13}")
     for name, r in rows.items():
-        print(f"{name:<24}{r['seconds_median']:>10.2f}{r['seconds_min']:>8.2f}"
+        extra = (f"{r['vs_transformers_fp32']:>11.2f}x"
+                 f"{100 * r['greedy_token_agreement_with_transformers_fp32']:>12.1f}%"
+                 if "vs_transformers_fp32" in r else "")
+        print(f"{name:<{w}}{r['seconds_median']:>10.2f}{r['seconds_min']:>8.2f}"
               f"{r['output_tokens_per_s']:>12.1f}{r['gflops']:>10.2f}"
-              f"{100 * r['roofline_fraction']:>12.1f}%{100 * r['roofline_fraction_best']:>11.1f}%")
+              f"{100 * r['roofline_fraction']:>12.1f}%{100 * r['roofline_fraction_best']:>11.1f}%"
+              + extra)
     print(f"speedup over transformers: {speedup:.2f}x on medians, {speedup_best:.2f}x on best runs "
           f"(target >= 4x); greedy tokens equal to transformers': {100 * agree:.1f}%")
     print(f"lower bound on this job's time here (prefill at the matmul roofline, each decode step "
