@@ -142,3 +142,50 @@ def test_bad_tables_refused(bad, word):
         rules.check_rules(bad)
     with pytest.raises(rules.CpuMoeRuleError, match="method"):
         rules.forced("onednn")
+
+
+def test_measured_table_is_the_tuners():
+    import json
+    with open(rules.RULES_PATH) as f:
+        table = json.load(f)
+    assert table["source"] == "perf/bench/tune_cpu_moe.py"
+    rules.check_rules(table["rules"])
+
+
+def _tuner(monkeypatch):
+    import os
+
+    from repo_paths import PERF
+    monkeypatch.syspath_prepend(os.path.join(PERF, "bench"))
+    monkeypatch.syspath_prepend(os.path.join(PERF, "harness"))
+    import tune_cpu_moe
+    return tune_cpu_moe
+
+
+def test_tuner_takes_grouped_mm_only_where_faster_at_every_shape(monkeypatch):
+    tune = _tuner(monkeypatch)
+
+    def cell(per_expert, grouped_mm):
+        return {"per_expert": {"median_s": per_expert}, "grouped_mm": {"median_s": grouped_mm}}
+    cells = {"a": {1: cell(1.0, 0.5), 8: cell(1.0, 0.5), 64: cell(1.0, 0.97), 512: cell(1.0, 0.5)},
+             "b": {1: cell(2.0, 1.0), 8: cell(1.0, 1.2), 64: cell(1.0, 0.5), 512: cell(1.0, 0.5)}}
+    chosen = tune.choose(cells, margin=0.05)
+    assert {r: m for r, (m, _) in chosen.items()} == {
+        1: "grouped_mm", 8: "per_expert", 64: "per_expert", 512: "grouped_mm"}
+    assert tune.rule_from(chosen) == [[1, "grouped_mm"], [64, "per_expert"], [None, "grouped_mm"]]
+
+
+def test_tuner_runs_and_writes_a_valid_table(tmp_path, monkeypatch):
+    import json
+    tune = _tuner(monkeypatch)
+    out, threads = tmp_path / "tune.json", torch.get_num_threads()
+    try:
+        tune.main(["--threads", "1", "--repeats", "1", "--rows", "1", "3", "--layers", "1",
+                   "--dtypes", "float32", "--no-write", "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    got = json.loads(out.read_text())
+    rules.check_rules(got["rules"])
+    assert sorted(got["rules"]) == ["float32"] and sorted(got["rules"]["float32"]) == ["1"]
+    cell = got["seconds"]["bench50m,float32,1"]["3"]
+    assert cell["max_abs_diff"] < 1e-5 and cell["per_expert"]["median_s"] > 0
