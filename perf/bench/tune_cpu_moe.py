@@ -17,8 +17,12 @@ samples, CPU time at 1 thread (what the op costs, whoever else runs), the wall c
 The rule takes ``grouped_mm`` for a (dtype, threads, rows) only where its median is over
 ``--margin`` faster than the per-expert one at every shape; a thread count > 1 timed while the
 load average left fewer free cores than threads gets no rule (``tune_cpu_gemm.cores_were_free``:
-the fewer-thread rule applies). Writes ``perf/results/tune_cpu_moe.json`` (medians, minima,
-the two paths' largest difference, the machine and its load average).
+the fewer-thread rule applies). A third column, ``per_expert_mkl`` (the per-expert path with the
+expert GEMM rule forced to MKL, ``cpu_gemm`` method ``mm``), is timed in the same rounds but
+is no candidate: it tells how much of a grouped_mm gain is its GEMM (``_grouped_mm`` on CPU
+loops ``at::mm`` over the groups, unpacked weights) rather than its grouping. Writes
+``perf/results/tune_cpu_moe.json`` (medians, minima, the paths' largest difference, the
+machine and its load average).
 """
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ import time
 
 import torch
 
-from megainfer.kernels import cpu_moe_rules
+from megainfer.kernels import cpu_gemm, cpu_moe_rules
 from megainfer.kernels.torch_moe import fused_moe_torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -43,7 +47,8 @@ ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # decode batches to prefill chun
 SHAPES = {"mixtral54m": dict(hidden=512, inter=1024, experts=8, top_k=2),
           "bench50m": dict(hidden=512, inter=768, experts=8, top_k=2)}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-METHODS = ("per_expert", "grouped_mm")
+METHODS = ("per_expert", "grouped_mm", "per_expert_mkl")  # the rule's two, then a diagnostic
+MKL = {kind: {"1": [[None, "mm"]]} for kind in cpu_gemm.KINDS}
 
 
 def layers(shape: dict, dtype: torch.dtype, n: int, seed: int = 0) -> list[tuple]:
@@ -66,18 +71,19 @@ def time_cell(ws, x, w, ids, repeats: int) -> dict:
     """{method: [s, ...]} for one pass over every layer, the methods alternating; plus the
     largest |difference| of their outputs."""
     clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
-    tables = {m: cpu_moe_rules.forced(m) for m in METHODS}
+    tables = {m: cpu_moe_rules.forced(m.removesuffix("_mkl")) for m in METHODS}
 
     def run(m):
-        with cpu_moe_rules.use_rules(tables[m]):
+        with (cpu_moe_rules.use_rules(tables[m]),
+              cpu_gemm.use_rules(MKL if m == "per_expert_mkl" else None)):
             return [fused_moe_torch(x, w1, w2, w, ids) for w1, w2 in ws]
 
     outs = {m: run(m) for m in METHODS}  # warm-up: oneDNN packs, scratch
     diff = max((a.float() - b.float()).abs().max().item()
-               for a, b in zip(outs["per_expert"], outs["grouped_mm"]))
+               for m in METHODS[1:] for a, b in zip(outs["per_expert"], outs[m]))
     samples = {m: [] for m in METHODS}
     for r in range(repeats):
-        for m in (METHODS if r % 2 == 0 else METHODS[::-1]):
+        for m in (METHODS if r % 2 == 0 else METHODS[::-1]):  # which goes first alternates
             t0 = clock()
             run(m)
             samples[m].append(clock() - t0)
@@ -111,7 +117,8 @@ def main(argv=None):
     load0 = os.getloadavg()
     samples, rules, skipped = {}, {d: {} for d in a.dtypes}, []
     print(f"{'shape':<11}{'dtype':<9}{'thr':>3} {'rows':>5}  {'per_expert ms':>13}  "
-          f"{'grouped_mm ms':>13}  {'speedup':>7}  {'max|diff|':>9}", flush=True)
+          f"{'grouped_mm ms':>13}  {'speedup':>7}  {'per_exp MKL ms':>14}  {'max|diff|':>9}",
+          flush=True)
     for dname in a.dtypes:
         dtype = DTYPES[dname]
         for t in sorted(a.threads):
@@ -132,7 +139,9 @@ def main(argv=None):
                     print(f"{sname:<11}{dname:<9}{t:>3} {rows:>5}  "
                           f"{cell['per_expert']['median_s'] * 1e3:>13.2f}  "
                           f"{cell['grouped_mm']['median_s'] * 1e3:>13.2f}  "
-                          f"{cell['speedup']:>6.2f}x  {c['max_abs_diff']:>9.1e}", flush=True)
+                          f"{cell['speedup']:>6.2f}x  "
+                          f"{cell['per_expert_mkl']['median_s'] * 1e3:>14.2f}  "
+                          f"{c['max_abs_diff']:>9.1e}", flush=True)
                 samples[f"{sname},{dname},{t}"] = {str(r): v for r, v in cells[sname].items()}
             if t == 1 or cores_were_free(t, load_at_start):
                 rules[dname][str(t)] = rule_from(choose(cells, a.margin))
