@@ -8,7 +8,7 @@ expert with slots, through ``cpu_gemm``'s measured GEMM over oneDNN-packed weigh
 expert for gate/up and one for down). A table entry is ``{"float32": {"1": [[max_rows or
 None, method], ...]}}``, rows ascending, a None catch-all last (``cpu_gemm``'s form). A dtype
 missing from the table, or no table file, takes ``DEFAULT``: ``per_expert`` throughout.
-docs/kernels.md, "CPU matmuls of dense and expert weights".
+docs/kernels.md, "CPU torch path".
 """
 from __future__ import annotations
 
