@@ -1,9 +1,10 @@
-"""The CPU fast path of the fused MoE: sort slots by expert, one matmul pair per expert group.
+"""The CPU fast path of the fused MoE: sort slots by expert, then one matmul pair per expert
+group or one grouped pair over all of them.
 
 One row (a decode step of one sequence, all experts local): ``one_row_moe``, its k experts
-in slot order. Otherwise no loop over tokens: one stable sort, one gather, two matmuls per local expert that has
-slots (``cpu_gemm.linear``: the GEMM measured fastest for that many rows at this thread count,
-over weights reordered once) with ``silu(gate) * up`` between them as two ops writing a fresh
+in slot order. Otherwise (``grouped_moe``) no loop over tokens: one stable sort, one gather,
+two matmuls per local expert that has slots (``cpu_gemm.linear``: the GEMM measured fastest
+for that many rows at this thread count, over weights reordered once) with ``silu(gate) * up`` between them as two ops writing a fresh
 contiguous tensor (the down GEMM's input, no copy), one scatter back into a per-slot buffer,
 then one sum over each token's k slots (deterministic, independent of the expert grouping).
 Per layer: 4 ops per expert with slots plus a fixed ~15 (``tests/unit/models/
