@@ -10,8 +10,12 @@ oneDNN over packed weights, as shipped before this table) and ``grouped_mm``
 ``fused_moe_torch`` under a table forcing it. Shapes: the 54.5M Mixtral checkpoint of
 ``bench_decode_step.py`` (hidden 512, inter 1024) and bench50m (``conf/model/bench50m.yaml``:
 hidden 512, inter 768), both 8 experts top-2; a sample is one pass over ``--layers`` layers of
-distinct weights (a decode step's expert work: the weights do not stay in cache), tokens
-routed by a seeded random softmax top-k, the same for both paths. The paths alternate within
+distinct weights (a decode step's expert work), tokens routed by a seeded random softmax top-k,
+the same for both paths, after a read of ``--flush-mb`` MB that evicts the weights from the
+caches (the 2-core box's L3 is 480 MB: unflushed, the 4 layers' experts stay in it from one
+sample to the next, and a path reading the same dense weights as the one timed just before it
+ran warm, 1.75x where the decode step saw 1.03x; in a step the other layers' weights, the
+packs, the KV cache and other tenants share the L3). The paths alternate within
 each repeat (which goes first alternates too); the figure is the median of ``--repeats``
 samples, CPU time at 1 thread (what the op costs, whoever else runs), the wall clock above.
 The rule takes ``grouped_mm`` for a (dtype, threads, rows) only where its median is over
@@ -67,9 +71,9 @@ def routing(rows: int, shape: dict, dtype: torch.dtype, seed: int = 1):
     return x, w.to(dtype), ids
 
 
-def time_cell(ws, x, w, ids, repeats: int) -> dict:
-    """{method: [s, ...]} for one pass over every layer, the methods alternating; plus the
-    largest |difference| of their outputs."""
+def time_cell(ws, x, w, ids, repeats: int, flush: torch.Tensor) -> dict:
+    """{method: [s, ...]} for one pass over every layer, the methods alternating, each sample
+    after a read of ``flush``; plus the largest |difference| of their outputs."""
     clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     tables = {m: cpu_moe_rules.forced(m.removesuffix("_mkl")) for m in METHODS}
 
@@ -84,6 +88,7 @@ def time_cell(ws, x, w, ids, repeats: int) -> dict:
     samples = {m: [] for m in METHODS}
     for r in range(repeats):
         for m in (METHODS if r % 2 == 0 else METHODS[::-1]):  # which goes first alternates
+            flush.sum()  # evict the weights: each sample starts from memory
             t0 = clock()
             run(m)
             samples[m].append(clock() - t0)
@@ -110,12 +115,15 @@ def main(argv=None):
     ap.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    ap.add_argument("--flush-mb", type=int, default=1024,
+                    help="MB read before each sample (above the L3 size: cold weights)")
     ap.add_argument("--margin", type=float, default=0.05)
     ap.add_argument("--no-write", dest="write", action="store_false")
     ap.add_argument("--out", default=os.path.join(RESULTS, "tune_cpu_moe.json"))
     a = ap.parse_args(argv)
     load0 = os.getloadavg()
     samples, rules, skipped = {}, {d: {} for d in a.dtypes}, []
+    flush = torch.ones(a.flush_mb * 2 ** 18)  # fp32: a.flush_mb MB
     print(f"{'shape':<11}{'dtype':<9}{'thr':>3} {'rows':>5}  {'per_expert ms':>13}  "
           f"{'grouped_mm ms':>13}  {'speedup':>7}  {'per_exp MKL ms':>14}  {'max|diff|':>9}",
           flush=True)
@@ -129,7 +137,7 @@ def main(argv=None):
                 ws = layers(shape, dtype, a.layers)
                 cells[sname] = {}
                 for rows in a.rows:
-                    c = time_cell(ws, *routing(rows, shape, dtype), a.repeats)
+                    c = time_cell(ws, *routing(rows, shape, dtype), a.repeats, flush)
                     cell = {m: dict(median_s=statistics.median(s), min_s=min(s))
                             for m, s in c["samples"].items()}
                     cell.update(max_abs_diff=c["max_abs_diff"], load_average=os.getloadavg()[0],

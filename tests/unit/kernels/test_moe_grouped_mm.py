@@ -181,7 +181,7 @@ def test_tuner_runs_and_writes_a_valid_table(tmp_path, monkeypatch):
     out, threads = tmp_path / "tune.json", torch.get_num_threads()
     try:
         tune.main(["--threads", "1", "--repeats", "1", "--rows", "1", "3", "--layers", "1",
-                   "--dtypes", "float32", "--no-write", "--out", str(out)])
+                   "--flush-mb", "1", "--dtypes", "float32", "--no-write", "--out", str(out)])
     finally:
         torch.set_num_threads(threads)
     got = json.loads(out.read_text())
