@@ -13,9 +13,9 @@ hidden 512, inter 768), both 8 experts top-2; a sample is one pass over ``--laye
 distinct weights (a decode step's expert work), tokens routed by a seeded random softmax top-k,
 the same for both paths, after a read of ``--flush-mb`` MB that evicts the weights from the
 caches (the 2-core box's L3 is 480 MB: unflushed, the 4 layers' experts stay in it from one
-sample to the next, and a path reading the same dense weights as the one timed just before it
-ran warm, 1.75x at B = 1 where the decode step saw 1.02-1.07x; in a step the other layers' weights, the
-packs, the KV cache and other tenants share the L3). The paths alternate within
+sample to the next, and a path reading the same dense weights as the one timed just before
+it ran warm, 1.75x at B = 1 where the decode step saw 1.02-1.07x; in a step the other layers'
+weights, the packs, the KV cache and other tenants share the L3). The paths alternate within
 each repeat (which goes first alternates too); the figure is the median of ``--repeats``
 samples, CPU time at 1 thread (what the op costs, whoever else runs), the wall clock above.
 The rule takes ``grouped_mm`` for a (dtype, threads, rows) only where its median is over
