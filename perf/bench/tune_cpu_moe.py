@@ -157,6 +157,7 @@ def main(argv=None):
                 skipped.append(dict(dtype=dname, threads=t, load_average=os.getloadavg()[0]))
                 print(f"{dname} {t} threads: no rule, the load average {os.getloadavg()[0]:.1f} "
                       f"left fewer than {t} of {os.cpu_count()} cores free", flush=True)
+    rules = {d: t for d, t in rules.items() if t}  # a dtype with no rule takes DEFAULT
     write_tuned("tune_cpu_moe", a, load0, samples, rules, skipped, cpu_moe_rules.RULES_PATH)
 
 
