@@ -10,10 +10,14 @@ fp32. A step: B sequences with ``--context`` cached tokens each and one new toke
 ``AttentionMetadata.build_with`` + ``MoECausalLM.forward`` + ``compute_logits`` (what
 ``LocalExecutor.execute`` runs; the engine's scheduler and sampler are not in it).
 
-* after:  the measured GEMM rules (``kernels/cpu_gemm_rules.json``), as shipped.
-* before: ``cpu_gemm.use_rules(OLD_RULES)``: MKL everywhere, experts weight-major for 3-16 rows
-  (the GEMMs before issue 38; the attention and host-op changes have no switch, so "before"
-  is an upper bound on what the GEMMs alone bought).
+* after:  the measured GEMM and expert-path rules (``kernels/cpu_gemm_rules.json``,
+  ``kernels/cpu_moe_rules.json``), as shipped.
+* per_expert: after with the expert path forced to one GEMM pair per expert
+  (``cpu_moe_rules.forced("per_expert")``): the baseline of the grouped ``torch._grouped_mm``
+  path where the rule picks it (``after / per_expert`` is what that rule buys in a step).
+* before: ``cpu_gemm.use_rules(OLD_RULES)``, per-expert: MKL everywhere, experts weight-major
+  for 3-16 rows (the GEMMs before issue 38; the attention and host-op changes have no switch,
+  so "before" is an upper bound on what the GEMMs alone bought).
 * HF:     ``MixtralForCausalLM`` forward of one token per sequence over a ``DynamicCache`` of
   the same context (cropped back after each step).
 * floor:  max(bytes / read bandwidth, FLOPs / matmul rate), both measured in this run by
@@ -84,25 +88,34 @@ def floor_trust(probes: list[tuple[float, float]], threads: int, load_at_start: 
                 probes=probes)
 
 
+def variant(name: str):
+    """The rules a step variant runs under (``after``: as shipped)."""
+    from megainfer.kernels import cpu_gemm, cpu_moe_rules
+    if name == "after":
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(cpu_moe_rules.use_rules(cpu_moe_rules.forced("per_expert")))
+    if name == "before":
+        stack.enter_context(cpu_gemm.use_rules(cpu_gemm.OLD_RULES))
+    return stack
+
+
 def bench_steps(a, shape, model, hf, n_params: int) -> list[dict]:
-    from megainfer.kernels import cpu_gemm
-    rows = []
+    rows, names = [], ("after", "per_expert", "before", "hf")
     for t in a.threads:
         torch.set_num_threads(t)
         load_at_start, probes, block = os.getloadavg()[0], probe_machine(), []
         for B in a.batches:
             ours, theirs = OursStep(model, B, a.context), HFStep(hf, B, a.context)
             for _ in range(3):  # warm-up: first-touch packs and scratch buffers
-                ours()
-                with cpu_gemm.use_rules(cpu_gemm.OLD_RULES):
-                    ours()
-                theirs()
-            s = dict(after=[], before=[], hf=[])
-            cold = dict(after=[], before=[], hf=[])  # each block's first step
+                for name in names:
+                    with variant(name):
+                        theirs() if name == "hf" else ours()
+            s, cold = {n: [] for n in names}, {n: [] for n in names}  # cold: each block's 1st
             for _ in range(a.repeats):
-                for name, fn in (("after", ours), ("before", ours), ("hf", theirs)):
-                    with (cpu_gemm.use_rules(cpu_gemm.OLD_RULES) if name == "before"
-                          else contextlib.nullcontext()):
+                for name in names:
+                    with variant(name):
+                        fn = theirs if name == "hf" else ours
                         ts = [time_once(fn) for _ in range(a.consecutive)]
                     cold[name].append(ts[0])
                     s[name].extend(ts[1:] or ts)
@@ -119,6 +132,7 @@ def bench_steps(a, shape, model, hf, n_params: int) -> list[dict]:
             rows.append(r)
             c = r["cold_median_s"]
             print(f"{t:>3} {B:>4} {floor['seconds'] * 1e3:8.2f} {med['after'] * 1e3:8.2f} "
+                  f"{med['per_expert'] * 1e3:8.2f} {med['per_expert'] / med['after']:7.2f}x "
                   f"{med['before'] * 1e3:8.2f} {med['hf'] * 1e3:8.2f} "
                   f"{med['after'] / floor['seconds']:8.2f}x {med['before'] / floor['seconds']:7.2f}x "
                   f"{med['hf'] / med['after']:7.2f}x {c['after'] / floor['seconds']:8.2f}x "
@@ -253,14 +267,16 @@ def main(argv=None):
         model = build_model(ModelConfig.from_pretrained(d), LoadConfig(path=d))
         print(f"decode step, {n_params / 1e6:.1f}M params, context {a.context}, "
               f"load average {load0[0]:.1f}")
-        print(f"{'thr':>3} {'B':>4} {'floor ms':>8} {'after':>8} {'before':>8} {'HF':>8} "
+        print(f"{'thr':>3} {'B':>4} {'floor ms':>8} {'after':>8} {'per_exp':>8} {'pe/aft':>8} "
+              f"{'before':>8} {'HF':>8} "
               f"{'after/fl':>9} {'bef/fl':>8} {'HF/aft':>8} {'1st/fl':>9} {'HF/aft':>8} "
               f"{'load':>5} {'trust':>5}   (ms: steps 2..k of k back to back; 1st: each "
               "block's first)")
         result = dict(name="bench_decode_step", args=vars(a), shape=SHAPE, params=n_params,
                       steps=[], jobs=[], complete=False,
-                      baseline="before: cpu_gemm.OLD_RULES in the same rounds; HF: transformers "
-                               "forward / generate")
+                      baseline="per_expert: the shipped rules with the expert path forced to "
+                               "one GEMM pair per expert; before: cpu_gemm.OLD_RULES, per "
+                               "expert; HF: transformers forward / generate; same rounds")
         result["steps"] = bench_steps(a, shape, model, hf, n_params)
         save(a, result, load0)  # written after each part: a run cut short keeps what it measured
         print(f"\nmixed contexts 16-320: length groups vs one padded batch\n{'thr':>3} "

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megainfer.config import LoadConfig, ModelConfig
-from megainfer.kernels import cpu_gemm
+from megainfer.kernels import cpu_gemm, cpu_moe_rules
 from megainfer.models.attention import AttentionMetadata, allocate_kv_cache
 from megainfer.models.layers import RMSNorm
 from megainfer.models.loader import build_model
@@ -24,6 +24,7 @@ CFG = dict(family="mixtral", vocab_size=512, hidden_size=128, num_layers=2, num_
 MAX_OPS = 262
 ONEDNN = {k: {"1": [[None, "onednn"]]} for k in cpu_gemm.KINDS}  # the count must not hang on
 # which GEMM the measured table picks on the machine running the test
+PER_EXPERT = cpu_moe_rules.forced("per_expert")  # nor on which expert path it picks
 
 
 class OpCounter(TorchDispatchMode):
@@ -41,13 +42,14 @@ def model():
     return build_model(ModelConfig(**CFG), LoadConfig(load_format="dummy"))
 
 
-def decode_step(model, B=16, ctx=40, block=16, counter=None):
+def decode_step(model, B=16, ctx=40, block=16, counter=None, moe_rules=PER_EXPERT):
     nb = (ctx + block) // block
     caches = allocate_kv_cache(CFG["num_layers"], B * nb + 1, block, CFG["num_kv_heads"],
                                CFG["head_dim"])
     tables = [[1 + s * nb + j for j in range(nb)] for s in range(B)]
     ids = torch.randint(3, CFG["vocab_size"], (B,), generator=torch.Generator().manual_seed(0))
-    with torch.inference_mode(), cpu_gemm.use_rules(ONEDNN):
+    with (torch.inference_mode(), cpu_gemm.use_rules(ONEDNN),
+          cpu_moe_rules.use_rules(moe_rules)):
         for _ in range(2):  # the second step: packs and scratch buffers made
             meta, (i, p) = AttentionMetadata.build_with(
                 [1] * B, [ctx - s % 3 for s in range(B)], tables, block,
@@ -81,6 +83,19 @@ def test_moe_expert_loop_ops(model):
     assert counter.ops["aten.split_with_sizes.default"] == 2 * L  # q/k/v + the expert rows
     # q/k/v, o, then 2 per expert hit (16 rows x top-2 over 8 experts hit them all), lm_head
     assert counter.ops["mkldnn._linear_pointwise.default"] == L * (2 + 2 * E) + 1
+
+
+def test_moe_grouped_mm_ops(model):
+    """The grouped-GEMM expert path: two ``_grouped_mm`` and one silu per layer, no
+    per-expert GEMM, fewer ops than the per-expert step."""
+    counter, per_expert = OpCounter(), OpCounter()
+    decode_step(model, counter=counter, moe_rules=cpu_moe_rules.forced("grouped_mm"))
+    decode_step(model, counter=per_expert)
+    L = CFG["num_layers"]
+    assert counter.ops["aten._grouped_mm.default"] == 2 * L
+    assert counter.ops["aten.silu.default"] == L
+    assert counter.ops["mkldnn._linear_pointwise.default"] == 2 * L + 1  # q/k/v, o, lm_head
+    assert sum(counter.ops.values()) < sum(per_expert.ops.values())
 
 
 def test_step_cache_holds_rope_and_decode_plan(model):

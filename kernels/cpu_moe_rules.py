@@ -1,0 +1,76 @@
+"""Which CPU path runs a routed-expert layer (``torch_moe.fused_moe_torch``): a table per
+model dtype and thread count, keyed by the layer's rows (tokens), measured by
+``perf/bench/tune_cpu_moe.py`` into ``cpu_moe_rules.json`` and read once.
+
+Methods: ``per_expert`` (``torch_moe.grouped_moe`` / ``one_row_moe``: one GEMM pair per
+expert with slots, through ``cpu_gemm``'s measured GEMM over oneDNN-packed weights) and
+``grouped_mm`` (``torch_moe.grouped_mm_moe``: one ``torch._grouped_mm`` over every local
+expert for gate/up and one for down). A table entry is ``{"float32": {"1": [[max_rows or
+None, method], ...]}}``, rows ascending, a None catch-all last (``cpu_gemm``'s form). A dtype
+missing from the table, or no table file, takes ``DEFAULT``: ``per_expert`` throughout.
+docs/kernels.md, "CPU torch path".
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .rule_tables import RuleTables, check_table
+
+METHODS = ("per_expert", "grouped_mm")
+RULES_PATH = Path(__file__).with_name("cpu_moe_rules.json")
+KEYS = ("float32", "bfloat16")  # the model dtypes torch._grouped_mm runs on CPU
+DEFAULT = {key: {"1": [[None, "per_expert"]]} for key in KEYS}
+
+
+class CpuMoeRuleError(ValueError):
+    """A rule table is malformed; the message names the entry."""
+
+
+def rule_key(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16": a table key."""
+    return str(dtype).removeprefix("torch.")
+
+
+def check_rules(rules: dict) -> dict:
+    """{key: {threads: [[max_rows or None, method], ...]}} (keys a subset of KEYS) -> the same
+    with int thread keys and tuple entries; raises ``CpuMoeRuleError`` naming a bad entry."""
+    out = {}
+    for key, table in rules.items():
+        if key not in KEYS:
+            raise CpuMoeRuleError(f"cpu moe rules: key {key!r} not in {KEYS}")
+        out[key] = check_table(table, f"cpu moe rules[{key}]", METHODS, CpuMoeRuleError)
+    return out
+
+
+def _table_rules() -> dict:
+    rules = check_rules(DEFAULT)
+    if RULES_PATH.exists():
+        with open(RULES_PATH) as f:
+            rules.update(check_rules(json.load(f)["rules"]))
+    return rules
+
+
+_RULES = RuleTables(_table_rules, lambda rules: {**check_rules(DEFAULT), **check_rules(rules)})
+
+
+def use_rules(rules: Optional[dict]):
+    """Run a block under another table (``check_rules``' form, keys missing from it take
+    ``DEFAULT``); None: the measured table."""
+    return _RULES.use(rules)
+
+
+def method_for(dtype: torch.dtype, rows: int, threads: Optional[int] = None) -> str:
+    """The method for a layer of ``rows`` tokens in ``dtype`` at ``threads`` (default: torch's):
+    the entry of the largest thread key <= threads (the smallest key if none is)."""
+    return _RULES.method(rule_key(dtype), rows, threads)
+
+
+def forced(method: str) -> dict:
+    """A table choosing ``method`` at every rows, dtype and thread count (tests, tuner)."""
+    if method not in METHODS:
+        raise CpuMoeRuleError(f"cpu moe rules: method {method!r} not in {METHODS}")
+    return {key: {"1": [[None, method]]} for key in KEYS}
