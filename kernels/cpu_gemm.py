@@ -4,8 +4,9 @@ fastest for the step's row count and this process's thread count.
 Methods: ``mm`` (``torch.mm(x, W.t())``, MKL), ``skinny`` (``torch.mm(W, x.t()).t()``) and
 ``onednn`` (``torch.ops.mkldnn._linear_pointwise`` over a weight reordered once by
 ``_reorder_linear_weight``; private ops whose schemas a test pins). Which runs for how many
-rows: a table per weight kind (``expert``, ``dense``) and thread count, ``cpu_gemm_rules.json``
-(``use_rules`` swaps it). Only float32/bfloat16 CPU weights take oneDNN. Reordered weights are
+rows: a table per weight kind (``expert``, ``dense``), activation dtype (``expert.bfloat16``,
+``dense.bfloat16``: bf16's own, measured apart; absent, fp32's) and thread count,
+``cpu_gemm_rules.json`` (``use_rules`` swaps it). Only float32/bfloat16 CPU weights take oneDNN. Reordered weights are
 cached on the weight, keyed by storage, shape, strides and version counter; whoever writes
 weights through ``.data`` calls ``forget_packed``.
 docs/kernels.md, "CPU matmuls of dense and expert weights".
@@ -25,13 +26,13 @@ from .rule_tables import RuleTables, check_table
 METHODS = ("mm", "skinny", "onednn")
 RULES_PATH = Path(__file__).with_name("cpu_gemm_rules.json")
 KINDS = ("expert", "dense")
+BF16_KINDS = tuple(f"{k}.bfloat16" for k in KINDS)  # bf16's own tables (else fp32's apply)
 # before issue 38: experts weight-major for 3-16 rows (SKINNY=(3, 16)), everything else F.linear
 OLD_RULES = {"expert": {"1": [[2, "mm"], [16, "skinny"], [None, "mm"]]},
              "dense": {"1": [[None, "mm"]]}}
 _ATTR, _ATTR_CAT = "_megainfer_onednn", "_megainfer_onednn_cat"
 # oneDNN's blocked inner-product runs fp32 and, on AVX512-BF16 cores, bf16 (2.4x bf16's
-# F.linear at one row of a 2048 x 512 weight, 1.8x fp32's oneDNN: issue 50); the row rules
-# were measured in fp32 and are applied to bf16 as they are
+# F.linear at one row of a 2048 x 512 weight, 1.8x fp32's oneDNN: issue 50)
 ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -40,11 +41,16 @@ class CpuGemmRuleError(ValueError):
 
 
 def check_rules(rules: dict) -> dict:
-    """{kind: {threads: [[max_rows or None, method], ...]}} for every kind in KINDS, rows
-    ascending and a None catch-all last -> the same with int thread keys and tuple entries."""
-    if set(rules) != set(KINDS):
-        raise CpuGemmRuleError(f"cpu gemm rules: kinds {sorted(rules)} must be {sorted(KINDS)}")
-    return {kind: _check_kind(kind, rules[kind]) for kind in KINDS}
+    """{kind: {threads: [[max_rows or None, method], ...]}} for every kind in KINDS (and
+    optionally BF16_KINDS), rows ascending and a None catch-all last -> the same with int thread
+    keys and tuple entries, a bf16 kind absent taking its fp32 kind's table."""
+    if not set(KINDS) <= set(rules) <= set(KINDS + BF16_KINDS):
+        raise CpuGemmRuleError(f"cpu gemm rules: kinds {sorted(rules)} must be {sorted(KINDS)}"
+                               f" and optionally {sorted(BF16_KINDS)}")
+    out = {kind: _check_kind(kind, rules[kind]) for kind in rules}
+    for kind, bf in zip(KINDS, BF16_KINDS):
+        out.setdefault(bf, out[kind])
+    return out
 
 
 def _check_kind(kind: str, rules: dict) -> dict:
@@ -53,7 +59,7 @@ def _check_kind(kind: str, rules: dict) -> dict:
 
 def _table_rules() -> dict:
     if not RULES_PATH.exists():  # an install without the measured table: oneDNN throughout
-        return {kind: {1: [(None, "onednn")]} for kind in KINDS}
+        return {kind: {1: [(None, "onednn")]} for kind in KINDS + BF16_KINDS}
     with open(RULES_PATH) as f:
         return check_rules(json.load(f)["rules"])
 
@@ -68,10 +74,12 @@ def use_rules(rules: Optional[dict]):
     return _RULES.use(rules)
 
 
-def method_for(rows: int, kind: str = "dense", threads: Optional[int] = None) -> str:
-    """The method for ``rows`` rows of a ``kind`` weight at ``threads`` (default: torch's)
-    threads: the entry of the largest thread key <= threads (the smallest key if none is)."""
-    return _RULES.method(kind, rows, threads)
+def method_for(rows: int, kind: str = "dense", threads: Optional[int] = None,
+               dtype: torch.dtype = torch.float32) -> str:
+    """The method for ``rows`` rows of a ``kind`` weight in ``dtype`` at ``threads`` (default:
+    torch's) threads: the entry of the largest thread key <= threads (the smallest key if none
+    is) of the dtype's table (bf16's own, else fp32's)."""
+    return _RULES.method(f"{kind}.bfloat16" if dtype is torch.bfloat16 else kind, rows, threads)
 
 
 @functools.lru_cache(maxsize=1)
@@ -158,7 +166,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None
     if x.dtype is not w.dtype or not onednn_ok(w):
         return F.linear(x, w if index is None else w[index], bias)
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # [n, K]
-    y = _by_method(method_for(x2.shape[0], kind), x2, w, index, bias)
+    y = _by_method(method_for(x2.shape[0], kind, dtype=x2.dtype), x2, w, index, bias)
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -187,7 +195,8 @@ def stacked_linear(w: torch.Tensor,
     def run(x: torch.Tensor, e: int) -> torch.Tensor:
         if x.dtype is not w.dtype or x.dim() != 2:
             return linear(x, w, index=e, kind=kind)
-        return _by_method(method_for(x.shape[0], kind, threads), x, w, e, None, packs.get(e))
+        return _by_method(method_for(x.shape[0], kind, threads, x.dtype), x, w, e, None,
+                          packs.get(e))
     return run
 
 
@@ -200,7 +209,7 @@ def linear_split(x: torch.Tensor, ws: Sequence[torch.Tensor],
     biases = list(biases) if biases is not None else [None] * len(ws)
     w0 = ws[0]
     if (not onednn_ok(w0) or x.dtype != w0.dtype or x.dim() != 2 or not x.shape[0]
-            or method_for(x.shape[0], kind) != "onednn"):
+            or method_for(x.shape[0], kind, dtype=x.dtype) != "onednn"):
         return [linear(x, w, b, kind=kind) for w, b in zip(ws, biases)]
     def build():
         w = torch.cat([t.detach() for t in ws])  # [sum N_i, K]

@@ -88,11 +88,14 @@ def floor_trust(probes: list[tuple[float, float]], threads: int, load_at_start: 
                 probes=probes)
 
 
-def variant(name: str):
-    """The rules a step variant runs under (``after``: as shipped)."""
+def variant(name: str, previous=None):
+    """The rules a step variant runs under (``after``: as shipped; ``previous``: the GEMM rule
+    table of ``--previous-rules``, the expert path as shipped)."""
     from megainfer.kernels import cpu_gemm, cpu_moe_rules
     if name == "after":
         return contextlib.nullcontext()
+    if name == "previous":
+        return cpu_gemm.use_rules(previous)
     stack = contextlib.ExitStack()
     stack.enter_context(cpu_moe_rules.use_rules(cpu_moe_rules.forced("per_expert")))
     if name == "before":
@@ -101,7 +104,7 @@ def variant(name: str):
 
 
 def bench_steps(a, shape, model, hf, n_params: int) -> list[dict]:
-    rows, names = [], ("after", "per_expert", "before", "hf")
+    rows, names = [], ("after", "per_expert", "before", "hf") + (("previous",) if a.previous else ())
     for t in a.threads:
         torch.set_num_threads(t)
         load_at_start, probes, block = os.getloadavg()[0], probe_machine(), []
@@ -109,12 +112,12 @@ def bench_steps(a, shape, model, hf, n_params: int) -> list[dict]:
             ours, theirs = OursStep(model, B, a.context), HFStep(hf, B, a.context)
             for _ in range(3):  # warm-up: first-touch packs and scratch buffers
                 for name in names:
-                    with variant(name):
+                    with variant(name, a.previous):
                         theirs() if name == "hf" else ours()
             s, cold = {n: [] for n in names}, {n: [] for n in names}  # cold: each block's 1st
             for _ in range(a.repeats):
                 for name in names:
-                    with variant(name):
+                    with variant(name, a.previous):
                         fn = theirs if name == "hf" else ours
                         ts = [time_once(fn) for _ in range(a.consecutive)]
                     cold[name].append(ts[0])
@@ -137,7 +140,9 @@ def bench_steps(a, shape, model, hf, n_params: int) -> list[dict]:
                   f"{med['after'] / floor['seconds']:8.2f}x {med['before'] / floor['seconds']:7.2f}x "
                   f"{med['hf'] / med['after']:7.2f}x {c['after'] / floor['seconds']:8.2f}x "
                   f"{c['hf'] / c['after']:7.2f}x {r['load_average'][0]:5.1f} "
-                  f"{'yes' if trust['trusted'] else 'no':>5}", flush=True)
+                  f"{'yes' if trust['trusted'] else 'no':>5}"
+                  + (f"  previous {med['previous'] * 1e3:.2f} ms ({med['previous'] / med['after']:.2f}x)"
+                     if a.previous else ""), flush=True)
         print(f"    {t} thread(s): {trust['rate'] / 1e9:.0f} GFLOP/s, {trust['bw'] / 1e9:.1f} GB/s, "
               f"slowest probe {100 * trust['probe_spread']:.0f}% of the best", flush=True)
     return rows
@@ -252,8 +257,15 @@ def main(argv=None):
     ap.add_argument("--job-repeats", type=int, default=3)
     ap.add_argument("--no-jobs", dest="jobs", action="store_false")
     ap.add_argument("--no-contention", dest="contention", action="store_false")
+    ap.add_argument("--previous-rules", default=None, metavar="JSON",
+                    help="a cpu_gemm_rules.json to time beside the shipped one (variant previous)")
     ap.add_argument("--out", default=os.path.join(RESULTS, "bench_decode_step.json"))
     a = ap.parse_args(argv)
+    a.previous = None
+    if a.previous_rules:  # read now: the run may rewrite the file it names
+        import json
+        with open(a.previous_rules) as f:
+            a.previous = json.load(f)["rules"]
     shape = SimpleNamespace(**SHAPE)
     import transformers
 

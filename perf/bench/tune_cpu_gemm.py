@@ -3,12 +3,15 @@ count, and write the rule table the library reads (``kernels/cpu_gemm_rules.json
 
     python perf/bench/tune_cpu_gemm.py [--threads 1 2 --repeats 11 --no-write]
 
-Shapes: the bench50m-family weights a decode step reads, per kind: ``expert`` (gate_up
+Shapes: the bench50m-family weights a decode step reads, per kind and dtype (``--dtypes``:
+fp32 writes ``expert`` / ``dense``, bf16 ``expert.bfloat16`` / ``dense.bfloat16``): ``expert`` (gate_up
 [2N, H] and down [H, N] of 8 experts, timed together as one layer's expert pass, so the cache
 holds what a real step holds) and ``dense`` (q/k/v/o projections and lm_head). Rows: 1 to 512
 (decode to prefill chunks). For each (kind, threads, rows) the fastest of ``--repeats``
 samples of every method (mm, skinny, onednn): the minimum, not the median, since on a shared
-machine other processes only ever add time. At 1 thread the clock is this thread's CPU time
+machine other processes only ever add time; each sample after a read of ``--flush-mb`` MB
+(1024: over this box's 480 MB L3), so the weights come from memory as in a decode step
+(warm, oneDNN's packed weights looked faster at one row than the step found them). At 1 thread the clock is this thread's CPU time
 (what the op costs, whoever else runs); at more threads the wall clock (CPU time would hide a
 thread that waits descheduled), so those rules are only as good as the quietest sample. The
 rule keeps, among the methods within ``--margin`` of the fastest, the first in the order
@@ -43,19 +46,23 @@ PREFERENCE = ("onednn", "mm", "skinny")
 DISTURBED = 1.5
 
 
-def weights(kind: str, hidden: int, inter: int, experts: int, vocab: int) -> list[torch.Tensor]:
+def weights(kind: str, hidden: int, inter: int, experts: int, vocab: int,
+            dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     if kind == "expert":
         shapes = [(2 * inter, hidden), (hidden, inter)] * experts
     else:
         shapes = [(hidden, hidden), (hidden // 2, hidden), (hidden // 2, hidden), (hidden, hidden),
                   (vocab, hidden)]
-    return [torch.randn(*s, generator=g) * 0.02 for s in shapes]
+    return [(torch.randn(*s, generator=g) * 0.02).to(dtype) for s in shapes]
 
 
-def time_method(ws, rows: int, method: str, kind: str, repeats: int) -> float:
-    xs = [torch.randn(rows, w.shape[1]) for w in ws]
-    rules = {k: {"1": [[None, method]]} for k in cpu_gemm.KINDS}
+def time_method(ws, rows: int, method: str, kind: str, repeats: int, flush=None) -> float:
+    """The fastest of ``repeats`` passes over ``ws`` at ``rows`` rows with ``method``; each
+    after a read of ``flush`` (when given) that evicts the weights from the caches, as a decode
+    step meets them (each read once per step)."""
+    xs = [torch.randn(rows, w.shape[1], dtype=w.dtype) for w in ws]
+    rules = {k: {"1": [[None, method]]} for k in cpu_gemm.KINDS + cpu_gemm.BF16_KINDS}
 
     def run():
         for x, w in zip(xs, ws):
@@ -67,6 +74,8 @@ def time_method(ws, rows: int, method: str, kind: str, repeats: int) -> float:
         run()
         samples = []
         for _ in range(repeats):
+            if flush is not None:
+                flush.sum()
             t0 = clock()
             run()
             samples.append(clock() - t0)
@@ -117,33 +126,45 @@ def main(argv=None):
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--margin", type=float, default=0.05)
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
+                    choices=["float32", "bfloat16"],
+                    help="activation/weight dtypes: float32 writes expert/dense, bfloat16 "
+                         "expert.bfloat16/dense.bfloat16")
+    ap.add_argument("--flush-mb", type=int, default=1024,
+                    help="MB read before each sample, evicting the weights from the caches "
+                         "(0: warm samples)")
     ap.add_argument("--no-write", dest="write", action="store_false")
     ap.add_argument("--out", default=os.path.join(RESULTS, "tune_cpu_gemm.json"))
     a = ap.parse_args(argv)
-    samples, rules, skipped = {}, {k: {} for k in cpu_gemm.KINDS}, []
+    flush = torch.ones(a.flush_mb * 2 ** 18) if a.flush_mb else None  # fp32: a.flush_mb MB
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    keys = [(k, d) for d in a.dtypes for k in cpu_gemm.KINDS]
+    samples, skipped = {}, []
+    rules = {(k if d == "float32" else f"{k}.{d}"): {} for k, d in keys}
     load0 = os.getloadavg()
-    for kind in cpu_gemm.KINDS:
-        ws = weights(kind, a.hidden, a.inter, a.experts, a.vocab)
-        nbytes = sum(w.numel() * 4 for w in ws)
+    for kind, dname in keys:
+        key = kind if dname == "float32" else f"{kind}.{dname}"
+        ws = weights(kind, a.hidden, a.inter, a.experts, a.vocab, dtypes[dname])
+        nbytes = sum(w.numel() * w.element_size() for w in ws)
         fewer = None
         for t in sorted(a.threads):
             torch.set_num_threads(t)
             load_at_start = os.getloadavg()[0]
             times = {}
             for rows in ROWS:
-                times[rows] = {m: time_method(ws, rows, m, kind, a.repeats)
+                times[rows] = {m: time_method(ws, rows, m, kind, a.repeats, flush)
                                for m in cpu_gemm.METHODS}
                 r = times[rows]
-                print(f"{kind:<7}{t:>3} thr {rows:>5} rows  " + "  ".join(
+                print(f"{key:<16}{t:>3} thr {rows:>5} rows  " + "  ".join(
                     f"{m} {r[m] * 1e3:7.2f} ms ({nbytes / r[m] / 1e9:5.1f} GB/s)"
                     for m in cpu_gemm.METHODS), flush=True)
             fewer = choices(times, a.margin, fewer)
-            samples[f"{kind},{t}"] = {str(r): v for r, v in times.items()}
+            samples[f"{key},{t}"] = {str(r): v for r, v in times.items()}
             if t == 1 or cores_were_free(t, load_at_start):
-                rules[kind][str(t)] = rule_from(fewer)
+                rules[key][str(t)] = rule_from(fewer)
             else:  # no rule from wall clocks of shared cores: t threads use the fewer-thread one
-                skipped.append(dict(kind=kind, threads=t, load_average=os.getloadavg()[0]))
-                print(f"{kind} {t} threads: not written, the load average "
+                skipped.append(dict(kind=key, threads=t, load_average=os.getloadavg()[0]))
+                print(f"{key} {t} threads: not written, the load average "
                       f"{os.getloadavg()[0]:.1f} left fewer than {t} of {os.cpu_count()} "
                       "cores free", flush=True)
     write_tuned("tune_cpu_gemm", a, load0, samples, rules, skipped, cpu_gemm.RULES_PATH)

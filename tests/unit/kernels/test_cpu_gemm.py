@@ -147,7 +147,8 @@ def test_tuner_writes_no_multithread_rule_from_busy_cores(tmp_path, monkeypatch)
     import tune_cpu_gemm
     out = tmp_path / "tune.json"
     args = ["--threads", "1", "2", "--repeats", "1", "--hidden", "32", "--inter", "32",
-            "--experts", "2", "--vocab", "64", "--no-write", "--out", str(out)]
+            "--experts", "2", "--vocab", "64", "--flush-mb", "1", "--dtypes", "float32",
+            "--no-write", "--out", str(out)]
     threads = torch.get_num_threads()
     try:
         monkeypatch.setattr(tune_cpu_gemm.os, "getloadavg", lambda: (9.0, 9.0, 9.0))
@@ -163,3 +164,22 @@ def test_tuner_writes_no_multithread_rule_from_busy_cores(tmp_path, monkeypatch)
     assert sorted((r["kind"], r["threads"]) for r in busy["not_written"]) == \
         [("dense", 2), ("expert", 2)]
     assert all(sorted(quiet["rules"][k]) == ["1", "2"] for k in cpu_gemm.KINDS)
+    args[args.index("float32")] = "bfloat16"  # bf16 writes its own kinds
+    tune_cpu_gemm.main(args)
+    assert sorted(json.loads(out.read_text())["rules"]) == sorted(cpu_gemm.BF16_KINDS)
+
+
+def test_bf16_rules_are_their_own_else_fp32s():
+    """A table without bf16 kinds applies fp32's to bf16; with them, bf16 looks up its own;
+    an unknown kind is refused naming it."""
+    fp32 = {"expert": {"1": [[2, "mm"], [None, "onednn"]]}, "dense": {"1": [[None, "mm"]]}}
+    with cpu_gemm.use_rules(fp32):
+        assert cpu_gemm.method_for(1, "expert", 1, torch.bfloat16) == "mm"
+        assert cpu_gemm.method_for(1, "dense", 1, torch.bfloat16) == "mm"
+    own = dict(fp32, **{"expert.bfloat16": {"1": [[None, "onednn"]]}})
+    with cpu_gemm.use_rules(own):
+        assert cpu_gemm.method_for(1, "expert", 1, torch.bfloat16) == "onednn"
+        assert cpu_gemm.method_for(1, "expert", 1, torch.float32) == "mm"
+        assert cpu_gemm.method_for(1, "dense", 1, torch.bfloat16) == "mm"  # fp32's
+    with pytest.raises(cpu_gemm.CpuGemmRuleError, match="kinds"):
+        cpu_gemm.check_rules(dict(fp32, **{"expert.float16": {"1": [[None, "mm"]]}}))
