@@ -12,13 +12,12 @@ docs/kernels.md, "CPU torch path".
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from .rule_tables import RuleTables, check_table
+from .rule_tables import KeyedRules
 
 METHODS = ("per_expert", "grouped_mm")
 RULES_PATH = Path(__file__).with_name("cpu_moe_rules.json")
@@ -35,38 +34,25 @@ def rule_key(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+_KEYED = KeyedRules(KEYS, DEFAULT, RULES_PATH, METHODS, CpuMoeRuleError, "cpu moe rules")
+
+
 def check_rules(rules: dict) -> dict:
     """{key: {threads: [[max_rows or None, method], ...]}} (keys a subset of KEYS) -> the same
     with int thread keys and tuple entries; raises ``CpuMoeRuleError`` naming a bad entry."""
-    out = {}
-    for key, table in rules.items():
-        if key not in KEYS:
-            raise CpuMoeRuleError(f"cpu moe rules: key {key!r} not in {KEYS}")
-        out[key] = check_table(table, f"cpu moe rules[{key}]", METHODS, CpuMoeRuleError)
-    return out
-
-
-def _table_rules() -> dict:
-    rules = check_rules(DEFAULT)
-    if RULES_PATH.exists():
-        with open(RULES_PATH) as f:
-            rules.update(check_rules(json.load(f)["rules"]))
-    return rules
-
-
-_RULES = RuleTables(_table_rules, lambda rules: {**check_rules(DEFAULT), **check_rules(rules)})
+    return _KEYED.check(rules)
 
 
 def use_rules(rules: Optional[dict]):
     """Run a block under another table (``check_rules``' form, keys missing from it take
     ``DEFAULT``); None: the measured table."""
-    return _RULES.use(rules)
+    return _KEYED.use(rules)
 
 
 def method_for(dtype: torch.dtype, rows: int, threads: Optional[int] = None) -> str:
     """The method for a layer of ``rows`` tokens in ``dtype`` at ``threads`` (default: torch's):
     the entry of the largest thread key <= threads (the smallest key if none is)."""
-    return _RULES.method(rule_key(dtype), rows, threads)
+    return _KEYED.method(rule_key(dtype), rows, threads)
 
 
 def forced(method: str) -> dict:

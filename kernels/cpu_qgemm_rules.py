@@ -14,13 +14,12 @@ docs/kernels.md, "CPU matmuls of dense and expert weights".
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from .rule_tables import RuleTables, check_table
+from .rule_tables import KeyedRules
 
 METHODS = ("weight_only", "dequant")
 RULES_PATH = Path(__file__).with_name("cpu_qgemm_rules.json")
@@ -40,32 +39,19 @@ def rule_key(fmt_name: str, dtype: torch.dtype) -> str:
     return f"{fmt_name}/{str(dtype).removeprefix('torch.')}"
 
 
+_KEYED = KeyedRules(KEYS, DEFAULT, RULES_PATH, METHODS, CpuQgemmRuleError, "cpu qgemm rules")
+
+
 def check_rules(rules: dict) -> dict:
     """{key: {threads: [[max_rows or None, method], ...]}} (keys a subset of KEYS) -> the same
     with int thread keys and tuple entries; raises ``CpuQgemmRuleError`` naming a bad entry."""
-    out = {}
-    for key, table in rules.items():
-        if key not in KEYS:
-            raise CpuQgemmRuleError(f"cpu qgemm rules: key {key!r} not in {KEYS}")
-        out[key] = check_table(table, f"cpu qgemm rules[{key}]", METHODS, CpuQgemmRuleError)
-    return out
-
-
-def _table_rules() -> dict:
-    rules = check_rules(DEFAULT)
-    if RULES_PATH.exists():
-        with open(RULES_PATH) as f:
-            rules.update(check_rules(json.load(f)["rules"]))
-    return rules
-
-
-_RULES = RuleTables(_table_rules, lambda rules: {**check_rules(DEFAULT), **check_rules(rules)})
+    return _KEYED.check(rules)
 
 
 def use_rules(rules: Optional[dict]):
     """Run a block under another table (``check_rules``' form, keys missing from it take
     ``DEFAULT``); None: the measured table."""
-    return _RULES.use(rules)
+    return _KEYED.use(rules)
 
 
 def method_for(fmt_name: str, dtype: torch.dtype, rows: int,
@@ -73,4 +59,4 @@ def method_for(fmt_name: str, dtype: torch.dtype, rows: int,
     """The method for ``rows`` rows of activations in ``dtype`` against a ``fmt_name`` weight
     at ``threads`` (default: torch's): the entry of the largest thread key <= threads (the
     smallest key if none is)."""
-    return _RULES.method(rule_key(fmt_name, dtype), rows, threads)
+    return _KEYED.method(rule_key(fmt_name, dtype), rows, threads)

@@ -1,12 +1,15 @@
 """Measured rule tables of the CPU matmuls: {key: {threads: [(max_rows or None, method), ...]}},
 one owner for their form, their check, the table in force (the measured file, or a test's or a
 tuner's override) and the lookup a decode step asks ~70 times (memoised per table in force).
-``cpu_gemm.py`` (fp32 dense and expert weights) and ``cpu_qgemm_rules.py`` (stored int8/int4
-weights) each hold one ``RuleTables``. docs/kernels.md, "CPU matmuls of dense and expert weights".
+``cpu_gemm.py`` (dense and expert weights) holds one ``RuleTables``; ``cpu_qgemm_rules.py``
+(stored int8/int4 weights) and ``cpu_moe_rules.py`` (the expert path) one ``KeyedRules`` each
+(keys missing from a table take a default's). docs/kernels.md, "CPU matmuls of dense and expert
+weights".
 """
 from __future__ import annotations
 
 import contextlib
+import json
 from typing import Callable, Optional
 
 import torch
@@ -70,3 +73,42 @@ class RuleTables:
             method = self.memo[(key, rows, t)] = next(m for r, m in steps
                                                       if r is None or rows <= r)
         return method
+
+
+class KeyedRules:
+    """Tables for some of ``keys`` (a file's, a caller's), each key missing from them taking
+    ``default``'s: the form ``cpu_qgemm_rules.py`` and ``cpu_moe_rules.py`` share. ``path``: the
+    measured JSON (``{"rules": {key: table}}``), read at the first lookup; ``error``: raised
+    naming a bad entry (``label`` says whose)."""
+
+    def __init__(self, keys: tuple, default: dict, path, methods: tuple, error: type,
+                 label: str):
+        self.keys, self.default, self.path = keys, default, path
+        self.methods, self.error, self.label = methods, error, label
+        self.tables = RuleTables(self._load, lambda rules: {**self.check(default),
+                                                            **self.check(rules)})
+
+    def check(self, rules: dict) -> dict:
+        """{key: {threads: [[max_rows or None, method], ...]}} (keys a subset of ``keys``) ->
+        int thread keys and tuple entries."""
+        out = {}
+        for key, table in rules.items():
+            if key not in self.keys:
+                raise self.error(f"{self.label}: key {key!r} not in {self.keys}")
+            out[key] = check_table(table, f"{self.label}[{key}]", self.methods, self.error)
+        return out
+
+    def _load(self) -> dict:
+        rules = self.check(self.default)
+        if self.path.exists():
+            with open(self.path) as f:
+                rules.update(self.check(json.load(f)["rules"]))
+        return rules
+
+    def use(self, rules: Optional[dict]):
+        """Run a block under another table (keys missing from it take ``default``'s); None:
+        the measured table."""
+        return self.tables.use(rules)
+
+    def method(self, key: str, rows: int, threads: Optional[int] = None) -> str:
+        return self.tables.method(key, rows, threads)
