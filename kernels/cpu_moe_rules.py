@@ -37,16 +37,8 @@ def rule_key(dtype: torch.dtype) -> str:
 _KEYED = KeyedRules(KEYS, DEFAULT, RULES_PATH, METHODS, CpuMoeRuleError, "cpu moe rules")
 
 
-def check_rules(rules: dict) -> dict:
-    """{key: {threads: [[max_rows or None, method], ...]}} (keys a subset of KEYS) -> the same
-    with int thread keys and tuple entries; raises ``CpuMoeRuleError`` naming a bad entry."""
-    return _KEYED.check(rules)
-
-
-def use_rules(rules: Optional[dict]):
-    """Run a block under another table (``check_rules``' form, keys missing from it take
-    ``DEFAULT``); None: the measured table."""
-    return _KEYED.use(rules)
+# KeyedRules' check (CpuMoeRuleError names a bad entry) and use (keys missing take DEFAULT's)
+check_rules, use_rules = _KEYED.check, _KEYED.use
 
 
 def method_for(dtype: torch.dtype, rows: int, threads: Optional[int] = None) -> str:

@@ -42,16 +42,8 @@ def rule_key(fmt_name: str, dtype: torch.dtype) -> str:
 _KEYED = KeyedRules(KEYS, DEFAULT, RULES_PATH, METHODS, CpuQgemmRuleError, "cpu qgemm rules")
 
 
-def check_rules(rules: dict) -> dict:
-    """{key: {threads: [[max_rows or None, method], ...]}} (keys a subset of KEYS) -> the same
-    with int thread keys and tuple entries; raises ``CpuQgemmRuleError`` naming a bad entry."""
-    return _KEYED.check(rules)
-
-
-def use_rules(rules: Optional[dict]):
-    """Run a block under another table (``check_rules``' form, keys missing from it take
-    ``DEFAULT``); None: the measured table."""
-    return _KEYED.use(rules)
+# KeyedRules' check (CpuQgemmRuleError names a bad entry) and use (keys missing take DEFAULT's)
+check_rules, use_rules = _KEYED.check, _KEYED.use
 
 
 def method_for(fmt_name: str, dtype: torch.dtype, rows: int,
